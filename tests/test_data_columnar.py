@@ -1,0 +1,179 @@
+"""Tests of the Parquet / CSV columnar source."""
+
+from pathlib import Path
+from typing import Any, Dict, List
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+import torch
+from omegaconf import OmegaConf
+
+from torchrec_herald.data import ColumnarSource, DataFormatError, build_data_source
+
+CONF = Path(__file__).resolve().parents[1] / "torchrec_herald" / "conf" / "data"
+COLUMNS: Dict[str, Any] = {"label": "y", "dense": ["d0", "d1"], "sparse": {"item": 10, "tags": 7}}
+
+CSV_ROWS = [
+    "id,y,d0,d1,item,tags",  # 'id' is not used
+    "a,1,0.5,2,3,1|2|9",
+    "b,0,,-1,,",
+    "c,1,3,4,12,-1",
+]
+
+
+def write_csv(path: Path, rows: List[str]) -> str:
+    path.write_text("\n".join(rows) + "\n")
+    return str(path)
+
+
+def write_parquet(path: Path, **columns: Any) -> str:
+    pq.write_table(pa.table(columns), path, row_group_size=2)
+    return str(path)
+
+
+def expected_parquet(path: Path) -> str:
+    return write_parquet(
+        path,
+        y=pa.array([1, 0, 1], pa.int8()),
+        d0=[0.5, None, 3.0],
+        d1=[2.0, -1.0, 4.0],
+        item=pa.array([3, None, 12], pa.int64()),
+        tags=pa.array([[1, 2, 9], [], [-1]], pa.list_(pa.int64())),
+    )
+
+
+def check_expected(src: ColumnarSource) -> None:
+    (b,) = list(src.train_batches(0, 1, 3))
+    assert b.labels.tolist() == [1.0, 0.0, 1.0]
+    assert torch.equal(b.dense_features, torch.tensor([[0.5, 2.0], [0.0, -1.0], [3.0, 4.0]]))
+    kjt = b.sparse_features
+    assert kjt.keys() == ["item", "tags"] == src.feature_names and src.num_embeddings == [10, 7]
+    assert kjt.lengths().tolist() == [1, 0, 1, 3, 0, 1]
+    assert kjt.values().tolist() == [3, 12 % 10, 1, 2, 9 % 7, -1 % 7] == [3, 2, 1, 2, 2, 6]
+
+
+def test_csv_exact(tmp_path: Path) -> None:
+    path = write_csv(tmp_path / "t.csv", CSV_ROWS)
+    check_expected(ColumnarSource(path, eval_paths=path, **COLUMNS))
+
+
+def test_parquet_exact(tmp_path: Path) -> None:
+    path = expected_parquet(tmp_path / "t.parquet")
+    check_expected(ColumnarSource(path, eval_paths=path, **COLUMNS))
+
+
+def test_log1p_dense_and_format_key(tmp_path: Path) -> None:
+    path = write_csv(tmp_path / "t.data", CSV_ROWS)
+    with pytest.raises(ValueError, match="cannot infer format"):
+        ColumnarSource(path, **COLUMNS)
+    src = ColumnarSource(path, eval_paths=path, format="csv", log1p_dense=True, **COLUMNS)
+    (b,) = list(src.train_batches(0, 1, 3))
+    assert torch.equal(b.dense_features, torch.tensor([[0.5, 2.0], [0.0, 0.0], [3.0, 4.0]]).log1p())
+
+
+def test_out_of_range_id_without_hashing(tmp_path: Path) -> None:
+    path = write_csv(tmp_path / "t.csv", CSV_ROWS)
+    src = ColumnarSource(path, eval_paths=path, hash_ids=False, **COLUMNS)
+    with pytest.raises(DataFormatError) as err:
+        list(src.train_batches(0, 1, 3))
+    assert str(err.value) == f"{path}:2: column 'tags': id 9 out of range for a table of 7 rows (hash_ids is false)"
+    ppath = expected_parquet(tmp_path / "t.parquet")
+    with pytest.raises(DataFormatError) as err:
+        list(ColumnarSource(ppath, eval_paths=ppath, hash_ids=False, **COLUMNS).train_batches(0, 1, 3))
+    assert str(err.value) == f"{ppath}:row 1: column 'tags': id 9 out of range for a table of 7 rows (hash_ids is false)"
+    # in-range ids pass unchanged; negative ids are out of range too
+    ok = write_csv(tmp_path / "ok.csv", ["y,d0,d1,item,tags", "1,0,0,9,6|0", "0,0,0,0,-1"])
+    src = ColumnarSource(ok, eval_paths=ok, hash_ids=False, **COLUMNS)
+    with pytest.raises(DataFormatError, match=r"ok.csv:3: column 'tags': id -1 out of range for a table of 7 rows"):
+        list(src.train_batches(0, 1, 2))
+    src.on_error = "skip"
+    (b,) = list(src.train_batches(0, 1, 1))
+    assert b.sparse_features.values().tolist() == [9, 6, 0] and src.stats()["skipped_lines"] == 1
+
+
+@pytest.mark.parametrize(
+    "row, problem",
+    [
+        ("a,1,0.5,2", "expected 6 comma-separated fields, got 4"),
+        ("a,2,0,0,1,1", "column 'y': label must be 0 or 1, got '2'"),
+        ("a,,0,0,1,1", "column 'y': label must be 0 or 1, got ''"),
+        ("a,1,x,0,1,1", "column 'd0': expected a finite number, got 'x'"),
+        ("a,1,0,nan,1,1", "column 'd1': expected a finite number, got 'nan'"),
+        ("a,1,0,0,1.5,1", "column 'item': expected integer id(s), got '1.5'"),
+        ("a,1,0,0,1,3|", "column 'tags': expected integer id(s), got '3|'"),
+    ],
+)
+def test_csv_malformed_rows(tmp_path: Path, row: str, problem: str) -> None:
+    path = write_csv(tmp_path / "t.csv", CSV_ROWS[:2] + [row] + CSV_ROWS[2:])
+    with pytest.raises(DataFormatError) as err:
+        list(ColumnarSource(path, eval_paths=path, **COLUMNS).train_batches(0, 1, 1))
+    assert str(err.value) == f"{path}:3: {problem}"
+    src = ColumnarSource(path, eval_paths=path, on_error="skip", **COLUMNS)
+    check_expected(src)
+    assert src.stats()["skipped_lines"] == 1
+
+
+def test_parquet_malformed_and_skip(tmp_path: Path) -> None:
+    path = write_parquet(
+        tmp_path / "t.parquet",
+        y=[1, None, 0, 1, 0],
+        d0=[1.0, 2.0, 3.0, 4.0, 5.0],
+        d1=[0.0] * 5,
+        item=[1, 2, 3, 4, 5],
+        tags=pa.array([[1], [2], [None], [4], None], pa.list_(pa.int64())),
+    )
+    with pytest.raises(DataFormatError) as err:
+        list(ColumnarSource(path, eval_paths=path, **COLUMNS).train_batches(0, 1, 1))
+    assert str(err.value) == f"{path}:row 2: column 'y': label must be 0 or 1, got None"
+    src = ColumnarSource(path, eval_paths=path, on_error="skip", **COLUMNS)
+    batches = list(src.train_batches(0, 1, 2))
+    assert [b.dense_features[:, 0].tolist() for b in batches] == [[1.0, 4.0]]
+    assert src.stats() == {
+        "skipped_lines": 2, "dropped_tail_samples": 1,
+        "train_dropped_tail_samples": 1, "eval_dropped_tail_samples": 0,
+    }  # fmt: skip
+
+
+def test_missing_column_raises_even_when_skipping(tmp_path: Path) -> None:
+    path = write_csv(tmp_path / "t.csv", ["y,d0,d1,item", "1,0,0,1"])
+    with pytest.raises(DataFormatError, match=r"t.csv:1: missing column\(s\) \['tags'\]"):
+        list(ColumnarSource(path, on_error="skip", **COLUMNS).train_batches(0, 1, 1))
+
+
+def test_rank_slices_tail_and_holdout(tmp_path: Path) -> None:
+    n = 45
+    path = write_parquet(
+        tmp_path / "t.parquet", y=[i % 2 for i in range(n)], d0=[float(i) for i in range(n)],
+        d1=[0.0] * n, item=list(range(n)), tags=[[i, i + 1] for i in range(n)],
+    )  # fmt: skip
+    src = ColumnarSource(path, eval_paths=path, **COLUMNS)
+    whole = list(src.train_batches(0, 1, 8))
+    assert src.stats()["dropped_tail_samples"] == 5
+    per_rank = [list(src.train_batches(r, 2, 4)) for r in range(2)]
+    assert len(whole) == len(per_rank[0]) == len(per_rank[1]) == 5
+    for g, a, b in zip(whole, *per_rank):
+        assert torch.equal(torch.cat([a.dense_features, b.dense_features]), g.dense_features)
+        assert g.sparse_features.values().tolist() == [
+            *a.sparse_features["item"].values().tolist(), *b.sparse_features["item"].values().tolist(),
+            *a.sparse_features["tags"].values().tolist(), *b.sparse_features["tags"].values().tolist(),
+        ]  # fmt: skip
+    held = ColumnarSource(path, holdout_every=2, **COLUMNS)
+    train = [x for b in held.train_batches(0, 1, 10) for x in b.dense_features[:, 0].tolist()]
+    evals = [x for b in held.eval_batches(0, 1, 10) for x in b.dense_features[:, 0].tolist()]
+    assert train == [*range(0, 10), *range(20, 30)] and evals == [*range(10, 20), *range(30, 40)]
+    assert held.stats()["dropped_tail_samples"] == 5  # global batch 4 (train) has 5 samples
+
+
+def test_config(tmp_path: Path) -> None:
+    path = write_csv(tmp_path / "t.csv", CSV_ROWS)
+    cfg = OmegaConf.load(CONF / "columnar.yaml")
+    cfg.paths, cfg.label, cfg.dense, cfg.sparse = path, "y", ["d0", "d1"], {"item": 10, "tags": 7}
+    cfg.eval_paths = path
+    src = build_data_source(cfg)
+    assert isinstance(src, ColumnarSource) and src.num_dense == 2 and src.hash_ids
+    check_expected(src)
+    with pytest.raises(ValueError, match=r"data source 'columnar': unknown config key\(s\) \['hash'\]"):
+        build_data_source({"name": "columnar", "paths": path, "sparse": {"item": 10}, "hash": False})
+    with pytest.raises(ValueError, match="format"):
+        build_data_source({"name": "columnar", "paths": path, "sparse": {"item": 10}, "format": "orc"})

@@ -1,0 +1,160 @@
+"""Tests of the streaming Criteo TSV reader."""
+
+import gzip
+import math
+import pickle
+from pathlib import Path
+from typing import List, Optional, Sequence
+
+import pytest
+import torch
+from omegaconf import OmegaConf
+
+from torchrec_herald.data import CriteoTSV, DataFormatError, build_data_source, scaled_num_embeddings
+
+NUM_EMB = [10 + f for f in range(26)]  # a different modulus per table
+CONF = Path(__file__).resolve().parents[1] / "torchrec_herald" / "conf" / "data"
+
+
+def line(label: str = "1", dense: Optional[Sequence[str]] = None, cats: Optional[Sequence[str]] = None) -> str:
+    dense = list(dense) if dense is not None else [str(i) for i in range(13)]
+    cats = list(cats) if cats is not None else [format(i + 1, "x") for i in range(26)]
+    return "\t".join([label, *dense, *cats]) + "\n"
+
+
+def write(path: Path, lines: Sequence[str]) -> str:
+    path.write_text("".join(lines))
+    return str(path)
+
+
+def numbered(n: int) -> List[str]:
+    """n valid lines whose int_0 is the line index (to follow samples through batching)."""
+    return [line(str(i % 2), [str(i)] + ["0"] * 12) for i in range(n)]
+
+
+def sample_ids(batches) -> List[int]:
+    return [round(math.expm1(x)) for b in batches for x in b.dense_features[:, 0].tolist()]
+
+
+def test_parse_exact_values(tmp_path: Path) -> None:
+    huge = "ff" * 40  # 320-bit id: hashing must stay exact and in range
+    cats1 = ["a", "", huge] + ["1f"] * 23
+    lines = [
+        line("1", ["1", "-3", "", "10"] + ["0"] * 9, cats1),
+        line("0", None, [""] * 26),
+    ]
+    path = write(tmp_path / "train.tsv", lines)
+    src = CriteoTSV(path, eval_paths=path, num_embeddings=NUM_EMB)
+    (b,) = list(src.train_batches(0, 1, 2))
+    assert b.labels.tolist() == [1.0, 0.0]
+    expected_dense = torch.tensor(
+        [[1, 0, 0, 10] + [0] * 9, list(range(13))], dtype=torch.float64
+    ).log1p().float()
+    assert torch.equal(b.dense_features, expected_dense)
+    jt = b.sparse_features.to_dict()
+    assert jt["cat_0"].values().tolist() == [0xA % 10] and jt["cat_0"].lengths().tolist() == [1, 0]
+    assert jt["cat_1"].values().tolist() == [] and jt["cat_1"].lengths().tolist() == [0, 0]
+    assert jt["cat_2"].values().tolist() == [int(huge, 16) % 12] == [3]
+    assert [jt[f"cat_{f}"].values().tolist() for f in range(3, 26)] == [[0x1F % (10 + f)] for f in range(3, 26)]
+    assert b.sparse_features.lengths().tolist() == [1, 0] + [0, 0] + [1, 0] * 24
+    assert src.stats()["skipped_lines"] == 0
+
+
+def test_gzip_and_multiple_files_stream_as_one(tmp_path: Path) -> None:
+    lines = numbered(12)
+    with gzip.open(tmp_path / "a.tsv.gz", "wt") as f:
+        f.writelines(lines[:5])
+    second = write(tmp_path / "b.tsv", lines[5:])
+    src = CriteoTSV([str(tmp_path / "a.tsv.gz"), second], eval_paths=second)
+    batches = list(src.train_batches(0, 1, 4))
+    assert sample_ids(batches) == list(range(12))
+
+
+@pytest.mark.parametrize(
+    "bad, problem",
+    [
+        ("1\t2\t3\n", "expected 40 tab-separated fields, got 3"),
+        (line("1")[:-1] + "\t\n", "expected 40 tab-separated fields, got 41"),
+        (line("x"), "field 1 (label): expected 0 or 1, got 'x'"),
+        (line("1", ["0", "1.5"] + ["0"] * 11), "field 3 (int_1): expected an integer, got '1.5'"),
+        (line("1", None, ["zz"] + ["0"] * 25), "field 15 (cat_0): expected a hexadecimal id, got 'zz'"),
+        (line("1", None, ["0"] * 25 + ["12g"]), "field 40 (cat_25): expected a hexadecimal id, got '12g'"),
+    ],
+)
+def test_malformed_line_raises_with_file_and_line(tmp_path: Path, bad: str, problem: str) -> None:
+    path = write(tmp_path / "train.tsv", [line(), line(), bad, line()])
+    src = CriteoTSV(path, eval_paths=path)
+    with pytest.raises(DataFormatError) as err:
+        list(src.train_batches(0, 1, 2))
+    assert str(err.value) == f"{path}:3: {problem}"
+    assert isinstance(err.value, ValueError) and err.value.where == 3
+    assert str(pickle.loads(pickle.dumps(err.value))) == str(err.value)
+
+
+def test_error_raised_on_every_rank(tmp_path: Path) -> None:
+    # line 2 belongs to rank 0's slice, yet rank 1 must fail too (ranks must agree on batches)
+    path = write(tmp_path / "train.tsv", [line(), "garbage\n", line(), line()])
+    with pytest.raises(DataFormatError, match=r"train.tsv:2: expected 40"):
+        list(CriteoTSV(path, eval_paths=path).train_batches(1, 2, 2))
+
+
+def test_skip_policy_counts_exactly(tmp_path: Path) -> None:
+    lines = numbered(10)
+    lines[2:2] = ["bad\n"]
+    lines[6:6] = [line("2")]
+    lines.append(line("1", None, ["xyz"] * 26))
+    path = write(tmp_path / "train.tsv", lines)
+    src = CriteoTSV(path, eval_paths=path, on_error="skip")
+    batches = list(src.train_batches(0, 1, 5))
+    assert sample_ids(batches) == list(range(10))
+    assert src.stats() == {
+        "skipped_lines": 3, "dropped_tail_samples": 0,
+        "train_dropped_tail_samples": 0, "eval_dropped_tail_samples": 0,
+    }  # fmt: skip
+    list(src.train_batches(0, 1, 5))  # a second pass does not count the same lines again
+    assert src.stats()["skipped_lines"] == 3
+
+
+def test_rank_slices_and_dropped_tail(tmp_path: Path) -> None:
+    path = write(tmp_path / "train.tsv", numbered(37))
+    src = CriteoTSV(path, eval_paths=path)
+    whole = list(src.train_batches(0, 1, 12))
+    assert sample_ids(whole) == list(range(36)) and src.stats()["dropped_tail_samples"] == 1
+    per_rank = [list(src.train_batches(r, 3, 4)) for r in range(3)]
+    assert [sample_ids([per_rank[r][i]]) for i in range(3) for r in range(3)] == [
+        list(range(s, s + 4)) for s in range(0, 36, 4)
+    ]
+    for i, g in enumerate(whole):
+        assert torch.equal(torch.cat([per_rank[r][i].labels for r in range(3)]), g.labels)
+    list(src.train_batches(0, 5, 4))  # global batch 20: one batch, 17 dropped
+    assert src.stats()["train_dropped_tail_samples"] == 17
+
+
+def test_holdout_every(tmp_path: Path) -> None:
+    path = write(tmp_path / "train.tsv", numbered(57))
+    src = CriteoTSV(path, holdout_every=3)
+    train = sample_ids(src.train_batches(0, 2, 5))  # global batches of 10: 0..4 complete, 5 partial
+    evals = sample_ids(src.eval_batches(0, 2, 5))
+    assert train == [*range(0, 5), *range(10, 15), *range(30, 35), *range(40, 45)]
+    assert evals == [*range(20, 25)]  # global batches 2 (and 5, incomplete) are held out
+    assert src.stats()["eval_dropped_tail_samples"] == 7
+    assert src.stats()["train_dropped_tail_samples"] == 0
+
+
+def test_config(tmp_path: Path) -> None:
+    path = write(tmp_path / "train.tsv", numbered(4))
+    cfg = OmegaConf.load(CONF / "criteo_tsv.yaml")
+    cfg.paths = path
+    src = build_data_source(cfg)
+    assert isinstance(src, CriteoTSV) and src.num_embeddings == scaled_num_embeddings(0.01)
+    assert (src.holdout_every, src.on_error, src.eval_paths) == (10, "raise", [])
+    with pytest.raises(ValueError, match=r"unknown config key\(s\) \['pathz'\]"):
+        build_data_source({"name": "criteo_tsv", "paths": path, "pathz": path})
+    with pytest.raises(ValueError, match=r"missing config key\(s\) \['paths'\]"):
+        build_data_source({"name": "criteo_tsv"})
+    with pytest.raises(ValueError, match="mandatory value missing"):
+        build_data_source(OmegaConf.load(CONF / "criteo_tsv.yaml"))
+    with pytest.raises(ValueError, match="on_error"):
+        CriteoTSV(path, on_error="ignore")
+    with pytest.raises(ValueError, match="num_embeddings"):
+        CriteoTSV(path, num_embeddings=[10] * 25)

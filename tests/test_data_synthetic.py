@@ -1,0 +1,155 @@
+"""Tests of the synthetic Criteo-like source, coverage helpers and build_data_source."""
+
+from pathlib import Path
+from typing import List
+
+import pytest
+import torch
+from omegaconf import OmegaConf
+from torchmetrics.functional.classification import binary_auroc
+from torchrec.datasets.criteo import DEFAULT_CAT_NAMES
+from torchrec.datasets.utils import Batch
+from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
+
+from torchrec_herald.data import (
+    CRITEO_KAGGLE_CARDINALITIES,
+    DEFAULT_ZIPF_ALPHA,
+    SyntheticCriteo,
+    build_data_source,
+    calibrate_zipf_alpha,
+    global_coverage,
+    measured_coverage,
+    scaled_num_embeddings,
+    table_coverage,
+)
+
+CONF = Path(__file__).resolve().parents[1] / "torchrec_herald" / "conf" / "data"
+
+
+def same(a: Batch, b: Batch) -> bool:
+    ka, kb = a.sparse_features, b.sparse_features
+    return (
+        torch.equal(a.dense_features, b.dense_features)
+        and torch.equal(a.labels, b.labels)
+        and ka.keys() == kb.keys()
+        and torch.equal(ka.values(), kb.values())
+        and torch.equal(ka.lengths(), kb.lengths())
+    )
+
+
+def concat(batches: List[Batch]) -> Batch:
+    """Concatenate rank batches along the sample axis (per feature for the KJT)."""
+    keys = batches[0].sparse_features.keys()
+    per_rank = [b.sparse_features.to_dict() for b in batches]
+    return Batch(
+        dense_features=torch.cat([b.dense_features for b in batches]),
+        sparse_features=KeyedJaggedTensor.from_lengths_sync(
+            keys,
+            torch.cat([d[k].values() for k in keys for d in per_rank]),
+            torch.cat([d[k].lengths() for k in keys for d in per_rank]),
+        ),
+        labels=torch.cat([b.labels for b in batches]),
+    )
+
+
+def test_scaled_num_embeddings() -> None:
+    assert scaled_num_embeddings(0.01) == [
+        16, 16, 101313, 22027, 16, 16, 126, 16, 3, 932, 57, 83516, 32,
+        16, 150, 54614, 10, 57, 22, 4, 70466, 16, 15, 2862, 16, 1426,
+    ]  # fmt: skip
+    assert scaled_num_embeddings(1.0) == list(CRITEO_KAGGLE_CARDINALITIES)
+    with pytest.raises(ValueError, match="scale"):
+        scaled_num_embeddings(0)
+
+
+def test_batch_structure() -> None:
+    src = SyntheticCriteo(num_train_batches=3)
+    batches = list(src.train_batches(rank=0, world_size=1, batch_size=32))
+    assert len(batches) == 3
+    b = batches[0]
+    assert b.dense_features.shape == (32, 13) and b.dense_features.dtype == torch.float32
+    assert b.labels.shape == (32,) and b.labels.dtype == torch.float32
+    assert set(b.labels.unique().tolist()) <= {0.0, 1.0}
+    assert (b.dense_features >= 0).all()
+    kjt = b.sparse_features
+    assert kjt.keys() == list(DEFAULT_CAT_NAMES) == src.feature_names
+    assert kjt.values().dtype == torch.int64 and kjt.stride() == 32
+    assert torch.equal(kjt.lengths(), torch.ones(26 * 32, dtype=kjt.lengths().dtype))
+    for f, (key, jt) in enumerate(kjt.to_dict().items()):
+        assert 0 <= int(jt.values().min()) and int(jt.values().max()) < src.num_embeddings[f], key
+
+
+def test_determinism_and_seeds() -> None:
+    a = list(SyntheticCriteo(seed=3, num_train_batches=2).train_batches(0, 1, 64))
+    b = list(SyntheticCriteo(seed=3, num_train_batches=2).train_batches(0, 1, 64))
+    c = list(SyntheticCriteo(seed=4, num_train_batches=2).train_batches(0, 1, 64))
+    ev = list(SyntheticCriteo(seed=3, num_eval_batches=2).eval_batches(0, 1, 64))
+    assert all(same(x, y) for x, y in zip(a, b))
+    assert not same(a[0], c[0]) and not same(a[0], ev[0]) and not same(a[0], a[1])
+
+
+@pytest.mark.parametrize("missing_rate", [0.0, 0.3])
+def test_rank_slices_concatenate_to_global_batch(missing_rate: float) -> None:
+    src = SyntheticCriteo(num_train_batches=2, missing_rate=missing_rate)
+    whole = list(src.train_batches(0, 1, 128))
+    ranks = [list(src.train_batches(r, 4, 32)) for r in range(4)]
+    for i, g in enumerate(whole):
+        assert same(concat([ranks[r][i] for r in range(4)]), g)
+
+
+def test_missing_rate_gives_empty_bags() -> None:
+    b = next(SyntheticCriteo(missing_rate=0.3).train_batches(0, 1, 1000))
+    lengths = b.sparse_features.lengths()
+    assert set(lengths.unique().tolist()) == {0, 1}
+    assert abs((lengths == 0).float().mean().item() - 0.3) < 0.02
+
+
+def test_coverage_calibration() -> None:
+    src = SyntheticCriteo()
+    assert src.zipf_alpha == DEFAULT_ZIPF_ALPHA == 0.94
+    per_table, analytical = src.coverage(0.02)
+    assert analytical == pytest.approx(0.9011, abs=1e-4)
+    assert analytical == global_coverage(src.num_embeddings, DEFAULT_ZIPF_ALPHA, 0.02)
+    assert calibrate_zipf_alpha(src.num_embeddings, 0.02, 0.90) == pytest.approx(0.936, abs=0.001)
+    # cat_8 has 3 rows: its top ceil(0.02 * 3) = 1 row gets 1 / (1 + 2^-a + 3^-a) of its lookups
+    assert per_table["cat_8"] == pytest.approx(1 / (1 + 2**-0.94 + 3**-0.94))
+    assert per_table["cat_2"] == pytest.approx(table_coverage(101313, 0.94, 0.02))
+    batches = [b.sparse_features for b in src.train_batches(0, 1, 512)][:50]
+    measured_tables, measured = measured_coverage(batches, src.num_embeddings, 0.02)
+    assert 0.85 <= measured <= 0.95
+    assert abs(measured - analytical) <= 0.02
+    assert measured == pytest.approx(0.9049, abs=1e-4)  # pinned: generator is deterministic
+    assert set(measured_tables) == set(DEFAULT_CAT_NAMES)
+
+
+def test_labels_are_learnable() -> None:
+    src = SyntheticCriteo(num_train_batches=10)
+    batches = list(src.train_batches(0, 1, 512))
+    labels = torch.cat([b.labels for b in batches])
+    logits = torch.cat([src.oracle_logits(b) for b in batches])
+    assert 0.2 < labels.mean().item() < 0.35
+    assert binary_auroc(logits, labels.long()).item() > 0.75
+
+
+def test_build_from_hydra_yaml() -> None:
+    cfg = OmegaConf.load(CONF / "synthetic.yaml")
+    src = build_data_source(cfg)
+    assert isinstance(src, SyntheticCriteo)
+    assert (src.seed, src.scale, src.zipf_alpha, src.num_train_batches, src.num_eval_batches) == (
+        0, 0.01, DEFAULT_ZIPF_ALPHA, 200, 20,
+    )  # fmt: skip
+    assert src.stats() == {"skipped_lines": 0, "dropped_tail_samples": 0}
+
+
+def test_build_rejects_unknown_keys_and_names() -> None:
+    with pytest.raises(ValueError, match=r"data source 'synthetic': unknown config key\(s\) \['zipf'\]"):
+        build_data_source({"name": "synthetic", "zipf": 1.0})
+    with pytest.raises(ValueError, match=r"unknown data source name 'kaggle'; known: \['columnar', 'criteo_tsv', 'synthetic'\]"):
+        build_data_source({"name": "kaggle"})
+    with pytest.raises(ValueError, match="missing_rate"):
+        build_data_source({"name": "synthetic", "missing_rate": 1.5})
+
+
+def test_bad_rank_arguments() -> None:
+    with pytest.raises(ValueError, match="rank"):
+        next(SyntheticCriteo().train_batches(2, 2, 8))

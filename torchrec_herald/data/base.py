@@ -1,0 +1,170 @@
+"""Common interface of the data layer: the ``DataSource`` ABC, Criteo constants and shared helpers.
+
+Every source yields :class:`torchrec.datasets.utils.Batch` objects whose ``sparse_features`` is a
+``KeyedJaggedTensor`` with one key per embedding table (keys in table order, values laid out
+feature-major, TorchRec's layout).
+
+Rank sharding convention (all sources): data is consumed in *global batches* of
+``world_size * batch_size`` consecutive samples and rank ``r`` gets samples ``[r*B, (r+1)*B)`` of
+each global batch. The same seed / files therefore give the same global batches whatever the
+world size, as long as the global batch size is the same. An incomplete trailing global batch is
+dropped (uneven per-rank batches break TorchRec's row-wise sharded backward) and counted in
+``stats()["dropped_tail_samples"]``.
+"""
+
+from __future__ import annotations
+
+import abc
+import importlib
+import inspect
+import logging
+import math
+from typing import Any, Dict, Iterator, List, Mapping, Optional, Sequence, Tuple, Union
+
+import torch
+from torchrec.datasets.criteo import (  # noqa: F401 (re-exported)
+    CAT_FEATURE_COUNT,
+    DEFAULT_CAT_NAMES,
+    DEFAULT_INT_NAMES,
+    INT_FEATURE_COUNT,
+)
+from torchrec.datasets.utils import Batch
+from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
+
+logger = logging.getLogger(__name__)
+
+#: Number of distinct values of the 26 categorical features of the Criteo Kaggle (Display
+#: Advertising Challenge) data set, in feature order cat_0 .. cat_25.
+CRITEO_KAGGLE_CARDINALITIES: Tuple[int, ...] = (
+    1460, 583, 10131227, 2202608, 305, 24, 12517, 633, 3, 93145, 5683, 8351593, 3194,
+    27, 14992, 5461306, 10, 5652, 2173, 4, 7046547, 18, 15, 286181, 105, 142572,
+)  # fmt: skip
+
+#: Lower bound on the rows of a scaled-down table (see :func:`scaled_num_embeddings`).
+MIN_TABLE_ROWS = 16
+
+
+def scaled_num_embeddings(
+    scale: float, cardinalities: Sequence[int] = CRITEO_KAGGLE_CARDINALITIES
+) -> List[int]:
+    """Rows of each table when the Criteo cardinalities are scaled by ``scale``.
+
+    Each table gets ``max(ceil(card * scale), min(card, 16))`` rows: large tables shrink
+    proportionally, while small tables keep at least 16 rows (or all their values when the
+    feature has fewer than 16, e.g. cat_8 with 3), so that tiny features are not collapsed into
+    one or two rows. ``scale=1`` gives the full Kaggle cardinalities.
+    """
+    if not scale > 0:
+        raise ValueError(f"scale must be > 0, got {scale}")
+    # the 1e-9 keeps float noise (e.g. 0.07 * 100 = 7.000000000000001) from adding a row
+    return [max(math.ceil(c * scale - 1e-9), min(c, MIN_TABLE_ROWS)) for c in cardinalities]
+
+
+class DataFormatError(ValueError):
+    """A malformed input record; the message reads ``<path>:<line or row>: <what is wrong>``."""
+
+    def __init__(self, path: Any, where: Union[int, str], problem: str) -> None:
+        self.path, self.where, self.problem = str(path), where, problem
+        super().__init__(f"{self.path}:{where}: {problem}")
+
+    def __reduce__(self) -> Tuple[type, Tuple[str, Union[int, str], str]]:  # picklable across processes
+        return type(self), (self.path, self.where, self.problem)
+
+
+class DataSource(abc.ABC):
+    """A source of training / evaluation :class:`Batch` es for one DLRM model.
+
+    Attributes:
+        feature_names: sparse feature keys, in table order (one embedding table per feature).
+        num_embeddings: rows of each feature's table; every id a source yields is in
+            ``[0, num_embeddings[f])``.
+        num_dense: number of dense features (width of ``Batch.dense_features``).
+    """
+
+    feature_names: List[str]
+    num_embeddings: List[int]
+    num_dense: int
+
+    @abc.abstractmethod
+    def train_batches(self, rank: int, world_size: int, batch_size: int) -> Iterator[Batch]:
+        """One pass over the training split: this rank's ``batch_size`` slice of each global batch."""
+
+    @abc.abstractmethod
+    def eval_batches(self, rank: int, world_size: int, batch_size: int) -> Iterator[Batch]:
+        """One pass over the evaluation split, sharded like :meth:`train_batches`."""
+
+    def stats(self) -> Dict[str, int]:
+        """Counters for metrics.json (``skipped_lines``, ``dropped_tail_samples``, ...)."""
+        return {"skipped_lines": 0, "dropped_tail_samples": 0}
+
+
+def global_batch_size(rank: int, world_size: int, batch_size: int) -> int:
+    """Validate a rank/world/batch triple and return the global batch size."""
+    if world_size < 1 or not 0 <= rank < world_size:
+        raise ValueError(f"need 0 <= rank < world_size, got rank={rank}, world_size={world_size}")
+    if batch_size < 1:
+        raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+    return world_size * batch_size
+
+
+def kjt_from_ids(
+    keys: Sequence[str], ids: torch.Tensor, present: Optional[torch.Tensor] = None
+) -> KeyedJaggedTensor:
+    """KJT of one-hot features from an ``[F, B]`` id tensor (``present[f, b]`` False -> empty bag)."""
+    if present is None:
+        lengths = torch.ones(ids.numel(), dtype=torch.int32)
+        values = ids.reshape(-1)
+    else:
+        lengths = present.reshape(-1).to(torch.int32)
+        values = ids[present]  # boolean indexing is row-major, i.e. feature-major here
+    return KeyedJaggedTensor.from_lengths_sync(list(keys), values.to(torch.int64), lengths)
+
+
+def kjt_from_lists(keys: Sequence[str], samples: Sequence[Sequence[Sequence[int]]]) -> KeyedJaggedTensor:
+    """KJT of multi-hot features; ``samples[b][f]`` is the (possibly empty) id list of sample b."""
+    num_features = len(keys)
+    lengths = [len(s[f]) for f in range(num_features) for s in samples]
+    values = [v for f in range(num_features) for s in samples for v in s[f]]
+    return KeyedJaggedTensor.from_lengths_sync(
+        list(keys), torch.tensor(values, dtype=torch.int64), torch.tensor(lengths, dtype=torch.int32)
+    )
+
+
+_SOURCES: Dict[str, str] = {
+    "synthetic": "torchrec_herald.data.synthetic:SyntheticCriteo",
+    "criteo_tsv": "torchrec_herald.data.criteo_tsv:CriteoTSV",
+    "columnar": "torchrec_herald.data.columnar:ColumnarSource",
+}
+
+
+def build_data_source(cfg: Union[Mapping[str, Any], Any]) -> DataSource:
+    """Build a source from a config (OmegaConf node or plain mapping) dispatching on ``cfg.name``.
+
+    All other keys are the source class's constructor arguments; unknown or missing keys raise
+    ``ValueError`` naming them.
+    """
+    from omegaconf import OmegaConf
+    from omegaconf.errors import MissingMandatoryValue
+
+    if OmegaConf.is_config(cfg):
+        try:
+            cfg = OmegaConf.to_container(cfg, resolve=True, throw_on_missing=True)
+        except MissingMandatoryValue as e:
+            raise ValueError(f"data config: mandatory value missing (???): {e}") from e
+    kwargs = dict(cfg)
+    name = kwargs.pop("name", None)
+    if name not in _SOURCES:
+        raise ValueError(f"unknown data source name {name!r}; known: {sorted(_SOURCES)}")
+    module, attr = _SOURCES[name].split(":")
+    cls = getattr(importlib.import_module(module), attr)
+    params = inspect.signature(cls).parameters
+    unknown = sorted(set(kwargs) - set(params))
+    if unknown:
+        raise ValueError(
+            f"data source {name!r}: unknown config key(s) {unknown}; allowed: {['name', *params]}"
+        )
+    missing = [p.name for p in params.values() if p.default is p.empty and p.name not in kwargs]
+    if missing:
+        raise ValueError(f"data source {name!r}: missing config key(s) {missing}")
+    logger.info("building data source %s(%s)", attr, kwargs)
+    return cls(**kwargs)

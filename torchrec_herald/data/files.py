@@ -1,0 +1,144 @@
+"""Shared machinery of the file-backed sources: streaming, error policy, train/eval split, rank sharding.
+
+Split: with ``eval_paths`` the eval split is those files. Without, the train stream is cut into global
+batches and every ``holdout_every``-th one (indices ``holdout_every - 1``, ``2 * holdout_every - 1``,
+...) is held out for evaluation and excluded from training. The split is defined on global batches
+of the *calling* geometry, so train and eval must be called with the same ``world_size *
+batch_size`` for the held-out samples to be disjoint from the training ones.
+
+Every rank parses (and validates) every record, so all ranks agree on which lines are skipped and
+hence on the global batches, and a malformed line raises on every rank, not on one only.
+"""
+
+from __future__ import annotations
+
+import abc
+import gzip
+import logging
+import os
+from typing import IO, Dict, Generic, Iterator, List, Optional, Sequence, Set, Tuple, TypeVar, Union
+
+from torchrec.datasets.utils import Batch
+
+from torchrec_herald.data.base import DataFormatError, DataSource, global_batch_size
+
+logger = logging.getLogger(__name__)
+
+Sample = TypeVar("Sample")
+PathLike = Union[str, "os.PathLike[str]"]
+_MAX_SKIP_WARNINGS = 10
+
+
+def open_text(path: PathLike, newline: Optional[str] = None) -> IO[str]:
+    """Open a text file for streaming, transparently decompressing ``*.gz``."""
+    if str(path).endswith(".gz"):
+        return gzip.open(path, "rt", encoding="utf-8", newline=newline)
+    return open(path, "r", encoding="utf-8", newline=newline)
+
+
+def as_paths(paths: Union[PathLike, Sequence[PathLike], None]) -> List[str]:
+    """Normalise a path or a list of paths to a list of strings."""
+    if paths is None:
+        return []
+    if isinstance(paths, (str, os.PathLike)):
+        return [os.fspath(paths)]
+    return [os.fspath(p) for p in paths]
+
+
+class FileSource(DataSource, Generic[Sample]):
+    """Base class of streaming file sources; subclasses implement :meth:`_read` and :meth:`_collate`.
+
+    Args:
+        paths: training file(s), read in order as one stream.
+        eval_paths: evaluation file(s); if empty, every ``holdout_every``-th global batch of the
+            training stream is held out instead.
+        holdout_every: see above (>= 2).
+        on_error: ``"raise"`` a :class:`DataFormatError` on a malformed record, or ``"skip"`` it
+            (counted in ``stats()["skipped_lines"]``).
+
+    ``stats()`` reports ``skipped_lines`` (distinct malformed records skipped so far),
+    ``train_dropped_tail_samples`` / ``eval_dropped_tail_samples`` (incomplete trailing global
+    batch of the last pass over each split) and their sum ``dropped_tail_samples``.
+    """
+
+    def __init__(
+        self,
+        paths: Union[PathLike, Sequence[PathLike]],
+        eval_paths: Union[PathLike, Sequence[PathLike], None] = None,
+        holdout_every: int = 10,
+        on_error: str = "raise",
+    ) -> None:
+        self.paths, self.eval_paths = as_paths(paths), as_paths(eval_paths)
+        if not self.paths:
+            raise ValueError("paths: at least one training file is required")
+        if on_error not in ("raise", "skip"):
+            raise ValueError(f"on_error must be 'raise' or 'skip', got {on_error!r}")
+        if not self.eval_paths and int(holdout_every) < 2:
+            raise ValueError(f"holdout_every must be >= 2 without eval_paths, got {holdout_every}")
+        self.holdout_every, self.on_error = int(holdout_every), on_error
+        self._skipped: Set[Tuple[str, Union[int, str]]] = set()
+        self._dropped: Dict[str, int] = {"train": 0, "eval": 0}
+
+    @abc.abstractmethod
+    def _read(self, path: str) -> Iterator[Union[Sample, DataFormatError]]:
+        """Stream the records of one file: a parsed sample, or the error describing a bad record."""
+
+    @abc.abstractmethod
+    def _collate(self, samples: Sequence[Sample]) -> Batch:
+        """Turn one rank's samples into a Batch."""
+
+    def _samples(self, paths: Sequence[str]) -> Iterator[Sample]:
+        for path in paths:
+            for item in self._read(path):
+                if not isinstance(item, DataFormatError):
+                    yield item
+                    continue
+                if self.on_error == "raise":
+                    raise item
+                key = (item.path, item.where)
+                if key not in self._skipped:
+                    self._skipped.add(key)
+                    if len(self._skipped) <= _MAX_SKIP_WARNINGS:
+                        logger.warning("skipping malformed record: %s", item)
+                    if len(self._skipped) == _MAX_SKIP_WARNINGS:
+                        logger.warning("further malformed records are skipped silently (see stats())")
+
+    def _batches(self, split: str, rank: int, world_size: int, batch_size: int) -> Iterator[Batch]:
+        size = global_batch_size(rank, world_size, batch_size)
+        holdout = not self.eval_paths
+        paths = self.eval_paths if split == "eval" and not holdout else self.paths
+        k = self.holdout_every
+
+        def wanted(index: int) -> bool:
+            return not holdout or (index % k == k - 1) == (split == "eval")
+
+        block: List[Sample] = []
+        index = 0
+        for sample in self._samples(paths):
+            block.append(sample)
+            if len(block) == size:
+                if wanted(index):
+                    yield self._collate(block[rank * batch_size : (rank + 1) * batch_size])
+                block, index = [], index + 1
+        self._dropped[split] = len(block) if block and wanted(index) else 0
+        if self._dropped[split]:
+            logger.info(
+                "%s: dropped incomplete trailing global batch of %d samples (global batch size %d)",
+                split, self._dropped[split], size,
+            )  # fmt: skip
+
+    def train_batches(self, rank: int, world_size: int, batch_size: int) -> Iterator[Batch]:
+        """One pass over the training stream (held-out global batches excluded)."""
+        return self._batches("train", rank, world_size, batch_size)
+
+    def eval_batches(self, rank: int, world_size: int, batch_size: int) -> Iterator[Batch]:
+        """One pass over ``eval_paths``, or over the held-out global batches of the train stream."""
+        return self._batches("eval", rank, world_size, batch_size)
+
+    def stats(self) -> Dict[str, int]:
+        return {
+            "skipped_lines": len(self._skipped),
+            "dropped_tail_samples": self._dropped["train"] + self._dropped["eval"],
+            "train_dropped_tail_samples": self._dropped["train"],
+            "eval_dropped_tail_samples": self._dropped["eval"],
+        }

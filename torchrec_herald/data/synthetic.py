@@ -1,0 +1,229 @@
+"""Synthetic Criteo-like data: a deterministic, skewed, learnable generator calibrated to Criteo Kaggle.
+
+Layout: 13 dense + 26 one-hot sparse features (``cat_0`` .. ``cat_25``) whose tables have the Criteo
+Kaggle cardinalities scaled by ``scale`` (:func:`~torchrec_herald.data.base.scaled_num_embeddings`).
+
+Skew: in table ``f`` the id of popularity rank ``k`` (0-based) is drawn with probability
+``(k + 1) ** -zipf_alpha / H`` (a truncated Zipf law); ranks are mapped to row ids through a fixed,
+seeded random permutation per table, so hot rows are scattered over the row range like hashed ids.
+Ids are sampled by inverse CDF (``torch.searchsorted`` on a precomputed CDF).
+
+Coverage (the skew statistic the default ``zipf_alpha`` is calibrated on): rank all rows of all
+tables together by expected lookup frequency and take the share of all lookups that hit the top
+``top_fraction`` of all rows (``ceil(top_fraction * total_rows)`` rows). Every sample looks up each
+table at most once, so table ``f`` row of rank ``k`` gets ``p_f(k) / F`` of all lookups.
+:func:`global_coverage` computes it analytically; :func:`measured_coverage` measures it on generated
+KJTs (ranking rows by their observed counts). ``DEFAULT_ZIPF_ALPHA`` = 0.94 makes the top 2 % of rows
+cover ~90 % of lookups at the default scale 0.01: analytically 0.9011, measured 0.9049 on 50
+global batches of 512 (seed 0); :func:`calibrate_zipf_alpha` gives 0.9361 for exactly 0.90.
+
+Labels: ``label ~ Bernoulli(sigmoid(w . (dense - c) + sum_f v_f[id_f] + b))`` with fixed seeded
+dense weights ``w ~ N(0, 0.25^2)``, per-row effects ``v_f ~ N(0, 0.22^2)`` (shifted per table to
+zero mean over lookups), ``c`` the mean dense vector and ``b = -1.3``: ~27 % clicks, Bayes (oracle)
+AUC ~0.78 (seed 0), and a plain per-feature logistic model already reaches ~0.75 eval AUC after
+one pass over the 200 default train batches of 512. Dense features are ``log1p`` of nonnegative,
+log-normally skewed integer counts (like Criteo's).
+
+Determinism: global batch ``i`` of split ``s`` comes from a generator seeded by ``(seed, s, i)``,
+so every run and every rank sees the same global batches, and train and eval streams differ.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import math
+from typing import Dict, Iterator, List, Optional, Sequence, Tuple
+
+import torch
+from torchrec.datasets.utils import Batch
+from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
+
+from torchrec_herald.data.base import (
+    DEFAULT_CAT_NAMES,
+    INT_FEATURE_COUNT,
+    DataSource,
+    global_batch_size,
+    kjt_from_ids,
+    scaled_num_embeddings,
+)
+
+logger = logging.getLogger(__name__)
+
+#: Calibrated with ``calibrate_zipf_alpha(scaled_num_embeddings(0.01), 0.02, 0.90)`` (rounded).
+DEFAULT_ZIPF_ALPHA = 0.94
+#: Std of the per-row label effects v_f and of the dense weights w; bias of the logit.
+ROW_EFFECT_STD, DENSE_WEIGHT_STD, LOGIT_BIAS = 0.22, 0.25, -1.3
+
+
+def zipf_probs(num_rows: int, alpha: float) -> torch.Tensor:
+    """Lookup probability of each popularity rank ``k`` of a table, ``∝ (k + 1) ** -alpha`` (float64)."""
+    p = torch.arange(1, num_rows + 1, dtype=torch.float64).pow_(-alpha)
+    return p / p.sum()
+
+
+def table_coverage(num_rows: int, alpha: float, top_fraction: float) -> float:
+    """Analytical share of one table's lookups hitting its ``ceil(top_fraction * num_rows)`` hottest rows."""
+    return zipf_probs(num_rows, alpha)[: math.ceil(top_fraction * num_rows)].sum().item()
+
+
+def global_coverage(num_embeddings: Sequence[int], alpha: float, top_fraction: float) -> float:
+    """Analytical share of all lookups hitting the hottest ``top_fraction`` of all rows of all tables."""
+    freq = torch.cat([zipf_probs(n, alpha) for n in num_embeddings]) / len(num_embeddings)
+    k = math.ceil(top_fraction * freq.numel())
+    return freq.topk(k).values.sum().item()
+
+
+def measured_coverage(
+    kjts: Sequence[KeyedJaggedTensor], num_embeddings: Sequence[int], top_fraction: float
+) -> Tuple[Dict[str, float], float]:
+    """Coverage measured on KJTs: ``({key: per-table coverage}, global coverage)``.
+
+    Rows are ranked by their observed lookup counts; the per-table value is the share of a table's
+    lookups hitting its ``ceil(top_fraction * rows)`` most looked-up rows, the global one the share
+    of all lookups hitting the ``ceil(top_fraction * total_rows)`` most looked-up rows of all tables.
+    """
+    keys = kjts[0].keys()
+    counts = [torch.zeros(n, dtype=torch.float64) for n in num_embeddings]
+    for kjt in kjts:
+        for f, jt in enumerate(kjt.split([1] * len(keys))):
+            counts[f] += torch.bincount(jt.values(), minlength=num_embeddings[f]).double()
+    per_table = {
+        key: (c.topk(math.ceil(top_fraction * c.numel())).values.sum() / c.sum().clamp(min=1)).item()
+        for key, c in zip(keys, counts)
+    }
+    allc = torch.cat(counts)
+    top = allc.topk(math.ceil(top_fraction * allc.numel())).values.sum()
+    return per_table, (top / allc.sum().clamp(min=1)).item()
+
+
+def calibrate_zipf_alpha(
+    num_embeddings: Sequence[int], top_fraction: float = 0.02, target: float = 0.90, tol: float = 1e-4
+) -> float:
+    """Bisect the ``alpha`` whose analytical :func:`global_coverage` equals ``target``."""
+    lo, hi = 0.0, 4.0
+    while hi - lo > tol:
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if global_coverage(num_embeddings, mid, top_fraction) < target else (lo, mid)
+    return (lo + hi) / 2
+
+
+def _seed(*parts: object) -> int:
+    """A 63-bit generator seed derived from ``parts`` (stable across runs and platforms)."""
+    digest = hashlib.blake2b(":".join(map(str, parts)).encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") >> 1
+
+
+class SyntheticCriteo(DataSource):
+    """Deterministic Criteo-Kaggle-like generator (see the module docstring for the model).
+
+    Args:
+        seed: seeds the tables (permutations, row effects, dense model) and every batch.
+        scale: Criteo Kaggle cardinalities are scaled by this (``scaled_num_embeddings``).
+        zipf_alpha: exponent of the per-table Zipf popularity law.
+        num_train_batches / num_eval_batches: number of *global* batches per pass.
+        missing_rate: probability that a feature's bag is empty for a sample.
+    """
+
+    def __init__(
+        self,
+        seed: int = 0,
+        scale: float = 0.01,
+        zipf_alpha: float = DEFAULT_ZIPF_ALPHA,
+        num_train_batches: int = 200,
+        num_eval_batches: int = 20,
+        missing_rate: float = 0.0,
+    ) -> None:
+        if zipf_alpha < 0:
+            raise ValueError(f"zipf_alpha must be >= 0, got {zipf_alpha}")
+        if not 0.0 <= missing_rate < 1.0:
+            raise ValueError(f"missing_rate must be in [0, 1), got {missing_rate}")
+        if num_train_batches < 0 or num_eval_batches < 0:
+            raise ValueError("num_train_batches and num_eval_batches must be >= 0")
+        self.seed, self.scale, self.zipf_alpha = int(seed), float(scale), float(zipf_alpha)
+        self.num_train_batches, self.num_eval_batches = int(num_train_batches), int(num_eval_batches)
+        self.missing_rate = float(missing_rate)
+        self.feature_names: List[str] = list(DEFAULT_CAT_NAMES)
+        self.num_embeddings: List[int] = scaled_num_embeddings(self.scale)
+        self.num_dense: int = INT_FEATURE_COUNT
+
+        g = torch.Generator().manual_seed(_seed(self.seed, "model"))
+        self._cdfs = [zipf_probs(n, self.zipf_alpha).cumsum_(0) for n in self.num_embeddings]
+        self._perms = [torch.randperm(n, generator=g) for n in self.num_embeddings]
+        self._row_effects: List[torch.Tensor] = []
+        for n, cdf, perm in zip(self.num_embeddings, self._cdfs, self._perms):
+            v = torch.randn(n, generator=g, dtype=torch.float64) * ROW_EFFECT_STD
+            probs = torch.diff(cdf, prepend=cdf.new_zeros(1))
+            self._row_effects.append((v - probs @ v[perm]).float())  # zero mean per lookup
+        self._dense_mu = torch.rand(self.num_dense, generator=g) * 3.0
+        self._dense_sigma = 0.5 + torch.rand(self.num_dense, generator=g)
+        self._dense_w = torch.randn(self.num_dense, generator=g) * DENSE_WEIGHT_STD
+        self._dense_center = self._dense(torch.randn(4096, self.num_dense, generator=g)).mean(0)
+        logger.info(
+            "SyntheticCriteo(seed=%d): %d tables, %d rows, zipf_alpha=%g, missing_rate=%g",
+            self.seed, len(self.num_embeddings), sum(self.num_embeddings), self.zipf_alpha, self.missing_rate,
+        )  # fmt: skip
+
+    def _dense(self, z: torch.Tensor) -> torch.Tensor:
+        """Dense features from standard normals: log1p of log-normal integer counts."""
+        return torch.log1p(torch.floor(torch.exp(self._dense_mu + self._dense_sigma * z)))
+
+    def coverage(self, top_fraction: float = 0.02) -> Tuple[Dict[str, float], float]:
+        """Analytical ``({feature: per-table coverage}, global coverage)`` of this configuration."""
+        per_table = {
+            key: table_coverage(n, self.zipf_alpha, top_fraction)
+            for key, n in zip(self.feature_names, self.num_embeddings)
+        }
+        return per_table, global_coverage(self.num_embeddings, self.zipf_alpha, top_fraction)
+
+    def oracle_logits(self, batch: Batch) -> torch.Tensor:
+        """The true click logits of a generated batch (for Bayes-AUC checks)."""
+        logits = (batch.dense_features - self._dense_center) @ self._dense_w + LOGIT_BIAS
+        for f, jt in enumerate(batch.sparse_features.split([1] * len(self.feature_names))):
+            sample = torch.repeat_interleave(torch.arange(len(logits)), jt.lengths().long())
+            logits.index_add_(0, sample, self._row_effects[f][jt.values()])
+        return logits
+
+    def global_batch(
+        self, split: str, index: int, size: int
+    ) -> Tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor], torch.Tensor]:
+        """Generate global batch ``index`` of ``split`` with ``size`` samples.
+
+        Returns ``(dense [G, 13], ids [26, G], present [26, G] or None, labels [G])``.
+        """
+        g = torch.Generator().manual_seed(_seed(self.seed, split, index))
+        dense = self._dense(torch.randn(size, self.num_dense, generator=g))
+        u = torch.rand(len(self._cdfs), size, generator=g, dtype=torch.float64)
+        ids = torch.stack([
+            perm[torch.searchsorted(cdf, u[f], right=True).clamp_(max=len(cdf) - 1)]
+            for f, (cdf, perm) in enumerate(zip(self._cdfs, self._perms))
+        ])  # fmt: skip
+        present = None
+        if self.missing_rate > 0:
+            present = torch.rand(len(self._cdfs), size, generator=g) >= self.missing_rate
+        logits = (dense - self._dense_center) @ self._dense_w + LOGIT_BIAS
+        for f, effects in enumerate(self._row_effects):
+            logits += effects[ids[f]] if present is None else effects[ids[f]] * present[f]
+        labels = (torch.rand(size, generator=g) < torch.sigmoid(logits)).float()
+        return dense, ids, present, labels
+
+    def _batches(self, split: str, num: int, rank: int, world_size: int, batch_size: int) -> Iterator[Batch]:
+        size = global_batch_size(rank, world_size, batch_size)
+        mine = slice(rank * batch_size, (rank + 1) * batch_size)
+        for i in range(num):
+            dense, ids, present, labels = self.global_batch(split, i, size)
+            yield Batch(
+                dense_features=dense[mine].contiguous(),
+                sparse_features=kjt_from_ids(
+                    self.feature_names, ids[:, mine], None if present is None else present[:, mine]
+                ),
+                labels=labels[mine].contiguous(),
+            )
+
+    def train_batches(self, rank: int, world_size: int, batch_size: int) -> Iterator[Batch]:
+        """``num_train_batches`` global batches of the train stream, this rank's slice of each."""
+        return self._batches("train", self.num_train_batches, rank, world_size, batch_size)
+
+    def eval_batches(self, rank: int, world_size: int, batch_size: int) -> Iterator[Batch]:
+        """``num_eval_batches`` global batches of the (independent) eval stream."""
+        return self._batches("eval", self.num_eval_batches, rank, world_size, batch_size)

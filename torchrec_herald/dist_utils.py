@@ -1,0 +1,111 @@
+"""Process-group setup and a small multi-process launcher used by tests and benchmarks."""
+
+from __future__ import annotations
+
+import datetime
+import logging
+import os
+import queue as queue_mod
+import time
+import socket
+import traceback
+from typing import Any, Callable, List, Optional
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+logger = logging.getLogger(__name__)
+
+
+def default_backend() -> str:
+    """nccl when CUDA is present, gloo otherwise."""
+    return "nccl" if torch.cuda.is_available() else "gloo"
+
+
+def init_distributed(timeout_s: int = 600) -> tuple[int, int, torch.device]:
+    """Initialise the default process group from torchrun's env vars (or a 1-rank group).
+
+    Returns (rank, world_size, device).
+    """
+    if not dist.is_initialized():
+        if "RANK" not in os.environ:
+            os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+            os.environ.setdefault("MASTER_PORT", str(free_port()))
+            os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
+        dist.init_process_group(backend=default_backend(), timeout=datetime.timedelta(seconds=timeout_s))
+    rank, world = dist.get_rank(), dist.get_world_size()
+    if torch.cuda.is_available():
+        local = int(os.environ.get("LOCAL_RANK", "0"))
+        torch.cuda.set_device(local)
+        device = torch.device("cuda", local)
+    else:
+        device = torch.device("cpu")
+    return rank, world, device
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _worker(rank: int, world_size: int, port: int, fn: Callable[..., Any], args: tuple,
+            queue: Any) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
+                      WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank))
+    torch.set_num_threads(1)
+    try:
+        dist.init_process_group("gloo", rank=rank, world_size=world_size,
+                                timeout=datetime.timedelta(seconds=300))
+        result = fn(rank, world_size, *args)
+        queue.put((rank, "ok", result))
+    except BaseException as e:  # report to the parent, which raises
+        queue.put((rank, "error", f"{type(e).__name__}: {e}\n{traceback.format_exc()}"))
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def run_multiprocess(fn: Callable[..., Any], world_size: int, *args: Any,
+                     timeout_s: float = 900) -> List[Any]:
+    """Run ``fn(rank, world_size, *args)`` on ``world_size`` gloo ranks; return per-rank results.
+
+    ``fn`` must be picklable (module level). The first rank error is raised here as RuntimeError
+    with that rank's traceback; remaining ranks are terminated (no hang).
+    """
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    port = free_port()
+    procs = [ctx.Process(target=_worker, args=(r, world_size, port, fn, args, queue), daemon=True)
+             for r in range(world_size)]
+    for p in procs:
+        p.start()
+    results: List[Optional[Any]] = [None] * world_size
+    deadline = time.monotonic() + timeout_s
+    try:
+        pending = set(range(world_size))
+        while pending:
+            try:
+                rank, status, payload = queue.get(timeout=1.0)
+            except queue_mod.Empty:
+                dead = [r for r in pending if procs[r].exitcode is not None]
+                if dead:  # a rank died without reporting (signal, os._exit): fail, don't wait
+                    time.sleep(2.0)  # let a report in flight arrive first
+                    if queue.empty():
+                        raise RuntimeError(f"rank {dead[0]} exited with code {procs[dead[0]].exitcode} "
+                                           "without reporting a result")
+                    continue
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"ranks {sorted(pending)} did not finish in {timeout_s} s")
+                continue
+            if status == "error":
+                raise RuntimeError(f"rank {rank} failed: {payload}")
+            results[rank] = payload
+            pending.discard(rank)
+    finally:
+        for p in procs:
+            p.join(timeout=5)
+            if p.is_alive():
+                p.terminate()
+    return results

@@ -1,0 +1,55 @@
+"""Stock TorchRec planning: the default ``EmbeddingShardingPlanner`` plan, or one sharding type forced
+on every table (the fair TABLE_WISE reference of DESIGN §2)."""
+
+from __future__ import annotations
+
+import logging
+from typing import Dict, List, Optional
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torchrec.distributed.planner import EmbeddingShardingPlanner, ParameterConstraints, Topology
+from torchrec.distributed.types import ModuleSharder, ShardingPlan, ShardingType
+from torchrec.modules.embedding_configs import EmbeddingBagConfig
+
+logger = logging.getLogger(__name__)
+
+#: planner.mode values and the sharding type they force (None: TorchRec decides).
+STOCK_MODES: Dict[str, Optional[str]] = {
+    "default": None,
+    "table_wise": ShardingType.TABLE_WISE.value,
+    "row_wise": ShardingType.ROW_WISE.value,
+}
+
+
+def stock_constraints(tables: List[EmbeddingBagConfig], mode: str) -> Optional[Dict[str, ParameterConstraints]]:
+    """ParameterConstraints forcing ``mode``'s sharding type on every table (None for ``default``)."""
+    if mode not in STOCK_MODES:
+        raise ValueError(f"unknown planner.mode {mode!r}; expected one of {sorted(STOCK_MODES)}")
+    forced = STOCK_MODES[mode]
+    if forced is None:
+        return None
+    return {t.name: ParameterConstraints(sharding_types=[forced]) for t in tables}
+
+
+def stock_plan(module: nn.Module, tables: List[EmbeddingBagConfig], sharders: List[ModuleSharder],
+               mode: str, world_size: int, local_batch_size: int, device: torch.device,
+               pg: Optional[dist.ProcessGroup] = None) -> ShardingPlan:
+    """Plan ``module`` with TorchRec's own planner (collectively when a process group is given)."""
+    planner = EmbeddingShardingPlanner(
+        topology=Topology(world_size=world_size, compute_device=device.type),
+        batch_size=local_batch_size,
+        constraints=stock_constraints(tables, mode),
+    )
+    plan = planner.collective_plan(module, sharders, pg) if pg is not None else planner.plan(module, sharders)
+    return plan
+
+
+def describe_plan(plan: ShardingPlan) -> Dict[str, str]:
+    """table name -> sharding type, for logs and metrics."""
+    out: Dict[str, str] = {}
+    for module_plan in plan.plan.values():
+        for name, ps in module_plan.items():  # type: ignore[union-attr]
+            out[name] = ps.sharding_type
+    return out

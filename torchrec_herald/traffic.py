@@ -1,0 +1,316 @@
+"""TrafficMeter: counts every ``torch.distributed`` collective made while it is active.
+
+It wraps the Python collective API that TorchRec's comm ops, DDP's comm hooks and our own code call
+(``torch.distributed.all_to_all_single`` etc.), so stock TorchRec and herald are measured by the same
+rule. Each call is attributed to the calling rank as *bytes this rank sends to other ranks*:
+
+============================  =====================================================================
+collective                    bytes sent to other ranks by this rank (N = payload bytes, W = world)
+============================  =====================================================================
+all_to_all_single             sum of the input rows destined to ranks != self (exact, from splits;
+                              N·(W−1)/W with equal splits)
+all_to_all                    sum of the input tensors destined to ranks != self
+all_reduce                    ring all-reduce: 2·(W−1)/W·N
+reduce_scatter_tensor         ring reduce-scatter of the N-byte input: (W−1)/W·N
+reduce_scatter                ring reduce-scatter of the concatenated inputs: (W−1)/W·ΣN_i
+all_gather_into_tensor        ring all-gather of the N-byte local input: (W−1)·N
+all_gather                    ring all-gather of the N-byte local input: (W−1)·N
+broadcast                     source rank: (W−1)·N (flat fan-out), other ranks: 0
+send / isend                  N
+barrier, recv                 0 (call counted)
+============================  =====================================================================
+
+Floating-point payloads are also counted as *embedding vectors* = bytes / (dim · itemsize) when a
+dim is known: either the meter's ``embedding_dim`` (applies to float all-to-all / reduce-scatter /
+all-gather payloads, which is where TorchRec's sharded embeddings and their gradients travel) or an
+explicit ``with meter.tag("hot_allreduce", dim=16)`` around a call site. ``all_reduce`` payloads are
+embedding vectors only when tagged with a dim (DDP's dense gradients are not).
+
+DDP's gradient all-reduce runs in C++ and is invisible to Python unless DDP calls a Python comm hook:
+:class:`MeteredDataParallelWrapper` registers PyTorch's stock ``allreduce_hook`` (same reduction) so
+those bytes are counted too.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import threading
+from dataclasses import dataclass, field
+from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence
+
+import torch
+import torch.distributed as dist
+import torch.distributed.distributed_c10d as c10d
+
+logger = logging.getLogger(__name__)
+
+_WRAPPED = (
+    "all_to_all_single",
+    "all_to_all",
+    "all_reduce",
+    "reduce_scatter_tensor",
+    "reduce_scatter",
+    "all_gather_into_tensor",
+    "all_gather",
+    "broadcast",
+    "send",
+    "isend",
+    "recv",
+    "irecv",
+    "barrier",
+)
+
+
+@dataclass
+class CollectiveStats:
+    """Counters for one collective kind (or one tag)."""
+
+    calls: int = 0
+    bytes: int = 0
+    embedding_vectors: float = 0.0
+
+    def add(self, other: "CollectiveStats") -> None:
+        self.calls += other.calls
+        self.bytes += other.bytes
+        self.embedding_vectors += other.embedding_vectors
+
+    def as_dict(self) -> Dict[str, float]:
+        return {"calls": self.calls, "bytes": self.bytes, "embedding_vectors": self.embedding_vectors}
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+def _group_info(group: Optional[dist.ProcessGroup]) -> tuple[int, int]:
+    """(world size, this rank's index) in ``group``."""
+    return dist.get_world_size(group), dist.get_rank(group)
+
+
+def _a2a_single_bytes(output: torch.Tensor, input: torch.Tensor, output_split_sizes: Optional[Sequence[int]],
+                      input_split_sizes: Optional[Sequence[int]], group: Optional[dist.ProcessGroup] = None,
+                      **_: Any) -> tuple[int, torch.Tensor]:
+    world, rank = _group_info(group)
+    if input.dim() == 0 or input.shape[0] == 0:
+        return 0, input
+    row_bytes = _nbytes(input) // input.shape[0]
+    if input_split_sizes is None or len(input_split_sizes) == 0:
+        rows_out = input.shape[0] - input.shape[0] // world
+    else:
+        rows_out = sum(int(s) for j, s in enumerate(input_split_sizes) if j != rank)
+    return rows_out * row_bytes, input
+
+
+def _bytes_for(name: str, args: tuple, kwargs: dict) -> tuple[int, Optional[torch.Tensor]]:
+    """Bytes this rank sends to others for one call, and a representative payload tensor (for dtype)."""
+
+    def arg(i: int, key: str, default: Any = None) -> Any:
+        return args[i] if len(args) > i else kwargs.get(key, default)
+
+    if name == "all_to_all_single":
+        return _a2a_single_bytes(arg(0, "output"), arg(1, "input"), arg(2, "output_split_sizes"),
+                                 arg(3, "input_split_sizes"), group=arg(4, "group"))
+    if name == "barrier":
+        return 0, None
+    if name == "all_to_all":
+        inputs: List[torch.Tensor] = arg(1, "input_tensor_list")
+        world, rank = _group_info(arg(2, "group"))
+        return sum(_nbytes(t) for j, t in enumerate(inputs) if j != rank), inputs[0] if inputs else None
+    if name == "all_reduce":
+        t = arg(0, "tensor")
+        world, _ = _group_info(arg(2, "group"))
+        return (2 * (world - 1) * _nbytes(t)) // world, t
+    if name == "reduce_scatter_tensor":
+        t = arg(1, "input")
+        world, _ = _group_info(arg(3, "group"))
+        return ((world - 1) * _nbytes(t)) // world, t
+    if name == "reduce_scatter":
+        ts: List[torch.Tensor] = arg(1, "input_list")
+        world, _ = _group_info(arg(3, "group"))
+        return ((world - 1) * sum(_nbytes(t) for t in ts)) // world, ts[0] if ts else None
+    if name == "all_gather_into_tensor":
+        t = arg(1, "input_tensor")
+        world, _ = _group_info(arg(2, "group"))
+        return (world - 1) * _nbytes(t), t
+    if name == "all_gather":
+        t = arg(1, "tensor")
+        world, _ = _group_info(arg(2, "group"))
+        return (world - 1) * _nbytes(t), t
+    if name == "broadcast":
+        t = arg(0, "tensor")
+        g = arg(2, "group")
+        world, rank = _group_info(g)
+        src, group_src = arg(1, "src"), kwargs.get("group_src")
+        is_src = rank == group_src if src is None else dist.get_rank() == src
+        return ((world - 1) * _nbytes(t) if is_src else 0), t
+    if name in ("send", "isend"):
+        t = arg(0, "tensor")
+        return _nbytes(t), t
+    return 0, None  # recv / irecv
+
+
+class TrafficMeter:
+    """Context manager counting the collectives of this process while active.
+
+    Example::
+
+        with TrafficMeter(embedding_dim=16) as meter:
+            loss = pipeline.progress(it)
+        meter.summary()  # {"all_to_all_single": {"calls": 6, "bytes": ..., "embedding_vectors": ...}, ...}
+
+    Meters nest: every active meter sees each call. A collective made *inside* another wrapped
+    collective (e.g. ``all_gather`` falling back to per-tensor calls) is counted once, at the outermost.
+    """
+
+    _active: List["TrafficMeter"] = []
+    _lock = threading.Lock()
+    _originals: Dict[str, Callable[..., Any]] = {}
+    _local = threading.local()
+
+    def __init__(self, embedding_dim: Optional[int] = None) -> None:
+        self.embedding_dim = embedding_dim
+        self._by_kind: Dict[str, CollectiveStats] = {}
+        self._by_tag: Dict[str, CollectiveStats] = {}
+        self._tags: List[tuple[str, Optional[int]]] = []
+
+    # ------------------------------------------------------------------ activation
+    def __enter__(self) -> "TrafficMeter":
+        with TrafficMeter._lock:
+            if not TrafficMeter._active:
+                TrafficMeter._install()
+            TrafficMeter._active.append(self)
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        with TrafficMeter._lock:
+            TrafficMeter._active.remove(self)
+            if not TrafficMeter._active:
+                TrafficMeter._uninstall()
+
+    @contextlib.contextmanager
+    def tag(self, label: str, dim: Optional[int] = None) -> Iterator[None]:
+        """Attribute collectives inside the block to ``label``; ``dim`` makes float payloads count
+        as embedding vectors of that dimension (also for all_reduce)."""
+        self._tags.append((label, dim))
+        try:
+            yield
+        finally:
+            self._tags.pop()
+
+    # ------------------------------------------------------------------ counting
+    def _record(self, kind: str, nbytes: int, payload: Optional[torch.Tensor]) -> None:
+        label, dim = self._tags[-1] if self._tags else (None, None)
+        vectors = 0.0
+        if payload is not None and payload.is_floating_point():
+            if dim is None and kind not in ("all_reduce", "broadcast", "send", "isend"):
+                dim = self.embedding_dim
+            if dim:
+                vectors = nbytes / (dim * payload.element_size())
+        s = CollectiveStats(1, int(nbytes), vectors)
+        self._by_kind.setdefault(kind, CollectiveStats()).add(s)
+        if label is not None:
+            self._by_tag.setdefault(label, CollectiveStats()).add(s)
+
+    def summary(self) -> Dict[str, Dict[str, float]]:
+        """Per collective kind: calls, bytes sent to other ranks, embedding vectors sent."""
+        return {k: v.as_dict() for k, v in sorted(self._by_kind.items())}
+
+    def tag_summary(self) -> Dict[str, Dict[str, float]]:
+        """Per tag label (only tagged calls)."""
+        return {k: v.as_dict() for k, v in sorted(self._by_tag.items())}
+
+    def total(self) -> Dict[str, float]:
+        tot = CollectiveStats()
+        for v in self._by_kind.values():
+            tot.add(v)
+        return tot.as_dict()
+
+    def reset(self) -> None:
+        self._by_kind.clear()
+        self._by_tag.clear()
+
+    # ------------------------------------------------------------------ patching
+    @classmethod
+    def _install(cls) -> None:
+        for name in _WRAPPED:
+            orig = getattr(c10d, name)
+            cls._originals[name] = orig
+            wrapped = cls._make_wrapper(name, orig)
+            setattr(c10d, name, wrapped)
+            setattr(dist, name, wrapped)
+
+    @classmethod
+    def _uninstall(cls) -> None:
+        for name, orig in cls._originals.items():
+            setattr(c10d, name, orig)
+            setattr(dist, name, orig)
+        cls._originals.clear()
+
+    @classmethod
+    def _make_wrapper(cls, name: str, orig: Callable[..., Any]) -> Callable[..., Any]:
+        def wrapper(*args: Any, **kwargs: Any) -> Any:
+            depth = getattr(cls._local, "depth", 0)
+            if depth == 0 and cls._active:
+                nbytes, payload = _bytes_for(name, args, kwargs)
+                for meter in list(cls._active):
+                    meter._record(name, nbytes, payload)
+            cls._local.depth = depth + 1
+            try:
+                return orig(*args, **kwargs)
+            finally:
+                cls._local.depth = depth
+
+        wrapper.__name__ = name
+        wrapper.__wrapped__ = orig  # type: ignore[attr-defined]
+        return wrapper
+
+
+def reduce_summaries(summary: Dict[str, Dict[str, float]], group: Optional[dist.ProcessGroup] = None
+                     ) -> Dict[str, Dict[str, float]]:
+    """Sum per-rank summaries over all ranks (call outside any meter; every rank must call it)."""
+    gathered: List[Any] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(gathered, summary, group=group)
+    out: Dict[str, Dict[str, float]] = {}
+    for s in gathered:
+        for kind, stats in s.items():
+            acc = out.setdefault(kind, {"calls": 0, "bytes": 0, "embedding_vectors": 0.0})
+            for k, v in stats.items():
+                acc[k] += v
+    return dict(sorted(out.items()))
+
+
+class MeteredDataParallelWrapper:
+    """TorchRec ``DataParallelWrapper`` that makes DDP's gradient all-reduce visible to TrafficMeter.
+
+    It wraps the dense part in DDP exactly like TorchRec's ``DefaultDataParallelWrapper`` and then
+    registers PyTorch's stock ``allreduce_hook`` (divide by world size, all-reduce: the same reduction
+    DDP does in C++), whose ``dist.all_reduce`` call the meter sees, tagged ``dense_allreduce``.
+    """
+
+    def __init__(self, **kwargs: Any) -> None:
+        from torchrec.distributed.model_parallel import DefaultDataParallelWrapper
+
+        self._inner = DefaultDataParallelWrapper(**kwargs)
+
+    def wrap(self, dmp: Any, env: Any, device: torch.device) -> None:
+        from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+        from torch.nn.parallel import DistributedDataParallel
+
+        self._inner.wrap(dmp, env, device)
+        ddp = dmp._dmp_wrapped_module
+        if isinstance(ddp, DistributedDataParallel):
+            ddp.register_comm_hook(env.process_group, _tagged_allreduce_hook(allreduce_hook))
+
+
+def _tagged_allreduce_hook(hook: Callable[..., Any]) -> Callable[..., Any]:
+    def tagged(state: Any, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+        with contextlib.ExitStack() as stack:
+            for meter in list(TrafficMeter._active):
+                stack.enter_context(meter.tag("dense_allreduce"))
+            return hook(state, bucket)
+
+    # DDP inspects the hook's annotations; postponed (string) annotations would not match.
+    tagged.__annotations__ = {"state": object, "bucket": dist.GradBucket,
+                              "return": torch.futures.Future[torch.Tensor]}
+    return tagged
