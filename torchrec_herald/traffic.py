@@ -281,16 +281,20 @@ def reduce_summaries(summary: Dict[str, Dict[str, float]], group: Optional[dist.
 
 
 class MeteredDataParallelWrapper:
-    """TorchRec ``DataParallelWrapper`` that makes DDP's gradient all-reduce visible to TrafficMeter.
+    """TorchRec ``DataParallelWrapper`` that makes every DDP all-reduce visible to TrafficMeter.
 
-    It wraps the dense part in DDP exactly like TorchRec's ``DefaultDataParallelWrapper`` and then
-    registers PyTorch's stock ``allreduce_hook`` (divide by world size, all-reduce: the same reduction
-    DDP does in C++), whose ``dist.all_reduce`` call the meter sees, tagged ``dense_allreduce``.
+    It wraps the dense part in DDP exactly like TorchRec's ``DefaultDataParallelWrapper``, then
+    registers PyTorch's stock ``allreduce_hook`` (divide by world size, all-reduce: the reduction DDP
+    does in C++) on that DDP, tagged ``dense_allreduce``, and on the DDPs TorchRec builds inside
+    DATA_PARALLEL-sharded tables, tagged ``data_parallel_table_allreduce`` with ``embedding_dim`` (so
+    their gradient rows count as embedding vectors; TorchRec flattens those weights, so the dim
+    cannot be read off the parameter).
     """
 
-    def __init__(self, **kwargs: Any) -> None:
+    def __init__(self, embedding_dim: Optional[int] = None, **kwargs: Any) -> None:
         from torchrec.distributed.model_parallel import DefaultDataParallelWrapper
 
+        self._embedding_dim = embedding_dim
         self._inner = DefaultDataParallelWrapper(**kwargs)
 
     def wrap(self, dmp: Any, env: Any, device: torch.device) -> None:
@@ -298,16 +302,23 @@ class MeteredDataParallelWrapper:
         from torch.nn.parallel import DistributedDataParallel
 
         self._inner.wrap(dmp, env, device)
-        ddp = dmp._dmp_wrapped_module
-        if isinstance(ddp, DistributedDataParallel):
-            ddp.register_comm_hook(env.process_group, _tagged_allreduce_hook(allreduce_hook))
+        # TorchRec keeps DATA_PARALLEL tables' DDPs in plain lists (``_lookups``), not as submodules
+        candidates = list(dmp.modules()) + [lk for m in dmp.modules() for lk in getattr(m, "_lookups", [])]
+        for module in {id(m): m for m in candidates}.values():
+            if not isinstance(module, DistributedDataParallel):
+                continue
+            if module is dmp._dmp_wrapped_module:
+                label, dim = "dense_allreduce", None
+            else:
+                label, dim = "data_parallel_table_allreduce", self._embedding_dim
+            module.register_comm_hook(module.process_group, _tagged_allreduce_hook(allreduce_hook, label, dim))
 
 
-def _tagged_allreduce_hook(hook: Callable[..., Any]) -> Callable[..., Any]:
+def _tagged_allreduce_hook(hook: Callable[..., Any], label: str, dim: Optional[int]) -> Callable[..., Any]:
     def tagged(state: Any, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
         with contextlib.ExitStack() as stack:
             for meter in list(TrafficMeter._active):
-                stack.enter_context(meter.tag("dense_allreduce"))
+                stack.enter_context(meter.tag(label, dim))
             return hook(state, bucket)
 
     # DDP inspects the hook's annotations; postponed (string) annotations would not match.

@@ -1,0 +1,86 @@
+"""torchx component: ``torchx run -s local_cwd torchrec_herald/components.py:train --nproc_per_node 2 [overrides]``.
+
+It launches ``python -m torch.distributed.run ... -m torchrec_herald.train <hydra overrides>`` with the
+same interpreter that runs torchx (so an activated-or-not venv works offline and ``torchrun`` need not
+be on PATH). Every rank gets ``HERALD_RUN_ID`` = the torchx app id, so all ranks share one Hydra run
+dir ``outputs/<app id>``. ``--max-restarts 0``: a failing rank fails the whole job at once, and
+torchelastic's ``@record`` error file makes torchrun print that rank's traceback.
+"""
+
+
+import shlex
+import sys
+from typing import Dict, List, Optional
+
+import torchx.specs as specs
+from torchx.specs import macros
+
+
+def train(
+    *overrides: str,
+    nproc_per_node: int = 2,
+    nnodes: int = 1,
+    name: str = "torchrec_herald",
+    image: str = "torchrec_herald:latest",
+    python: str = sys.executable,
+    cpu: int = 2,
+    memMB: int = 8192,
+    h: Optional[str] = None,
+    rdzv_port: int = 29500,
+    run_id: str = macros.app_id,
+    env: Optional[Dict[str, str]] = None,
+) -> specs.AppDef:
+    """DLRM training with torchrec_herald on ``nnodes`` × ``nproc_per_node`` ranks.
+
+    Args:
+        overrides: Hydra overrides passed to ``torchrec_herald.train`` (e.g. ``planner=table_wise``).
+        nproc_per_node: ranks per node.
+        nnodes: number of nodes (one torchx replica each; rank 0's host is the rendezvous).
+        name: job name.
+        image: container image for remote schedulers (ignored by local_cwd, which uses the cwd).
+        python: interpreter on the nodes (default: the one running torchx; use ``python3`` on images).
+        cpu: CPUs per node (resource request).
+        memMB: memory per node in MB (resource request).
+        h: named resource (overrides cpu/memMB), e.g. an AWS instance type.
+        rdzv_port: c10d rendezvous port on rank 0's host (multi-node only; single node picks a free one).
+        run_id: run-dir name shared by all ranks (``outputs/<run_id>``); default: the torchx app id.
+        env: extra environment variables.
+    """
+    if nproc_per_node < 1 or nnodes < 1:
+        raise ValueError(f"nproc_per_node and nnodes must be >= 1, got {nproc_per_node}, {nnodes}")
+    launcher: List[str] = [
+        python, "-m", "torch.distributed.run",
+        "--nnodes", str(nnodes),
+        "--nproc_per_node", str(nproc_per_node),
+        "--max_restarts", "0",
+        "--monitor_interval", "1",
+        "--rdzv_backend", "c10d",
+        "--rdzv_id", macros.app_id,
+    ]
+    job_env = {"HERALD_RUN_ID": run_id, "LOGLEVEL": "WARNING", "OMP_NUM_THREADS": "1"}
+    job_env.update(env or {})
+    if nnodes == 1:
+        entrypoint = python
+        args = launcher[1:] + ["--rdzv_endpoint", "localhost:0", "-m", "torchrec_herald.train", *overrides]
+    else:
+        # rank 0's host comes from the scheduler through $TORCHX_RANK0_HOST (bash expands it on the node)
+        endpoint = f"$${{{macros.rank0_env}:=localhost}}:{rdzv_port}"  # $$: literal $ for torchx
+        cmd = " ".join(shlex.quote(a) for a in launcher) + f" --rdzv_endpoint {endpoint} -m torchrec_herald.train " \
+            + " ".join(shlex.quote(o) for o in overrides)
+        entrypoint, args = "bash", ["-c", cmd]
+    return specs.AppDef(
+        name=name,
+        roles=[
+            specs.Role(
+                name="trainer",
+                image=image,
+                entrypoint=entrypoint,
+                args=args,
+                env=job_env,
+                num_replicas=nnodes,
+                resource=specs.resource(cpu=cpu, memMB=memMB, h=h),
+                port_map={"c10d": rdzv_port},
+                max_retries=0,
+            )
+        ],
+    )

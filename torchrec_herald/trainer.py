@@ -1,0 +1,261 @@
+"""The training run behind ``python -m torchrec_herald.train``: data → DLRM → plan → DMP → pipeline → metrics.
+
+Everything is built from one Hydra config (``conf/train.yaml`` and its groups), so the driver, the
+tests and the benchmarks run the very same code. Every rank starts from identical weights (a seeded
+unsharded model loaded into DMP), which makes stock and herald runs comparable step by step.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any, Dict, Iterator, List, Optional
+
+import torch
+import torch.distributed as dist
+from omegaconf import DictConfig, OmegaConf
+from torch import nn
+from torchrec.distributed import DistributedModelParallel
+from torchrec.distributed.train_pipeline import TrainPipelineBase, TrainPipelineSparseDist
+from torchrec.optim import RowWiseAdagrad, apply_optimizer_in_backward
+from torchrec.optim.keyed import CombinedOptimizer, KeyedOptimizerWrapper
+from torchrec.optim.optimizers import in_backward_optimizer_filter
+from tqdm import tqdm
+
+from torchrec_herald.data import DataSource, build_data_source
+from torchrec_herald.dist_utils import init_distributed
+from torchrec_herald.model import build_dlrm_train, build_tables
+from torchrec_herald.planner.stock import describe_plan, stock_plan
+from torchrec_herald.sharding import CpuEmbeddingBagCollectionSharder
+from torchrec_herald.traffic import MeteredDataParallelWrapper, TrafficMeter, reduce_summaries
+
+logger = logging.getLogger(__name__)
+
+#: optimizer.name -> (fused embedding optimizer class for apply_optimizer_in_backward, dense optimizer)
+OPTIMIZERS: Dict[str, tuple[type, type]] = {
+    "rowwise_adagrad": (RowWiseAdagrad, torch.optim.Adagrad),  # fused: EXACT_ROWWISE_ADAGRAD
+    "sgd": (torch.optim.SGD, torch.optim.SGD),  # fused: EXACT_SGD
+}
+PIPELINES = {"sparse_dist": TrainPipelineSparseDist, "base": TrainPipelineBase}
+
+
+def setup_logging(run_dir: Path, rank: int) -> None:
+    """Each rank logs to ``run_dir/logs/rank<r>.log``; rank 0 also logs INFO to stderr."""
+    log_dir = run_dir / "logs"
+    log_dir.mkdir(parents=True, exist_ok=True)
+    root = logging.getLogger()
+    root.setLevel(logging.INFO)
+    for h in list(root.handlers):
+        root.removeHandler(h)
+    fmt = logging.Formatter(f"%(asctime)s [rank{rank}] %(levelname)s %(name)s: %(message)s")
+    fh = logging.FileHandler(log_dir / f"rank{rank}.log")
+    fh.setFormatter(fmt)
+    root.addHandler(fh)
+    sh = logging.StreamHandler(sys.stderr)
+    sh.setFormatter(fmt)
+    # console: our INFO on rank 0, everyone's warnings; libraries' INFO chatter goes to the file only
+    sh.addFilter(lambda r: r.levelno >= (logging.WARNING if rank == 0 else logging.ERROR)
+                 or (rank == 0 and r.name.startswith("torchrec_herald")))
+    root.addHandler(sh)
+    logging.captureWarnings(True)  # library UserWarnings -> the rank's log file, not the console
+    warn_log = logging.getLogger("py.warnings")
+    warn_log.propagate = False
+    warn_log.handlers = [fh]
+    for noisy in ("torchrec.distributed.planner", "torchrec.distributed.utils",
+                  "torchrec.distributed.train_pipeline", "torchrec.distributed.embeddingbag"):
+        logging.getLogger(noisy).setLevel(logging.ERROR)
+
+
+def embedding_optimizer_setup(model: nn.Module, cfg: DictConfig) -> type:
+    """Fuse the embedding optimizer into TorchRec's TBE backward (``apply_optimizer_in_backward``);
+    returns the dense optimizer class."""
+    if cfg.name not in OPTIMIZERS:
+        raise ValueError(f"unknown optimizer.name {cfg.name!r}; expected one of {sorted(OPTIMIZERS)}")
+    emb_cls, dense_cls = OPTIMIZERS[cfg.name]
+    kwargs: Dict[str, Any] = {"lr": cfg.lr}
+    if cfg.name == "rowwise_adagrad":
+        kwargs["eps"] = cfg.eps
+    ebc = model.model.sparse_arch.embedding_bag_collection
+    apply_optimizer_in_backward(emb_cls, ebc.parameters(), kwargs)
+    return dense_cls
+
+
+def build_model_and_plan(cfg: DictConfig, data: DataSource, world_size: int, device: torch.device
+                         ) -> tuple[DistributedModelParallel, CombinedOptimizer, Dict[str, str]]:
+    """Seeded DLRM → stock plan (TorchRec's planner) → DMP with identical initial weights on every rank."""
+    tables = build_tables(data.feature_names, data.num_embeddings, cfg.model.embedding_dim, cfg.model.pooling)
+    model = build_dlrm_train(tables, data.num_dense, cfg.model.dense_arch, cfg.model.over_arch,
+                             seed=cfg.seed, device="cpu")
+    initial_state = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    dense_cls = embedding_optimizer_setup(model, cfg.optimizer)
+    sharders = [CpuEmbeddingBagCollectionSharder()]
+    if cfg.planner.name != "stock":
+        raise ValueError(f"unknown planner.name {cfg.planner.name!r}; expected 'stock'")
+    plan = stock_plan(model, tables, sharders, cfg.planner.mode, world_size, cfg.batch_size, device,
+                      dist.group.WORLD)
+    dmp = DistributedModelParallel(model, device=device, plan=plan, sharders=sharders,
+                                   data_parallel_wrapper=MeteredDataParallelWrapper(cfg.model.embedding_dim))
+    dmp.load_state_dict(initial_state)
+    dense_params = dict(in_backward_optimizer_filter(dmp.named_parameters()))
+    dense_opt = KeyedOptimizerWrapper(dense_params, lambda ps: dense_cls(ps, lr=cfg.optimizer.dense_lr))
+    return dmp, CombinedOptimizer([dmp.fused_optimizer, dense_opt]), describe_plan(plan)
+
+
+def _percentiles(xs: List[float]) -> Dict[str, float]:
+    if not xs:
+        return {}
+    t = torch.tensor(xs, dtype=torch.float64)
+    q = torch.quantile(t, torch.tensor([0.5, 0.9, 0.99], dtype=torch.float64))
+    return {"mean": t.mean().item(), "p50": q[0].item(), "p90": q[1].item(), "p99": q[2].item()}
+
+
+@torch.no_grad()
+def evaluate(dmp: DistributedModelParallel, batches: Iterator[Any], device: torch.device) -> Dict[str, float]:
+    """AUC (torchmetrics, synced over ranks) and mean logloss on the held-out split."""
+    from torchmetrics.classification import BinaryAUROC
+
+    auroc = BinaryAUROC().to(device)
+    loss_sum = torch.zeros(2, dtype=torch.float64)
+    dmp.eval()
+    for batch in batches:
+        _, (_, logits, labels) = dmp(batch.to(device))
+        logits, labels = logits.float().view(-1), labels.float().view(-1)
+        auroc.update(torch.sigmoid(logits), labels.long())
+        loss_sum += torch.tensor([nn.functional.binary_cross_entropy_with_logits(
+            logits, labels, reduction="sum").item(), labels.numel()], dtype=torch.float64)
+    dmp.train()
+    dist.all_reduce(loss_sum)
+    if loss_sum[1] == 0:
+        return {"auc": float("nan"), "logloss": float("nan"), "samples": 0}
+    return {"auc": auroc.compute().item(), "logloss": (loss_sum[0] / loss_sum[1]).item(),
+            "samples": int(loss_sum[1].item())}
+
+
+def run_training(cfg: DictConfig, run_dir: Path, show_progress: bool = True) -> Dict[str, Any]:
+    """Train on every rank of the (already or newly) initialised process group; rank 0 writes
+    ``run_dir/metrics.json`` and a plot. Returns the metrics dict (same on every rank)."""
+    rank, world, device = init_distributed()
+    run_dir = Path(run_dir)
+    setup_logging(run_dir, rank)
+    torch.manual_seed(cfg.seed)
+    data = build_data_source(cfg.data)
+    dmp, optimizer, plan = build_model_and_plan(cfg, data, world, device)
+    logger.info("world_size=%d local_batch=%d plan=%s", world, cfg.batch_size, plan)
+    if cfg.pipeline.name not in PIPELINES:
+        raise ValueError(f"unknown pipeline.name {cfg.pipeline.name!r}; expected one of {sorted(PIPELINES)}")
+    pipeline = PIPELINES[cfg.pipeline.name](dmp, optimizer, device)
+
+    losses: List[float] = []
+    step_times: List[float] = []
+    total_batches = getattr(data, "num_train_batches", None)
+    bar = tqdm(total=(total_batches * cfg.epochs if total_batches else None), desc="train", unit="step",
+               disable=not (show_progress and rank == 0), dynamic_ncols=True, file=sys.stderr)
+    meter = TrafficMeter(embedding_dim=cfg.model.embedding_dim)
+    train_start = time.perf_counter()
+    for epoch in range(cfg.epochs):
+        it = data.train_batches(rank, world, cfg.batch_size)
+        while True:
+            t0 = time.perf_counter()
+            try:
+                with meter:
+                    out = pipeline.progress(it)
+            except StopIteration:
+                break
+            loss = out[0].item()
+            step_times.append(time.perf_counter() - t0)
+            if not math.isfinite(loss):
+                raise FloatingPointError(f"loss became {loss} at step {len(losses)} (epoch {epoch})")
+            losses.append(loss)
+            bar.update(1)
+            if len(losses) % cfg.log_every == 0:
+                bar.set_postfix(loss=f"{sum(losses[-cfg.log_every:]) / cfg.log_every:.4f}")
+                logger.info("step %d loss %.5f", len(losses), loss)
+    train_time = time.perf_counter() - train_start
+    bar.close()
+    steps = len(losses)
+    if steps == 0:
+        raise RuntimeError("no training step ran: the data source yielded no full global batch")
+
+    traffic = reduce_summaries(meter.summary())
+    traffic_tags = reduce_summaries(meter.tag_summary())
+    per_step = {k: {m: v / steps for m, v in s.items()} for k, s in traffic.items()}
+    loss_t = torch.tensor(losses, dtype=torch.float64)
+    dist.all_reduce(loss_t)
+    loss_t /= world
+    if hasattr(pipeline, "detach"):
+        pipeline.detach()  # restore the forwards TrainPipelineSparseDist rewrote, for plain eval
+    eval_metrics = evaluate(dmp, data.eval_batches(rank, world, cfg.batch_size), device) if cfg.eval else {}
+    window = max(1, min(50, steps // 5))
+    metrics: Dict[str, Any] = {
+        "world_size": world,
+        "local_batch_size": cfg.batch_size,
+        "global_batch_size": world * cfg.batch_size,
+        "steps": steps,
+        "train_time_s": train_time,
+        "samples_per_s": steps * world * cfg.batch_size / train_time,
+        "step_time_s": _percentiles(step_times),
+        "train_logloss": loss_t[-window:].mean().item(),
+        "train_logloss_first": loss_t[:window].mean().item(),
+        "eval": eval_metrics,
+        "traffic_per_step": per_step,
+        "traffic_per_step_total": {m: sum(s[m] for s in per_step.values())
+                                   for m in ("calls", "bytes", "embedding_vectors")},
+        "traffic_per_step_by_tag": {k: {m: v / steps for m, v in s.items()} for k, s in traffic_tags.items()},
+        "plan": plan,
+        "data_stats": data.stats(),
+        "config": OmegaConf.to_container(cfg, resolve=True),
+    }
+    if rank == 0:
+        (run_dir / "metrics.json").write_text(json.dumps(metrics, indent=2))
+        (run_dir / "losses.json").write_text(json.dumps(loss_t.tolist()))
+        _plot(run_dir, loss_t.tolist(), per_step)
+        logger.info("wrote %s", run_dir / "metrics.json")
+    dist.barrier()
+    return metrics
+
+
+def _plot(run_dir: Path, losses: List[float], per_step: Dict[str, Dict[str, float]]) -> None:
+    """training.png: loss curve and traffic per step by collective kind."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (a, b) = plt.subplots(1, 2, figsize=(10, 3.5))
+    k = max(1, len(losses) // 50)
+    smooth = [sum(losses[i:i + k]) / len(losses[i:i + k]) for i in range(0, len(losses), k)]
+    a.plot([i * k for i in range(len(smooth))], smooth)
+    a.set(xlabel="step", ylabel="train logloss (mean over ranks)", title="loss")
+    kinds = list(per_step)
+    b.barh(kinds, [per_step[x]["bytes"] / 1024 for x in kinds])
+    b.set(xlabel="KiB per step (all ranks, sent to other ranks)", title="traffic by collective")
+    fig.tight_layout()
+    fig.savefig(run_dir / "training.png", dpi=100)
+    plt.close(fig)
+
+
+def format_metrics_table(metrics: Dict[str, Any]) -> str:
+    """Markdown table of the headline figures of one run."""
+    ev = metrics.get("eval", {})
+    tot = metrics["traffic_per_step_total"]
+    rows = [
+        ("ranks × local batch", f"{metrics['world_size']} × {metrics['local_batch_size']}"),
+        ("steps", metrics["steps"]),
+        ("samples/s", f"{metrics['samples_per_s']:.0f}"),
+        ("step time p50 / p90 (ms)", f"{metrics['step_time_s']['p50'] * 1e3:.1f} / "
+                                     f"{metrics['step_time_s']['p90'] * 1e3:.1f}"),
+        ("train logloss first → last", f"{metrics['train_logloss_first']:.4f} → {metrics['train_logloss']:.4f}"),
+        ("eval AUC", f"{ev.get('auc', float('nan')):.4f}"),
+        ("eval logloss", f"{ev.get('logloss', float('nan')):.4f}"),
+        ("KiB sent per step (all ranks)", f"{tot['bytes'] / 1024:.1f}"),
+        ("embedding vectors per step", f"{tot['embedding_vectors']:.0f}"),
+    ]
+    for kind, s in metrics["traffic_per_step"].items():
+        rows.append((f"  {kind} KiB/step", f"{s['bytes'] / 1024:.1f}"))
+    lines = ["| metric | value |", "|---|---|"] + [f"| {k} | {v} |" for k, v in rows]
+    return "\n".join(lines)
