@@ -263,6 +263,7 @@ class TrafficMeter:
 
         wrapper.__name__ = name
         wrapper.__wrapped__ = orig  # type: ignore[attr-defined]
+        wrapper._herald_meter = True  # type: ignore[attr-defined]
         return wrapper
 
 

@@ -1,0 +1,37 @@
+# One idempotent setup path for README's two commands and .ci/run.
+#   make run     set up .venv, then a 2-rank torchx launch of DLRM training on the default data
+#   make test    set up .venv, then the test suite
+#   make bench   set up .venv, then the stock benchmark (benchmarks/RESULTS.md)
+# CUDA machines: make setup FBGEMM=fbgemm-gpu  (torch==2.13.0 from PyPI is then the CUDA build)
+PYTHON ?= python3
+VENV   ?= .venv
+FBGEMM ?= fbgemm-gpu-cpu
+NPROC  ?= 2
+PIP    := $(VENV)/bin/python -m pip
+STAMP  := $(VENV)/.herald-installed
+
+.PHONY: setup run test bench clean
+
+setup: $(STAMP)
+
+$(STAMP): constraints.txt pyproject.toml Makefile
+	test -x $(VENV)/bin/python || $(PYTHON) -m venv $(VENV)
+	# torch first, pinned: a newer torch would pull CUDA wheels and break fbgemm 1.8's ABI
+	$(PIP) install -q -c constraints.txt torch==2.13.0 $(FBGEMM)==1.8.0
+	# torchrec's metadata requires the CUDA fbgemm-gpu: install it without deps, then its real deps
+	$(PIP) install -q --no-deps torchrec==1.8.0
+	$(PIP) install -q -c constraints.txt -e '.[test]'
+	$(VENV)/bin/python -c "import torch, fbgemm_gpu, torchrec, torchx, hydra; assert torch.__version__.startswith('2.13.0'), torch.__version__"
+	touch $(STAMP)
+
+run: setup
+	$(VENV)/bin/torchx run --log -s local_cwd torchrec_herald/components.py:train --nproc_per_node $(NPROC) $(ARGS)
+
+test: setup
+	$(VENV)/bin/python -m pytest -q $(PYTEST_ARGS)
+
+bench: setup
+	$(VENV)/bin/python benchmarks/bench_stock.py $(ARGS)
+
+clean:
+	rm -rf $(VENV) outputs

@@ -1,0 +1,305 @@
+"""Tests of the torchx component ``torchrec_herald/components.py:train``.
+
+Unit tests check the AppDef it returns (exact launcher argv, env, resources, multi-node bash
+command after torchx macro substitution). The ``slow`` end-to-end tests launch it for real with
+``torchx run -s local_cwd`` on 2 CPU ranks (as ``make run`` does) and are part of the default suite.
+"""
+
+import json
+import os
+import shutil
+import stat
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+from typing import List, Tuple
+
+import pytest
+import torchx.specs as specs
+from torchx.specs import file_linter, macros
+from torchx.specs.builders import materialize_appdef
+
+from torchrec_herald.components import train
+
+REPO = Path(__file__).resolve().parents[1]
+COMPONENT = "torchrec_herald/components.py:train"
+TORCHX = Path(sys.executable).parent / "torchx"  # the venv's torchx, not whatever is on PATH
+OVERRIDES = ("planner=table_wise", "data.num_train_batches=8")
+
+
+def node_view(role: specs.Role, app_id: str = "app-123") -> specs.Role:
+    """The role as a node receives it: torchx macros substituted (as the schedulers do)."""
+    values = macros.Values(img_root="", app_id=app_id, replica_id="0", rank0_env="TORCHX_RANK0_HOST")
+    return values.apply(role)
+
+
+# --------------------------------------------------------------------------- AppDef: single node
+
+
+def test_single_node_launcher_argv_exact() -> None:
+    app = train(*OVERRIDES)
+    assert isinstance(app, specs.AppDef)
+    assert app.name == "torchrec_herald"
+    assert len(app.roles) == 1
+    role = app.roles[0]
+    assert role.entrypoint == sys.executable
+    assert role.args == [
+        "-m", "torch.distributed.run",
+        "--nnodes", "1",
+        "--nproc_per_node", "2",
+        "--max_restarts", "0",
+        "--monitor_interval", "1",
+        "--rdzv_backend", "c10d",
+        "--rdzv_id", macros.app_id,
+        "--rdzv_endpoint", "localhost:0",
+        "-m", "torchrec_herald.train",
+        "planner=table_wise", "data.num_train_batches=8",
+    ]
+
+
+def test_single_node_args_structure() -> None:
+    overrides = ["data=criteo_tsv", "data.paths=[a.tsv,b.tsv]", "batch_size=64", "+extra='x y'"]
+    args = train(*overrides, nproc_per_node=3).roles[0].args
+    assert args[:2] == ["-m", "torch.distributed.run"]
+
+    def value(flag: str) -> str:
+        assert args.count(flag) == 1, flag
+        return args[args.index(flag) + 1]
+
+    assert value("--nproc_per_node") == "3"
+    assert value("--max_restarts") == "0"
+    assert value("--rdzv_endpoint") == "localhost:0"
+    # the module, then the Hydra overrides verbatim and in order, nothing after them
+    i = args.index("torchrec_herald.train")
+    assert args[i - 1] == "-m"
+    assert args[i + 1:] == overrides
+
+
+def test_single_node_no_overrides() -> None:
+    args = train().roles[0].args
+    assert args[-2:] == ["-m", "torchrec_herald.train"]
+
+
+def test_run_id_env_default_is_app_id_macro() -> None:
+    role = train().roles[0]
+    assert role.env["HERALD_RUN_ID"] == macros.app_id == "${app_id}"
+    # what the ranks see: the torchx app id
+    assert node_view(role, app_id="torchrec_herald-xyz").env["HERALD_RUN_ID"] == "torchrec_herald-xyz"
+
+
+def test_run_id_env_explicit() -> None:
+    role = train(run_id="my_run").roles[0]
+    assert role.env["HERALD_RUN_ID"] == "my_run"
+    assert node_view(role).env["HERALD_RUN_ID"] == "my_run"
+
+
+def test_env_extra_and_override() -> None:
+    env = train(env={"FOO": "1", "LOGLEVEL": "INFO"}).roles[0].env
+    assert env["FOO"] == "1"
+    assert env["LOGLEVEL"] == "INFO"  # user env wins over the component's defaults
+    assert env["OMP_NUM_THREADS"] == "1"
+    assert "HERALD_RUN_ID" in env
+
+
+def test_resources_replicas_and_names() -> None:
+    app = train(name="job", image="img:1", cpu=7, memMB=1234, nnodes=1)
+    role = app.roles[0]
+    assert app.name == "job"
+    assert role.name == "trainer"
+    assert role.image == "img:1"
+    assert role.num_replicas == 1
+    assert role.max_retries == 0
+    assert role.resource.cpu == 7
+    assert role.resource.memMB == 1234
+    assert role.resource.gpu == 0
+
+
+def test_named_resource_h() -> None:
+    name = next(iter(specs.named_resources))
+    role = train(h=name).roles[0]
+    assert role.resource == specs.get_named_resources(name)
+
+
+def test_python_option() -> None:
+    role = train(python="python3").roles[0]
+    assert role.entrypoint == "python3"
+    assert role.args[:2] == ["-m", "torch.distributed.run"]
+
+
+@pytest.mark.parametrize("kw", [{"nproc_per_node": 0}, {"nproc_per_node": -1}, {"nnodes": 0}])
+def test_invalid_sizes_raise(kw) -> None:
+    with pytest.raises(ValueError, match="must be >= 1"):
+        train(**kw)
+
+
+def test_component_lints_clean() -> None:
+    """``torchx run`` validates the component file: no linter messages."""
+    assert file_linter.validate(str(REPO / "torchrec_herald" / "components.py"), "train") == []
+
+
+def test_cli_materialization() -> None:
+    """How ``torchx run ... components.py:train --nproc_per_node 2 --run_id r <overrides>`` builds it."""
+    app = materialize_appdef(
+        train, ["--nproc_per_node", "2", "--run_id", "r", "planner=row_wise", "batch_size=64"]
+    )
+    role = app.roles[0]
+    assert role.env["HERALD_RUN_ID"] == "r"
+    assert role.args[role.args.index("--nproc_per_node") + 1] == "2"
+    assert role.args[-3:] == ["torchrec_herald.train", "planner=row_wise", "batch_size=64"]
+
+
+# --------------------------------------------------------------------------- AppDef: multi node
+
+
+def test_multi_node_bash_command() -> None:
+    role = train(*OVERRIDES, nnodes=2).roles[0]
+    assert role.entrypoint == "bash"
+    assert role.num_replicas == 2
+    assert role.args[0] == "-c"
+    assert len(role.args) == 2
+    assert role.port_map == {"c10d": 29500}
+
+    node = node_view(role, app_id="app-123")
+    cmd = node.args[1]
+    assert cmd.startswith(f"{sys.executable} -m torch.distributed.run ")
+    assert "--nnodes 2" in cmd
+    assert "--nproc_per_node 2" in cmd
+    assert "--max_restarts 0" in cmd
+    # rank 0's host: expanded by bash on the node from the scheduler's env var ($$ -> literal $)
+    assert "--rdzv_endpoint ${TORCHX_RANK0_HOST:=localhost}:29500 " in cmd
+    assert "$$" not in cmd and "${rank0_env}" not in cmd and "${app_id}" not in cmd
+    assert "app-123" in cmd  # --rdzv_id
+    assert cmd.endswith("-m torchrec_herald.train planner=table_wise data.num_train_batches=8")
+    assert node.env["HERALD_RUN_ID"] == "app-123"
+
+
+def test_multi_node_rdzv_port() -> None:
+    role = train(nnodes=3, rdzv_port=1234).roles[0]
+    cmd = node_view(role).args[1]
+    assert "--nnodes 3" in cmd
+    assert "${TORCHX_RANK0_HOST:=localhost}:1234" in cmd
+    assert role.port_map == {"c10d": 1234}
+
+
+def _argv_printer(tmp_path: Path) -> Path:
+    """A stand-in ``python`` that prints its argv one per line (NUL-free, so tests can split)."""
+    script = tmp_path / "fake python"  # a space: the interpreter path must be quoted too
+    script.write_text('#!/bin/sh\nfor a in "$@"; do printf "%s\\n" "$a"; done\n')
+    script.chmod(script.stat().st_mode | stat.S_IXUSR)
+    return script
+
+
+@pytest.mark.skipif(shutil.which("bash") is None, reason="needs bash")
+@pytest.mark.parametrize("rank0_host", [None, "node-0.example"])
+def test_multi_node_command_as_bash_runs_it(tmp_path: Path, rank0_host) -> None:
+    """Run the node's ``bash -c`` command with a fake interpreter: exact argv, endpoint expanded."""
+    overrides = ["planner=table_wise", "data.paths=[/d/a b.tsv,/d/c.tsv]", "+note='it''s'", "x=$HOME"]
+    fake = _argv_printer(tmp_path)
+    node = node_view(train(*overrides, nnodes=2, python=str(fake)).roles[0], app_id="app-7")
+    env = {k: v for k, v in os.environ.items() if k != "TORCHX_RANK0_HOST"}
+    if rank0_host:
+        env["TORCHX_RANK0_HOST"] = rank0_host
+    out = subprocess.run(
+        [node.entrypoint, *node.args], env=env, capture_output=True, text=True, check=True, timeout=30
+    )
+    argv = out.stdout.splitlines()
+    assert argv == [
+        "-m", "torch.distributed.run",
+        "--nnodes", "2",
+        "--nproc_per_node", "2",
+        "--max_restarts", "0",
+        "--monitor_interval", "1",
+        "--rdzv_backend", "c10d",
+        "--rdzv_id", "app-7",
+        "--rdzv_endpoint", f"{rank0_host or 'localhost'}:29500",
+        "-m", "torchrec_herald.train",
+        *overrides,  # verbatim: spaces, quotes and $ survive the shell
+    ]
+
+
+# --------------------------------------------------------------------------- end to end (slow)
+
+
+def _launch(run_id: str, *overrides: str, timeout: float) -> Tuple[subprocess.CompletedProcess, float]:
+    assert TORCHX.exists(), TORCHX
+    cmd: List[str] = [
+        str(TORCHX), "run", "--log", "-s", "local_cwd", COMPONENT,
+        "--nproc_per_node", "2", "--run_id", run_id, *overrides,
+    ]
+    env = {k: v for k, v in os.environ.items() if k not in ("HERALD_RUN_ID", "RANK", "WORLD_SIZE")}
+    t0 = time.monotonic()
+    # local_cwd runs the job in the cwd: it must be the repo root
+    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
+    return proc, time.monotonic() - t0
+
+
+def _combined(proc: subprocess.CompletedProcess) -> str:
+    return proc.stdout + proc.stderr
+
+
+@pytest.fixture
+def run_id():
+    rid = f"pytest-{uuid.uuid4().hex[:12]}"
+    yield rid
+    shutil.rmtree(REPO / "outputs" / rid, ignore_errors=True)
+
+
+@pytest.mark.slow
+def test_e2e_torchx_local_cwd_two_ranks(run_id: str) -> None:
+    proc, elapsed = _launch(
+        run_id, "data.num_train_batches=8", "data.num_eval_batches=2", "batch_size=64", timeout=120
+    )
+    out = _combined(proc)
+    assert proc.returncode == 0, out[-6000:]
+    assert "| eval AUC |" in out
+    assert "| steps | 8 |" in out
+    run_dir = REPO / "outputs" / run_id
+    assert f"metrics: {run_dir / 'metrics.json'}" in out
+
+    metrics = json.loads((run_dir / "metrics.json").read_text())
+    assert metrics["steps"] == 8
+    assert metrics["world_size"] == 2
+    assert metrics["local_batch_size"] == 64
+    assert metrics["global_batch_size"] == 128
+    assert metrics["eval"]["samples"] == 2 * 128
+    assert 0.0 <= metrics["eval"]["auc"] <= 1.0
+    assert metrics["eval"]["logloss"] > 0
+    assert metrics["samples_per_s"] > 0
+    assert set(metrics["plan"]) == {f"t_cat_{i}" for i in range(26)}
+    assert metrics["traffic_per_step_total"]["bytes"] > 0
+    # the Hydra overrides reached the ranks
+    assert metrics["config"]["data"]["num_train_batches"] == 8
+    assert metrics["config"]["batch_size"] == 64
+    # both ranks wrote into the one shared run dir
+    for r in (0, 1):
+        assert (run_dir / "logs" / f"rank{r}.log").is_file()
+        assert (run_dir / ".hydra" / f"rank{r}" / "config.yaml").is_file()
+    print(f"e2e launch took {elapsed:.1f} s")
+
+
+@pytest.mark.slow
+def test_e2e_fail_fast_missing_file(run_id: str) -> None:
+    proc, elapsed = _launch(run_id, "data=criteo_tsv", "data.paths=/nonexistent/x.tsv", timeout=60)
+    out = _combined(proc)
+    assert proc.returncode != 0, out[-6000:]
+    # the failing rank's error is shown
+    assert "No such file or directory" in out, out[-6000:]
+    assert "/nonexistent/x.tsv" in out
+    assert elapsed < 60
+    print(f"fail-fast launch took {elapsed:.1f} s")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "override, message",
+    [("foo=1", "Key 'foo' is not in struct"), ("planner=bogus", "Could not find 'planner/bogus'")],
+)
+def test_e2e_bad_hydra_override(run_id: str, override: str, message: str) -> None:
+    proc, elapsed = _launch(run_id, override, timeout=60)
+    out = _combined(proc)
+    assert proc.returncode != 0, out[-6000:]
+    assert message in out, out[-6000:]
+    assert not (REPO / "outputs" / run_id / "metrics.json").exists()
+    print(f"{override} launch took {elapsed:.1f} s")

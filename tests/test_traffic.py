@@ -1,0 +1,149 @@
+"""TrafficMeter counts what TorchRec itself sends, by the documented per-collective formulas."""
+
+from __future__ import annotations
+
+from typing import Any, Dict
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from torchrec_herald.dist_utils import run_multiprocess
+from torchrec_herald.traffic import TrafficMeter, reduce_summaries
+
+
+def _collectives(rank: int, world: int) -> Dict[str, Any]:
+    """Each collective once on a known payload; returns this rank's meter summary."""
+    n = 10  # float32 elements -> 40 bytes
+    with TrafficMeter(embedding_dim=5) as meter:
+        dist.all_reduce(torch.ones(n))
+        dist.reduce_scatter_tensor(torch.empty(n), torch.ones(n * world))
+        dist.all_gather_into_tensor(torch.empty(n * world), torch.ones(n))
+        dist.all_gather([torch.empty(n) for _ in range(world)], torch.ones(n))
+        dist.broadcast(torch.ones(n), src=0)
+        # uneven splits: rank r sends (j + 1) rows of width 3 to rank j
+        splits = [j + 1 for j in range(world)]
+        out_splits = [rank + 1] * world
+        dist.all_to_all_single(torch.empty(sum(out_splits), 3), torch.ones(sum(splits), 3),
+                               out_splits, splits)
+        w = dist.all_reduce(torch.ones(n, dtype=torch.int64), async_op=True)
+        w.wait()
+        with meter.tag("hot", dim=2):
+            dist.all_reduce(torch.ones(4))
+        dist.barrier()
+    return {"summary": meter.summary(), "tags": meter.tag_summary()}
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_collective_byte_formulas_exact(world: int) -> None:
+    res = run_multiprocess(_collectives, world)
+    for rank, r in enumerate(res):
+        s = r["summary"]
+        nb = 40
+        # all_reduce: ring 2(W-1)/W*N for the float payload, the int64 one (80 B), and the tagged 16 B one
+        assert s["all_reduce"]["calls"] == 3
+        assert s["all_reduce"]["bytes"] == (2 * (world - 1) * nb) // world + (2 * (world - 1) * 80) // world \
+            + (2 * (world - 1) * 16) // world
+        # only the tagged all_reduce counts embedding vectors (dim 2, float32)
+        assert s["all_reduce"]["embedding_vectors"] == pytest.approx(((2 * (world - 1) * 16) // world) / 8)
+        assert s["reduce_scatter_tensor"] == {"calls": 1, "bytes": ((world - 1) * nb * world) // world,
+                                              "embedding_vectors": ((world - 1) * nb) / 20}
+        assert s["all_gather_into_tensor"]["bytes"] == (world - 1) * nb
+        assert s["all_gather"]["bytes"] == (world - 1) * nb
+        assert s["broadcast"]["bytes"] == ((world - 1) * nb if rank == 0 else 0)
+        rows_out = sum(j + 1 for j in range(world) if j != rank)
+        assert s["all_to_all_single"]["bytes"] == rows_out * 3 * 4
+        assert s["barrier"] == {"calls": 1, "bytes": 0, "embedding_vectors": 0.0}
+        assert r["tags"] == {"hot": {"calls": 1, "bytes": (2 * (world - 1) * 16) // world,
+                                     "embedding_vectors": ((2 * (world - 1) * 16) // world) / 8}}
+
+
+def _meter_is_inactive_outside(rank: int, world: int) -> Dict[str, Any]:
+    meter = TrafficMeter()
+    with meter:
+        dist.all_reduce(torch.ones(4))
+    dist.all_reduce(torch.ones(4))  # not counted: outside the block
+    with TrafficMeter() as outer:
+        with TrafficMeter() as inner:
+            dist.all_reduce(torch.ones(4))
+        dist.all_reduce(torch.ones(4))
+    import torch.distributed.distributed_c10d as c10d
+
+    unpatched = not any(getattr(f, "_herald_meter", False) for f in (dist.all_reduce, c10d.all_reduce))
+    return {"meter": meter.total(), "outer": outer.total(), "inner": inner.total(),
+            "unpatched": unpatched,
+            "reduced": reduce_summaries(meter.summary())}
+
+
+def test_meters_nest_and_unpatch() -> None:
+    res = run_multiprocess(_meter_is_inactive_outside, 2)
+    for r in res:
+        assert r["meter"] == {"calls": 1, "bytes": 16, "embedding_vectors": 0.0}
+        assert r["inner"]["calls"] == 1 and r["outer"]["calls"] == 2
+        assert r["unpatched"]
+        assert r["reduced"] == {"all_reduce": {"calls": 2, "bytes": 32, "embedding_vectors": 0.0}}
+
+
+# --------------------------------------------------------------------------- TorchRec's own collectives
+B, D, FEATURES, ROWS = 4, 8, ["f0", "f1", "f2", "f3"], [40, 30, 20, 10]
+
+
+def _table_wise_step(rank: int, world: int) -> Dict[str, Any]:
+    from torchrec.datasets.utils import Batch
+    from torchrec.distributed import DistributedModelParallel
+    from torchrec.optim import apply_optimizer_in_backward
+
+    from torchrec_herald.data import kjt_from_ids
+    from torchrec_herald.model import build_dlrm_train, build_tables
+    from torchrec_herald.planner.stock import describe_plan, stock_plan
+    from torchrec_herald.sharding import CpuEmbeddingBagCollectionSharder
+    from torchrec_herald.traffic import MeteredDataParallelWrapper
+
+    tables = build_tables(FEATURES, ROWS, D)
+    model = build_dlrm_train(tables, 3, [8, D], [8, 1], device="cpu")
+    apply_optimizer_in_backward(torch.optim.SGD, model.model.sparse_arch.embedding_bag_collection.parameters(),
+                                {"lr": 0.1})
+    sharders = [CpuEmbeddingBagCollectionSharder()]
+    plan = stock_plan(model, tables, sharders, "table_wise", world, B, torch.device("cpu"), dist.group.WORLD)
+    dmp = DistributedModelParallel(model, device=torch.device("cpu"), plan=plan, sharders=sharders,
+                                   data_parallel_wrapper=MeteredDataParallelWrapper(D))
+    g = torch.Generator().manual_seed(rank)
+    ids = torch.stack([torch.randint(0, n, (B,), generator=g) for n in ROWS])
+    batch = Batch(torch.rand(B, 3, generator=g), kjt_from_ids(FEATURES, ids), torch.ones(B))
+    owned = sum(1 for t in tables if plan.plan["model.sparse_arch.embedding_bag_collection"][t.name]
+                .ranks == [rank])
+    with TrafficMeter(embedding_dim=D) as fwd:
+        loss, _ = dmp(batch)
+    with TrafficMeter(embedding_dim=D) as bwd:
+        loss.backward()
+    dense_bytes = sum(p.numel() * p.element_size() for n, p in dmp.named_parameters()
+                      if "embedding_bag_collection" not in n)
+    return {"fwd": fwd.summary(), "bwd": bwd.summary(), "bwd_tags": bwd.tag_summary(), "owned": owned,
+            "plan": describe_plan(plan), "dense_bytes": dense_bytes}
+
+
+def test_meter_sees_torchrec_table_wise_all_to_all_exactly() -> None:
+    """TABLE_WISE, 2 ranks: the pooled output all-to-all sends each remote sample's pooled vector of
+    every locally owned feature; backward sends the same volume of gradients the other way."""
+    world = 2
+    res = run_multiprocess(_table_wise_step, world)
+    assert set(res[0]["plan"].values()) == {"table_wise"}
+    assert sum(r["owned"] for r in res) == len(FEATURES)
+    f32 = 4
+    fwd_float, bwd_float = [], []
+    for rank, r in enumerate(res):
+        fwd_a2a = r["fwd"]["all_to_all_single"]
+        # per rank: its owned features' pooled vectors for the (W-1)*B remote samples
+        expect_fwd_vectors = (world - 1) * B * r["owned"]
+        assert fwd_a2a["embedding_vectors"] == expect_fwd_vectors
+        fwd_float.append(fwd_a2a["embedding_vectors"] * D * f32)
+        bwd_a2a = r["bwd"]["all_to_all_single"]
+        # backward: gradients of this rank's B samples for the features owned by the other rank
+        assert bwd_a2a["embedding_vectors"] == B * (len(FEATURES) - r["owned"])
+        bwd_float.append(bwd_a2a["embedding_vectors"] * D * f32)
+        # the dense (DDP) gradient all-reduce is seen too: ring 2(W-1)/W * dense param bytes
+        assert r["bwd_tags"]["dense_allreduce"]["bytes"] == (2 * (world - 1) * r["dense_bytes"]) // world
+        assert r["bwd"]["all_reduce"]["bytes"] == r["bwd_tags"]["dense_allreduce"]["bytes"]
+    # the issue's hand formula, per rank on average: B * features * dim * 4 * (W-1)/W
+    assert sum(fwd_float) / world == B * len(FEATURES) * D * f32 * (world - 1) / world
+    assert sum(bwd_float) / world == B * len(FEATURES) * D * f32 * (world - 1) / world
