@@ -117,9 +117,9 @@ def test_resources_replicas_and_names() -> None:
 
 
 def test_named_resource_h() -> None:
-    name = next(iter(specs.named_resources))
-    role = train(h=name).roles[0]
-    assert role.resource == specs.get_named_resources(name)
+    role = train(h="aws_t3.medium", cpu=99, memMB=99).roles[0]  # h wins over cpu/memMB
+    assert role.resource == specs.get_named_resources("aws_t3.medium")
+    assert role.resource.cpu == 2
 
 
 def test_python_option() -> None:
@@ -285,7 +285,7 @@ def test_e2e_fail_fast_missing_file(run_id: str) -> None:
     out = _combined(proc)
     assert proc.returncode != 0, out[-6000:]
     # the failing rank's error is shown
-    assert "No such file or directory" in out, out[-6000:]
+    assert "FileNotFoundError: data file(s) not found: /nonexistent/x.tsv" in out, out[-6000:]
     assert "/nonexistent/x.tsv" in out
     assert elapsed < 60
     print(f"fail-fast launch took {elapsed:.1f} s")

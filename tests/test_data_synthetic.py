@@ -136,7 +136,7 @@ def test_build_from_hydra_yaml() -> None:
     src = build_data_source(cfg)
     assert isinstance(src, SyntheticCriteo)
     assert (src.seed, src.scale, src.zipf_alpha, src.num_train_batches, src.num_eval_batches) == (
-        0, 0.01, DEFAULT_ZIPF_ALPHA, 200, 20,
+        0, 0.01, DEFAULT_ZIPF_ALPHA, 1000, 20,
     )  # fmt: skip
     assert src.stats() == {"skipped_lines": 0, "dropped_tail_samples": 0}
 

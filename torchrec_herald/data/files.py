@@ -75,6 +75,9 @@ class FileSource(DataSource, Generic[Sample]):
             raise ValueError(f"on_error must be 'raise' or 'skip', got {on_error!r}")
         if not self.eval_paths and int(holdout_every) < 2:
             raise ValueError(f"holdout_every must be >= 2 without eval_paths, got {holdout_every}")
+        missing = [p for p in [*self.paths, *self.eval_paths] if not os.path.isfile(p)]
+        if missing:  # fail before the model is built and sharded, on every rank alike
+            raise FileNotFoundError(f"data file(s) not found: {', '.join(map(str, missing))}")
         self.holdout_every, self.on_error = int(holdout_every), on_error
         self._skipped: Set[Tuple[str, Union[int, str]]] = set()
         self._dropped: Dict[str, int] = {"train": 0, "eval": 0}

@@ -1,0 +1,131 @@
+"""Tests of the Hydra configs in ``torchrec_herald/conf`` through Hydra's compose API."""
+
+import itertools
+from typing import List, Optional
+
+import pytest
+from hydra import compose, initialize_config_module
+from hydra.errors import ConfigCompositionException, MissingConfigException
+from omegaconf import DictConfig, OmegaConf
+
+from torchrec_herald.data import build_data_source
+
+CONFIG_MODULE = "torchrec_herald.conf"
+
+GROUPS = {
+    "data": ["synthetic", "criteo_tsv", "columnar"],
+    "planner": ["stock", "table_wise", "row_wise"],
+    "pipeline": ["sparse_dist", "base"],
+    "optimizer": ["rowwise_adagrad", "sgd"],
+}
+PLANNER_MODE = {"stock": "default"}  # planner option -> planner.mode (others: the option's name)
+
+
+def load(overrides: Optional[List[str]] = None) -> DictConfig:
+    with initialize_config_module(config_module=CONFIG_MODULE, version_base="1.3"):
+        return compose(config_name="train", overrides=overrides or [])
+
+
+def test_group_options_on_disk_are_the_tested_ones() -> None:
+    """A new yaml in a group must be added to GROUPS (and so gets composed below)."""
+    from importlib import resources
+
+    conf = resources.files(CONFIG_MODULE)
+    for group, options in GROUPS.items():
+        on_disk = sorted(p.name[:-5] for p in (conf / group).iterdir() if p.name.endswith(".yaml"))
+        assert on_disk == sorted(options), group
+
+
+@pytest.mark.parametrize(
+    "group, option", [(g, o) for g, options in GROUPS.items() for o in options]
+)
+def test_every_group_option_composes(group: str, option: str) -> None:
+    cfg = load([f"{group}={option}"])
+    assert group in cfg
+    # everything that is set resolves (??? values such as data.paths stay missing)
+    OmegaConf.to_container(cfg, resolve=True, throw_on_missing=False)
+    node = cfg[group]
+    if group == "planner":  # every planner option is the stock planner in some mode
+        assert node.name == "stock"
+        assert node.mode == PLANNER_MODE.get(option, option)
+    else:
+        assert node.name == option
+
+
+def test_all_group_combinations_compose() -> None:
+    with initialize_config_module(config_module=CONFIG_MODULE, version_base="1.3"):
+        for combo in itertools.product(*GROUPS.values()):
+            overrides = [f"{g}={o}" for g, o in zip(GROUPS, combo)]
+            cfg = compose(config_name="train", overrides=overrides)
+            for g, o in zip(GROUPS, combo):
+                assert (cfg[g].mode if g == "planner" else cfg[g].name) == PLANNER_MODE.get(o, o)
+
+
+def test_defaults() -> None:
+    cfg = load()
+    assert cfg.data.name == "synthetic"
+    assert cfg.planner.name == "stock"
+    assert cfg.planner.mode == "default"
+    assert cfg.optimizer.name == "rowwise_adagrad"
+    assert cfg.pipeline.name == "sparse_dist"
+    assert cfg.batch_size == 256
+    assert cfg.epochs == 1
+    assert cfg.eval is True
+    assert not OmegaConf.missing_keys(cfg)  # the default config runs as is
+
+
+def test_dense_arch_ends_with_embedding_dim() -> None:
+    cfg = load()
+    assert cfg.model.dense_arch[-1] == cfg.model.embedding_dim
+    assert cfg.model.over_arch[-1] == 1
+
+
+def test_overrides_apply() -> None:
+    cfg = load(["batch_size=64", "data.num_train_batches=8", "planner=row_wise", "optimizer.lr=0.5"])
+    assert cfg.batch_size == 64
+    assert cfg.data.num_train_batches == 8
+    assert cfg.planner.mode == "row_wise"
+    assert cfg.optimizer.lr == 0.5
+
+
+@pytest.mark.parametrize("key", ["foo", "data.foo", "data.num_train_batches_typo"])
+def test_unknown_key_is_rejected(key: str) -> None:
+    with pytest.raises(ConfigCompositionException) as e:
+        load([f"{key}=1"])
+    msg = str(e.value) + str(e.value.__cause__ or "")
+    assert key.split(".")[-1] in msg
+
+
+def test_unknown_top_key_message() -> None:
+    with pytest.raises(ConfigCompositionException) as e:
+        load(["foo=1"])
+    assert "Key 'foo' is not in struct" in str(e.value) + str(e.value.__cause__ or "")
+
+
+def test_key_of_other_data_source_is_rejected() -> None:
+    """criteo_tsv has no num_train_batches (synthetic only)."""
+    with pytest.raises(ConfigCompositionException, match="num_train_batches"):
+        load(["data=criteo_tsv", "data.num_train_batches=8"])
+
+
+@pytest.mark.parametrize("group", list(GROUPS))
+def test_unknown_group_option_is_rejected(group: str) -> None:
+    with pytest.raises(MissingConfigException) as e:
+        load([f"{group}=bogus"])
+    assert f"Could not find '{group}/bogus'" in str(e.value)
+
+
+def test_default_data_source_has_26_features() -> None:
+    cfg = load()
+    src = build_data_source(cfg.data)
+    assert len(src.feature_names) == 26
+    assert len(src.num_embeddings) == 26
+    assert src.num_dense == 13
+
+
+def test_file_sources_need_paths() -> None:
+    for option in ("criteo_tsv", "columnar"):
+        cfg = load([f"data={option}"])
+        assert "data.paths" in OmegaConf.missing_keys(cfg)
+        with pytest.raises(ValueError, match="mandatory value missing"):
+            build_data_source(cfg.data)
