@@ -19,6 +19,7 @@ import re
 import sys
 import tempfile
 import time
+from collections import Counter
 from pathlib import Path
 from typing import Any, Dict, List
 
@@ -54,22 +55,27 @@ def run(world_sizes: List[int], steps: int, extra: List[str]) -> List[Dict[str, 
 
 
 def markdown(rows: List[Dict[str, Any]], command: str) -> str:
-    head = ("| config | ranks | KiB/step (all ranks) | emb. vectors/step | " + " | ".join(
-        f"{k} KiB" for k in KINDS) + " | samples/s | eval AUC | eval logloss |")
-    lines = [f"Command: `{command}`", "", head, "|" + "---|" * (7 + len(KINDS))]
+    head = ("| config | ranks | plan | KiB/step (all ranks) | embedding KiB/step | emb. vectors/step | "
+            + " | ".join(f"{k} KiB" for k in KINDS) + " | samples/s | eval AUC | eval logloss |")
+    lines = [f"Command: `{command}`", "", head, "|" + "---|" * (9 + len(KINDS))]
     for r in rows:
         m = r["metrics"]
         per = m["traffic_per_step"]
         kinds = " | ".join(f"{per.get(k, {}).get('bytes', 0) / 1024:.1f}" for k in KINDS)
-        lines.append(f"| {r['config']} | {r['world_size']} | {m['traffic_per_step_total']['bytes'] / 1024:.1f} | "
-                     f"{m['traffic_per_step_total']['embedding_vectors']:.0f} | {kinds} | "
+        plan = " + ".join(f"{n} {t}" for t, n in sorted(Counter(m["plan"].values()).items()))
+        vectors = m["traffic_per_step_total"]["embedding_vectors"]
+        emb_kib = vectors * m["config"]["model"]["embedding_dim"] * 4 / 1024
+        lines.append(f"| {r['config']} | {r['world_size']} | {plan} | "
+                     f"{m['traffic_per_step_total']['bytes'] / 1024:.1f} | {emb_kib:.1f} | {vectors:.0f} | {kinds} | "
                      f"{m['samples_per_s']:.0f} | {m['eval']['auc']:.4f} | {m['eval']['logloss']:.4f} |")
     cfg = rows[0]["metrics"]["config"]
     lines += ["", f"Data: synthetic Criteo-calibrated (scale {cfg['data']['scale']}, zipf_alpha "
                   f"{cfg['data']['zipf_alpha']}, seed {cfg['data']['seed']}), local batch {cfg['batch_size']}, "
                   f"{rows[0]['metrics']['steps']} steps, dim {cfg['model']['embedding_dim']}, "
                   f"{cfg['optimizer']['name']}. KiB/step = bytes all ranks send to other ranks per step "
-                  f"(TrafficMeter formulas); all_reduce = DDP dense grads + DATA_PARALLEL tables. "
+                  f"(TrafficMeter formulas); embedding KiB = embedding vectors (pooled outputs, their gradients, "
+                  f"DATA_PARALLEL table gradient rows) × dim × 4 B; all_reduce = DDP dense grads + DATA_PARALLEL "
+                  f"tables. "
                   f"Machine: {platform.machine()}, {os.cpu_count()} cores, one torch thread per rank, gloo."]
     return "\n".join(lines)
 
