@@ -17,6 +17,7 @@ from torchrec_herald.data.columnar import ColumnarSource
 from torchrec_herald.data.criteo_tsv import CriteoTSV
 from torchrec_herald.data.files import FileSource
 from torchrec_herald.data.synthetic import (
+    CALIBRATION_MIN_ROWS,
     DEFAULT_ZIPF_ALPHA,
     SyntheticCriteo,
     calibrate_zipf_alpha,
@@ -29,6 +30,7 @@ __all__ = [
     "CRITEO_KAGGLE_CARDINALITIES",
     "ColumnarSource",
     "CriteoTSV",
+    "CALIBRATION_MIN_ROWS",
     "DEFAULT_ZIPF_ALPHA",
     "DataFormatError",
     "DataSource",
