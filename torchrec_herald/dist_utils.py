@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import datetime
+import io
 import logging
 import os
 import queue as queue_mod
@@ -59,7 +60,9 @@ def _worker(rank: int, world_size: int, port: int, fn: Callable[..., Any], args:
         dist.init_process_group("gloo", rank=rank, world_size=world_size,
                                 timeout=datetime.timedelta(seconds=300))
         result = fn(rank, world_size, *args)
-        queue.put((rank, "ok", result))
+        buf = io.BytesIO()  # by value: tensors sent through the queue would share fds that die with us
+        torch.save(result, buf)
+        queue.put((rank, "ok", buf.getvalue()))
     except BaseException as e:  # report to the parent, which raises
         queue.put((rank, "error", f"{type(e).__name__}: {e}\n{traceback.format_exc()}"))
     finally:
@@ -101,7 +104,7 @@ def run_multiprocess(fn: Callable[..., Any], world_size: int, *args: Any,
                 continue
             if status == "error":
                 raise RuntimeError(f"rank {rank} failed: {payload}")
-            results[rank] = payload
+            results[rank] = torch.load(io.BytesIO(payload), weights_only=False)
             pending.discard(rank)
     finally:
         for p in procs:

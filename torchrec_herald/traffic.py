@@ -315,11 +315,18 @@ class MeteredDataParallelWrapper:
             module.register_comm_hook(module.process_group, _tagged_allreduce_hook(allreduce_hook, label, dim))
 
 
+@contextlib.contextmanager
+def traffic_tag(label: str, dim: Optional[int] = None) -> Iterator[None]:
+    """Tag the collectives inside the block on every active TrafficMeter (a no-op when none is)."""
+    with contextlib.ExitStack() as stack:
+        for meter in list(TrafficMeter._active):
+            stack.enter_context(meter.tag(label, dim))
+        yield
+
+
 def _tagged_allreduce_hook(hook: Callable[..., Any], label: str, dim: Optional[int]) -> Callable[..., Any]:
     def tagged(state: Any, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
-        with contextlib.ExitStack() as stack:
-            for meter in list(TrafficMeter._active):
-                stack.enter_context(meter.tag(label, dim))
+        with traffic_tag(label, dim):
             return hook(state, bucket)
 
     # DDP inspects the hook's annotations; postponed (string) annotations would not match.

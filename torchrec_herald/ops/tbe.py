@@ -1,0 +1,42 @@
+"""fbgemm TBE construction for herald's two storages: fused cold shards and dense hot replicas."""
+
+from __future__ import annotations
+
+from typing import Any, Dict
+
+import torch
+from fbgemm_gpu.split_embedding_configs import EmbOptimType
+from fbgemm_gpu.split_table_batched_embeddings_ops_common import EmbeddingLocation, PoolingMode
+from fbgemm_gpu.split_table_batched_embeddings_ops_training import (
+    ComputeDevice,
+    DenseTableBatchedEmbeddingBagsCodegen,
+    SplitTableBatchedEmbeddingBagsCodegen,
+)
+
+#: embedding optimizers herald reproduces exactly on the hot replicas
+SUPPORTED_OPTIMIZERS = (EmbOptimType.EXACT_SGD, EmbOptimType.EXACT_ROWWISE_ADAGRAD)
+
+
+def fused_cold_tbe(rows: int, dim: int, fused_params: Dict[str, Any], device: torch.device
+                   ) -> SplitTableBatchedEmbeddingBagsCodegen:
+    """One-table SUM-pooling TBE over this rank's concatenated cold blocks, optimizer fused into
+    backward (exactly TorchRec's fused kernel: every cold row lives on one rank only)."""
+    opt = fused_params["optimizer"]
+    on_cuda = device.type == "cuda"
+    kwargs: Dict[str, Any] = {"optimizer": opt, "learning_rate": fused_params.get("learning_rate", 0.01)}
+    if opt == EmbOptimType.EXACT_ROWWISE_ADAGRAD:
+        kwargs["eps"] = fused_params.get("eps", 1e-8)
+    return SplitTableBatchedEmbeddingBagsCodegen(
+        embedding_specs=[(max(rows, 1), dim, EmbeddingLocation.DEVICE if on_cuda else EmbeddingLocation.HOST,
+                          ComputeDevice.CUDA if on_cuda else ComputeDevice.CPU)],
+        pooling_mode=PoolingMode.SUM,
+        device=device,
+        **kwargs,
+    )
+
+
+def dense_hot_tbe(rows: int, dim: int, device: torch.device) -> DenseTableBatchedEmbeddingBagsCodegen:
+    """One-table SUM-pooling dense TBE over the hot replica buffer (autograd gives its weight grad,
+    which herald all-reduces before applying the optimizer itself)."""
+    return DenseTableBatchedEmbeddingBagsCodegen(
+        embedding_specs=[(max(rows, 1), dim)], pooling_mode=PoolingMode.SUM, use_cpu=device.type != "cuda")

@@ -1,0 +1,427 @@
+"""Herald's sharded EmbeddingBagCollection: hot rows replicated, cold rows row-wise with variable-size dists.
+
+P²RES two-fold parallelism as a TorchRec ``ShardedModule``: every rank looks its hot ids up in a local
+replica (hot-row gradients are all-reduced *before* one optimizer update that every replica applies
+identically), and ships only its remote *cold* ids to their owners, which return one partial pooled
+vector per non-empty (owner, feature, sample) sub-bag — and receive only those vectors' gradients.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import Any, Dict, Iterator, List, Optional, Tuple
+
+import torch
+import torch.distributed as dist
+from fbgemm_gpu.split_embedding_configs import EmbOptimType
+from torch import nn
+from torchrec.distributed.comm_ops import get_gradient_division
+from torchrec.distributed.types import (
+    Awaitable,
+    LazyAwaitable,
+    LazyNoWait,
+    NoWait,
+    ParameterSharding,
+    ShardedModule,
+    ShardingEnv,
+)
+from torchrec.distributed.utils import convert_to_fbgemm_types, merge_fused_params, optimizer_type_to_emb_opt_type
+from torchrec.modules.embedding_configs import PoolingType
+from torchrec.modules.embedding_modules import EmbeddingBagCollection
+from torchrec.optim.fused import EmptyFusedOptimizer, FusedOptimizer, FusedOptimizerModule
+from torchrec.sparse.jagged_tensor import KeyedJaggedTensor, KeyedTensor
+from torchrec.streamable import Multistreamable
+
+from torchrec_herald.ops.hot_cold import (
+    HotColdSplit,
+    first_invalid_id,
+    local_block_rows,
+    offsets_from_lengths,
+    row_block_sizes,
+    split_hot_cold,
+)
+from torchrec_herald.ops.tbe import SUPPORTED_OPTIMIZERS, dense_hot_tbe, fused_cold_tbe
+from torchrec_herald.sharding.types import HERALD_HOT_ROW_WISE, HotSpec, hot_spec_of
+from torchrec_herald.traffic import traffic_tag
+
+logger = logging.getLogger(__name__)
+
+
+class _VariableAllToAll(torch.autograd.Function):
+    """all_to_all_single of rows with per-rank counts; backward sends the gradients the other way.
+    (Written by hand: TorchRec's pooled all-to-alls assume a fixed number of rows per sample.)"""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, send: List[int], recv: List[int], pg: dist.ProcessGroup,
+                labels: Tuple[str, str], dim: int) -> torch.Tensor:  # type: ignore[override]
+        ctx.send, ctx.recv, ctx.pg, ctx.labels, ctx.dim = send, recv, pg, labels, dim
+        out = x.new_empty((sum(recv),) + tuple(x.shape[1:]))
+        with traffic_tag(labels[0], dim):
+            dist.all_to_all_single(out, x.contiguous(), recv, send, group=pg)
+        return out
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> Tuple[Optional[torch.Tensor], ...]:  # type: ignore[override]
+        out = grad.new_empty((sum(ctx.send),) + tuple(grad.shape[1:]))
+        with traffic_tag(ctx.labels[1], ctx.dim):
+            dist.all_to_all_single(out, grad.contiguous(), ctx.send, ctx.recv, group=ctx.pg)
+        return out, None, None, None, None, None
+
+
+class _ScaleGrad(torch.autograd.Function):
+    """Identity forward; backward multiplies the gradient by ``scale`` (TorchRec's gradient division)."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, scale: float) -> torch.Tensor:  # type: ignore[override]
+        ctx.scale = scale
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> Tuple[Optional[torch.Tensor], None]:  # type: ignore[override]
+        return grad * ctx.scale, None
+
+
+def variable_all_to_all(x: torch.Tensor, send: List[int], recv: List[int], pg: dist.ProcessGroup,
+                        labels: Tuple[str, str] = ("herald_a2a", "herald_a2a_grad"), dim: int = 0) -> torch.Tensor:
+    """Autograd-aware variable-size all-to-all of the rows of ``x`` (``send[j]`` rows go to rank j)."""
+    return _VariableAllToAll.apply(x, send, recv, pg, labels, dim)
+
+
+def _a2a_int(x: torch.Tensor, send: List[int], recv: List[int], pg: dist.ProcessGroup, label: str) -> torch.Tensor:
+    out = x.new_empty(sum(recv))
+    with traffic_tag(label):
+        dist.all_to_all_single(out, x.contiguous(), recv, send, group=pg)
+    return out
+
+
+@dataclass
+class HeraldContext(Multistreamable):
+    """Per-batch state between input_dist, compute and output_dist."""
+
+    batch_size: int = 0
+    split: Optional[HotColdSplit] = None
+    send_bag_index: torch.Tensor = field(default_factory=lambda: torch.empty(0, dtype=torch.int64))
+    bags_to: List[int] = field(default_factory=list)  # sub-bags this rank sends to each owner
+    bags_from: List[int] = field(default_factory=list)  # sub-bags each rank sends to this owner
+    recv_lengths: torch.Tensor = field(default_factory=lambda: torch.empty(0, dtype=torch.int64))
+    recv_rows: torch.Tensor = field(default_factory=lambda: torch.empty(0, dtype=torch.int64))
+
+    def record_stream(self, stream: torch.Stream) -> None:  # CPU / single stream: nothing to record
+        return None
+
+
+def fused_params_of(module: EmbeddingBagCollection, sharder_fused_params: Optional[Dict[str, Any]]
+                    ) -> Dict[str, Any]:
+    """The embedding optimizer, set the TorchRec way: ``apply_optimizer_in_backward`` on the EBC's
+    weights (``_optimizer_classes``/``_optimizer_kwargs``) and/or the sharder's ``fused_params``."""
+    merged: Optional[Dict[str, Any]] = None
+    for name, param in module.named_parameters():
+        classes = getattr(param, "_optimizer_classes", [None])
+        kwargs = dict(getattr(param, "_optimizer_kwargs", [{}])[0])
+        if classes[0] is not None and "optimizer" not in kwargs:
+            kwargs["optimizer"] = optimizer_type_to_emb_opt_type(classes[0])
+        params = convert_to_fbgemm_types(merge_fused_params(sharder_fused_params, kwargs))
+        if "lr" in params:
+            params["learning_rate"] = params.pop("lr")
+        if merged is not None and params != merged:
+            raise ValueError(f"herald needs one embedding optimizer for all tables; {name} has {params}, "
+                             f"others {merged}")
+        merged = params
+    if not merged or "optimizer" not in merged:
+        raise ValueError("no embedding optimizer: use torchrec.optim.apply_optimizer_in_backward on the "
+                         "EmbeddingBagCollection's parameters or the sharder's fused_params={'optimizer': ...}")
+    if merged["optimizer"] not in SUPPORTED_OPTIMIZERS:
+        raise ValueError(f"herald reproduces {[o.name for o in SUPPORTED_OPTIMIZERS]} exactly; "
+                         f"got {merged['optimizer']}")
+    return merged
+
+
+class ShardedHeraldEmbeddingBagCollection(
+    ShardedModule[HeraldContext, Tuple[torch.Tensor, torch.Tensor], KeyedTensor, HeraldContext],
+    FusedOptimizerModule,
+):
+    """Sharded EBC of the herald sharding type (built by ``HeraldEmbeddingBagCollectionSharder``).
+
+    Storage per rank: one fused TBE over its row-wise cold blocks of all tables (the stock ROW_WISE
+    block layout, ``ceil(n/W)`` rows per rank) and one dense TBE over the hot replicas of all tables.
+    ``state_dict()`` presents every table as ``embedding_bags.<table>.weight``: a full ``[n, dim]``
+    tensor (hot rows from the replica), so checkpoints load into stock-sharded or unsharded models.
+    """
+
+    def __init__(self, module: EmbeddingBagCollection, table_name_to_parameter_sharding: Dict[str, ParameterSharding],
+                 env: ShardingEnv, device: Optional[torch.device] = None,
+                 fused_params: Optional[Dict[str, Any]] = None) -> None:
+        super().__init__()
+        self._env = env
+        self._pg = env.process_group
+        self._world, self._rank = env.world_size, env.rank
+        self._device = device or torch.device("cpu")
+        configs = module.embedding_bag_configs()
+        dims = {c.embedding_dim for c in configs}
+        if len(dims) != 1:
+            raise ValueError(f"herald sharding needs one embedding dim for all tables, got {sorted(dims)}")
+        self._dim = dims.pop()
+        self._tables = [c.name for c in configs]
+        self._num_embeddings = [c.num_embeddings for c in configs]
+        self._feature_names: List[str] = [f for c in configs for f in c.feature_names]
+        self._feature_table = torch.tensor([t for t, c in enumerate(configs) for _ in c.feature_names])
+        self._mean_features = torch.tensor([c.pooling == PoolingType.MEAN for c in configs for _ in c.feature_names])
+        for c in configs:
+            if c.pooling not in (PoolingType.SUM, PoolingType.MEAN):
+                raise ValueError(f"table {c.name}: pooling {c.pooling} not supported (SUM, MEAN)")
+        specs: List[HotSpec] = []
+        for c in configs:
+            ps = table_name_to_parameter_sharding[c.name]
+            spec = hot_spec_of(ps)
+            if ps.sharding_type != HERALD_HOT_ROW_WISE or spec is None:
+                raise ValueError(f"table {c.name}: expected a HeraldParameterSharding of type "
+                                 f"{HERALD_HOT_ROW_WISE}, got {type(ps).__name__} {ps.sharding_type}")
+            if spec.hot_ids.numel() and (spec.hot_ids[0] < 0 or spec.hot_ids[-1] >= c.num_embeddings):
+                raise ValueError(f"table {c.name}: hot ids outside [0, {c.num_embeddings})")
+            specs.append(spec)
+        syncs = {s.sync for s in specs} - {"none"}
+        self._sync = "dense" if not syncs else ("sparse" if syncs == {"sparse"} else "dense")
+        self._fused_params = fused_params_of(module, fused_params)
+        self._optimizer: EmbOptimType = self._fused_params["optimizer"]
+
+        # global row space (table offsets) and hot buffer (hot_keys sorted: table-major, ids sorted)
+        n = torch.tensor(self._num_embeddings, dtype=torch.int64)
+        self._table_offsets = torch.cumsum(n, 0) - n
+        self._hot_keys = torch.cat([self._table_offsets[t] + s.hot_ids for t, s in enumerate(specs)])
+        self._hot_counts = [int(s.hot_ids.numel()) for s in specs]
+        self._hot_ids = [s.hot_ids for s in specs]
+        self._num_hot = int(self._hot_keys.numel())
+        # cold row-wise blocks: owner o holds rows [o*block, (o+1)*block) of every table
+        blocks = row_block_sizes(self._num_embeddings, self._world)
+        self._blocks = blocks
+        self._block_sizes = torch.tensor([blocks[t] for t in self._feature_table.tolist()], dtype=torch.int64)
+        rows = torch.tensor([[local_block_rows(nt, b, o)[1] for nt, b in zip(self._num_embeddings, blocks)]
+                             for o in range(self._world)], dtype=torch.int64)  # [W, T]
+        self._owner_table_offset = torch.cumsum(rows, 1) - rows
+        self._my_rows = rows[self._rank].tolist()
+
+        self._cold = fused_cold_tbe(sum(self._my_rows), self._dim, self._fused_params, self._device)
+        self._hot = dense_hot_tbe(self._num_hot, self._dim, self._device)
+        self._hot_state = torch.zeros(max(self._num_hot, 1), dtype=torch.float32)  # row-wise Adagrad sum
+        self._hot_touched = torch.empty(0, dtype=torch.int64)
+        for p in list(self._hot.parameters()) + list(self._cold.parameters()):
+            p._in_backward_optimizers = [EmptyFusedOptimizer()]  # updated in backward: keep dense optimizers off
+        self._hot.weights.register_post_accumulate_grad_hook(self._sync_and_update_hot)
+        self._optim: FusedOptimizer = EmptyFusedOptimizer()
+        if not any(p.is_meta for p in module.parameters()):
+            self._load_full({c.name: module.embedding_bags[c.name].weight.detach() for c in configs})
+        logger.info("herald EBC rank %d: %d tables, %d cold rows, %d hot rows (%s sync), optimizer %s",
+                    self._rank, len(configs), sum(self._my_rows), self._num_hot, self._sync, self._optimizer.name)
+
+    # ------------------------------------------------------------------ ShardedModule API
+    def create_context(self) -> HeraldContext:
+        return HeraldContext()
+
+    def input_dist(self, ctx: HeraldContext, features: KeyedJaggedTensor) -> Awaitable[Awaitable[HeraldContext]]:
+        """Split ids hot/cold, validate them, and send the remote cold ids to their owners."""
+        if features.keys() != self._feature_names:
+            missing = [f for f in self._feature_names if f not in features.keys()]
+            if missing:
+                raise ValueError(f"features {missing} of the herald EBC are missing from the input KJT")
+            features = features.permute([features.keys().index(f) for f in self._feature_names])
+        B = features.stride()
+        values, lengths = features.values().to(torch.int64), features.lengths().to(torch.int64)
+        rows_per_feature = torch.tensor(self._num_embeddings, dtype=torch.int64)[self._feature_table]
+        bad = first_invalid_id(values, lengths, rows_per_feature, B)
+        W, FB = self._world, len(self._feature_names) * B
+        if bad is None:
+            split = split_hot_cold(values, lengths, self._feature_table, self._table_offsets, self._hot_keys,
+                                   self._block_sizes, W, B)
+        else:  # still take part in the counts exchange below, so every rank raises together
+            split = split_hot_cold(values[:0], torch.zeros_like(lengths), self._feature_table,
+                                   self._table_offsets, self._hot_keys, self._block_sizes, W, B)
+        sub = split.sub_lengths
+        nonempty = (sub > 0).nonzero().flatten()
+        bags_to = torch.bincount(nonempty // FB, minlength=W)
+        ids_to = sub.view(W, FB).sum(1)
+        sub_of_value = torch.repeat_interleave(torch.arange(sub.numel()), sub)
+        owner, feature = sub_of_value // FB, (sub_of_value % FB) // B
+        cold_rows = self._owner_table_offset[owner, self._feature_table[feature]] + split.cold_local_ids
+        err = torch.tensor([bad[0] + 1, bad[1]] if bad else [0, 0], dtype=torch.int64)
+        counts = torch.cat([bags_to[:, None], ids_to[:, None], err.expand(W, 2)], 1)
+        recv_counts = torch.empty_like(counts)
+        with traffic_tag("herald_meta"):
+            dist.all_to_all_single(recv_counts, counts, group=self._pg)
+        self._raise_on_bad_ids(recv_counts)
+        ctx.batch_size, ctx.split = B, split
+        ctx.send_bag_index = nonempty % FB
+        ctx.bags_to = bags_to.tolist()
+        ctx.bags_from = recv_counts[:, 0].tolist()
+        ids_from = recv_counts[:, 1].tolist()
+        ctx.recv_lengths = _a2a_int(sub[nonempty].to(torch.int32), ctx.bags_to, ctx.bags_from, self._pg,
+                                    "herald_ids")
+        ctx.recv_rows = _a2a_int(cold_rows.to(torch.int32), ids_to.tolist(), ids_from, self._pg, "herald_ids")
+        return NoWait(NoWait(ctx))
+
+    def _raise_on_bad_ids(self, recv_counts: torch.Tensor) -> None:
+        bad_ranks = (recv_counts[:, 2] > 0).nonzero().flatten().tolist()
+        if bad_ranks:
+            r = bad_ranks[0]
+            f = int(recv_counts[r, 2]) - 1
+            t = int(self._feature_table[f])
+            raise ValueError(f"id {int(recv_counts[r, 3])} of feature '{self._feature_names[f]}' is outside "
+                             f"table '{self._tables[t]}' [0, {self._num_embeddings[t]}) (in rank {r}'s batch; "
+                             f"ranks with bad ids: {bad_ranks})")
+
+    def compute(self, ctx: HeraldContext, dist_input: HeraldContext) -> Tuple[torch.Tensor, torch.Tensor]:
+        """Owner side: partial pooled vectors of the received sub-bags; local side: hot pooled vectors."""
+        partial = self._cold(dist_input.recv_rows.to(torch.int64), offsets_from_lengths(dist_input.recv_lengths))
+        split = dist_input.split
+        assert split is not None
+        hot = self._hot(split.hot_rows, split.hot_offsets)
+        self._hot_touched = split.hot_rows
+        return partial, hot
+
+    def output_dist(self, ctx: HeraldContext, output: Tuple[torch.Tensor, torch.Tensor]) -> LazyAwaitable[KeyedTensor]:
+        """Return the partial pooled vectors to the samples' ranks and add them to the hot part."""
+        partial, hot = output
+        back = variable_all_to_all(partial, ctx.bags_from, ctx.bags_to, self._pg,
+                                   ("herald_pooled", "herald_pooled_grad"), self._dim)
+        pooled = hot.index_add(0, ctx.send_bag_index, back)
+        if get_gradient_division():
+            # stock TorchRec divides pooled-embedding gradients by the world size in its output
+            # all-to-all's backward (matching DDP's averaging of dense grads): do the same
+            pooled = _ScaleGrad.apply(pooled, 1.0 / self._world)
+        split = ctx.split
+        assert split is not None
+        B, F = ctx.batch_size, len(self._feature_names)
+        if bool(self._mean_features.any()):
+            mean_bag = self._mean_features.repeat_interleave(B)
+            scale = torch.where(mean_bag, 1.0 / split.bag_lengths.clamp(min=1).to(pooled.dtype),
+                                torch.ones((), dtype=pooled.dtype))
+            pooled = pooled * scale[:, None]
+        values = pooled.view(F, B, self._dim).transpose(0, 1).reshape(B, F * self._dim)
+        return LazyNoWait(KeyedTensor(keys=self._feature_names, length_per_key=[self._dim] * F, values=values))
+
+    # ------------------------------------------------------------------ hot replicas: sync + exact update
+    def _sync_and_update_hot(self, weights: torch.Tensor) -> None:
+        """Sum the hot-row gradients over ranks, then apply the fused kernel's update rule (EXACT_SGD or
+        EXACT_ROWWISE_ADAGRAD) identically on every replica."""
+        grad = weights.grad
+        weights.grad = None
+        if grad is None or self._num_hot == 0:
+            return
+        grad = grad.view(-1, self._dim)[: self._num_hot]
+        with traffic_tag("herald_hot_sync", self._dim):
+            if self._sync == "dense":
+                dist.all_reduce(grad, group=self._pg)
+            else:
+                grad = self._sparse_sum(grad)
+        lr = float(self._fused_params["learning_rate"])
+        with torch.no_grad():
+            w = weights.view(-1, self._dim)[: self._num_hot]
+            if self._optimizer == EmbOptimType.EXACT_SGD:
+                w.add_(grad, alpha=-lr)
+            else:
+                state = self._hot_state[: self._num_hot]
+                state.add_(grad.pow(2).mean(1))
+                w.sub_(grad * (lr / (state.sqrt() + float(self._fused_params.get("eps", 1e-8))))[:, None])
+
+    def _sparse_sum(self, grad: torch.Tensor) -> torch.Tensor:
+        """Sum of the touched hot rows' gradients over ranks: every rank sends its touched rows
+        (int32 row index + D floats) to every other rank; all ranks add them up in rank order, so
+        every replica gets the bit-identical sum."""
+        rows = torch.unique(self._hot_touched)
+        W, k = self._world, rows.numel()
+        counts = torch.full((W,), k, dtype=torch.int64)
+        recv = torch.empty_like(counts)
+        with traffic_tag("herald_meta"):
+            dist.all_to_all_single(recv, counts, group=self._pg)
+        recv_l = recv.tolist()
+        got_rows = _a2a_int(rows.to(torch.int32).repeat(W), [k] * W, recv_l, self._pg, "herald_hot_sync")
+        got = grad.new_empty(sum(recv_l), self._dim)
+        dist.all_to_all_single(got, grad[rows].repeat(W, 1), recv_l, [k] * W, group=self._pg)
+        total = torch.zeros_like(grad)
+        total.index_add_(0, got_rows.to(torch.int64), got)
+        return total
+
+    # ------------------------------------------------------------------ state
+    @property
+    def fused_optimizer(self) -> FusedOptimizer:
+        return self._optim
+
+    def _cold_block(self, t: int) -> torch.Tensor:
+        """This rank's cold block of table t (view into the cold TBE)."""
+        start = sum(self._my_rows[:t])
+        return self._cold.split_embedding_weights()[0][start: start + self._my_rows[t]]
+
+    def _hot_block(self, t: int) -> torch.Tensor:
+        start = sum(self._hot_counts[:t])
+        return self._hot.weights.detach().view(-1, self._dim)[start: start + self._hot_counts[t]]
+
+    def full_table(self, t: int) -> torch.Tensor:
+        """Table t as ``[n, dim]`` (collective: all-gathers the cold blocks; hot rows from the replica)."""
+        n, block = self._num_embeddings[t], self._blocks[t]
+        mine = torch.zeros(block, self._dim)
+        mine[: self._my_rows[t]] = self._cold_block(t)
+        gathered = torch.empty(self._world * block, self._dim)
+        dist.all_gather_into_tensor(gathered, mine, group=self._pg)
+        full = gathered[:n].clone()
+        full[self._hot_ids[t]] = self._hot_block(t)
+        return full
+
+    def _load_full(self, tables: Dict[str, torch.Tensor]) -> None:
+        """Copy full ``[n, dim]`` tables into this rank's cold blocks and hot replicas."""
+        with torch.no_grad():
+            for t, name in enumerate(self._tables):
+                full = tables[name]
+                if tuple(full.shape) != (self._num_embeddings[t], self._dim):
+                    raise ValueError(f"table {name}: expected shape {(self._num_embeddings[t], self._dim)}, "
+                                     f"got {tuple(full.shape)}")
+                start, rows = local_block_rows(self._num_embeddings[t], self._blocks[t], self._rank)
+                self._cold_block(t).copy_(full[start: start + rows])
+                self._hot_block(t).copy_(full[self._hot_ids[t]])
+
+    def state_dict(self, destination: Optional[Dict[str, Any]] = None, prefix: str = "",
+                   keep_vars: bool = False) -> Dict[str, Any]:  # type: ignore[override]
+        """``{prefix}embedding_bags.<table>.weight`` → full ``[n, dim]`` tensor (collective)."""
+        destination = {} if destination is None else destination
+        for t, name in enumerate(self._tables):
+            destination[f"{prefix}embedding_bags.{name}.weight"] = self.full_table(t)
+        return destination
+
+    def load_state_dict(self, state_dict: Dict[str, Any], strict: bool = True) -> Any:  # type: ignore[override]
+        """Accepts full ``[n, dim]`` tensors (e.g. an unsharded model's or a herald checkpoint) or
+        TorchRec ShardedTensors (a stock-sharded checkpoint: gathered to full tables, collective)."""
+        from torch.distributed._shard.sharded_tensor import ShardedTensor
+
+        keys = {f"embedding_bags.{n}.weight" for n in self._tables}
+        unexpected = sorted(set(state_dict) - keys)
+        missing = sorted(keys - set(state_dict))
+        if strict and (missing or unexpected):
+            raise RuntimeError(f"herald EBC load_state_dict: missing {missing}, unexpected {unexpected}")
+        tables = {}
+        for t, name in enumerate(self._tables):
+            v = state_dict.get(f"embedding_bags.{name}.weight")
+            if v is None:
+                continue
+            if isinstance(v, ShardedTensor):
+                full = torch.zeros(self._num_embeddings[t], self._dim) if self._rank == 0 else None
+                v.gather(dst=0, out=full)
+                full = full if full is not None else torch.empty(self._num_embeddings[t], self._dim)
+                dist.broadcast(full, src=0, group=self._pg)
+                v = full
+            tables[name] = v.detach().to(torch.float32)
+        if len(tables) == len(self._tables):
+            self._load_full(tables)
+        from torch.nn.modules.module import _IncompatibleKeys
+
+        return _IncompatibleKeys(missing, unexpected)
+
+    def sharded_parameter_names(self, prefix: str = "") -> Iterator[str]:
+        for key, _ in self.named_parameters(prefix):
+            yield key
+
+    @property
+    def unsharded_module_type(self) -> type:
+        return EmbeddingBagCollection
+
+    @property
+    def hot_spec_rows(self) -> Dict[str, int]:
+        return dict(zip(self._tables, self._hot_counts))

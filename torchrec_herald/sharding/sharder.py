@@ -1,0 +1,46 @@
+"""``HeraldEmbeddingBagCollectionSharder``: the sharder DMP needs for plans of the herald sharding type."""
+
+from __future__ import annotations
+
+from typing import Dict, List, Optional
+
+import torch
+from torchrec.distributed.embedding_types import EmbeddingComputeKernel
+from torchrec.distributed.types import ParameterSharding, ShardedModule, ShardingEnv
+from torchrec.modules.embedding_modules import EmbeddingBagCollection
+
+from torchrec_herald.sharding.hot_replicated import ShardedHeraldEmbeddingBagCollection
+from torchrec_herald.sharding.stock import CpuEmbeddingBagCollectionSharder
+from torchrec_herald.sharding.types import HERALD_HOT_ROW_WISE
+
+
+class HeraldEmbeddingBagCollectionSharder(CpuEmbeddingBagCollectionSharder):
+    """Shards an EBC whose plan uses :data:`HERALD_HOT_ROW_WISE` into a
+    :class:`ShardedHeraldEmbeddingBagCollection`; any other plan is sharded by stock TorchRec (also
+    ROW_WISE on cpu). The embedding optimizer comes from ``apply_optimizer_in_backward`` or
+    ``fused_params`` exactly as for the stock sharder.
+
+    Usage::
+
+        plan = HeraldPlanner(topology=..., stats=stats).collective_plan(model, [sharder], pg)
+        DistributedModelParallel(model, plan=plan, sharders=[HeraldEmbeddingBagCollectionSharder()])
+    """
+
+    def sharding_types(self, compute_device_type: str) -> List[str]:
+        return super().sharding_types(compute_device_type) + [HERALD_HOT_ROW_WISE]
+
+    def compute_kernels(self, sharding_type: str, compute_device_type: str) -> List[str]:
+        if sharding_type == HERALD_HOT_ROW_WISE:
+            return [EmbeddingComputeKernel.FUSED.value]
+        return super().compute_kernels(sharding_type, compute_device_type)
+
+    def shard(self, module: EmbeddingBagCollection, params: Dict[str, ParameterSharding], env: ShardingEnv,
+              device: Optional[torch.device] = None, module_fqn: Optional[str] = None) -> ShardedModule:
+        herald = [name for name, ps in params.items() if ps.sharding_type == HERALD_HOT_ROW_WISE]
+        if not herald:
+            return super().shard(module, params, env, device, module_fqn)
+        if len(herald) != len(params):
+            stock = sorted(set(params) - set(herald))
+            raise ValueError(f"an EBC is either all {HERALD_HOT_ROW_WISE} or all stock; stock tables {stock} "
+                             f"mixed with herald tables {sorted(herald)} (HeraldPlanner never plans that)")
+        return ShardedHeraldEmbeddingBagCollection(module, params, env, device, self.fused_params)
