@@ -22,8 +22,8 @@ from __future__ import annotations
 import json
 import math
 import os
-from dataclasses import dataclass, field
-from typing import Any, Dict, Iterable, List, Mapping, Sequence, Tuple, Union
+from dataclasses import dataclass
+from typing import Any, Dict, Iterable, List, Mapping, Optional, Sequence, Tuple, Union
 
 import torch
 from torchrec.modules.embedding_configs import EmbeddingBagConfig
@@ -84,11 +84,16 @@ class AccessStats:
     counts: Dict[str, torch.Tensor]
     num_batches: int
     num_samples: int
-    sample_counts: Dict[str, torch.Tensor] = field(default_factory=dict)
-    presence: Dict[str, torch.Tensor] = field(default_factory=dict)
+    sample_counts: Optional[Dict[str, torch.Tensor]] = None
+    presence: Optional[Dict[str, torch.Tensor]] = None
 
     def __post_init__(self) -> None:
         self.tables = list(self.tables)
+        self.num_embeddings = {t: int(n) for t, n in self.num_embeddings.items()}
+        self.feature_names = {t: list(f) for t, f in self.feature_names.items()}
+        self.counts = dict(self.counts)
+        self.sample_counts = dict(self.sample_counts or {})
+        self.presence = dict(self.presence or {})
         self.num_batches, self.num_samples = int(self.num_batches), int(self.num_samples)
         if self.num_batches < 0 or self.num_samples < 0:
             raise ValueError("num_batches and num_samples must be >= 0")
@@ -100,7 +105,7 @@ class AccessStats:
                     if name == "counts":
                         raise ValueError(f"table {t!r}: no counts")
                     store[t] = self.counts[t].clone() if name == "sample_counts" else torch.zeros(n, dtype=torch.int64)
-                c = torch.as_tensor(store[t]).to(torch.int64).cpu()
+                c = torch.as_tensor(store[t]).to("cpu", torch.int64).clone()  # owned: update() adds in place
                 if c.shape != (n,):
                     raise ValueError(f"table {t!r}: {name} has shape {tuple(c.shape)}, expected ({n},)")
                 store[t] = c
@@ -121,7 +126,8 @@ class AccessStats:
                    presence={t: z.clone() for t, z in zeros.items()})
 
     @classmethod
-    def from_batches(cls, batches: Iterable[Any], tables: Sequence[EmbeddingBagConfig]) -> "AccessStats":
+    def from_batches(cls, batches: Iterable[KeyedJaggedTensor], tables: Sequence[EmbeddingBagConfig]
+                     ) -> "AccessStats":
         """Count the lookups of every row of ``tables`` in ``batches``.
 
         Args:

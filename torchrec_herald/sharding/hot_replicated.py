@@ -17,6 +17,8 @@ import torch.distributed as dist
 from fbgemm_gpu.split_embedding_configs import EmbOptimType
 from torch import nn
 from torchrec.distributed.comm_ops import get_gradient_division
+from torchrec.distributed.embedding_sharding import KJTListSplitsAwaitable
+from torchrec.distributed.embedding_types import KJTList
 from torchrec.distributed.types import (
     Awaitable,
     LazyAwaitable,
@@ -257,7 +259,8 @@ class ShardedHeraldEmbeddingBagCollection(
         ctx.recv_lengths = _a2a_int(sub[nonempty].to(torch.int32), ctx.bags_to, ctx.bags_from, self._pg,
                                     "herald_ids")
         ctx.recv_rows = _a2a_int(cold_rows.to(torch.int32), ids_to.tolist(), ids_from, self._pg, "herald_ids")
-        return NoWait(NoWait(ctx))
+        # TorchRec's awaitable types, so TrainPipelineSparseDist can fuse/await it like a stock input dist
+        return KJTListSplitsAwaitable([NoWait(NoWait(ctx))], ctx)
 
     def _raise_on_bad_ids(self, recv_counts: torch.Tensor) -> None:
         bad_ranks = (recv_counts[:, 2] > 0).nonzero().flatten().tolist()
@@ -269,8 +272,10 @@ class ShardedHeraldEmbeddingBagCollection(
                              f"table '{self._tables[t]}' [0, {self._num_embeddings[t]}) (in rank {r}'s batch; "
                              f"ranks with bad ids: {bad_ranks})")
 
-    def compute(self, ctx: HeraldContext, dist_input: HeraldContext) -> Tuple[torch.Tensor, torch.Tensor]:
+    def compute(self, ctx: HeraldContext, dist_input: Any) -> Tuple[torch.Tensor, torch.Tensor]:
         """Owner side: partial pooled vectors of the received sub-bags; local side: hot pooled vectors."""
+        if isinstance(dist_input, KJTList):  # the awaitables above deliver a one-element KJTList
+            dist_input = dist_input[0]
         partial = self._cold(dist_input.recv_rows.to(torch.int64), offsets_from_lengths(dist_input.recv_lengths))
         split = dist_input.split
         assert split is not None
