@@ -86,24 +86,86 @@ def embedding_optimizer_setup(model: nn.Module, cfg: DictConfig) -> type:
 
 
 def build_model_and_plan(cfg: DictConfig, data: DataSource, world_size: int, device: torch.device
-                         ) -> tuple[DistributedModelParallel, CombinedOptimizer, Dict[str, str]]:
+                         ) -> tuple[DistributedModelParallel, CombinedOptimizer, Any]:
     """Seeded DLRM → stock plan (TorchRec's planner) → DMP with identical initial weights on every rank."""
     tables = build_tables(data.feature_names, data.num_embeddings, cfg.model.embedding_dim, cfg.model.pooling)
     model = build_dlrm_train(tables, data.num_dense, cfg.model.dense_arch, cfg.model.over_arch,
                              seed=cfg.seed, device="cpu")
     initial_state = {k: v.detach().clone() for k, v in model.state_dict().items()}
     dense_cls = embedding_optimizer_setup(model, cfg.optimizer)
-    sharders = [CpuEmbeddingBagCollectionSharder()]
-    if cfg.planner.name != "stock":
-        raise ValueError(f"unknown planner.name {cfg.planner.name!r}; expected 'stock'")
-    plan = stock_plan(model, tables, sharders, cfg.planner.mode, world_size, cfg.batch_size, device,
-                      dist.group.WORLD)
+    plan, sharders = build_plan(cfg, model, tables, data, world_size, device)
     dmp = DistributedModelParallel(model, device=device, plan=plan, sharders=sharders,
                                    data_parallel_wrapper=MeteredDataParallelWrapper(cfg.model.embedding_dim))
     dmp.load_state_dict(initial_state)
     dense_params = dict(in_backward_optimizer_filter(dmp.named_parameters()))
     dense_opt = KeyedOptimizerWrapper(dense_params, lambda ps: dense_cls(ps, lr=cfg.optimizer.dense_lr))
-    return dmp, CombinedOptimizer([dmp.fused_optimizer, dense_opt]), describe_plan(plan)
+    return dmp, CombinedOptimizer([dmp.fused_optimizer, dense_opt]), plan
+
+
+def build_plan(cfg: DictConfig, model: nn.Module, tables: List[Any], data: DataSource, world_size: int,
+               device: torch.device) -> tuple[Any, List[Any]]:
+    """``planner.name``: ``stock`` (TorchRec's planner, optionally one forced sharding type) or
+    ``herald`` (HeraldPlanner with AccessStats of the first ``stats_batches`` global batches)."""
+    from torchrec.distributed.planner import Topology
+
+    from torchrec_herald.planner import AccessStats, CostModelHotSetSelector, HeraldPlanner, TopFractionHotSetSelector
+    from torchrec_herald.sharding import HeraldEmbeddingBagCollectionSharder
+
+    if cfg.planner.name == "stock":
+        sharders = [CpuEmbeddingBagCollectionSharder()]
+        return stock_plan(model, tables, sharders, cfg.planner.mode, world_size, cfg.batch_size, device,
+                          dist.group.WORLD), sharders
+    if cfg.planner.name != "herald":
+        raise ValueError(f"unknown planner.name {cfg.planner.name!r}; expected 'stock' or 'herald'")
+    selectors = {"cost_model": CostModelHotSetSelector, "top_fraction":
+                 lambda: TopFractionHotSetSelector(cfg.planner.top_fraction)}
+    if cfg.planner.selector not in selectors:
+        raise ValueError(f"unknown planner.selector {cfg.planner.selector!r}; expected one of {sorted(selectors)}")
+    sample = []
+    for i, batch in enumerate(data.train_batches(0, 1, world_size * cfg.batch_size)):
+        if i == cfg.planner.stats_batches:
+            break
+        sample.append(batch.sparse_features)
+    stats = AccessStats.from_batches(sample, tables)
+    sharders = [HeraldEmbeddingBagCollectionSharder()]
+    planner = HeraldPlanner(topology=Topology(world_size=world_size, compute_device=device.type),
+                            batch_size=cfg.batch_size, stats=stats,
+                            hot_memory_budget_bytes=cfg.planner.hot_memory_budget_bytes,
+                            hot_set_selector=selectors[cfg.planner.selector]())
+    plan = planner.collective_plan(model, sharders, dist.group.WORLD)
+    if dist.get_rank() == 0:
+        logger.info("herald plan:\n%s", planner.describe())
+    return plan, sharders
+
+
+def herald_traffic_report(dmp: nn.Module, plan: Any, steps: int) -> Dict[str, Any]:
+    """Herald tables' traffic per step (all ranks): the planner's prediction vs what the sharded
+    module counted, per table and in total (collective; empty dict for stock plans)."""
+    from torchrec_herald.planner import herald_tables
+    from torchrec_herald.sharding import ShardedHeraldEmbeddingBagCollection
+
+    specs = herald_tables(plan)
+    if not specs:
+        return {}
+    local: Dict[str, Dict[str, float]] = {}
+    for m in dmp.modules():
+        if isinstance(m, ShardedHeraldEmbeddingBagCollection):
+            local.update(m.traffic_by_table())
+    gathered: List[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, local)
+    measured = {t: sum(sum(g[t].values()) for g in gathered) / steps for t in local}
+    predicted = {t: s.expected.get("herald_total", float("nan")) for t, s in specs.items()}
+    return {
+        "hot_rows": {t: int(s.hot_ids.numel()) for t, s in specs.items()},
+        "sync": {t: s.sync for t, s in specs.items()},
+        "predicted_bytes_per_step": predicted,
+        "measured_bytes_per_step": measured,
+        "predicted_total": sum(predicted.values()),
+        "measured_total": sum(measured.values()),
+        "predicted_stock_table_wise": sum(s.expected.get("stock_table_wise", 0.0) for s in specs.values()),
+        "measured_by_kind": {k: sum(g[t][k] for g in gathered for t in local) / steps
+                             for k in ("ids", "pooled", "grads", "hot_sync")},
+    }
 
 
 def _percentiles(xs: List[float]) -> Dict[str, float]:
@@ -144,7 +206,8 @@ def run_training(cfg: DictConfig, run_dir: Path, show_progress: bool = True) -> 
     setup_logging(run_dir, rank)
     torch.manual_seed(cfg.seed)
     data = build_data_source(cfg.data)
-    dmp, optimizer, plan = build_model_and_plan(cfg, data, world, device)
+    dmp, optimizer, sharding_plan = build_model_and_plan(cfg, data, world, device)
+    plan = describe_plan(sharding_plan)
     logger.info("world_size=%d local_batch=%d plan=%s", world, cfg.batch_size, plan)
     if cfg.pipeline.name not in PIPELINES:
         raise ValueError(f"unknown pipeline.name {cfg.pipeline.name!r}; expected one of {sorted(PIPELINES)}")
@@ -187,6 +250,7 @@ def run_training(cfg: DictConfig, run_dir: Path, show_progress: bool = True) -> 
     loss_t = torch.tensor(losses, dtype=torch.float64)
     dist.all_reduce(loss_t)
     loss_t /= world
+    herald = herald_traffic_report(dmp, sharding_plan, steps)
     if hasattr(pipeline, "detach"):
         pipeline.detach()  # restore the forwards TrainPipelineSparseDist rewrote, for plain eval
     eval_metrics = evaluate(dmp, data.eval_batches(rank, world, cfg.batch_size), device) if cfg.eval else {}
@@ -207,6 +271,7 @@ def run_training(cfg: DictConfig, run_dir: Path, show_progress: bool = True) -> 
                                    for m in ("calls", "bytes", "embedding_vectors")},
         "traffic_per_step_by_tag": {k: {m: v / steps for m, v in s.items()} for k, s in traffic_tags.items()},
         "plan": plan,
+        "herald": herald,
         "data_stats": data.stats(),
         "config": OmegaConf.to_container(cfg, resolve=True),
     }

@@ -211,6 +211,10 @@ class ShardedHeraldEmbeddingBagCollection(
             p._in_backward_optimizers = [EmptyFusedOptimizer()]  # updated in backward: keep dense optimizers off
         self._hot.weights.register_post_accumulate_grad_hook(self._sync_and_update_hot)
         self._optim: FusedOptimizer = EmptyFusedOptimizer()
+        # bytes this rank sends per table, by the same formulas as TrafficMeter (cross-checked in tests)
+        self._traffic = torch.zeros(len(self._tables), 4, dtype=torch.float64)  # ids, pooled, grads, hot_sync
+        self._hot_table_of_row = torch.repeat_interleave(torch.arange(len(self._tables)),
+                                                         torch.tensor(self._hot_counts, dtype=torch.int64))
         if not any(p.is_meta for p in module.parameters()):
             self._load_full({c.name: module.embedding_bags[c.name].weight.detach() for c in configs})
         logger.info("herald EBC rank %d: %d tables, %d cold rows, %d hot rows (%s sync), optimizer %s",
@@ -252,6 +256,7 @@ class ShardedHeraldEmbeddingBagCollection(
             dist.all_to_all_single(recv_counts, counts, group=self._pg)
         self._raise_on_bad_ids(recv_counts)
         ctx.batch_size, ctx.split = B, split
+        self._count_cold_traffic(sub, recv_counts, B)
         ctx.send_bag_index = nonempty % FB
         ctx.bags_to = bags_to.tolist()
         ctx.bags_from = recv_counts[:, 0].tolist()
@@ -261,6 +266,30 @@ class ShardedHeraldEmbeddingBagCollection(
         ctx.recv_rows = _a2a_int(cold_rows.to(torch.int32), ids_to.tolist(), ids_from, self._pg, "herald_ids")
         # TorchRec's awaitable types, so TrainPipelineSparseDist can fuse/await it like a stock input dist
         return KJTListSplitsAwaitable([NoWait(NoWait(ctx))], ctx)
+
+    def _count_cold_traffic(self, sub: torch.Tensor, recv_counts: torch.Tensor, B: int) -> None:
+        """Per table: ids + lengths this rank sends to remote owners; pooled vectors it returns as an
+        owner (counted at the requester: same bytes, summed over ranks) and their gradients."""
+        W, F = self._world, len(self._feature_names)
+        per = sub.view(W, F, B)
+        remote = torch.ones(W, dtype=torch.bool)
+        remote[self._rank] = False
+        ids = per[remote].sum((0, 2)).double()  # [F]
+        bags = (per[remote] > 0).sum((0, 2)).double()
+        T = len(self._tables)
+        add = torch.zeros(T, 4, dtype=torch.float64)
+        add[:, 0].index_add_(0, self._feature_table, 4 * ids + 4 * bags)
+        add[:, 1].index_add_(0, self._feature_table, 4 * self._dim * bags)
+        add[:, 2].index_add_(0, self._feature_table, 4 * self._dim * bags)
+        self._traffic += add
+
+    def traffic_by_table(self) -> Dict[str, Dict[str, float]]:
+        """Bytes this rank sent per table since construction/reset: ids, pooled, grads, hot_sync."""
+        return {t: dict(zip(("ids", "pooled", "grads", "hot_sync"), self._traffic[i].tolist()))
+                for i, t in enumerate(self._tables)}
+
+    def reset_traffic(self) -> None:
+        self._traffic.zero_()
 
     def _raise_on_bad_ids(self, recv_counts: torch.Tensor) -> None:
         bad_ranks = (recv_counts[:, 2] > 0).nonzero().flatten().tolist()
@@ -313,11 +342,17 @@ class ShardedHeraldEmbeddingBagCollection(
         if grad is None or self._num_hot == 0:
             return
         grad = grad.view(-1, self._dim)[: self._num_hot]
+        W, row_bytes = self._world, 4 * self._dim
         with traffic_tag("herald_hot_sync", self._dim):
             if self._sync == "dense":
                 dist.all_reduce(grad, group=self._pg)
+                sent = torch.tensor(self._hot_counts, dtype=torch.float64) * (2 * (W - 1) * row_bytes / W)
             else:
                 grad = self._sparse_sum(grad)
+                touched = torch.bincount(self._hot_table_of_row[torch.unique(self._hot_touched)],
+                                         minlength=len(self._tables)).double()
+                sent = touched * ((W - 1) * (4 + row_bytes))
+        self._traffic[:, 3] += sent
         lr = float(self._fused_params["learning_rate"])
         with torch.no_grad():
             w = weights.view(-1, self._dim)[: self._num_hot]

@@ -1,0 +1,136 @@
+"""HeraldPlanner: TorchRec's planner plus P²RES hot-row selection (item-wise two-fold parallelism).
+
+The stock planner lays out every table ROW_WISE (cold rows); a :class:`HotSetSelector` (the cost model by
+default) picks each table's replicated hot rows under a per-rank memory budget; the result is a stock
+``ShardingPlan`` whose tables are :data:`HERALD_HOT_ROW_WISE` with their hot sets attached.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+from typing import Any, Dict, List, Optional, Union
+
+import torch.distributed as dist
+from torch import nn
+from torchrec.distributed.planner import EmbeddingShardingPlanner, ParameterConstraints
+from torchrec.distributed.planner.types import Stats
+from torchrec.distributed.types import ModuleSharder, ShardingPlan, ShardingType
+from torchrec.modules.embedding_configs import EmbeddingBagConfig
+from torchrec.modules.embedding_modules import EmbeddingBagCollection
+
+from torchrec_herald.planner.convert import herald_plan_from_row_wise
+from torchrec_herald.planner.hot_set import (
+    CostModelHotSetSelector,
+    HotSetChoice,
+    HotSetSelector,
+    format_traffic_report,
+)
+from torchrec_herald.planner.stats import AccessStats
+from torchrec_herald.sharding.types import HERALD_HOT_ROW_WISE, HotSpec
+
+logger = logging.getLogger(__name__)
+
+#: default per-rank memory for hot replicas (weights + row-wise Adagrad state)
+DEFAULT_HOT_MEMORY_BUDGET_BYTES = 64 * 1024 * 1024
+
+
+def embedding_bag_configs(module: nn.Module) -> List[EmbeddingBagConfig]:
+    """All EmbeddingBagConfigs of the EBCs inside ``module`` (herald plans every EBC's tables)."""
+    return [c for m in module.modules() if isinstance(m, EmbeddingBagCollection) for c in m.embedding_bag_configs()]
+
+
+class HeraldPlanner(EmbeddingShardingPlanner):
+    """Drop-in for ``EmbeddingShardingPlanner`` (same arguments) plus ``stats`` (an :class:`AccessStats`;
+    TorchRec's planner ``Stats`` reporters are still accepted there too), ``hot_memory_budget_bytes``
+    and ``hot_set_selector``.
+
+    ``plan()`` / ``collective_plan()`` return a ``ShardingPlan`` for
+    ``DistributedModelParallel(module, plan=plan, sharders=[HeraldEmbeddingBagCollectionSharder()])``.
+    Each table is :data:`HERALD_HOT_ROW_WISE`: its hot rows replicated, its cold rows in stock
+    ROW_WISE's block layout. A table where replication does not pay gets no hot rows (cold path
+    only). If the budget cannot hold a single hot row the planner warns and returns TorchRec's own
+    plan; a budget larger than a rank's memory is an error. ``last_choices`` /
+    :meth:`describe` explain the plan: per table the hot rows, replica bytes per rank and the
+    expected traffic per step, stock vs herald.
+    """
+
+    def __init__(self, *args: Any, stats: Union[AccessStats, Stats, List[Stats], None] = None,
+                 hot_memory_budget_bytes: Optional[int] = DEFAULT_HOT_MEMORY_BUDGET_BYTES,
+                 hot_set_selector: Optional[HotSetSelector] = None, **kwargs: Any) -> None:
+        access = stats if isinstance(stats, AccessStats) else None
+        super().__init__(*args, stats=None if access is not None else stats, **kwargs)
+        if access is None:
+            raise ValueError("HeraldPlanner needs stats=AccessStats.from_batches(sample_batches, tables)")
+        if hot_memory_budget_bytes is not None and hot_memory_budget_bytes < 0:
+            raise ValueError(f"hot_memory_budget_bytes must be >= 0, got {hot_memory_budget_bytes}")
+        self._access_stats = access
+        self._budget = hot_memory_budget_bytes
+        self._selector = hot_set_selector or CostModelHotSetSelector()
+        self.last_choices: Dict[str, HotSetChoice] = {}
+        self._check_budget_fits()
+
+    def _check_budget_fits(self) -> None:
+        if self._budget is None:
+            return
+        device = self._topology.devices[0]
+        capacity = device.storage.hbm if self._topology.compute_device == "cuda" else device.storage.ddr
+        if self._budget > capacity:
+            raise ValueError(f"hot_memory_budget_bytes={self._budget} is more than a rank can hold "
+                             f"({capacity} bytes of {'HBM' if self._topology.compute_device == 'cuda' else 'DDR'} "
+                             f"per rank in the planner's Topology)")
+
+    def _row_wise_constraints(self, tables: List[EmbeddingBagConfig]) -> Dict[str, ParameterConstraints]:
+        constraints = copy.deepcopy(self._constraints) if self._constraints else {}
+        for t in tables:
+            pc = constraints.get(t.name, ParameterConstraints())
+            pc.sharding_types = [ShardingType.ROW_WISE.value]
+            pc.compute_kernels = None
+            constraints[t.name] = pc
+        return constraints
+
+    def plan(self, module: nn.Module, sharders: List[ModuleSharder[nn.Module]]) -> ShardingPlan:
+        tables = embedding_bag_configs(module)
+        # stock planning components only know stock sharding types
+        stock_sharders = [_as_stock(s) for s in sharders]
+        if not tables:
+            return super().plan(module, stock_sharders)
+        self._access_stats.validate(tables)
+        choices = self._selector.select(self._access_stats, tables, self._topology.world_size, self._batch_size,
+                                        self._budget)
+        self.last_choices = choices
+        if all(c.num_hot == 0 for c in choices.values()) and self._budget is not None \
+                and self._budget < min(4 * t.embedding_dim + 4 for t in tables):
+            logger.warning("hot_memory_budget_bytes=%d cannot hold one hot row (%d bytes): using TorchRec's "
+                           "stock plan", self._budget, min(4 * t.embedding_dim + 4 for t in tables))
+            return super().plan(module, stock_sharders)
+        # cold layout: TorchRec's own planner with every table ROW_WISE (its enumerator is built with
+        # the constraints, hence a second planner rather than swapping ours)
+        row_wise = EmbeddingShardingPlanner(topology=self._topology, batch_size=self._batch_size,
+                                            constraints=self._row_wise_constraints(tables)).plan(module, stock_sharders)
+        hot = {name: HotSpec(c.hot_ids, sync=c.sync, expected=c.expected.as_dict()) for name, c in choices.items()}
+        plan = herald_plan_from_row_wise(row_wise, hot)
+        logger.info("HeraldPlanner: %s tables\n%s", len(tables), format_traffic_report(choices))
+        return plan
+
+    def describe(self) -> str:
+        """Per table: hot rows, sync, replica bytes per rank, expected bytes per step stock vs herald."""
+        return format_traffic_report(self.last_choices) if self.last_choices else "(no herald tables planned)"
+
+
+def _as_stock(sharder: ModuleSharder[nn.Module]) -> ModuleSharder[nn.Module]:
+    from torchrec_herald.sharding import CpuEmbeddingBagCollectionSharder, HeraldEmbeddingBagCollectionSharder
+
+    if isinstance(sharder, HeraldEmbeddingBagCollectionSharder):
+        return CpuEmbeddingBagCollectionSharder(fused_params=sharder.fused_params)
+    return sharder
+
+
+def herald_tables(plan: ShardingPlan) -> Dict[str, HotSpec]:
+    """table -> HotSpec of every herald table in ``plan``."""
+    out: Dict[str, HotSpec] = {}
+    for module_plan in plan.plan.values():
+        for name, ps in module_plan.items():  # type: ignore[union-attr]
+            if ps.sharding_type == HERALD_HOT_ROW_WISE:
+                out[name] = ps.hot  # type: ignore[attr-defined]
+    return out
