@@ -24,14 +24,17 @@ $(STAMP): constraints.txt pyproject.toml Makefile
 	$(VENV)/bin/python -c "import torch, fbgemm_gpu, torchrec, torchx, hydra; assert torch.__version__.startswith('2.13.0'), torch.__version__"
 	touch $(STAMP)
 
+# the main job: herald's hot-row replication, with TorchRec's default plan trained first on the same
+# batches as the baseline; both are printed side by side (ARGS adds/overrides Hydra keys)
+RUN_ARGS ?= planner=herald compare_with=stock
 run: setup
-	$(VENV)/bin/torchx run --log -s local_cwd torchrec_herald/components.py:train --nproc_per_node $(NPROC) $(ARGS)
+	$(VENV)/bin/torchx run --log -s local_cwd torchrec_herald/components.py:train --nproc_per_node $(NPROC) $(RUN_ARGS) $(ARGS)
 
 test: setup
 	$(VENV)/bin/python -m pytest -q $(PYTEST_ARGS)
 
 bench: setup
-	$(VENV)/bin/python benchmarks/bench_stock.py $(ARGS)
+	$(VENV)/bin/python benchmarks/bench_traffic.py $(ARGS)
 
 clean:
 	rm -rf $(VENV) outputs

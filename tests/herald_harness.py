@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from typing import Any, Dict, List
+import contextlib
+from typing import Any, Dict, Iterator, List, Optional
 
 import torch
 import torch.distributed as dist
@@ -12,10 +13,15 @@ FEATURE_SCALE = 0.001  # Criteo cardinalities x 0.001: 26 tables, ~34k rows -> f
 
 def full_state(dmp: Any) -> Dict[str, torch.Tensor]:
     """DMP state dict with every ShardedTensor gathered into a full tensor (collective)."""
+    return gather_state(dmp.state_dict())
+
+
+def gather_state(state: Dict[str, Any]) -> Dict[str, torch.Tensor]:
+    """``state`` with every ShardedTensor gathered into a full tensor on every rank (collective)."""
     from torch.distributed._shard.sharded_tensor import ShardedTensor
 
     out = {}
-    for k, v in dmp.state_dict().items():
+    for k, v in state.items():
         if isinstance(v, ShardedTensor):
             full = torch.zeros(v.size()) if dist.get_rank() == 0 else None
             v.gather(dst=0, out=full)
@@ -24,6 +30,62 @@ def full_state(dmp: Any) -> Dict[str, torch.Tensor]:
             v = full
         out[k] = v.detach().clone()
     return out
+
+
+def multi_hot(kjt: Any) -> Any:
+    """Deterministic multi-id bags from a one-id KJT: sample i of feature f gets ``(i + f) % 4`` ids
+    (0 to 3: empty bags included), those of samples i, i+1, ... of the same feature (ids repeat in a
+    bag when they are hot). Makes MEAN pooling and bags split over hot rows and several owners real."""
+    from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
+
+    B = kjt.stride()
+    values, lengths = [], []
+    for f, key in enumerate(kjt.keys()):
+        ids = kjt[key].values()
+        n = torch.tensor([(i + f) % 4 for i in range(B)], dtype=torch.int64)
+        start = torch.repeat_interleave(torch.arange(B), n)
+        step = torch.arange(int(n.sum())) - torch.repeat_interleave(torch.cumsum(n, 0) - n, n)
+        values.append(ids[(start + step) % B])
+        lengths.append(n)
+    return KeyedJaggedTensor(keys=kjt.keys(), values=torch.cat(values), lengths=torch.cat(lengths).to(torch.int32))
+
+
+class MultiHotData:
+    """A data source whose train batches' KJTs are :func:`multi_hot` versions of ``data``'s."""
+
+    def __init__(self, data: Any) -> None:
+        self._data = data
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._data, name)
+
+    def train_batches(self, rank: int, world: int, batch_size: int) -> Iterator[Any]:
+        from torchrec.datasets.utils import Batch
+
+        for b in self._data.train_batches(rank, world, batch_size):
+            yield Batch(dense_features=b.dense_features, sparse_features=multi_hot(b.sparse_features),
+                        labels=b.labels)
+
+
+@contextlib.contextmanager
+def exact_row_wise_mean() -> Iterator[None]:
+    """Stock ROW_WISE computes MEAN pooling as ``sum / (bag_length + 1e-6)`` (TorchRec's
+    ``_create_mean_pooling_divisor`` adds a 1e-6 guard against empty bags), so it differs from the
+    unsharded EBC, stock TABLE_WISE and herald (``sum / max(bag_length, 1)``) in the 6th digit,
+    which row-wise Adagrad amplifies. Inside this block the divisor is the exact bag length
+    (1 for empty bags): the exact-mean ROW_WISE reference."""
+    import torchrec.distributed.embeddingbag as ebc_mod
+
+    orig = ebc_mod._create_mean_pooling_divisor
+
+    def exact(*args: Any, **kwargs: Any) -> torch.Tensor:
+        return orig(*args, **kwargs).round().clamp(min=1.0)
+
+    ebc_mod._create_mean_pooling_divisor = exact
+    try:
+        yield
+    finally:
+        ebc_mod._create_mean_pooling_divisor = orig
 
 
 def hot_specs_from_data(data: Any, tables: List[Any], min_count: int, sync: str, batches: int = 5,
@@ -41,25 +103,31 @@ def hot_specs_from_data(data: Any, tables: List[Any], min_count: int, sync: str,
     return {t.name: HotSpec((c >= min_count).nonzero().flatten(), sync=sync) for t, c in zip(tables, counts)}
 
 
-def train(rank: int, world: int, cfg: Dict[str, Any]) -> Dict[str, Any]:
-    """cfg: planner (table_wise|row_wise|herald), optimizer (sgd|rowwise_adagrad), via (apply|fused_params),
-    pooling (SUM|MEAN), pipeline (plain|sparse_dist), steps, batch_size, hot_min_count, sync."""
+def make_data(cfg: Dict[str, Any]) -> Any:
+    from torchrec_herald.data import SyntheticCriteo
+
+    data = SyntheticCriteo(scale=FEATURE_SCALE, num_train_batches=cfg.get("steps", 10), seed=1)
+    return MultiHotData(data) if cfg.get("multi_hot", False) else data
+
+
+def build(world: int, cfg: Dict[str, Any], data: Optional[Any] = None) -> Dict[str, Any]:
+    """Seeded DLRM (every rank the same weights) -> plan of ``cfg["planner"]`` -> DMP + CombinedOptimizer.
+
+    cfg: planner (table_wise|row_wise|herald), optimizer (sgd|rowwise_adagrad), via (apply|fused_params),
+    pooling (SUM|MEAN), batch_size, hot_min_count, sync (herald), lr, multi_hot, steps."""
     from torchrec.distributed import DistributedModelParallel
-    from torchrec.distributed.train_pipeline import TrainPipelineSparseDist
     from torchrec.optim import RowWiseAdagrad, apply_optimizer_in_backward
     from torchrec.optim.keyed import CombinedOptimizer, KeyedOptimizerWrapper
     from torchrec.optim.optimizers import in_backward_optimizer_filter
     from fbgemm_gpu.split_embedding_configs import EmbOptimType
 
-    from torchrec_herald.data import SyntheticCriteo
     from torchrec_herald.model import build_dlrm_train, build_tables
     from torchrec_herald.planner.convert import herald_plan_from_row_wise
     from torchrec_herald.planner.stock import stock_plan
     from torchrec_herald.sharding import HeraldEmbeddingBagCollectionSharder
-    from torchrec_herald.traffic import TrafficMeter
 
     B = cfg.get("batch_size", 32)
-    data = SyntheticCriteo(scale=FEATURE_SCALE, num_train_batches=cfg["steps"], seed=1)
+    data = data if data is not None else make_data(cfg)
     tables = build_tables(data.feature_names, data.num_embeddings, 8, cfg.get("pooling", "SUM"))
     model = build_dlrm_train(tables, data.num_dense, [16, 8], [16, 1], seed=0, device="cpu")
     initial = {k: v.detach().clone() for k, v in model.state_dict().items()}
@@ -84,23 +152,51 @@ def train(rank: int, world: int, cfg: Dict[str, Any]) -> Dict[str, Any]:
     dense = KeyedOptimizerWrapper(dict(in_backward_optimizer_filter(dmp.named_parameters())),
                                   lambda ps: dense_cls(ps, lr=lr))
     optimizer = CombinedOptimizer([dmp.fused_optimizer, dense])
-    it = data.train_batches(rank, world, B)
+    return {"dmp": dmp, "optimizer": optimizer, "data": data, "tables": tables, "plan": plan,
+            "initial": initial, "batch_size": B}
+
+
+def run_steps(dmp: Any, optimizer: Any, it: Iterator[Any], pipeline: str = "plain") -> List[float]:
+    """Train on every batch of ``it``; per-step local losses."""
+    from torchrec.distributed.train_pipeline import TrainPipelineSparseDist
+
     losses: List[float] = []
-    with TrafficMeter(embedding_dim=8) as meter:
-        if cfg.get("pipeline", "plain") == "plain":
-            for batch in it:
-                loss, _ = dmp(batch)
-                optimizer.zero_grad()
-                loss.backward()
-                optimizer.step()
-                losses.append(loss.item())
-        else:
-            pipe = TrainPipelineSparseDist(dmp, optimizer, torch.device("cpu"))
-            while True:
-                try:
-                    losses.append(pipe.progress(it)[0].item())
-                except StopIteration:
-                    break
-            pipe.detach()
+    if pipeline == "plain":
+        for batch in it:
+            loss, _ = dmp(batch)
+            optimizer.zero_grad()
+            loss.backward()
+            optimizer.step()
+            losses.append(loss.item())
+    else:
+        pipe = TrainPipelineSparseDist(dmp, optimizer, torch.device("cpu"))
+        while True:
+            try:
+                losses.append(pipe.progress(it)[0].item())
+            except StopIteration:
+                break
+        pipe.detach()
+    return losses
+
+
+def train(rank: int, world: int, cfg: Dict[str, Any]) -> Dict[str, Any]:
+    """cfg: as :func:`build`, plus pipeline (plain|sparse_dist), steps, exact_rw_mean (stock ROW_WISE
+    with the exact MEAN divisor, see :func:`exact_row_wise_mean`)."""
+    from torchrec.optim.optimizers import in_backward_optimizer_filter
+
+    from torchrec_herald.traffic import TrafficMeter
+
+    patch = exact_row_wise_mean() if cfg.get("exact_rw_mean", False) else contextlib.nullcontext()
+    with patch:
+        b = build(world, cfg)
+        dmp = b["dmp"]
+        with TrafficMeter(embedding_dim=8) as meter:
+            losses = run_steps(dmp, b["optimizer"], b["data"].train_batches(rank, world, b["batch_size"]),
+                               cfg.get("pipeline", "plain"))
     return {"losses": losses, "state": full_state(dmp), "traffic": meter.summary(), "tags": meter.tag_summary(),
             "dense_names": sorted(dict(in_backward_optimizer_filter(dmp.named_parameters())))}
+
+
+def train_many(rank: int, world: int, cfgs: List[Dict[str, Any]]) -> List[Dict[str, Any]]:
+    """``train`` for each cfg in turn, in one process group (saves a spawn + import per run)."""
+    return [train(rank, world, cfg) for cfg in cfgs]

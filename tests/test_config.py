@@ -14,11 +14,12 @@ CONFIG_MODULE = "torchrec_herald.conf"
 
 GROUPS = {
     "data": ["synthetic", "criteo_tsv", "columnar"],
-    "planner": ["stock", "table_wise", "row_wise"],
+    "planner": ["stock", "table_wise", "row_wise", "herald"],
     "pipeline": ["sparse_dist", "base"],
     "optimizer": ["rowwise_adagrad", "sgd"],
 }
-PLANNER_MODE = {"stock": "default"}  # planner option -> planner.mode (others: the option's name)
+PLANNER_MODE = {"stock": "default", "herald": "row_wise"}  # planner option -> planner.mode (others: its name)
+PLANNER_NAME = {"herald": "herald"}  # planner option -> planner.name (others: the stock planner)
 
 
 def load(overrides: Optional[List[str]] = None) -> DictConfig:
@@ -45,8 +46,8 @@ def test_every_group_option_composes(group: str, option: str) -> None:
     # everything that is set resolves (??? values such as data.paths stay missing)
     OmegaConf.to_container(cfg, resolve=True, throw_on_missing=False)
     node = cfg[group]
-    if group == "planner":  # every planner option is the stock planner in some mode
-        assert node.name == "stock"
+    if group == "planner":  # stock planner in some mode, or HeraldPlanner (cold rows row-wise)
+        assert node.name == PLANNER_NAME.get(option, "stock")
         assert node.mode == PLANNER_MODE.get(option, option)
     else:
         assert node.name == option

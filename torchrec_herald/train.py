@@ -25,12 +25,26 @@ def _hydra_main(cfg: DictConfig) -> None:
 
     from torchrec_herald.trainer import format_metrics_table, run_training
 
-    run_dir = Path(HydraConfig.get().runtime.output_dir)
+    from hydra import compose
+
+    from torchrec_herald.trainer import format_comparison_table
+
+    hc = HydraConfig.get()
+    run_dir = Path(hc.runtime.output_dir)
+    baseline = None
+    if cfg.compare_with:
+        # the same job with planner=<compare_with>: same data, same global batches, same initial weights
+        overrides = [o for o in hc.overrides.task if not o.startswith(("planner", "compare_with"))]
+        base_cfg = compose(config_name="train", overrides=overrides + [f"planner={cfg.compare_with}"])
+        base_cfg.compare_with = None
+        baseline = record(run_training)(base_cfg, run_dir / f"baseline_{cfg.compare_with}")
     # record() writes torchelastic's error file before Hydra swallows the exception, so torchrun /
     # torchx show this rank's traceback as the root cause.
     metrics = record(run_training)(cfg, run_dir)
     if dist.get_rank() == 0:
-        sys.stdout.write(f"\n{format_metrics_table(metrics)}\n\nmetrics: {run_dir / 'metrics.json'}\n")
+        table = format_metrics_table(metrics) if baseline is None else format_comparison_table(
+            {f"{cfg.compare_with} (baseline)": baseline, cfg.planner.name: metrics})
+        sys.stdout.write(f"\n{table}\n\nmetrics: {run_dir / 'metrics.json'}\n")
         sys.stdout.flush()
     dist.destroy_process_group()
 

@@ -13,6 +13,7 @@ import math
 import os
 import sys
 import time
+from collections import Counter
 from pathlib import Path
 from typing import Any, Dict, Iterator, List, Optional
 
@@ -302,6 +303,40 @@ def _plot(run_dir: Path, losses: List[float], per_step: Dict[str, Dict[str, floa
     fig.tight_layout()
     fig.savefig(run_dir / "training.png", dpi=100)
     plt.close(fig)
+
+
+def format_comparison_table(runs: Dict[str, Dict[str, Any]]) -> str:
+    """Markdown table, one column per run (e.g. stock baseline vs herald) and a last/first ratio."""
+    names = list(runs)
+    ms = [runs[n] for n in names]
+
+    def emb_kib(m: Dict[str, Any]) -> float:
+        return m["traffic_per_step_total"]["embedding_vectors"] * m["config"]["model"]["embedding_dim"] * 4 / 1024
+
+    rows = [
+        ("plan", [", ".join(f"{v}×{k}" for k, v in sorted(Counter(m["plan"].values()).items())) for m in ms], None),
+        ("steps", [m["steps"] for m in ms], None),
+        ("KiB sent per step (all ranks)", [m["traffic_per_step_total"]["bytes"] / 1024 for m in ms], "ratio"),
+        ("embedding KiB per step", [emb_kib(m) for m in ms], "ratio"),
+        ("embedding vectors per step", [m["traffic_per_step_total"]["embedding_vectors"] for m in ms], "ratio"),
+        ("samples/s", [m["samples_per_s"] for m in ms], "ratio"),
+        ("train logloss (last)", [m["train_logloss"] for m in ms], "diff"),
+        ("eval AUC", [m["eval"].get("auc", float("nan")) for m in ms], "diff"),
+        ("eval logloss", [m["eval"].get("logloss", float("nan")) for m in ms], "diff"),
+    ]
+    head = "| metric | " + " | ".join(names) + f" | {names[-1]} vs {names[0]} |"
+    lines = [head, "|" + "---|" * (len(names) + 2)]
+    for label, vals, kind in rows:
+        cells = [f"{v:.4f}" if isinstance(v, float) and abs(v) < 10 else
+                 (f"{v:.1f}" if isinstance(v, float) else str(v)) for v in vals]
+        if kind == "ratio" and vals[0]:
+            cmp = f"{vals[-1] / vals[0]:.3f}× ({100 * (vals[-1] / vals[0] - 1):+.1f} %)"
+        elif kind == "diff":
+            cmp = f"{vals[-1] - vals[0]:+.4f}"
+        else:
+            cmp = ""
+        lines.append(f"| {label} | " + " | ".join(cells) + f" | {cmp} |")
+    return "\n".join(lines)
 
 
 def format_metrics_table(metrics: Dict[str, Any]) -> str:

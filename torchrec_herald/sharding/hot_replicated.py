@@ -182,8 +182,7 @@ class ShardedHeraldEmbeddingBagCollection(
             if spec.hot_ids.numel() and (spec.hot_ids[0] < 0 or spec.hot_ids[-1] >= c.num_embeddings):
                 raise ValueError(f"table {c.name}: hot ids outside [0, {c.num_embeddings})")
             specs.append(spec)
-        syncs = {s.sync for s in specs} - {"none"}
-        self._sync = "dense" if not syncs else ("sparse" if syncs == {"sparse"} else "dense")
+        self._syncs = [s.sync for s in specs]
         self._fused_params = fused_params_of(module, fused_params)
         self._optimizer: EmbOptimType = self._fused_params["optimizer"]
 
@@ -215,10 +214,16 @@ class ShardedHeraldEmbeddingBagCollection(
         self._traffic = torch.zeros(len(self._tables), 4, dtype=torch.float64)  # ids, pooled, grads, hot_sync
         self._hot_table_of_row = torch.repeat_interleave(torch.arange(len(self._tables)),
                                                          torch.tensor(self._hot_counts, dtype=torch.int64))
+        sparse_table = torch.tensor([m == "sparse" for m in self._syncs], dtype=torch.bool)
+        self._sparse_row = sparse_table[self._hot_table_of_row]  # per hot row: synced sparsely?
+        self._dense_rows = (~self._sparse_row).nonzero().flatten()
+        self._hot_counts_t = torch.tensor(self._hot_counts, dtype=torch.float64)
+        self._dense_table = (~sparse_table).double()
         if not any(p.is_meta for p in module.parameters()):
             self._load_full({c.name: module.embedding_bags[c.name].weight.detach() for c in configs})
         logger.info("herald EBC rank %d: %d tables, %d cold rows, %d hot rows (%s sync), optimizer %s",
-                    self._rank, len(configs), sum(self._my_rows), self._num_hot, self._sync, self._optimizer.name)
+                    self._rank, len(configs), sum(self._my_rows), self._num_hot, "/".join(sorted(set(self._syncs))),
+                    self._optimizer.name)
 
     # ------------------------------------------------------------------ ShardedModule API
     def create_context(self) -> HeraldContext:
@@ -344,15 +349,18 @@ class ShardedHeraldEmbeddingBagCollection(
         grad = grad.view(-1, self._dim)[: self._num_hot]
         W, row_bytes = self._world, 4 * self._dim
         with traffic_tag("herald_hot_sync", self._dim):
-            if self._sync == "dense":
-                dist.all_reduce(grad, group=self._pg)
-                sent = torch.tensor(self._hot_counts, dtype=torch.float64) * (2 * (W - 1) * row_bytes / W)
-            else:
-                grad = self._sparse_sum(grad)
-                touched = torch.bincount(self._hot_table_of_row[torch.unique(self._hot_touched)],
-                                         minlength=len(self._tables)).double()
-                sent = touched * ((W - 1) * (4 + row_bytes))
-        self._traffic[:, 3] += sent
+            if self._dense_rows.numel():  # tables synced densely: one ring all-reduce of their rows
+                dense = grad[self._dense_rows]
+                dist.all_reduce(dense, group=self._pg)
+                grad[self._dense_rows] = dense
+            if bool(self._sparse_row.any()):  # tables synced sparsely: exchange touched rows only
+                touched = torch.unique(self._hot_touched)
+                touched = touched[self._sparse_row[touched]]
+                total = self._sparse_sum(grad, touched)
+                grad[self._sparse_row] = total[self._sparse_row]
+                sent_sparse = torch.bincount(self._hot_table_of_row[touched], minlength=len(self._tables)).double()
+                self._traffic[:, 3] += sent_sparse * ((W - 1) * (4 + row_bytes))
+        self._traffic[:, 3] += self._hot_counts_t * self._dense_table * (2 * (W - 1) * row_bytes / W)
         lr = float(self._fused_params["learning_rate"])
         with torch.no_grad():
             w = weights.view(-1, self._dim)[: self._num_hot]
@@ -363,11 +371,10 @@ class ShardedHeraldEmbeddingBagCollection(
                 state.add_(grad.pow(2).mean(1))
                 w.sub_(grad * (lr / (state.sqrt() + float(self._fused_params.get("eps", 1e-8))))[:, None])
 
-    def _sparse_sum(self, grad: torch.Tensor) -> torch.Tensor:
-        """Sum of the touched hot rows' gradients over ranks: every rank sends its touched rows
-        (int32 row index + D floats) to every other rank; all ranks add them up in rank order, so
-        every replica gets the bit-identical sum."""
-        rows = torch.unique(self._hot_touched)
+    def _sparse_sum(self, grad: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+        """Sum over ranks of the gradients of the hot ``rows`` each rank touched: every rank sends its
+        touched rows (int32 row index + D floats) to every other rank; all ranks add them up in rank
+        order, so every replica gets the bit-identical sum."""
         W, k = self._world, rows.numel()
         counts = torch.full((W,), k, dtype=torch.int64)
         recv = torch.empty_like(counts)

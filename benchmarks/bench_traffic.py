@@ -1,0 +1,191 @@
+"""Embedding traffic, stock TorchRec vs herald, on the default data at 2 and 4 ranks.
+
+    .venv/bin/python benchmarks/bench_traffic.py [--world-sizes 2 4] [--steps 300] [overrides ...]
+
+Configurations, each a real multi-process gloo run of ``torchrec_herald.trainer.run_training`` (the
+code behind ``python -m torchrec_herald.train``) from this one process tree, on the same data and the
+same global batches (same seed, same local batch size, identical initial weights):
+TorchRec's default plan, every table TABLE_WISE, and herald's hot-row replication (``planner=herald``).
+Writes ``benchmarks/results/traffic.json``, ``traffic.png`` and the tables between the markers of
+``benchmarks/RESULTS.md``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import platform
+import re
+import sys
+import tempfile
+import time
+from collections import Counter
+from pathlib import Path
+from typing import Any, Dict, List
+
+from torchrec_herald.dist_utils import run_multiprocess
+
+logger = logging.getLogger("bench_traffic")
+HERE = Path(__file__).resolve().parent
+STOCK = {"stock default plan": ["planner=stock"], "stock all TABLE_WISE": ["planner=table_wise"]}
+HERALD = {"herald hot replication": ["planner=herald"]}
+KINDS = ["all_to_all_single", "reduce_scatter_tensor", "all_gather_into_tensor", "all_reduce"]
+
+
+def _worker(rank: int, world: int, overrides: List[str], run_dir: str) -> Dict[str, Any]:
+    from torchrec_herald.config import compose_config
+    from torchrec_herald.trainer import run_training
+
+    return run_training(compose_config(overrides), Path(run_dir), show_progress=rank == 0)
+
+
+def run(world_sizes: List[int], steps: int, extra: List[str]) -> List[Dict[str, Any]]:
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for world in world_sizes:
+            for name, overrides in {**STOCK, **HERALD}.items():
+                ov = overrides + [f"data.num_train_batches={steps}"] + extra
+                logger.info("running %s at %d ranks: %s", name, world, ov)
+                t0 = time.perf_counter()
+                m = run_multiprocess(_worker, world, ov, f"{tmp}/{world}-{len(rows)}")[0]
+                rows.append({"config": name, "overrides": ov, "world_size": world,
+                             "wall_s": time.perf_counter() - t0, "metrics": m})
+    return rows
+
+
+def emb_bytes(m: Dict[str, Any]) -> float:
+    """Embedding bytes per step: embedding vectors × dim × 4 (pooled vectors, their gradients, hot-row
+    and DATA_PARALLEL-table gradient rows)."""
+    return m["traffic_per_step_total"]["embedding_vectors"] * m["config"]["model"]["embedding_dim"] * 4
+
+
+def traffic_table(rows: List[Dict[str, Any]]) -> List[str]:
+    head = ("| config | ranks | plan | KiB/step (all ranks) | embedding KiB/step | emb. vectors/step | "
+            + " | ".join(f"{k} KiB" for k in KINDS) + " | samples/s | eval AUC | eval logloss |")
+    lines = [head, "|" + "---|" * (9 + len(KINDS))]
+    for r in rows:
+        m = r["metrics"]
+        per = m["traffic_per_step"]
+        kinds = " | ".join(f"{per.get(k, {}).get('bytes', 0) / 1024:.1f}" for k in KINDS)
+        plan = " + ".join(f"{n} {t}" for t, n in sorted(Counter(m["plan"].values()).items()))
+        lines.append(f"| {r['config']} | {r['world_size']} | {plan} | "
+                     f"{m['traffic_per_step_total']['bytes'] / 1024:.1f} | {emb_bytes(m) / 1024:.1f} | "
+                     f"{m['traffic_per_step_total']['embedding_vectors']:.0f} | {kinds} | "
+                     f"{m['samples_per_s']:.0f} | {m['eval']['auc']:.4f} | {m['eval']['logloss']:.4f} |")
+    return lines
+
+
+def herald_tables(rows: List[Dict[str, Any]]) -> List[str]:
+    """Reduction vs the cheaper stock configuration, samples/s ratio, AUC, and the cost model's
+    prediction vs the measured bytes (per table, at the largest world size)."""
+    lines = ["| ranks | herald embedding KiB/step | cheaper stock (its KiB) | reduction vs cheaper stock | "
+             "reduction vs all TABLE_WISE | total KiB/step herald / cheaper stock | samples/s ratio | "
+             "AUC herald / stock | predicted / measured herald KiB | worst table error |",
+             "|" + "---|" * 10]
+    for world in sorted({r["world_size"] for r in rows}):
+        at = {r["config"]: r["metrics"] for r in rows if r["world_size"] == world}
+        h = at.get(next(iter(HERALD)))
+        if h is None:
+            continue
+        stock = {name: at[name] for name in STOCK if name in at}
+        cheaper = min(stock, key=lambda n: emb_bytes(stock[n]))
+        c, tw = stock[cheaper], stock.get("stock all TABLE_WISE", stock[cheaper])
+        hr = h["herald"]
+        worst = max(abs(hr["measured_bytes_per_step"][t] - p) / max(hr["measured_bytes_per_step"][t], 1.0)
+                    for t, p in hr["predicted_bytes_per_step"].items())
+        lines.append(
+            f"| {world} | {emb_bytes(h) / 1024:.1f} | {cheaper} ({emb_bytes(c) / 1024:.1f}) | "
+            f"{100 * (1 - emb_bytes(h) / emb_bytes(c)):.1f} % | {100 * (1 - emb_bytes(h) / emb_bytes(tw)):.1f} % | "
+            f"{h['traffic_per_step_total']['bytes'] / 1024:.1f} / {c['traffic_per_step_total']['bytes'] / 1024:.1f} | "
+            f"{h['samples_per_s'] / c['samples_per_s']:.2f} | {h['eval']['auc']:.4f} / {c['eval']['auc']:.4f} | "
+            f"{hr['predicted_total'] / 1024:.1f} / {hr['measured_total'] / 1024:.1f} | {100 * worst:.1f} % |")
+    return lines
+
+
+def per_table(rows: List[Dict[str, Any]]) -> List[str]:
+    h = [r for r in rows if r["config"] in HERALD][-1]
+    hr = h["metrics"]["herald"]
+    lines = [f"Per table at {h['world_size']} ranks (bytes per step, all ranks):", "",
+             "| table | hot rows | sync | predicted | measured | error |", "|---|---|---|---|---|---|"]
+    for t, p in hr["predicted_bytes_per_step"].items():
+        meas = hr["measured_bytes_per_step"][t]
+        lines.append(f"| {t} | {hr['hot_rows'][t]} | {hr['sync'][t]} | {p:.0f} | {meas:.0f} | "
+                     f"{100 * (p - meas) / max(meas, 1.0):+.1f} % |")
+    return lines
+
+
+def markdown(rows: List[Dict[str, Any]], command: str) -> Dict[str, str]:
+    cfg = rows[0]["metrics"]["config"]
+    note = (f"Data: synthetic Criteo-calibrated (scale {cfg['data']['scale']}, zipf_alpha "
+            f"{cfg['data']['zipf_alpha']}, seed {cfg['data']['seed']}), local batch {cfg['batch_size']}, "
+            f"{rows[0]['metrics']['steps']} steps, dim {cfg['model']['embedding_dim']}, "
+            f"{cfg['optimizer']['name']}. KiB/step = bytes all ranks send to other ranks per step "
+            f"(TrafficMeter formulas, every collective incl. ids, metadata and DDP); embedding KiB = "
+            f"embedding vectors × dim × 4 B (pooled vectors, their gradients, hot-row and DATA_PARALLEL "
+            f"gradient rows); all_reduce = DDP dense grads (+ DATA_PARALLEL tables, + herald dense hot "
+            f"sync). Machine: {platform.machine()}, {os.cpu_count()} cores, one torch thread per rank, gloo.")
+    return {
+        "STOCK": "\n".join([f"Command: `{command}`", ""] + traffic_table(rows) + ["", note]),
+        "HERALD": "\n".join([f"Command: `{command}` (same runs as the table above)", ""] + herald_tables(rows)
+                            + [""] + per_table(rows)),
+    }
+
+
+def write_results_md(sections: Dict[str, str]) -> None:
+    path = HERE / "RESULTS.md"
+    text = path.read_text() if path.exists() else "# Benchmark results\n"
+    for name, body in sections.items():
+        block = f"<!-- {name}:BEGIN -->\n{body}\n<!-- {name}:END -->"
+        pattern = rf"<!-- {name}:BEGIN -->.*<!-- {name}:END -->"
+        if re.search(pattern, text, flags=re.S):
+            text = re.sub(pattern, lambda _: block, text, flags=re.S)
+        else:
+            text += f"\n{block}\n"
+    path.write_text(text)
+
+
+def plot(rows: List[Dict[str, Any]], out: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(9, 3.8))
+    labels = [f"{r['config']}\n{r['world_size']} ranks" for r in rows]
+    bottom = [0.0] * len(rows)
+    for k in KINDS:
+        vals = [r["metrics"]["traffic_per_step"].get(k, {}).get("bytes", 0) / 1024 for r in rows]
+        ax.bar(labels, vals, bottom=bottom, label=k)
+        bottom = [b + v for b, v in zip(bottom, vals)]
+    ax.set_ylabel("KiB per step, all ranks")
+    ax.tick_params(axis="x", labelsize=7)
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(out, dpi=100)
+    plt.close(fig)
+
+
+def main() -> None:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--world-sizes", type=int, nargs="+", default=[2, 4])
+    p.add_argument("--steps", type=int, default=300)
+    p.add_argument("--no-results-md", action="store_true", help="only write the JSON")
+    p.add_argument("overrides", nargs="*", help="extra Hydra overrides for every run")
+    a = p.parse_args()
+    rows = run(a.world_sizes, a.steps, a.overrides)
+    out = HERE / "results"
+    out.mkdir(exist_ok=True)
+    (out / "traffic.json").write_text(json.dumps(rows, indent=2))
+    plot(rows, out / "traffic.png")
+    command = "make bench" if sys.argv[1:] == [] else "python benchmarks/bench_traffic.py " + " ".join(sys.argv[1:])
+    sections = markdown(rows, command)
+    if not a.no_results_md:
+        write_results_md(sections)
+    sys.stdout.write("\n\n".join(sections.values()) + "\n")
+
+
+if __name__ == "__main__":
+    main()
