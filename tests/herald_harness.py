@@ -147,7 +147,7 @@ def build(world: int, cfg: Dict[str, Any], data: Optional[Any] = None) -> Dict[s
         plan = herald_plan_from_row_wise(plan, hot_specs_from_data(data, tables, cfg.get("hot_min_count", 2),
                                                                    cfg.get("sync", "dense")))
     dmp = DistributedModelParallel(model, device=torch.device("cpu"), plan=plan, sharders=[sharder])
-    dmp.load_state_dict(initial)
+    dmp.load_state_dict(dict(initial))  # a copy: TorchRec's DMP.load_state_dict renames the DDP keys in place
     dense_cls = torch.optim.SGD if opt == "sgd" else torch.optim.Adagrad
     dense = KeyedOptimizerWrapper(dict(in_backward_optimizer_filter(dmp.named_parameters())),
                                   lambda ps: dense_cls(ps, lr=lr))
@@ -193,8 +193,8 @@ def train(rank: int, world: int, cfg: Dict[str, Any]) -> Dict[str, Any]:
         with TrafficMeter(embedding_dim=8) as meter:
             losses = run_steps(dmp, b["optimizer"], b["data"].train_batches(rank, world, b["batch_size"]),
                                cfg.get("pipeline", "plain"))
-    return {"losses": losses, "state": full_state(dmp), "traffic": meter.summary(), "tags": meter.tag_summary(),
-            "dense_names": sorted(dict(in_backward_optimizer_filter(dmp.named_parameters())))}
+    return {"losses": losses, "state": full_state(dmp), "initial": b["initial"], "traffic": meter.summary(),
+            "tags": meter.tag_summary(), "dense_names": sorted(dict(in_backward_optimizer_filter(dmp.named_parameters())))}
 
 
 def train_many(rank: int, world: int, cfgs: List[Dict[str, Any]]) -> List[Dict[str, Any]]:

@@ -110,12 +110,16 @@ class HeraldPlanner(EmbeddingShardingPlanner):
                                             constraints=self._row_wise_constraints(tables)).plan(module, stock_sharders)
         hot = {name: HotSpec(c.hot_ids, sync=c.sync, expected=c.expected.as_dict()) for name, c in choices.items()}
         plan = herald_plan_from_row_wise(row_wise, hot)
-        logger.info("HeraldPlanner: %s tables\n%s", len(tables), format_traffic_report(choices))
+        logger.info("HeraldPlanner: %s tables\n%s", len(tables), self.describe())
         return plan
 
     def describe(self) -> str:
         """Per table: hot rows, sync, replica bytes per rank, expected bytes per step stock vs herald."""
-        return format_traffic_report(self.last_choices) if self.last_choices else "(no herald tables planned)"
+        if not self.last_choices:
+            return "(no herald tables planned)"
+        return (f"sharding type of every table: {HERALD_HOT_ROW_WISE} (hot rows replicated on all "
+                f"{self._topology.world_size} ranks, cold rows in stock ROW_WISE blocks); bytes per step, all ranks\n"
+                + format_traffic_report(self.last_choices))
 
 
 def _as_stock(sharder: ModuleSharder[nn.Module]) -> ModuleSharder[nn.Module]:

@@ -414,9 +414,12 @@ class ShardedHeraldEmbeddingBagCollection(
         return full
 
     def _load_full(self, tables: Dict[str, torch.Tensor]) -> None:
-        """Copy full ``[n, dim]`` tables into this rank's cold blocks and hot replicas."""
+        """Copy full ``[n, dim]`` tables into this rank's cold blocks and hot replicas (tables absent
+        from ``tables`` are left as they are)."""
         with torch.no_grad():
             for t, name in enumerate(self._tables):
+                if name not in tables:
+                    continue
                 full = tables[name]
                 if tuple(full.shape) != (self._num_embeddings[t], self._dim):
                     raise ValueError(f"table {name}: expected shape {(self._num_embeddings[t], self._dim)}, "
@@ -455,8 +458,7 @@ class ShardedHeraldEmbeddingBagCollection(
                 dist.broadcast(full, src=0, group=self._pg)
                 v = full
             tables[name] = v.detach().to(torch.float32)
-        if len(tables) == len(self._tables):
-            self._load_full(tables)
+        self._load_full(tables)  # strict=False: the tables present are loaded, as nn.Module does
         from torch.nn.modules.module import _IncompatibleKeys
 
         return _IncompatibleKeys(missing, unexpected)

@@ -1,0 +1,202 @@
+"""Bad input fails fast and clearly: bad ids (on every rank, no hang), missing features, planner misuse,
+mixed plans.
+
+The 2-rank checks run in one process group; the worker catches each error and returns its message, so
+both ranks' messages are asserted (``run_multiprocess``'s ``timeout_s`` turns a hang into a failure).
+The planner checks need no process group.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+from typing import Any, Dict, List
+
+import pytest
+import torch
+
+from torchrec_herald.dist_utils import run_multiprocess
+
+BAD_FEATURE = "cat_3"  # table t_cat_3: 2203 rows at scale 0.001
+BAD_POS = 5  # the bad id replaces the id of sample 5
+MISSING_FEATURE = "cat_7"
+
+
+def _with_id(batch: Any, feature: str, pos: int, value: int) -> Any:
+    from torchrec.datasets.utils import Batch
+    from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
+
+    kjt = batch.sparse_features
+    f = kjt.keys().index(feature)
+    values = kjt.values().clone()
+    values[sum(kjt.length_per_key()[:f]) + pos] = value
+    return Batch(batch.dense_features, KeyedJaggedTensor(keys=kjt.keys(), values=values, lengths=kjt.lengths()),
+                 batch.labels)
+
+
+def _without(batch: Any, feature: str) -> Any:
+    from torchrec.datasets.utils import Batch
+    from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
+
+    kjt = batch.sparse_features
+    return Batch(batch.dense_features, KeyedJaggedTensor.from_jt_dict({k: kjt[k] for k in kjt.keys() if k != feature}),
+                 batch.labels)
+
+
+def _error(fn: Any) -> str:
+    try:
+        fn()
+    except Exception as e:  # noqa: BLE001 - the message is what is asserted
+        return f"{type(e).__name__}: {e}"
+    return "no error"
+
+
+def _worker(rank: int, world: int) -> Dict[str, Any]:
+    from torchrec.distributed import DistributedModelParallel
+
+    from herald_harness import build, make_data, run_steps
+    from torchrec_herald.model import build_dlrm_train, build_tables
+    from torchrec_herald.planner.convert import herald_plan_from_row_wise
+    from torchrec_herald.planner.stock import stock_plan
+    from torchrec_herald.sharding import HeraldEmbeddingBagCollectionSharder, HotSpec
+
+    h = build(world, dict(planner="herald", steps=3))
+    dmp, data = h["dmp"], h["data"]
+    batch = next(iter(data.train_batches(rank, world, h["batch_size"])))
+    n = dict(zip(data.feature_names, data.num_embeddings))[BAD_FEATURE]
+    out: Dict[str, Any] = {"num_embeddings": n}
+    # a bad id in rank 1's batch only: every rank must raise (rank 0's batch is fine)
+    for name, bad in (("too_large", n), ("negative", -1)):
+        b = _with_id(batch, BAD_FEATURE, BAD_POS, bad) if rank == 1 else batch
+        out[name] = _error(lambda: dmp(b))
+    # a KJT without one of the EBC's features (every rank: a data pipeline bug)
+    out["missing"] = _error(lambda: dmp(_without(batch, MISSING_FEATURE)))
+    # the module is still usable after those errors
+    out["losses_after"] = run_steps(dmp, h["optimizer"], data.train_batches(rank, world, h["batch_size"]))
+
+    # one EBC whose plan mixes herald and stock tables: the sharder refuses
+    data = make_data({})
+    tables = build_tables(data.feature_names, data.num_embeddings, 8)
+    model = build_dlrm_train(tables, data.num_dense, [16, 8], [16, 1], seed=0, device="cpu")
+    sharder = HeraldEmbeddingBagCollectionSharder(fused_params={"optimizer": "exact_sgd", "learning_rate": 0.1})
+    row_wise = stock_plan(model, tables, [sharder], "row_wise", world, 32, torch.device("cpu"))
+    plan = herald_plan_from_row_wise(row_wise, {t.name: HotSpec(torch.arange(2)) for t in tables})
+    fqn = next(iter(plan.plan))
+    plan.plan[fqn]["t_cat_4"] = row_wise.plan[fqn]["t_cat_4"]  # type: ignore[index]
+    out["mixed"] = _error(lambda: DistributedModelParallel(model, device=torch.device("cpu"), plan=plan,
+                                                           sharders=[sharder]))
+    return out
+
+
+@functools.lru_cache(maxsize=None)
+def results() -> List[Dict[str, Any]]:
+    return run_multiprocess(_worker, 2, timeout_s=180)
+
+
+@pytest.mark.parametrize("name", ["too_large", "negative"])
+def test_bad_id_on_one_rank_raises_on_every_rank(name: str) -> None:
+    res = results()
+    bad = res[0]["num_embeddings"] if name == "too_large" else -1
+    for r in res:
+        msg = r[name]
+        assert msg.startswith("ValueError: "), msg
+        assert f"id {bad} " in msg and f"'{BAD_FEATURE}'" in msg and f"'t_{BAD_FEATURE}'" in msg, msg
+        assert f"[0, {res[0]['num_embeddings']})" in msg and "rank 1" in msg, msg
+
+
+def test_missing_feature_is_a_clear_error() -> None:
+    for r in results():
+        assert r["missing"].startswith("ValueError: "), r["missing"]
+        assert f"'{MISSING_FEATURE}'" in r["missing"] and "missing from the input KJT" in r["missing"]
+
+
+def test_module_still_trains_after_input_errors() -> None:
+    for r in results():
+        assert len(r["losses_after"]) == 3 and all(0 < x < 10 for x in r["losses_after"])
+
+
+def test_mixed_herald_and_stock_tables_in_one_ebc() -> None:
+    for r in results():
+        assert r["mixed"].startswith("ValueError: "), r["mixed"]
+        assert "either all herald_hot_row_wise or all stock" in r["mixed"] and "t_cat_4" in r["mixed"]
+
+
+# ---------------------------------------------------------------------- planner (no process group)
+
+
+@functools.lru_cache(maxsize=None)
+def _model_and_stats() -> tuple:
+    from herald_harness import make_data
+    from torchrec_herald.model import build_dlrm_train, build_tables
+    from torchrec_herald.planner import AccessStats
+
+    data = make_data({})
+    tables = build_tables(data.feature_names, data.num_embeddings, 8)
+    model = build_dlrm_train(tables, data.num_dense, [16, 8], [16, 1], device="meta")
+    sample = [b.sparse_features for _, b in zip(range(4), data.train_batches(0, 1, 64))]
+    return data, tables, model, AccessStats.from_batches(sample, tables)
+
+
+def _planner(**kwargs: Any) -> Any:
+    from torchrec.distributed.planner import Topology
+
+    from torchrec_herald.planner import HeraldPlanner
+
+    return HeraldPlanner(topology=Topology(world_size=2, compute_device="cpu"), batch_size=32, **kwargs)
+
+
+def _herald_sharder() -> Any:
+    from torchrec_herald.sharding import HeraldEmbeddingBagCollectionSharder
+
+    return HeraldEmbeddingBagCollectionSharder()
+
+
+def test_budget_below_one_row_falls_back_to_stock_plan(caplog: pytest.LogCaptureFixture) -> None:
+    from torchrec.distributed.planner import EmbeddingShardingPlanner, Topology
+
+    from torchrec_herald.planner import herald_tables
+    from torchrec_herald.planner.stock import describe_plan
+    from torchrec_herald.sharding import CpuEmbeddingBagCollectionSharder
+
+    _, _, model, stats = _model_and_stats()
+    row_bytes = 8 * 4 + 4  # dim 8 fp32 weights + the row-wise Adagrad state
+    planner = _planner(stats=stats, hot_memory_budget_bytes=row_bytes - 1)
+    with caplog.at_level(logging.WARNING, logger="torchrec_herald"):
+        plan = planner.plan(model, [_herald_sharder()])
+    assert herald_tables(plan) == {}
+    stock = EmbeddingShardingPlanner(topology=Topology(world_size=2, compute_device="cpu"), batch_size=32).plan(
+        model, [CpuEmbeddingBagCollectionSharder()])
+    assert describe_plan(plan) == describe_plan(stock)
+    warnings = [r for r in caplog.records if r.levelno == logging.WARNING and r.name.startswith("torchrec_herald")]
+    assert any("cannot hold one hot row" in r.getMessage() and "stock plan" in r.getMessage() for r in warnings), \
+        [r.getMessage() for r in warnings]
+
+
+def test_budget_above_rank_memory_is_rejected_at_construction() -> None:
+    from torchrec.distributed.planner import Topology
+
+    _, _, _, stats = _model_and_stats()
+    ddr = Topology(world_size=2, compute_device="cpu").devices[0].storage.ddr
+    with pytest.raises(ValueError, match=rf"hot_memory_budget_bytes={ddr + 1} is more than a rank can hold"):
+        _planner(stats=stats, hot_memory_budget_bytes=ddr + 1)
+    _planner(stats=stats, hot_memory_budget_bytes=ddr)  # exactly a rank's DDR is allowed
+
+
+def test_stats_of_other_tables_are_rejected_naming_the_table() -> None:
+    from torchrec_herald.model import build_tables
+    from torchrec_herald.planner import AccessStats
+
+    data, tables, model, _ = _model_and_stats()
+    sizes = list(data.num_embeddings)
+    sizes[9] += 1  # t_cat_9 one row larger than the model's
+    with pytest.raises(ValueError, match=r"table 't_cat_9': the access stats have \d+ rows but the model's table"):
+        _planner(stats=AccessStats.empty(build_tables(data.feature_names, sizes, 8))).plan(model, [_herald_sharder()])
+    with pytest.raises(ValueError, match=r"table 't_cat_25' of the model is not in the access stats"):
+        _planner(stats=AccessStats.empty(tables[:-1])).plan(model, [_herald_sharder()])
+
+
+def test_planner_without_access_stats() -> None:
+    with pytest.raises(ValueError, match="HeraldPlanner needs stats=AccessStats"):
+        _planner()
+    with pytest.raises(ValueError, match="HeraldPlanner needs stats=AccessStats"):
+        _planner(stats=[])  # TorchRec planner Stats reporters are not access statistics

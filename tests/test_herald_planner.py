@@ -1,0 +1,158 @@
+"""HeraldPlanner: the plan it returns (single process) and a 2-rank run of the driver with planner=herald.
+
+Planning needs no process group: ``HeraldPlanner.plan`` on a W=2 ``Topology``, the default synthetic
+config at scale 0.001 (the default model and batch size). The driver run is
+``torchrec_herald.trainer.run_training`` with ``planner=herald`` and, for the comparison, the stock
+``planner=table_wise``, 30 steps of 2 x 64 samples at the default data scale.
+"""
+
+from __future__ import annotations
+
+import functools
+import pickle
+from pathlib import Path
+from typing import Any, Dict
+
+import pytest
+import torch
+
+from torchrec_herald.dist_utils import run_multiprocess
+
+W = 2
+DRIVER = ["data.num_train_batches=30", "data.num_eval_batches=2", "batch_size=64"]
+
+
+@functools.lru_cache(maxsize=None)
+def _planned() -> Dict[str, Any]:
+    from torchrec.distributed.planner import Topology
+
+    from torchrec_herald.config import compose_config
+    from torchrec_herald.data import SyntheticCriteo
+    from torchrec_herald.model import build_dlrm_train, build_tables
+    from torchrec_herald.planner import AccessStats, HeraldPlanner
+    from torchrec_herald.sharding import HeraldEmbeddingBagCollectionSharder
+
+    cfg = compose_config(["planner=herald"])
+    data = SyntheticCriteo(scale=0.001, seed=cfg.data.seed, zipf_alpha=cfg.data.zipf_alpha)
+    tables = build_tables(data.feature_names, data.num_embeddings, cfg.model.embedding_dim, cfg.model.pooling)
+    model = build_dlrm_train(tables, data.num_dense, cfg.model.dense_arch, cfg.model.over_arch, device="meta")
+    B = cfg.batch_size
+    sample = [b.sparse_features for _, b in zip(range(cfg.planner.stats_batches), data.train_batches(0, 1, W * B))]
+    stats = AccessStats.from_batches(sample, tables)
+    planner = HeraldPlanner(topology=Topology(world_size=W, compute_device="cpu"), batch_size=B, stats=stats,
+                            hot_memory_budget_bytes=cfg.planner.hot_memory_budget_bytes)
+    plan = planner.plan(model, [HeraldEmbeddingBagCollectionSharder()])
+    return {"cfg": cfg, "tables": tables, "model": model, "stats": stats, "planner": planner, "plan": plan,
+            "batch_size": B}
+
+
+def _module_plan(plan: Any) -> Dict[str, Any]:
+    assert list(plan.plan) == ["model.sparse_arch.embedding_bag_collection"]
+    return dict(plan.plan["model.sparse_arch.embedding_bag_collection"])
+
+
+def test_plan_is_herald_with_stock_row_wise_layout() -> None:
+    from torchrec_herald.planner.stock import stock_plan
+    from torchrec_herald.sharding import CpuEmbeddingBagCollectionSharder, HeraldParameterSharding
+    from torchrec_herald.sharding.types import HERALD_HOT_ROW_WISE
+
+    p = _planned()
+    herald = _module_plan(p["plan"])
+    assert set(herald) == {t.name for t in p["tables"]}
+    stock = _module_plan(stock_plan(p["model"], p["tables"], [CpuEmbeddingBagCollectionSharder()], "row_wise", W,
+                                    p["batch_size"], torch.device("cpu")))
+    for name, ps in herald.items():
+        assert isinstance(ps, HeraldParameterSharding) and ps.sharding_type == HERALD_HOT_ROW_WISE, name
+        assert stock[name].sharding_type == "row_wise"
+        assert ps.ranks == stock[name].ranks == list(range(W)), name
+        assert ps.sharding_spec == stock[name].sharding_spec, name
+
+
+def test_hot_sets_are_the_cost_models() -> None:
+    from torchrec_herald.planner import CostModelHotSetSelector
+
+    p = _planned()
+    herald = _module_plan(p["plan"])
+    expected = CostModelHotSetSelector().select(p["stats"], p["tables"], W, p["batch_size"],
+                                                p["cfg"].planner.hot_memory_budget_bytes)
+    assert list(expected) == [t.name for t in p["tables"]]
+    for name, choice in expected.items():
+        assert torch.equal(herald[name].hot.hot_ids, choice.hot_ids), name
+        assert herald[name].hot.sync == choice.sync, name
+        assert herald[name].hot.expected == choice.expected.as_dict(), name
+    assert sum(c.num_hot for c in expected.values()) > 0  # not vacuous: tables do get hot rows
+    assert {c.sync for c in expected.values() if c.num_hot} <= {"dense", "sparse"}
+    assert p["planner"].last_choices.keys() == expected.keys()
+
+
+def test_describe_mentions_every_table() -> None:
+    p = _planned()
+    text = p["planner"].describe()
+    lines = text.splitlines()
+    for t in p["tables"]:
+        assert any(line.split() and line.split()[0] == t.name for line in lines), t.name
+
+
+def test_plan_survives_pickling() -> None:
+    """collective_plan broadcasts the plan with broadcast_object_list (pickle): hot sets must survive."""
+    from torchrec_herald.planner import herald_tables
+    from torchrec_herald.sharding import HeraldParameterSharding
+
+    plan = _planned()["plan"]
+    back = pickle.loads(pickle.dumps(plan))
+    before, after = herald_tables(plan), herald_tables(back)
+    assert before.keys() == after.keys() and len(after) == 26
+    for name in before:
+        assert isinstance(_module_plan(back)[name], HeraldParameterSharding)
+        assert after[name].hot_ids.dtype == torch.int64
+        assert torch.equal(after[name].hot_ids, before[name].hot_ids), name
+        assert after[name].sync == before[name].sync and after[name].expected == before[name].expected
+        assert _module_plan(back)[name].sharding_spec == _module_plan(plan)[name].sharding_spec
+
+
+# ---------------------------------------------------------------------- the driver, 2 ranks
+
+
+def _drive(rank: int, world: int, runs: Dict[str, list], base: str) -> Dict[str, Any]:
+    from torchrec_herald.config import compose_config
+    from torchrec_herald.trainer import run_training
+
+    return {name: run_training(compose_config(ov), Path(base) / name, show_progress=False)
+            for name, ov in runs.items()}
+
+
+@pytest.fixture(scope="module")
+def driver(tmp_path_factory: pytest.TempPathFactory) -> list:
+    runs = {"herald": ["planner=herald"] + DRIVER, "table_wise": ["planner=table_wise"] + DRIVER}
+    return run_multiprocess(_drive, W, runs, str(tmp_path_factory.mktemp("driver")), timeout_s=300)
+
+
+def test_driver_herald_run(driver: list) -> None:
+    m, tw = driver[0]["herald"], driver[0]["table_wise"]
+    assert m["steps"] == 30 and m["world_size"] == W
+    assert set(m["plan"].values()) == {"herald_hot_row_wise"}
+    assert m["train_logloss"] < m["train_logloss_first"] - 0.05
+    h = m["herald"]
+    assert sum(h["hot_rows"].values()) > 0
+    # the cost model's prediction vs what the sharded module counted
+    assert h["measured_total"] == pytest.approx(h["predicted_total"], rel=0.15)
+    # the module's per-table counters agree with TrafficMeter's herald tags (herald_meta is not per table)
+    tags = m["traffic_per_step_by_tag"]
+    metered = sum(s["bytes"] for k, s in tags.items() if k.startswith("herald_") and k != "herald_meta")
+    assert {"herald_hot_sync", "herald_ids", "herald_pooled", "herald_pooled_grad"} <= set(tags)
+    assert sum(h["measured_bytes_per_step"].values()) == pytest.approx(metered, rel=0.01)
+    assert h["measured_total"] == pytest.approx(sum(h["measured_bytes_per_step"].values()))
+    # fewer embedding vectors per step than stock TABLE_WISE on the same config
+    assert set(tw["plan"].values()) == {"table_wise"} and tw["herald"] == {}
+    assert 0 < m["traffic_per_step_total"]["embedding_vectors"] < tw["traffic_per_step_total"]["embedding_vectors"]
+    # and it trains the same model (losses are means over ranks and steps)
+    assert m["train_logloss"] == pytest.approx(tw["train_logloss"], rel=1e-5)
+    assert m["train_logloss_first"] == pytest.approx(tw["train_logloss_first"], rel=1e-5)
+
+
+def test_driver_ranks_agree_on_the_broadcast_plan(driver: list) -> None:
+    """Rank 1 runs with the plan rank 0 planned and broadcast (collective_plan)."""
+    a, b = driver[0]["herald"]["herald"], driver[1]["herald"]["herald"]
+    assert a["hot_rows"] == b["hot_rows"] and a["sync"] == b["sync"]
+    assert a["predicted_bytes_per_step"] == b["predicted_bytes_per_step"]
+    assert driver[0]["herald"]["traffic_per_step_by_tag"] == driver[1]["herald"]["traffic_per_step_by_tag"]
