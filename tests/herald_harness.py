@@ -90,7 +90,8 @@ def exact_row_wise_mean() -> Iterator[None]:
 
 def hot_specs_from_data(data: Any, tables: List[Any], min_count: int, sync: str, batches: int = 5,
                         global_batch: int = 64) -> Dict[str, Any]:
-    """Deterministic hot sets for tests: ids seen >= min_count times in the first global batches."""
+    """Deterministic hot sets for tests: ids seen >= min_count times in the first global batches.
+    ``sync="mixed"``: even-indexed tables dense, odd-indexed ones sparse (both modes in one module)."""
     from torchrec_herald.sharding.types import HotSpec
 
     counts = [torch.zeros(t.num_embeddings, dtype=torch.int64) for t in tables]
@@ -100,7 +101,8 @@ def hot_specs_from_data(data: Any, tables: List[Any], min_count: int, sync: str,
         kjt = batch.sparse_features
         for f, jt in enumerate(kjt.split([1] * len(tables))):
             counts[f] += torch.bincount(jt.values(), minlength=tables[f].num_embeddings)
-    return {t.name: HotSpec((c >= min_count).nonzero().flatten(), sync=sync) for t, c in zip(tables, counts)}
+    modes = [(("dense", "sparse")[i % 2] if sync == "mixed" else sync) for i in range(len(tables))]
+    return {t.name: HotSpec((c >= min_count).nonzero().flatten(), sync=m) for t, c, m in zip(tables, counts, modes)}
 
 
 def make_data(cfg: Dict[str, Any]) -> Any:
@@ -114,7 +116,7 @@ def build(world: int, cfg: Dict[str, Any], data: Optional[Any] = None) -> Dict[s
     """Seeded DLRM (every rank the same weights) -> plan of ``cfg["planner"]`` -> DMP + CombinedOptimizer.
 
     cfg: planner (table_wise|row_wise|herald), optimizer (sgd|rowwise_adagrad), via (apply|fused_params),
-    pooling (SUM|MEAN), batch_size, hot_min_count, sync (herald), lr, multi_hot, steps."""
+    pooling (SUM|MEAN), batch_size, hot_min_count, sync (herald: dense|sparse|mixed), lr, multi_hot, steps."""
     from torchrec.distributed import DistributedModelParallel
     from torchrec.optim import RowWiseAdagrad, apply_optimizer_in_backward
     from torchrec.optim.keyed import CombinedOptimizer, KeyedOptimizerWrapper

@@ -26,7 +26,8 @@ d     4    EXACT_SGD              fused_params    MEAN   plain             spars
 
 ``apply_in_bwd``: ``torchrec.optim.apply_optimizer_in_backward`` on the EBC's weights;
 ``fused_params``: the sharder's ``fused_params={"optimizer": EmbOptimType...}``; SparseDist:
-``TrainPipelineSparseDist``. Case d uses multi-id bags (``herald_harness.multi_hot``: 0 to 3 ids,
+``TrainPipelineSparseDist``; sync: how hot-row gradients are summed over ranks (per table; case a
+also runs herald with ``mixed`` sync: even tables dense, odd ones sparse, in one module). Case d uses multi-id bags (``herald_harness.multi_hot``: 0 to 3 ids,
 empty bags included), so MEAN divides by real bag lengths and bags are split over hot rows and
 several cold owners. (Multi-id bags are not combined with row-wise Adagrad: there the stock
 references themselves drift apart by up to ~1e-4 in weights after 50 steps (measured: ROW_WISE vs
@@ -61,7 +62,7 @@ RTOL = 1e-5
 #: case -> (world size, common cfg, reference run name, extra run names)
 CASES: Dict[str, Tuple[int, Dict[str, Any], str, Tuple[str, ...]]] = {
     "a": (2, dict(optimizer="sgd", via="apply", pooling="SUM", pipeline="plain", sync="dense"),
-          "table_wise", ("row_wise",)),
+          "table_wise", ("row_wise", "herald_mixed_sync")),
     "b": (2, dict(optimizer="rowwise_adagrad", via="fused_params", pooling="MEAN", pipeline="sparse_dist",
                   sync="sparse"),
           "row_wise_exact_mean", ("row_wise", "table_wise")),
@@ -74,6 +75,7 @@ CASES: Dict[str, Tuple[int, Dict[str, Any], str, Tuple[str, ...]]] = {
 #: run name -> harness cfg overrides
 RUNS: Dict[str, Dict[str, Any]] = {
     "herald": dict(planner="herald"),
+    "herald_mixed_sync": dict(planner="herald", sync="mixed"),
     "table_wise": dict(planner="table_wise"),
     "row_wise": dict(planner="row_wise"),
     "row_wise_exact_mean": dict(planner="row_wise", exact_rw_mean=True),
@@ -105,11 +107,11 @@ def vectors(summary: Dict[str, Dict[str, float]]) -> float:
     return sum(s["embedding_vectors"] for s in summary.values())
 
 
-@pytest.mark.parametrize("case", sorted(CASES))
-def test_herald_matches_stock(case: str) -> None:
+@pytest.mark.parametrize("case,herald_run", [(c, "herald") for c in sorted(CASES)] + [("a", "herald_mixed_sync")])
+def test_herald_matches_stock(case: str, herald_run: str) -> None:
     world, _, ref_name, _ = CASES[case]
     r = runs(case)
-    herald, ref = r["herald"], r[ref_name]
+    herald, ref = r[herald_run], r[ref_name]
     for rank in range(world):
         h, s = herald[rank], ref[rank]
         assert loss_rel(h["losses"], s["losses"]) <= RTOL, (case, rank)
@@ -126,6 +128,11 @@ def test_herald_matches_stock(case: str) -> None:
         assert h["tags"]["herald_hot_sync"]["bytes"] > 0, (case, rank)
         assert h["tags"]["herald_pooled"]["bytes"] > 0, (case, rank)
         assert 0 < vectors(h["traffic"]) < vectors(s["traffic"]), (case, rank)
+        # the configured sync modes ran: dense = all_reduce (the only all_reduce in these runs), sparse =
+        # a second herald_meta exchange per step (the first is input_dist's)
+        sync = {**CASES[case][1], **RUNS[herald_run]}["sync"]
+        assert (h["traffic"].get("all_reduce", {}).get("bytes", 0) > 0) == (sync in ("dense", "mixed")), sync
+        assert h["tags"]["herald_meta"]["calls"] == STEPS * (2 if sync in ("sparse", "mixed") else 1), sync
     # training moved the weights (the comparison is not of two untouched initialisations)
     init = ref[0]["initial"]
     assert set(init) == set(ref[0]["state"])
