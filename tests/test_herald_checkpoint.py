@@ -11,7 +11,9 @@ so the optimizer state question is real) checks:
       herald's state dict equals the stock one exactly, same logits and loss on a batch;
 (iii) herald -> herald (same plan, and a plan with other hot sets and sync): exact round trip, same
       logits; a ``strict=False`` load of a subset of the tables loads those tables;
-optimizer state: what is exported today (see :func:`test_optimizer_state_today`).
+optimizer state: herald's fused optimizer exports each table's row-wise Adagrad ``momentum1`` as a
+      ShardedTensor in stock ROW_WISE's layout under stock's keys, so it moves both ways between
+      herald and stock ROW_WISE (:func:`test_optimizer_state_moves_between_herald_and_stock_row_wise`).
 
 "Identical"/"exactly" is ``torch.equal``. ``DMP.load_state_dict`` gets a copy of the state dict:
 TorchRec's DMP renames the dense (DDP) keys of the dict it is given in place.
@@ -83,6 +85,29 @@ def _worker(rank: int, world: int) -> Dict[str, Any]:
     rw_sd = gather_state(rw_raw)
     rw_fused = rw["dmp"].fused_optimizer.state_dict()
     out["rw_fused_state"] = {k: sorted(v) for k, v in rw_fused["state"].items()}
+
+    def local(sd: Dict[str, Any]) -> Dict[str, torch.Tensor]:
+        return {f"{k}/{kk}": vv.local_shards()[0].tensor.clone() for k, v in sd["state"].items()
+                for kk, vv in v.items()}
+
+    # herald and stock ROW_WISE trained on the same batches hold (numerically) the same Adagrad state
+    out["opt_trained_diff"] = max((a - b).abs().max().item() for a, b in
+                                  zip(local(fused).values(), local(rw_fused).values()))
+    out["opt_trained_keys_equal"] = list(local(fused)) == list(local(rw_fused))
+    # stock ROW_WISE -> a fresh herald: state loaded exactly, hot replicas' state refreshed on every rank
+    h_opt = build(world, cfg)
+    h_opt["dmp"].fused_optimizer.load_state_dict(rw_fused)
+    out["opt_stock_to_herald_equal"] = all(torch.equal(a, b) for a, b in
+                                           zip(local(h_opt["dmp"].fused_optimizer.state_dict()).values(),
+                                               local(rw_fused).values()))
+    hot_module = [m for m in h_opt["dmp"].modules() if type(m).__name__ == "ShardedHeraldEmbeddingBagCollection"][0]
+    out["opt_hot_state"] = hot_module._hot_state.clone()
+    # herald -> a fresh stock ROW_WISE
+    rw_opt = build(world, dict(cfg, planner="row_wise"))
+    rw_opt["dmp"].fused_optimizer.load_state_dict(fused)
+    out["opt_herald_to_stock_equal"] = all(torch.equal(a, b) for a, b in
+                                           zip(local(rw_opt["dmp"].fused_optimizer.state_dict()).values(),
+                                               local(fused).values()))
     h2 = build(world, cfg)
     out["h2_differs_before"] = not all(_equal(full_state(h2["dmp"]), rw_sd).values())
     out["h2_load"] = h2["dmp"].load_state_dict(dict(rw_raw))
@@ -154,14 +179,18 @@ def test_partial_non_strict_load() -> None:
         assert r["partial_kept"]
 
 
-def test_optimizer_state_today() -> None:
-    """Today herald exports no optimizer state: the sharded module's fused optimizer is an
-    EmptyFusedOptimizer, so ``DMP.fused_optimizer.state_dict()`` has no entry for any table (the
-    row-wise Adagrad sums of the hot replicas and of the cold TBE stay inside the module, and a
-    checkpoint resumes with fresh Adagrad state). Stock ROW_WISE exports one ``momentum1`` per table.
-    When herald starts exporting its state this test fails: update it to assert the new contents."""
-    for r in results():
+def test_optimizer_state_moves_between_herald_and_stock_row_wise() -> None:
+    """Herald exports one ``momentum1`` per table under stock's keys (ROW_WISE layout): after the same
+    training it equals stock ROW_WISE's state, and it loads both ways exactly; loading refreshes the
+    hot replicas' state to the owners' values, identically on every rank."""
+    res = results()
+    for r in res:
         assert r["herald_fused_keys"] == ["state"]
-        assert r["herald_fused_state"] == {}
+        assert r["herald_fused_state"] == r["rw_fused_state"]
         assert len(r["rw_fused_state"]) == 26
         assert r["rw_fused_state"][EBC + "t_cat_0.weight"] == ["t_cat_0.momentum1"]
+        assert r["opt_trained_keys_equal"]
+        assert r["opt_trained_diff"] < 1e-8
+        assert r["opt_stock_to_herald_equal"] and r["opt_herald_to_stock_equal"]
+    assert torch.equal(res[0]["opt_hot_state"], res[1]["opt_hot_state"])
+    assert res[0]["opt_hot_state"].sum() > 0

@@ -139,6 +139,35 @@ def fused_params_of(module: EmbeddingBagCollection, sharder_fused_params: Option
     return merged
 
 
+class HeraldFusedOptimizer(FusedOptimizer):
+    """The herald EBC's embedding optimizer as TorchRec sees it: the update itself happens in backward
+    (fused cold TBE, hot-row hook), so ``step``/``zero_grad`` do nothing; its state is each table's
+    row-wise Adagrad ``momentum1`` as a ShardedTensor in stock ROW_WISE's layout (keys as stock's), so
+    optimizer state moves between herald and stock ROW_WISE models like TorchRec's own."""
+
+    def __init__(self, module: "ShardedHeraldEmbeddingBagCollection") -> None:
+        params: Dict[str, Any] = {}
+        state: Dict[Any, Any] = {}
+        momentum = module._cold_momentum()
+        for t, name in enumerate(module._tables):
+            start = sum(module._my_rows[:t])
+            weight = module.sharded_block(t, module._cold_block(t))
+            params[f"embedding_bags.{name}.weight"] = weight
+            state[weight] = ({} if momentum is None else
+                             {f"{name}.momentum1": module.sharded_block(t, momentum[start: start + module._my_rows[t]])})
+        super().__init__(params, state, [{"params": list(params.values())}])
+        self._module = module
+
+    def zero_grad(self, set_to_none: bool = False) -> None:
+        return None
+
+    def step(self, closure: Any = None) -> None:  # updates happen inside backward
+        return None
+
+    def post_load_state_dict(self) -> None:
+        self._module._refresh_hot_from_blocks()
+
+
 class ShardedHeraldEmbeddingBagCollection(
     ShardedModule[HeraldContext, Tuple[torch.Tensor, torch.Tensor], KeyedTensor, HeraldContext],
     FusedOptimizerModule,
@@ -209,7 +238,18 @@ class ShardedHeraldEmbeddingBagCollection(
         for p in list(self._hot.parameters()) + list(self._cold.parameters()):
             p._in_backward_optimizers = [EmptyFusedOptimizer()]  # updated in backward: keep dense optimizers off
         self._hot.weights.register_post_accumulate_grad_hook(self._sync_and_update_hot)
-        self._optim: FusedOptimizer = EmptyFusedOptimizer()
+        # hot rows that fall in this rank's cold blocks: their weights/optimizer state are mirrored into
+        # the cold TBE after each hot update, so the cold blocks are always a complete ROW_WISE shard
+        mine_hot, mine_cold = [], []
+        for t in range(len(self._tables)):
+            start, rows = local_block_rows(self._num_embeddings[t], self._blocks[t], self._rank)
+            ids = self._hot_ids[t]
+            inside = (ids >= start) & (ids < start + rows)
+            mine_hot.append(sum(self._hot_counts[:t]) + inside.nonzero().flatten())
+            mine_cold.append(sum(self._my_rows[:t]) + ids[inside] - start)
+        self._mirror_hot = torch.cat(mine_hot).to(torch.int64)
+        self._mirror_cold = torch.cat(mine_cold).to(torch.int64)
+        self._optim: FusedOptimizer = HeraldFusedOptimizer(self)
         # bytes this rank sends per table, by the same formulas as TrafficMeter (cross-checked in tests)
         self._traffic = torch.zeros(len(self._tables), 4, dtype=torch.float64)  # ids, pooled, grads, hot_sync
         self._hot_table_of_row = torch.repeat_interleave(torch.arange(len(self._tables)),
@@ -370,6 +410,60 @@ class ShardedHeraldEmbeddingBagCollection(
                 state = self._hot_state[: self._num_hot]
                 state.add_(grad.pow(2).mean(1))
                 w.sub_(grad * (lr / (state.sqrt() + float(self._fused_params.get("eps", 1e-8))))[:, None])
+            self._mirror_hot_into_cold()
+
+    def _cold_momentum(self) -> Optional[torch.Tensor]:
+        """Row-wise Adagrad state of the cold TBE (one value per row of this rank's blocks), or None."""
+        if self._optimizer != EmbOptimType.EXACT_ROWWISE_ADAGRAD:
+            return None
+        return self._cold.split_optimizer_states()[0][0].view(-1)
+
+    def _mirror_hot_into_cold(self) -> None:
+        """Copy the replicas' rows that lie in this rank's blocks (weights and Adagrad state) into the cold TBE."""
+        if not self._mirror_hot.numel():
+            return
+        # .data: runs inside backward, and the cold TBE's saved tensors must not see a version bump
+        # (the rows written are hot, never looked up or updated through the cold TBE)
+        cold_w = self._cold.split_embedding_weights()[0].data
+        cold_w[self._mirror_cold] = self._hot.weights.detach().view(-1, self._dim)[self._mirror_hot]
+        momentum = self._cold_momentum()
+        if momentum is not None:
+            momentum.data[self._mirror_cold] = self._hot_state[self._mirror_hot]
+
+    def _refresh_hot_from_blocks(self) -> None:
+        """After the cold blocks were loaded (weights/optimizer state), give every replica the owners'
+        values of the hot rows (collective: each owner contributes its rows, the others zeros)."""
+        with torch.no_grad():
+            hot_w = torch.zeros(max(self._num_hot, 1), self._dim)
+            hot_w[self._mirror_hot] = self._cold.split_embedding_weights()[0][self._mirror_cold]
+            momentum = self._cold_momentum()
+            hot_s = torch.zeros_like(self._hot_state)
+            if momentum is not None:
+                hot_s[self._mirror_hot] = momentum[self._mirror_cold]
+            both = torch.cat([hot_w.view(-1), hot_s])
+            dist.all_reduce(both, group=self._pg)
+            n = hot_w.numel()
+            self._hot.weights.detach().view(-1)[:n].copy_(both[:n])
+            self._hot_state.copy_(both[n:])
+
+    def sharded_block(self, t: int, local: torch.Tensor) -> Any:
+        """``local`` (this rank's block of table t: ``[rows, dim]`` or ``[rows]``) as a ShardedTensor with
+        stock ROW_WISE's metadata, so TorchRec's state loading copies shard for shard."""
+        from torch.distributed._shard.metadata import ShardMetadata
+        from torch.distributed._shard.sharded_tensor import Shard, ShardedTensor, ShardedTensorMetadata
+        from torch.distributed._shard.sharded_tensor.metadata import TensorProperties
+
+        trailing = list(local.shape[1:])
+        n, block = self._num_embeddings[t], self._blocks[t]
+        metas = [ShardMetadata(shard_offsets=[local_block_rows(n, block, o)[0]] + [0] * len(trailing),
+                               shard_sizes=[local_block_rows(n, block, o)[1]] + trailing,
+                               placement=f"rank:{o}/{self._device}") for o in range(self._world)]
+        mine = [Shard(local, metas[self._rank])]
+        global_meta = ShardedTensorMetadata(
+            shards_metadata=metas, size=torch.Size([self._num_embeddings[t]] + trailing),
+            tensor_properties=TensorProperties(dtype=local.dtype, layout=local.layout, requires_grad=False,
+                                               memory_format=torch.contiguous_format, pin_memory=False))
+        return ShardedTensor._init_from_local_shards_and_global_metadata(mine, global_meta, process_group=self._pg)
 
     def _sparse_sum(self, grad: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
         """Sum over ranks of the gradients of the hot ``rows`` each rank touched: every rank sends its
@@ -427,6 +521,7 @@ class ShardedHeraldEmbeddingBagCollection(
                 start, rows = local_block_rows(self._num_embeddings[t], self._blocks[t], self._rank)
                 self._cold_block(t).copy_(full[start: start + rows])
                 self._hot_block(t).copy_(full[self._hot_ids[t]])
+            self._mirror_hot_into_cold()
 
     def state_dict(self, destination: Optional[Dict[str, Any]] = None, prefix: str = "",
                    keep_vars: bool = False) -> Dict[str, Any]:  # type: ignore[override]
