@@ -71,6 +71,14 @@ def _worker(rank: int, world: int) -> Dict[str, Any]:
         out[name] = _error(lambda: dmp(b))
     # a KJT without one of the EBC's features (every rank: a data pipeline bug)
     out["missing"] = _error(lambda: dmp(_without(batch, MISSING_FEATURE)))
+    # per-sample weights are not supported by the herald sharding: a clear error, not silently ignored
+    kjt = batch.sparse_features
+    from torchrec.datasets.utils import Batch
+    from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
+
+    weighted = KeyedJaggedTensor(keys=kjt.keys(), values=kjt.values(), lengths=kjt.lengths(),
+                                 weights=torch.ones(kjt.values().numel()))
+    out["weighted"] = _error(lambda: dmp(Batch(batch.dense_features, weighted, batch.labels)))
     # the module is still usable after those errors
     out["losses_after"] = run_steps(dmp, h["optimizer"], data.train_batches(rank, world, h["batch_size"]))
 
@@ -108,6 +116,12 @@ def test_missing_feature_is_a_clear_error() -> None:
     for r in results():
         assert r["missing"].startswith("ValueError: "), r["missing"]
         assert f"'{MISSING_FEATURE}'" in r["missing"] and "missing from the input KJT" in r["missing"]
+
+
+def test_weighted_kjt_is_a_clear_error() -> None:
+    for r in results():
+        assert r["weighted"].startswith("ValueError: herald_hot_row_wise does not support per-sample weights"), \
+            r["weighted"]
 
 
 def test_module_still_trains_after_input_errors() -> None:

@@ -276,6 +276,9 @@ class ShardedHeraldEmbeddingBagCollection(
             if missing:
                 raise ValueError(f"features {missing} of the herald EBC are missing from the input KJT")
             features = features.permute([features.keys().index(f) for f in self._feature_names])
+        if features.weights_or_none() is not None:
+            raise ValueError("herald_hot_row_wise does not support per-sample weights (weighted KJT); "
+                             "plan weighted tables with a stock sharding type")
         B = features.stride()
         values, lengths = features.values().to(torch.int64), features.lengths().to(torch.int64)
         rows_per_feature = torch.tensor(self._num_embeddings, dtype=torch.int64)[self._feature_table]
