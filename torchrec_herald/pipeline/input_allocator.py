@@ -1,0 +1,557 @@
+"""Herald's location-aware input allocator (DESIGN §3, Herald (a)): which rank trains which sample.
+
+Every rank knows every sample of the global batch (its ids, after an all-gather of ids or of a compact
+per-sample owner signature; that exchange and the sample shuffle that follows are *not* done here).
+The allocator scores each (sample, rank) pair by the number of the sample's lookups that are local to
+the rank, and assigns samples to ranks so that local lookups go up while every rank still trains
+exactly ``B = G // W`` samples (TorchRec's row-wise backward fails on uneven local batches).
+
+Locality (:class:`Locality`) follows herald's sharding (``torchrec_herald/sharding/hot_replicated.py``):
+
+* a **hot** id of a table (``HotSpec.hot_ids``) is replicated on every rank: local everywhere;
+* a **cold** id ``x`` of a table with ``n`` rows lives in stock ROW_WISE blocks: it is local only on
+  its owner ``x // ceil(n / W)``;
+* optionally, a rank may hold a **valid cache entry** of a remote cold row (Herald's cache, for a later
+  communication plan): local on the caching ranks too.
+
+Everything here is a pure, deterministic function of its inputs (integer arithmetic only, ties broken
+by explicit rules), so every rank computing an assignment on the same global batch gets the same one.
+
+Allocators (all :class:`InputAllocator`, built by name with :func:`build_allocator`):
+
+* ``identity`` (:class:`IdentityAllocator`): sample ``s`` -> rank ``s // B``, what stock TorchRec does;
+* ``greedy`` (:class:`GreedyLocalityAllocator`): full score over all tables, greedy with room limits;
+* ``topk_tables`` (:class:`TopKTablesAllocator`): the same greedy scoring only the ``k`` tables with
+  the most cold lookups (cheaper to gather and to score).
+"""
+
+from __future__ import annotations
+
+import abc
+from dataclasses import dataclass, field
+from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple, Union
+
+import torch
+from torchrec.distributed.types import ShardingPlan, ShardingType
+from torchrec.modules.embedding_configs import EmbeddingBagConfig
+from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
+
+from torchrec_herald.ops.hot_cold import row_block_sizes
+from torchrec_herald.sharding.types import HERALD_HOT_ROW_WISE, hot_spec_of
+
+__all__ = [
+    "CacheMembership",
+    "GreedyLocalityAllocator",
+    "IdentityAllocator",
+    "InputAllocator",
+    "Locality",
+    "TIE_BREAKS",
+    "TopKTablesAllocator",
+    "build_allocator",
+    "cold_lookups_per_table",
+    "greedy_assign",
+    "local_batch_size",
+    "local_lookup_share",
+    "moved_samples",
+    "remote_cold_lookups",
+    "score",
+    "top_cold_tables",
+]
+
+#: Per-rank cache membership: either ``fn(table, ids) -> bool [N, W]`` (True where rank r holds a
+#: valid cache entry of row ``ids[i]``) or ``{table: [sorted ids cached on rank 0, ..., rank W-1]}``.
+CacheMembership = Union[Callable[[str, torch.Tensor], torch.Tensor], Mapping[str, Sequence[torch.Tensor]]]
+
+
+# ---------------------------------------------------------------------------------------- locality
+
+
+@dataclass
+class Locality:
+    """What is local to which rank, from the table layout (herald: hot rows everywhere, cold rows on
+    their ROW_WISE owner, optional per-rank cache entries).
+
+    Build it with :meth:`from_plan` (a herald ``ShardingPlan``) or :meth:`from_tables`, or directly:
+
+    Args:
+        world_size: ``W``, the ranks the layout is for.
+        num_embeddings: table -> rows (the table order is this mapping's order).
+        hot_ids: table -> hot (replicated) row ids; a missing table has none. Sorted and deduplicated here.
+        features: KJT feature -> table serving it; default: every table serves the feature of its own name.
+        block_sizes: table -> ROW_WISE block size (owner of a cold id ``x`` is ``x // block``); default
+            ``ceil(n / W)``, stock ROW_WISE's (and herald's) blocks.
+        cache: optional :data:`CacheMembership` ("valid cache entry" on a rank); default none.
+    """
+
+    world_size: int
+    num_embeddings: Dict[str, int]
+    hot_ids: Dict[str, torch.Tensor] = field(default_factory=dict)
+    features: Optional[Dict[str, str]] = None
+    block_sizes: Optional[Dict[str, int]] = None
+    cache: Optional[CacheMembership] = None
+
+    def __post_init__(self) -> None:
+        if self.world_size < 1:
+            raise ValueError(f"world_size must be >= 1, got {self.world_size}")
+        self.num_embeddings = {t: int(n) for t, n in self.num_embeddings.items()}
+        self.tables: List[str] = list(self.num_embeddings)
+        for t, n in self.num_embeddings.items():
+            if n < 1:
+                raise ValueError(f"table {t!r}: num_embeddings must be >= 1, got {n}")
+        unknown = sorted(set(self.hot_ids) - set(self.tables))
+        if unknown:
+            raise ValueError(f"hot ids for unknown tables {unknown} (tables: {self.tables})")
+        hot: Dict[str, torch.Tensor] = {}
+        for t in self.tables:
+            ids = torch.unique(torch.as_tensor(self.hot_ids.get(t, []), dtype=torch.int64).flatten())
+            if ids.numel() and (int(ids[0]) < 0 or int(ids[-1]) >= self.num_embeddings[t]):
+                raise ValueError(f"table {t!r}: hot ids outside [0, {self.num_embeddings[t]})")
+            hot[t] = ids
+        self.hot_ids = hot
+        self.features = dict(self.features) if self.features is not None else {t: t for t in self.tables}
+        bad = sorted(f for f, t in self.features.items() if t not in self.num_embeddings)
+        if bad:
+            raise ValueError(f"features {bad} map to unknown tables (tables: {self.tables})")
+        default_blocks = dict(zip(self.tables, row_block_sizes([self.num_embeddings[t] for t in self.tables],
+                                                               self.world_size)))
+        blocks = dict(default_blocks, **(self.block_sizes or {}))
+        for t, b in blocks.items():
+            if t not in self.num_embeddings:
+                raise ValueError(f"block size for unknown table {t!r}")
+            if b < 1 or -(-self.num_embeddings[t] // b) > self.world_size:
+                raise ValueError(f"table {t!r}: block size {b} does not spread {self.num_embeddings[t]} rows "
+                                 f"over {self.world_size} ranks")
+        self.block_sizes = {t: int(blocks[t]) for t in self.tables}
+        if self.cache is not None and not callable(self.cache):
+            cache: Dict[str, List[torch.Tensor]] = {}
+            for t, per_rank in self.cache.items():
+                if t not in self.num_embeddings:
+                    raise ValueError(f"cache entries for unknown table {t!r}")
+                if len(per_rank) != self.world_size:
+                    raise ValueError(f"table {t!r}: cache needs one id set per rank ({self.world_size}), "
+                                     f"got {len(per_rank)}")
+                cache[t] = [torch.unique(torch.as_tensor(s, dtype=torch.int64).flatten()) for s in per_rank]
+            self.cache = cache
+        # flat lookup structures (global key = table offset + id; hot keys sorted table-major)
+        n = torch.tensor([self.num_embeddings[t] for t in self.tables], dtype=torch.int64)
+        self._table_offsets = torch.cumsum(n, 0) - n
+        self._rows = n
+        self._blocks = torch.tensor([self.block_sizes[t] for t in self.tables], dtype=torch.int64)
+        self._hot_keys = torch.cat([self._table_offsets[i] + self.hot_ids[t] for i, t in enumerate(self.tables)])
+        self._table_index = {t: i for i, t in enumerate(self.tables)}
+
+    # ------------------------------------------------------------------ builders
+
+    @classmethod
+    def from_tables(cls, tables: Sequence[EmbeddingBagConfig], world_size: int,
+                    hot_ids: Optional[Mapping[str, torch.Tensor]] = None,
+                    cache: Optional[CacheMembership] = None) -> "Locality":
+        """Locality of ``tables`` (each serving its ``feature_names``) with stock ROW_WISE blocks."""
+        return cls(world_size=world_size, num_embeddings={t.name: t.num_embeddings for t in tables},
+                   hot_ids=dict(hot_ids or {}), features={f: t.name for t in tables for f in t.feature_names},
+                   cache=cache)
+
+    @classmethod
+    def from_plan(cls, plan: ShardingPlan, tables: Sequence[EmbeddingBagConfig],
+                  cache: Optional[CacheMembership] = None) -> "Locality":
+        """Locality of ``tables`` under ``plan``: a herald table's hot ids are its
+        ``HeraldParameterSharding.hot.hot_ids``; a stock ROW_WISE table has none (cold blocks only).
+
+        Raises:
+            ValueError: a table not in the plan, a table neither herald nor ROW_WISE (its rows are
+                not in ``id // block`` blocks), ranks other than ``0..W-1``, or tables on different
+                numbers of ranks.
+        """
+        shardings: Dict[str, Any] = {}
+        for module_plan in plan.plan.values():
+            for name, ps in module_plan.items():  # type: ignore[union-attr]
+                shardings[name] = ps
+        hot: Dict[str, torch.Tensor] = {}
+        world: Optional[int] = None
+        for t in tables:
+            ps = shardings.get(t.name)
+            if ps is None:
+                raise ValueError(f"table {t.name!r} is not in the sharding plan (planned: {sorted(shardings)})")
+            if ps.sharding_type not in (HERALD_HOT_ROW_WISE, ShardingType.ROW_WISE.value):
+                raise ValueError(f"table {t.name!r}: sharding type {ps.sharding_type!r} is not supported by the "
+                                 f"input allocator ({HERALD_HOT_ROW_WISE} or {ShardingType.ROW_WISE.value})")
+            ranks = list(ps.ranks or [])
+            if ranks != list(range(len(ranks))) or not ranks:
+                raise ValueError(f"table {t.name!r}: row-wise shards on ranks {ranks}, expected 0..W-1")
+            if world is not None and len(ranks) != world:
+                raise ValueError(f"table {t.name!r} is sharded over {len(ranks)} ranks, others over {world}")
+            world = len(ranks)
+            spec = hot_spec_of(ps)
+            hot[t.name] = spec.hot_ids if spec is not None else torch.empty(0, dtype=torch.int64)
+        if world is None:
+            raise ValueError("Locality.from_plan: no tables")
+        return cls.from_tables(tables, world, hot, cache)
+
+    # ------------------------------------------------------------------ queries
+
+    def check_world_size(self, world_size: int) -> None:
+        if world_size != self.world_size:
+            raise ValueError(f"world_size {world_size} does not match the locality's ({self.world_size})")
+
+    def table_of_features(self, keys: Sequence[str]) -> torch.Tensor:
+        """int64 [F] table index of each KJT key (ValueError naming an unknown key)."""
+        assert self.features is not None
+        unknown = [k for k in keys if k not in self.features]
+        if unknown:
+            raise ValueError(f"KJT keys {unknown} are not served by any table (features: {sorted(self.features)})")
+        return torch.tensor([self._table_index[self.features[k]] for k in keys], dtype=torch.int64)
+
+    def cached_on(self, table: str, ids: torch.Tensor) -> Optional[torch.Tensor]:
+        """bool [N, W]: rank r holds a valid cache entry of row ``ids[i]`` of ``table`` (None: no cache)."""
+        if self.cache is None:
+            return None
+        if callable(self.cache):
+            out = torch.as_tensor(self.cache(table, ids), dtype=torch.bool)
+            if out.shape != (ids.numel(), self.world_size):
+                raise ValueError(f"cache({table!r}, ids) returned shape {tuple(out.shape)}, expected "
+                                 f"({ids.numel()}, {self.world_size})")
+            return out
+        per_rank = self.cache.get(table)
+        if per_rank is None:
+            return None
+        cols = []
+        for s in per_rank:
+            if s.numel() == 0:
+                cols.append(torch.zeros(ids.numel(), dtype=torch.bool))
+                continue
+            pos = torch.searchsorted(s, ids).clamp_(max=s.numel() - 1)
+            cols.append(s[pos] == ids)
+        return torch.stack(cols, 1)
+
+
+# ---------------------------------------------------------------------------------------- scoring
+
+
+@dataclass
+class _Lookups:
+    """The lookups of a global batch, flat: one entry per id."""
+
+    num_samples: int
+    sample: torch.Tensor  # int64 [N]
+    table: torch.Tensor  # int64 [N] table index
+    ids: torch.Tensor  # int64 [N]
+    hot: torch.Tensor  # bool [N]
+    owner: torch.Tensor  # int64 [N] ROW_WISE owner
+
+
+def _lookups(global_kjt: KeyedJaggedTensor, locality: Locality, world_size: int,
+             tables: Optional[Sequence[str]] = None) -> _Lookups:
+    locality.check_world_size(world_size)
+    if global_kjt.variable_stride_per_key():
+        raise ValueError("variable-stride (VBE) KJTs are not supported by the input allocator")
+    keys = list(global_kjt.keys())
+    g = int(global_kjt.stride())
+    feature_table = locality.table_of_features(keys)
+    values = global_kjt.values().detach().to("cpu", torch.int64)
+    lengths = global_kjt.lengths().detach().to("cpu", torch.int64)
+    bag = torch.repeat_interleave(torch.arange(lengths.numel()), lengths)
+    table = feature_table[bag // g] if keys else torch.empty(0, dtype=torch.int64)
+    sample = bag % g
+    bad = (values < 0) | (values >= locality._rows[table])
+    if bool(bad.any()):
+        i = int(bad.nonzero()[0, 0])
+        raise ValueError(f"feature {keys[int(bag[i]) // g]!r}: id {int(values[i])} is outside "
+                         f"[0, {int(locality._rows[table[i]])})")
+    if tables is not None:
+        wanted = torch.zeros(len(locality.tables), dtype=torch.bool)
+        for t in tables:
+            if t not in locality._table_index:
+                raise ValueError(f"unknown table {t!r} (tables: {locality.tables})")
+            wanted[locality._table_index[t]] = True
+        keep = wanted[table]
+        sample, table, values = sample[keep], table[keep], values[keep]
+    hot_keys = locality._hot_keys
+    if hot_keys.numel():
+        keys_ = locality._table_offsets[table] + values
+        pos = torch.searchsorted(hot_keys, keys_).clamp_(max=hot_keys.numel() - 1)
+        hot = hot_keys[pos] == keys_
+    else:
+        hot = torch.zeros(values.numel(), dtype=torch.bool)
+    owner = values // locality._blocks[table]
+    return _Lookups(num_samples=g, sample=sample, table=table, ids=values, hot=hot, owner=owner)
+
+
+def _score(lk: _Lookups, locality: Locality) -> torch.Tensor:
+    g, w = lk.num_samples, locality.world_size
+    hot_per_sample = torch.bincount(lk.sample[lk.hot], minlength=g)
+    cold = ~lk.hot
+    out = torch.bincount(lk.sample[cold] * w + lk.owner[cold], minlength=g * w).view(g, w)
+    out += hot_per_sample.unsqueeze(1)
+    if locality.cache is not None:
+        cold_idx = cold.nonzero().flatten()
+        for ti, t in enumerate(locality.tables):
+            idx = cold_idx[lk.table[cold_idx] == ti]
+            if not idx.numel():
+                continue
+            cached = locality.cached_on(t, lk.ids[idx])
+            if cached is None:
+                continue
+            cached = cached.clone()
+            cached[torch.arange(idx.numel()), lk.owner[idx]] = False  # the owner already counts it
+            pair = cached.nonzero()
+            out += torch.bincount(lk.sample[idx[pair[:, 0]]] * w + pair[:, 1], minlength=g * w).view(g, w)
+    return out
+
+
+def score(global_kjt: KeyedJaggedTensor, locality: Locality, world_size: int,
+          tables: Optional[Sequence[str]] = None) -> torch.Tensor:
+    """int64 ``[G, W]``: how many lookups of sample ``s`` are local to rank ``r``.
+
+    A hot id counts on every rank, a cold id on its ROW_WISE owner and on every rank holding a valid
+    cache entry of it. Vectorised over all lookups of all features. ``tables``: score only these
+    tables' lookups (default: all).
+    """
+    return _score(_lookups(global_kjt, locality, world_size, tables), locality)
+
+
+def cold_lookups_per_table(global_kjt: KeyedJaggedTensor, locality: Locality, world_size: int) -> torch.Tensor:
+    """int64 ``[T]`` (table order of ``locality``): cold (non-hot) lookups of each table in the batch."""
+    lk = _lookups(global_kjt, locality, world_size)
+    return torch.bincount(lk.table[~lk.hot], minlength=len(locality.tables))
+
+
+def _top_k(traffic: torch.Tensor, names: Sequence[str], k: int) -> List[str]:
+    """The ``k`` names with the largest traffic (ties: table order), returned in table order."""
+    order = torch.sort(traffic, descending=True, stable=True).indices[:k]
+    return [names[i] for i in sorted(order.tolist())]
+
+
+def top_cold_tables(stats: Any, locality: Locality, k: int) -> List[str]:
+    """The ``k`` tables with the most expected cold lookups per sample under ``locality``'s hot sets,
+    from a ``torchrec_herald.planner.AccessStats`` (a fixed choice: only their ids need gathering)."""
+    traffic = []
+    for t in locality.tables:
+        counts = stats.counts[t].to(torch.float64)
+        cold = counts.sum() - counts[locality.hot_ids[t]].sum()
+        traffic.append(float(cold) / max(1, stats.num_samples))
+    return _top_k(torch.tensor(traffic, dtype=torch.float64), locality.tables, k)
+
+
+# ---------------------------------------------------------------------------------------- allocators
+
+
+def local_batch_size(num_samples: int, world_size: int) -> int:
+    """``B = G // W``; ValueError unless ``W >= 1`` divides ``G``."""
+    if world_size < 1:
+        raise ValueError(f"world_size must be >= 1, got {world_size}")
+    if num_samples % world_size:
+        raise ValueError(f"the global batch has {num_samples} samples, not a multiple of world_size={world_size}: "
+                         f"every rank must get the same number of samples")
+    return num_samples // world_size
+
+
+#: how :func:`greedy_assign` breaks score ties between ranks
+TIE_BREAKS = ("rotate", "home")
+
+
+def greedy_assign(scores: torch.Tensor, step: int, tie_break: str = "rotate", move_penalty: int = 0) -> torch.Tensor:
+    """Greedy room-limited assignment of ``G`` samples to ``W`` ranks, exactly ``G // W`` per rank.
+
+    * Rank preference of a sample: descending score; ties by ``(r - step) % W`` ascending (at step 0
+      rank 0 first, at step 1 rank 1 first, ...), so tied samples land on a different rank each step.
+      ``tie_break="home"`` first prefers, among tied ranks, the sample's home rank ``s // B`` (where
+      the data loader put it: no exchange needed), then rotates as above.
+    * ``move_penalty`` (lookups, default 0): the home rank's score is raised by this much before
+      anything else, so a sample only leaves home when that gains more than ``move_penalty`` local
+      lookups (moving a sample costs its dense features, ids and label on the exchange; one remote
+      cold lookup costs ``8 + 8D`` bytes, see ``planner/hot_set.py``).
+    * Sample order: descending ``W·max_r score − Σ_r score`` (= ``W`` times max minus mean: how much the
+      sample loses when it is not on its best rank, on average), ties by sample index. Samples with a
+      strong preference are placed while their best rank still has room; samples that are local
+      everywhere or nowhere (all scores equal) go last and fill whatever room is left. On the default
+      synthetic data this order beats plain sample order (see ``tests/test_input_allocator.py``).
+    * Each sample goes to its most preferred rank that still has room.
+
+    Pure integer arithmetic and total orders: every rank computes the same assignment.
+    """
+    if tie_break not in TIE_BREAKS:
+        raise ValueError(f"tie_break must be one of {TIE_BREAKS}, got {tie_break!r}")
+    if move_penalty < 0:
+        raise ValueError(f"move_penalty must be >= 0, got {move_penalty}")
+    g, w = scores.shape
+    b = local_batch_size(g, w)
+    scores = scores.to(torch.int64)
+    if move_penalty and g:
+        scores = scores + int(move_penalty) * (torch.arange(g).unsqueeze(1) // b == torch.arange(w).unsqueeze(0))
+    pref = (torch.arange(w, dtype=torch.int64) - step) % w  # 0 = most preferred on ties
+    key = scores * w + (w - 1 - pref)  # distinct per row: a total order of the ranks
+    if tie_break == "home" and g:
+        home = torch.arange(g).unsqueeze(1) // b == torch.arange(w).unsqueeze(0)
+        key = scores * (2 * w) + home.to(torch.int64) * w + (w - 1 - pref)
+    rank_order = torch.argsort(key, dim=1, descending=True)
+    priority = w * scores.max(1).values - scores.sum(1) if g else scores.new_empty(0)
+    sample_order = torch.sort(priority, descending=True, stable=True).indices
+    out = [0] * g
+    room = [b] * w
+    prefs = rank_order.tolist()
+    for s in sample_order.tolist():
+        for r in prefs[s]:
+            if room[r]:
+                room[r] -= 1
+                out[s] = r
+                break
+    return torch.tensor(out, dtype=torch.int64)
+
+
+class InputAllocator(abc.ABC):
+    """Decides which rank trains which sample of a global batch (a pure function of its inputs)."""
+
+    @abc.abstractmethod
+    def assign(self, global_kjt: KeyedJaggedTensor, locality: Locality, world_size: int, step: int) -> torch.Tensor:
+        """``rank_of_sample``: int64 ``[G]`` with exactly ``B = G // W`` samples on every rank.
+
+        Args:
+            global_kjt: the sparse features of the whole global batch (``G = W·B`` samples, stride G).
+            locality: what is local to which rank.
+            world_size: ``W``.
+            step: the training step (ties rotate with it).
+
+        Raises:
+            ValueError: ``G % W != 0``, a world size other than the locality's, unknown KJT keys, ids
+                outside their table.
+        """
+
+
+class IdentityAllocator(InputAllocator):
+    """Sample ``s`` -> rank ``s // B``: stock TorchRec's contiguous split (for comparisons)."""
+
+    def assign(self, global_kjt: KeyedJaggedTensor, locality: Locality, world_size: int, step: int) -> torch.Tensor:
+        locality.check_world_size(world_size)
+        g = int(global_kjt.stride())
+        b = local_batch_size(g, world_size)
+        return torch.arange(g, dtype=torch.int64) // b if b else torch.empty(0, dtype=torch.int64)
+
+    def __repr__(self) -> str:
+        return "IdentityAllocator()"
+
+
+class GreedyLocalityAllocator(InputAllocator):
+    """Herald's location-aware allocator: the full :func:`score` over all tables, then
+    :func:`greedy_assign` (exactly B per rank, ties rotating with the step).
+
+    Args:
+        tie_break: ``"rotate"`` (default; DESIGN §3) or ``"home"`` (keep a tied sample on its home
+            rank, fewer samples to exchange; see :func:`greedy_assign`).
+        move_penalty: local lookups a move must gain (default 0; see :func:`greedy_assign`).
+    """
+
+    def __init__(self, tie_break: str = "rotate", move_penalty: int = 0) -> None:
+        if tie_break not in TIE_BREAKS:
+            raise ValueError(f"tie_break must be one of {TIE_BREAKS}, got {tie_break!r}")
+        if int(move_penalty) < 0:
+            raise ValueError(f"move_penalty must be >= 0, got {move_penalty}")
+        self.tie_break = tie_break
+        self.move_penalty = int(move_penalty)
+
+    def _tables(self, global_kjt: KeyedJaggedTensor, locality: Locality, world_size: int) -> Optional[List[str]]:
+        return None
+
+    def assign(self, global_kjt: KeyedJaggedTensor, locality: Locality, world_size: int, step: int) -> torch.Tensor:
+        local_batch_size(int(global_kjt.stride()), world_size)
+        tables = self._tables(global_kjt, locality, world_size)
+        return greedy_assign(score(global_kjt, locality, world_size, tables), step, self.tie_break,
+                             self.move_penalty)
+
+    def __repr__(self) -> str:
+        return f"GreedyLocalityAllocator(tie_break={self.tie_break!r}, move_penalty={self.move_penalty})"
+
+
+class TopKTablesAllocator(GreedyLocalityAllocator):
+    """The cheaper variant: the same greedy, scoring only ``k`` tables, the ones with the most cold
+    traffic: the tables whose ids must be gathered and scored are far fewer, and small or fully hot
+    tables (whose lookups are local everywhere anyway) contribute nothing to the score.
+
+    Args:
+        k: number of tables to score (``k >= 1``; ``k >=`` the number of tables is ``greedy``).
+        tables: a fixed table list (e.g. :func:`top_cold_tables` from the planner's AccessStats), so
+            only those tables' ids need to be all-gathered. Default ``None``: per global batch, the
+            ``k`` tables with the most cold (non-hot) lookups in that batch (ties: table order) — a
+            pure function of the batch, so all ranks agree.
+        tie_break, move_penalty: as for :class:`GreedyLocalityAllocator`.
+    """
+
+    def __init__(self, k: int, tables: Optional[Sequence[str]] = None, tie_break: str = "rotate",
+                 move_penalty: int = 0) -> None:
+        super().__init__(tie_break, move_penalty)
+        if int(k) < 1:
+            raise ValueError(f"topk_tables needs k >= 1, got {k}")
+        self.k = int(k)
+        self.fixed_tables = list(tables) if tables is not None else None
+        if self.fixed_tables is not None and len(self.fixed_tables) > self.k:
+            raise ValueError(f"{len(self.fixed_tables)} fixed tables for k={self.k}")
+
+    def _tables(self, global_kjt: KeyedJaggedTensor, locality: Locality, world_size: int) -> Optional[List[str]]:
+        if self.fixed_tables is not None:
+            return self.fixed_tables
+        if self.k >= len(locality.tables):
+            return None
+        return _top_k(cold_lookups_per_table(global_kjt, locality, world_size), locality.tables, self.k)
+
+    def __repr__(self) -> str:
+        return (f"TopKTablesAllocator(k={self.k}, tables={self.fixed_tables}, tie_break={self.tie_break!r}, "
+                f"move_penalty={self.move_penalty})")
+
+
+_ALLOCATORS: Dict[str, Callable[..., InputAllocator]] = {
+    "identity": IdentityAllocator,
+    "greedy": GreedyLocalityAllocator,
+    "topk_tables": TopKTablesAllocator,
+}
+
+
+def build_allocator(name: str, **kw: Any) -> InputAllocator:
+    """An allocator by name: ``identity``, ``greedy``, ``topk_tables`` (``k=``, optional ``tables=``)."""
+    if name not in _ALLOCATORS:
+        raise ValueError(f"unknown input allocator {name!r}; known: {sorted(_ALLOCATORS)}")
+    return _ALLOCATORS[name](**kw)
+
+
+# ---------------------------------------------------------------------------------------- metrics
+
+
+def _check_assignment(rank_of_sample: torch.Tensor, num_samples: int, world_size: int) -> torch.Tensor:
+    r = torch.as_tensor(rank_of_sample).to(torch.int64).flatten()
+    if r.numel() != num_samples:
+        raise ValueError(f"rank_of_sample has {r.numel()} entries for {num_samples} samples")
+    if r.numel() and (int(r.min()) < 0 or int(r.max()) >= world_size):
+        raise ValueError(f"rank_of_sample has ranks outside [0, {world_size})")
+    return r
+
+
+def _local_total(global_kjt: KeyedJaggedTensor, locality: Locality, world_size: int,
+                 rank_of_sample: torch.Tensor) -> Tuple[int, int]:
+    lk = _lookups(global_kjt, locality, world_size)
+    r = _check_assignment(rank_of_sample, lk.num_samples, world_size)
+    s = _score(lk, locality)
+    local = int(s.gather(1, r.unsqueeze(1)).sum()) if lk.num_samples else 0
+    return local, int(lk.ids.numel())
+
+
+def local_lookup_share(global_kjt: KeyedJaggedTensor, locality: Locality, world_size: int,
+                       rank_of_sample: torch.Tensor) -> float:
+    """Share of all lookups of the batch that are local to the rank their sample is assigned to
+    (1.0 for a batch without lookups)."""
+    local, total = _local_total(global_kjt, locality, world_size, rank_of_sample)
+    return local / total if total else 1.0
+
+
+def remote_cold_lookups(global_kjt: KeyedJaggedTensor, locality: Locality, world_size: int,
+                        rank_of_sample: torch.Tensor) -> int:
+    """Lookups that must be served by another rank under the assignment: cold ids whose owner is not the
+    sample's rank and which that rank does not cache (hot ids are always local)."""
+    local, total = _local_total(global_kjt, locality, world_size, rank_of_sample)
+    return total - local
+
+
+def moved_samples(rank_of_sample: torch.Tensor, world_size: int) -> int:
+    """Samples that leave their home rank ``s // B`` (each costs its dense features, ids and label
+    in the sample exchange)."""
+    r = torch.as_tensor(rank_of_sample).to(torch.int64).flatten()
+    b = local_batch_size(r.numel(), world_size)
+    home = torch.arange(r.numel()) // max(b, 1)
+    return int((r != home).sum())
