@@ -17,6 +17,13 @@ Locality (:class:`Locality`) follows herald's sharding (``torchrec_herald/shardi
 Everything here is a pure, deterministic function of its inputs (integer arithmetic only, ties broken
 by explicit rules), so every rank computing an assignment on the same global batch gets the same one.
 
+What has to be exchanged: :func:`greedy_assign` needs only the ``[G, W]`` score matrix, and a score row
+depends only on its own sample, so each rank can score its own ``B`` samples (``score(local_kjt,
+locality, W)`` gives ``[B, W]``), all-gather those rows (``W·(W−1)·B·W`` counts per step, 2 B each as
+int16: a compact per-sample owner signature) and run ``greedy_assign(torch.cat(rows), step)``; all-gathering
+the ids themselves costs ``W·(W−1)·B·L̄`` ids (``L̄`` lookups per sample) instead. Weighted KJTs are scored
+by lookup count (weights ignored).
+
 Allocators (all :class:`InputAllocator`, built by name with :func:`build_allocator`):
 
 * ``identity`` (:class:`IdentityAllocator`): sample ``s`` -> rank ``s // B``, what stock TorchRec does;
@@ -66,7 +73,7 @@ CacheMembership = Union[Callable[[str, torch.Tensor], torch.Tensor], Mapping[str
 # ---------------------------------------------------------------------------------------- locality
 
 
-@dataclass
+@dataclass(eq=False)
 class Locality:
     """What is local to which rank, from the table layout (herald: hot rows everywhere, cold rows on
     their ROW_WISE owner, optional per-rank cache entries).
@@ -363,8 +370,10 @@ def greedy_assign(scores: torch.Tensor, step: int, tie_break: str = "rotate", mo
     * Sample order: descending ``W·max_r score − Σ_r score`` (= ``W`` times max minus mean: how much the
       sample loses when it is not on its best rank, on average), ties by sample index. Samples with a
       strong preference are placed while their best rank still has room; samples that are local
-      everywhere or nowhere (all scores equal) go last and fill whatever room is left. On the default
-      synthetic data this order beats plain sample order (see ``tests/test_input_allocator.py``).
+      everywhere or nowhere (all scores equal) go last and fill whatever room is left. Measured on
+      the default synthetic data (scale 0.01, cost-model hot sets, W=4, B=256, 20 global batches):
+      local lookup share 0.9445 with this order, 0.9432 ordering by best minus second-best score,
+      0.9385 in sample order; the unconstrained bound (every sample on its best rank) is 0.9448.
     * Each sample goes to its most preferred rank that still has room.
 
     Pure integer arithmetic and total orders: every rank computes the same assignment.
