@@ -65,6 +65,9 @@ def test_hand_built_score() -> None:
     assert s.tolist() == HAND_SCORE
     assert cold_lookups_per_table(kjt, loc, 2).tolist() == [3, 4]  # a: 7, 8, 0; b: all four
     assert score(kjt, loc, 2, tables=["b"]).tolist() == [[1, 0], [0, 0], [0, 2], [1, 0]]
+    # a score row depends only on its sample: each rank can score its own B samples and all-gather the rows
+    rows = [score(kjt_from_lists(["a", "b"], HAND_SAMPLES[r * 2:(r + 1) * 2]), loc, 2) for r in range(2)]
+    assert torch.cat(rows).tolist() == HAND_SCORE
 
 
 def test_hand_built_assignment_and_step_rotated_ties() -> None:
