@@ -242,8 +242,9 @@ def test_locality_from_plan() -> None:
     module["tb"] = ParameterSharding(sharding_type=ShardingType.TABLE_WISE.value, compute_kernel="fused", ranks=[1])
     with pytest.raises(ValueError, match="'tb': sharding type 'table_wise' is not supported"):
         Locality.from_plan(plan, tables)
+    other = EmbeddingBagConfig(name="tc", embedding_dim=4, num_embeddings=4, feature_names=["c"])
     with pytest.raises(ValueError, match="'tc' is not in the sharding plan"):
-        Locality.from_plan(plan, [EmbeddingBagConfig(name="tc", embedding_dim=4, num_embeddings=4, feature_names=["c"])])
+        Locality.from_plan(plan, [other])
 
 
 # ---------------------------------------------------------------------- default synthetic data
