@@ -129,10 +129,11 @@ def test_herald_matches_stock(case: str, herald_run: str) -> None:
         assert h["tags"]["herald_pooled"]["bytes"] > 0, (case, rank)
         assert 0 < vectors(h["traffic"]) < vectors(s["traffic"]), (case, rank)
         # the configured sync modes ran: dense = all_reduce (the only all_reduce in these runs), sparse =
-        # a second herald_meta exchange per step (the first is input_dist's)
+        # one all-to-all of touched rows per step (its counts ride on input_dist's one meta exchange)
         sync = {**CASES[case][1], **RUNS[herald_run]}["sync"]
         assert (h["traffic"].get("all_reduce", {}).get("bytes", 0) > 0) == (sync in ("dense", "mixed")), sync
-        assert h["tags"]["herald_meta"]["calls"] == STEPS * (2 if sync in ("sparse", "mixed") else 1), sync
+        assert h["tags"]["herald_meta"]["calls"] == STEPS, sync
+        assert h["tags"]["herald_hot_sync"]["calls"] == STEPS * (2 if sync == "mixed" else 1), sync
     # training moved the weights (the comparison is not of two untouched initialisations)
     init = ref[0]["initial"]
     assert set(init) == set(ref[0]["state"])

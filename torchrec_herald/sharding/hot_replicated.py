@@ -108,6 +108,8 @@ class HeraldContext(Multistreamable):
     bags_from: List[int] = field(default_factory=list)  # sub-bags each rank sends to this owner
     recv_lengths: torch.Tensor = field(default_factory=lambda: torch.empty(0, dtype=torch.int64))
     recv_rows: torch.Tensor = field(default_factory=lambda: torch.empty(0, dtype=torch.int64))
+    sparse_touched: torch.Tensor = field(default_factory=lambda: torch.empty(0, dtype=torch.int64))
+    sparse_from: List[int] = field(default_factory=list)  # touched sparse-sync hot rows of each rank
 
     def record_stream(self, stream: torch.Stream) -> None:  # CPU / single stream: nothing to record
         return None
@@ -234,7 +236,7 @@ class ShardedHeraldEmbeddingBagCollection(
         self._cold = fused_cold_tbe(sum(self._my_rows), self._dim, self._fused_params, self._device)
         self._hot = dense_hot_tbe(self._num_hot, self._dim, self._device)
         self._hot_state = torch.zeros(max(self._num_hot, 1), dtype=torch.float32)  # row-wise Adagrad sum
-        self._hot_touched = torch.empty(0, dtype=torch.int64)
+        self._hot_touched: Tuple[torch.Tensor, List[int]] = (torch.empty(0, dtype=torch.int64), [])
         for p in list(self._hot.parameters()) + list(self._cold.parameters()):
             p._in_backward_optimizers = [EmptyFusedOptimizer()]  # updated in backward: keep dense optimizers off
         self._hot.weights.register_post_accumulate_grad_hook(self._sync_and_update_hot)
@@ -298,7 +300,11 @@ class ShardedHeraldEmbeddingBagCollection(
         owner, feature = sub_of_value // FB, (sub_of_value % FB) // B
         cold_rows = self._owner_table_offset[owner, self._feature_table[feature]] + split.cold_local_ids
         err = torch.tensor([bad[0] + 1, bad[1]] if bad else [0, 0], dtype=torch.int64)
-        counts = torch.cat([bags_to[:, None], ids_to[:, None], err.expand(W, 2)], 1)
+        # hot rows of sparsely synced tables this batch touches: their count rides on this exchange
+        touched = torch.unique(split.hot_rows)
+        touched = touched[self._sparse_row[touched]] if touched.numel() else touched
+        k = torch.full((W, 1), touched.numel(), dtype=torch.int64)
+        counts = torch.cat([bags_to[:, None], ids_to[:, None], err.expand(W, 2), k], 1)
         recv_counts = torch.empty_like(counts)
         with traffic_tag("herald_meta"):
             dist.all_to_all_single(recv_counts, counts, group=self._pg)
@@ -309,9 +315,16 @@ class ShardedHeraldEmbeddingBagCollection(
         ctx.bags_to = bags_to.tolist()
         ctx.bags_from = recv_counts[:, 0].tolist()
         ids_from = recv_counts[:, 1].tolist()
-        ctx.recv_lengths = _a2a_int(sub[nonempty].to(torch.int32), ctx.bags_to, ctx.bags_from, self._pg,
-                                    "herald_ids")
-        ctx.recv_rows = _a2a_int(cold_rows.to(torch.int32), ids_to.tolist(), ids_from, self._pg, "herald_ids")
+        ctx.sparse_touched, ctx.sparse_from = touched, recv_counts[:, 4].tolist()
+        # one all-to-all for the sub-bag lengths and the ids: [lengths to o | ids to o] for each owner o
+        lengths_to = sub[nonempty].to(torch.int32).split(ctx.bags_to)
+        rows_to = cold_rows.to(torch.int32).split(ids_to.tolist())
+        packed = torch.cat([t for o in range(W) for t in (lengths_to[o], rows_to[o])])
+        recv = _a2a_int(packed, [b + i for b, i in zip(ctx.bags_to, ids_to.tolist())],
+                        [b + i for b, i in zip(ctx.bags_from, ids_from)], self._pg, "herald_ids")
+        parts = recv.split([n for b, i in zip(ctx.bags_from, ids_from) for n in (b, i)])
+        ctx.recv_lengths = torch.cat(parts[0::2])
+        ctx.recv_rows = torch.cat(parts[1::2])
         # TorchRec's awaitable types, so TrainPipelineSparseDist can fuse/await it like a stock input dist
         return KJTListSplitsAwaitable([NoWait(NoWait(ctx))], ctx)
 
@@ -357,7 +370,7 @@ class ShardedHeraldEmbeddingBagCollection(
         split = dist_input.split
         assert split is not None
         hot = self._hot(split.hot_rows, split.hot_offsets)
-        self._hot_touched = split.hot_rows
+        self._hot_touched = (dist_input.sparse_touched, dist_input.sparse_from)  # for this batch's backward
         return partial, hot
 
     def output_dist(self, ctx: HeraldContext, output: Tuple[torch.Tensor, torch.Tensor]) -> LazyAwaitable[KeyedTensor]:
@@ -397,9 +410,8 @@ class ShardedHeraldEmbeddingBagCollection(
                 dist.all_reduce(dense, group=self._pg)
                 grad[self._dense_rows] = dense
             if bool(self._sparse_row.any()):  # tables synced sparsely: exchange touched rows only
-                touched = torch.unique(self._hot_touched)
-                touched = touched[self._sparse_row[touched]]
-                total = self._sparse_sum(grad, touched)
+                touched, counts_from = self._hot_touched
+                total = self._sparse_sum(grad, touched, counts_from)
                 grad[self._sparse_row] = total[self._sparse_row]
                 sent_sparse = torch.bincount(self._hot_table_of_row[touched], minlength=len(self._tables)).double()
                 self._traffic[:, 3] += sent_sparse * ((W - 1) * (4 + row_bytes))
@@ -468,21 +480,18 @@ class ShardedHeraldEmbeddingBagCollection(
                                                memory_format=torch.contiguous_format, pin_memory=False))
         return ShardedTensor._init_from_local_shards_and_global_metadata(mine, global_meta, process_group=self._pg)
 
-    def _sparse_sum(self, grad: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    def _sparse_sum(self, grad: torch.Tensor, rows: torch.Tensor, counts_from: List[int]) -> torch.Tensor:
         """Sum over ranks of the gradients of the hot ``rows`` each rank touched: every rank sends its
-        touched rows (int32 row index + D floats) to every other rank; all ranks add them up in rank
-        order, so every replica gets the bit-identical sum."""
+        touched rows to every other rank in one all-to-all of ``[row id (int32 bits) | D floats]``
+        (the counts came with the input dist's exchange); all ranks add them up in rank order, so
+        every replica gets the bit-identical sum."""
         W, k = self._world, rows.numel()
-        counts = torch.full((W,), k, dtype=torch.int64)
-        recv = torch.empty_like(counts)
-        with traffic_tag("herald_meta"):
-            dist.all_to_all_single(recv, counts, group=self._pg)
-        recv_l = recv.tolist()
-        got_rows = _a2a_int(rows.to(torch.int32).repeat(W), [k] * W, recv_l, self._pg, "herald_hot_sync")
-        got = grad.new_empty(sum(recv_l), self._dim)
-        dist.all_to_all_single(got, grad[rows].repeat(W, 1), recv_l, [k] * W, group=self._pg)
+        payload = torch.cat([rows.to(torch.int32).view(-1, 1).view(torch.float32), grad[rows]], 1)
+        got = grad.new_empty(sum(counts_from), self._dim + 1)
+        with traffic_tag("herald_hot_sync", self._dim + 1):  # one vector per row, its id included
+            dist.all_to_all_single(got, payload.repeat(W, 1), counts_from, [k] * W, group=self._pg)
         total = torch.zeros_like(grad)
-        total.index_add_(0, got_rows.to(torch.int64), got)
+        total.index_add_(0, got[:, :1].contiguous().view(torch.int32).view(-1).to(torch.int64), got[:, 1:])
         return total
 
     # ------------------------------------------------------------------ state
