@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import functools
 import random
-from typing import Dict, List, Sequence, Tuple
+from typing import Dict, List, Tuple
 
 import pytest
 import torch

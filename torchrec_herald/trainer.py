@@ -10,12 +10,11 @@ from __future__ import annotations
 import json
 import logging
 import math
-import os
 import sys
 import time
 from collections import Counter
 from pathlib import Path
-from typing import Any, Dict, Iterator, List, Optional
+from typing import Any, Dict, Iterator, List
 
 import torch
 import torch.distributed as dist

@@ -11,7 +11,6 @@ import copy
 import logging
 from typing import Any, Dict, List, Optional, Union
 
-import torch.distributed as dist
 from torch import nn
 from torchrec.distributed.planner import EmbeddingShardingPlanner, ParameterConstraints
 from torchrec.distributed.planner.types import Stats
