@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import subprocess
 import sys
 from pathlib import Path
 
@@ -11,8 +12,15 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 
-pytestmark = pytest.mark.skipif(os.geteuid() != 0 or shutil.which("ip") is None,
-                                reason="needs root and iproute2 for network namespaces")
+def _can_make_netns() -> bool:
+    if os.geteuid() != 0 or shutil.which("ip") is None:
+        return False
+    probe = subprocess.run(["ip", "netns", "add", "herald_probe"], capture_output=True)
+    subprocess.run(["ip", "netns", "del", "herald_probe"], capture_output=True)
+    return probe.returncode == 0
+
+
+pytestmark = pytest.mark.skipif(not _can_make_netns(), reason="needs root, iproute2 and network namespaces")
 
 
 def test_kernel_tx_bytes_match_traffic_meter(tmp_path: Path) -> None:
