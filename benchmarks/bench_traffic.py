@@ -77,6 +77,20 @@ def traffic_table(rows: List[Dict[str, Any]]) -> List[str]:
     return lines
 
 
+def vectors_by_kind_table(rows: List[Dict[str, Any]]) -> List[str]:
+    """Embedding vectors per step by collective kind and by herald's tags."""
+    tags = ["herald_pooled", "herald_pooled_grad", "herald_hot_sync", "data_parallel_table_allreduce"]
+    lines = ["Embedding vectors per step (all ranks) by collective kind, and by tag:", "",
+             "| config | ranks | " + " | ".join(KINDS) + " | " + " | ".join(tags) + " |",
+             "|" + "---|" * (2 + len(KINDS) + len(tags))]
+    for r in rows:
+        m = r["metrics"]
+        kinds = " | ".join(f"{m['traffic_per_step'].get(k, {}).get('embedding_vectors', 0):.0f}" for k in KINDS)
+        by_tag = " | ".join(f"{m['traffic_per_step_by_tag'].get(t, {}).get('embedding_vectors', 0):.0f}" for t in tags)
+        lines.append(f"| {r['config']} | {r['world_size']} | {kinds} | {by_tag} |")
+    return lines
+
+
 def herald_tables(rows: List[Dict[str, Any]]) -> List[str]:
     """Reduction vs the cheaper stock configuration, samples/s ratio, AUC, and the cost model's
     prediction vs the measured bytes (per table, at the largest world size)."""
@@ -127,7 +141,8 @@ def markdown(rows: List[Dict[str, Any]], command: str) -> Dict[str, str]:
             f"gradient rows); all_reduce = DDP dense grads (+ DATA_PARALLEL tables, + herald dense hot "
             f"sync). Machine: {platform.machine()}, {os.cpu_count()} cores, one torch thread per rank, gloo.")
     return {
-        "STOCK": "\n".join([f"Command: `{command}`", ""] + traffic_table(rows) + ["", note]),
+        "STOCK": "\n".join([f"Command: `{command}`", ""] + traffic_table(rows) + ["", note, ""]
+                            + vectors_by_kind_table(rows)),
         "HERALD": "\n".join([f"Command: `{command}` (same runs as the table above)", ""] + herald_tables(rows)
                             + [""] + per_table(rows)),
     }
@@ -173,14 +188,20 @@ def main() -> None:
     p.add_argument("--world-sizes", type=int, nargs="+", default=[2, 4])
     p.add_argument("--steps", type=int, default=300)
     p.add_argument("--no-results-md", action="store_true", help="only write the JSON")
+    p.add_argument("--from-json", action="store_true",
+                   help="re-render RESULTS.md from benchmarks/results/traffic.json without running")
     p.add_argument("overrides", nargs="*", help="extra Hydra overrides for every run")
     a = p.parse_args()
-    rows = run(a.world_sizes, a.steps, a.overrides)
     out = HERE / "results"
     out.mkdir(exist_ok=True)
-    (out / "traffic.json").write_text(json.dumps(rows, indent=2))
+    if a.from_json:
+        saved = json.loads((out / "traffic.json").read_text())
+        rows, command = saved["rows"], saved["command"]
+    else:
+        rows = run(a.world_sizes, a.steps, a.overrides)
+        command = "make bench" if sys.argv[1:] == [] else "python benchmarks/bench_traffic.py " + " ".join(sys.argv[1:])
+        (out / "traffic.json").write_text(json.dumps({"command": command, "rows": rows}, indent=2))
     plot(rows, out / "traffic.png")
-    command = "make bench" if sys.argv[1:] == [] else "python benchmarks/bench_traffic.py " + " ".join(sys.argv[1:])
     sections = markdown(rows, command)
     if not a.no_results_md:
         write_results_md(sections)
