@@ -132,10 +132,7 @@ def build_plan(cfg: DictConfig, model: nn.Module, tables: List[Any], data: DataS
                             batch_size=cfg.batch_size, stats=stats,
                             hot_memory_budget_bytes=cfg.planner.hot_memory_budget_bytes,
                             hot_set_selector=selectors[cfg.planner.selector]())
-    plan = planner.collective_plan(model, sharders, dist.group.WORLD)
-    if dist.get_rank() == 0:
-        logger.info("herald plan:\n%s", planner.describe())
-    return plan, sharders
+    return planner.collective_plan(model, sharders, dist.group.WORLD), sharders  # rank 0 logs describe()
 
 
 def herald_traffic_report(dmp: nn.Module, plan: Any, steps: int) -> Dict[str, Any]:
