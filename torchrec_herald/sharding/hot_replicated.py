@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, field
-from typing import Any, Dict, Iterator, List, Optional, Tuple
+from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -198,6 +198,7 @@ class ShardedHeraldEmbeddingBagCollection(
         self._num_embeddings = [c.num_embeddings for c in configs]
         self._feature_names: List[str] = [f for c in configs for f in c.feature_names]
         self._feature_table = torch.tensor([t for t, c in enumerate(configs) for _ in c.feature_names])
+        self._rows_per_feature = torch.tensor(self._num_embeddings, dtype=torch.int64)[self._feature_table]
         self._mean_features = torch.tensor([c.pooling == PoolingType.MEAN for c in configs for _ in c.feature_names])
         for c in configs:
             if c.pooling not in (PoolingType.SUM, PoolingType.MEAN):
@@ -282,8 +283,7 @@ class ShardedHeraldEmbeddingBagCollection(
                              "plan weighted tables with a stock sharding type")
         B = features.stride()
         values, lengths = features.values().to(torch.int64), features.lengths().to(torch.int64)
-        rows_per_feature = torch.tensor(self._num_embeddings, dtype=torch.int64)[self._feature_table]
-        bad = first_invalid_id(values, lengths, rows_per_feature, B)
+        bad = first_invalid_id(values, lengths, self._rows_per_feature, B)
         W, FB = self._world, len(self._feature_names) * B
         if bad is None:
             split = split_hot_cold(values, lengths, self._feature_table, self._table_offsets, self._hot_keys,
@@ -309,7 +309,7 @@ class ShardedHeraldEmbeddingBagCollection(
             dist.all_to_all_single(recv_counts, counts, group=self._pg)
         self._raise_on_bad_ids(recv_counts)
         ctx.batch_size, ctx.split = B, split
-        self._count_cold_traffic(sub, recv_counts, B)
+        self._count_cold_traffic(sub, B)
         ctx.send_bag_index = nonempty % FB
         ctx.bags_to = bags_to.tolist()
         ctx.bags_from = recv_counts[:, 0].tolist()
@@ -327,7 +327,7 @@ class ShardedHeraldEmbeddingBagCollection(
         # TorchRec's awaitable types, so TrainPipelineSparseDist can fuse/await it like a stock input dist
         return KJTListSplitsAwaitable([NoWait(NoWait(ctx))], ctx)
 
-    def _count_cold_traffic(self, sub: torch.Tensor, recv_counts: torch.Tensor, B: int) -> None:
+    def _count_cold_traffic(self, sub: torch.Tensor, B: int) -> None:
         """Per table: ids + lengths this rank sends to remote owners; pooled vectors it returns as an
         owner (counted at the requester: same bytes, summed over ranks) and their gradients."""
         W, F = self._world, len(self._feature_names)
@@ -569,14 +569,6 @@ class ShardedHeraldEmbeddingBagCollection(
 
         return _IncompatibleKeys(missing, unexpected)
 
-    def sharded_parameter_names(self, prefix: str = "") -> Iterator[str]:
-        for key, _ in self.named_parameters(prefix):
-            yield key
-
     @property
     def unsharded_module_type(self) -> type:
         return EmbeddingBagCollection
-
-    @property
-    def hot_spec_rows(self) -> Dict[str, int]:
-        return dict(zip(self._tables, self._hot_counts))
