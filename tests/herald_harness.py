@@ -163,6 +163,17 @@ def run_steps(dmp: Any, optimizer: Any, it: Iterator[Any], pipeline: str = "plai
     from torchrec.distributed.train_pipeline import TrainPipelineSparseDist
 
     losses: List[float] = []
+    if pipeline == "herald" or isinstance(pipeline, dict):
+        from torchrec_herald.pipeline import HeraldTrainPipeline
+
+        pipe = HeraldTrainPipeline(dmp, optimizer, torch.device("cpu"), **(pipeline if isinstance(pipeline, dict) else {}))
+        while True:
+            try:
+                losses.append(pipe.progress(it)[0].item())
+            except StopIteration:
+                break
+        run_steps.last_pipeline = pipe  # type: ignore[attr-defined]
+        return losses
     if pipeline == "plain":
         for batch in it:
             loss, _ = dmp(batch)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from typing import Any, Dict
 
 import torch
@@ -40,3 +41,17 @@ def dense_hot_tbe(rows: int, dim: int, device: torch.device) -> DenseTableBatche
     which herald all-reduces before applying the optimizer itself)."""
     return DenseTableBatchedEmbeddingBagsCodegen(
         embedding_specs=[(max(rows, 1), dim)], pooling_mode=PoolingMode.SUM, use_cpu=device.type != "cuda")
+
+
+def dense_lookup(weights: torch.Tensor, indices: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+    """SUM-pooled bags over the rows of ``weights`` ``[n, D]`` with fbgemm's dense TBE lookup kernel (the
+    op ``DenseTableBatchedEmbeddingBagsCodegen`` runs), autograd giving ``weights``' gradient; for a
+    per-step working set of rows that no persistent TBE owns."""
+    n, dim = weights.shape
+    return torch.ops.fbgemm.dense_embedding_codegen_lookup_function(
+        dev_weights=weights.reshape(-1), weights_offsets=torch.zeros(1, dtype=torch.int64),
+        D_offsets=torch.tensor([0, dim], dtype=torch.int32), total_D=dim, max_D=dim,
+        hash_size_cumsum=torch.tensor([0, n], dtype=torch.int64),
+        total_hash_size_bits=int(math.log2(max(n, 1)) + 1), indices=indices.to(torch.int64),
+        offsets=offsets.to(torch.int64), pooling_mode=int(PoolingMode.SUM), indice_weights=None,
+        feature_requires_grad=None)

@@ -1,6 +1,6 @@
-"""Herald scheduling (in progress): the location-aware input allocator and the (pure, trace-level)
-communication planner with its exactness checker. The look-ahead train pipeline that executes them
-comes with the Herald scheduling issue."""
+"""Herald scheduling: the look-ahead train pipeline (:class:`HeraldTrainPipeline`), the location-aware
+input allocator, the lazy exact communication plan (tensor planner run every step, and the trace-level
+reference planners with their exactness checker)."""
 
 from torchrec_herald.pipeline.input_allocator import (
     GreedyLocalityAllocator,
@@ -13,6 +13,7 @@ from torchrec_herald.pipeline.input_allocator import (
     remote_cold_lookups,
     score,
 )
+from torchrec_herald.pipeline.lazy_sync import ExecPlan, TensorLazySyncPlanner
 from torchrec_herald.pipeline.sync_plan import (
     EagerSyncPlanner,
     LazySyncPlanner,
@@ -21,8 +22,13 @@ from torchrec_herald.pipeline.sync_plan import (
     check_exact,
     simulate,
 )
+from torchrec_herald.pipeline.train_pipeline import HeraldTrainPipeline, SchedulerStats
 
 __all__ = [
+    "ExecPlan",
+    "HeraldTrainPipeline",
+    "SchedulerStats",
+    "TensorLazySyncPlanner",
     "EagerSyncPlanner",
     "LazySyncPlanner",
     "SyncCounters",

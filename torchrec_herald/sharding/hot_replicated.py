@@ -42,7 +42,7 @@ from torchrec_herald.ops.hot_cold import (
     row_block_sizes,
     split_hot_cold,
 )
-from torchrec_herald.ops.tbe import SUPPORTED_OPTIMIZERS, dense_hot_tbe, fused_cold_tbe
+from torchrec_herald.ops.tbe import SUPPORTED_OPTIMIZERS, dense_hot_tbe, dense_lookup, fused_cold_tbe
 from torchrec_herald.sharding.types import HERALD_HOT_ROW_WISE, HotSpec, hot_spec_of
 from torchrec_herald.traffic import traffic_tag
 
@@ -109,6 +109,10 @@ class HeraldContext(Multistreamable):
     recv_rows: torch.Tensor = field(default_factory=lambda: torch.empty(0, dtype=torch.int64))
     sparse_touched: torch.Tensor = field(default_factory=lambda: torch.empty(0, dtype=torch.int64))
     sparse_from: List[int] = field(default_factory=list)  # touched sparse-sync hot rows of each rank
+    bag_lengths: torch.Tensor = field(default_factory=lambda: torch.empty(0, dtype=torch.int64))
+    # plan mode: every lookup local, into the step's working set of rows (sorted keys)
+    ws_index: Optional[torch.Tensor] = None
+    ws_offsets: torch.Tensor = field(default_factory=lambda: torch.empty(0, dtype=torch.int64))
 
     def record_stream(self, stream: torch.Stream) -> None:  # CPU / single stream: nothing to record
         return None
@@ -252,6 +256,10 @@ class ShardedHeraldEmbeddingBagCollection(
         self._mirror_hot = torch.cat(mine_hot).to(torch.int64)
         self._mirror_cold = torch.cat(mine_cold).to(torch.int64)
         self._optim: FusedOptimizer = HeraldFusedOptimizer(self)
+        # plan mode (HeraldTrainPipeline): the step's plan, its working set and the executor
+        self._executor: Optional[Any] = None
+        self._step_plan: Optional[Any] = None
+        self._ws: Optional[torch.Tensor] = None
         # bytes this rank sends per table, by the same formulas as TrafficMeter (cross-checked in tests)
         self._traffic = torch.zeros(len(self._tables), 4, dtype=torch.float64)  # ids, pooled, grads, hot_sync
         self._hot_table_of_row = torch.repeat_interleave(torch.arange(len(self._tables)),
@@ -283,6 +291,9 @@ class ShardedHeraldEmbeddingBagCollection(
                              "plan weighted tables with a stock sharding type")
         B = features.stride()
         values, lengths = features.values().to(torch.int64), features.lengths().to(torch.int64)
+        ctx.batch_size, ctx.bag_lengths = B, lengths
+        if self._step_plan is not None:
+            return self._plan_input_dist(ctx, values, lengths, B)
         bad = first_invalid_id(values, lengths, self._rows_per_feature, B)
         W, FB = self._world, len(self._feature_names) * B
         if bad is None:
@@ -308,7 +319,7 @@ class ShardedHeraldEmbeddingBagCollection(
         with traffic_tag("herald_meta"):
             dist.all_to_all_single(recv_counts, counts, group=self._pg)
         self._raise_on_bad_ids(recv_counts)
-        ctx.batch_size, ctx.split = B, split
+        ctx.split = split
         self._count_cold_traffic(sub, B)
         ctx.send_bag_index = nonempty % FB
         ctx.bags_to = bags_to.tolist()
@@ -365,6 +376,9 @@ class ShardedHeraldEmbeddingBagCollection(
         """Owner side: partial pooled vectors of the received sub-bags; local side: hot pooled vectors."""
         if isinstance(dist_input, KJTList):  # the awaitables above deliver a one-element KJTList
             dist_input = dist_input[0]
+        if dist_input.ws_index is not None:  # plan mode: every row is local, in the working set
+            assert self._ws is not None
+            return torch.empty(0, self._dim), dense_lookup(self._ws, dist_input.ws_index, dist_input.ws_offsets)
         partial = self._cold(dist_input.recv_rows.to(torch.int64), offsets_from_lengths(dist_input.recv_lengths))
         split = dist_input.split
         assert split is not None
@@ -375,23 +389,72 @@ class ShardedHeraldEmbeddingBagCollection(
     def output_dist(self, ctx: HeraldContext, output: Tuple[torch.Tensor, torch.Tensor]) -> LazyAwaitable[KeyedTensor]:
         """Return the partial pooled vectors to the samples' ranks and add them to the hot part."""
         partial, hot = output
-        back = variable_all_to_all(partial, ctx.bags_from, ctx.bags_to, self._pg,
-                                   ("herald_pooled", "herald_pooled_grad"), self._dim)
-        pooled = hot.index_add(0, ctx.send_bag_index, back)
+        if ctx.ws_index is not None:  # plan mode: nothing to return to other ranks
+            pooled = hot
+        else:
+            back = variable_all_to_all(partial, ctx.bags_from, ctx.bags_to, self._pg,
+                                       ("herald_pooled", "herald_pooled_grad"), self._dim)
+            pooled = hot.index_add(0, ctx.send_bag_index, back)
         if get_gradient_division():
             # stock TorchRec divides pooled-embedding gradients by the world size in its output
             # all-to-all's backward (matching DDP's averaging of dense grads): do the same
             pooled = _ScaleGrad.apply(pooled, 1.0 / self._world)
-        split = ctx.split
-        assert split is not None
         B, F = ctx.batch_size, len(self._feature_names)
         if bool(self._mean_features.any()):
             mean_bag = self._mean_features.repeat_interleave(B)
-            scale = torch.where(mean_bag, 1.0 / split.bag_lengths.clamp(min=1).to(pooled.dtype),
+            scale = torch.where(mean_bag, 1.0 / ctx.bag_lengths.clamp(min=1).to(pooled.dtype),
                                 torch.ones((), dtype=pooled.dtype))
             pooled = pooled * scale[:, None]
         values = pooled.view(F, B, self._dim).transpose(0, 1).reshape(B, F * self._dim)
         return LazyNoWait(KeyedTensor(keys=self._feature_names, length_per_key=[self._dim] * F, values=values))
+
+    # ------------------------------------------------------------------ plan mode (Herald scheduling)
+    def global_keys(self, values: torch.Tensor, lengths: torch.Tensor, batch_size: int) -> torch.Tensor:
+        """Global row key (table offset + id) of every id of a KJT in this module's feature order."""
+        feature = torch.repeat_interleave(torch.arange(len(self._feature_names)).repeat_interleave(batch_size),
+                                          lengths)
+        return self._table_offsets[self._feature_table[feature]] + values
+
+    @property
+    def plan_executor(self) -> Any:
+        """The :class:`~torchrec_herald.sharding.plan_exec.PlanExecutor` of this rank (built on first use)."""
+        if self._executor is None:
+            from torchrec_herald.sharding.plan_exec import PlanExecutor
+
+            self._executor = PlanExecutor(self)
+        return self._executor
+
+    def begin_plan_step(self, plan: Any) -> None:
+        """Plan mode for the next forward: run the plan's pre-read transfers (collective); the forward
+        then looks every id up locally."""
+        self.plan_executor.before_forward(plan)
+        self._step_plan = plan
+
+    def _plan_input_dist(self, ctx: HeraldContext, values: torch.Tensor, lengths: torch.Tensor, B: int
+                         ) -> Awaitable[Awaitable[HeraldContext]]:
+        plan = self._step_plan
+        keys = self.global_keys(values, lengths, B)
+        ws_keys = plan.reads[self._rank]
+        pos = torch.searchsorted(ws_keys, keys).clamp(max=max(ws_keys.numel() - 1, 0))
+        if not torch.equal(torch.unique(keys), ws_keys):
+            raise RuntimeError(f"rank {self._rank}: the batch's rows differ from the ones the plan was made for")
+        w, _ = self.plan_executor.read(ws_keys)
+        self._ws = w.requires_grad_(True)
+        ctx.ws_index, ctx.ws_offsets = pos, offsets_from_lengths(lengths)
+        return KJTListSplitsAwaitable([NoWait(NoWait(ctx))], ctx)
+
+    def finish_plan_step(self) -> None:
+        """After backward: reduce, exact update, pushes and evictions of the plan (collective)."""
+        plan, ws = self._step_plan, self._ws
+        if plan is None or ws is None:
+            raise RuntimeError("finish_plan_step without a planned forward (call begin_plan_step first)")
+        grad = ws.grad if ws.grad is not None else torch.zeros_like(ws)
+        self._step_plan, self._ws = None, None
+        self.plan_executor.after_backward(plan, plan.reads[self._rank], grad.detach())
+
+    def flush_plan(self, flush: Any) -> None:
+        """Back to the stock herald layout (see :meth:`PlanExecutor.flush`; collective)."""
+        self.plan_executor.flush(flush)
 
     # ------------------------------------------------------------------ hot replicas: sync + exact update
     def _sync_and_update_hot(self, weights: torch.Tensor) -> None:

@@ -1,0 +1,319 @@
+"""HeraldTrainPipeline: Herald's embedding scheduling as a TorchRec train pipeline (DESIGN §3, Herald).
+
+A look-ahead window of the next K global batches feeds (1) the location-aware input allocator, which
+moves samples to the rank that holds their rows, and (2) the lazy, exact communication plan over worker
+caches and hot replicas (:class:`~torchrec_herald.pipeline.lazy_sync.TensorLazySyncPlanner`), which the
+herald EBC executes (:class:`~torchrec_herald.sharding.plan_exec.PlanExecutor`). Drop-in for
+``TrainPipelineSparseDist``: same constructor arguments, ``progress(dataloader_iter)``.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any, Deque, Dict, Iterator, List, Optional
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torchrec.datasets.utils import Batch
+from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
+
+from torchrec_herald.ops.hot_cold import first_invalid_id
+from torchrec_herald.pipeline.input_allocator import Locality, greedy_assign
+from torchrec_herald.pipeline.lazy_sync import TensorLazySyncPlanner
+from torchrec_herald.pipeline.sync_plan import SyncCounters
+from torchrec_herald.traffic import traffic_tag
+
+logger = logging.getLogger(__name__)
+
+#: ``pipeline.allocator`` values
+ALLOCATORS = ("greedy", "identity")
+#: ``pipeline.sync`` values: ``lazy`` = worker caches + the exact plan; ``eager`` = herald's own
+#: per-step path (hot rows all-reduced every step, cold rows looked up at their owner)
+SYNC_MODES = ("lazy", "eager")
+#: ``pipeline.cache`` values executed for real (Belady exists at trace level: ``sync_plan.LazySyncPlanner``)
+CACHE_POLICIES = ("lru",)
+
+
+@dataclass
+class _Entry:
+    """One global batch in the window: this rank's share after allocation and every rank's reads."""
+
+    batch: Batch
+    reads: List[torch.Tensor]
+    moved: int = 0
+
+
+@dataclass
+class SchedulerStats:
+    """Per-run totals of the scheduler (``metrics.json`` ``herald_pipeline``)."""
+
+    steps: int = 0
+    counters: SyncCounters = field(default_factory=SyncCounters)
+    moved_samples: int = 0
+    local_lookups: int = 0
+    lookups: int = 0
+    scheduler_s: float = 0.0  # allocation + reads exchange + planning (incl. their metadata collectives)
+    planner_s: float = 0.0  # of which planning
+
+    def summary(self, step_time_s: float) -> Dict[str, float]:
+        n = max(self.steps, 1)
+        c = self.counters
+        out = {k: getattr(c, k) / n for k in ("miss_pull", "update_pull", "update_push", "miss_push", "reduce")}
+        out.update(hit_rate=c.hit_rate, cache_hit_rate=c.cache_hit_rate, vectors_per_step=c.vectors / n,
+                   moved_samples_per_step=self.moved_samples / n,
+                   local_lookup_share=self.local_lookups / max(self.lookups, 1),
+                   scheduler_ms_per_step=1000 * self.scheduler_s / n, planner_ms_per_step=1000 * self.planner_s / n,
+                   scheduler_share_of_step=(self.scheduler_s / n) / step_time_s if step_time_s > 0 else 0.0)
+        return out
+
+
+def find_herald_ebc(model: nn.Module) -> Any:
+    """The one herald-sharded EBC inside ``model`` (a DMP)."""
+    from torchrec_herald.sharding.hot_replicated import ShardedHeraldEmbeddingBagCollection
+
+    found = [m for m in model.modules() if isinstance(m, ShardedHeraldEmbeddingBagCollection)]
+    if len(found) != 1:
+        raise ValueError(f"HeraldTrainPipeline needs a model with exactly one EmbeddingBagCollection sharded by "
+                         f"HeraldEmbeddingBagCollectionSharder (planner=herald); found {len(found)}")
+    return found[0]
+
+
+class HeraldTrainPipeline:
+    """Herald's train pipeline: look-ahead window, location-aware input allocator, worker caches with an
+    exact, lazy communication plan. Drop-in for ``torchrec``'s ``TrainPipelineSparseDist``.
+
+    Each :meth:`progress` trains one global batch: plan its transfers from the window (every rank the
+    same plan), pull the rows it reads that are missing or outdated, forward/backward with every lookup
+    local, sum each row's gradients at one reducer and apply the exact update there, push rows another
+    rank reads next, step the dense optimizer. When the loader runs dry the last partial window is
+    trained, then every copy is flushed back to herald's stock layout and ``StopIteration`` is raised.
+
+    Args:
+        model: a ``DistributedModelParallel`` whose EBC is herald-sharded; ``model(batch)`` returns
+            ``(loss, output)`` (TorchRec's ``DLRMTrain``).
+        optimizer: the dense (+ fused) optimizer, stepped after every backward.
+        device: the training device.
+        execute_all_batches, apply_jit: accepted for signature compatibility (every batch is trained;
+            no JIT).
+        window: ``K``, global batches of look-ahead (default 5).
+        allocator: ``greedy`` (location-aware, default) or ``identity`` (samples stay where loaded).
+        sync: ``lazy`` (caches + plan, default) or ``eager`` (herald's per-step path, e.g. to measure the
+            allocator alone).
+        cache: cache eviction policy (``lru``).
+        cache_fraction: cache capacity per rank per table as a fraction of the table's rows, in (0, 1].
+        move_penalty: local lookups a sample move must gain (``greedy_assign``'s ``move_penalty``).
+    """
+
+    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, device: torch.device,
+                 execute_all_batches: bool = True, apply_jit: bool = False, *, window: int = 5,
+                 allocator: str = "greedy", sync: str = "lazy", cache: str = "lru", cache_fraction: float = 0.05,
+                 move_penalty: int = 0) -> None:
+        if int(window) < 1:
+            raise ValueError(f"pipeline.window must be >= 1, got {window}")
+        if allocator not in ALLOCATORS:
+            raise ValueError(f"unknown pipeline.allocator {allocator!r}; known: {list(ALLOCATORS)}")
+        if sync not in SYNC_MODES:
+            raise ValueError(f"unknown pipeline.sync {sync!r}; known: {list(SYNC_MODES)}")
+        if cache not in CACHE_POLICIES:
+            raise ValueError(f"unknown pipeline.cache {cache!r}; executed policies: {list(CACHE_POLICIES)} "
+                             f"(belady is trace-level only: sync_plan.LazySyncPlanner)")
+        if not 0.0 < float(cache_fraction) <= 1.0:
+            raise ValueError(f"pipeline.cache_fraction={cache_fraction}: a cache must hold at least one row and "
+                             f"at most all rows of a table; use a fraction in (0, 1]")
+        if int(move_penalty) < 0:
+            raise ValueError(f"pipeline.move_penalty must be >= 0, got {move_penalty}")
+        self._model, self._optimizer, self._device = model, optimizer, device
+        self.window, self.allocator, self.sync = int(window), allocator, sync
+        self.move_penalty = int(move_penalty)
+        self._ebc = find_herald_ebc(model)
+        ebc = self._ebc
+        self._pg = ebc._pg
+        self._W, self._rank = ebc._world, ebc._rank
+        self.locality = Locality(world_size=self._W, num_embeddings=dict(zip(ebc._tables, ebc._num_embeddings)),
+                                 hot_ids=dict(zip(ebc._tables, ebc._hot_ids)))
+        self.planner = TensorLazySyncPlanner(self.locality, float(cache_fraction), self.window)
+        self._queue: Deque[_Entry] = deque()
+        self._exhausted = False
+        self._started = False
+        self._flushed = True
+        self._alloc_step = 0
+        self.stats = SchedulerStats()
+
+    # ------------------------------------------------------------------ window
+    def _fill(self, it: Iterator[Batch]) -> None:
+        while not self._exhausted and len(self._queue) < self.window:
+            try:
+                raw = next(it)
+            except StopIteration:
+                self._exhausted = True
+                if not self._started:
+                    raise ValueError(f"pipeline.window={self.window} is larger than the {len(self._queue)} "
+                                     f"batch(es) the data loader has left; lower pipeline.window") from None
+                break
+            t0 = time.perf_counter()
+            self._queue.append(self._prepare(raw))
+            self.stats.scheduler_s += time.perf_counter() - t0
+        self._started = True
+
+    def _keys(self, kjt: KeyedJaggedTensor) -> torch.Tensor:
+        kjt = self._in_ebc_order(kjt)
+        return self._ebc.global_keys(kjt.values().to(torch.int64), kjt.lengths().to(torch.int64), kjt.stride())
+
+    def _in_ebc_order(self, kjt: KeyedJaggedTensor) -> KeyedJaggedTensor:
+        names = self._ebc._feature_names
+        if kjt.keys() == names:
+            return kjt
+        missing = [f for f in names if f not in kjt.keys()]
+        if missing:
+            raise ValueError(f"features {missing} of the herald EBC are missing from the input KJT")
+        return kjt.permute([kjt.keys().index(f) for f in names])
+
+    def _prepare(self, raw: Batch) -> _Entry:
+        """Validate ids, allocate samples (collective), exchange every rank's read rows (collective)."""
+        kjt = self._in_ebc_order(raw.sparse_features)
+        B = kjt.stride()
+        values, lengths = kjt.values().to(torch.int64), kjt.lengths().to(torch.int64)
+        bad = first_invalid_id(values, lengths, self._ebc._rows_per_feature, B)
+        err = torch.tensor([1 if bad else 0, bad[0] if bad else 0, bad[1] if bad else 0, values.numel()],
+                           dtype=torch.int64)
+        keys = None if bad else self._ebc.global_keys(values, lengths, B)
+        scores = torch.zeros(B, self._W, dtype=torch.int64)
+        if self.allocator == "greedy" and keys is not None:
+            sample = torch.repeat_interleave(torch.arange(len(self._ebc._feature_names) * B) % B, lengths)
+            local = self.planner.local_score_table()[:, keys].T.to(torch.int64)  # [nnz, W]
+            scores.index_add_(0, sample, local)
+        meta = torch.cat([err, scores.flatten()]) if self.allocator == "greedy" else err
+        gathered = torch.empty(self._W * meta.numel(), dtype=torch.int64)
+        with traffic_tag("herald_schedule_meta"):
+            dist.all_gather_into_tensor(gathered, meta, group=self._pg)
+        gathered = gathered.view(self._W, -1)
+        self._raise_on_bad(gathered[:, :3])
+        nnz = int(gathered[:, 3].sum())
+        moved = 0
+        batch = Batch(dense_features=raw.dense_features, sparse_features=kjt, labels=raw.labels)
+        if self.allocator == "greedy":
+            all_scores = gathered[:, 4:].reshape(self._W * B, self._W)
+            rank_of = greedy_assign(all_scores, self._alloc_step, "rotate", self.move_penalty)
+            self._alloc_step += 1
+            moved = int((rank_of != torch.arange(self._W * B) // B).sum())
+            all_local = all_scores.gather(1, rank_of[:, None]).sum()
+            self.stats.local_lookups += int(all_local)
+            self.stats.lookups += nnz
+            if moved:
+                batch = self._exchange_samples(batch, rank_of[self._rank * B:(self._rank + 1) * B],
+                                               (rank_of == self._rank).nonzero().flatten())
+            keys = self._keys(batch.sparse_features)
+        assert keys is not None
+        reads = self._exchange_reads(torch.unique(keys)) if self.sync == "lazy" else []
+        return _Entry(batch=batch, reads=reads, moved=moved)
+
+    def _raise_on_bad(self, errs: torch.Tensor) -> None:
+        bad = (errs[:, 0] > 0).nonzero().flatten().tolist()
+        if bad:
+            r = bad[0]
+            f, i = int(errs[r, 1]), int(errs[r, 2])
+            t = int(self._ebc._feature_table[f])
+            raise ValueError(f"id {i} of feature '{self._ebc._feature_names[f]}' is outside table "
+                             f"'{self._ebc._tables[t]}' [0, {self._ebc._num_embeddings[t]}) (in rank {r}'s batch; "
+                             f"ranks with bad ids: {bad})")
+
+    def _exchange_samples(self, batch: Batch, dest: torch.Tensor, incoming: torch.Tensor) -> Batch:
+        """Send each local sample to ``dest[i]`` (dense, label, per-feature lengths, ids); receive the
+        samples ``incoming`` (global indices, ascending) in global order. Two all-to-alls."""
+        W, B, me = self._W, dest.numel(), self._rank
+        kjt = batch.sparse_features
+        F = len(kjt.keys())
+        lengths = kjt.lengths().to(torch.int64).view(F, B)
+        values = kjt.values().to(torch.int64)
+        order = torch.argsort(dest, stable=True)  # samples grouped by destination, in index order
+        fixed = torch.cat([batch.dense_features.float().view(torch.int32), batch.labels.float().view(-1, 1).view(
+            torch.int32), lengths.T.to(torch.int32)], 1)  # [B, dense + 1 + F]
+        send_counts = torch.bincount(dest, minlength=W)
+        src_of_in = incoming // B
+        recv_counts = torch.bincount(src_of_in, minlength=W)
+        fixed_in = fixed.new_empty(int(recv_counts.sum()), fixed.shape[1])
+        # ids sample-major in send order: sort each id by (position of its sample in `order`, feature)
+        bag_of_value = torch.repeat_interleave(torch.arange(F * B), lengths.flatten())
+        pos = torch.empty(B, dtype=torch.int64)
+        pos[order] = torch.arange(B)
+        ids_out = values[torch.argsort(pos[bag_of_value % B] * F + bag_of_value // B, stable=True)]
+        ids_send = torch.zeros(W, dtype=torch.int64).index_add_(0, dest, lengths.sum(0)).tolist()
+        with traffic_tag("herald_samples"):
+            dist.all_to_all_single(fixed_in, fixed[order].contiguous(), recv_counts.tolist(), send_counts.tolist(),
+                                   group=self._pg)
+            lengths_in = fixed_in[:, -F:].to(torch.int64)  # [n_in, F], samples in ascending global order
+            ids_recv = torch.zeros(W, dtype=torch.int64).index_add_(0, src_of_in, lengths_in.sum(1)).tolist()
+            ids_in = values.new_empty(sum(ids_recv))
+            dist.all_to_all_single(ids_in, ids_out.contiguous(), ids_recv, ids_send, group=self._pg)
+        n_dense = batch.dense_features.shape[1]
+        dense = fixed_in[:, :n_dense].view(torch.float32).to(batch.dense_features.dtype)
+        labels = fixed_in[:, n_dense].view(torch.float32).to(batch.labels.dtype)
+        # back to the feature-major KJT layout
+        n_in = lengths_in.shape[0]
+        bag_in = torch.repeat_interleave(torch.arange(n_in * F), lengths_in.flatten())  # sample * F + feature
+        new_values = ids_in[torch.argsort((bag_in % F) * n_in + bag_in // F, stable=True)]
+        new_kjt = KeyedJaggedTensor(keys=kjt.keys(), values=new_values.to(kjt.values().dtype),
+                                    lengths=lengths_in.T.flatten().to(kjt.lengths().dtype))
+        return Batch(dense_features=dense, sparse_features=new_kjt, labels=labels)
+
+    def _exchange_reads(self, mine: torch.Tensor) -> List[torch.Tensor]:
+        """Every rank's sorted unique read keys (an all-gather of counts, then one all-to-all of int32 keys)."""
+        W = self._W
+        counts = torch.empty(W, dtype=torch.int64)
+        with traffic_tag("herald_schedule_meta"):
+            dist.all_gather_into_tensor(counts, torch.tensor([mine.numel()], dtype=torch.int64), group=self._pg)
+            out = torch.empty(int(counts.sum()), dtype=torch.int32)
+            dist.all_to_all_single(out, mine.to(torch.int32).repeat(W), counts.tolist(), [mine.numel()] * W,
+                                   group=self._pg)
+        return [k.to(torch.int64) for k in out.split(counts.tolist())]
+
+    # ------------------------------------------------------------------ training
+    def progress(self, dataloader_iter: Iterator[Batch]) -> Any:
+        """Train one global batch; returns the model's output (as ``TrainPipelineSparseDist`` does).
+
+        Raises:
+            StopIteration: the loader and the window are empty (copies flushed first).
+            ValueError: the first window cannot be filled (``window`` > batches left), bad ids (every rank).
+        """
+        self._fill(dataloader_iter)
+        if not self._queue:
+            self.flush()
+            raise StopIteration
+        entry = self._queue[0]
+        lazy = self.sync == "lazy"
+        if lazy:
+            t0 = time.perf_counter()
+            plan = self.planner.plan_step([e.reads for e in self._queue])
+            dt = time.perf_counter() - t0
+            self.stats.planner_s += dt
+            self.stats.scheduler_s += dt
+            self.stats.counters = self.stats.counters + plan.counters
+            self._ebc.begin_plan_step(plan)
+            self._flushed = False
+        self._queue.popleft()
+        self.stats.steps += 1
+        self.stats.moved_samples += entry.moved
+        self._optimizer.zero_grad()
+        loss, output = self._model(entry.batch)
+        torch.sum(loss).backward()
+        if lazy:
+            self._ebc.finish_plan_step()
+        self._optimizer.step()
+        return output
+
+    def flush(self) -> None:
+        """Push every dirty row home, refresh outdated hot replicas, drop the caches (collective): the
+        model is then in herald's stock layout (for eval, ``state_dict``, a stock pipeline)."""
+        if self._flushed:
+            return
+        self._ebc.flush_plan(self.planner.flush())
+        self._flushed = True
+
+    def detach(self) -> nn.Module:
+        """Flush and hand back the model (as ``TrainPipelineSparseDist.detach``)."""
+        self.flush()
+        return self._model

@@ -1,0 +1,212 @@
+"""Executes Herald's communication plan on one rank (DESIGN §3, Herald (b)): worker caches of remote rows,
+pulls of missing/outdated rows, gradient reduce at one reducer per row, lazy pushes home.
+
+In plan mode (driven by :class:`~torchrec_herald.pipeline.HeraldTrainPipeline`) every row a rank reads is
+local when its forward runs: a hot replica, a row of its own ROW_WISE block, or a cache entry, pulled
+before the forward when the plan says so. Backward yields the gradient of each row read; rows read by
+several ranks have their gradients summed at the plan's reducer, which applies the **one** exact update
+(EXACT_SGD or EXACT_ROWWISE_ADAGRAD: the fused kernel's rule, as herald's hot replicas do). A transfer
+carries the row's current value and, for row-wise Adagrad, its state: what the merged pending updates add
+up to, bit for bit, without re-summing deltas. The plan is known to every rank, so no ids travel.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING, List, Optional, Tuple
+
+import torch
+import torch.distributed as dist
+from fbgemm_gpu.split_embedding_configs import EmbOptimType
+
+from torchrec_herald.pipeline.lazy_sync import ExecPlan, FlushPlan, transfers_between
+from torchrec_herald.traffic import traffic_tag
+
+if TYPE_CHECKING:
+    from torchrec_herald.sharding.hot_replicated import ShardedHeraldEmbeddingBagCollection
+
+logger = logging.getLogger(__name__)
+
+
+class PlanExecutor:
+    """The rows one rank holds in plan mode and the transfers of each step's :class:`ExecPlan`.
+
+    Storage: hot replicas and the rank's cold blocks stay where the herald EBC keeps them (dense hot
+    buffer + its row-wise Adagrad state, fused cold TBE weights + momentum); remote rows live in a cache
+    (``[slots, D]`` weights + ``[slots]`` state) that grows on demand and whose slots the plan's
+    evictions free (the plan bounds the entries per table).
+    """
+
+    def __init__(self, ebc: "ShardedHeraldEmbeddingBagCollection") -> None:
+        self.ebc = ebc
+        self.W, self.rank, self.D = ebc._world, ebc._rank, ebc._dim
+        self.pg = ebc._pg
+        self.adagrad = ebc._optimizer == EmbOptimType.EXACT_ROWWISE_ADAGRAD
+        self.lr = float(ebc._fused_params["learning_rate"])
+        self.eps = float(ebc._fused_params.get("eps", 1e-8))
+        n = torch.tensor(ebc._num_embeddings, dtype=torch.int64)
+        self.num_rows = int(n.sum())
+        self.table_of = torch.repeat_interleave(torch.arange(len(n)), n)
+        local_id = torch.arange(self.num_rows) - ebc._table_offsets[self.table_of]
+        blocks = torch.tensor(ebc._blocks, dtype=torch.int64)[self.table_of]
+        self.home = local_id // blocks
+        # own block slot of every key this rank is home of (fused cold TBE row), else -1
+        self.own_slot = torch.full((self.num_rows,), -1, dtype=torch.int64)
+        mine = self.home == self.rank
+        self.own_slot[mine] = (ebc._owner_table_offset[self.rank, self.table_of[mine]]
+                               + local_id[mine] - self.rank * blocks[mine])
+        self.hot_slot = torch.full((self.num_rows,), -1, dtype=torch.int64)
+        self.hot_slot[ebc._hot_keys] = torch.arange(ebc._num_hot)
+        self.cache_slot = torch.full((self.num_rows,), -1, dtype=torch.int64)
+        self.cache_w = torch.zeros(0, self.D)
+        self.cache_s = torch.zeros(0)
+        self.free: List[int] = []
+        self.width = self.D + (1 if self.adagrad else 0)  # floats per transferred row
+
+    # ------------------------------------------------------------------ storage
+    def _stores(self) -> Tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor], torch.Tensor]:
+        ebc = self.ebc
+        hot_w = ebc._hot.weights.detach().view(-1, self.D)
+        cold_w = ebc._cold.split_embedding_weights()[0].data
+        cold_s = ebc._cold_momentum()
+        return hot_w, cold_w, (cold_s.data if cold_s is not None else None), ebc._hot_state
+
+    def _where(self, keys: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Masks of ``keys`` held as hot replica / own block row / cache entry (a key must be one)."""
+        hot = self.hot_slot[keys] >= 0
+        own = ~hot & (self.own_slot[keys] >= 0)
+        cache = ~hot & ~own
+        if bool(cache.any()) and bool((self.cache_slot[keys[cache]] < 0).any()):
+            missing = keys[cache][self.cache_slot[keys[cache]] < 0][:5].tolist()
+            raise RuntimeError(f"rank {self.rank}: plan reads rows it does not hold: keys {missing}")
+        return hot, own, cache
+
+    def read(self, keys: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+        """``(weights [n, D], row-wise Adagrad state [n])`` of rows this rank holds."""
+        hot_w, cold_w, cold_s, hot_s = self._stores()
+        hot, own, cache = self._where(keys)
+        w = torch.empty(keys.numel(), self.D)
+        s = torch.zeros(keys.numel())
+        w[hot] = hot_w[self.hot_slot[keys[hot]]]
+        w[own] = cold_w[self.own_slot[keys[own]]]
+        w[cache] = self.cache_w[self.cache_slot[keys[cache]]]
+        if self.adagrad:
+            s[hot] = hot_s[self.hot_slot[keys[hot]]]
+            assert cold_s is not None
+            s[own] = cold_s[self.own_slot[keys[own]]]
+            s[cache] = self.cache_s[self.cache_slot[keys[cache]]]
+        return w, s
+
+    def _allocate(self, keys: torch.Tensor) -> None:
+        """Give remote keys without a cache slot one (growing the cache when no slot is free)."""
+        new = keys[(self.hot_slot[keys] < 0) & (self.own_slot[keys] < 0) & (self.cache_slot[keys] < 0)]
+        if not new.numel():
+            return
+        short = new.numel() - len(self.free)
+        if short > 0:
+            start = self.cache_w.shape[0]
+            grow = max(short, start // 2, 64)
+            self.cache_w = torch.cat([self.cache_w, torch.zeros(grow, self.D)])
+            self.cache_s = torch.cat([self.cache_s, torch.zeros(grow)])
+            self.free.extend(range(start + grow - 1, start - 1, -1))
+        slots = [self.free.pop() for _ in range(new.numel())]
+        self.cache_slot[new] = torch.tensor(slots, dtype=torch.int64)
+
+    def write(self, keys: torch.Tensor, w: torch.Tensor, s: torch.Tensor) -> None:
+        """Store rows (a remote row gets a cache slot)."""
+        self._allocate(keys)
+        hot_w, cold_w, cold_s, hot_s = self._stores()
+        hot, own, cache = self._where(keys)
+        hot_w[self.hot_slot[keys[hot]]] = w[hot]
+        cold_w[self.own_slot[keys[own]]] = w[own]
+        self.cache_w[self.cache_slot[keys[cache]]] = w[cache]
+        if self.adagrad:
+            assert cold_s is not None
+            hot_s[self.hot_slot[keys[hot]]] = s[hot]
+            cold_s[self.own_slot[keys[own]]] = s[own]
+            self.cache_s[self.cache_slot[keys[cache]]] = s[cache]
+
+    def drop(self, keys: torch.Tensor) -> None:
+        """Free the cache slots of ``keys``."""
+        keys = keys[self.cache_slot[keys] >= 0]
+        self.free.extend(self.cache_slot[keys].tolist())
+        self.cache_slot[keys] = -1
+
+    # ------------------------------------------------------------------ transfers
+    def _exchange(self, transfers: torch.Tensor, payload: "callable", label: str, width: int  # type: ignore[valid-type]
+                  ) -> Tuple[List[torch.Tensor], torch.Tensor]:
+        """One all-to-all of the rows of ``transfers`` (``(key, src, dst)``, known to every rank): this
+        rank sends ``payload(keys)`` for its outgoing keys; returns (keys received per source, rows)."""
+        me, W = self.rank, self.W
+        send_keys = [transfers_between(transfers, me, d) for d in range(W)]
+        recv_keys = [transfers_between(transfers, s, me) for s in range(W)]
+        send = torch.cat([payload(k) for k in send_keys]) if any(k.numel() for k in send_keys) \
+            else torch.zeros(0, width)
+        out = torch.empty(sum(k.numel() for k in recv_keys), width)
+        with traffic_tag(label, width):
+            dist.all_to_all_single(out, send.contiguous(), [k.numel() for k in recv_keys],
+                                   [k.numel() for k in send_keys], group=self.pg)
+        return recv_keys, out
+
+    def _row_payload(self, keys: torch.Tensor) -> torch.Tensor:
+        w, s = self.read(keys)
+        return torch.cat([w, s[:, None]], 1) if self.adagrad else w
+
+    def move_rows(self, transfers: torch.Tensor, label: str) -> None:
+        """Send each ``(key, src, dst)`` row's current value (+ state) from src to dst, which stores it."""
+        if not transfers.numel():
+            return
+        keys, rows = self._exchange(transfers, self._row_payload, label, self.width)
+        if rows.numel():
+            k = torch.cat(keys)
+            self.write(k, rows[:, : self.D], rows[:, self.D] if self.adagrad else torch.zeros(k.numel()))
+
+    def before_forward(self, plan: ExecPlan) -> None:
+        """Pushes planned before the reads (no look-ahead), then pulls of missing/outdated rows."""
+        self.move_rows(plan.push_before_read, "herald_update_push")
+        self.move_rows(plan.pull, "herald_pull")
+
+    def after_backward(self, plan: ExecPlan, ws_keys: torch.Tensor, ws_grad: torch.Tensor) -> None:
+        """Sum each read row's gradients at its reducer, apply the one exact update there, push dirty
+        rows home for the next step's readers and on eviction, free evicted cache slots."""
+        me = self.rank
+        mine = plan.reducer == me
+        upd = plan.update_keys[mine]
+        total = torch.zeros(upd.numel(), self.D)
+        recv_keys: List[torch.Tensor] = [torch.empty(0, dtype=torch.int64)] * self.W
+        rows = torch.zeros(0, self.D)
+        if plan.reduce.numel():
+            def grads(k: torch.Tensor) -> torch.Tensor:
+                return ws_grad[torch.searchsorted(ws_keys, k)]
+            recv_keys, rows = self._exchange(plan.reduce, grads, "herald_reduce", self.D)
+        parts = rows.split([k.numel() for k in recv_keys])
+        for src in range(self.W):  # gradients summed in rank order: deterministic
+            if src == me:
+                pos = torch.searchsorted(ws_keys, upd).clamp(max=max(ws_keys.numel() - 1, 0))
+                read = ws_keys[pos] == upd if ws_keys.numel() else torch.zeros_like(upd, dtype=torch.bool)
+                total[read] += ws_grad[pos[read]]
+            elif recv_keys[src].numel():
+                total.index_add_(0, torch.searchsorted(upd, recv_keys[src]), parts[src])
+        if upd.numel():
+            w, s = self.read(upd)
+            if self.adagrad:
+                s = s + total.pow(2).mean(1)
+                w = w - total * (self.lr / (s.sqrt() + self.eps))[:, None]
+            else:
+                w = w - self.lr * total
+            self.write(upd, w, s)
+        pushes = torch.cat([plan.update_push, plan.miss_push])
+        self.move_rows(pushes, "herald_update_push")
+        self.drop(plan.evictions[me])
+
+    def flush(self, fp: FlushPlan) -> None:
+        """Dirty rows home, outdated hot replicas refreshed, caches dropped, home replicas mirrored into
+        the cold blocks: the stock herald layout again (eval, checkpoints, a stock pipeline)."""
+        self.move_rows(fp.push, "herald_update_push")
+        self.move_rows(fp.pull, "herald_pull")
+        self.drop(fp.dropped[self.rank])
+        self.cache_w = torch.zeros(0, self.D)
+        self.cache_s = torch.zeros(0)
+        self.free = []
+        self.cache_slot.fill_(-1)
+        self.ebc._mirror_hot_into_cold()
