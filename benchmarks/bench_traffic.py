@@ -5,7 +5,9 @@
 Configurations, each a real multi-process gloo run of ``torchrec_herald.trainer.run_training`` (the
 code behind ``python -m torchrec_herald.train``) from this one process tree, on the same data and the
 same global batches (same seed, same local batch size, identical initial weights):
-TorchRec's default plan, every table TABLE_WISE, and herald's hot-row replication (``planner=herald``).
+TorchRec's default plan, every table TABLE_WISE, herald's hot-row replication (``planner=herald``), and
+Herald scheduling with ``pipeline=herald``: the allocator alone (``pipeline.sync=eager``), the cache/plan
+alone (``pipeline.allocator=identity``), and both.
 Writes ``benchmarks/results/traffic.json``, ``traffic.png`` and the tables between the markers of
 ``benchmarks/RESULTS.md``.
 """
@@ -30,7 +32,15 @@ from torchrec_herald.dist_utils import run_multiprocess
 logger = logging.getLogger("bench_traffic")
 HERE = Path(__file__).resolve().parent
 STOCK = {"stock default plan": ["planner=stock"], "stock all TABLE_WISE": ["planner=table_wise"]}
-HERALD = {"herald hot replication": ["planner=herald"]}
+HOT = "herald hot replication"
+HERALD = {HOT: ["planner=herald"],
+          # Herald scheduling (HeraldTrainPipeline, window 5): the allocator alone on herald's eager path,
+          # the cache/plan alone, and both
+          "herald + allocator": ["planner=herald", "pipeline=herald", "pipeline.sync=eager"],
+          "herald + cache/plan": ["planner=herald", "pipeline=herald", "pipeline.allocator=identity"],
+          "herald + allocator + cache/plan": ["planner=herald", "pipeline=herald"]}
+SCHED_LABEL = {"herald hot replication": "(b)", "herald + allocator": "(c)", "herald + cache/plan": "(d′)",
+               "herald + allocator + cache/plan": "(d)"}
 KINDS = ["all_to_all_single", "reduce_scatter_tensor", "all_gather_into_tensor", "all_reduce"]
 
 
@@ -100,7 +110,7 @@ def herald_tables(rows: List[Dict[str, Any]]) -> List[str]:
              "|" + "---|" * 10]
     for world in sorted({r["world_size"] for r in rows}):
         at = {r["config"]: r["metrics"] for r in rows if r["world_size"] == world}
-        h = at.get(next(iter(HERALD)))
+        h = at.get(HOT)
         if h is None:
             continue
         stock = {name: at[name] for name in STOCK if name in at}
@@ -119,7 +129,7 @@ def herald_tables(rows: List[Dict[str, Any]]) -> List[str]:
 
 
 def per_table(rows: List[Dict[str, Any]]) -> List[str]:
-    h = [r for r in rows if r["config"] in HERALD][-1]
+    h = [r for r in rows if r["config"] == HOT][-1]
     hr = h["metrics"]["herald"]
     lines = [f"Per table at {h['world_size']} ranks (bytes per step, all ranks):", "",
              "| table | hot rows | sync | predicted | measured | error |", "|---|---|---|---|---|---|"]
@@ -127,6 +137,47 @@ def per_table(rows: List[Dict[str, Any]]) -> List[str]:
         meas = hr["measured_bytes_per_step"][t]
         lines.append(f"| {t} | {hr['hot_rows'][t]} | {hr['sync'][t]} | {p:.0f} | {meas:.0f} | "
                      f"{100 * (p - meas) / max(meas, 1.0):+.1f} % |")
+    return lines
+
+
+def scheduling_table(rows: List[Dict[str, Any]]) -> List[str]:
+    """Herald scheduling columns (a)–(d) per world size: bytes, vectors, reduction vs (a) = the cheaper
+    stock configuration, samples/s ratio, AUC, and the scheduler's counters and time."""
+    lines = ["| ranks | config | KiB/step | embedding KiB/step | emb. vectors/step | embedding bytes vs (a) | "
+             "samples/s vs (a) | eval AUC | sample exchange KiB | schedule metadata KiB | pulls (miss/update) | "
+             "pushes (update/miss) | reduce | hit rate | moved samples | scheduler ms (compute) / share of step |",
+             "|" + "---|" * 16]
+    for world in sorted({r["world_size"] for r in rows}):
+        at = {r["config"]: r["metrics"] for r in rows if r["world_size"] == world}
+        stock = {name: at[name] for name in STOCK if name in at}
+        if not stock:
+            continue
+        cheaper = min(stock, key=lambda n: emb_bytes(stock[n]))
+        a = stock[cheaper]
+        for name in [cheaper] + [n for n in HERALD if n in at]:
+            m = at[name]
+            label = "(a) " + cheaper if name == cheaper else f"{SCHED_LABEL[name]} {name}"
+            tags = m["traffic_per_step_by_tag"]
+            hp = m.get("herald_pipeline") or {}
+            lazy = hp.get("sync") == "lazy"
+            cells = [
+                f"{m['traffic_per_step_total']['bytes'] / 1024:.1f}", f"{emb_bytes(m) / 1024:.1f}",
+                f"{m['traffic_per_step_total']['embedding_vectors']:.0f}",
+                "—" if name == cheaper else f"{100 * (emb_bytes(m) / emb_bytes(a) - 1):+.1f} %",
+                "1.00" if name == cheaper else f"{m['samples_per_s'] / a['samples_per_s']:.2f}",
+                f"{m['eval']['auc']:.4f}",
+                f"{tags.get('herald_samples', {}).get('bytes', 0) / 1024:.1f}",
+                f"{tags.get('herald_schedule_meta', {}).get('bytes', 0) / 1024:.1f}",
+                f"{hp['miss_pull']:.0f} / {hp['update_pull']:.0f}" if lazy else "—",
+                f"{hp['update_push']:.0f} / {hp['miss_push']:.0f}" if lazy else "—",
+                f"{hp['reduce']:.0f}" if lazy else "—",
+                f"{hp['hit_rate']:.3f}" if lazy else "—",
+                f"{hp['moved_samples_per_step']:.0f}" if hp else "—",
+                (f"{hp['scheduler_ms_per_step']:.1f} ({hp['scheduler_compute_ms_per_step']:.1f}) / "
+                 f"{100 * hp['scheduler_share_of_step']:.0f} % ({100 * hp['scheduler_compute_share_of_step']:.0f} %)")
+                if hp else "—",
+            ]
+            lines.append(f"| {world} | {label} | " + " | ".join(cells) + " |")
     return lines
 
 
@@ -145,6 +196,7 @@ def markdown(rows: List[Dict[str, Any]], command: str) -> Dict[str, str]:
                             + vectors_by_kind_table(rows)),
         "HERALD": "\n".join([f"Command: `{command}` (same runs as the table above)", ""] + herald_tables(rows)
                             + [""] + per_table(rows)),
+        "SCHEDULING": "\n".join([f"Command: `{command}` (same runs as the tables above)", ""] + scheduling_table(rows)),
     }
 
 

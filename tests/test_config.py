@@ -15,7 +15,7 @@ CONFIG_MODULE = "torchrec_herald.conf"
 GROUPS = {
     "data": ["synthetic", "criteo_tsv", "columnar"],
     "planner": ["stock", "table_wise", "row_wise", "herald"],
-    "pipeline": ["sparse_dist", "base"],
+    "pipeline": ["sparse_dist", "base", "herald"],
     "optimizer": ["rowwise_adagrad", "sgd"],
 }
 PLANNER_MODE = {"stock": "default", "herald": "row_wise"}  # planner option -> planner.mode (others: its name)

@@ -30,6 +30,7 @@ from tqdm import tqdm
 from torchrec_herald.data import DataSource, build_data_source
 from torchrec_herald.dist_utils import init_distributed
 from torchrec_herald.model import build_dlrm_train, build_tables
+from torchrec_herald.pipeline import HeraldTrainPipeline
 from torchrec_herald.planner.stock import describe_plan, stock_plan
 from torchrec_herald.sharding import CpuEmbeddingBagCollectionSharder
 from torchrec_herald.traffic import MeteredDataParallelWrapper, TrafficMeter, reduce_summaries
@@ -135,9 +136,23 @@ def build_plan(cfg: DictConfig, model: nn.Module, tables: List[Any], data: DataS
     return planner.collective_plan(model, sharders, dist.group.WORLD), sharders  # rank 0 logs describe()
 
 
-def herald_traffic_report(dmp: nn.Module, plan: Any, steps: int) -> Dict[str, Any]:
+def build_pipeline(cfg: DictConfig, dmp: nn.Module, optimizer: Any, device: torch.device) -> Any:
+    """``pipeline.name``: ``sparse_dist`` / ``base`` (TorchRec's) or ``herald`` (HeraldTrainPipeline with
+    the group's window/allocator/sync/cache options)."""
+    name = cfg.pipeline.name
+    if name == "herald":
+        opts = {k: cfg.pipeline[k] for k in ("window", "allocator", "sync", "cache", "cache_fraction", "move_penalty")}
+        return HeraldTrainPipeline(dmp, optimizer, device, **opts)
+    if name not in PIPELINES:
+        raise ValueError(f"unknown pipeline.name {name!r}; expected one of {sorted(PIPELINES) + ['herald']}")
+    return PIPELINES[name](dmp, optimizer, device)
+
+
+def herald_traffic_report(dmp: nn.Module, plan: Any, steps: int, measured: bool = True) -> Dict[str, Any]:
     """Herald tables' traffic per step (all ranks): the planner's prediction vs what the sharded
-    module counted, per table and in total (collective; empty dict for stock plans)."""
+    module counted, per table and in total (collective; empty dict for stock plans). ``measured=False``
+    (HeraldTrainPipeline's plan mode, whose transfers the module's per-table counters do not see):
+    prediction only."""
     from torchrec_herald.planner import herald_tables
     from torchrec_herald.sharding import ShardedHeraldEmbeddingBagCollection
 
@@ -150,8 +165,13 @@ def herald_traffic_report(dmp: nn.Module, plan: Any, steps: int) -> Dict[str, An
             local.update(m.traffic_by_table())
     gathered: List[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, local)
-    measured = {t: sum(sum(g[t].values()) for g in gathered) / steps for t in local}
     predicted = {t: s.expected.get("herald_total", float("nan")) for t, s in specs.items()}
+    if not measured:
+        return {"hot_rows": {t: int(s.hot_ids.numel()) for t, s in specs.items()},
+                "sync": {t: s.sync for t, s in specs.items()}, "predicted_bytes_per_step": predicted,
+                "predicted_total": sum(predicted.values()),
+                "predicted_stock_table_wise": sum(s.expected.get("stock_table_wise", 0.0) for s in specs.values())}
+    measured_t = {t: sum(sum(g[t].values()) for g in gathered) / steps for t in local}
     return {
         "hot_rows": {t: int(s.hot_ids.numel()) for t, s in specs.items()},
         "sync": {t: s.sync for t, s in specs.items()},
@@ -206,9 +226,7 @@ def run_training(cfg: DictConfig, run_dir: Path, show_progress: bool = True) -> 
     dmp, optimizer, sharding_plan = build_model_and_plan(cfg, data, world, device)
     plan = describe_plan(sharding_plan)
     logger.info("world_size=%d local_batch=%d plan=%s", world, cfg.batch_size, plan)
-    if cfg.pipeline.name not in PIPELINES:
-        raise ValueError(f"unknown pipeline.name {cfg.pipeline.name!r}; expected one of {sorted(PIPELINES)}")
-    pipeline = PIPELINES[cfg.pipeline.name](dmp, optimizer, device)
+    pipeline = build_pipeline(cfg, dmp, optimizer, device)
 
     losses: List[float] = []
     step_times: List[float] = []
@@ -247,9 +265,10 @@ def run_training(cfg: DictConfig, run_dir: Path, show_progress: bool = True) -> 
     loss_t = torch.tensor(losses, dtype=torch.float64)
     dist.all_reduce(loss_t)
     loss_t /= world
-    herald = herald_traffic_report(dmp, sharding_plan, steps)
+    plan_mode = isinstance(pipeline, HeraldTrainPipeline) and pipeline.sync == "lazy"
+    herald = herald_traffic_report(dmp, sharding_plan, steps, measured=not plan_mode)
     if hasattr(pipeline, "detach"):
-        pipeline.detach()  # restore the forwards TrainPipelineSparseDist rewrote, for plain eval
+        pipeline.detach()  # restore the forwards TrainPipelineSparseDist rewrote / flush herald's caches
     eval_metrics = evaluate(dmp, data.eval_batches(rank, world, cfg.batch_size), device) if cfg.eval else {}
     window = max(1, min(50, steps // 5))
     metrics: Dict[str, Any] = {
@@ -269,6 +288,9 @@ def run_training(cfg: DictConfig, run_dir: Path, show_progress: bool = True) -> 
         "traffic_per_step_by_tag": {k: {m: v / steps for m, v in s.items()} for k, s in traffic_tags.items()},
         "plan": plan,
         "herald": herald,
+        "herald_pipeline": (pipeline.stats.summary(train_time / steps) | {"sync": pipeline.sync,
+                            "allocator": pipeline.allocator, "window": pipeline.window}
+                            if isinstance(pipeline, HeraldTrainPipeline) else {}),
         "data_stats": data.stats(),
         "config": OmegaConf.to_container(cfg, resolve=True),
     }

@@ -56,7 +56,8 @@ class SchedulerStats:
     moved_samples: int = 0
     local_lookups: int = 0
     lookups: int = 0
-    scheduler_s: float = 0.0  # allocation + reads exchange + planning (incl. their metadata collectives)
+    scheduler_s: float = 0.0  # allocation + sample/reads exchange + planning, incl. their collectives
+    comm_s: float = 0.0  # of which inside the scheduler's collectives (transfer + waiting for other ranks)
     planner_s: float = 0.0  # of which planning
 
     def summary(self, step_time_s: float) -> Dict[str, float]:
@@ -67,8 +68,38 @@ class SchedulerStats:
                    moved_samples_per_step=self.moved_samples / n,
                    local_lookup_share=self.local_lookups / max(self.lookups, 1),
                    scheduler_ms_per_step=1000 * self.scheduler_s / n, planner_ms_per_step=1000 * self.planner_s / n,
-                   scheduler_share_of_step=(self.scheduler_s / n) / step_time_s if step_time_s > 0 else 0.0)
+                   scheduler_comm_ms_per_step=1000 * self.comm_s / n,
+                   scheduler_compute_ms_per_step=1000 * (self.scheduler_s - self.comm_s) / n,
+                   scheduler_share_of_step=(self.scheduler_s / n) / step_time_s if step_time_s > 0 else 0.0,
+                   scheduler_compute_share_of_step=((self.scheduler_s - self.comm_s) / n) / step_time_s
+                   if step_time_s > 0 else 0.0)
         return out
+
+
+class _CommTimer:
+    """Adds the wall time of its block to ``stats.comm_s`` (and tags the collectives for TrafficMeter)."""
+
+    def __init__(self, stats: SchedulerStats, label: str) -> None:
+        self.stats, self.tag = stats, traffic_tag(label)
+
+    def __enter__(self) -> None:
+        self.t0 = time.perf_counter()
+        self.tag.__enter__()
+
+    def __exit__(self, *exc: Any) -> None:
+        self.tag.__exit__(*exc)
+        self.stats.comm_s += time.perf_counter() - self.t0
+
+
+def _pack_int16(scores: torch.Tensor) -> torch.Tensor:
+    """int64 view of ``scores`` as int16 (clamped), zero-padded to a multiple of 4: 2 bytes per score."""
+    flat = scores.flatten().clamp(max=32767).to(torch.int16)
+    flat = torch.cat([flat, flat.new_zeros(-flat.numel() % 4)])
+    return flat.view(torch.int64)
+
+
+def _unpack_int16(packed: torch.Tensor, n: int) -> torch.Tensor:
+    return packed.contiguous().view(torch.int16)[:n].to(torch.int64)
 
 
 def find_herald_ebc(model: nn.Module) -> Any:
@@ -186,9 +217,9 @@ class HeraldTrainPipeline:
             sample = torch.repeat_interleave(torch.arange(len(self._ebc._feature_names) * B) % B, lengths)
             local = self.planner.local_score_table()[:, keys].T.to(torch.int64)  # [nnz, W]
             scores.index_add_(0, sample, local)
-        meta = torch.cat([err, scores.flatten()]) if self.allocator == "greedy" else err
+        meta = torch.cat([err, _pack_int16(scores)]) if self.allocator == "greedy" else err
         gathered = torch.empty(self._W * meta.numel(), dtype=torch.int64)
-        with traffic_tag("herald_schedule_meta"):
+        with _CommTimer(self.stats, "herald_schedule_meta"):
             dist.all_gather_into_tensor(gathered, meta, group=self._pg)
         gathered = gathered.view(self._W, -1)
         self._raise_on_bad(gathered[:, :3])
@@ -196,7 +227,7 @@ class HeraldTrainPipeline:
         moved = 0
         batch = Batch(dense_features=raw.dense_features, sparse_features=kjt, labels=raw.labels)
         if self.allocator == "greedy":
-            all_scores = gathered[:, 4:].reshape(self._W * B, self._W)
+            all_scores = torch.cat([_unpack_int16(g, B * self._W) for g in gathered[:, 4:]]).view(self._W * B, self._W)
             rank_of = greedy_assign(all_scores, self._alloc_step, "rotate", self.move_penalty)
             self._alloc_step += 1
             moved = int((rank_of != torch.arange(self._W * B) // B).sum())
@@ -240,14 +271,14 @@ class HeraldTrainPipeline:
         bag_of_value = torch.repeat_interleave(torch.arange(F * B), lengths.flatten())
         pos = torch.empty(B, dtype=torch.int64)
         pos[order] = torch.arange(B)
-        ids_out = values[torch.argsort(pos[bag_of_value % B] * F + bag_of_value // B, stable=True)]
+        ids_out = values[torch.argsort(pos[bag_of_value % B] * F + bag_of_value // B, stable=True)].to(torch.int32)
         ids_send = torch.zeros(W, dtype=torch.int64).index_add_(0, dest, lengths.sum(0)).tolist()
-        with traffic_tag("herald_samples"):
+        with _CommTimer(self.stats, "herald_samples"):
             dist.all_to_all_single(fixed_in, fixed[order].contiguous(), recv_counts.tolist(), send_counts.tolist(),
                                    group=self._pg)
             lengths_in = fixed_in[:, -F:].to(torch.int64)  # [n_in, F], samples in ascending global order
             ids_recv = torch.zeros(W, dtype=torch.int64).index_add_(0, src_of_in, lengths_in.sum(1)).tolist()
-            ids_in = values.new_empty(sum(ids_recv))
+            ids_in = torch.empty(sum(ids_recv), dtype=torch.int32)  # ids < 2**31: int32 on the wire
             dist.all_to_all_single(ids_in, ids_out.contiguous(), ids_recv, ids_send, group=self._pg)
         n_dense = batch.dense_features.shape[1]
         dense = fixed_in[:, :n_dense].view(torch.float32).to(batch.dense_features.dtype)
@@ -264,7 +295,7 @@ class HeraldTrainPipeline:
         """Every rank's sorted unique read keys (an all-gather of counts, then one all-to-all of int32 keys)."""
         W = self._W
         counts = torch.empty(W, dtype=torch.int64)
-        with traffic_tag("herald_schedule_meta"):
+        with _CommTimer(self.stats, "herald_schedule_meta"):
             dist.all_gather_into_tensor(counts, torch.tensor([mine.numel()], dtype=torch.int64), group=self._pg)
             out = torch.empty(int(counts.sum()), dtype=torch.int32)
             dist.all_to_all_single(out, mine.to(torch.int32).repeat(W), counts.tolist(), [mine.numel()] * W,
