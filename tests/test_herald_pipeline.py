@@ -34,7 +34,8 @@ style, cached with ``functools.lru_cache``).
 
 Behaviour (one 2-rank process group, :func:`_behaviour`): the last partial window is trained; a window
 larger than the data, bad constructor arguments and out-of-range ids (in one rank's batch) are
-ValueErrors on every rank; the greedy allocation keeps ``B`` samples per rank and moves whole samples
+ValueErrors on every rank (after a bad id mid-run a flush leaves exactly the steps trained so far); a
+rank whose batch has no ids trains exactly; the greedy allocation keeps ``B`` samples per rank and moves whole samples
 (dense row, label, every bag) so that the ranks together hold exactly the global batch; a flush in the
 middle of a run leaves herald's stock layout (state equal to stock's at that step, equal on every rank, a
 second flush moves nothing) and training goes on exactly; after the run the checkpoint loads into stock
@@ -230,6 +231,27 @@ class BadIdData:
             yield b
 
 
+class EmptyBagsData:
+    """``data`` whose rank-1 batches 1 and 2 have no ids at all (every bag empty)."""
+
+    def __init__(self, data: Any) -> None:
+        self._data = data
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._data, name)
+
+    def train_batches(self, rank: int, world: int, batch_size: int) -> Iterator[Any]:
+        from torchrec.datasets.utils import Batch
+        from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
+
+        for step, b in enumerate(self._data.train_batches(rank, world, batch_size)):
+            if rank == 1 and step in (1, 2):
+                kjt = b.sparse_features
+                b = Batch(b.dense_features, KeyedJaggedTensor(keys=kjt.keys(), values=kjt.values()[:0],
+                                                              lengths=torch.zeros_like(kjt.lengths())), b.labels)
+            yield b
+
+
 def _samples(batch: Any) -> List[Tuple]:
     """Per sample: (tag, dense row, label, ids of every bag), hashable and exact."""
     kjt = batch.sparse_features
@@ -268,7 +290,7 @@ def _plain_steps(dmp: Any, optimizer: Any, it: Iterator[Any], n: int) -> List[fl
 
 
 def _behaviour(rank: int, world: int) -> Dict[str, Any]:
-    from herald_harness import MultiHotData, build, full_state, make_data
+    from herald_harness import MultiHotData, build, full_state, make_data, run_steps
     from torchrec_herald.pipeline import HeraldTrainPipeline
     from torchrec_herald.traffic import TrafficMeter
 
@@ -303,13 +325,31 @@ def _behaviour(rank: int, world: int) -> Dict[str, Any]:
                      "window_0": dict(window=0), "move_penalty": dict(move_penalty=-1)}.items():
         out[f"ctor_{name}"] = _error(lambda: HeraldTrainPipeline(dmp, opt, cpu, **kw))
 
-    # -- an out-of-range id in rank 1's batch: every rank raises, naming the feature and the table
+    # -- an out-of-range id in rank 1's batch: every rank raises, naming the feature and the table;
+    # window 3: while filling the first window (nothing trained); window 1: in the third step, after two
+    # planned steps, and a flush then leaves the state of those steps
     n = dict(zip(data.feature_names, data.num_embeddings))[BAD_FEATURE]
     out["num_embeddings"] = n
-    for name, value in (("too_large", n), ("negative", -1)):
+    for name, value, window in (("too_large", n, 3), ("negative", -1, 1)):
         bad = BadIdData(data, value)
-        pipe = HeraldTrainPipeline(dmp, opt, cpu, window=3)
-        out[f"bad_{name}"] = _error(lambda: pipe.progress(bad.train_batches(rank, world, B)))
+        pipe = HeraldTrainPipeline(dmp, opt, cpu, window=window)
+        out[f"bad_{name}"] = _error(lambda: _drain(pipe, bad.train_batches(rank, world, B)))
+        out[f"bad_{name}_steps"] = pipe.stats.steps
+    pipe.flush()
+    out["after_bad_state"] = full_state(dmp)
+    ref = build(world, dict(planner="table_wise", steps=3))
+    _plain_steps(ref["dmp"], ref["optimizer"], ref["data"].train_batches(rank, world, B), 3)
+    _plain_steps(ref["dmp"], ref["optimizer"], ref["data"].train_batches(rank, world, B), BAD_STEP)
+    out["after_bad_stock_state"] = full_state(ref["dmp"])
+
+    # -- a rank whose batch has no ids at all (identity allocation: it stays empty in plan mode)
+    data = EmptyBagsData(make_data({"steps": 4}))
+    empty = {}
+    for planner, pipeline in (("herald", dict(allocator="identity")), ("table_wise", "plain")):
+        b = build(world, dict(planner=planner, steps=4), data=data)
+        empty[planner] = (run_steps(b["dmp"], b["optimizer"], data.train_batches(rank, world, B), pipeline),
+                         full_state(b["dmp"]))
+    out["empty_rank"] = empty
 
     # -- a flush in the middle of a run; the checkpoint after the run; training on after detach
     cfg = dict(steps=12, optimizer="rowwise_adagrad")
@@ -422,6 +462,20 @@ def test_bad_id_on_one_rank_raises_on_every_rank(name: str) -> None:
         assert msg.startswith("ValueError: "), msg
         assert f"id {bad} " in msg and f"'{BAD_FEATURE}'" in msg and f"'t_{BAD_FEATURE}'" in msg, msg
         assert f"[0, {n})" in msg and "rank 1" in msg, msg
+        assert r[f"bad_{name}_steps"] == (0 if name == "too_large" else BAD_STEP)
+
+
+def test_flush_after_bad_id_mid_run_keeps_the_trained_steps() -> None:
+    for r in behaviour():
+        _assert_close(r["after_bad_state"], r["after_bad_stock_state"])
+
+
+def test_rank_without_ids_trains_exactly() -> None:
+    for r in behaviour():
+        (h_loss, h_state), (s_loss, s_state) = r["empty_rank"]["herald"], r["empty_rank"]["table_wise"]
+        assert len(h_loss) == len(s_loss) == 4
+        assert max(abs(a - b) / abs(b) for a, b in zip(h_loss, s_loss)) <= RTOL
+        _assert_close(h_state, s_state)
 
 
 def _assert_close(h: Dict[str, torch.Tensor], s: Dict[str, torch.Tensor]) -> None:

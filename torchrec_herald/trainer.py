@@ -176,9 +176,9 @@ def herald_traffic_report(dmp: nn.Module, plan: Any, steps: int, measured: bool 
         "hot_rows": {t: int(s.hot_ids.numel()) for t, s in specs.items()},
         "sync": {t: s.sync for t, s in specs.items()},
         "predicted_bytes_per_step": predicted,
-        "measured_bytes_per_step": measured,
+        "measured_bytes_per_step": measured_t,
         "predicted_total": sum(predicted.values()),
-        "measured_total": sum(measured.values()),
+        "measured_total": sum(measured_t.values()),
         "predicted_stock_table_wise": sum(s.expected.get("stock_table_wise", 0.0) for s in specs.values()),
         "measured_by_kind": {k: sum(g[t][k] for g in gathered for t in local) / steps
                              for k in ("ids", "pooled", "grads", "hot_sync")},

@@ -262,10 +262,12 @@ class TensorLazySyncPlanner:
         self.reset()
         return FlushPlan(push=self._sorted(push), pull=pull, dropped=dropped)
 
-    def local_score_table(self) -> torch.Tensor:
-        """bool ``[W, N]``: rank r holds the latest version of row x (what the input allocator counts as
-        a local lookup: a valid hot replica, a clean home copy, a valid cache entry)."""
-        return self.valid
+    def local_on(self, keys: torch.Tensor) -> torch.Tensor:
+        """bool ``[W, len(keys)]``: what the input allocator counts as a local lookup of row ``keys[i]`` on
+        rank r — a hot replica, a row of r's own block, or a valid entry of r's cache."""
+        ranks = torch.arange(self.W).unsqueeze(1)
+        return (self.is_hot[keys].unsqueeze(0) | (self.home[keys].unsqueeze(0) == ranks)
+                | (self.cached[:, keys] & self.valid[:, keys]))
 
 
 def capacity_rows_of(locality: Locality, capacity_fraction: float) -> Dict[str, int]:

@@ -215,7 +215,7 @@ class HeraldTrainPipeline:
         scores = torch.zeros(B, self._W, dtype=torch.int64)
         if self.allocator == "greedy" and keys is not None:
             sample = torch.repeat_interleave(torch.arange(len(self._ebc._feature_names) * B) % B, lengths)
-            local = self.planner.local_score_table()[:, keys].T.to(torch.int64)  # [nnz, W]
+            local = self.planner.local_on(keys).T.to(torch.int64)  # [nnz, W]
             scores.index_add_(0, sample, local)
         meta = torch.cat([err, _pack_int16(scores)]) if self.allocator == "greedy" else err
         gathered = torch.empty(self._W * meta.numel(), dtype=torch.int64)
