@@ -24,9 +24,9 @@ $(STAMP): constraints.txt pyproject.toml Makefile
 	$(VENV)/bin/python -c "import torch, fbgemm_gpu, torchrec, torchx, hydra; assert torch.__version__.startswith('2.13.0'), torch.__version__"
 	touch $(STAMP)
 
-# the main job: herald's hot-row replication, with stock TorchRec all-TABLE_WISE (the exact reference) trained first on the same
+# the main job: herald (hot-row replication + Herald scheduling: allocator, caches, lazy plan), with stock TorchRec all-TABLE_WISE (the exact reference) trained first on the same
 # batches as the baseline; both are printed side by side (ARGS adds/overrides Hydra keys)
-RUN_ARGS ?= planner=herald compare_with=table_wise
+RUN_ARGS ?= planner=herald pipeline=herald compare_with=table_wise
 run: setup
 	$(VENV)/bin/torchx run --log -s local_cwd torchrec_herald/components.py:train --nproc_per_node $(NPROC) $(RUN_ARGS) $(ARGS)
 

@@ -43,7 +43,7 @@ def main() -> None:
             m = run_multiprocess(_worker, a.world_size, overrides, tmp)[0]
         tags = m["traffic_per_step_by_tag"]
         rows.append({"variant": name, "overrides": overrides,
-                     "embedding_kib": m["traffic_per_step_total"]["embedding_vectors"] * 16 * 4 / 1024,
+                     "embedding_kib": m["traffic_per_step_total"]["embedding_vectors"] * m["config"]["model"]["embedding_dim"] * 4 / 1024,
                      "embedding_vectors": m["traffic_per_step_total"]["embedding_vectors"],
                      "total_kib": m["traffic_per_step_total"]["bytes"] / 1024,
                      "samples_kib": tags.get("herald_samples", {}).get("bytes", 0) / 1024,

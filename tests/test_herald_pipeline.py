@@ -35,8 +35,8 @@ style, cached with ``functools.lru_cache``).
 Behaviour (one 2-rank process group, :func:`_behaviour`): the last partial window is trained; a window
 larger than the data, bad constructor arguments and out-of-range ids (in one rank's batch) are
 ValueErrors on every rank (after a bad id mid-run a flush leaves exactly the steps trained so far); a
-rank whose batch has no ids trains exactly; the greedy allocation keeps ``B`` samples per rank and moves whole samples
-(dense row, label, every bag) so that the ranks together hold exactly the global batch; a flush in the
+rank whose batch has no ids trains exactly; the greedy allocation keeps ``B`` samples per rank and moves
+whole samples (dense row, label, every bag) so that the ranks together hold exactly the global batch; a flush in the
 middle of a run leaves herald's stock layout (state equal to stock's at that step, equal on every rank, a
 second flush moves nothing) and training goes on exactly; after the run the checkpoint loads into stock
 TABLE_WISE with identical weights and logits, and the detached model keeps training exactly with
@@ -343,10 +343,10 @@ def _behaviour(rank: int, world: int) -> Dict[str, Any]:
     out["after_bad_stock_state"] = full_state(ref["dmp"])
 
     # -- a rank whose batch has no ids at all (identity allocation: it stays empty in plan mode)
-    data = EmptyBagsData(make_data({"steps": 4}))
+    data = EmptyBagsData(make_data({"steps": 6}))
     empty = {}
     for planner, pipeline in (("herald", dict(allocator="identity")), ("table_wise", "plain")):
-        b = build(world, dict(planner=planner, steps=4), data=data)
+        b = build(world, dict(planner=planner, steps=6), data=data)
         empty[planner] = (run_steps(b["dmp"], b["optimizer"], data.train_batches(rank, world, B), pipeline),
                          full_state(b["dmp"]))
     out["empty_rank"] = empty
@@ -473,7 +473,7 @@ def test_flush_after_bad_id_mid_run_keeps_the_trained_steps() -> None:
 def test_rank_without_ids_trains_exactly() -> None:
     for r in behaviour():
         (h_loss, h_state), (s_loss, s_state) = r["empty_rank"]["herald"], r["empty_rank"]["table_wise"]
-        assert len(h_loss) == len(s_loss) == 4
+        assert len(h_loss) == len(s_loss) == 6
         assert max(abs(a - b) / abs(b) for a, b in zip(h_loss, s_loss)) <= RTOL
         _assert_close(h_state, s_state)
 

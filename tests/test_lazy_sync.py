@@ -5,8 +5,9 @@
 tables with fewer rows than ranks, ranks that read nothing in a step): every transfer kind row for row,
 the per-rank evictions and the step counters. Its plans pass :func:`check_exact` with the per-table cache
 capacity, and broken copies of them do not. :meth:`TensorLazySyncPlanner.flush` sends exactly the dirty
-rows home and refreshes exactly the outdated hot replicas, and leaves a fresh planner's state. Bad
-arguments are ValueErrors. Pure and fast: no process group.
+rows home and refreshes exactly the outdated hot replicas, and leaves a fresh planner's state.
+:meth:`~TensorLazySyncPlanner.local_on` (what the input allocator scores as local) matches the reference
+state. Bad arguments are ValueErrors. Pure and fast: no process group.
 """
 
 from __future__ import annotations
@@ -25,7 +26,6 @@ from torchrec_herald.pipeline.sync_plan import (
     ExactnessError,
     LazySyncPlanner,
     StepPlan,
-    StepReads,
     check_exact,
 )
 
@@ -199,6 +199,31 @@ def test_exec_plan_is_sorted_and_consistent() -> None:
         single = readers.sum(0) == 1
         assert torch.equal(p.reducer[single], readers[:, single].int().argmax(0))
         assert torch.equal(p.reducer[~single], vec.home[union[~single]])
+
+
+def test_local_on_counts_hot_replicas_own_blocks_and_valid_cache_entries() -> None:
+    """What the input allocator scores as local, checked against the reference planner's state: a hot
+    row and a row of the rank's own block (whatever their version), a cached remote row only while the
+    cached copy is the latest version."""
+    loc, _, _, _, vec, ref = _run(3, 2, 13, 0.1, steps=12)
+    keys = torch.arange(vec.num_rows)
+    got = vec.local_on(keys)
+    assert got.shape == (3, vec.num_rows) and got.dtype == torch.bool
+    off = loc._table_offsets
+    stale_cached = 0
+    for i, name in enumerate(loc.tables):
+        tab = ref._tables[name]
+        for x in range(tab.n):
+            for r in range(3):
+                cached = x in tab.cache[r]
+                valid_cache = cached and tab.copies[r][x] == tab.latest(x)
+                stale_cached += cached and not valid_cache
+                expected = x in tab.hot or tab.home(x) == r or valid_cache
+                assert bool(got[r, int(off[i]) + x]) == expected, (name, x, r)
+    assert stale_cached > 0  # the trace leaves outdated cache entries, which do not count
+    sub = keys[torch.randperm(vec.num_rows, generator=torch.Generator().manual_seed(0))[:40]]
+    assert torch.equal(vec.local_on(sub), got[:, sub])  # any key order, duplicates allowed
+    assert torch.equal(vec.local_on(torch.cat([sub, sub])), got[:, torch.cat([sub, sub])])
 
 
 # ------------------------------------------------------------------------------------------ flush

@@ -33,8 +33,9 @@ def _hydra_main(cfg: DictConfig) -> None:
     run_dir = Path(hc.runtime.output_dir)
     baseline = None
     if cfg.compare_with:
-        # the same job with planner=<compare_with>: same data, same global batches, same initial weights
-        overrides = [o for o in hc.overrides.task if not o.startswith(("planner", "compare_with"))]
+        # the same job with planner=<compare_with> and TorchRec's pipeline: same data, same global
+        # batches, same initial weights
+        overrides = [o for o in hc.overrides.task if not o.startswith(("planner", "pipeline", "compare_with"))]
         base_cfg = compose(config_name="train", overrides=overrides + [f"planner={cfg.compare_with}"])
         base_cfg.compare_with = None
         baseline = record(run_training)(base_cfg, run_dir / f"baseline_{cfg.compare_with}")
@@ -43,7 +44,8 @@ def _hydra_main(cfg: DictConfig) -> None:
     metrics = record(run_training)(cfg, run_dir)
     if dist.get_rank() == 0:
         table = format_metrics_table(metrics) if baseline is None else format_comparison_table(
-            {f"{cfg.compare_with} (baseline)": baseline, cfg.planner.name: metrics})
+            {f"{cfg.compare_with} (baseline)": baseline,
+             cfg.planner.name + (" + scheduling" if cfg.pipeline.name == "herald" else ""): metrics})
         sys.stdout.write(f"\n{table}\n\nmetrics: {run_dir / 'metrics.json'}\n")
         sys.stdout.flush()
     dist.destroy_process_group()
