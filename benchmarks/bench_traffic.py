@@ -150,8 +150,9 @@ def scheduling_table(rows: List[Dict[str, Any]]) -> List[str]:
     stock configuration, samples/s ratio, AUC, and the scheduler's counters and time."""
     lines = ["| ranks | config | KiB/step | embedding KiB/step | emb. vectors/step | embedding bytes vs (a) | "
              "samples/s vs (a) | eval AUC | sample exchange KiB | schedule metadata KiB | pulls (miss/update) | "
-             "pushes (update/miss) | reduce | hit rate | moved samples | scheduler ms (compute) / share of step |",
-             "|" + "---|" * 16]
+             "pushes (update/miss) | reduce | hit rate | moved samples | local lookup share | "
+             "scheduler ms (compute) / share of step |",
+             "|" + "---|" * 17]
     for world in sorted({r["world_size"] for r in rows}):
         at = {r["config"]: r["metrics"] for r in rows if r["world_size"] == world}
         stock = {name: at[name] for name in STOCK if name in at}
@@ -178,6 +179,7 @@ def scheduling_table(rows: List[Dict[str, Any]]) -> List[str]:
                 f"{hp['reduce']:.0f}" if lazy else "—",
                 f"{hp['hit_rate']:.3f}" if lazy else "—",
                 f"{hp['moved_samples_per_step']:.0f}" if hp else "—",
+                f"{hp['local_lookup_share']:.3f}" if hp and hp.get("allocator") == "greedy" else "—",
                 (f"{hp['scheduler_ms_per_step']:.1f} ({hp['scheduler_compute_ms_per_step']:.1f}) / "
                  f"{100 * hp['scheduler_share_of_step']:.0f} % ({100 * hp['scheduler_compute_share_of_step']:.0f} %)")
                 if hp else "—",
