@@ -66,14 +66,11 @@ def run(world_sizes: List[int], steps: int, extra: List[str]) -> List[Dict[str, 
 
 
 def emb_bytes(m: Dict[str, Any]) -> float:
-    """Embedding bytes per step: embedding vectors × dim × 4 (pooled vectors, their gradients, hot-row
-    and DATA_PARALLEL-table gradient rows, rows moved by Herald's plan), plus the row-wise Adagrad state
-    float that each row moved by the plan carries (``herald_pull`` / ``herald_update_push``)."""
-    dim = m["config"]["model"]["embedding_dim"]
-    tags = m.get("traffic_per_step_by_tag", {})
-    state = sum(tags.get(t, {}).get("bytes", 0) for t in ("herald_pull", "herald_update_push")) / (dim + 1) \
-        if m["config"]["optimizer"]["name"] == "rowwise_adagrad" else 0.0
-    return m["traffic_per_step_total"]["embedding_vectors"] * dim * 4 + state
+    """Embedding bytes per step (``trainer.embedding_bytes_per_step``: vectors × dim × 4 + the Adagrad
+    state float of rows moved by Herald's plan)."""
+    from torchrec_herald.trainer import embedding_bytes_per_step
+
+    return embedding_bytes_per_step(m)
 
 
 def traffic_table(rows: List[Dict[str, Any]]) -> List[str]:

@@ -50,21 +50,36 @@ def multi_hot(kjt: Any) -> Any:
     return KeyedJaggedTensor(keys=kjt.keys(), values=torch.cat(values), lengths=torch.cat(lengths).to(torch.int32))
 
 
-class MultiHotData:
-    """A data source whose train batches' KJTs are :func:`multi_hot` versions of ``data``'s."""
+class MappedData:
+    """``data`` whose train batches pass through ``fn(step, rank, world, batch_size, batch) -> batch``
+    (everything else is ``data``'s)."""
 
-    def __init__(self, data: Any) -> None:
-        self._data = data
+    def __init__(self, data: Any, fn: Any) -> None:
+        self._data, self._fn = data, fn
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._data, name)
 
     def train_batches(self, rank: int, world: int, batch_size: int) -> Iterator[Any]:
-        from torchrec.datasets.utils import Batch
+        for step, b in enumerate(self._data.train_batches(rank, world, batch_size)):
+            yield self._fn(step, rank, world, batch_size, b)
 
-        for b in self._data.train_batches(rank, world, batch_size):
-            yield Batch(dense_features=b.dense_features, sparse_features=multi_hot(b.sparse_features),
-                        labels=b.labels)
+
+def MultiHotData(data: Any) -> MappedData:  # noqa: N802 - reads as the data source it builds
+    """A data source whose train batches' KJTs are :func:`multi_hot` versions of ``data``'s."""
+    from torchrec.datasets.utils import Batch
+
+    return MappedData(data, lambda step, rank, world, bs, b: Batch(
+        dense_features=b.dense_features, sparse_features=multi_hot(b.sparse_features), labels=b.labels))
+
+
+def error_of(fn: Any) -> str:
+    """``"Type: message"`` of what ``fn()`` raises, or ``"no error"``."""
+    try:
+        fn()
+    except Exception as e:  # noqa: BLE001 - the message is what is asserted
+        return f"{type(e).__name__}: {e}"
+    return "no error"
 
 
 @contextlib.contextmanager

@@ -15,6 +15,7 @@ from typing import Any, Dict, List
 import pytest
 import torch
 
+from herald_harness import error_of
 from torchrec_herald.dist_utils import run_multiprocess
 
 BAD_FEATURE = "cat_3"  # table t_cat_3: 2203 rows at scale 0.001
@@ -43,12 +44,7 @@ def _without(batch: Any, feature: str) -> Any:
                  batch.labels)
 
 
-def _error(fn: Any) -> str:
-    try:
-        fn()
-    except Exception as e:  # noqa: BLE001 - the message is what is asserted
-        return f"{type(e).__name__}: {e}"
-    return "no error"
+_error = error_of
 
 
 def _worker(rank: int, world: int) -> Dict[str, Any]:

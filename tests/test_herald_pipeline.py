@@ -51,6 +51,7 @@ from typing import Any, Dict, Iterator, List, Tuple
 import pytest
 import torch
 
+from herald_harness import MappedData, error_of
 from torchrec_herald.dist_utils import run_multiprocess
 
 STEPS = 50
@@ -188,68 +189,50 @@ BAD_FEATURE = "cat_3"  # table t_cat_3: 2203 rows at scale 0.001
 BAD_STEP = 2  # the bad id is in rank 1's third batch (prepared while filling the first window)
 
 
-class TaggedData:
+def TaggedData(data: Any) -> Any:  # noqa: N802
     """``data`` whose dense feature 0 carries each sample's global index (step · G + rank · B + i),
     exact in float32: identifies a sample after the allocator moved it."""
+    from torchrec.datasets.utils import Batch
 
-    def __init__(self, data: Any) -> None:
-        self._data = data
+    def tag(step: int, rank: int, world: int, batch_size: int, b: Any) -> Any:
+        dense = b.dense_features.clone()
+        dense[:, 0] = torch.arange(batch_size, dtype=dense.dtype) + (step * world + rank) * batch_size
+        return Batch(dense_features=dense, sparse_features=b.sparse_features, labels=b.labels)
 
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._data, name)
-
-    def train_batches(self, rank: int, world: int, batch_size: int) -> Iterator[Any]:
-        from torchrec.datasets.utils import Batch
-
-        for step, b in enumerate(self._data.train_batches(rank, world, batch_size)):
-            dense = b.dense_features.clone()
-            dense[:, 0] = torch.arange(batch_size, dtype=dense.dtype) + (step * world + rank) * batch_size
-            yield Batch(dense_features=dense, sparse_features=b.sparse_features, labels=b.labels)
+    return MappedData(data, tag)
 
 
-class BadIdData:
+def BadIdData(data: Any, value: int) -> Any:  # noqa: N802
     """``data`` with one id of ``BAD_FEATURE`` replaced by ``value`` in rank 1's batch ``BAD_STEP``."""
+    from torchrec.datasets.utils import Batch
+    from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
-    def __init__(self, data: Any, value: int) -> None:
-        self._data, self._value = data, value
+    def corrupt(step: int, rank: int, world: int, batch_size: int, b: Any) -> Any:
+        if rank != 1 or step != BAD_STEP:
+            return b
+        kjt = b.sparse_features
+        f = kjt.keys().index(BAD_FEATURE)
+        values = kjt.values().clone()
+        values[sum(kjt.length_per_key()[:f]) + 5] = value
+        return Batch(b.dense_features, KeyedJaggedTensor(keys=kjt.keys(), values=values, lengths=kjt.lengths()),
+                     b.labels)
 
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._data, name)
-
-    def train_batches(self, rank: int, world: int, batch_size: int) -> Iterator[Any]:
-        from torchrec.datasets.utils import Batch
-        from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
-
-        for step, b in enumerate(self._data.train_batches(rank, world, batch_size)):
-            if rank == 1 and step == BAD_STEP:
-                kjt = b.sparse_features
-                f = kjt.keys().index(BAD_FEATURE)
-                values = kjt.values().clone()
-                values[sum(kjt.length_per_key()[:f]) + 5] = self._value
-                b = Batch(b.dense_features, KeyedJaggedTensor(keys=kjt.keys(), values=values, lengths=kjt.lengths()),
-                          b.labels)
-            yield b
+    return MappedData(data, corrupt)
 
 
-class EmptyBagsData:
+def EmptyBagsData(data: Any) -> Any:  # noqa: N802
     """``data`` whose rank-1 batches 1 and 2 have no ids at all (every bag empty)."""
+    from torchrec.datasets.utils import Batch
+    from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
-    def __init__(self, data: Any) -> None:
-        self._data = data
+    def empty(step: int, rank: int, world: int, batch_size: int, b: Any) -> Any:
+        if rank != 1 or step not in (1, 2):
+            return b
+        kjt = b.sparse_features
+        return Batch(b.dense_features, KeyedJaggedTensor(keys=kjt.keys(), values=kjt.values()[:0],
+                                                         lengths=torch.zeros_like(kjt.lengths())), b.labels)
 
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._data, name)
-
-    def train_batches(self, rank: int, world: int, batch_size: int) -> Iterator[Any]:
-        from torchrec.datasets.utils import Batch
-        from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
-
-        for step, b in enumerate(self._data.train_batches(rank, world, batch_size)):
-            if rank == 1 and step in (1, 2):
-                kjt = b.sparse_features
-                b = Batch(b.dense_features, KeyedJaggedTensor(keys=kjt.keys(), values=kjt.values()[:0],
-                                                              lengths=torch.zeros_like(kjt.lengths())), b.labels)
-            yield b
+    return MappedData(data, empty)
 
 
 def _samples(batch: Any) -> List[Tuple]:
@@ -261,12 +244,7 @@ def _samples(batch: Any) -> List[Tuple]:
              tuple(tuple(bags[f][i].tolist()) for f in range(len(bags)))) for i in range(B)]
 
 
-def _error(fn: Any) -> str:
-    try:
-        fn()
-    except Exception as e:  # noqa: BLE001 - the message is what is asserted
-        return f"{type(e).__name__}: {e}"
-    return "no error"
+_error = error_of
 
 
 def _drain(pipe: Any, it: Iterator[Any]) -> List[float]:

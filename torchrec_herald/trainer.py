@@ -323,13 +323,25 @@ def _plot(run_dir: Path, losses: List[float], per_step: Dict[str, Dict[str, floa
     plt.close(fig)
 
 
+def embedding_bytes_per_step(m: Dict[str, Any]) -> float:
+    """Embedding bytes per step of a run's metrics: embedding vectors × dim × 4 (pooled vectors, their
+    gradients, hot-row and DATA_PARALLEL-table gradient rows, rows moved by Herald's plan), plus the
+    row-wise Adagrad state float that each row moved by the plan carries (``herald_pull`` /
+    ``herald_update_push``)."""
+    dim = m["config"]["model"]["embedding_dim"]
+    tags = m.get("traffic_per_step_by_tag", {})
+    state = sum(tags.get(t, {}).get("bytes", 0) for t in ("herald_pull", "herald_update_push")) / (dim + 1) \
+        if m["config"]["optimizer"]["name"] == "rowwise_adagrad" else 0.0
+    return m["traffic_per_step_total"]["embedding_vectors"] * dim * 4 + state
+
+
 def format_comparison_table(runs: Dict[str, Dict[str, Any]]) -> str:
     """Markdown table, one column per run (e.g. stock baseline vs herald) and a last/first ratio."""
     names = list(runs)
     ms = [runs[n] for n in names]
 
     def emb_kib(m: Dict[str, Any]) -> float:
-        return m["traffic_per_step_total"]["embedding_vectors"] * m["config"]["model"]["embedding_dim"] * 4 / 1024
+        return embedding_bytes_per_step(m) / 1024
 
     rows = [
         ("plan", [", ".join(f"{v}×{k}" for k, v in sorted(Counter(m["plan"].values()).items())) for m in ms], None),

@@ -13,7 +13,7 @@ import logging
 import time
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Any, Deque, Dict, Iterator, List, Optional
+from typing import Any, Deque, Dict, Iterator, List
 
 import torch
 import torch.distributed as dist
@@ -255,7 +255,7 @@ class HeraldTrainPipeline:
     def _exchange_samples(self, batch: Batch, dest: torch.Tensor, incoming: torch.Tensor) -> Batch:
         """Send each local sample to ``dest[i]`` (dense, label, per-feature lengths, ids); receive the
         samples ``incoming`` (global indices, ascending) in global order. Two all-to-alls."""
-        W, B, me = self._W, dest.numel(), self._rank
+        W, B = self._W, dest.numel()
         kjt = batch.sparse_features
         F = len(kjt.keys())
         lengths = kjt.lengths().to(torch.int64).view(F, B)
