@@ -13,7 +13,7 @@ up to, bit for bit, without re-summing deltas. The plan is known to every rank, 
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING, List, Optional, Tuple
+from typing import TYPE_CHECKING, Callable, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -62,6 +62,11 @@ class PlanExecutor:
         self.cache_s = torch.zeros(0)
         self.free: List[int] = []
         self.width = self.D + (1 if self.adagrad else 0)  # floats per transferred row
+        # bounded staleness: the value each hot replica / cache entry was last synced at (its accumulated
+        # update is the copy minus this base); kept only when a plan can push additively
+        self.track_base = False
+        self.base_hot = torch.zeros(ebc._num_hot, self.D + 1)
+        self.base_cache = torch.zeros(0, self.D + 1)
 
     # ------------------------------------------------------------------ storage
     def _stores(self) -> Tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor], torch.Tensor]:
@@ -108,6 +113,7 @@ class PlanExecutor:
             grow = max(short, start // 2, 64)
             self.cache_w = torch.cat([self.cache_w, torch.zeros(grow, self.D)])
             self.cache_s = torch.cat([self.cache_s, torch.zeros(grow)])
+            self.base_cache = torch.cat([self.base_cache, torch.zeros(grow, self.D + 1)])
             self.free.extend(range(start + grow - 1, start - 1, -1))
         slots = [self.free.pop() for _ in range(new.numel())]
         self.cache_slot[new] = torch.tensor(slots, dtype=torch.int64)
@@ -132,9 +138,32 @@ class PlanExecutor:
         self.free.extend(self.cache_slot[keys].tolist())
         self.cache_slot[keys] = -1
 
+    def _rebase(self, keys: torch.Tensor) -> None:
+        """Base of the hot replicas / cache entries among ``keys`` := their current value."""
+        hot, own, cache = self._where(keys)
+        w, st = self.read(keys)
+        val = torch.cat([w, st[:, None]], 1)
+        self.base_hot[self.hot_slot[keys[hot]]] = val[hot]
+        self.base_cache[self.cache_slot[keys[cache]]] = val[cache]
+
+    def _rebase_hot(self) -> None:
+        hot_w, _, _, hot_s = self._stores()
+        n = self.base_hot.shape[0]
+        self.base_hot[:, : self.D] = hot_w[:n]
+        self.base_hot[:, self.D] = hot_s[:n]
+
+    def _base(self, keys: torch.Tensor) -> torch.Tensor:
+        hot, own, cache = self._where(keys)
+        if bool(own.any()):
+            raise RuntimeError(f"rank {self.rank}: a home never pushes its own rows (keys {keys[own][:5].tolist()})")
+        out = torch.empty(keys.numel(), self.D + 1)
+        out[hot] = self.base_hot[self.hot_slot[keys[hot]]]
+        out[cache] = self.base_cache[self.cache_slot[keys[cache]]]
+        return out
+
     # ------------------------------------------------------------------ transfers
-    def _exchange(self, transfers: torch.Tensor, payload: "callable", label: str, width: int  # type: ignore[valid-type]
-                  ) -> Tuple[List[torch.Tensor], torch.Tensor]:
+    def _exchange(self, transfers: torch.Tensor, payload: Callable[[torch.Tensor], torch.Tensor], label: str,
+                  width: int) -> Tuple[List[torch.Tensor], torch.Tensor]:
         """One all-to-all of the rows of ``transfers`` (``(key, src, dst)``, known to every rank): this
         rank sends ``payload(keys)`` for its outgoing keys; returns (keys received per source, rows)."""
         me, W = self.rank, self.W
@@ -148,22 +177,56 @@ class PlanExecutor:
                                    [k.numel() for k in send_keys], group=self.pg)
         return recv_keys, out
 
-    def _row_payload(self, keys: torch.Tensor) -> torch.Tensor:
-        w, s = self.read(keys)
-        return torch.cat([w, s[:, None]], 1) if self.adagrad else w
+    def _row_payload(self, keys: torch.Tensor, add: torch.Tensor) -> torch.Tensor:
+        """Each row's value (+ Adagrad state); for ``add`` rows the accumulated update (value − base)."""
+        w, st = self.read(keys)
+        rows = torch.cat([w, st[:, None]], 1)
+        if bool(add.any()):
+            rows[add] -= self._base(keys[add])
+        return rows if self.adagrad else rows[:, : self.D]
 
-    def move_rows(self, transfers: torch.Tensor, label: str) -> None:
-        """Send each ``(key, src, dst)`` row's current value (+ state) from src to dst, which stores it."""
+    def move_rows(self, transfers: torch.Tensor, label: str, add: Optional[torch.Tensor] = None) -> None:
+        """One all-to-all for the ``(key, src, dst)`` rows of ``transfers`` (known to every rank): src sends
+        the row's current value (+ state), dst stores it — or, where ``add`` is set, src sends its
+        accumulated update and dst adds it. Sources are applied in rank order (a row's one replacing
+        push comes from the lowest pushing rank, as the staleness planner assigns it)."""
         if not transfers.numel():
             return
-        keys, rows = self._exchange(transfers, self._row_payload, label, self.width)
-        if rows.numel():
-            k = torch.cat(keys)
-            self.write(k, rows[:, : self.D], rows[:, self.D] if self.adagrad else torch.zeros(k.numel()))
+        me, W = self.rank, self.W
+        add = add if add is not None else torch.zeros(len(transfers), dtype=torch.bool)
+        out_m = [(transfers[:, 1] == me) & (transfers[:, 2] == d) for d in range(W)]
+        in_m = [(transfers[:, 1] == r) & (transfers[:, 2] == me) for r in range(W)]
+        send_keys = [transfers[m, 0] for m in out_m]
+        send = [self._row_payload(transfers[m, 0], add[m]) for m in out_m]
+        recv_n = [int(m.sum()) for m in in_m]
+        out = torch.empty(sum(recv_n), self.width)
+        with traffic_tag(label, self.width):
+            dist.all_to_all_single(out, torch.cat(send).contiguous(), recv_n, [k.numel() for k in send_keys],
+                                   group=self.pg)
+        if self.track_base:  # what this rank pushed is now part of the home's copy
+            sent = torch.cat(send_keys)
+            if sent.numel():
+                self._rebase(sent)
+        for r, rows in zip(range(W), out.split(recv_n)):
+            if not rows.numel():
+                continue
+            k, a = transfers[in_m[r], 0], add[in_m[r]]
+            state = rows[:, self.D] if self.adagrad else torch.zeros(k.numel())
+            w, st = rows[:, : self.D].clone(), state.clone()
+            if bool(a.any()):
+                cur_w, cur_s = self.read(k[a])
+                w[a] += cur_w
+                st[a] += cur_s
+            self.write(k, w, st)
+            if self.track_base:
+                self._rebase(k)
 
     def before_forward(self, plan: ExecPlan) -> None:
-        """Pushes planned before the reads (no look-ahead), then pulls of missing/outdated rows."""
-        self.move_rows(plan.push_before_read, "herald_update_push")
+        """Pushes planned before the reads, then pulls of missing/outdated rows."""
+        if hasattr(plan, "update_push_add") and not self.track_base:
+            self.track_base = True
+            self._rebase_hot()  # every replica is in sync with its home when a staleness run starts
+        self.move_rows(plan.push_before_read, "herald_update_push", getattr(plan, "push_before_read_add", None))
         self.move_rows(plan.pull, "herald_pull")
 
     def after_backward(self, plan: ExecPlan, ws_keys: torch.Tensor, ws_grad: torch.Tensor) -> None:
@@ -195,18 +258,24 @@ class PlanExecutor:
             else:
                 w = w - self.lr * total
             self.write(upd, w, s)
-        pushes = torch.cat([plan.update_push, plan.miss_push])
-        self.move_rows(pushes, "herald_update_push")
+        if self.track_base:  # additive pushes: in the planner's order (update pushes, then evictions)
+            self.move_rows(plan.update_push, "herald_update_push", plan.update_push_add)  # type: ignore[attr-defined]
+            self.move_rows(plan.miss_push, "herald_update_push", plan.miss_push_add)  # type: ignore[attr-defined]
+        else:  # exact plan: every push replaces, disjoint rows: one all-to-all
+            self.move_rows(torch.cat([plan.update_push, plan.miss_push]), "herald_update_push")
         self.drop(plan.evictions[me])
 
     def flush(self, fp: FlushPlan) -> None:
         """Dirty rows home, outdated hot replicas refreshed, caches dropped, home replicas mirrored into
         the cold blocks: the stock herald layout again (eval, checkpoints, a stock pipeline)."""
-        self.move_rows(fp.push, "herald_update_push")
+        self.move_rows(fp.push, "herald_update_push", getattr(fp, "push_add", None))
         self.move_rows(fp.pull, "herald_pull")
         self.drop(fp.dropped[self.rank])
         self.cache_w = torch.zeros(0, self.D)
         self.cache_s = torch.zeros(0)
         self.free = []
         self.cache_slot.fill_(-1)
+        self.base_cache = torch.zeros(0, self.D + 1)
         self.ebc._mirror_hot_into_cold()
+        if self.track_base:
+            self._rebase_hot()
