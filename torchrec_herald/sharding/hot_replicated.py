@@ -267,8 +267,8 @@ class ShardedHeraldEmbeddingBagCollection(
         sparse_table = torch.tensor([m == "sparse" for m in self._syncs], dtype=torch.bool)
         self._sparse_row = sparse_table[self._hot_table_of_row]  # per hot row: synced sparsely?
         self._dense_rows = (~self._sparse_row).nonzero().flatten()
-        self._hot_counts_t = torch.tensor(self._hot_counts, dtype=torch.float64)
-        self._dense_table = (~sparse_table).double()
+        self._all_dense_rows = self._dense_rows
+        self._frozen_hot = torch.zeros(max(self._num_hot, 1), dtype=torch.bool)  # stale-update skipping
         if not any(p.is_meta for p in module.parameters()):
             self._load_full({c.name: module.embedding_bags[c.name].weight.detach() for c in configs})
         logger.info("herald EBC rank %d: %d tables, %d cold rows, %d hot rows (%s sync), optimizer %s",
@@ -312,7 +312,7 @@ class ShardedHeraldEmbeddingBagCollection(
         err = torch.tensor([bad[0] + 1, bad[1]] if bad else [0, 0], dtype=torch.int64)
         # hot rows of sparsely synced tables this batch touches: their count rides on this exchange
         touched = torch.unique(split.hot_rows)
-        touched = touched[self._sparse_row[touched]] if touched.numel() else touched
+        touched = touched[self._sparse_row[touched] & ~self._frozen_hot[touched]] if touched.numel() else touched
         k = torch.full((W, 1), touched.numel(), dtype=torch.int64)
         counts = torch.cat([bags_to[:, None], ids_to[:, None], err.expand(W, 2), k], 1)
         recv_counts = torch.empty_like(counts)
@@ -456,6 +456,19 @@ class ShardedHeraldEmbeddingBagCollection(
         """Back to the stock herald layout (see :meth:`PlanExecutor.flush`; collective)."""
         self.plan_executor.flush(flush)
 
+    def set_frozen_hot(self, frozen: Optional[torch.Tensor]) -> None:
+        """Stale-update skipping, ``row`` granularity, on this module's own per-step path: hot rows with
+        ``frozen[i]`` (bool ``[num_hot]``, the same on every rank) are neither synchronised nor updated
+        (their gradients are dropped); ``None`` trains every row again."""
+        self._frozen_hot = torch.zeros(max(self._num_hot, 1), dtype=torch.bool)
+        if frozen is not None and self._num_hot:
+            self._frozen_hot[: self._num_hot] = frozen
+        self._dense_rows = self._all_dense_rows[~self._frozen_hot[self._all_dense_rows]]
+
+    def hot_values(self) -> torch.Tensor:
+        """The hot replica rows ``[num_hot, D]`` (a copy)."""
+        return self._hot.weights.detach().view(-1, self._dim)[: self._num_hot].clone()
+
     # ------------------------------------------------------------------ hot replicas: sync + exact update
     def _sync_and_update_hot(self, weights: torch.Tensor) -> None:
         """Sum the hot-row gradients over ranks, then apply the fused kernel's update rule (EXACT_SGD or
@@ -477,16 +490,18 @@ class ShardedHeraldEmbeddingBagCollection(
                 grad[self._sparse_row] = total[self._sparse_row]
                 sent_sparse = torch.bincount(self._hot_table_of_row[touched], minlength=len(self._tables)).double()
                 self._traffic[:, 3] += sent_sparse * ((W - 1) * (4 + row_bytes))
-        self._traffic[:, 3] += self._hot_counts_t * self._dense_table * (2 * (W - 1) * row_bytes / W)
+        dense_per_table = torch.bincount(self._hot_table_of_row[self._dense_rows], minlength=len(self._tables)).double()
+        self._traffic[:, 3] += dense_per_table * (2 * (W - 1) * row_bytes / W)
         lr = float(self._fused_params["learning_rate"])
+        live = ~self._frozen_hot[: self._num_hot]
         with torch.no_grad():
             w = weights.view(-1, self._dim)[: self._num_hot]
             if self._optimizer == EmbOptimType.EXACT_SGD:
-                w.add_(grad, alpha=-lr)
+                w[live] -= lr * grad[live]
             else:
                 state = self._hot_state[: self._num_hot]
-                state.add_(grad.pow(2).mean(1))
-                w.sub_(grad * (lr / (state.sqrt() + float(self._fused_params.get("eps", 1e-8))))[:, None])
+                state[live] += grad[live].pow(2).mean(1)
+                w[live] -= grad[live] * (lr / (state[live].sqrt() + float(self._fused_params.get("eps", 1e-8))))[:, None]
             self._mirror_hot_into_cold()
 
     def _cold_momentum(self) -> Optional[torch.Tensor]:
