@@ -13,7 +13,7 @@ import logging
 import time
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Any, Deque, Dict, Iterator, List
+from typing import Any, Deque, Dict, Iterator, List, Optional
 
 import torch
 import torch.distributed as dist
@@ -24,6 +24,7 @@ from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 from torchrec_herald.ops.hot_cold import first_invalid_id
 from torchrec_herald.pipeline.input_allocator import Locality, greedy_assign
 from torchrec_herald.pipeline.lazy_sync import TensorLazySyncPlanner
+from torchrec_herald.pipeline.staleness import StalenessPlanner, StalePlan
 from torchrec_herald.pipeline.sync_plan import SyncCounters
 from torchrec_herald.traffic import traffic_tag
 
@@ -56,6 +57,8 @@ class SchedulerStats:
     moved_samples: int = 0
     local_lookups: int = 0
     lookups: int = 0
+    stale_reads: int = 0  # bounded staleness: reads served by a copy 1..s versions behind
+    max_staleness: int = 0  # the largest lag served
     scheduler_s: float = 0.0  # allocation + sample/reads exchange + planning, incl. their collectives
     comm_s: float = 0.0  # of which inside the scheduler's collectives (transfer + waiting for other ranks)
     planner_s: float = 0.0  # of which planning
@@ -69,6 +72,8 @@ class SchedulerStats:
                    local_lookup_share=self.local_lookups / max(self.lookups, 1),
                    scheduler_ms_per_step=1000 * self.scheduler_s / n, planner_ms_per_step=1000 * self.planner_s / n,
                    scheduler_comm_ms_per_step=1000 * self.comm_s / n,
+                   stale_reads_per_step=self.stale_reads / n, stale_read_share=self.stale_reads / max(c.reads, 1),
+                   max_staleness=self.max_staleness,
                    scheduler_compute_ms_per_step=1000 * (self.scheduler_s - self.comm_s) / n,
                    scheduler_share_of_step=(self.scheduler_s / n) / step_time_s if step_time_s > 0 else 0.0,
                    scheduler_compute_share_of_step=((self.scheduler_s - self.comm_s) / n) / step_time_s
@@ -137,12 +142,14 @@ class HeraldTrainPipeline:
         cache: cache eviction policy (``lru``).
         cache_fraction: cache capacity per rank per table as a fraction of the table's rows, in (0, 1].
         move_penalty: local lookups a sample move must gain (``greedy_assign``'s ``move_penalty``).
+        staleness: ``None`` (default): the exact plan; an integer ``s >= 0``: HET's bounded staleness
+            (:class:`~torchrec_herald.pipeline.staleness.StalenessPlanner`; ``s = 0`` trains exactly).
     """
 
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, device: torch.device,
                  execute_all_batches: bool = True, apply_jit: bool = False, *, window: int = 5,
                  allocator: str = "greedy", sync: str = "lazy", cache: str = "lru", cache_fraction: float = 0.05,
-                 move_penalty: int = 0) -> None:
+                 move_penalty: int = 0, staleness: Optional[int] = None) -> None:
         if int(window) < 1:
             raise ValueError(f"pipeline.window must be >= 1, got {window}")
         if allocator not in ALLOCATORS:
@@ -157,6 +164,10 @@ class HeraldTrainPipeline:
                              f"at most all rows of a table; use a fraction in (0, 1]")
         if int(move_penalty) < 0:
             raise ValueError(f"pipeline.move_penalty must be >= 0, got {move_penalty}")
+        if staleness is not None and (int(staleness) != staleness or int(staleness) < 0):
+            raise ValueError(f"pipeline.staleness must be null (exact) or an integer >= 0, got {staleness}")
+        if staleness is not None and sync != "lazy":
+            raise ValueError("pipeline.staleness needs pipeline.sync=lazy (it relaxes the caches' plan)")
         self._model, self._optimizer, self._device = model, optimizer, device
         self.window, self.allocator, self.sync = int(window), allocator, sync
         self.move_penalty = int(move_penalty)
@@ -166,7 +177,10 @@ class HeraldTrainPipeline:
         self._W, self._rank = ebc._world, ebc._rank
         self.locality = Locality(world_size=self._W, num_embeddings=dict(zip(ebc._tables, ebc._num_embeddings)),
                                  hot_ids=dict(zip(ebc._tables, ebc._hot_ids)))
-        self.planner = TensorLazySyncPlanner(self.locality, float(cache_fraction), self.window)
+        self.staleness = None if staleness is None else int(staleness)
+        self.planner: TensorLazySyncPlanner = (
+            TensorLazySyncPlanner(self.locality, float(cache_fraction), self.window) if staleness is None
+            else StalenessPlanner(self.locality, int(staleness), float(cache_fraction), self.window))
         self._queue: Deque[_Entry] = deque()
         self._exhausted = False
         self._started = False
@@ -323,6 +337,9 @@ class HeraldTrainPipeline:
             self.stats.planner_s += dt
             self.stats.scheduler_s += dt
             self.stats.counters = self.stats.counters + plan.counters
+            if isinstance(plan, StalePlan):
+                self.stats.stale_reads += plan.stale_reads
+                self.stats.max_staleness = max(self.stats.max_staleness, plan.max_staleness)
             self._ebc.begin_plan_step(plan)
             self._flushed = False
         self._queue.popleft()
