@@ -14,7 +14,7 @@ import sys
 import time
 from collections import Counter
 from pathlib import Path
-from typing import Any, Dict, Iterator, List
+from typing import Any, Dict, Iterator, List, Optional
 
 import torch
 import torch.distributed as dist
@@ -31,6 +31,7 @@ from torchrec_herald.data import DataSource, build_data_source
 from torchrec_herald.dist_utils import init_distributed
 from torchrec_herald.model import build_dlrm_train, build_tables
 from torchrec_herald.pipeline import HeraldTrainPipeline
+from torchrec_herald.pipeline.stale_skip import SkipConfig
 from torchrec_herald.planner.stock import describe_plan, stock_plan
 from torchrec_herald.sharding import CpuEmbeddingBagCollectionSharder
 from torchrec_herald.traffic import MeteredDataParallelWrapper, TrafficMeter, reduce_summaries
@@ -141,8 +142,16 @@ def build_pipeline(cfg: DictConfig, dmp: nn.Module, optimizer: Any, device: torc
     the group's window/allocator/sync/cache options)."""
     name = cfg.pipeline.name
     if name == "herald":
-        opts = {k: cfg.pipeline[k] for k in ("window", "allocator", "sync", "cache", "cache_fraction", "move_penalty")}
-        return HeraldTrainPipeline(dmp, optimizer, device, **opts)
+        opts = {k: cfg.pipeline[k] for k in ("window", "allocator", "sync", "cache", "cache_fraction", "move_penalty",
+                                             "staleness")}
+        skip = None
+        if cfg.pipeline.skip is not None:
+            skip = SkipConfig(granularity=cfg.pipeline.skip, target=cfg.pipeline.skip_target,
+                              tolerance=cfg.pipeline.skip_tolerance, start=cfg.pipeline.skip_start,
+                              gap=cfg.pipeline.skip_gap, every=cfg.pipeline.skip_every, t_max=cfg.pipeline.skip_t_max)
+            total = getattr(cfg.data, "num_train_batches", None)
+            skip.check_run_length(None if total is None else int(total) * int(cfg.epochs))
+        return HeraldTrainPipeline(dmp, optimizer, device, skip=skip, **opts)
     if name not in PIPELINES:
         raise ValueError(f"unknown pipeline.name {name!r}; expected one of {sorted(PIPELINES) + ['herald']}")
     return PIPELINES[name](dmp, optimizer, device)
@@ -185,6 +194,33 @@ def herald_traffic_report(dmp: nn.Module, plan: Any, steps: int, measured: bool 
     }
 
 
+def approximate_report(cfg: DictConfig, pipeline: Any, eval_metrics: Dict[str, float],
+                       reference: Optional[Dict[str, Any]], steps: int) -> Dict[str, Any]:
+    """What an approximate run costs in accuracy: its exact-mode reference (same batches, same held-out
+    split), the AUC/logloss deltas, the share of updates skipped, reads served stale and the max
+    staleness seen (empty dict for exact runs)."""
+    if not is_approximate(cfg):
+        return {}
+    st = pipeline.stats
+    out: Dict[str, Any] = {
+        "staleness": cfg.pipeline.staleness, "skip": cfg.pipeline.skip,
+        "stale_read_share": st.stale_reads / max(st.counters.reads, 1), "stale_reads_per_step": st.stale_reads / steps,
+        "max_staleness": st.max_staleness,
+        "skipped_update_share": st.skipped_updates / max(st.candidate_updates, 1),
+        "skipped_inputs_per_step": st.skipped_inputs / steps,
+        "skip_thresholds": [list(h) for h in (pipeline.skipper.history if pipeline.skipper else [])],
+    }
+    if reference is not None:
+        ref_eval = reference["eval"]
+        out["reference"] = {"eval": ref_eval, "train_logloss": reference["train_logloss"],
+                            "samples_per_s": reference["samples_per_s"],
+                            "bytes_per_step": reference["traffic_per_step_total"]["bytes"],
+                            "embedding_bytes_per_step": embedding_bytes_per_step(reference)}
+        out["auc_delta"] = eval_metrics.get("auc", float("nan")) - ref_eval.get("auc", float("nan"))
+        out["logloss_delta"] = eval_metrics.get("logloss", float("nan")) - ref_eval.get("logloss", float("nan"))
+    return out
+
+
 def _percentiles(xs: List[float]) -> Dict[str, float]:
     if not xs:
         return {}
@@ -215,9 +251,30 @@ def evaluate(dmp: DistributedModelParallel, batches: Iterator[Any], device: torc
             "samples": int(loss_sum[1].item())}
 
 
+def is_approximate(cfg: DictConfig) -> bool:
+    """An opt-in approximate mode (bounded staleness or stale-update skipping) is configured."""
+    return cfg.pipeline.name == "herald" and (cfg.pipeline.get("staleness") is not None
+                                              or cfg.pipeline.get("skip") is not None)
+
+
+def exact_reference_config(cfg: DictConfig) -> DictConfig:
+    """The same run in herald's exact mode (no staleness, no skipping)."""
+    ref = OmegaConf.create(OmegaConf.to_container(cfg, resolve=True))
+    ref.pipeline.staleness = None
+    ref.pipeline.skip = None
+    return ref
+
+
 def run_training(cfg: DictConfig, run_dir: Path, show_progress: bool = True) -> Dict[str, Any]:
     """Train on every rank of the (already or newly) initialised process group; rank 0 writes
-    ``run_dir/metrics.json`` and a plot. Returns the metrics dict (same on every rank)."""
+    ``run_dir/metrics.json`` and a plot. Returns the metrics dict (same on every rank).
+
+    An approximate run (``pipeline.staleness`` / ``pipeline.skip``) with ``pipeline.reference`` first
+    trains the exact mode on the same batches (into ``run_dir/exact_reference``) and records it and the
+    deltas under ``metrics["approximate"]``."""
+    reference = None
+    if is_approximate(cfg) and cfg.pipeline.get("reference", True):
+        reference = run_training(exact_reference_config(cfg), Path(run_dir) / "exact_reference", show_progress)
     rank, world, device = init_distributed()
     run_dir = Path(run_dir)
     setup_logging(run_dir, rank)
@@ -292,6 +349,7 @@ def run_training(cfg: DictConfig, run_dir: Path, show_progress: bool = True) -> 
                             "allocator": pipeline.allocator, "window": pipeline.window}
                             if isinstance(pipeline, HeraldTrainPipeline) else {}),
         "data_stats": data.stats(),
+        "approximate": approximate_report(cfg, pipeline, eval_metrics, reference, steps),
         "config": OmegaConf.to_container(cfg, resolve=True),
     }
     if rank == 0:

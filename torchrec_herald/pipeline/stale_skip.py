@@ -15,13 +15,13 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, field
-from typing import List, Optional, Sequence, Tuple
+from typing import List, Optional, Tuple
 
 import torch
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["GRANULARITIES", "SkipConfig", "StaleSkipper", "search_threshold", "sample_scores"]
+__all__ = ["GRANULARITIES", "SkipConfig", "StaleSkipper", "search_threshold"]
 
 #: ``pipeline.skip`` values (``None``: off)
 GRANULARITIES = ("input", "row")
@@ -68,17 +68,6 @@ class SkipConfig:
         if steps is not None and self.start + self.gap >= steps:
             raise ValueError(f"pipeline.skip snapshots at steps {self.start} and {self.start + self.gap} are beyond "
                              f"the run's {steps} steps; lower pipeline.skip_start / skip_gap")
-
-
-def sample_scores(values: Sequence[torch.Tensor], granularity: str) -> torch.Tensor:
-    """What the threshold is compared with. ``values[i]``: the movement (max |Δ| over the snapshot
-    window) of each row input ``i`` looks up, ``inf`` for a row that is not hot. ``input``: one score per
-    input, the max over its lookups (skipped iff every lookup is stale; an input without lookups is
-    never skipped); ``row``: every lookup's own movement."""
-    if granularity == "input":
-        return torch.stack([v.max() if v.numel() else torch.tensor(float("inf")) for v in values]) if values \
-            else torch.empty(0)
-    return torch.cat(list(values)) if values else torch.empty(0)
 
 
 def search_threshold(scores: torch.Tensor, target: float, t_max: float, iterations: int = 40) -> Tuple[float, float]:
@@ -145,7 +134,9 @@ class StaleSkipper:
         self.movement = (hot_values - self.snapshot).abs().amax(1) if self.num_hot else torch.empty(0)
 
     def set_threshold(self, step: int, scores: torch.Tensor) -> None:
-        """Search T on the sampled ``scores`` (see :func:`sample_scores`) and classify the hot rows."""
+        """Search T on the sampled ``scores`` (``input``: per sample, the largest movement among its lookups,
+        ``inf`` with a cold lookup or none; ``row``: per lookup, its row's movement, ``inf`` if cold) and
+        classify the hot rows."""
         assert self.movement is not None
         c = self.config
         self.threshold, self.achieved_share = search_threshold(scores, c.target, c.t_max)

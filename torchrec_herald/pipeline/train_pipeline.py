@@ -24,6 +24,7 @@ from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 from torchrec_herald.ops.hot_cold import first_invalid_id
 from torchrec_herald.pipeline.input_allocator import Locality, greedy_assign
 from torchrec_herald.pipeline.lazy_sync import TensorLazySyncPlanner
+from torchrec_herald.pipeline.stale_skip import SkipConfig, StaleSkipper
 from torchrec_herald.pipeline.staleness import StalenessPlanner, StalePlan
 from torchrec_herald.pipeline.sync_plan import SyncCounters
 from torchrec_herald.traffic import traffic_tag
@@ -57,6 +58,9 @@ class SchedulerStats:
     moved_samples: int = 0
     local_lookups: int = 0
     lookups: int = 0
+    skipped_inputs: int = 0  # stale-update skipping, input granularity: samples not trained
+    skipped_updates: int = 0  # (sample lookups | row reads) whose update was skipped
+    candidate_updates: int = 0  # the same, all of them (while a classification was active or not)
     stale_reads: int = 0  # bounded staleness: reads served by a copy 1..s versions behind
     max_staleness: int = 0  # the largest lag served
     scheduler_s: float = 0.0  # allocation + sample/reads exchange + planning, incl. their collectives
@@ -144,12 +148,14 @@ class HeraldTrainPipeline:
         move_penalty: local lookups a sample move must gain (``greedy_assign``'s ``move_penalty``).
         staleness: ``None`` (default): the exact plan; an integer ``s >= 0``: HET's bounded staleness
             (:class:`~torchrec_herald.pipeline.staleness.StalenessPlanner`; ``s = 0`` trains exactly).
+        skip: ``None`` (default) or a :class:`~torchrec_herald.pipeline.stale_skip.SkipConfig`: Slipstream's
+            stale-update skipping of hot rows (needs hot replication).
     """
 
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, device: torch.device,
                  execute_all_batches: bool = True, apply_jit: bool = False, *, window: int = 5,
                  allocator: str = "greedy", sync: str = "lazy", cache: str = "lru", cache_fraction: float = 0.05,
-                 move_penalty: int = 0, staleness: Optional[int] = None) -> None:
+                 move_penalty: int = 0, staleness: Optional[int] = None, skip: Optional[SkipConfig] = None) -> None:
         if int(window) < 1:
             raise ValueError(f"pipeline.window must be >= 1, got {window}")
         if allocator not in ALLOCATORS:
@@ -181,6 +187,11 @@ class HeraldTrainPipeline:
         self.planner: TensorLazySyncPlanner = (
             TensorLazySyncPlanner(self.locality, float(cache_fraction), self.window) if staleness is None
             else StalenessPlanner(self.locality, int(staleness), float(cache_fraction), self.window))
+        if skip is not None and ebc._num_hot == 0:
+            raise ValueError("pipeline.skip needs hot replication: this plan has no hot rows (use planner=herald "
+                             "with a hot-set budget that holds some rows)")
+        self.skipper = StaleSkipper(skip, ebc._num_hot) if skip is not None else None
+        self._stale_keys = torch.empty(0, dtype=torch.int64)  # keys of the hot rows classified stale
         self._queue: Deque[_Entry] = deque()
         self._exhausted = False
         self._started = False
@@ -253,6 +264,11 @@ class HeraldTrainPipeline:
                                                (rank_of == self._rank).nonzero().flatten())
             keys = self._keys(batch.sparse_features)
         assert keys is not None
+        if self.skipper is not None and self.skipper.config.granularity == "input":
+            before = batch.labels.numel()
+            batch = self._drop_stale_inputs(batch, self.stats.steps + len(self._queue))
+            if batch.labels.numel() != before:
+                keys = self._keys(batch.sparse_features)
         reads = self._exchange_reads(torch.unique(keys)) if self.sync == "lazy" else []
         return _Entry(batch=batch, reads=reads, moved=moved)
 
@@ -328,11 +344,16 @@ class HeraldTrainPipeline:
         if not self._queue:
             self.flush()
             raise StopIteration
+        if self.skipper is not None:
+            self._skip_phase(self.stats.steps)
         entry = self._queue[0]
         lazy = self.sync == "lazy"
         if lazy:
             t0 = time.perf_counter()
-            plan = self.planner.plan_step([e.reads for e in self._queue])
+            reads = [e.reads for e in self._queue]
+            if self.skipper is not None and self.skipper.config.granularity == "row":
+                reads = self._without_frozen(reads)
+            plan = self.planner.plan_step(reads)
             dt = time.perf_counter() - t0
             self.stats.planner_s += dt
             self.stats.scheduler_s += dt
@@ -352,6 +373,104 @@ class HeraldTrainPipeline:
             self._ebc.finish_plan_step()
         self._optimizer.step()
         return output
+
+    # ------------------------------------------------------------------ stale-update skipping
+    def _skip_phase(self, step: int) -> None:
+        """Snapshots at the ends of each measuring window (after a flush, so every rank sees the same
+        hot rows), the threshold search at its end, and the (un)freezing of stale rows."""
+        assert self.skipper is not None
+        phase = self.skipper.phase(step)
+        if phase not in ("snapshot_a", "snapshot_b"):
+            return
+        self.flush()
+        second = phase == "snapshot_b"
+        self.skipper.take_snapshot(self._ebc.hot_values(), second=second)
+        if second:
+            self.skipper.set_threshold(step, self._sampled_scores())
+        stale = self.skipper.stale if second else None
+        self._stale_keys = self._ebc._hot_keys[stale] if stale is not None else torch.empty(0, dtype=torch.int64)
+        if self.skipper.config.granularity == "row":
+            if self.sync == "eager":
+                self._ebc.set_frozen_hot(stale)
+            self._ebc.set_frozen_keys(self._stale_keys)
+
+    def _movement_of(self, keys: torch.Tensor) -> torch.Tensor:
+        """Movement (max |Δ| over the last measuring window) of the rows ``keys``; ``inf`` if not hot."""
+        assert self.skipper is not None and self.skipper.movement is not None
+        hot_keys = self._ebc._hot_keys
+        pos = torch.searchsorted(hot_keys, keys).clamp(max=max(hot_keys.numel() - 1, 0))
+        hot = hot_keys[pos] == keys if hot_keys.numel() else torch.zeros_like(keys, dtype=torch.bool)
+        out = torch.full((keys.numel(),), float("inf"))
+        out[hot] = self.skipper.movement[pos[hot]]
+        return out
+
+    def _sampled_scores(self) -> torch.Tensor:
+        """Every rank's scores (:func:`sample_scores`) on the window's upcoming batches, all-gathered so
+        every rank searches the same threshold."""
+        assert self.skipper is not None
+        local = []
+        for e in self._queue:
+            kjt = e.batch.sparse_features
+            B, F = kjt.stride(), len(kjt.keys())
+            lengths = kjt.lengths().to(torch.int64)
+            mv = self._movement_of(self._keys(kjt))
+            if self.skipper.config.granularity == "row":
+                local.append(mv)
+            else:
+                sample = torch.repeat_interleave(torch.arange(F * B) % B, lengths)
+                worst = torch.full((B,), float("-inf")).scatter_reduce(0, sample, mv, "amax", include_self=True)
+                worst[torch.bincount(sample, minlength=B) == 0] = float("inf")  # no lookups: never skipped
+                local.append(worst)
+        mine = torch.cat(local) if local else torch.empty(0)
+        W = self._W
+        counts = torch.empty(W, dtype=torch.int64)
+        with _CommTimer(self.stats, "herald_skip_meta"):
+            dist.all_gather_into_tensor(counts, torch.tensor([mine.numel()], dtype=torch.int64), group=self._pg)
+            out = torch.empty(int(counts.sum()), dtype=torch.float32)
+            dist.all_to_all_single(out, mine.float().repeat(W), counts.tolist(), [mine.numel()] * W, group=self._pg)
+        return out
+
+    def _without_frozen(self, reads: List[List[torch.Tensor]]) -> List[List[torch.Tensor]]:
+        """Row granularity: frozen rows are read but never updated, so the plan leaves them out (their
+        replicas were synchronised by the snapshot's flush and stay so); counts the skipped updates."""
+        frozen = self._stale_keys
+        out = []
+        for k, step_reads in enumerate(reads):
+            kept = []
+            for r in step_reads:
+                f = torch.isin(r, frozen) if frozen.numel() else torch.zeros_like(r, dtype=torch.bool)
+                kept.append(r[~f])
+                if k == 0:
+                    self.stats.candidate_updates += r.numel()
+                    self.stats.skipped_updates += int(f.sum())
+            out.append(kept)
+        return out
+
+    def _drop_stale_inputs(self, batch: Batch, train_step: int) -> Batch:
+        """Input granularity: drop the samples all of whose lookups are stale hot rows (at least one
+        sample stays on every rank); counts skipped inputs and their lookups."""
+        kjt = batch.sparse_features
+        B, F = kjt.stride(), len(kjt.keys())
+        lengths = kjt.lengths().to(torch.int64)
+        self.stats.candidate_updates += int(lengths.sum())
+        if self.skipper is None or self.skipper.phase(train_step) != "skip" or not self._stale_keys.numel():
+            return batch
+        sample = torch.repeat_interleave(torch.arange(F * B) % B, lengths)
+        stale = torch.isin(self._keys(kjt), self._stale_keys)
+        n = torch.bincount(sample, minlength=B)
+        drop = (torch.bincount(sample, weights=stale.double(), minlength=B) == n) & (n > 0)
+        if bool(drop.all()):
+            drop[0] = False
+        if not bool(drop.any()):
+            return batch
+        keep = ~drop
+        self.stats.skipped_inputs += int(drop.sum())
+        self.stats.skipped_updates += int(n[drop].sum())
+        value_kept = keep[sample]
+        new_lengths = lengths.view(F, B)[:, keep].flatten()
+        new_kjt = KeyedJaggedTensor(keys=kjt.keys(), values=kjt.values()[value_kept],
+                                    lengths=new_lengths.to(kjt.lengths().dtype))
+        return Batch(dense_features=batch.dense_features[keep], sparse_features=new_kjt, labels=batch.labels[keep])
 
     def flush(self) -> None:
         """Push every dirty row home, refresh outdated hot replicas, drop the caches (collective): the

@@ -260,6 +260,8 @@ class ShardedHeraldEmbeddingBagCollection(
         self._executor: Optional[Any] = None
         self._step_plan: Optional[Any] = None
         self._ws: Optional[torch.Tensor] = None
+        self._ws_keys = torch.empty(0, dtype=torch.int64)
+        self._frozen_keys = torch.empty(0, dtype=torch.int64)  # stale-update skipping in plan mode
         # bytes this rank sends per table, by the same formulas as TrafficMeter (cross-checked in tests)
         self._traffic = torch.zeros(len(self._tables), 4, dtype=torch.float64)  # ids, pooled, grads, hot_sync
         self._hot_table_of_row = torch.repeat_interleave(torch.arange(len(self._tables)),
@@ -434,12 +436,14 @@ class ShardedHeraldEmbeddingBagCollection(
                          ) -> Awaitable[Awaitable[HeraldContext]]:
         plan = self._step_plan
         keys = self.global_keys(values, lengths, B)
-        ws_keys = plan.reads[self._rank]
-        pos = torch.searchsorted(ws_keys, keys).clamp(max=max(ws_keys.numel() - 1, 0))
-        if not torch.equal(torch.unique(keys), ws_keys):
+        ws_keys = torch.unique(keys)  # the plan's reads, plus frozen (stale-skipped) rows it leaves out
+        planned = plan.reads[self._rank]
+        extra = ws_keys[~torch.isin(ws_keys, planned)]
+        if planned.numel() + extra.numel() != ws_keys.numel() or not bool(torch.isin(extra, self._frozen_keys).all()):
             raise RuntimeError(f"rank {self._rank}: the batch's rows differ from the ones the plan was made for")
+        pos = torch.searchsorted(ws_keys, keys)
         w, _ = self.plan_executor.read(ws_keys)
-        self._ws = w.requires_grad_(True)
+        self._ws, self._ws_keys = w.requires_grad_(True), ws_keys
         ctx.ws_index, ctx.ws_offsets = pos, offsets_from_lengths(lengths)
         return KJTListSplitsAwaitable([NoWait(NoWait(ctx))], ctx)
 
@@ -450,7 +454,14 @@ class ShardedHeraldEmbeddingBagCollection(
             raise RuntimeError("finish_plan_step without a planned forward (call begin_plan_step first)")
         grad = ws.grad if ws.grad is not None else torch.zeros_like(ws)
         self._step_plan, self._ws = None, None
-        self.plan_executor.after_backward(plan, plan.reads[self._rank], grad.detach())
+        planned = plan.reads[self._rank]  # frozen rows' gradients are dropped
+        grad = grad.detach() if planned.numel() == self._ws_keys.numel() else \
+            grad.detach()[torch.searchsorted(self._ws_keys, planned)]
+        self.plan_executor.after_backward(plan, planned, grad)
+
+    def set_frozen_keys(self, keys: torch.Tensor) -> None:
+        """Plan mode, stale-update skipping (``row``): global keys of hot rows read without an update."""
+        self._frozen_keys = keys.to(torch.int64)
 
     def flush_plan(self, flush: Any) -> None:
         """Back to the stock herald layout (see :meth:`PlanExecutor.flush`; collective)."""
