@@ -363,6 +363,10 @@ class HeraldTrainPipeline:
                 self.stats.max_staleness = max(self.stats.max_staleness, plan.max_staleness)
             self._ebc.begin_plan_step(plan)
             self._flushed = False
+        elif self.skipper is not None and self.skipper.config.granularity == "row":  # eager: count frozen reads
+            rows = torch.unique(self._keys(entry.batch.sparse_features))
+            self.stats.candidate_updates += rows.numel()
+            self.stats.skipped_updates += int(torch.isin(rows, self._stale_keys).sum()) if self._stale_keys.numel() else 0
         self._queue.popleft()
         self.stats.steps += 1
         self.stats.moved_samples += entry.moved

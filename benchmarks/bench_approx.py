@@ -1,0 +1,109 @@
+"""Opt-in approximate modes vs herald's exact mode: HET bounded staleness s ∈ {0, 1, 3, 10} and Slipstream
+stale-update skipping (input / row granularity), on the default data and on a less skewed setting.
+
+    .venv/bin/python benchmarks/bench_approx.py [--world-size 4] [--steps 300] [overrides ...]
+
+Every row is a real multi-process run of ``planner=herald pipeline=herald`` (HeraldTrainPipeline, exact
+lazy plan unless a mode says otherwise) on the same global batches from the same initial weights; the
+exact run of each data setting is the reference of its approximate rows (``pipeline.reference=false``
+here only avoids training that identical reference again for every row; the driver's default records it
+inside each run). Row skipping is also measured on herald's eager path, where it cuts the hot-row
+all-reduce. Writes ``benchmarks/results/approx.json`` and the table between the APPROX markers of
+``benchmarks/RESULTS.md``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any, Dict, List
+
+from torchrec_herald.dist_utils import run_multiprocess
+
+HERE = Path(__file__).resolve().parent
+logger = logging.getLogger("bench_approx")
+DATA = {"default data (zipf 1.22)": [], "less skewed (zipf 1.05)": ["data.zipf_alpha=1.05"]}
+MODES = {
+    "exact": [],
+    "staleness s=0": ["pipeline.staleness=0"],
+    "staleness s=1": ["pipeline.staleness=1"],
+    "staleness s=3": ["pipeline.staleness=3"],
+    "staleness s=10": ["pipeline.staleness=10"],
+    "skip input": ["pipeline.skip=input"],
+    "skip row": ["pipeline.skip=row"],
+    "eager exact": ["pipeline.sync=eager"],
+    "eager + skip row": ["pipeline.sync=eager", "pipeline.skip=row"],
+}
+REFERENCE = {"eager + skip row": "eager exact"}  # default reference: "exact"
+
+
+def _worker(rank: int, world: int, overrides: List[str], run_dir: str) -> Dict[str, Any]:
+    from torchrec_herald.config import compose_config
+    from torchrec_herald.trainer import run_training
+
+    return run_training(compose_config(overrides), Path(run_dir), show_progress=False)
+
+
+def table(rows: List[Dict[str, Any]]) -> List[str]:
+    from torchrec_herald.trainer import embedding_bytes_per_step
+
+    lines = ["| data | mode | KiB/step | embedding KiB/step | hot sync + reduce KiB/step | samples/s vs exact | "
+             "AUC | ΔAUC vs exact | Δlogloss vs exact | stale reads | max staleness | updates skipped |",
+             "|" + "---|" * 12]
+    by = {(r["data"], r["mode"]): r["metrics"] for r in rows}
+    for r in rows:
+        m, ref = r["metrics"], by[(r["data"], REFERENCE.get(r["mode"], "exact"))]
+        ap = m.get("approximate") or {}
+        tags = m["traffic_per_step_by_tag"]
+        sync = sum(tags.get(t, {}).get("bytes", 0) for t in ("herald_hot_sync", "herald_reduce")) / 1024
+        exact = r["mode"] in ("exact", "eager exact")
+        lines.append(
+            f"| {r['data']} | {r['mode']} | {m['traffic_per_step_total']['bytes'] / 1024:.1f} | "
+            f"{embedding_bytes_per_step(m) / 1024:.1f} | {sync:.1f} | "
+            f"{'1.00' if exact else format(m['samples_per_s'] / ref['samples_per_s'], '.2f')} | "
+            f"{m['eval']['auc']:.4f} | {'—' if exact else format(m['eval']['auc'] - ref['eval']['auc'], '+.4f')} | "
+            f"{'—' if exact else format(m['eval']['logloss'] - ref['eval']['logloss'], '+.4f')} | "
+            f"{'—' if not ap else format(ap['stale_read_share'], '.1%')} | {ap.get('max_staleness', '—')} | "
+            f"{'—' if not ap else format(ap['skipped_update_share'], '.1%')} |")
+    return lines
+
+
+def main() -> None:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--world-size", type=int, default=4)
+    p.add_argument("--steps", type=int, default=300)
+    p.add_argument("--from-json", action="store_true", help="re-render RESULTS.md from results/approx.json")
+    p.add_argument("overrides", nargs="*")
+    a = p.parse_args()
+    out = HERE / "results"
+    out.mkdir(exist_ok=True)
+    if a.from_json:
+        saved = json.loads((out / "approx.json").read_text())
+        rows, command = saved["rows"], saved["command"]
+    else:
+        rows = []
+        for data, dov in DATA.items():
+            for mode, mov in MODES.items():
+                ov = (["planner=herald", "pipeline=herald", "pipeline.reference=false",
+                       f"data.num_train_batches={a.steps}"] + dov + mov + a.overrides)
+                logger.info("%s / %s: %s", data, mode, ov)
+                with tempfile.TemporaryDirectory() as tmp:
+                    m = run_multiprocess(_worker, a.world_size, ov, tmp)[0]
+                rows.append({"data": data, "mode": mode, "overrides": ov, "world_size": a.world_size, "metrics": m})
+        command = "python benchmarks/bench_approx.py " + " ".join(sys.argv[1:])
+        (out / "approx.json").write_text(json.dumps({"command": command.strip(), "rows": rows}, indent=2))
+    body = "\n".join([f"Command: `{command.strip()}` ({rows[0]['world_size']} ranks, "
+                      f"{rows[0]['metrics']['steps']} steps)", ""] + table(rows))
+    from bench_traffic import write_results_md
+
+    write_results_md({"APPROX": body})
+    sys.stdout.write(body + "\n")
+
+
+if __name__ == "__main__":
+    main()
