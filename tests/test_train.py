@@ -66,3 +66,19 @@ def test_bad_data_fails_on_every_rank_with_file_and_line(tmp_path: Path) -> None
     with pytest.raises(RuntimeError, match=r"bad\.tsv:6: expected 40 tab-separated fields, got 2"):
         run_multiprocess(_train, 2, ["data=criteo_tsv", f"data.paths={bad}", "batch_size=2", "eval=false"],
                          str(tmp_path / "run"), timeout_s=120)
+
+
+def test_herald_pipeline_trains_every_epoch_and_reports_scheduler(tmp_path: Path) -> None:
+    """pipeline=herald through the driver: every epoch is trained (the window restarts on each epoch's
+    iterator), and metrics.json carries the scheduler's counters, consistent with TrafficMeter's tags."""
+    res = run_multiprocess(_train, 2, ["data.num_train_batches=6", "data.num_eval_batches=2", "batch_size=64",
+                                       "epochs=2", "planner=herald", "pipeline=herald", "pipeline.window=3"],
+                           str(tmp_path))
+    m = res[0]["metrics"]
+    assert m["steps"] == 12
+    hp = m["herald_pipeline"]
+    assert hp["sync"] == "lazy" and hp["window"] == 3 and hp["allocator"] == "greedy"
+    assert hp["reduce"] > 0 and 0.0 <= hp["hit_rate"] <= 1.0 and hp["scheduler_ms_per_step"] > 0
+    # reduce messages carry one gradient (dim floats) each and travel only in the plan's reduce exchange
+    assert m["traffic_per_step_by_tag"]["herald_reduce"]["embedding_vectors"] == pytest.approx(hp["reduce"])
+    assert "herald_pooled" not in m["traffic_per_step_by_tag"]

@@ -144,17 +144,36 @@ def build_pipeline(cfg: DictConfig, dmp: nn.Module, optimizer: Any, device: torc
     if name == "herald":
         opts = {k: cfg.pipeline[k] for k in ("window", "allocator", "sync", "cache", "cache_fraction", "move_penalty",
                                              "staleness")}
-        skip = None
-        if cfg.pipeline.skip is not None:
-            skip = SkipConfig(granularity=cfg.pipeline.skip, target=cfg.pipeline.skip_target,
-                              tolerance=cfg.pipeline.skip_tolerance, start=cfg.pipeline.skip_start,
-                              gap=cfg.pipeline.skip_gap, every=cfg.pipeline.skip_every, t_max=cfg.pipeline.skip_t_max)
-            total = getattr(cfg.data, "num_train_batches", None)
-            skip.check_run_length(None if total is None else int(total) * int(cfg.epochs))
-        return HeraldTrainPipeline(dmp, optimizer, device, skip=skip, **opts)
+        return HeraldTrainPipeline(dmp, optimizer, device, skip=skip_config(cfg), **opts)
     if name not in PIPELINES:
         raise ValueError(f"unknown pipeline.name {name!r}; expected one of {sorted(PIPELINES) + ['herald']}")
     return PIPELINES[name](dmp, optimizer, device)
+
+
+def skip_config(cfg: DictConfig) -> Optional[SkipConfig]:
+    """``pipeline.skip*`` as a validated :class:`SkipConfig` (the first measuring window must end inside
+    the run), or None when skipping is off."""
+    if cfg.pipeline.get("skip") is None:
+        return None
+    p = cfg.pipeline
+    skip = SkipConfig(granularity=p.skip, target=p.skip_target, tolerance=p.skip_tolerance, start=p.skip_start,
+                      gap=p.skip_gap, every=p.skip_every, t_max=p.skip_t_max)
+    total = getattr(cfg.data, "num_train_batches", None)
+    skip.check_run_length(None if total is None else int(total) * int(cfg.epochs))
+    return skip
+
+
+def check_approximate_options(cfg: DictConfig) -> None:
+    """Raise on bad ``pipeline.staleness`` / ``pipeline.skip*`` values before anything is trained (an
+    approximate run trains its exact reference first)."""
+    if not is_approximate(cfg):
+        return
+    s = cfg.pipeline.get("staleness")
+    if s is not None and (isinstance(s, bool) or not isinstance(s, (int, float)) or int(s) != s or int(s) < 0):
+        raise ValueError(f"pipeline.staleness must be null (exact) or an integer >= 0, got {s}")
+    if s is not None and cfg.pipeline.get("sync", "lazy") != "lazy":
+        raise ValueError("pipeline.staleness needs pipeline.sync=lazy (it relaxes the caches' plan)")
+    skip_config(cfg)
 
 
 def herald_traffic_report(dmp: nn.Module, plan: Any, steps: int, measured: bool = True) -> Dict[str, Any]:
@@ -273,6 +292,7 @@ def run_training(cfg: DictConfig, run_dir: Path, show_progress: bool = True) -> 
     trains the exact mode on the same batches (into ``run_dir/exact_reference``) and records it and the
     deltas under ``metrics["approximate"]``."""
     reference = None
+    check_approximate_options(cfg)
     if is_approximate(cfg) and cfg.pipeline.get("reference", True):
         reference = run_training(exact_reference_config(cfg), Path(run_dir) / "exact_reference", show_progress)
     rank, world, device = init_distributed()

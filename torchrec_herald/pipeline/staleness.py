@@ -9,7 +9,9 @@ its base). Per step, for the rows each rank reads:
 
 * **read**: a rank without a copy pulls it (``miss_pull``); a copy more than ``s`` home versions behind
   (``hv − b > s``) is refreshed (``update_pull``; its own pending updates are pushed home first); any
-  other copy is used as is — *served stale* when ``0 < hv − b ≤ s``;
+  other copy is used as is — *served stale* when ``0 < hv − b ≤ s``. The lag is the one at read time,
+  after those pre-read pushes (which may put another reader's copy more than ``s`` behind: it is
+  refreshed too);
 * **write**: a row read by one rank is updated on that rank's copy (``u += 1``) and pushed home once
   ``u > s`` (``update_push``); a row read by several ranks has their gradients summed at its home, which
   applies one update (as the exact plan does: the update rule sees the summed gradient);
@@ -121,8 +123,22 @@ class StalenessPlanner(TensorLazySyncPlanner):
         lag = torch.where(home_read, torch.zeros_like(X), self.hv[X] - self.base[R, X])
         miss = ~held
         refresh = held & ~home_read & (lag > s)
-        pend = refresh & (self.pending[R, X] > 0)
+        # a refreshing copy's pending updates go home before the reads; they raise the home version the
+        # other copies are read against, which may put one of those more than s behind too (and its own
+        # pending updates then go home as well): grow the refreshed set to its fixed point, then push
+        # once, rank by rank (the executor applies a row's pushes in rank order: the first may replace)
+        pending = self.pending[R, X]
+        while True:
+            pend = refresh & (pending > 0)
+            if not bool(pend.any()):  # (always so with s = 0: nothing is ever held back)
+                break
+            ahead = torch.zeros(ux.numel(), dtype=torch.int64).index_add_(0, inv[pend], pending[pend])[inv]
+            grown = refresh | (held & ~home_read & (self.hv[X] + ahead - self.base[R, X] > s))
+            if bool((grown == refresh).all()):
+                break
+            refresh = grown
         pre, pre_add = self._push(R[pend], X[pend])
+        lag = torch.where(home_read, torch.zeros_like(X), self.hv[X] - self.base[R, X])  # at read time
         need = miss | refresh
         pull = torch.stack([X[need], self.home[X[need]], R[need]], 1)
         pull_miss = miss[need]
@@ -149,7 +165,7 @@ class StalenessPlanner(TensorLazySyncPlanner):
         over = self.pending[lr, local] > s
         post, post_add = self._push(lr[over], local[over])
         miss_push, evictions = self._evict()
-        cnt = self._counters(cnt_reads, hits, cold, pull_miss, reduce, len(pre) + len(post), len(miss_push))
+        cnt = self._counters(cnt_reads, hits, cold, pull_miss, reduce, len(pre) + len(post), len(miss_push[0]))
         plan = StalePlan(step=self.step, reads=reads, push_before_read=pre, pull=pull, pull_miss=pull_miss,
                          reduce=self._sorted(reduce), update_keys=ux, reducer=updater, update_push=post,
                          miss_push=miss_push[0], evictions=evictions, counters=cnt, push_before_read_add=pre_add,
