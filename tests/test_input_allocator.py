@@ -187,6 +187,39 @@ def test_greedy_takes_every_best_rank_when_room_allows() -> None:
     assert greedy_assign(s, 0).tolist() == [1, 0, 2, 1, 0, 2]
 
 
+def _greedy_one_by_one(scores: torch.Tensor, step: int, tie_break: str, move_penalty: int) -> List[int]:
+    """The greedy as its docstring states it, one sample at a time (the reference for the vectorised one)."""
+    g, w = scores.shape
+    b = g // w
+    s = [[int(v) + (move_penalty if j == i // b else 0) for j, v in enumerate(row)] for i, row in enumerate(scores)]
+    def pref(i: int, r: int) -> Tuple[int, ...]:  # larger is preferred
+        home = (1 if r == i // b else 0) if tie_break == "home" else 0
+        return (s[i][r], home, -((r - step) % w))
+    order = sorted(range(g), key=lambda i: (-(w * max(s[i]) - sum(s[i])), i))
+    room, out = [b] * w, [0] * g
+    for i in order:
+        r = max((r for r in range(w) if room[r]), key=lambda r: pref(i, r))
+        room[r] -= 1
+        out[i] = r
+    return out
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_greedy_matches_the_one_by_one_greedy(seed: int) -> None:
+    """Random score matrices (few distinct values: many ties), every tie break and move penalty, 1 to 8
+    ranks, empty batches: the vectorised greedy places every sample where the sequential one does."""
+    g = torch.Generator().manual_seed(seed)
+    for case in range(150):
+        w = int(torch.randint(1, 9, (1,), generator=g))
+        b = int(torch.randint(0, 24, (1,), generator=g))
+        scores = torch.randint(0, int(torch.randint(1, 12, (1,), generator=g)), (w * b, w), generator=g)
+        step, penalty = int(torch.randint(0, 50, (1,), generator=g)), case % 3
+        for tie_break in ("rotate", "home"):
+            got = greedy_assign(scores, step, tie_break, penalty)
+            assert got.dtype == torch.int64 and got.shape == (w * b,)
+            assert got.tolist() == _greedy_one_by_one(scores, step, tie_break, penalty), (seed, case, tie_break)
+
+
 def test_topk_tables_picks_the_most_cold_traffic() -> None:
     kjt, loc = _hand()
     # per batch: "b" has 4 cold lookups, "a" 3 -> k=1 scores "b" only

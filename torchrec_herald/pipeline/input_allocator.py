@@ -392,19 +392,32 @@ def greedy_assign(scores: torch.Tensor, step: int, tie_break: str = "rotate", mo
     if tie_break == "home" and g:
         home = torch.arange(g).unsqueeze(1) // b == torch.arange(w).unsqueeze(0)
         key = scores * (2 * w) + home.to(torch.int64) * w + (w - 1 - pref)
-    rank_order = torch.argsort(key, dim=1, descending=True)
     priority = w * scores.max(1).values - scores.sum(1) if g else scores.new_empty(0)
     sample_order = torch.sort(priority, descending=True, stable=True).indices
-    out = [0] * g
+    # The sequential greedy, vectorised by rounds: until the next rank fills up, every sample simply takes
+    # its most preferred rank with room (largest key), so a round places the samples up to the one that
+    # fills a rank, and there are at most W rounds.
+    key = key.index_select(0, sample_order)  # in placement order
+    ranks = torch.arange(w)
+    placed = torch.empty(g, dtype=torch.int64)
     room = [b] * w
-    prefs = rank_order.tolist()
-    for s in sample_order.tolist():
-        for r in prefs[s]:
-            if room[r]:
-                room[r] -= 1
-                out[s] = r
-                break
-    return torch.tensor(out, dtype=torch.int64)
+    p = 0
+    while p < g:
+        with_room = [r for r in range(w) if room[r]]
+        if len(with_room) == 1:  # the last rank with room takes the rest
+            placed[p:] = with_room[0]
+            break
+        rest = key[p:]
+        if len(with_room) < w:  # full ranks are never chosen
+            rest = rest.masked_fill(torch.tensor([k == 0 for k in room]), torch.iinfo(torch.int64).min)
+        choice = rest.argmax(1)
+        taken = (choice.unsqueeze(1) == ranks).cumsum(0)  # [n, w]: samples so far per rank
+        filled = (taken == torch.tensor([k or -1 for k in room])).any(1).nonzero()  # where a rank gets its last
+        n = int(filled[0, 0]) + 1 if filled.numel() else g - p
+        placed[p:p + n] = choice[:n]
+        room = [k - t for k, t in zip(room, taken[n - 1].tolist())]
+        p += n
+    return torch.empty(g, dtype=torch.int64).index_copy_(0, sample_order, placed)
 
 
 class InputAllocator(abc.ABC):

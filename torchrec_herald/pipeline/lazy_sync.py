@@ -131,13 +131,17 @@ class TensorLazySyncPlanner:
         self.step = 0
 
     # ------------------------------------------------------------------ helpers
+    # (1-D gathers and scatters below use index_select / index_fill_ / index_copy_ on flat ``r * N + x``
+    # indices: same results as advanced indexing, a few times less overhead per call)
     def _pairs(self, reads: Sequence[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
         if len(reads) != self.W:
             raise ValueError(f"reads need one key set per rank ({self.W}), got {len(reads)}")
         R = torch.cat([torch.full((len(k),), r, dtype=torch.int64) for r, k in enumerate(reads)])
         X = torch.cat([torch.as_tensor(k, dtype=torch.int64) for k in reads])
-        if X.numel() and (int(X.min()) < 0 or int(X.max()) >= self.num_rows):
-            raise ValueError(f"read keys outside [0, {self.num_rows})")
+        if X.numel():
+            lo, hi = torch.aminmax(X)
+            if int(lo) < 0 or int(hi) >= self.num_rows:
+                raise ValueError(f"read keys outside [0, {self.num_rows})")
         return R, X
 
     @staticmethod
@@ -148,15 +152,12 @@ class TensorLazySyncPlanner:
                                                                                 include_self=False)
         return ux, inv, nS, first
 
-    def _push_home(self, ux: torch.Tensor, nS: torch.Tensor, first: torch.Tensor) -> torch.Tensor:
-        """Dirty rows read by some rank other than their master go home first: ``(key, master, home)``."""
-        m, h = self.master[ux], self.home[ux]
-        need = (m != h) & ~((nS == 1) & (first == m))
-        x = ux[need]
-        out = torch.stack([x, m[need], h[need]], 1)
-        self.valid[h[need], x] = True
-        self.master[x] = h[need]
-        return out
+    def _push_home(self, x: torch.Tensor) -> torch.Tensor:
+        """Dirty rows ``x`` (sorted) go home: ``(key, master, home)``; the home copies become the latest."""
+        m, h = self.master.index_select(0, x), self.home.index_select(0, x)
+        self.valid.view(-1).index_fill_(0, h * self.num_rows + x, True)
+        self.master.index_copy_(0, x, h)
+        return torch.stack([x, m, h], 1)
 
     @staticmethod
     def _sorted(t: torch.Tensor) -> torch.Tensor:
@@ -171,82 +172,103 @@ class TensorLazySyncPlanner:
         as look-ahead; advances the state. Every rank calling this on the same window gets the same plan."""
         if len(window) < 1:
             raise ValueError("plan_step needs a window with at least the current step")
+        N = self.num_rows
+        valid, cached = self.valid.view(-1), self.cached.view(-1)  # [W * N]: flat index r * N + x
         cnt = SyncCounters()
         reads = [torch.as_tensor(k, dtype=torch.int64) for k in window[0]]
         R, X = self._pairs(reads)
-        ux, inv, nS, first = self._readers(R, X)
-        pre = self._push_home(ux, nS, first)
+        # read pairs in (key, rank) order (R ascends in X's concatenation): a key's readers are adjacent,
+        # lowest rank first, and pulls and reduces come out sorted by (key, src, dst) with no further sort
+        X, perm = torch.sort(X, stable=True)
+        R = R.index_select(0, perm)
+        ux, inv, nS = torch.unique_consecutive(X, return_inverse=True, return_counts=True)
+        first = R.index_select(0, torch.cumsum(nS, 0) - nS)
+        # dirty rows read by some rank other than their master go home first
+        m, home_u = self.master.index_select(0, ux), self.home.index_select(0, ux)
+        pre = self._push_home(ux.masked_select((m != home_u) & ~((nS == 1) & (first == m))))
+        home_X = self.home.index_select(0, X)
         # pulls: every read whose copy is not the latest, from the row's master
-        ok = self.valid[R, X]
-        held = self.is_hot[X] | (self.home[X] == R) | self.cached[R, X]
-        src = self.master[X]
-        need = ~ok
-        pull = torch.stack([X[need], src[need], R[need]], 1)
-        pull_miss = ~held[need]
-        self.valid[R, X] = True
-        cold = ~self.is_hot[X] & (self.home[X] != R)
-        new = cold & ~self.cached[R, X]
-        self.cached[R[cold], X[cold]] = True
-        self.last_use[R[cold], X[cold]] = self.step
-        self.cache_count.index_put_((R[new], self.table_of[X[new]]), torch.ones(int(new.sum()), dtype=torch.int64),
-                                    accumulate=True)
+        flat = R * N + X
+        ok = valid.index_select(0, flat)
+        cold = ~self.is_hot.index_select(0, X) & (home_X != R)
+        new = cold & ~cached.index_select(0, flat)
+        need = (~ok).nonzero().squeeze(1)
+        Xn = X.index_select(0, need)
+        pull = torch.stack([Xn, self.master.index_select(0, Xn), R.index_select(0, need)], 1)
+        pull_miss = new.index_select(0, need)  # = not held (not hot, not home, not cached)
+        valid.index_fill_(0, flat, True)
+        fc = flat.masked_select(cold)
+        cached.index_fill_(0, fc, True)
+        self.last_use.view(-1).index_fill_(0, fc, self.step)
+        T = self.cache_count.shape[1]
+        t_new = self.table_of.index_select(0, X.masked_select(new))
+        self.cache_count += torch.bincount(R.masked_select(new) * T + t_new, minlength=self.W * T).view(self.W, T)
         cnt.reads, cnt.hits = X.numel(), int(ok.sum())
-        cnt.cache_reads, cnt.cache_hits = int(cold.sum()), int((ok & cold).sum())
-        cnt.miss_pull, cnt.update_pull = int(pull_miss.sum()), int((~pull_miss).sum())
+        cnt.cache_reads, cnt.cache_hits = fc.numel(), int((ok & cold).sum())
+        cnt.miss_pull = int(pull_miss.sum())
+        cnt.update_pull = need.numel() - cnt.miss_pull
         # one update per read row: by its only reader, or at home when several ranks read it
-        reducer = torch.where(nS == 1, first, self.home[ux])
-        red_of = reducer[inv]
-        sends = R != red_of
-        reduce = torch.stack([X[sends], R[sends], red_of[sends]], 1)
-        cnt.reduce = int(sends.sum())
-        self.valid[:, ux] = False
-        self.valid[reducer, ux] = True
-        self.master[ux] = reducer
+        reducer = torch.where(nS == 1, first, home_u)
+        red_of = reducer.index_select(0, inv)
+        sends = (R != red_of).nonzero().squeeze(1)
+        reduce = torch.stack([X.index_select(0, sends), R.index_select(0, sends), red_of.index_select(0, sends)], 1)
+        cnt.reduce = sends.numel()
+        self.valid.index_fill_(1, ux, False)
+        valid.index_fill_(0, reducer * N + ux, True)
+        self.master.index_copy_(0, ux, reducer)
         # look-ahead: a dirty row another rank reads in the next step is pushed home now
         post = _EMPTY.clone()
         if len(window) > 1 and self.window > 1:
             R1, X1 = self._pairs([torch.as_tensor(k, dtype=torch.int64) for k in window[1]])
-            ux1, _, nS1, first1 = self._readers(R1, X1)
-            post = self._push_home(ux1, nS1, first1)
+            # (a rank reads a row at most once: a row with several readers has one other than its master)
+            m1 = self.master.index_select(0, X1)
+            post = self._push_home(torch.unique(X1.masked_select((m1 != self.home.index_select(0, X1)) & (R1 != m1))))
         cnt.update_push = len(pre) + len(post)
         miss_push, evictions = self._evict()
         cnt.miss_push = len(miss_push)
-        plan = ExecPlan(step=self.step, reads=reads, push_before_read=self._sorted(pre), pull=pull, pull_miss=pull_miss,
-                        reduce=self._sorted(reduce), update_keys=ux, reducer=reducer, update_push=self._sorted(post),
+        plan = ExecPlan(step=self.step, reads=reads, push_before_read=pre, pull=pull, pull_miss=pull_miss,
+                        reduce=reduce, update_keys=ux, reducer=reducer, update_push=post,
                         miss_push=self._sorted(miss_push), evictions=evictions, counters=cnt)
-        order = torch.argsort((pull[:, 0] * 65536 + pull[:, 1]) * 65536 + pull[:, 2]) if pull.numel() else None
-        if order is not None:
-            plan.pull, plan.pull_miss = pull[order], pull_miss[order]
         self.step += 1
         return plan
 
     def _evict(self) -> tuple[torch.Tensor, List[torch.Tensor]]:
         """Trim every (rank, table) cache back to capacity, least recently used first (ties: lower key);
         a victim holding the only latest version is pushed home (``miss_push``)."""
-        pushes: List[torch.Tensor] = []
-        evictions: List[torch.Tensor] = []
-        over = self.cache_count > self.capacity.unsqueeze(0)
-        for r in range(self.W):
-            victims: List[torch.Tensor] = []
-            for t in over[r].nonzero().flatten().tolist():
-                lo, hi = int(self.table_lo[t]), int(self.table_hi[t])
-                keys = self.cached[r, lo:hi].nonzero().flatten() + lo
-                excess = int(self.cache_count[r, t] - self.capacity[t])
-                order = torch.sort(self.last_use[r, keys], stable=True).indices[:excess]
-                victims.append(keys[order])
-                self.cache_count[r, t] -= excess
-            v = torch.cat(victims) if victims else torch.empty(0, dtype=torch.int64)
-            dirty = v[self.master[v] == r]
-            if dirty.numel():
-                h = self.home[dirty]
-                pushes.append(torch.stack([dirty, torch.full_like(dirty, r), h], 1))
-                self.valid[h, dirty] = True
-                self.master[dirty] = h
-            self.cached[r, v] = False
-            self.valid[r, v] = False
-            self.last_use[r, v] = -1
-            evictions.append(torch.sort(v).values)
-        return (torch.cat(pushes) if pushes else _EMPTY.clone()), evictions
+        W, N = self.W, self.num_rows
+        over = (self.cache_count > self.capacity.unsqueeze(0)).nonzero()  # (rank, table), rank-major
+        if not over.numel():
+            return _EMPTY.clone(), [torch.empty(0, dtype=torch.int64) for _ in range(W)]
+        r_over, t_over = over[:, 0], over[:, 1]
+        lo = r_over * N + self.table_lo.index_select(0, t_over)  # flat index of each segment's first row
+        size = (self.table_hi - self.table_lo).index_select(0, t_over)
+        cached = self.cached.view(-1)
+        seg = torch.cat([cached[a:a + n] for a, n in zip(lo.tolist(), size.tolist())])
+        pos = seg.nonzero().squeeze(1)
+        seg_start = torch.cumsum(size, 0) - size
+        grp = torch.searchsorted(seg_start, pos, right=True) - 1
+        flat = pos - seg_start.index_select(0, grp) + lo.index_select(0, grp)  # r * N + key of each cached row
+        # LRU order within each segment (cached rows have 0 <= last_use <= step); stable: ties by lower key
+        lru = grp * (self.step + 2) + self.last_use.view(-1).index_select(0, flat) + 1
+        order = torch.sort(lru, stable=True).indices
+        count = torch.bincount(grp, minlength=len(over))
+        g = grp.index_select(0, order)
+        excess = self.cache_count[r_over, t_over] - self.capacity.index_select(0, t_over)
+        self.cache_count.clamp_(max=self.capacity)  # the over-full caches lose their excess
+        rank_in_seg = torch.arange(len(order)) - (torch.cumsum(count, 0) - count).index_select(0, g)
+        evict = rank_in_seg < excess.index_select(0, g)
+        v = torch.sort(flat.index_select(0, order.masked_select(evict))).values  # victims by rank, then key
+        rv, xv = v // N, v % N
+        d = (self.master.index_select(0, xv) == rv).nonzero().squeeze(1)  # dirty: push home
+        xd, rd = xv.index_select(0, d), rv.index_select(0, d)
+        h = self.home.index_select(0, xd)
+        # a victim's home is never its rank (caches hold remote rows only): the scatters do not overlap
+        self.valid.view(-1).index_fill_(0, h * N + xd, True)
+        self.master.index_copy_(0, xd, h)
+        self.cached.view(-1).index_fill_(0, v, False)
+        self.valid.view(-1).index_fill_(0, v, False)
+        self.last_use.view(-1).index_fill_(0, v, -1)
+        return torch.stack([xd, rd, h], 1), list(xv.split(torch.bincount(rv, minlength=W).tolist()))
 
     def flush(self) -> FlushPlan:
         """Plan the transfers that bring every copy back to the stock layout (see :class:`FlushPlan`)
@@ -265,9 +287,13 @@ class TensorLazySyncPlanner:
     def local_on(self, keys: torch.Tensor) -> torch.Tensor:
         """bool ``[W, len(keys)]``: what the input allocator counts as a local lookup of row ``keys[i]`` on
         rank r — a hot replica, a row of r's own block, or a valid entry of r's cache."""
+        keys = torch.as_tensor(keys, dtype=torch.int64)
+        k = keys.reshape(-1)
         ranks = torch.arange(self.W).unsqueeze(1)
-        return (self.is_hot[keys].unsqueeze(0) | (self.home[keys].unsqueeze(0) == ranks)
-                | (self.cached[:, keys] & self.valid[:, keys]))
+        flat = (ranks * self.num_rows + k).view(-1)
+        cache = self.cached.view(-1).index_select(0, flat) & self.valid.view(-1).index_select(0, flat)
+        out = cache.view(self.W, -1) | self.is_hot.index_select(0, k) | (self.home.index_select(0, k) == ranks)
+        return out.view(self.W, *keys.shape)
 
 
 def capacity_rows_of(locality: Locality, capacity_fraction: float) -> Dict[str, int]:

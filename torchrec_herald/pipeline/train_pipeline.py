@@ -15,6 +15,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, Deque, Dict, Iterator, List, Optional
 
+import numpy as np
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -217,7 +218,10 @@ class HeraldTrainPipeline:
 
     def _keys(self, kjt: KeyedJaggedTensor) -> torch.Tensor:
         kjt = self._in_ebc_order(kjt)
-        return self._ebc.global_keys(kjt.values().to(torch.int64), kjt.lengths().to(torch.int64), kjt.stride())
+        per_feature = kjt.lengths().to(torch.int64).view(len(self._ebc._feature_names), kjt.stride()).sum(1)
+        # = self._ebc.global_keys(...): the values are feature-major, so one offset per feature, not per bag
+        offsets = self._ebc._table_offsets[self._ebc._feature_table]
+        return kjt.values().to(torch.int64) + torch.repeat_interleave(offsets, per_feature)
 
     def _in_ebc_order(self, kjt: KeyedJaggedTensor) -> KeyedJaggedTensor:
         names = self._ebc._feature_names
@@ -233,15 +237,19 @@ class HeraldTrainPipeline:
         kjt = self._in_ebc_order(raw.sparse_features)
         B = kjt.stride()
         values, lengths = kjt.values().to(torch.int64), kjt.lengths().to(torch.int64)
-        bad = first_invalid_id(values, lengths, self._ebc._rows_per_feature, B)
+        # the id check and global_keys by hand, from one bag index per id (which also gives its sample)
+        bag = torch.repeat_interleave(lengths)
+        feature = bag // B
+        invalid = (values < 0) | (values >= self._ebc._rows_per_feature.index_select(0, feature))
+        bad = first_invalid_id(values, lengths, self._ebc._rows_per_feature, B) if bool(invalid.any()) else None
         err = torch.tensor([1 if bad else 0, bad[0] if bad else 0, bad[1] if bad else 0, values.numel()],
                            dtype=torch.int64)
-        keys = None if bad else self._ebc.global_keys(values, lengths, B)
-        scores = torch.zeros(B, self._W, dtype=torch.int64)
+        keys = None if bad else self._ebc._table_offsets[self._ebc._feature_table].index_select(0, feature) + values
         if self.allocator == "greedy" and keys is not None:
-            sample = torch.repeat_interleave(torch.arange(len(self._ebc._feature_names) * B) % B, lengths)
-            local = self.planner.local_on(keys).T.to(torch.int64)  # [nnz, W]
-            scores.index_add_(0, sample, local)
+            local = self.planner.local_on(keys).to(torch.int64)  # [W, nnz]
+            scores = torch.zeros(self._W, B, dtype=torch.int64).index_add_(1, bag % B, local).T
+        else:
+            scores = torch.zeros(B, self._W, dtype=torch.int64)
         meta = torch.cat([err, _pack_int16(scores)]) if self.allocator == "greedy" else err
         gathered = torch.empty(self._W * meta.numel(), dtype=torch.int64)
         with _CommTimer(self.stats, "herald_schedule_meta"):
@@ -262,14 +270,16 @@ class HeraldTrainPipeline:
             if moved:
                 batch = self._exchange_samples(batch, rank_of[self._rank * B:(self._rank + 1) * B],
                                                (rank_of == self._rank).nonzero().flatten())
-            keys = self._keys(batch.sparse_features)
+                keys = self._keys(batch.sparse_features)
         assert keys is not None
         if self.skipper is not None and self.skipper.config.granularity == "input":
             before = batch.labels.numel()
             batch = self._drop_stale_inputs(batch, self.stats.steps + len(self._queue))
             if batch.labels.numel() != before:
                 keys = self._keys(batch.sparse_features)
-        reads = self._exchange_reads(torch.unique(keys)) if self.sync == "lazy" else []
+        reads: List[torch.Tensor] = []
+        if self.sync == "lazy":  # = torch.unique(keys); numpy's sort is several times faster than torch's on CPU
+            reads = self._exchange_reads(torch.unique_consecutive(torch.from_numpy(np.sort(keys.numpy()))))
         return _Entry(batch=batch, reads=reads, moved=moved)
 
     def _raise_on_bad(self, errs: torch.Tensor) -> None:
@@ -289,7 +299,6 @@ class HeraldTrainPipeline:
         kjt = batch.sparse_features
         F = len(kjt.keys())
         lengths = kjt.lengths().to(torch.int64).view(F, B)
-        values = kjt.values().to(torch.int64)
         order = torch.argsort(dest, stable=True)  # samples grouped by destination, in index order
         fixed = torch.cat([batch.dense_features.float().view(torch.int32), batch.labels.float().view(-1, 1).view(
             torch.int32), lengths.T.to(torch.int32)], 1)  # [B, dense + 1 + F]
@@ -297,11 +306,21 @@ class HeraldTrainPipeline:
         src_of_in = incoming // B
         recv_counts = torch.bincount(src_of_in, minlength=W)
         fixed_in = fixed.new_empty(int(recv_counts.sum()), fixed.shape[1])
-        # ids sample-major in send order: sort each id by (position of its sample in `order`, feature)
-        bag_of_value = torch.repeat_interleave(torch.arange(F * B), lengths.flatten())
-        pos = torch.empty(B, dtype=torch.int64)
-        pos[order] = torch.arange(B)
-        ids_out = values[torch.argsort(pos[bag_of_value % B] * F + bag_of_value // B, stable=True)].to(torch.int32)
+
+        def regroup(ids: torch.Tensor, bag_len: torch.Tensor, slot: torch.Tensor) -> torch.Tensor:
+            """``ids`` in bags of ``bag_len``, the bags rearranged so that bag b comes ``slot[b]``-th (what a
+            stable argsort of the ids by their bag's slot gives, by offsets: no sort)."""
+            if ids.numel() == bag_len.numel() and bool((bag_len == 1).all()):  # one id per bag: slot is its place
+                return torch.empty_like(ids).index_copy_(0, slot, ids)
+            slot_len = torch.empty_like(bag_len).index_copy_(0, slot, bag_len)
+            shift = (torch.cumsum(slot_len, 0) - slot_len).index_select(0, slot) - (torch.cumsum(bag_len, 0) - bag_len)
+            to = torch.repeat_interleave(shift, bag_len) + torch.arange(ids.numel())
+            return torch.empty_like(ids).index_copy_(0, to, ids)
+
+        # ids sample-major in send order: bag (feature f, sample s) goes to slot (position of s in order, f)
+        pos = torch.empty_like(order).index_copy_(0, order, torch.arange(B))
+        slot = pos * F + torch.arange(F)[:, None]
+        ids_out = regroup(kjt.values().to(torch.int32), lengths.flatten(), slot.view(-1))
         ids_send = torch.zeros(W, dtype=torch.int64).index_add_(0, dest, lengths.sum(0)).tolist()
         with _CommTimer(self.stats, "herald_samples"):
             dist.all_to_all_single(fixed_in, fixed[order].contiguous(), recv_counts.tolist(), send_counts.tolist(),
@@ -313,10 +332,9 @@ class HeraldTrainPipeline:
         n_dense = batch.dense_features.shape[1]
         dense = fixed_in[:, :n_dense].view(torch.float32).to(batch.dense_features.dtype)
         labels = fixed_in[:, n_dense].view(torch.float32).to(batch.labels.dtype)
-        # back to the feature-major KJT layout
+        # back to the feature-major KJT layout: bag (sample s, feature f) goes to slot (f, s)
         n_in = lengths_in.shape[0]
-        bag_in = torch.repeat_interleave(torch.arange(n_in * F), lengths_in.flatten())  # sample * F + feature
-        new_values = ids_in[torch.argsort((bag_in % F) * n_in + bag_in // F, stable=True)]
+        new_values = regroup(ids_in, lengths_in.flatten(), torch.arange(F * n_in).view(F, n_in).T.reshape(-1))
         new_kjt = KeyedJaggedTensor(keys=kjt.keys(), values=new_values.to(kjt.values().dtype),
                                     lengths=lengths_in.T.flatten().to(kjt.lengths().dtype))
         return Batch(dense_features=dense, sparse_features=new_kjt, labels=labels)
@@ -343,6 +361,7 @@ class HeraldTrainPipeline:
         self._fill(dataloader_iter)
         if not self._queue:
             self.flush()
+            self._exhausted = self._started = False  # the next progress() may start a new epoch's iterator
             raise StopIteration
         if self.skipper is not None:
             self._skip_phase(self.stats.steps)
@@ -366,7 +385,8 @@ class HeraldTrainPipeline:
         elif self.skipper is not None and self.skipper.config.granularity == "row":  # eager: count frozen reads
             rows = torch.unique(self._keys(entry.batch.sparse_features))
             self.stats.candidate_updates += rows.numel()
-            self.stats.skipped_updates += int(torch.isin(rows, self._stale_keys).sum()) if self._stale_keys.numel() else 0
+            if self._stale_keys.numel():
+                self.stats.skipped_updates += int(torch.isin(rows, self._stale_keys).sum())
         self._queue.popleft()
         self.stats.steps += 1
         self.stats.moved_samples += entry.moved
@@ -485,6 +505,11 @@ class HeraldTrainPipeline:
         self._flushed = True
 
     def detach(self) -> nn.Module:
-        """Flush and hand back the model (as ``TrainPipelineSparseDist.detach``)."""
+        """Flush and hand back the model (as ``TrainPipelineSparseDist.detach``); hot rows frozen by
+        stale-update skipping are trained again (the herald EBC would otherwise keep them frozen)."""
         self.flush()
+        if self.skipper is not None:
+            self._stale_keys = torch.empty(0, dtype=torch.int64)
+            self._ebc.set_frozen_hot(None)
+            self._ebc.set_frozen_keys(self._stale_keys)
         return self._model

@@ -512,7 +512,8 @@ class ShardedHeraldEmbeddingBagCollection(
             else:
                 state = self._hot_state[: self._num_hot]
                 state[live] += grad[live].pow(2).mean(1)
-                w[live] -= grad[live] * (lr / (state[live].sqrt() + float(self._fused_params.get("eps", 1e-8))))[:, None]
+                eps = float(self._fused_params.get("eps", 1e-8))
+                w[live] -= grad[live] * (lr / (state[live].sqrt() + eps))[:, None]
             self._mirror_hot_into_cold()
 
     def _cold_momentum(self) -> Optional[torch.Tensor]:
