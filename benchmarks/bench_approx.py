@@ -48,12 +48,20 @@ def _worker(rank: int, world: int, overrides: List[str], run_dir: str) -> Dict[s
     return run_training(compose_config(overrides), Path(run_dir), show_progress=False)
 
 
+def _thresholds(ap: Dict[str, Any]) -> str:
+    h = ap.get("skip_thresholds") or []
+    if not h:
+        return "—"
+    return f"{sum(x[1] for x in h) / len(h):.3g} / {sum(x[2] for x in h) / len(h):.3f}"
+
+
 def table(rows: List[Dict[str, Any]]) -> List[str]:
     from torchrec_herald.trainer import embedding_bytes_per_step
 
     lines = ["| data | mode | KiB/step | embedding KiB/step | hot sync + reduce KiB/step | samples/s vs exact | "
-             "AUC | ΔAUC vs exact | Δlogloss vs exact | stale reads | max staleness | updates skipped |",
-             "|" + "---|" * 12]
+             "AUC | ΔAUC vs exact | Δlogloss vs exact | stale reads | max staleness | row reads not updated | "
+             "skip threshold T / sampled share (mean) |",
+             "|" + "---|" * 13]
     by = {(r["data"], r["mode"]): r["metrics"] for r in rows}
     for r in rows:
         m, ref = r["metrics"], by[(r["data"], REFERENCE.get(r["mode"], "exact"))]
@@ -68,7 +76,7 @@ def table(rows: List[Dict[str, Any]]) -> List[str]:
             f"{m['eval']['auc']:.4f} | {'—' if exact else format(m['eval']['auc'] - ref['eval']['auc'], '+.4f')} | "
             f"{'—' if exact else format(m['eval']['logloss'] - ref['eval']['logloss'], '+.4f')} | "
             f"{'—' if not ap else format(ap['stale_read_share'], '.1%')} | {ap.get('max_staleness', '—')} | "
-            f"{'—' if not ap else format(ap['skipped_update_share'], '.1%')} |")
+            f"{'—' if not ap else format(ap['skipped_update_share'], '.1%')} | {_thresholds(ap)} |")
     return lines
 
 

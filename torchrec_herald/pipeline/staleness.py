@@ -224,9 +224,10 @@ class StalenessPlanner(TensorLazySyncPlanner):
         return StaleFlushPlan(push=push, pull=pull, dropped=dropped, push_add=add)
 
     def local_on(self, keys: torch.Tensor) -> torch.Tensor:
-        """bool ``[W, len(keys)]``: a lookup of ``keys[i]`` needs no transfer on rank r (hot replica or
-        cache entry at most ``s`` versions behind, or r's own block)."""
+        """bool ``[W, len(keys)]``: what the input allocator counts as local on rank r — a hot replica, r's
+        own block, or a cache entry at most ``s`` versions behind (hot replicas count as the exact
+        plan counts them, so ``s = 0`` allocates exactly as the exact mode does)."""
         ranks = torch.arange(self.W).unsqueeze(1)
         home = self.home[keys].unsqueeze(0) == ranks
         fresh = (self.hv[keys].unsqueeze(0) - self.base[:, keys]) <= self.staleness
-        return home | ((self.is_hot[keys].unsqueeze(0) | self.cached[:, keys]) & fresh)
+        return home | self.is_hot[keys].unsqueeze(0) | (self.cached[:, keys] & fresh)
