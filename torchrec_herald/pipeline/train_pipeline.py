@@ -4,7 +4,9 @@ A look-ahead window of the next K global batches feeds (1) the location-aware in
 moves samples to the rank that holds their rows, and (2) the lazy, exact communication plan over worker
 caches and hot replicas (:class:`~torchrec_herald.pipeline.lazy_sync.TensorLazySyncPlanner`), which the
 herald EBC executes (:class:`~torchrec_herald.sharding.plan_exec.PlanExecutor`). Drop-in for
-``TrainPipelineSparseDist``: same constructor arguments, ``progress(dataloader_iter)``.
+``TrainPipelineSparseDist``: same constructor arguments, ``progress(dataloader_iter)``. Opt-in
+approximate modes: HET's bounded staleness (``staleness=s``) and Slipstream's stale-update skipping
+(``skip=SkipConfig(...)``).
 """
 
 from __future__ import annotations
