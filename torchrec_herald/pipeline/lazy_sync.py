@@ -16,7 +16,6 @@ further metadata on the wire: a receiver knows which rows arrive, from whom, in 
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 from typing import Dict, List, Mapping, Optional, Sequence
 
@@ -160,11 +159,13 @@ class TensorLazySyncPlanner:
         return torch.stack([x, m, h], 1)
 
     @staticmethod
-    def _sorted(t: torch.Tensor) -> torch.Tensor:
-        if not t.numel():
-            return _EMPTY.clone()
-        key = (t[:, 0] * 65536 + t[:, 1]) * 65536 + t[:, 2]
-        return t[torch.argsort(key)]
+    def _order(t: torch.Tensor) -> torch.Tensor:
+        """Permutation sorting ``(key, src, dst)`` rows by key, then src, then dst."""
+        return torch.argsort((t[:, 0] * 65536 + t[:, 1]) * 65536 + t[:, 2])
+
+    @classmethod
+    def _sorted(cls, t: torch.Tensor) -> torch.Tensor:
+        return t[cls._order(t)] if t.numel() else _EMPTY.clone()
 
     # ------------------------------------------------------------------ planning
     def plan_step(self, window: Sequence[Sequence[torch.Tensor]]) -> ExecPlan:
@@ -232,13 +233,14 @@ class TensorLazySyncPlanner:
         self.step += 1
         return plan
 
-    def _evict(self) -> tuple[torch.Tensor, List[torch.Tensor]]:
-        """Trim every (rank, table) cache back to capacity, least recently used first (ties: lower key);
-        a victim holding the only latest version is pushed home (``miss_push``)."""
-        W, N = self.W, self.num_rows
+    def _lru_victims(self) -> torch.Tensor:
+        """Flat indices ``r * N + key`` (sorted: by rank, then key) of the cached rows that trim every
+        (rank, table) cache back to capacity, least recently used first (ties: lower key); the cache
+        counts are set to the trimmed sizes, the rest of the state is the caller's."""
+        N = self.num_rows
         over = (self.cache_count > self.capacity.unsqueeze(0)).nonzero()  # (rank, table), rank-major
         if not over.numel():
-            return _EMPTY.clone(), [torch.empty(0, dtype=torch.int64) for _ in range(W)]
+            return torch.empty(0, dtype=torch.int64)
         r_over, t_over = over[:, 0], over[:, 1]
         lo = r_over * N + self.table_lo.index_select(0, t_over)  # flat index of each segment's first row
         size = (self.table_hi - self.table_lo).index_select(0, t_over)
@@ -257,7 +259,13 @@ class TensorLazySyncPlanner:
         self.cache_count.clamp_(max=self.capacity)  # the over-full caches lose their excess
         rank_in_seg = torch.arange(len(order)) - (torch.cumsum(count, 0) - count).index_select(0, g)
         evict = rank_in_seg < excess.index_select(0, g)
-        v = torch.sort(flat.index_select(0, order.masked_select(evict))).values  # victims by rank, then key
+        return torch.sort(flat.index_select(0, order.masked_select(evict))).values
+
+    def _evict(self) -> tuple[torch.Tensor, List[torch.Tensor]]:
+        """Trim the caches (:meth:`_lru_victims`); a victim holding the only latest version is pushed home
+        (``miss_push``)."""
+        W, N = self.W, self.num_rows
+        v = self._lru_victims()
         rv, xv = v // N, v % N
         d = (self.master.index_select(0, xv) == rv).nonzero().squeeze(1)  # dirty: push home
         xd, rd = xv.index_select(0, d), rv.index_select(0, d)
@@ -294,8 +302,3 @@ class TensorLazySyncPlanner:
         cache = self.cached.view(-1).index_select(0, flat) & self.valid.view(-1).index_select(0, flat)
         out = cache.view(self.W, -1) | self.is_hot.index_select(0, k) | (self.home.index_select(0, k) == ranks)
         return out.view(self.W, *keys.shape)
-
-
-def capacity_rows_of(locality: Locality, capacity_fraction: float) -> Dict[str, int]:
-    """Per-table cache capacity in rows for a fraction (``ceil(f · n)``, at least 1)."""
-    return {t: max(1, math.ceil(capacity_fraction * n)) for t, n in locality.num_embeddings.items()}

@@ -101,11 +101,12 @@ class StalenessPlanner(TensorLazySyncPlanner):
             return _EMPTY.clone(), torch.empty(0, dtype=torch.bool)
         return torch.cat(out), torch.cat(add)
 
-    @staticmethod
-    def _by_key(t: torch.Tensor, flags: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+    @classmethod
+    def _by_key(cls, t: torch.Tensor, flags: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+        """``t`` sorted as :meth:`_sorted` does, with its per-row ``flags`` kept aligned."""
         if not t.numel():
             return _EMPTY.clone(), flags[:0]
-        order = torch.argsort((t[:, 0] * 65536 + t[:, 1]) * 65536 + t[:, 2])
+        order = cls._order(t)
         return t[order], flags[order]
 
     # ------------------------------------------------------------------ planning
@@ -175,8 +176,7 @@ class StalenessPlanner(TensorLazySyncPlanner):
         plan.update_push, plan.update_push_add = self._by_key(post, post_add)
         plan.miss_push, plan.miss_push_add = self._by_key(*miss_push)
         if pull.numel():
-            order = torch.argsort((pull[:, 0] * 65536 + pull[:, 1]) * 65536 + pull[:, 2])
-            plan.pull, plan.pull_miss = pull[order], pull_miss[order]
+            plan.pull, plan.pull_miss = self._by_key(pull, pull_miss)
         self.step += 1
         return plan
 
@@ -188,19 +188,9 @@ class StalenessPlanner(TensorLazySyncPlanner):
 
     def _evict(self) -> Tuple[Tuple[torch.Tensor, torch.Tensor], List[torch.Tensor]]:  # type: ignore[override]
         """LRU trim as in the exact plan; an evicted copy with pending updates is always pushed home."""
-        victims: List[torch.Tensor] = []
-        over = self.cache_count > self.capacity.unsqueeze(0)
-        for r in range(self.W):
-            vs: List[torch.Tensor] = []
-            for t in over[r].nonzero().flatten().tolist():
-                lo, hi = int(self.table_lo[t]), int(self.table_hi[t])
-                keys = self.cached[r, lo:hi].nonzero().flatten() + lo
-                excess = int(self.cache_count[r, t] - self.capacity[t])
-                vs.append(keys[torch.sort(self.last_use[r, keys], stable=True).indices[:excess]])
-                self.cache_count[r, t] -= excess
-            victims.append(torch.sort(torch.cat(vs)).values if vs else torch.empty(0, dtype=torch.int64))
-        R = torch.cat([torch.full((len(v),), r, dtype=torch.int64) for r, v in enumerate(victims)])
-        X = torch.cat(victims)
+        v = self._lru_victims()
+        R, X = v // self.num_rows, v % self.num_rows
+        victims = list(X.split(torch.bincount(R, minlength=self.W).tolist()))
         dirty = self.pending[R, X] > 0
         pushes = self._push(R[dirty], X[dirty])
         self.cached[R, X] = False
