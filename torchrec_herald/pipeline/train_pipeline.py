@@ -219,24 +219,12 @@ class HeraldTrainPipeline:
         self._started = True
 
     def _keys(self, kjt: KeyedJaggedTensor) -> torch.Tensor:
-        kjt = self._in_ebc_order(kjt)
-        per_feature = kjt.lengths().to(torch.int64).view(len(self._ebc._feature_names), kjt.stride()).sum(1)
-        # = self._ebc.global_keys(...): the values are feature-major, so one offset per feature, not per bag
-        offsets = self._ebc._table_offsets[self._ebc._feature_table]
-        return kjt.values().to(torch.int64) + torch.repeat_interleave(offsets, per_feature)
-
-    def _in_ebc_order(self, kjt: KeyedJaggedTensor) -> KeyedJaggedTensor:
-        names = self._ebc._feature_names
-        if kjt.keys() == names:
-            return kjt
-        missing = [f for f in names if f not in kjt.keys()]
-        if missing:
-            raise ValueError(f"features {missing} of the herald EBC are missing from the input KJT")
-        return kjt.permute([kjt.keys().index(f) for f in names])
+        kjt = self._ebc.in_feature_order(kjt)
+        return self._ebc.global_keys(kjt.values().to(torch.int64), kjt.lengths(), kjt.stride())
 
     def _prepare(self, raw: Batch) -> _Entry:
         """Validate ids, allocate samples (collective), exchange every rank's read rows (collective)."""
-        kjt = self._in_ebc_order(raw.sparse_features)
+        kjt = self._ebc.in_feature_order(raw.sparse_features)
         B = kjt.stride()
         values, lengths = kjt.values().to(torch.int64), kjt.lengths().to(torch.int64)
         # the id check and global_keys by hand, from one bag index per id (which also gives its sample)
@@ -287,12 +275,7 @@ class HeraldTrainPipeline:
     def _raise_on_bad(self, errs: torch.Tensor) -> None:
         bad = (errs[:, 0] > 0).nonzero().flatten().tolist()
         if bad:
-            r = bad[0]
-            f, i = int(errs[r, 1]), int(errs[r, 2])
-            t = int(self._ebc._feature_table[f])
-            raise ValueError(f"id {i} of feature '{self._ebc._feature_names[f]}' is outside table "
-                             f"'{self._ebc._tables[t]}' [0, {self._ebc._num_embeddings[t]}) (in rank {r}'s batch; "
-                             f"ranks with bad ids: {bad})")
+            raise self._ebc.bad_id_error(bad, int(errs[bad[0], 1]), int(errs[bad[0], 2]))
 
     def _exchange_samples(self, batch: Batch, dest: torch.Tensor, incoming: torch.Tensor) -> Batch:
         """Send each local sample to ``dest[i]`` (dense, label, per-feature lengths, ids); receive the
@@ -342,15 +325,19 @@ class HeraldTrainPipeline:
         return Batch(dense_features=dense, sparse_features=new_kjt, labels=labels)
 
     def _exchange_reads(self, mine: torch.Tensor) -> List[torch.Tensor]:
-        """Every rank's sorted unique read keys (an all-gather of counts, then one all-to-all of int32 keys)."""
+        """Every rank's sorted unique read keys (int32 on the wire)."""
+        return [k.to(torch.int64) for k in self._all_gather_varlen(mine.to(torch.int32), "herald_schedule_meta")]
+
+    def _all_gather_varlen(self, mine: torch.Tensor, label: str) -> List[torch.Tensor]:
+        """Every rank's 1-D ``mine`` (any length): an all-gather of the lengths, then one all-to-all
+        sending ``mine`` to every rank (written by hand: ``all_gather`` needs equal sizes)."""
         W = self._W
         counts = torch.empty(W, dtype=torch.int64)
-        with _CommTimer(self.stats, "herald_schedule_meta"):
+        with _CommTimer(self.stats, label):
             dist.all_gather_into_tensor(counts, torch.tensor([mine.numel()], dtype=torch.int64), group=self._pg)
-            out = torch.empty(int(counts.sum()), dtype=torch.int32)
-            dist.all_to_all_single(out, mine.to(torch.int32).repeat(W), counts.tolist(), [mine.numel()] * W,
-                                   group=self._pg)
-        return [k.to(torch.int64) for k in out.split(counts.tolist())]
+            out = mine.new_empty(int(counts.sum()))
+            dist.all_to_all_single(out, mine.repeat(W), counts.tolist(), [mine.numel()] * W, group=self._pg)
+        return list(out.split(counts.tolist()))
 
     # ------------------------------------------------------------------ training
     def progress(self, dataloader_iter: Iterator[Batch]) -> Any:
@@ -447,14 +434,8 @@ class HeraldTrainPipeline:
                 worst = torch.full((B,), float("-inf")).scatter_reduce(0, sample, mv, "amax", include_self=True)
                 worst[torch.bincount(sample, minlength=B) == 0] = float("inf")  # no lookups: never skipped
                 local.append(worst)
-        mine = torch.cat(local) if local else torch.empty(0)
-        W = self._W
-        counts = torch.empty(W, dtype=torch.int64)
-        with _CommTimer(self.stats, "herald_skip_meta"):
-            dist.all_gather_into_tensor(counts, torch.tensor([mine.numel()], dtype=torch.int64), group=self._pg)
-            out = torch.empty(int(counts.sum()), dtype=torch.float32)
-            dist.all_to_all_single(out, mine.float().repeat(W), counts.tolist(), [mine.numel()] * W, group=self._pg)
-        return out
+        mine = torch.cat(local).float() if local else torch.empty(0)
+        return torch.cat(self._all_gather_varlen(mine, "herald_skip_meta"))
 
     def _without_frozen(self, reads: List[List[torch.Tensor]]) -> List[List[torch.Tensor]]:
         """Row granularity: frozen rows are read but never updated, so the plan leaves them out (their

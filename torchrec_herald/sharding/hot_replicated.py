@@ -283,11 +283,7 @@ class ShardedHeraldEmbeddingBagCollection(
 
     def input_dist(self, ctx: HeraldContext, features: KeyedJaggedTensor) -> Awaitable[Awaitable[HeraldContext]]:
         """Split ids hot/cold, validate them, and send the remote cold ids to their owners."""
-        if features.keys() != self._feature_names:
-            missing = [f for f in self._feature_names if f not in features.keys()]
-            if missing:
-                raise ValueError(f"features {missing} of the herald EBC are missing from the input KJT")
-            features = features.permute([features.keys().index(f) for f in self._feature_names])
+        features = self.in_feature_order(features)
         if features.weights_or_none() is not None:
             raise ValueError("herald_hot_row_wise does not support per-sample weights (weighted KJT); "
                              "plan weighted tables with a stock sharding type")
@@ -368,11 +364,15 @@ class ShardedHeraldEmbeddingBagCollection(
         bad_ranks = (recv_counts[:, 2] > 0).nonzero().flatten().tolist()
         if bad_ranks:
             r = bad_ranks[0]
-            f = int(recv_counts[r, 2]) - 1
-            t = int(self._feature_table[f])
-            raise ValueError(f"id {int(recv_counts[r, 3])} of feature '{self._feature_names[f]}' is outside "
-                             f"table '{self._tables[t]}' [0, {self._num_embeddings[t]}) (in rank {r}'s batch; "
-                             f"ranks with bad ids: {bad_ranks})")
+            raise self.bad_id_error(bad_ranks, int(recv_counts[r, 2]) - 1, int(recv_counts[r, 3]))
+
+    def bad_id_error(self, bad_ranks: List[int], feature: int, value: int) -> ValueError:
+        """The error every rank raises for an id outside its table: ``value`` of feature index ``feature``
+        in the batch of ``bad_ranks[0]`` (all ranks whose batches held one: ``bad_ranks``)."""
+        t = int(self._feature_table[feature])
+        return ValueError(f"id {value} of feature '{self._feature_names[feature]}' is outside table "
+                          f"'{self._tables[t]}' [0, {self._num_embeddings[t]}) (in rank {bad_ranks[0]}'s batch; "
+                          f"ranks with bad ids: {bad_ranks})")
 
     def compute(self, ctx: HeraldContext, dist_input: Any) -> Tuple[torch.Tensor, torch.Tensor]:
         """Owner side: partial pooled vectors of the received sub-bags; local side: hot pooled vectors."""
@@ -411,11 +411,20 @@ class ShardedHeraldEmbeddingBagCollection(
         return LazyNoWait(KeyedTensor(keys=self._feature_names, length_per_key=[self._dim] * F, values=values))
 
     # ------------------------------------------------------------------ plan mode (Herald scheduling)
+    def in_feature_order(self, kjt: KeyedJaggedTensor) -> KeyedJaggedTensor:
+        """``kjt`` with its keys in this module's feature order (error naming the missing features)."""
+        if kjt.keys() == self._feature_names:
+            return kjt
+        missing = [f for f in self._feature_names if f not in kjt.keys()]
+        if missing:
+            raise ValueError(f"features {missing} of the herald EBC are missing from the input KJT")
+        return kjt.permute([kjt.keys().index(f) for f in self._feature_names])
+
     def global_keys(self, values: torch.Tensor, lengths: torch.Tensor, batch_size: int) -> torch.Tensor:
-        """Global row key (table offset + id) of every id of a KJT in this module's feature order."""
-        feature = torch.repeat_interleave(torch.arange(len(self._feature_names)).repeat_interleave(batch_size),
-                                          lengths)
-        return self._table_offsets[self._feature_table[feature]] + values
+        """Global row key (table offset + id) of every id of a KJT in this module's feature order (the
+        values are feature-major: one offset per feature, repeated over its ids)."""
+        per_feature = lengths.to(torch.int64).view(len(self._feature_names), batch_size).sum(1)
+        return values + torch.repeat_interleave(self._table_offsets[self._feature_table], per_feature)
 
     @property
     def plan_executor(self) -> Any:
