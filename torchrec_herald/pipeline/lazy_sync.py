@@ -24,14 +24,9 @@ import torch
 from torchrec_herald.pipeline.input_allocator import Locality
 from torchrec_herald.pipeline.sync_plan import StepPlan, SyncCounters, TablePlan, _capacities
 
-__all__ = ["ExecPlan", "FlushPlan", "TensorLazySyncPlanner", "transfers_between"]
+__all__ = ["ExecPlan", "FlushPlan", "TensorLazySyncPlanner"]
 
 _EMPTY = torch.empty(0, 3, dtype=torch.int64)
-
-
-def transfers_between(t: torch.Tensor, src: int, dst: int) -> torch.Tensor:
-    """Keys of the ``(key, src, dst)`` rows of ``t`` from ``src`` to ``dst``, in ``t``'s order."""
-    return t[(t[:, 1] == src) & (t[:, 2] == dst), 0]
 
 
 @dataclass

@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 from fbgemm_gpu.split_embedding_configs import EmbOptimType
 
-from torchrec_herald.pipeline.lazy_sync import ExecPlan, FlushPlan, transfers_between
+from torchrec_herald.pipeline.lazy_sync import ExecPlan, FlushPlan
 from torchrec_herald.traffic import traffic_tag
 
 if TYPE_CHECKING:
@@ -164,18 +164,20 @@ class PlanExecutor:
     # ------------------------------------------------------------------ transfers
     def _exchange(self, transfers: torch.Tensor, payload: Callable[[torch.Tensor], torch.Tensor], label: str,
                   width: int) -> Tuple[List[torch.Tensor], torch.Tensor]:
-        """One all-to-all of the rows of ``transfers`` (``(key, src, dst)``, known to every rank): this
-        rank sends ``payload(keys)`` for its outgoing keys; returns (keys received per source, rows)."""
+        """One all-to-all of the rows of ``transfers`` (``(key, src, dst)``, known to every rank): for each
+        destination this rank sends ``payload(i)``, ``i`` the positions in ``transfers`` of its rows to
+        it; returns (per source, the positions of the rows received from it; the received rows)."""
         me, W = self.rank, self.W
-        send_keys = [transfers_between(transfers, me, d) for d in range(W)]
-        recv_keys = [transfers_between(transfers, s, me) for s in range(W)]
-        send = torch.cat([payload(k) for k in send_keys]) if any(k.numel() for k in send_keys) \
+        src, dst = transfers[:, 1], transfers[:, 2]
+        send_pos = [((src == me) & (dst == d)).nonzero().squeeze(1) for d in range(W)]
+        recv_pos = [((src == r) & (dst == me)).nonzero().squeeze(1) for r in range(W)]
+        send = torch.cat([payload(i) for i in send_pos]) if any(i.numel() for i in send_pos) \
             else torch.zeros(0, width)
-        out = torch.empty(sum(k.numel() for k in recv_keys), width)
+        out = torch.empty(sum(i.numel() for i in recv_pos), width)
         with traffic_tag(label, width):
-            dist.all_to_all_single(out, send.contiguous(), [k.numel() for k in recv_keys],
-                                   [k.numel() for k in send_keys], group=self.pg)
-        return recv_keys, out
+            dist.all_to_all_single(out, send.contiguous(), [i.numel() for i in recv_pos],
+                                   [i.numel() for i in send_pos], group=self.pg)
+        return recv_pos, out
 
     def _row_payload(self, keys: torch.Tensor, add: torch.Tensor) -> torch.Tensor:
         """Each row's value (+ Adagrad state); for ``add`` rows the accumulated update (value − base)."""
@@ -192,25 +194,17 @@ class PlanExecutor:
         push comes from the lowest pushing rank, as the staleness planner assigns it)."""
         if not transfers.numel():
             return
-        me, W = self.rank, self.W
+        keys = transfers[:, 0]
         add = add if add is not None else torch.zeros(len(transfers), dtype=torch.bool)
-        out_m = [(transfers[:, 1] == me) & (transfers[:, 2] == d) for d in range(W)]
-        in_m = [(transfers[:, 1] == r) & (transfers[:, 2] == me) for r in range(W)]
-        send_keys = [transfers[m, 0] for m in out_m]
-        send = [self._row_payload(transfers[m, 0], add[m]) for m in out_m]
-        recv_n = [int(m.sum()) for m in in_m]
-        out = torch.empty(sum(recv_n), self.width)
-        with traffic_tag(label, self.width):
-            dist.all_to_all_single(out, torch.cat(send).contiguous(), recv_n, [k.numel() for k in send_keys],
-                                   group=self.pg)
+        recv_pos, out = self._exchange(transfers, lambda i: self._row_payload(keys[i], add[i]), label, self.width)
         if self.track_base:  # what this rank pushed is now part of the home's copy
-            sent = torch.cat(send_keys)
+            sent = keys[transfers[:, 1] == self.rank]
             if sent.numel():
                 self._rebase(sent)
-        for r, rows in zip(range(W), out.split(recv_n)):
+        for pos, rows in zip(recv_pos, out.split([i.numel() for i in recv_pos])):
             if not rows.numel():
                 continue
-            k, a = transfers[in_m[r], 0], add[in_m[r]]
+            k, a = keys[pos], add[pos]
             state = rows[:, self.D] if self.adagrad else torch.zeros(k.numel())
             w, st = rows[:, : self.D].clone(), state.clone()
             if bool(a.any()):
@@ -236,12 +230,13 @@ class PlanExecutor:
         mine = plan.reducer == me
         upd = plan.update_keys[mine]
         total = torch.zeros(upd.numel(), self.D)
-        recv_keys: List[torch.Tensor] = [torch.empty(0, dtype=torch.int64)] * self.W
+        red_keys = plan.reduce[:, 0]
+        recv_keys: List[torch.Tensor] = [red_keys[:0]] * self.W
         rows = torch.zeros(0, self.D)
         if plan.reduce.numel():
-            def grads(k: torch.Tensor) -> torch.Tensor:
-                return ws_grad[torch.searchsorted(ws_keys, k)]
-            recv_keys, rows = self._exchange(plan.reduce, grads, "herald_reduce", self.D)
+            recv_pos, rows = self._exchange(plan.reduce, lambda i: ws_grad[torch.searchsorted(ws_keys, red_keys[i])],
+                                            "herald_reduce", self.D)
+            recv_keys = [red_keys[i] for i in recv_pos]
         parts = rows.split([k.numel() for k in recv_keys])
         for src in range(self.W):  # gradients summed in rank order: deterministic
             if src == me:
