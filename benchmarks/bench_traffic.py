@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import Any, Dict, List
 
 from torchrec_herald.dist_utils import run_multiprocess
+from torchrec_herald.trainer import embedding_bytes_per_step as emb_bytes
 
 logger = logging.getLogger("bench_traffic")
 HERE = Path(__file__).resolve().parent
@@ -63,14 +64,6 @@ def run(world_sizes: List[int], steps: int, extra: List[str]) -> List[Dict[str, 
                 rows.append({"config": name, "overrides": ov, "world_size": world,
                              "wall_s": time.perf_counter() - t0, "metrics": m})
     return rows
-
-
-def emb_bytes(m: Dict[str, Any]) -> float:
-    """Embedding bytes per step (``trainer.embedding_bytes_per_step``: vectors × dim × 4 + the Adagrad
-    state float of rows moved by Herald's plan)."""
-    from torchrec_herald.trainer import embedding_bytes_per_step
-
-    return embedding_bytes_per_step(m)
 
 
 def traffic_table(rows: List[Dict[str, Any]]) -> List[str]:

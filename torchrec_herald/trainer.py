@@ -32,6 +32,7 @@ from torchrec_herald.dist_utils import init_distributed
 from torchrec_herald.model import build_dlrm_train, build_tables
 from torchrec_herald.pipeline import HeraldTrainPipeline
 from torchrec_herald.pipeline.stale_skip import SkipConfig
+from torchrec_herald.pipeline.staleness import check_staleness_option
 from torchrec_herald.planner.stock import describe_plan, stock_plan
 from torchrec_herald.sharding import CpuEmbeddingBagCollectionSharder
 from torchrec_herald.traffic import MeteredDataParallelWrapper, TrafficMeter, reduce_summaries
@@ -168,11 +169,7 @@ def check_approximate_options(cfg: DictConfig) -> None:
     approximate run trains its exact reference first)."""
     if not is_approximate(cfg):
         return
-    s = cfg.pipeline.get("staleness")
-    if s is not None and (isinstance(s, bool) or not isinstance(s, (int, float)) or int(s) != s or int(s) < 0):
-        raise ValueError(f"pipeline.staleness must be null (exact) or an integer >= 0, got {s}")
-    if s is not None and cfg.pipeline.get("sync", "lazy") != "lazy":
-        raise ValueError("pipeline.staleness needs pipeline.sync=lazy (it relaxes the caches' plan)")
+    check_staleness_option(cfg.pipeline.get("staleness"), cfg.pipeline.get("sync", "lazy"))
     skip_config(cfg)
 
 

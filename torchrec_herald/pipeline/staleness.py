@@ -25,7 +25,7 @@ sees every earlier update and every push replaces: the exact mode's training, bi
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import List, Mapping, Optional, Sequence, Tuple
+from typing import Any, List, Mapping, Optional, Sequence, Tuple
 
 import torch
 
@@ -33,7 +33,7 @@ from torchrec_herald.pipeline.input_allocator import Locality
 from torchrec_herald.pipeline.lazy_sync import ExecPlan, FlushPlan, TensorLazySyncPlanner
 from torchrec_herald.pipeline.sync_plan import SyncCounters
 
-__all__ = ["StalenessPlanner", "StalePlan", "StaleFlushPlan"]
+__all__ = ["StalenessPlanner", "StalePlan", "StaleFlushPlan", "check_staleness_option"]
 
 _EMPTY = torch.empty(0, 3, dtype=torch.int64)
 
@@ -55,6 +55,17 @@ class StaleFlushPlan(FlushPlan):
     """A :class:`FlushPlan` whose pushes may add (``push_add``)."""
 
     push_add: torch.Tensor = field(default_factory=lambda: torch.empty(0, dtype=torch.bool))
+
+
+def check_staleness_option(staleness: Any, sync: str) -> None:
+    """Raise unless ``pipeline.staleness`` is null (exact) or an integer ``s >= 0`` with ``sync=lazy``."""
+    if staleness is None:
+        return
+    s = staleness
+    if isinstance(s, bool) or not isinstance(s, (int, float)) or int(s) != s or int(s) < 0:
+        raise ValueError(f"pipeline.staleness must be null (exact) or an integer >= 0, got {s}")
+    if sync != "lazy":
+        raise ValueError("pipeline.staleness needs pipeline.sync=lazy (it relaxes the caches' plan)")
 
 
 class StalenessPlanner(TensorLazySyncPlanner):

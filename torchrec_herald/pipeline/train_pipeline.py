@@ -28,7 +28,7 @@ from torchrec_herald.ops.hot_cold import first_invalid_id
 from torchrec_herald.pipeline.input_allocator import Locality, greedy_assign
 from torchrec_herald.pipeline.lazy_sync import TensorLazySyncPlanner
 from torchrec_herald.pipeline.stale_skip import SkipConfig, StaleSkipper
-from torchrec_herald.pipeline.staleness import StalenessPlanner, StalePlan
+from torchrec_herald.pipeline.staleness import StalenessPlanner, StalePlan, check_staleness_option
 from torchrec_herald.pipeline.sync_plan import SyncCounters
 from torchrec_herald.traffic import traffic_tag
 
@@ -173,10 +173,7 @@ class HeraldTrainPipeline:
                              f"at most all rows of a table; use a fraction in (0, 1]")
         if int(move_penalty) < 0:
             raise ValueError(f"pipeline.move_penalty must be >= 0, got {move_penalty}")
-        if staleness is not None and (int(staleness) != staleness or int(staleness) < 0):
-            raise ValueError(f"pipeline.staleness must be null (exact) or an integer >= 0, got {staleness}")
-        if staleness is not None and sync != "lazy":
-            raise ValueError("pipeline.staleness needs pipeline.sync=lazy (it relaxes the caches' plan)")
+        check_staleness_option(staleness, sync)
         self._model, self._optimizer, self._device = model, optimizer, device
         self.window, self.allocator, self.sync = int(window), allocator, sync
         self.move_penalty = int(move_penalty)
