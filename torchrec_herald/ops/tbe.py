@@ -48,10 +48,11 @@ def dense_lookup(weights: torch.Tensor, indices: torch.Tensor, offsets: torch.Te
     op ``DenseTableBatchedEmbeddingBagsCodegen`` runs), autograd giving ``weights``' gradient; for a
     per-step working set of rows that no persistent TBE owns."""
     n, dim = weights.shape
+    dev = weights.device  # the kernel runs where the rows are; indices/offsets follow them there
     return torch.ops.fbgemm.dense_embedding_codegen_lookup_function(
-        dev_weights=weights.reshape(-1), weights_offsets=torch.zeros(1, dtype=torch.int64),
-        D_offsets=torch.tensor([0, dim], dtype=torch.int32), total_D=dim, max_D=dim,
-        hash_size_cumsum=torch.tensor([0, n], dtype=torch.int64),
-        total_hash_size_bits=int(math.log2(max(n, 1)) + 1), indices=indices.to(torch.int64),
-        offsets=offsets.to(torch.int64), pooling_mode=int(PoolingMode.SUM), indice_weights=None,
+        dev_weights=weights.reshape(-1), weights_offsets=torch.zeros(1, dtype=torch.int64, device=dev),
+        D_offsets=torch.tensor([0, dim], dtype=torch.int32, device=dev), total_D=dim, max_D=dim,
+        hash_size_cumsum=torch.tensor([0, n], dtype=torch.int64, device=dev),
+        total_hash_size_bits=int(math.log2(max(n, 1)) + 1), indices=indices.to(dev, torch.int64),
+        offsets=offsets.to(dev, torch.int64), pooling_mode=int(PoolingMode.SUM), indice_weights=None,
         feature_requires_grad=None)

@@ -1,0 +1,93 @@
+"""DLRM training step time on one rank (stock TorchRec or herald), batches pre-generated on the device.
+
+The model, plan and pipeline are the trainer's own (``build_model_and_plan`` / ``build_pipeline`` from a
+Hydra-composed ``conf/train.yaml``), so the step is exactly the one ``python -m torchrec_herald.train``
+runs; data generation is taken out of the timing (batches are made and moved to the device first).
+Every step ends with a device synchronisation (the loss is read back), as in the trainer.
+
+    python benchmarks/gpu_step_time.py --batch-sizes 2048 8192 --out benchmarks/results/gpu_step_time.json
+    python benchmarks/gpu_step_time.py --overrides planner=herald pipeline=sparse_dist ...
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import statistics
+import time
+from pathlib import Path
+from typing import Any, Dict, List
+
+import torch
+import torch.distributed as dist
+from hydra import compose, initialize_config_module
+
+from machine_info import machine  # benchmarks/machine_info.py
+from torchrec_herald.data import build_data_source
+from torchrec_herald.dist_utils import init_distributed
+from torchrec_herald.trainer import build_model_and_plan, build_pipeline
+
+log = logging.getLogger("gpu_step_time")
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def measure(batch_size: int, overrides: List[str], warmup: int, steps: int) -> Dict[str, Any]:
+    """Per-step seconds (median, mean, p90) of ``steps`` timed steps after ``warmup`` steps."""
+    with initialize_config_module(config_module="torchrec_herald.conf", version_base="1.3"):
+        cfg = compose(config_name="train", overrides=[f"batch_size={batch_size}", "eval=false"] + overrides)
+    rank, world, device = init_distributed()
+    data = build_data_source(cfg.data)
+    dmp, optimizer, _ = build_model_and_plan(cfg, data, world, device)
+    pipeline = build_pipeline(cfg, dmp, optimizer, device)
+    n = warmup + steps + 2  # TrainPipelineSparseDist runs ahead by up to two batches
+    batches = [b.to(device) for _, b in zip(range(n), data.train_batches(rank, world, batch_size))]
+    if len(batches) < n:
+        raise ValueError(f"data yields {len(batches)} batches of {batch_size}; {n} needed")
+    it = iter(batches)
+    times: List[float] = []
+    for i in range(warmup + steps):
+        _sync(device)
+        t0 = time.perf_counter()
+        out = pipeline.progress(it)
+        out[0].item() if isinstance(out, tuple) else None
+        _sync(device)
+        if i >= warmup:
+            times.append(time.perf_counter() - t0)
+    times.sort()
+    med = statistics.median(times)
+    res = {"local_batch": batch_size, "world_size": world, "device": str(device),
+           "overrides": overrides, "steps_timed": steps, "warmup": warmup,
+           "step_s_median": med, "step_s_mean": statistics.fmean(times),
+           "step_s_p90": times[int(0.9 * (len(times) - 1))], "samples_per_s": batch_size * world / med}
+    log.info("B=%d %s: %.2f ms/step median (%.0f samples/s)", batch_size, " ".join(overrides), 1e3 * med,
+             res["samples_per_s"])
+    return res
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--batch-sizes", type=int, nargs="+", default=[2048, 8192])
+    p.add_argument("--overrides", nargs="*", default=["planner=table_wise", "pipeline=sparse_dist"])
+    p.add_argument("--warmup", type=int, default=10)
+    p.add_argument("--steps", type=int, default=50)
+    p.add_argument("--out", type=Path, default=Path("benchmarks/results/gpu_step_time.json"))
+    a = p.parse_args()
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", force=True)
+    runs = [measure(b, a.overrides, a.warmup, a.steps) for b in a.batch_sizes]
+    if dist.get_rank() == 0:
+        a.out.parent.mkdir(parents=True, exist_ok=True)
+        a.out.write_text(json.dumps({"machine": machine(), "command": "python benchmarks/gpu_step_time.py "
+                                     f"--batch-sizes {' '.join(map(str, a.batch_sizes))} --overrides "
+                                     f"{' '.join(a.overrides)} --warmup {a.warmup} --steps {a.steps}",
+                                     "runs": runs}, indent=2))
+        log.info("wrote %s", a.out)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

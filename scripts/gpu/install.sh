@@ -1,0 +1,18 @@
+#!/usr/bin/env bash
+# On the lent GPU machine: stage one chunk (bash scripts/gpu/install.sh stage), or, after the last
+# chunk, reassemble and install into /tmp/site (bash scripts/gpu/install.sh install), then
+#   export PYTHONPATH=/tmp/site:$PWD
+# Chunks arrive as the carried paths .gpu/c0, .gpu/c1, .gpu/c2 of consecutive calls (one machine
+# stays warm 30 s after a call, and what is staged under /root/stage survives while it does).
+set -euo pipefail
+cd "$(dirname "$0")/../.."
+mkdir -p /root/stage
+for c in .gpu/c*; do [ -d "$c" ] && cp -r "$c"/. /root/stage/; done
+ls /root/stage
+[ "${1:-stage}" = install ] || exit 0
+whl=/root/stage/fbgemm_gpu-1.6.0-cp312-cp312-manylinux_2_28_x86_64.whl
+cat /root/stage/fbgemm.part0 /root/stage/fbgemm.part1 /root/stage/fbgemm.part2 > "$whl"
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site \
+    "$whl" /root/stage/small/*.whl
+PYTHONPATH=/tmp/site python3 -c "import torch, fbgemm_gpu, torchrec; print('torch', torch.__version__, \
+'fbgemm_gpu', fbgemm_gpu.__version__, 'torchrec', torchrec.__version__, torch.cuda.get_device_name(0))"

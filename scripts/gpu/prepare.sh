@@ -1,0 +1,25 @@
+#!/usr/bin/env bash
+# Here (a machine with pip and network): fetch the GPU stack for the lent H100/H200 machine
+# (Python 3.12, torch 2.11.0+cu130, no registry, 64 MiB per call) and cut it into call-sized chunks.
+#   fbgemm-gpu 1.6.0 (the release paired with torch 2.11; built for CUDA 13: libcudart.so.13)
+#   torchrec 1.6.1 (paired with fbgemm-gpu 1.6) and the pure-Python packages the image lacks.
+# The 465 MB fbgemm wheel is slimmed to its sm_90 cubins (scripts/gpu/slim_wheel.py: 179 MB) and
+# split into .gpu/c0, .gpu/c1, .gpu/c2 (c2 also holds the small wheels); scripts/gpu/install.sh
+# reassembles them on the device. Usage: bash scripts/gpu/prepare.sh   (about 4 minutes)
+set -euo pipefail
+cd "$(dirname "$0")/../.."
+grep -qx '/.gpu/' .git/info/exclude 2>/dev/null || { mkdir -p .git/info; echo /.gpu/ >> .git/info/exclude; }
+work=${WORK:-/tmp/herald_gpu_stack}
+mkdir -p "$work/big" "$work/slim" .gpu/small
+plat=(--only-binary=:all: --python-version 3.12 --implementation cp --platform manylinux_2_28_x86_64
+      --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64)
+python3 -m pip download -q --no-deps "${plat[@]}" -d "$work/big" fbgemm-gpu==1.6.0
+python3 -m pip download -q --no-deps "${plat[@]}" -d .gpu/small torchrec==1.6.1 hydra-core==1.3.8 \
+    omegaconf==2.3.0 iopath==0.1.9 tensordict==0.11.0 orjson "pyvers>=0.2,<0.3" importlib_metadata
+python3 -m pip wheel -q --no-deps -w .gpu/small antlr4-python3-runtime==4.9.3   # an sdist on PyPI
+python3 scripts/gpu/slim_wheel.py "$work"/big/fbgemm_gpu-1.6.0-*.whl "$work/slim" --keep 90
+rm -f .gpu/c0 .gpu/c1 .gpu/c2
+split -b 60000000 -d -a 1 "$work"/slim/fbgemm_gpu-1.6.0-*.whl .gpu/fbgemm.part
+for i in 0 1 2; do mkdir -p .gpu/c$i; mv .gpu/fbgemm.part$i .gpu/c$i/; done
+mv .gpu/small .gpu/c2/small
+ls -la .gpu/c*
