@@ -2,7 +2,8 @@
 
 The model, plan and pipeline are the trainer's own (``build_model_and_plan`` / ``build_pipeline`` from a
 Hydra-composed ``conf/train.yaml``), so the step is exactly the one ``python -m torchrec_herald.train``
-runs; data generation is taken out of the timing (batches are made and moved to the device first).
+runs; data generation is taken out of the timing (batches are made on CPU first, and each pipeline
+copies them to the device as it would a data loader's).
 Every step ends with a device synchronisation (the loss is read back), as in the trainer.
 
     python benchmarks/gpu_step_time.py --batch-sizes 2048 8192 --out benchmarks/results/gpu_step_time.json
@@ -45,7 +46,8 @@ def measure(batch_size: int, overrides: List[str], warmup: int, steps: int) -> D
     dmp, optimizer, _ = build_model_and_plan(cfg, data, world, device)
     pipeline = build_pipeline(cfg, dmp, optimizer, device)
     n = warmup + steps + 2  # TrainPipelineSparseDist runs ahead by up to two batches
-    batches = [b.to(device) for _, b in zip(range(n), data.train_batches(rank, world, batch_size))]
+    # pre-generated on CPU, as a data loader yields them: each pipeline moves its batches to the device
+    batches = [b for _, b in zip(range(n), data.train_batches(rank, world, batch_size))]
     if len(batches) < n:
         raise ValueError(f"data yields {len(batches)} batches of {batch_size}; {n} needed")
     it = iter(batches)

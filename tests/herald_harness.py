@@ -28,7 +28,7 @@ def gather_state(state: Dict[str, Any]) -> Dict[str, torch.Tensor]:
             full = full if full is not None else torch.zeros(v.size())
             dist.broadcast(full, 0)
             v = full
-        out[k] = v.detach().clone()
+        out[k] = v.detach().to("cpu", copy=True)
     return out
 
 
@@ -131,7 +131,8 @@ def build(world: int, cfg: Dict[str, Any], data: Optional[Any] = None) -> Dict[s
     """Seeded DLRM (every rank the same weights) -> plan of ``cfg["planner"]`` -> DMP + CombinedOptimizer.
 
     cfg: planner (table_wise|row_wise|herald), optimizer (sgd|rowwise_adagrad), via (apply|fused_params),
-    pooling (SUM|MEAN), batch_size, hot_min_count, sync (herald: dense|sparse|mixed), lr, multi_hot, steps."""
+    pooling (SUM|MEAN), batch_size, hot_min_count, sync (herald: dense|sparse|mixed), lr, multi_hot, steps,
+    device (cpu|cuda: where every rank keeps its rows; the GPU check runs two gloo ranks on one GPU)."""
     from torchrec.distributed import DistributedModelParallel
     from torchrec.optim import RowWiseAdagrad, apply_optimizer_in_backward
     from torchrec.optim.keyed import CombinedOptimizer, KeyedOptimizerWrapper
@@ -159,29 +160,31 @@ def build(world: int, cfg: Dict[str, Any], data: Optional[Any] = None) -> Dict[s
                  "learning_rate": lr, "eps": 1e-8}
     sharder = HeraldEmbeddingBagCollectionSharder(fused_params=fused)
     mode = "row_wise" if cfg["planner"] == "herald" else cfg["planner"]
-    plan = stock_plan(model, tables, [sharder], mode, world, B, torch.device("cpu"), dist.group.WORLD)
+    device = torch.device(cfg.get("device", "cpu"))
+    plan = stock_plan(model, tables, [sharder], mode, world, B, device, dist.group.WORLD)
     if cfg["planner"] == "herald":
         plan = herald_plan_from_row_wise(plan, hot_specs_from_data(data, tables, cfg.get("hot_min_count", 2),
                                                                    cfg.get("sync", "dense")))
-    dmp = DistributedModelParallel(model, device=torch.device("cpu"), plan=plan, sharders=[sharder])
+    dmp = DistributedModelParallel(model, device=device, plan=plan, sharders=[sharder])
     dmp.load_state_dict(dict(initial))  # a copy: TorchRec's DMP.load_state_dict renames the DDP keys in place
     dense_cls = torch.optim.SGD if opt == "sgd" else torch.optim.Adagrad
     dense = KeyedOptimizerWrapper(dict(in_backward_optimizer_filter(dmp.named_parameters())),
                                   lambda ps: dense_cls(ps, lr=lr))
     optimizer = CombinedOptimizer([dmp.fused_optimizer, dense])
     return {"dmp": dmp, "optimizer": optimizer, "data": data, "tables": tables, "plan": plan,
-            "initial": initial, "batch_size": B}
+            "initial": initial, "batch_size": B, "device": device}
 
 
-def run_steps(dmp: Any, optimizer: Any, it: Iterator[Any], pipeline: str = "plain") -> List[float]:
-    """Train on every batch of ``it``; per-step local losses."""
+def run_steps(dmp: Any, optimizer: Any, it: Iterator[Any], pipeline: str = "plain",
+              device: torch.device = torch.device("cpu")) -> List[float]:
+    """Train on every batch of ``it`` on ``device``; per-step local losses."""
     from torchrec.distributed.train_pipeline import TrainPipelineSparseDist
 
     losses: List[float] = []
     if pipeline == "herald" or isinstance(pipeline, dict):
         from torchrec_herald.pipeline import HeraldTrainPipeline
 
-        pipe = HeraldTrainPipeline(dmp, optimizer, torch.device("cpu"), **(pipeline if isinstance(pipeline, dict) else {}))
+        pipe = HeraldTrainPipeline(dmp, optimizer, device, **(pipeline if isinstance(pipeline, dict) else {}))
         while True:
             try:
                 losses.append(pipe.progress(it)[0].item())
@@ -191,13 +194,13 @@ def run_steps(dmp: Any, optimizer: Any, it: Iterator[Any], pipeline: str = "plai
         return losses
     if pipeline == "plain":
         for batch in it:
-            loss, _ = dmp(batch)
+            loss, _ = dmp(batch.to(device))
             optimizer.zero_grad()
             loss.backward()
             optimizer.step()
             losses.append(loss.item())
     else:
-        pipe = TrainPipelineSparseDist(dmp, optimizer, torch.device("cpu"))
+        pipe = TrainPipelineSparseDist(dmp, optimizer, device)
         while True:
             try:
                 losses.append(pipe.progress(it)[0].item())
@@ -220,7 +223,7 @@ def train(rank: int, world: int, cfg: Dict[str, Any]) -> Dict[str, Any]:
         dmp = b["dmp"]
         with TrafficMeter(embedding_dim=8) as meter:
             losses = run_steps(dmp, b["optimizer"], b["data"].train_batches(rank, world, b["batch_size"]),
-                               cfg.get("pipeline", "plain"))
+                               cfg.get("pipeline", "plain"), b["device"])
     return {"losses": losses, "state": full_state(dmp), "initial": b["initial"], "traffic": meter.summary(),
             "tags": meter.tag_summary(), "dense_names": sorted(dict(in_backward_optimizer_filter(dmp.named_parameters())))}
 

@@ -20,8 +20,9 @@ logger = logging.getLogger(__name__)
 
 
 def default_backend() -> str:
-    """nccl when CUDA is present, gloo otherwise."""
-    return "nccl" if torch.cuda.is_available() else "gloo"
+    """``cpu:gloo,cuda:nccl`` when CUDA is present (CUDA tensors over nccl; the scheduler's CPU metadata
+    and the trainer's CPU reductions over gloo, in the same process group), gloo otherwise."""
+    return "cpu:gloo,cuda:nccl" if torch.cuda.is_available() else "gloo"
 
 
 def init_distributed(timeout_s: int = 600) -> tuple[int, int, torch.device]:

@@ -77,7 +77,7 @@ def dense_hot() -> Dict[str, float]:
             tbe.weights.copy_(w0.view(-1))
         o = tbe(ids.to(d), offsets.to(d))
         o.backward(grad.to(d))
-        ws = w0.to(d).requires_grad_(True)
+        ws = w0.clone().to(d).requires_grad_(True)  # a leaf on each device
         o2 = dense_lookup(ws, ids.to(d), offsets.to(d))
         o2.backward(grad.to(d))
         res[dev] = (o.detach().cpu(), tbe.weights.grad.detach().cpu().view(rows, dim), o2.detach().cpu(), ws.grad.cpu())

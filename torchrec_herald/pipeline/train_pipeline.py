@@ -220,7 +220,10 @@ class HeraldTrainPipeline:
         return self._ebc.global_keys(kjt.values().to(torch.int64), kjt.lengths(), kjt.stride())
 
     def _prepare(self, raw: Batch) -> _Entry:
-        """Validate ids, allocate samples (collective), exchange every rank's read rows (collective)."""
+        """Validate ids, allocate samples (collective), exchange every rank's read rows (collective).
+        Scheduling runs on CPU: a batch the loader put on the device comes back first."""
+        if raw.labels.device.type != "cpu":
+            raw = raw.to(torch.device("cpu"))
         kjt = self._ebc.in_feature_order(raw.sparse_features)
         B = kjt.stride()
         values, lengths = kjt.values().to(torch.int64), kjt.lengths().to(torch.int64)
@@ -377,7 +380,7 @@ class HeraldTrainPipeline:
         self.stats.steps += 1
         self.stats.moved_samples += entry.moved
         self._optimizer.zero_grad()
-        loss, output = self._model(entry.batch)
+        loss, output = self._model(entry.batch.to(self._device, non_blocking=True))
         torch.sum(loss).backward()
         if lazy:
             self._ebc.finish_plan_step()

@@ -96,6 +96,15 @@ def _a2a_int(x: torch.Tensor, send: List[int], recv: List[int], pg: dist.Process
     return out
 
 
+def storage_device(device: Optional[torch.device]) -> torch.device:
+    """Where herald keeps its rows: ``device`` (CPU when None), a CUDA device always with its index (the
+    ShardedTensor placements of the state name it)."""
+    device = torch.device(device) if device is not None else torch.device("cpu")
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    return device
+
+
 @dataclass
 class HeraldContext(Multistreamable):
     """Per-batch state between input_dist, compute and output_dist."""
@@ -192,7 +201,7 @@ class ShardedHeraldEmbeddingBagCollection(
         self._env = env
         self._pg = env.process_group
         self._world, self._rank = env.world_size, env.rank
-        self._device = device or torch.device("cpu")
+        self._device = storage_device(device)
         configs = module.embedding_bag_configs()
         dims = {c.embedding_dim for c in configs}
         if len(dims) != 1:
@@ -239,7 +248,7 @@ class ShardedHeraldEmbeddingBagCollection(
 
         self._cold = fused_cold_tbe(sum(self._my_rows), self._dim, self._fused_params, self._device)
         self._hot = dense_hot_tbe(self._num_hot, self._dim, self._device)
-        self._hot_state = torch.zeros(max(self._num_hot, 1), dtype=torch.float32)  # row-wise Adagrad sum
+        self._hot_state = torch.zeros(max(self._num_hot, 1), dtype=torch.float32, device=self._device)  # Adagrad sum
         self._hot_touched: Tuple[torch.Tensor, List[int]] = (torch.empty(0, dtype=torch.int64), [])
         for p in list(self._hot.parameters()) + list(self._cold.parameters()):
             p._in_backward_optimizers = [EmptyFusedOptimizer()]  # updated in backward: keep dense optimizers off
@@ -253,8 +262,8 @@ class ShardedHeraldEmbeddingBagCollection(
             inside = (ids >= start) & (ids < start + rows)
             mine_hot.append(sum(self._hot_counts[:t]) + inside.nonzero().flatten())
             mine_cold.append(sum(self._my_rows[:t]) + ids[inside] - start)
-        self._mirror_hot = torch.cat(mine_hot).to(torch.int64)
-        self._mirror_cold = torch.cat(mine_cold).to(torch.int64)
+        self._mirror_hot = torch.cat(mine_hot).to(self._device, torch.int64)  # indices into device storage
+        self._mirror_cold = torch.cat(mine_cold).to(self._device, torch.int64)
         self._optim: FusedOptimizer = HeraldFusedOptimizer(self)
         # plan mode (HeraldTrainPipeline): the step's plan, its working set and the executor
         self._executor: Optional[Any] = None
@@ -288,7 +297,9 @@ class ShardedHeraldEmbeddingBagCollection(
             raise ValueError("herald_hot_row_wise does not support per-sample weights (weighted KJT); "
                              "plan weighted tables with a stock sharding type")
         B = features.stride()
-        values, lengths = features.values().to(torch.int64), features.lengths().to(torch.int64)
+        # id bookkeeping (validation, hot/cold split, owner buckets, counts) runs on CPU; only the rows
+        # and the pooled vectors live on the device
+        values, lengths = features.values().to("cpu", torch.int64), features.lengths().to("cpu", torch.int64)
         ctx.batch_size, ctx.bag_lengths = B, lengths
         if self._step_plan is not None:
             return self._plan_input_dist(ctx, values, lengths, B)
@@ -380,11 +391,14 @@ class ShardedHeraldEmbeddingBagCollection(
             dist_input = dist_input[0]
         if dist_input.ws_index is not None:  # plan mode: every row is local, in the working set
             assert self._ws is not None
-            return torch.empty(0, self._dim), dense_lookup(self._ws, dist_input.ws_index, dist_input.ws_offsets)
-        partial = self._cold(dist_input.recv_rows.to(torch.int64), offsets_from_lengths(dist_input.recv_lengths))
+            return (torch.empty(0, self._dim, device=self._device),
+                    dense_lookup(self._ws, dist_input.ws_index, dist_input.ws_offsets))
+        dev = self._device
+        partial = self._cold(dist_input.recv_rows.to(dev, torch.int64),
+                             offsets_from_lengths(dist_input.recv_lengths).to(dev))
         split = dist_input.split
         assert split is not None
-        hot = self._hot(split.hot_rows, split.hot_offsets)
+        hot = self._hot(split.hot_rows.to(dev), split.hot_offsets.to(dev))
         self._hot_touched = (dist_input.sparse_touched, dist_input.sparse_from)  # for this batch's backward
         return partial, hot
 
@@ -396,16 +410,16 @@ class ShardedHeraldEmbeddingBagCollection(
         else:
             back = variable_all_to_all(partial, ctx.bags_from, ctx.bags_to, self._pg,
                                        ("herald_pooled", "herald_pooled_grad"), self._dim)
-            pooled = hot.index_add(0, ctx.send_bag_index, back)
+            pooled = hot.index_add(0, ctx.send_bag_index.to(hot.device), back)
         if get_gradient_division():
             # stock TorchRec divides pooled-embedding gradients by the world size in its output
             # all-to-all's backward (matching DDP's averaging of dense grads): do the same
             pooled = _ScaleGrad.apply(pooled, 1.0 / self._world)
         B, F = ctx.batch_size, len(self._feature_names)
         if bool(self._mean_features.any()):
-            mean_bag = self._mean_features.repeat_interleave(B)
-            scale = torch.where(mean_bag, 1.0 / ctx.bag_lengths.clamp(min=1).to(pooled.dtype),
-                                torch.ones((), dtype=pooled.dtype))
+            mean_bag = self._mean_features.repeat_interleave(B).to(pooled.device)
+            scale = torch.where(mean_bag, 1.0 / ctx.bag_lengths.clamp(min=1).to(pooled.device, pooled.dtype),
+                                torch.ones((), dtype=pooled.dtype, device=pooled.device))
             pooled = pooled * scale[:, None]
         values = pooled.view(F, B, self._dim).transpose(0, 1).reshape(B, F * self._dim)
         return LazyNoWait(KeyedTensor(keys=self._feature_names, length_per_key=[self._dim] * F, values=values))
@@ -465,7 +479,7 @@ class ShardedHeraldEmbeddingBagCollection(
         self._step_plan, self._ws = None, None
         planned = plan.reads[self._rank]  # frozen rows' gradients are dropped
         grad = grad.detach() if planned.numel() == self._ws_keys.numel() else \
-            grad.detach()[torch.searchsorted(self._ws_keys, planned)]
+            grad.detach()[torch.searchsorted(self._ws_keys, planned).to(grad.device)]
         self.plan_executor.after_backward(plan, planned, grad)
 
     def set_frozen_keys(self, keys: torch.Tensor) -> None:
@@ -486,8 +500,8 @@ class ShardedHeraldEmbeddingBagCollection(
         self._dense_rows = self._all_dense_rows[~self._frozen_hot[self._all_dense_rows]]
 
     def hot_values(self) -> torch.Tensor:
-        """The hot replica rows ``[num_hot, D]`` (a copy)."""
-        return self._hot.weights.detach().view(-1, self._dim)[: self._num_hot].clone()
+        """The hot replica rows ``[num_hot, D]`` (a copy, on CPU: the scheduler's side)."""
+        return self._hot.weights.detach().view(-1, self._dim)[: self._num_hot].to("cpu", copy=True)
 
     # ------------------------------------------------------------------ hot replicas: sync + exact update
     def _sync_and_update_hot(self, weights: torch.Tensor) -> None:
@@ -499,21 +513,24 @@ class ShardedHeraldEmbeddingBagCollection(
             return
         grad = grad.view(-1, self._dim)[: self._num_hot]
         W, row_bytes = self._world, 4 * self._dim
+        dev = grad.device
         with traffic_tag("herald_hot_sync", self._dim):
             if self._dense_rows.numel():  # tables synced densely: one ring all-reduce of their rows
-                dense = grad[self._dense_rows]
+                dense_rows = self._dense_rows.to(dev)
+                dense = grad[dense_rows]
                 dist.all_reduce(dense, group=self._pg)
-                grad[self._dense_rows] = dense
+                grad[dense_rows] = dense
             if bool(self._sparse_row.any()):  # tables synced sparsely: exchange touched rows only
                 touched, counts_from = self._hot_touched
                 total = self._sparse_sum(grad, touched, counts_from)
-                grad[self._sparse_row] = total[self._sparse_row]
+                sparse_row = self._sparse_row.to(dev)
+                grad[sparse_row] = total[sparse_row]
                 sent_sparse = torch.bincount(self._hot_table_of_row[touched], minlength=len(self._tables)).double()
                 self._traffic[:, 3] += sent_sparse * ((W - 1) * (4 + row_bytes))
         dense_per_table = torch.bincount(self._hot_table_of_row[self._dense_rows], minlength=len(self._tables)).double()
         self._traffic[:, 3] += dense_per_table * (2 * (W - 1) * row_bytes / W)
         lr = float(self._fused_params["learning_rate"])
-        live = ~self._frozen_hot[: self._num_hot]
+        live = (~self._frozen_hot[: self._num_hot]).to(dev)
         with torch.no_grad():
             w = weights.view(-1, self._dim)[: self._num_hot]
             if self._optimizer == EmbOptimType.EXACT_SGD:
@@ -547,7 +564,7 @@ class ShardedHeraldEmbeddingBagCollection(
         """After the cold blocks were loaded (weights/optimizer state), give every replica the owners'
         values of the hot rows (collective: each owner contributes its rows, the others zeros)."""
         with torch.no_grad():
-            hot_w = torch.zeros(max(self._num_hot, 1), self._dim)
+            hot_w = torch.zeros(max(self._num_hot, 1), self._dim, device=self._device)
             hot_w[self._mirror_hot] = self._cold.split_embedding_weights()[0][self._mirror_cold]
             momentum = self._cold_momentum()
             hot_s = torch.zeros_like(self._hot_state)
@@ -584,6 +601,7 @@ class ShardedHeraldEmbeddingBagCollection(
         (the counts came with the input dist's exchange); all ranks add them up in rank order, so
         every replica gets the bit-identical sum."""
         W, k = self._world, rows.numel()
+        rows = rows.to(grad.device)
         payload = torch.cat([rows.to(torch.int32).view(-1, 1).view(torch.float32), grad[rows]], 1)
         got = grad.new_empty(sum(counts_from), self._dim + 1)
         with traffic_tag("herald_hot_sync", self._dim + 1):  # one vector per row, its id included
@@ -609,12 +627,12 @@ class ShardedHeraldEmbeddingBagCollection(
     def full_table(self, t: int) -> torch.Tensor:
         """Table t as ``[n, dim]`` (collective: all-gathers the cold blocks; hot rows from the replica)."""
         n, block = self._num_embeddings[t], self._blocks[t]
-        mine = torch.zeros(block, self._dim)
+        mine = torch.zeros(block, self._dim, device=self._device)
         mine[: self._my_rows[t]] = self._cold_block(t)
-        gathered = torch.empty(self._world * block, self._dim)
+        gathered = torch.empty(self._world * block, self._dim, device=self._device)
         dist.all_gather_into_tensor(gathered, mine, group=self._pg)
         full = gathered[:n].clone()
-        full[self._hot_ids[t]] = self._hot_block(t)
+        full[self._hot_ids[t].to(self._device)] = self._hot_block(t)
         return full
 
     def _load_full(self, tables: Dict[str, torch.Tensor]) -> None:
@@ -630,7 +648,7 @@ class ShardedHeraldEmbeddingBagCollection(
                                      f"got {tuple(full.shape)}")
                 start, rows = local_block_rows(self._num_embeddings[t], self._blocks[t], self._rank)
                 self._cold_block(t).copy_(full[start: start + rows])
-                self._hot_block(t).copy_(full[self._hot_ids[t]])
+                self._hot_block(t).copy_(full[self._hot_ids[t].to(full.device)])
             self._mirror_hot_into_cold()
 
     def state_dict(self, destination: Optional[Dict[str, Any]] = None, prefix: str = "",
@@ -657,9 +675,10 @@ class ShardedHeraldEmbeddingBagCollection(
             if v is None:
                 continue
             if isinstance(v, ShardedTensor):
-                full = torch.zeros(self._num_embeddings[t], self._dim) if self._rank == 0 else None
+                shape = (self._num_embeddings[t], self._dim)
+                full = torch.zeros(shape, device=self._device) if self._rank == 0 else None
                 v.gather(dst=0, out=full)
-                full = full if full is not None else torch.empty(self._num_embeddings[t], self._dim)
+                full = full if full is not None else torch.empty(shape, device=self._device)
                 dist.broadcast(full, src=0, group=self._pg)
                 v = full
             tables[name] = v.detach().to(torch.float32)

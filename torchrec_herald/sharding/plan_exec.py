@@ -34,13 +34,15 @@ class PlanExecutor:
     Storage: hot replicas and the rank's cold blocks stay where the herald EBC keeps them (dense hot
     buffer + its row-wise Adagrad state, fused cold TBE weights + momentum); remote rows live in a cache
     (``[slots, D]`` weights + ``[slots]`` state) that grows on demand and whose slots the plan's
-    evictions free (the plan bounds the entries per table).
+    evictions free (the plan bounds the entries per table). Rows live on the EBC's device (CUDA or
+    CPU); keys, slots and plans stay on CPU, and each access moves only its slot indices over.
     """
 
     def __init__(self, ebc: "ShardedHeraldEmbeddingBagCollection") -> None:
         self.ebc = ebc
         self.W, self.rank, self.D = ebc._world, ebc._rank, ebc._dim
         self.pg = ebc._pg
+        self.dev = ebc._device
         self.adagrad = ebc._optimizer == EmbOptimType.EXACT_ROWWISE_ADAGRAD
         self.lr = float(ebc._fused_params["learning_rate"])
         self.eps = float(ebc._fused_params.get("eps", 1e-8))
@@ -58,17 +60,21 @@ class PlanExecutor:
         self.hot_slot = torch.full((self.num_rows,), -1, dtype=torch.int64)
         self.hot_slot[ebc._hot_keys] = torch.arange(ebc._num_hot)
         self.cache_slot = torch.full((self.num_rows,), -1, dtype=torch.int64)
-        self.cache_w = torch.zeros(0, self.D)
-        self.cache_s = torch.zeros(0)
+        self.cache_w = torch.zeros(0, self.D, device=self.dev)
+        self.cache_s = torch.zeros(0, device=self.dev)
         self.free: List[int] = []
         self.width = self.D + (1 if self.adagrad else 0)  # floats per transferred row
         # bounded staleness: the value each hot replica / cache entry was last synced at (its accumulated
         # update is the copy minus this base); kept only when a plan can push additively
         self.track_base = False
-        self.base_hot = torch.zeros(ebc._num_hot, self.D + 1)
-        self.base_cache = torch.zeros(0, self.D + 1)
+        self.base_hot = torch.zeros(ebc._num_hot, self.D + 1, device=self.dev)
+        self.base_cache = torch.zeros(0, self.D + 1, device=self.dev)
 
     # ------------------------------------------------------------------ storage
+    def _on_dev(self, index: torch.Tensor) -> torch.Tensor:
+        """A CPU index or mask, where the rows are."""
+        return index.to(self.dev, non_blocking=True)
+
     def _stores(self) -> Tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor], torch.Tensor]:
         ebc = self.ebc
         hot_w = ebc._hot.weights.detach().view(-1, self.D)
@@ -90,16 +96,20 @@ class PlanExecutor:
         """``(weights [n, D], row-wise Adagrad state [n])`` of rows this rank holds."""
         hot_w, cold_w, cold_s, hot_s = self._stores()
         hot, own, cache = self._where(keys)
-        w = torch.empty(keys.numel(), self.D)
-        s = torch.zeros(keys.numel())
-        w[hot] = hot_w[self.hot_slot[keys[hot]]]
-        w[own] = cold_w[self.own_slot[keys[own]]]
-        w[cache] = self.cache_w[self.cache_slot[keys[cache]]]
+        d = self._on_dev
+        w = torch.empty(keys.numel(), self.D, device=self.dev)
+        s = torch.zeros(keys.numel(), device=self.dev)
+        at_hot, at_own, at_cache = d(hot.nonzero().flatten()), d(own.nonzero().flatten()), d(cache.nonzero().flatten())
+        hot_i, own_i, cache_i = (d(self.hot_slot[keys[hot]]), d(self.own_slot[keys[own]]),
+                                 d(self.cache_slot[keys[cache]]))
+        w[at_hot] = hot_w[hot_i]
+        w[at_own] = cold_w[own_i]
+        w[at_cache] = self.cache_w[cache_i]
         if self.adagrad:
-            s[hot] = hot_s[self.hot_slot[keys[hot]]]
+            s[at_hot] = hot_s[hot_i]
             assert cold_s is not None
-            s[own] = cold_s[self.own_slot[keys[own]]]
-            s[cache] = self.cache_s[self.cache_slot[keys[cache]]]
+            s[at_own] = cold_s[own_i]
+            s[at_cache] = self.cache_s[cache_i]
         return w, s
 
     def _allocate(self, keys: torch.Tensor) -> None:
@@ -111,9 +121,9 @@ class PlanExecutor:
         if short > 0:
             start = self.cache_w.shape[0]
             grow = max(short, start // 2, 64)
-            self.cache_w = torch.cat([self.cache_w, torch.zeros(grow, self.D)])
-            self.cache_s = torch.cat([self.cache_s, torch.zeros(grow)])
-            self.base_cache = torch.cat([self.base_cache, torch.zeros(grow, self.D + 1)])
+            self.cache_w = torch.cat([self.cache_w, torch.zeros(grow, self.D, device=self.dev)])
+            self.cache_s = torch.cat([self.cache_s, torch.zeros(grow, device=self.dev)])
+            self.base_cache = torch.cat([self.base_cache, torch.zeros(grow, self.D + 1, device=self.dev)])
             self.free.extend(range(start + grow - 1, start - 1, -1))
         slots = [self.free.pop() for _ in range(new.numel())]
         self.cache_slot[new] = torch.tensor(slots, dtype=torch.int64)
@@ -123,14 +133,18 @@ class PlanExecutor:
         self._allocate(keys)
         hot_w, cold_w, cold_s, hot_s = self._stores()
         hot, own, cache = self._where(keys)
-        hot_w[self.hot_slot[keys[hot]]] = w[hot]
-        cold_w[self.own_slot[keys[own]]] = w[own]
-        self.cache_w[self.cache_slot[keys[cache]]] = w[cache]
+        d = self._on_dev
+        at_hot, at_own, at_cache = d(hot.nonzero().flatten()), d(own.nonzero().flatten()), d(cache.nonzero().flatten())
+        hot_i, own_i, cache_i = (d(self.hot_slot[keys[hot]]), d(self.own_slot[keys[own]]),
+                                 d(self.cache_slot[keys[cache]]))
+        hot_w[hot_i] = w[at_hot]
+        cold_w[own_i] = w[at_own]
+        self.cache_w[cache_i] = w[at_cache]
         if self.adagrad:
             assert cold_s is not None
-            hot_s[self.hot_slot[keys[hot]]] = s[hot]
-            cold_s[self.own_slot[keys[own]]] = s[own]
-            self.cache_s[self.cache_slot[keys[cache]]] = s[cache]
+            hot_s[hot_i] = s[at_hot]
+            cold_s[own_i] = s[at_own]
+            self.cache_s[cache_i] = s[at_cache]
 
     def drop(self, keys: torch.Tensor) -> None:
         """Free the cache slots of ``keys``."""
@@ -143,8 +157,9 @@ class PlanExecutor:
         hot, own, cache = self._where(keys)
         w, st = self.read(keys)
         val = torch.cat([w, st[:, None]], 1)
-        self.base_hot[self.hot_slot[keys[hot]]] = val[hot]
-        self.base_cache[self.cache_slot[keys[cache]]] = val[cache]
+        d = self._on_dev
+        self.base_hot[d(self.hot_slot[keys[hot]])] = val[d(hot)]
+        self.base_cache[d(self.cache_slot[keys[cache]])] = val[d(cache)]
 
     def _rebase_hot(self) -> None:
         hot_w, _, _, hot_s = self._stores()
@@ -156,9 +171,10 @@ class PlanExecutor:
         hot, own, cache = self._where(keys)
         if bool(own.any()):
             raise RuntimeError(f"rank {self.rank}: a home never pushes its own rows (keys {keys[own][:5].tolist()})")
-        out = torch.empty(keys.numel(), self.D + 1)
-        out[hot] = self.base_hot[self.hot_slot[keys[hot]]]
-        out[cache] = self.base_cache[self.cache_slot[keys[cache]]]
+        d = self._on_dev
+        out = torch.empty(keys.numel(), self.D + 1, device=self.dev)
+        out[d(hot)] = self.base_hot[d(self.hot_slot[keys[hot]])]
+        out[d(cache)] = self.base_cache[d(self.cache_slot[keys[cache]])]
         return out
 
     # ------------------------------------------------------------------ transfers
@@ -172,8 +188,8 @@ class PlanExecutor:
         send_pos = [((src == me) & (dst == d)).nonzero().squeeze(1) for d in range(W)]
         recv_pos = [((src == r) & (dst == me)).nonzero().squeeze(1) for r in range(W)]
         send = torch.cat([payload(i) for i in send_pos]) if any(i.numel() for i in send_pos) \
-            else torch.zeros(0, width)
-        out = torch.empty(sum(i.numel() for i in recv_pos), width)
+            else torch.zeros(0, width, device=self.dev)
+        out = torch.empty(sum(i.numel() for i in recv_pos), width, device=self.dev)
         with traffic_tag(label, width):
             dist.all_to_all_single(out, send.contiguous(), [i.numel() for i in recv_pos],
                                    [i.numel() for i in send_pos], group=self.pg)
@@ -184,7 +200,7 @@ class PlanExecutor:
         w, st = self.read(keys)
         rows = torch.cat([w, st[:, None]], 1)
         if bool(add.any()):
-            rows[add] -= self._base(keys[add])
+            rows[self._on_dev(add)] -= self._base(keys[add])
         return rows if self.adagrad else rows[:, : self.D]
 
     def move_rows(self, transfers: torch.Tensor, label: str, add: Optional[torch.Tensor] = None) -> None:
@@ -205,12 +221,13 @@ class PlanExecutor:
             if not rows.numel():
                 continue
             k, a = keys[pos], add[pos]
-            state = rows[:, self.D] if self.adagrad else torch.zeros(k.numel())
+            state = rows[:, self.D] if self.adagrad else torch.zeros(k.numel(), device=self.dev)
             w, st = rows[:, : self.D].clone(), state.clone()
             if bool(a.any()):
                 cur_w, cur_s = self.read(k[a])
-                w[a] += cur_w
-                st[a] += cur_s
+                a_d = self._on_dev(a)
+                w[a_d] += cur_w
+                st[a_d] += cur_s
             self.write(k, w, st)
             if self.track_base:
                 self._rebase(k)
@@ -229,12 +246,14 @@ class PlanExecutor:
         me = self.rank
         mine = plan.reducer == me
         upd = plan.update_keys[mine]
-        total = torch.zeros(upd.numel(), self.D)
+        d = self._on_dev
+        total = torch.zeros(upd.numel(), self.D, device=self.dev)
         red_keys = plan.reduce[:, 0]
         recv_keys: List[torch.Tensor] = [red_keys[:0]] * self.W
-        rows = torch.zeros(0, self.D)
+        rows = torch.zeros(0, self.D, device=self.dev)
         if plan.reduce.numel():
-            recv_pos, rows = self._exchange(plan.reduce, lambda i: ws_grad[torch.searchsorted(ws_keys, red_keys[i])],
+            recv_pos, rows = self._exchange(plan.reduce,
+                                            lambda i: ws_grad[d(torch.searchsorted(ws_keys, red_keys[i]))],
                                             "herald_reduce", self.D)
             recv_keys = [red_keys[i] for i in recv_pos]
         parts = rows.split([k.numel() for k in recv_keys])
@@ -242,9 +261,9 @@ class PlanExecutor:
             if src == me:
                 pos = torch.searchsorted(ws_keys, upd).clamp(max=max(ws_keys.numel() - 1, 0))
                 read = ws_keys[pos] == upd if ws_keys.numel() else torch.zeros_like(upd, dtype=torch.bool)
-                total[read] += ws_grad[pos[read]]
+                total[d(read)] += ws_grad[d(pos[read])]
             elif recv_keys[src].numel():
-                total.index_add_(0, torch.searchsorted(upd, recv_keys[src]), parts[src])
+                total.index_add_(0, d(torch.searchsorted(upd, recv_keys[src])), parts[src])
         if upd.numel():
             w, s = self.read(upd)
             if self.adagrad:
@@ -266,11 +285,11 @@ class PlanExecutor:
         self.move_rows(fp.push, "herald_update_push", getattr(fp, "push_add", None))
         self.move_rows(fp.pull, "herald_pull")
         self.drop(fp.dropped[self.rank])
-        self.cache_w = torch.zeros(0, self.D)
-        self.cache_s = torch.zeros(0)
+        self.cache_w = torch.zeros(0, self.D, device=self.dev)
+        self.cache_s = torch.zeros(0, device=self.dev)
         self.free = []
         self.cache_slot.fill_(-1)
-        self.base_cache = torch.zeros(0, self.D + 1)
+        self.base_cache = torch.zeros(0, self.D + 1, device=self.dev)
         self.ebc._mirror_hot_into_cold()
         if self.track_base:
             self._rebase_hot()

@@ -1,0 +1,38 @@
+"""Herald vs its stock baseline in one ``python -m torchrec_herald.train ... compare_with=<plan>`` run dir:
+per-step loss agreement, eval, samples/s and herald's scheduler time, as JSON on stdout.
+
+    python3 scripts/gpu/compare_runs.py outputs/<run id> > herald_vs_stock.json
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+
+def main() -> None:
+    run = Path(sys.argv[1])
+    base = next(run.glob("baseline_*"))
+    h, s = (json.loads((d / "losses.json").read_text()) for d in (run, base))
+    hm, sm = (json.loads((d / "metrics.json").read_text()) for d in (run, base))
+    ht, st = torch.tensor(h, dtype=torch.float64), torch.tensor(s, dtype=torch.float64)
+    n = min(len(h), len(s))
+    diff = (ht[:n] - st[:n]).abs()
+    out = {
+        "run_dir": str(run), "baseline": base.name, "steps": [len(h), len(s)],
+        "loss_max_abs_diff": float(diff.max()), "loss_max_rel_diff": float((diff / st[:n].abs().clamp(min=1e-12)).max()),
+        "eval": {"herald": hm["eval"], "stock": sm["eval"]},
+        "samples_per_s": {"herald": hm["samples_per_s"], "stock": sm["samples_per_s"]},
+        "step_time_s": {"herald": hm["step_time_s"], "stock": sm["step_time_s"]},
+        "plan": {"herald": sorted(set(hm["plan"].values())), "stock": sorted(set(sm["plan"].values()))},
+        "herald_pipeline": hm.get("herald_pipeline", {}),
+        "device": hm.get("config", {}).get("device"),
+    }
+    json.dump(out, sys.stdout, indent=2)
+
+
+if __name__ == "__main__":
+    main()
