@@ -1,19 +1,35 @@
 #!/usr/bin/env bash
-# On the GPU machine, after scripts/gpu/install.sh: every GPU check and timing of issue 14, results
-# into $OUT (the device tool's output folder) or ./gpu_results. Each step runs even if one before failed.
+# On the GPU machine, after scripts/gpu/install.sh: the GPU checks and timings of issue 14, results into
+# $OUT (the device tool's output folder) or ./gpu_results. Parts (default: all of them, in this order):
+#   probe   herald's two fbgemm TBEs on CUDA vs CPU; gloo carrying CUDA tensors      -> gpu_probe.json
+#   check   herald EBC / pipeline on CUDA vs CPU and vs stock (check_cuda_vs_cpu.py) -> gpu_check.json
+#   train   python -m torchrec_herald.train, 1 CUDA rank, herald vs stock TABLE_WISE -> gpu_train.json
+#   noise   the same with stock TABLE_WISE against itself (run-to-run spread on CUDA) -> gpu_noise.json
+#   time    DLRM step time at local batch 2048 / 8192, stock and herald      -> gpu_step_time*.json
+# Usage: bash scripts/gpu/run_checks.sh [probe] [check] [train] [noise] [time]
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
 out=${OUT:-gpu_results}; mkdir -p "$out"
+parts=${*:-probe check train noise time}
 step() { echo "=== $*"; local t0=$SECONDS; "$@"; echo "=== rc=$? in $((SECONDS - t0)) s: $1 $2"; }
-step python3 scripts/gpu/probe_tbe.py --out "$out/gpu_probe.json" 2>&1 | grep -v -i "warn\|compat\|\[0m\|\[33m\|^ *$\|run_backward"
-step python3 scripts/gpu/check_cuda_vs_cpu.py --out "$out/gpu_check.json" 2>&1 | grep -E "^(===|single|plan|per_step|all_pass)|Error"
-export HERALD_RUN_ID=gpu_train
-step python3 -m torchrec_herald.train planner=herald pipeline=herald compare_with=table_wise \
-    data.num_train_batches=${TRAIN_BATCHES:-300} > "$out/gpu_train.log" 2>&1; tail -16 "$out/gpu_train.log"
-python3 scripts/gpu/compare_runs.py outputs/gpu_train > "$out/gpu_train.json" && cat "$out/gpu_train.json" | head -30
-cp outputs/gpu_train/training.png "$out/gpu_train_training.png" 2>/dev/null
-step python3 benchmarks/gpu_step_time.py --batch-sizes 2048 8192 --out "$out/gpu_step_time.json" 2>&1 \
-    | grep -E "ms/step|Error|==="
-step python3 benchmarks/gpu_step_time.py --batch-sizes 2048 8192 --overrides planner=herald pipeline=herald \
-    --out "$out/gpu_step_time_herald.json" 2>&1 | grep -E "ms/step|Error|==="
+train_pair() {  # $1 run id, $2.. overrides: a compare_with run and its JSON summary
+    local id=$1; shift
+    HERALD_RUN_ID=$id step python3 -m torchrec_herald.train "$@" data.num_train_batches=${TRAIN_BATCHES:-300} \
+        > "$out/$id.log" 2>&1; tail -14 "$out/$id.log"
+    python3 scripts/gpu/compare_runs.py "outputs/$id" > "$out/$id.json" && grep -A2 loss_max "$out/$id.json"
+}
+for part in $parts; do case $part in
+  probe) step python3 scripts/gpu/probe_tbe.py --out "$out/gpu_probe.json" 2>&1 \
+             | grep -v -i "warn\|compat\|\[0m\|\[33m\|^ *$\|run_backward" ;;
+  check) step python3 scripts/gpu/check_cuda_vs_cpu.py --out "$out/gpu_check.json" 2>&1 \
+             | grep -E "^(===|ebc_|dlrm_|all_pass)|Error" ;;
+  train) train_pair gpu_train planner=herald pipeline=herald compare_with=table_wise
+         cp outputs/gpu_train/training.png "$out/gpu_train_training.png" 2>/dev/null ;;
+  noise) train_pair gpu_noise planner=table_wise compare_with=table_wise ;;
+  time)  step python3 benchmarks/gpu_step_time.py --batch-sizes 2048 8192 --out "$out/gpu_step_time.json" 2>&1 \
+             | grep -E "ms/step|Error|==="
+         step python3 benchmarks/gpu_step_time.py --batch-sizes 2048 8192 --overrides planner=herald pipeline=herald \
+             --out "$out/gpu_step_time_herald.json" 2>&1 | grep -E "ms/step|Error|===" ;;
+  *) echo "unknown part $part"; exit 2 ;;
+esac; done
