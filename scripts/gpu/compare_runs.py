@@ -24,6 +24,8 @@ def main() -> None:
     out = {
         "run_dir": str(run), "baseline": base.name, "steps": [len(h), len(s)],
         "loss_max_abs_diff": float(diff.max()), "loss_max_rel_diff": float((diff / st[:n].abs().clamp(min=1e-12)).max()),
+        "loss_max_rel_diff_first_steps": {str(k): float((diff[:k] / st[:k].abs().clamp(min=1e-12)).max())
+                                          for k in (1, 10, 50, 100, n) if k <= n},
         "eval": {"herald": hm["eval"], "stock": sm["eval"]},
         "samples_per_s": {"herald": hm["samples_per_s"], "stock": sm["samples_per_s"]},
         "step_time_s": {"herald": hm["step_time_s"], "stock": sm["step_time_s"]},

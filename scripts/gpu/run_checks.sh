@@ -17,12 +17,12 @@ train_pair() {  # $1 run id, $2.. overrides: a compare_with run and its JSON sum
     local id=$1; shift
     HERALD_RUN_ID=$id step python3 -m torchrec_herald.train "$@" data.num_train_batches=${TRAIN_BATCHES:-300} \
         > "$out/$id.log" 2>&1; tail -14 "$out/$id.log"
-    python3 scripts/gpu/compare_runs.py "outputs/$id" > "$out/$id.json" && grep -A2 loss_max "$out/$id.json"
+    python3 scripts/gpu/compare_runs.py "outputs/$id" > "$out/$id.json" && grep -A8 loss_max "$out/$id.json"
 }
 for part in $parts; do case $part in
   probe) step python3 scripts/gpu/probe_tbe.py --out "$out/gpu_probe.json" 2>&1 \
              | grep -v -i "warn\|compat\|\[0m\|\[33m\|^ *$\|run_backward" ;;
-  check) step python3 scripts/gpu/check_cuda_vs_cpu.py --out "$out/gpu_check.json" 2>&1 \
+  check) step python3 scripts/gpu/check_cuda_vs_cpu.py --out "$out/gpu_check.json" ${CASES:+--cases $CASES} 2>&1 \
              | grep -E "^(===|ebc_|dlrm_|all_pass)|Error" ;;
   train) train_pair gpu_train planner=herald pipeline=herald compare_with=table_wise
          cp outputs/gpu_train/training.png "$out/gpu_train_training.png" 2>/dev/null ;;
