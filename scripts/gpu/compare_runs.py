@@ -26,6 +26,9 @@ def main() -> None:
         "loss_max_abs_diff": float(diff.max()), "loss_max_rel_diff": float((diff / st[:n].abs().clamp(min=1e-12)).max()),
         "loss_max_rel_diff_first_steps": {str(k): float((diff[:k] / st[:k].abs().clamp(min=1e-12)).max())
                                           for k in (1, 10, 50, 100, n) if k <= n},
+        "first_step_rel_diff_over_1e-5": next((i for i, x in enumerate((diff / st[:n].abs()).tolist()) if x > 1e-5),
+                                              None),
+        "loss_rel_diff_per_step": (diff / st[:n].abs().clamp(min=1e-12)).tolist(),
         "eval": {"herald": hm["eval"], "stock": sm["eval"]},
         "samples_per_s": {"herald": hm["samples_per_s"], "stock": sm["samples_per_s"]},
         "step_time_s": {"herald": hm["step_time_s"], "stock": sm["step_time_s"]},

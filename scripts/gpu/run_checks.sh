@@ -5,6 +5,7 @@
 #   check   herald EBC / pipeline on CUDA vs CPU and vs stock (check_cuda_vs_cpu.py) -> gpu_check.json
 #   train   python -m torchrec_herald.train, 1 CUDA rank, herald vs stock TABLE_WISE -> gpu_train.json
 #   noise   the same with stock TABLE_WISE against itself (run-to-run spread on CUDA) -> gpu_noise.json
+#   modes   herald's plan mode against herald's own per-step path, 1 CUDA rank  -> gpu_modes.json
 #   time    DLRM step time at local batch 2048 / 8192, stock and herald      -> gpu_step_time*.json
 # Usage: bash scripts/gpu/run_checks.sh [probe] [check] [train] [noise] [time]
 set -uo pipefail
@@ -27,6 +28,7 @@ for part in $parts; do case $part in
   train) train_pair gpu_train planner=herald pipeline=herald compare_with=table_wise
          cp outputs/gpu_train/training.png "$out/gpu_train_training.png" 2>/dev/null ;;
   noise) train_pair gpu_noise planner=table_wise compare_with=table_wise ;;
+  modes) train_pair gpu_modes planner=herald pipeline=herald compare_with=herald ;;  # plan mode vs per-step path
   time)  step python3 benchmarks/gpu_step_time.py --batch-sizes 2048 8192 --out "$out/gpu_step_time.json" 2>&1 \
              | grep -E "ms/step|Error|==="
          step python3 benchmarks/gpu_step_time.py --batch-sizes 2048 8192 --overrides planner=herald pipeline=herald \
