@@ -6,6 +6,7 @@
 #   train   python -m torchrec_herald.train, 1 CUDA rank, herald vs stock TABLE_WISE -> gpu_train.json
 #   noise   the same with stock TABLE_WISE against itself (run-to-run spread on CUDA) -> gpu_noise.json
 #   modes   herald's plan mode against herald's own per-step path, 1 CUDA rank  -> gpu_modes.json
+#   sgd     the train part with EXACT_SGD (no Adagrad 1/sqrt(state) amplification) -> gpu_train_sgd.json
 #   time    DLRM step time at local batch 2048 / 8192, stock and herald      -> gpu_step_time*.json
 # Usage: bash scripts/gpu/run_checks.sh [probe] [check] [train] [noise] [time]
 set -uo pipefail
@@ -29,6 +30,7 @@ for part in $parts; do case $part in
          cp outputs/gpu_train/training.png "$out/gpu_train_training.png" 2>/dev/null ;;
   noise) train_pair gpu_noise planner=table_wise compare_with=table_wise ;;
   modes) train_pair gpu_modes planner=herald pipeline=herald compare_with=herald ;;  # plan mode vs per-step path
+  sgd)   train_pair gpu_train_sgd planner=herald pipeline=herald compare_with=table_wise optimizer=sgd ;;
   time)  step python3 benchmarks/gpu_step_time.py --batch-sizes 2048 8192 --out "$out/gpu_step_time.json" 2>&1 \
              | grep -E "ms/step|Error|==="
          step python3 benchmarks/gpu_step_time.py --batch-sizes 2048 8192 --overrides planner=herald pipeline=herald \
