@@ -63,6 +63,17 @@ def slim_wheel(wheel: Path, out_dir: Path, keep: set[int]) -> Path:
     """Write ``out_dir/<wheel name>`` with foreign cubins zeroed and a RECORD that matches."""
     out_dir.mkdir(parents=True, exist_ok=True)
     out = out_dir / wheel.name
+    part = out_dir / (wheel.name + ".part")  # renamed once complete: no half-written wheel is left behind
+    try:
+        _write_slim(wheel, part, keep)
+    except BaseException:
+        part.unlink(missing_ok=True)
+        raise
+    part.replace(out)
+    return out
+
+
+def _write_slim(wheel: Path, out: Path, keep: set[int]) -> None:
     records: list[str] = []
     record_name = None
     with zipfile.ZipFile(wheel) as src, zipfile.ZipFile(out, "w", zipfile.ZIP_DEFLATED, compresslevel=9) as dst:
@@ -83,7 +94,6 @@ def slim_wheel(wheel: Path, out_dir: Path, keep: set[int]) -> Path:
             raise ValueError(f"{wheel}: no .dist-info/RECORD, not a wheel")
         records.append(f"{record_name},,")
         dst.writestr(record_name, "\n".join(records) + "\n")
-    return out
 
 
 def main() -> None:
