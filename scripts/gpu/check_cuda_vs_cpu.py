@@ -37,7 +37,10 @@ import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tests"))  # the test harness builds the models
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
+
 import herald_harness as H  # noqa: E402
+from machine_info import machine  # noqa: E402
 
 from torchrec_herald.dist_utils import run_multiprocess  # noqa: E402
 
@@ -175,7 +178,7 @@ def main() -> None:
     gpu = "cpu" if a.dry_run_on_cpu else "cuda"
     if gpu == "cuda" and not torch.cuda.is_available():
         raise SystemExit("check_cuda_vs_cpu.py needs a CUDA device (or --dry-run-on-cpu)")
-    report: Dict[str, Any] = {"gpu": torch.cuda.get_device_name(0) if gpu == "cuda" else None,
+    report: Dict[str, Any] = {"machine": machine(), "gpu": torch.cuda.get_device_name(0) if gpu == "cuda" else None,
                               "torch": torch.__version__, "steps": a.steps,
                               "tolerance": TOL, "cases": {}}
     ebc = {"model": "ebc", "planner": "herald"}

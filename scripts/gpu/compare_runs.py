@@ -12,6 +12,9 @@ from pathlib import Path
 
 import torch
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
+from machine_info import machine  # noqa: E402  (benchmarks/machine_info.py)
+
 
 def main() -> None:
     run = Path(sys.argv[1])
@@ -34,7 +37,7 @@ def main() -> None:
         "step_time_s": {"herald": hm["step_time_s"], "stock": sm["step_time_s"]},
         "plan": {"herald": sorted(set(hm["plan"].values())), "stock": sorted(set(sm["plan"].values()))},
         "herald_pipeline": hm.get("herald_pipeline", {}),
-        "device": hm.get("config", {}).get("device"),
+        "machine": machine(),
     }
     json.dump(out, sys.stdout, indent=2)
 
