@@ -75,6 +75,8 @@ from typing import Dict, List, Mapping, Optional, Sequence, Tuple, Union
 
 import torch
 
+from torchrec_herald.comm import FLOAT_BYTES, INDEX_BYTES
+
 from torchrec_herald.pipeline.input_allocator import Locality
 
 __all__ = [
@@ -96,9 +98,7 @@ __all__ = [
 ]
 
 #: bytes of a row id on herald's wire (int32)
-ROW_ID_BYTES = 4
-#: bytes of one embedding element
-FLOAT_BYTES = 4
+ROW_ID_BYTES = INDEX_BYTES
 CACHE_POLICIES = ("lru", "belady")
 ROUTES = ("owner", "direct")
 #: transfer kinds, each one embedding vector (+ row id)

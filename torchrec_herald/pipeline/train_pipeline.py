@@ -24,6 +24,7 @@ from torch import nn
 from torchrec.datasets.utils import Batch
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
+from torchrec_herald.comm import all_gather_varlen, all_to_all_rows
 from torchrec_herald.ops.hot_cold import first_invalid_id
 from torchrec_herald.pipeline.input_allocator import Locality, greedy_assign
 from torchrec_herald.pipeline.lazy_sync import TensorLazySyncPlanner
@@ -290,7 +291,6 @@ class HeraldTrainPipeline:
         send_counts = torch.bincount(dest, minlength=W)
         src_of_in = incoming // B
         recv_counts = torch.bincount(src_of_in, minlength=W)
-        fixed_in = fixed.new_empty(int(recv_counts.sum()), fixed.shape[1])
 
         def regroup(ids: torch.Tensor, bag_len: torch.Tensor, slot: torch.Tensor) -> torch.Tensor:
             """``ids`` in bags of ``bag_len``, the bags rearranged so that bag b comes ``slot[b]``-th (what a
@@ -308,12 +308,12 @@ class HeraldTrainPipeline:
         ids_out = regroup(kjt.values().to(torch.int32), lengths.flatten(), slot.view(-1))
         ids_send = torch.zeros(W, dtype=torch.int64).index_add_(0, dest, lengths.sum(0)).tolist()
         with _CommTimer(self.stats, "herald_samples"):
-            dist.all_to_all_single(fixed_in, fixed[order].contiguous(), recv_counts.tolist(), send_counts.tolist(),
-                                   group=self._pg)
+            fixed_in = all_to_all_rows(fixed[order], send_counts.tolist(), recv_counts.tolist(), self._pg,
+                                       "herald_samples")
             lengths_in = fixed_in[:, -F:].to(torch.int64)  # [n_in, F], samples in ascending global order
             ids_recv = torch.zeros(W, dtype=torch.int64).index_add_(0, src_of_in, lengths_in.sum(1)).tolist()
-            ids_in = torch.empty(sum(ids_recv), dtype=torch.int32)  # ids < 2**31: int32 on the wire
-            dist.all_to_all_single(ids_in, ids_out.contiguous(), ids_recv, ids_send, group=self._pg)
+            # ids < 2**31: int32 on the wire
+            ids_in = all_to_all_rows(ids_out, ids_send, ids_recv, self._pg, "herald_samples")
         n_dense = batch.dense_features.shape[1]
         dense = fixed_in[:, :n_dense].view(torch.float32).to(batch.dense_features.dtype)
         labels = fixed_in[:, n_dense].view(torch.float32).to(batch.labels.dtype)
@@ -326,18 +326,9 @@ class HeraldTrainPipeline:
 
     def _exchange_reads(self, mine: torch.Tensor) -> List[torch.Tensor]:
         """Every rank's sorted unique read keys (int32 on the wire)."""
-        return [k.to(torch.int64) for k in self._all_gather_varlen(mine.to(torch.int32), "herald_schedule_meta")]
-
-    def _all_gather_varlen(self, mine: torch.Tensor, label: str) -> List[torch.Tensor]:
-        """Every rank's 1-D ``mine`` (any length): an all-gather of the lengths, then one all-to-all
-        sending ``mine`` to every rank (written by hand: ``all_gather`` needs equal sizes)."""
-        W = self._W
-        counts = torch.empty(W, dtype=torch.int64)
-        with _CommTimer(self.stats, label):
-            dist.all_gather_into_tensor(counts, torch.tensor([mine.numel()], dtype=torch.int64), group=self._pg)
-            out = mine.new_empty(int(counts.sum()))
-            dist.all_to_all_single(out, mine.repeat(W), counts.tolist(), [mine.numel()] * W, group=self._pg)
-        return list(out.split(counts.tolist()))
+        with _CommTimer(self.stats, "herald_schedule_meta"):
+            got = all_gather_varlen(mine.to(torch.int32), self._pg, "herald_schedule_meta")
+        return [k.to(torch.int64) for k in got]
 
     # ------------------------------------------------------------------ training
     def progress(self, dataloader_iter: Iterator[Batch]) -> Any:

@@ -39,6 +39,13 @@ from typing import Dict, Iterable, List, Mapping, Optional, Sequence, Tuple, Uni
 import torch
 from torchrec.modules.embedding_configs import EmbeddingBagConfig
 
+from torchrec_herald.comm import (  # noqa: F401  (re-exported: the cost model speaks in these)
+    FLOAT_BYTES,
+    INDEX_BYTES,
+    OPTIMIZER_STATE_BYTES,
+    STOCK_ID_BYTES,
+    STOCK_LENGTH_BYTES,
+)
 from torchrec_herald.planner.stats import AccessStats
 
 logger = logging.getLogger(__name__)
@@ -52,16 +59,6 @@ __all__ = [
     "stock_table_wise_bytes", "stock_row_wise_bytes", "table_traffic", "total_traffic", "format_traffic_report",
 ]
 
-#: bytes of one embedding element (fp32 weights, pooled vectors and gradients)
-FLOAT_BYTES = 4
-#: bytes of an int32 id / sub-bag length / hot-row index on herald's wire
-INDEX_BYTES = 4
-#: bytes of an id on stock TorchRec's input all-to-all (int64)
-STOCK_ID_BYTES = 8
-#: bytes of a stock length (int32)
-STOCK_LENGTH_BYTES = 4
-#: optimizer state per replicated row (row-wise Adagrad: one float)
-OPTIMIZER_STATE_BYTES = 4
 #: hot-row gradient sync modes ("none": no hot rows)
 SYNC_MODES = ("dense", "sparse", "none")
 

@@ -34,6 +34,7 @@ from torchrec.optim.fused import EmptyFusedOptimizer, FusedOptimizer, FusedOptim
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor, KeyedTensor
 from torchrec.streamable import Multistreamable
 
+from torchrec_herald.comm import FLOAT_BYTES, INDEX_BYTES, all_to_all_rows, variable_all_to_all
 from torchrec_herald.ops.hot_cold import (
     HotColdSplit,
     first_invalid_id,
@@ -49,27 +50,6 @@ from torchrec_herald.traffic import traffic_tag
 logger = logging.getLogger(__name__)
 
 
-class _VariableAllToAll(torch.autograd.Function):
-    """all_to_all_single of rows with per-rank counts; backward sends the gradients the other way.
-    (Written by hand: TorchRec's pooled all-to-alls assume a fixed number of rows per sample.)"""
-
-    @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, send: List[int], recv: List[int], pg: dist.ProcessGroup,
-                labels: Tuple[str, str], dim: int) -> torch.Tensor:  # type: ignore[override]
-        ctx.send, ctx.recv, ctx.pg, ctx.labels, ctx.dim = send, recv, pg, labels, dim
-        out = x.new_empty((sum(recv),) + tuple(x.shape[1:]))
-        with traffic_tag(labels[0], dim):
-            dist.all_to_all_single(out, x.contiguous(), recv, send, group=pg)
-        return out
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> Tuple[Optional[torch.Tensor], ...]:  # type: ignore[override]
-        out = grad.new_empty((sum(ctx.send),) + tuple(grad.shape[1:]))
-        with traffic_tag(ctx.labels[1], ctx.dim):
-            dist.all_to_all_single(out, grad.contiguous(), ctx.send, ctx.recv, group=ctx.pg)
-        return out, None, None, None, None, None
-
-
 class _ScaleGrad(torch.autograd.Function):
     """Identity forward; backward multiplies the gradient by ``scale`` (TorchRec's gradient division)."""
 
@@ -81,19 +61,6 @@ class _ScaleGrad(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> Tuple[Optional[torch.Tensor], None]:  # type: ignore[override]
         return grad * ctx.scale, None
-
-
-def variable_all_to_all(x: torch.Tensor, send: List[int], recv: List[int], pg: dist.ProcessGroup,
-                        labels: Tuple[str, str] = ("herald_a2a", "herald_a2a_grad"), dim: int = 0) -> torch.Tensor:
-    """Autograd-aware variable-size all-to-all of the rows of ``x`` (``send[j]`` rows go to rank j)."""
-    return _VariableAllToAll.apply(x, send, recv, pg, labels, dim)
-
-
-def _a2a_int(x: torch.Tensor, send: List[int], recv: List[int], pg: dist.ProcessGroup, label: str) -> torch.Tensor:
-    out = x.new_empty(sum(recv))
-    with traffic_tag(label):
-        dist.all_to_all_single(out, x.contiguous(), recv, send, group=pg)
-    return out
 
 
 def storage_device(device: Optional[torch.device]) -> torch.device:
@@ -324,9 +291,7 @@ class ShardedHeraldEmbeddingBagCollection(
         touched = touched[self._sparse_row[touched] & ~self._frozen_hot[touched]] if touched.numel() else touched
         k = torch.full((W, 1), touched.numel(), dtype=torch.int64)
         counts = torch.cat([bags_to[:, None], ids_to[:, None], err.expand(W, 2), k], 1)
-        recv_counts = torch.empty_like(counts)
-        with traffic_tag("herald_meta"):
-            dist.all_to_all_single(recv_counts, counts, group=self._pg)
+        recv_counts = all_to_all_rows(counts, [1] * W, [1] * W, self._pg, "herald_meta")
         self._raise_on_bad_ids(recv_counts)
         ctx.split = split
         self._count_cold_traffic(sub, B)
@@ -339,8 +304,8 @@ class ShardedHeraldEmbeddingBagCollection(
         lengths_to = sub[nonempty].to(torch.int32).split(ctx.bags_to)
         rows_to = cold_rows.to(torch.int32).split(ids_to.tolist())
         packed = torch.cat([t for o in range(W) for t in (lengths_to[o], rows_to[o])])
-        recv = _a2a_int(packed, [b + i for b, i in zip(ctx.bags_to, ids_to.tolist())],
-                        [b + i for b, i in zip(ctx.bags_from, ids_from)], self._pg, "herald_ids")
+        recv = all_to_all_rows(packed, [b + i for b, i in zip(ctx.bags_to, ids_to.tolist())],
+                               [b + i for b, i in zip(ctx.bags_from, ids_from)], self._pg, "herald_ids")
         parts = recv.split([n for b, i in zip(ctx.bags_from, ids_from) for n in (b, i)])
         ctx.recv_lengths = torch.cat(parts[0::2])
         ctx.recv_rows = torch.cat(parts[1::2])
@@ -358,9 +323,9 @@ class ShardedHeraldEmbeddingBagCollection(
         bags = (per[remote] > 0).sum((0, 2)).double()
         T = len(self._tables)
         add = torch.zeros(T, 4, dtype=torch.float64)
-        add[:, 0].index_add_(0, self._feature_table, 4 * ids + 4 * bags)
-        add[:, 1].index_add_(0, self._feature_table, 4 * self._dim * bags)
-        add[:, 2].index_add_(0, self._feature_table, 4 * self._dim * bags)
+        add[:, 0].index_add_(0, self._feature_table, INDEX_BYTES * (ids + bags))
+        add[:, 1].index_add_(0, self._feature_table, FLOAT_BYTES * self._dim * bags)
+        add[:, 2].index_add_(0, self._feature_table, FLOAT_BYTES * self._dim * bags)
         self._traffic += add
 
     def traffic_by_table(self) -> Dict[str, Dict[str, float]]:
@@ -512,7 +477,7 @@ class ShardedHeraldEmbeddingBagCollection(
         if grad is None or self._num_hot == 0:
             return
         grad = grad.view(-1, self._dim)[: self._num_hot]
-        W, row_bytes = self._world, 4 * self._dim
+        W, row_bytes = self._world, FLOAT_BYTES * self._dim
         dev = grad.device
         with traffic_tag("herald_hot_sync", self._dim):
             if self._dense_rows.numel():  # tables synced densely: one ring all-reduce of their rows
@@ -526,7 +491,7 @@ class ShardedHeraldEmbeddingBagCollection(
                 sparse_row = self._sparse_row.to(dev)
                 grad[sparse_row] = total[sparse_row]
                 sent_sparse = torch.bincount(self._hot_table_of_row[touched], minlength=len(self._tables)).double()
-                self._traffic[:, 3] += sent_sparse * ((W - 1) * (4 + row_bytes))
+                self._traffic[:, 3] += sent_sparse * ((W - 1) * (INDEX_BYTES + row_bytes))
         dense_per_table = torch.bincount(self._hot_table_of_row[self._dense_rows], minlength=len(self._tables)).double()
         self._traffic[:, 3] += dense_per_table * (2 * (W - 1) * row_bytes / W)
         lr = float(self._fused_params["learning_rate"])
@@ -603,9 +568,8 @@ class ShardedHeraldEmbeddingBagCollection(
         W, k = self._world, rows.numel()
         rows = rows.to(grad.device)
         payload = torch.cat([rows.to(torch.int32).view(-1, 1).view(torch.float32), grad[rows]], 1)
-        got = grad.new_empty(sum(counts_from), self._dim + 1)
-        with traffic_tag("herald_hot_sync", self._dim + 1):  # one vector per row, its id included
-            dist.all_to_all_single(got, payload.repeat(W, 1), counts_from, [k] * W, group=self._pg)
+        # one vector per row, its id included
+        got = all_to_all_rows(payload.repeat(W, 1), [k] * W, counts_from, self._pg, "herald_hot_sync", self._dim + 1)
         total = torch.zeros_like(grad)
         total.index_add_(0, got[:, :1].contiguous().view(torch.int32).view(-1).to(torch.int64), got[:, 1:])
         return total

@@ -16,11 +16,10 @@ import logging
 from typing import TYPE_CHECKING, Callable, List, Optional, Tuple
 
 import torch
-import torch.distributed as dist
 from fbgemm_gpu.split_embedding_configs import EmbOptimType
 
 from torchrec_herald.pipeline.lazy_sync import ExecPlan, FlushPlan
-from torchrec_herald.traffic import traffic_tag
+from torchrec_herald.comm import all_to_all_rows
 
 if TYPE_CHECKING:
     from torchrec_herald.sharding.hot_replicated import ShardedHeraldEmbeddingBagCollection
@@ -189,10 +188,7 @@ class PlanExecutor:
         recv_pos = [((src == r) & (dst == me)).nonzero().squeeze(1) for r in range(W)]
         send = torch.cat([payload(i) for i in send_pos]) if any(i.numel() for i in send_pos) \
             else torch.zeros(0, width, device=self.dev)
-        out = torch.empty(sum(i.numel() for i in recv_pos), width, device=self.dev)
-        with traffic_tag(label, width):
-            dist.all_to_all_single(out, send.contiguous(), [i.numel() for i in recv_pos],
-                                   [i.numel() for i in send_pos], group=self.pg)
+        out = all_to_all_rows(send, [i.numel() for i in send_pos], [i.numel() for i in recv_pos], self.pg, label, width)
         return recv_pos, out
 
     def _row_payload(self, keys: torch.Tensor, add: torch.Tensor) -> torch.Tensor:

@@ -1,0 +1,75 @@
+"""Herald's variable-size collectives and the byte sizes of what travels on its wire, in one place.
+
+Every herald exchange sends a different number of rows to each rank (P²RES's cold sub-bags, Herald's
+plan transfers and sample moves), which TorchRec's pooled all-to-alls, built for a fixed number of rows
+per sample, do not cover; these thin wrappers over ``torch.distributed`` are tagged for TrafficMeter.
+"""
+
+from __future__ import annotations
+
+from typing import Any, List, Optional, Sequence, Tuple
+
+import torch
+import torch.distributed as dist
+
+from torchrec_herald.traffic import traffic_tag
+
+__all__ = [
+    "FLOAT_BYTES", "INDEX_BYTES", "OPTIMIZER_STATE_BYTES", "SCORE_BYTES", "STOCK_ID_BYTES", "STOCK_LENGTH_BYTES",
+    "all_gather_varlen", "all_to_all_rows", "variable_all_to_all",
+]
+
+#: bytes of one embedding element (fp32 weights, pooled vectors and gradients)
+FLOAT_BYTES = 4
+#: bytes of an int32 id / sub-bag length / hot-row index on herald's wire
+INDEX_BYTES = 4
+#: bytes of one allocator score on the wire (int16)
+SCORE_BYTES = 2
+#: bytes of an id on stock TorchRec's input all-to-all (int64)
+STOCK_ID_BYTES = 8
+#: bytes of a stock length (int32)
+STOCK_LENGTH_BYTES = 4
+#: optimizer state per replicated or transferred row (row-wise Adagrad: one float)
+OPTIMIZER_STATE_BYTES = 4
+
+
+def all_to_all_rows(x: torch.Tensor, send: Sequence[int], recv: Sequence[int], pg: Optional[dist.ProcessGroup],
+                    label: str, dim: Optional[int] = None) -> torch.Tensor:
+    """``send[j]`` leading rows of ``x`` go to rank j, ``recv[i]`` rows come from rank i (in rank order);
+    no autograd. ``label`` / ``dim``: the TrafficMeter tag and the floats per embedding vector."""
+    out = x.new_empty((sum(recv),) + tuple(x.shape[1:]))
+    with traffic_tag(label, dim):
+        dist.all_to_all_single(out, x.contiguous(), list(recv), list(send), group=pg)
+    return out
+
+
+class _VariableAllToAll(torch.autograd.Function):
+    """:func:`all_to_all_rows` whose backward sends the gradients the other way."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, send: List[int], recv: List[int], pg: dist.ProcessGroup,
+                labels: Tuple[str, str], dim: int) -> torch.Tensor:  # type: ignore[override]
+        ctx.send, ctx.recv, ctx.pg, ctx.labels, ctx.dim = send, recv, pg, labels, dim
+        return all_to_all_rows(x, send, recv, pg, labels[0], dim)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> Tuple[Optional[torch.Tensor], ...]:  # type: ignore[override]
+        return all_to_all_rows(grad, ctx.recv, ctx.send, ctx.pg, ctx.labels[1], ctx.dim), None, None, None, None, None
+
+
+def variable_all_to_all(x: torch.Tensor, send: List[int], recv: List[int], pg: dist.ProcessGroup,
+                        labels: Tuple[str, str] = ("herald_a2a", "herald_a2a_grad"), dim: int = 0) -> torch.Tensor:
+    """Autograd-aware variable-size all-to-all of the rows of ``x`` (``send[j]`` rows go to rank j)."""
+    return _VariableAllToAll.apply(x, send, recv, pg, labels, dim)
+
+
+def all_gather_varlen(mine: torch.Tensor, pg: Optional[dist.ProcessGroup], label: str) -> List[torch.Tensor]:
+    """Every rank's 1-D ``mine`` (any length): an all-gather of the lengths, then one all-to-all sending
+    ``mine`` to every rank (``all_gather`` needs equal sizes)."""
+    W = dist.get_world_size(pg)
+    counts = torch.empty(W, dtype=torch.int64)
+    with traffic_tag(label):
+        dist.all_gather_into_tensor(counts, torch.tensor([mine.numel()], dtype=torch.int64), group=pg)
+    sizes = counts.tolist()
+    out = all_to_all_rows(mine.repeat(W), [mine.numel()] * W, sizes, pg, label)
+    return list(out.split(sizes))
