@@ -43,7 +43,7 @@ def measure(W: int, B: int, steps: int, window: int, scale: float, stats_batches
     hot = {n: c.hot_ids for n, c in CostModelHotSetSelector().select(stats, tables, W, B, 64 << 20).items()}
     loc = Locality.from_tables(tables, W, hot)
     planner = TensorLazySyncPlanner(loc, 0.05, window)
-    offsets = loc._table_offsets[torch.arange(len(tables))]  # feature f is served by table f
+    offsets = loc.layout.table_offsets[torch.arange(len(tables))]  # feature f is served by table f
     F = len(tables)
     parts = {"score_own": 0.0, "assign_all": 0.0, "unique_own": 0.0, "plan_all": 0.0}
     queue: List[List[torch.Tensor]] = []

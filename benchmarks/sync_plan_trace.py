@@ -8,7 +8,7 @@ from torchrec_herald.data import SyntheticCriteo
 from torchrec_herald.model import build_tables
 from torchrec_herald.planner import AccessStats, CostModelHotSetSelector
 from torchrec_herald.pipeline.input_allocator import Locality
-from torchrec_herald.pipeline.sync_plan import EagerSyncPlanner, LazySyncPlanner, simulate
+from torchrec_herald.testing.reference_plans import EagerSyncPlanner, LazySyncPlanner, simulate
 W, B, T = 4, 256, 30; G = W * B
 data = SyntheticCriteo(scale=0.01, seed=0, zipf_alpha=1.22)
 tables = build_tables(data.feature_names, data.num_embeddings, 16, "SUM")
@@ -41,7 +41,7 @@ run("eager, all rows replicated", EagerSyncPlanner(loc_all))
 for route in ("owner", "direct"):
     run(f"lazy {route} K=5, all rows replicated (floor)", LazySyncPlanner(loc_all, 0.01, "lru", 5, route))
 # extra: DESIGN's floor formula, herald sparse hot sync, K effect, steady state (steps 5..29)
-from torchrec_herald.pipeline.sync_plan import _normalize, _readers
+from torchrec_herald.testing.reference_plans import _normalize, _readers
 floor = 0; sparse_hot = 0
 for st in trace:
     nm = _normalize(st, loc_all)

@@ -101,7 +101,7 @@ def _worker(rank: int, world: int) -> Dict[str, Any]:
                                            zip(local(h_opt["dmp"].fused_optimizer.state_dict()).values(),
                                                local(rw_fused).values()))
     hot_module = [m for m in h_opt["dmp"].modules() if type(m).__name__ == "ShardedHeraldEmbeddingBagCollection"][0]
-    out["opt_hot_state"] = hot_module._hot_state.clone()
+    out["opt_hot_state"] = hot_module.store.hot_state.clone()
     # herald -> a fresh stock ROW_WISE
     rw_opt = build(world, dict(cfg, planner="row_wise"))
     rw_opt["dmp"].fused_optimizer.load_state_dict(fused)

@@ -21,12 +21,14 @@ import pytest
 import torch
 
 from torchrec_herald.pipeline.input_allocator import Locality
-from torchrec_herald.pipeline.lazy_sync import ExecPlan, TensorLazySyncPlanner
-from torchrec_herald.pipeline.sync_plan import (
+from torchrec_herald.pipeline.lazy_sync import TensorLazySyncPlanner
+from torchrec_herald.plans import ExecPlan
+from torchrec_herald.testing.reference_plans import (
     ExactnessError,
     LazySyncPlanner,
     StepPlan,
     check_exact,
+    to_step_plan,
 )
 
 STEPS = 40
@@ -59,7 +61,7 @@ def _trace(world: int, steps: int, seed: int) -> List[Dict[str, List[torch.Tenso
 
 def _keys(loc: Locality, step: Dict[str, List[torch.Tensor]]) -> List[torch.Tensor]:
     """Per rank: the sorted global keys (table offset + row) of a trace step."""
-    off = loc._table_offsets
+    off = loc.layout.table_offsets
     return [torch.cat([off[i] + step[t][r] for i, t in enumerate(loc.tables)]).sort().values
             for r in range(loc.world_size)]
 
@@ -82,7 +84,7 @@ def _run(world: int, window: int, seed: int, fraction: float, steps: int = STEPS
     for t in range(steps):
         win = trace[t: t + window]
         ref_plans.append(ref.plan_step(win))
-        vec_plans.append(vec.plan_step([_keys(loc, s) for s in win]).to_step_plan(loc))
+        vec_plans.append(to_step_plan(vec.plan_step([_keys(loc, s) for s in win]), loc))
     return loc, trace, ref_plans, vec_plans, vec, ref
 
 
@@ -127,7 +129,7 @@ def test_tensor_planner_matches_reference_owner_lru(world: int, window: int, see
 
 
 def _capacity(vec: TensorLazySyncPlanner) -> Dict[str, int]:
-    return {t: int(c) for t, c in zip(vec.locality.tables, vec.capacity)}
+    return {t: int(c) for t, c in zip(vec.layout.tables, vec.capacity)}
 
 
 @pytest.mark.parametrize("world,window,seed,fraction", [CASES[1], CASES[2], CASES[5]])
@@ -209,7 +211,7 @@ def test_local_on_counts_hot_replicas_own_blocks_and_valid_cache_entries() -> No
     keys = torch.arange(vec.num_rows)
     got = vec.local_on(keys)
     assert got.shape == (3, vec.num_rows) and got.dtype == torch.bool
-    off = loc._table_offsets
+    off = loc.layout.table_offsets
     stale_cached = 0
     for i, name in enumerate(loc.tables):
         tab = ref._tables[name]
@@ -234,7 +236,7 @@ def test_flush_sends_dirty_rows_home_and_refreshes_outdated_hot_replicas(world: 
                                                                         ) -> None:
     loc, trace, _, _, vec, ref = _run(world, window, seed, 0.1, steps=15)
     # expected, from the reference planner's state (independent of the tensor planner's internals)
-    off = loc._table_offsets
+    off = loc.layout.table_offsets
     dirty, outdated = [], []
     for i, name in enumerate(loc.tables):
         tab = ref._tables[name]

@@ -189,11 +189,11 @@ def _one_run(rank: int, world: int, cfg: Dict[str, Any]) -> Dict[str, Any]:
     pipe = HeraldTrainPipeline(b["dmp"], b["optimizer"], torch.device("cpu"), sync=cfg["pipe_sync"], window=WINDOW,
                                skip=skip)
     ebc = pipe._ebc
-    n = sum(ebc._num_embeddings)
-    out: Dict[str, Any] = {"hot_keys": ebc._hot_keys.clone(), "B": b["batch_size"]}
+    n = ebc.layout.num_rows
+    out: Dict[str, Any] = {"hot_keys": ebc.layout.hot_keys.clone(), "B": b["batch_size"]}
 
     def snapshot() -> Dict[str, torch.Tensor]:
-        return {"w": ebc.hot_values(), "state": ebc._hot_state[: ebc._num_hot].clone()}
+        return {"w": ebc.hot_values(), "state": ebc.store.hot_state[: ebc.layout.num_hot].clone()}
 
     if skip is not None:
         orig_phase = pipe._skip_phase

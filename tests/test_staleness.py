@@ -64,7 +64,7 @@ def _trace(loc: Locality, steps: int, seed: int) -> List[List[torch.Tensor]]:
     """Per step, per rank: sorted unique global keys; skewed (row ~ n·u³), 0 to 12 draws per rank and
     table (a rank sometimes reads nothing of a table)."""
     g = torch.Generator().manual_seed(seed)
-    off = loc._table_offsets
+    off = loc.layout.table_offsets
     out = []
     for _ in range(steps):
         per: List[List[torch.Tensor]] = [[] for _ in range(loc.world_size)]
@@ -371,7 +371,7 @@ def _one_run(rank: int, world: int, cfg: Dict[str, Any]) -> Dict[str, Any]:
     dmp = b["dmp"]
     pipe = HeraldTrainPipeline(dmp, b["optimizer"], torch.device("cpu"), **cfg["pipeline"])
     ebc = pipe._ebc
-    grad_sum = torch.zeros(sum(ebc._num_embeddings), ebc._dim, dtype=torch.float64)
+    grad_sum = torch.zeros(ebc.layout.num_rows, ebc.embedding_dim, dtype=torch.float64)
     if cfg.get("record"):
         ex = ebc.plan_executor
         orig = ex.after_backward
@@ -392,7 +392,7 @@ def _one_run(rank: int, world: int, cfg: Dict[str, Any]) -> Dict[str, Any]:
     state = full_state(dmp)
     return {"losses": losses, "state": state, "raw_state": {k: v.detach().clone() for k, v in dmp.state_dict().items()},
             "initial": b["initial"], "tags": meter.tag_summary(), "stats": pipe.stats, "grad_sum": grad_sum,
-            "tables": list(ebc._tables), "offsets": ebc._table_offsets.clone()}
+            "tables": list(ebc.layout.tables), "offsets": ebc.layout.table_offsets.clone()}
 
 
 def _worker(rank: int, world: int, names: List[str]) -> Dict[str, Dict[str, Any]]:

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from torchrec_herald.pipeline.input_allocator import Locality
-from torchrec_herald.pipeline.sync_plan import (
+from torchrec_herald.testing.reference_plans import (
     EagerSyncPlanner,
     ExactnessError,
     LazySyncPlanner,

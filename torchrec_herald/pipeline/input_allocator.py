@@ -43,7 +43,7 @@ from torchrec.distributed.types import ShardingPlan, ShardingType
 from torchrec.modules.embedding_configs import EmbeddingBagConfig
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
-from torchrec_herald.ops.hot_cold import row_block_sizes
+from torchrec_herald.layout import RowLayout
 from torchrec_herald.sharding.types import HERALD_HOT_ROW_WISE, hot_spec_of
 
 __all__ = [
@@ -98,37 +98,14 @@ class Locality:
     cache: Optional[CacheMembership] = None
 
     def __post_init__(self) -> None:
-        if self.world_size < 1:
-            raise ValueError(f"world_size must be >= 1, got {self.world_size}")
-        self.num_embeddings = {t: int(n) for t, n in self.num_embeddings.items()}
-        self.tables: List[str] = list(self.num_embeddings)
-        for t, n in self.num_embeddings.items():
-            if n < 1:
-                raise ValueError(f"table {t!r}: num_embeddings must be >= 1, got {n}")
-        unknown = sorted(set(self.hot_ids) - set(self.tables))
-        if unknown:
-            raise ValueError(f"hot ids for unknown tables {unknown} (tables: {self.tables})")
-        hot: Dict[str, torch.Tensor] = {}
-        for t in self.tables:
-            ids = torch.unique(torch.as_tensor(self.hot_ids.get(t, []), dtype=torch.int64).flatten())
-            if ids.numel() and (int(ids[0]) < 0 or int(ids[-1]) >= self.num_embeddings[t]):
-                raise ValueError(f"table {t!r}: hot ids outside [0, {self.num_embeddings[t]})")
-            hot[t] = ids
-        self.hot_ids = hot
-        self.features = dict(self.features) if self.features is not None else {t: t for t in self.tables}
-        bad = sorted(f for f, t in self.features.items() if t not in self.num_embeddings)
-        if bad:
-            raise ValueError(f"features {bad} map to unknown tables (tables: {self.tables})")
-        default_blocks = dict(zip(self.tables, row_block_sizes([self.num_embeddings[t] for t in self.tables],
-                                                               self.world_size)))
-        blocks = dict(default_blocks, **(self.block_sizes or {}))
-        for t, b in blocks.items():
-            if t not in self.num_embeddings:
-                raise ValueError(f"block size for unknown table {t!r}")
-            if b < 1 or -(-self.num_embeddings[t] // b) > self.world_size:
-                raise ValueError(f"table {t!r}: block size {b} does not spread {self.num_embeddings[t]} rows "
-                                 f"over {self.world_size} ranks")
-        self.block_sizes = {t: int(blocks[t]) for t in self.tables}
+        self.layout: RowLayout = RowLayout.build(self.world_size, self.num_embeddings, self.hot_ids, self.features,
+                                                 self.block_sizes)
+        lay = self.layout
+        self.num_embeddings = dict(zip(lay.tables, lay.num_embeddings))
+        self.tables: List[str] = list(lay.tables)
+        self.hot_ids = dict(zip(lay.tables, lay.hot_ids))
+        self.features = {f: lay.tables[int(t)] for f, t in zip(lay.features, lay.feature_table)}
+        self.block_sizes = dict(zip(lay.tables, lay.block_sizes))
         if self.cache is not None and not callable(self.cache):
             cache: Dict[str, List[torch.Tensor]] = {}
             for t, per_rank in self.cache.items():
@@ -139,13 +116,6 @@ class Locality:
                                      f"got {len(per_rank)}")
                 cache[t] = [torch.unique(torch.as_tensor(s, dtype=torch.int64).flatten()) for s in per_rank]
             self.cache = cache
-        # flat lookup structures (global key = table offset + id; hot keys sorted table-major)
-        n = torch.tensor([self.num_embeddings[t] for t in self.tables], dtype=torch.int64)
-        self._table_offsets = torch.cumsum(n, 0) - n
-        self._rows = n
-        self._blocks = torch.tensor([self.block_sizes[t] for t in self.tables], dtype=torch.int64)
-        self._hot_keys = torch.cat([self._table_offsets[i] + self.hot_ids[t] for i, t in enumerate(self.tables)])
-        self._table_index = {t: i for i, t in enumerate(self.tables)}
 
     # ------------------------------------------------------------------ builders
 
@@ -206,7 +176,7 @@ class Locality:
         unknown = [k for k in keys if k not in self.features]
         if unknown:
             raise ValueError(f"KJT keys {unknown} are not served by any table (features: {sorted(self.features)})")
-        return torch.tensor([self._table_index[self.features[k]] for k in keys], dtype=torch.int64)
+        return torch.tensor([self.layout.table_index[self.features[k]] for k in keys], dtype=torch.int64)
 
     def cached_on(self, table: str, ids: torch.Tensor) -> Optional[torch.Tensor]:
         """bool [N, W]: rank r holds a valid cache entry of row ``ids[i]`` of ``table`` (None: no cache)."""
@@ -259,27 +229,28 @@ def _lookups(global_kjt: KeyedJaggedTensor, locality: Locality, world_size: int,
     bag = torch.repeat_interleave(torch.arange(lengths.numel()), lengths)
     table = feature_table[bag // g] if keys else torch.empty(0, dtype=torch.int64)
     sample = bag % g
-    bad = (values < 0) | (values >= locality._rows[table])
+    lay = locality.layout
+    bad = (values < 0) | (values >= lay.rows[table])
     if bool(bad.any()):
         i = int(bad.nonzero()[0, 0])
         raise ValueError(f"feature {keys[int(bag[i]) // g]!r}: id {int(values[i])} is outside "
-                         f"[0, {int(locality._rows[table[i]])})")
+                         f"[0, {int(lay.rows[table[i]])})")
     if tables is not None:
         wanted = torch.zeros(len(locality.tables), dtype=torch.bool)
         for t in tables:
-            if t not in locality._table_index:
+            if t not in lay.table_index:
                 raise ValueError(f"unknown table {t!r} (tables: {locality.tables})")
-            wanted[locality._table_index[t]] = True
+            wanted[lay.table_index[t]] = True
         keep = wanted[table]
         sample, table, values = sample[keep], table[keep], values[keep]
-    hot_keys = locality._hot_keys
+    hot_keys = lay.hot_keys
     if hot_keys.numel():
-        keys_ = locality._table_offsets[table] + values
+        keys_ = lay.table_offsets[table] + values
         pos = torch.searchsorted(hot_keys, keys_).clamp_(max=hot_keys.numel() - 1)
         hot = hot_keys[pos] == keys_
     else:
         hot = torch.zeros(values.numel(), dtype=torch.bool)
-    owner = values // locality._blocks[table]
+    owner = values // lay.blocks[table]
     return _Lookups(num_samples=g, sample=sample, table=table, ids=values, hot=hot, owner=owner)
 
 

@@ -1,11 +1,12 @@
 """Herald's lazy, exact communication plan (DESIGN §3, Herald (b)) as tensor operations, fast enough to
-run every step: the owner-route LRU plan of :class:`~torchrec_herald.pipeline.sync_plan.LazySyncPlanner`.
+run every step: the owner-route LRU plan of the readable reference ``LazySyncPlanner``.
 
-:class:`LazySyncPlanner` in ``sync_plan.py`` is the readable reference (dicts, one row at a time);
+``LazySyncPlanner`` (``torchrec_herald/testing/reference_plans.py``) is the reference (dicts, one row at a time);
 :class:`TensorLazySyncPlanner` here keeps the same state as ``[W, N]`` tensors over the *global row space*
 (key = table offset + row id, tables concatenated) and plans a step with a few dozen vectorised ops. It
 produces the **same transfers** as the reference with ``route="owner", policy="lru"`` (tested on random
-traces), and :meth:`ExecPlan.to_step_plan` converts a plan for :func:`~torchrec_herald.pipeline.sync_plan.check_exact`.
+traces; ``torchrec_herald.testing.reference_plans`` holds the reference, the exactness checker and the
+conversion of a plan for it).
 
 State per row ``x``: ``master[x]`` (the rank holding the latest version; its home ``x // block`` when
 clean), per rank ``valid[r, x]`` (r's copy is the latest), ``cached[r, x]`` (r caches remote cold row x),
@@ -16,73 +17,17 @@ further metadata on the wire: a receiver knows which rows arrive, from whom, in 
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import Dict, List, Mapping, Optional, Sequence
+from typing import Any, List, Mapping, Optional, Sequence, Tuple
 
 import torch
 
-from torchrec_herald.pipeline.input_allocator import Locality
-from torchrec_herald.pipeline.sync_plan import StepPlan, SyncCounters, TablePlan, _capacities
+from torchrec_herald.layout import RowLayout, cache_capacities, layout_of
+from torchrec_herald.plans import CommPlanner, ExecPlan, FlushPlan, SyncCounters, no_transfers, sort_transfers
 
-__all__ = ["ExecPlan", "FlushPlan", "TensorLazySyncPlanner"]
-
-_EMPTY = torch.empty(0, 3, dtype=torch.int64)
+__all__ = ["TensorLazySyncPlanner"]
 
 
-@dataclass
-class ExecPlan:
-    """One step's plan over global keys. Each transfer tensor is int64 ``[N, 3]`` of ``(key, src, dst)``
-    sorted by key, then src, then dst; in execution order: ``push_before_read`` (only without look-ahead),
-    pulls (``miss_pull`` and ``update_pull`` merged in ``pull``, ``pull_miss`` telling which), the reads,
-    ``reduce`` + one update per read row at ``reducer``, ``update_push``, ``miss_push``, ``evictions``."""
-
-    step: int
-    reads: List[torch.Tensor]  # per rank: sorted unique keys read
-    push_before_read: torch.Tensor
-    pull: torch.Tensor
-    pull_miss: torch.Tensor  # bool [len(pull)]
-    reduce: torch.Tensor
-    update_keys: torch.Tensor  # sorted keys updated this step (= union of reads)
-    reducer: torch.Tensor  # int64 [len(update_keys)] rank applying each row's update
-    update_push: torch.Tensor
-    miss_push: torch.Tensor
-    evictions: List[torch.Tensor]  # per rank: cached keys dropped after the step
-    counters: SyncCounters = field(default_factory=SyncCounters)
-
-    def to_step_plan(self, locality: Locality) -> StepPlan:
-        """The per-table :class:`StepPlan` (table-local row ids) the trace-level tools understand."""
-        offsets = locality._table_offsets
-        tables: Dict[str, TablePlan] = {}
-
-        def part(t: torch.Tensor, i: int) -> torch.Tensor:
-            lo, hi = int(offsets[i]), int(offsets[i]) + locality.num_embeddings[name]
-            s = t[(t[:, 0] >= lo) & (t[:, 0] < hi)].clone()
-            s[:, 0] -= lo
-            return s
-
-        for i, name in enumerate(locality.tables):
-            lo = int(offsets[i])
-            hi = lo + locality.num_embeddings[name]
-            ev = [e[(e >= lo) & (e < hi)] - lo for e in self.evictions]
-            tables[name] = TablePlan(
-                table=name, world_size=locality.world_size, push_before_read=part(self.push_before_read, i),
-                miss_pull=part(self.pull[self.pull_miss], i), update_pull=part(self.pull[~self.pull_miss], i),
-                reduce=part(self.reduce, i), update_push=part(self.update_push, i),
-                miss_push=part(self.miss_push, i), deliver=_EMPTY.clone(), evictions=ev)
-        return StepPlan(step=self.step, tables=tables, counters=self.counters)
-
-
-@dataclass
-class FlushPlan:
-    """Bring every copy back to the stock layout: dirty rows go home (``push``), then every outdated hot
-    replica pulls the latest version from home (``pull``); every cache is dropped (``dropped``)."""
-
-    push: torch.Tensor
-    pull: torch.Tensor
-    dropped: List[torch.Tensor]
-
-
-class TensorLazySyncPlanner:
+class TensorLazySyncPlanner(CommPlanner):
     """Vectorised owner-route, LRU lazy plan (see the module docstring).
 
     Args:
@@ -92,25 +37,20 @@ class TensorLazySyncPlanner:
         capacity_rows: optional per-table capacity in rows (``1 ≤ C ≤ n``), overriding the fraction.
     """
 
-    def __init__(self, locality: Locality, capacity_fraction: float = 0.05, window: int = 5,
+    def __init__(self, locality: Any, capacity_fraction: float = 0.05, window: int = 5,
                  capacity_rows: Optional[Mapping[str, int]] = None) -> None:
         if int(window) < 1:
             raise ValueError(f"window must be >= 1, got {window}")
-        self.locality = locality
+        lay: RowLayout = layout_of(locality)
+        self.layout = lay
         self.window = int(window)
-        self.W = locality.world_size
-        caps = _capacities(locality, capacity_fraction, capacity_rows)
-        self.capacity = torch.tensor([caps[t] for t in locality.tables], dtype=torch.int64)
-        n = locality._rows
-        self.num_rows = int(n.sum())
-        self.table_lo = locality._table_offsets.clone()
-        self.table_hi = self.table_lo + n
-        table_of = torch.repeat_interleave(torch.arange(len(n)), n)
-        local_id = torch.arange(self.num_rows) - self.table_lo[table_of]
-        self.table_of = table_of
-        self.home = local_id // locality._blocks[table_of]
-        self.is_hot = torch.zeros(self.num_rows, dtype=torch.bool)
-        self.is_hot[locality._hot_keys] = True
+        self.W = lay.world_size
+        caps = cache_capacities(lay, capacity_fraction, capacity_rows)
+        self.capacity = torch.tensor([caps[t] for t in lay.tables], dtype=torch.int64)
+        self.num_rows = lay.num_rows
+        self.table_lo = lay.table_offsets
+        self.table_hi = lay.table_offsets + lay.rows
+        self.table_of, self.home, self.is_hot = lay.table_of_row, lay.home_of_row, lay.is_hot_row
         self.reset()
 
     def reset(self) -> None:
@@ -153,14 +93,34 @@ class TensorLazySyncPlanner:
         self.master.index_copy_(0, x, h)
         return torch.stack([x, m, h], 1)
 
-    @staticmethod
-    def _order(t: torch.Tensor) -> torch.Tensor:
-        """Permutation sorting ``(key, src, dst)`` rows by key, then src, then dst."""
-        return torch.argsort((t[:, 0] * 65536 + t[:, 1]) * 65536 + t[:, 2])
+    def _admit_to_caches(self, R: torch.Tensor, X: torch.Tensor, cold: torch.Tensor, new: torch.Tensor) -> None:
+        """Reads ``(R[i], X[i])`` of remote cold rows (``cold``) enter (``new``) or refresh their LRU entry."""
+        N, T = self.num_rows, self.cache_count.shape[1]
+        fc = (R * N + X).masked_select(cold)
+        self.cached.view(-1).index_fill_(0, fc, True)
+        self.last_use.view(-1).index_fill_(0, fc, self.step)
+        t_new = self.table_of.index_select(0, X.masked_select(new))
+        self.cache_count += torch.bincount(R.masked_select(new) * T + t_new, minlength=self.W * T).view(self.W, T)
 
-    @classmethod
-    def _sorted(cls, t: torch.Tensor) -> torch.Tensor:
-        return t[cls._order(t)] if t.numel() else _EMPTY.clone()
+    def _reducers(self, R: torch.Tensor, X: torch.Tensor, ux: torch.Tensor, inv: torch.Tensor, nS: torch.Tensor,
+                  first: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+        """One update per read row: by its only reader, or at home when several ranks read it. Returns
+        (reducer of each row of ``ux``, the ``(key, reader, reducer)`` gradient sends, in read order)."""
+        reducer = torch.where(nS == 1, first, self.home.index_select(0, ux))
+        red_of = reducer.index_select(0, inv)
+        sends = (R != red_of).nonzero().squeeze(1)
+        return reducer, torch.stack([X.index_select(0, sends), R.index_select(0, sends), red_of.index_select(0, sends)], 1)
+
+    def _hot_pulls(self, stale: torch.Tensor) -> torch.Tensor:
+        """``(key, home, rank)`` pulls refreshing the hot replicas where ``stale`` (bool ``[W, num_hot]``)."""
+        hot = self.is_hot.nonzero().flatten()
+        r, i = stale.nonzero(as_tuple=True)
+        x = hot[i]
+        return sort_transfers(torch.stack([x, self.home[x], r], 1))
+
+    def _cached_rows(self) -> List[torch.Tensor]:
+        """Per rank, the keys it caches."""
+        return [self.cached[q].nonzero().flatten() for q in range(self.W)]
 
     # ------------------------------------------------------------------ planning
     def plan_step(self, window: Sequence[Sequence[torch.Tensor]]) -> ExecPlan:
@@ -193,27 +153,19 @@ class TensorLazySyncPlanner:
         pull = torch.stack([Xn, self.master.index_select(0, Xn), R.index_select(0, need)], 1)
         pull_miss = new.index_select(0, need)  # = not held (not hot, not home, not cached)
         valid.index_fill_(0, flat, True)
-        fc = flat.masked_select(cold)
-        cached.index_fill_(0, fc, True)
-        self.last_use.view(-1).index_fill_(0, fc, self.step)
-        T = self.cache_count.shape[1]
-        t_new = self.table_of.index_select(0, X.masked_select(new))
-        self.cache_count += torch.bincount(R.masked_select(new) * T + t_new, minlength=self.W * T).view(self.W, T)
+        self._admit_to_caches(R, X, cold, new)
         cnt.reads, cnt.hits = X.numel(), int(ok.sum())
-        cnt.cache_reads, cnt.cache_hits = fc.numel(), int((ok & cold).sum())
+        cnt.cache_reads, cnt.cache_hits = int(cold.sum()), int((ok & cold).sum())
         cnt.miss_pull = int(pull_miss.sum())
         cnt.update_pull = need.numel() - cnt.miss_pull
-        # one update per read row: by its only reader, or at home when several ranks read it
-        reducer = torch.where(nS == 1, first, home_u)
-        red_of = reducer.index_select(0, inv)
-        sends = (R != red_of).nonzero().squeeze(1)
-        reduce = torch.stack([X.index_select(0, sends), R.index_select(0, sends), red_of.index_select(0, sends)], 1)
-        cnt.reduce = sends.numel()
+        # read pairs in (key, rank) order: the sends come out sorted by (key, src, dst)
+        reducer, reduce = self._reducers(R, X, ux, inv, nS, first)
+        cnt.reduce = len(reduce)
         self.valid.index_fill_(1, ux, False)
         valid.index_fill_(0, reducer * N + ux, True)
         self.master.index_copy_(0, ux, reducer)
         # look-ahead: a dirty row another rank reads in the next step is pushed home now
-        post = _EMPTY.clone()
+        post = no_transfers()
         if len(window) > 1 and self.window > 1:
             R1, X1 = self._pairs([torch.as_tensor(k, dtype=torch.int64) for k in window[1]])
             # (a rank reads a row at most once: a row with several readers has one other than its master)
@@ -224,7 +176,7 @@ class TensorLazySyncPlanner:
         cnt.miss_push = len(miss_push)
         plan = ExecPlan(step=self.step, reads=reads, push_before_read=pre, pull=pull, pull_miss=pull_miss,
                         reduce=reduce, update_keys=ux, reducer=reducer, update_push=post,
-                        miss_push=self._sorted(miss_push), evictions=evictions, counters=cnt)
+                        miss_push=sort_transfers(miss_push), evictions=evictions, counters=cnt)
         self.step += 1
         return plan
 
@@ -279,13 +231,10 @@ class TensorLazySyncPlanner:
         dirty = (self.master != self.home).nonzero().flatten()
         push = torch.stack([dirty, self.master[dirty], self.home[dirty]], 1)
         self.valid[self.home[dirty], dirty] = True
-        hot = self.is_hot.nonzero().flatten()
-        r, i = (~self.valid[:, hot]).nonzero(as_tuple=True)
-        x = hot[i]
-        pull = self._sorted(torch.stack([x, self.home[x], r], 1))
-        dropped = [self.cached[q].nonzero().flatten() for q in range(self.W)]
+        pull = self._hot_pulls(~self.valid[:, self.is_hot.nonzero().flatten()])
+        dropped = self._cached_rows()
         self.reset()
-        return FlushPlan(push=self._sorted(push), pull=pull, dropped=dropped)
+        return FlushPlan(push=sort_transfers(push), pull=pull, dropped=dropped)
 
     def local_on(self, keys: torch.Tensor) -> torch.Tensor:
         """bool ``[W, len(keys)]``: what the input allocator counts as a local lookup of row ``keys[i]`` on

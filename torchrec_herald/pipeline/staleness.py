@@ -24,37 +24,14 @@ sees every earlier update and every push replaces: the exact mode's training, bi
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
 from typing import Any, List, Mapping, Optional, Sequence, Tuple
 
 import torch
 
-from torchrec_herald.pipeline.input_allocator import Locality
-from torchrec_herald.pipeline.lazy_sync import ExecPlan, FlushPlan, TensorLazySyncPlanner
-from torchrec_herald.pipeline.sync_plan import SyncCounters
+from torchrec_herald.pipeline.lazy_sync import TensorLazySyncPlanner
+from torchrec_herald.plans import ExecPlan, FlushPlan, SyncCounters, no_transfers, sort_transfers, transfer_order
 
-__all__ = ["StalenessPlanner", "StalePlan", "StaleFlushPlan", "check_staleness_option"]
-
-_EMPTY = torch.empty(0, 3, dtype=torch.int64)
-
-
-@dataclass
-class StalePlan(ExecPlan):
-    """An :class:`ExecPlan` whose pushes may *add* an accumulated update instead of replacing the home's
-    copy (``*_add`` flags, aligned with the transfer rows), with the step's staleness figures."""
-
-    push_before_read_add: torch.Tensor = field(default_factory=lambda: torch.empty(0, dtype=torch.bool))
-    update_push_add: torch.Tensor = field(default_factory=lambda: torch.empty(0, dtype=torch.bool))
-    miss_push_add: torch.Tensor = field(default_factory=lambda: torch.empty(0, dtype=torch.bool))
-    stale_reads: int = 0  # reads served by a copy 1..s home versions behind
-    max_staleness: int = 0  # the largest lag served in this step
-
-
-@dataclass
-class StaleFlushPlan(FlushPlan):
-    """A :class:`FlushPlan` whose pushes may add (``push_add``)."""
-
-    push_add: torch.Tensor = field(default_factory=lambda: torch.empty(0, dtype=torch.bool))
+__all__ = ["StalenessPlanner", "check_staleness_option"]
 
 
 def check_staleness_option(staleness: Any, sync: str) -> None:
@@ -80,7 +57,7 @@ class StalenessPlanner(TensorLazySyncPlanner):
             needs no look-ahead; the window feeds the input allocator).
     """
 
-    def __init__(self, locality: Locality, staleness: int, capacity_fraction: float = 0.05, window: int = 5,
+    def __init__(self, locality: Any, staleness: int, capacity_fraction: float = 0.05, window: int = 5,
                  capacity_rows: Optional[Mapping[str, int]] = None) -> None:
         if int(staleness) != staleness or int(staleness) < 0:
             raise ValueError(f"pipeline.staleness must be an integer >= 0, got {staleness}")
@@ -109,19 +86,19 @@ class StalenessPlanner(TensorLazySyncPlanner):
             self.pending[r, x] = 0
             out.append(torch.stack([x, torch.full_like(x, r), self.home[x]], 1))
         if not out:
-            return _EMPTY.clone(), torch.empty(0, dtype=torch.bool)
+            return no_transfers(), torch.empty(0, dtype=torch.bool)
         return torch.cat(out), torch.cat(add)
 
-    @classmethod
-    def _by_key(cls, t: torch.Tensor, flags: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
-        """``t`` sorted as :meth:`_sorted` does, with its per-row ``flags`` kept aligned."""
+    @staticmethod
+    def _by_key(t: torch.Tensor, flags: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+        """``t`` sorted by (key, src, dst), with its per-row ``flags`` kept aligned."""
         if not t.numel():
-            return _EMPTY.clone(), flags[:0]
-        order = cls._order(t)
+            return no_transfers(), flags[:0]
+        order = transfer_order(t)
         return t[order], flags[order]
 
     # ------------------------------------------------------------------ planning
-    def plan_step(self, window: Sequence[Sequence[torch.Tensor]]) -> StalePlan:
+    def plan_step(self, window: Sequence[Sequence[torch.Tensor]]) -> ExecPlan:
         """Plan ``window[0]`` (per rank: sorted unique keys read); advances the state."""
         if len(window) < 1:
             raise ValueError("plan_step needs a window with at least the current step")
@@ -160,15 +137,9 @@ class StalenessPlanner(TensorLazySyncPlanner):
         # cache bookkeeping (remote cold rows), LRU as in the exact plan
         cold = ~self.is_hot[X] & ~home_read
         new = cold & ~self.cached[R, X]
-        self.cached[R[cold], X[cold]] = True
-        self.last_use[R[cold], X[cold]] = self.step
-        self.cache_count.index_put_((R[new], self.table_of[X[new]]), torch.ones(int(new.sum()), dtype=torch.int64),
-                                    accumulate=True)
+        self._admit_to_caches(R, X, cold, new)
         # writes: one reader updates its copy; several readers' gradients are summed at home
-        updater = torch.where(nS == 1, first, self.home[ux])
-        upd_of = updater[inv]
-        sends = R != upd_of
-        reduce = torch.stack([X[sends], R[sends], upd_of[sends]], 1)
+        updater, reduce = self._reducers(R, X, ux, inv, nS, first)
         at_home = updater == self.home[ux]
         self.hv[ux[at_home]] += 1
         local = ux[~at_home]
@@ -178,11 +149,11 @@ class StalenessPlanner(TensorLazySyncPlanner):
         post, post_add = self._push(lr[over], local[over])
         miss_push, evictions = self._evict()
         cnt = self._counters(cnt_reads, hits, cold, pull_miss, reduce, len(pre) + len(post), len(miss_push[0]))
-        plan = StalePlan(step=self.step, reads=reads, push_before_read=pre, pull=pull, pull_miss=pull_miss,
-                         reduce=self._sorted(reduce), update_keys=ux, reducer=updater, update_push=post,
-                         miss_push=miss_push[0], evictions=evictions, counters=cnt, push_before_read_add=pre_add,
-                         update_push_add=post_add, miss_push_add=miss_push[1], stale_reads=int(stale.sum()),
-                         max_staleness=int(lag[stale].max()) if bool(stale.any()) else 0)
+        plan = ExecPlan(step=self.step, reads=reads, push_before_read=pre, pull=pull, pull_miss=pull_miss,
+                        reduce=sort_transfers(reduce), update_keys=ux, reducer=updater, update_push=post,
+                        miss_push=miss_push[0], evictions=evictions, counters=cnt, additive=True,
+                        push_before_read_add=pre_add, update_push_add=post_add, miss_push_add=miss_push[1],
+                        stale_reads=int(stale.sum()), max_staleness=int(lag[stale].max()) if bool(stale.any()) else 0)
         plan.push_before_read, plan.push_before_read_add = self._by_key(pre, pre_add)
         plan.update_push, plan.update_push_add = self._by_key(post, post_add)
         plan.miss_push, plan.miss_push_add = self._by_key(*miss_push)
@@ -209,7 +180,7 @@ class StalenessPlanner(TensorLazySyncPlanner):
         self.base[R, X] = 0
         return pushes, victims
 
-    def flush(self) -> StaleFlushPlan:
+    def flush(self) -> FlushPlan:
         """Push every pending update home, refresh every lagging hot replica, drop the caches; reset."""
         R, X = (self.pending > 0).nonzero(as_tuple=True)
         push, add = self._push(R, X)
@@ -217,12 +188,10 @@ class StalenessPlanner(TensorLazySyncPlanner):
         hot = self.is_hot.nonzero().flatten()
         lag = self.hv[hot].unsqueeze(0) - self.base[:, hot]
         not_home = self.home[hot].unsqueeze(0) != torch.arange(self.W).unsqueeze(1)
-        r, i = ((lag > 0) & not_home).nonzero(as_tuple=True)
-        x = hot[i]
-        pull = self._sorted(torch.stack([x, self.home[x], r], 1))
-        dropped = [self.cached[q].nonzero().flatten() for q in range(self.W)]
+        pull = self._hot_pulls((lag > 0) & not_home)
+        dropped = self._cached_rows()
         self.reset()
-        return StaleFlushPlan(push=push, pull=pull, dropped=dropped, push_add=add)
+        return FlushPlan(push=push, pull=pull, dropped=dropped, push_add=add)
 
     def local_on(self, keys: torch.Tensor) -> torch.Tensor:
         """bool ``[W, len(keys)]``: what the input allocator counts as local on rank r — a hot replica, r's

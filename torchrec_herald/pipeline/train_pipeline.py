@@ -26,11 +26,11 @@ from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from torchrec_herald.comm import all_gather_varlen, all_to_all_rows
 from torchrec_herald.ops.hot_cold import first_invalid_id
-from torchrec_herald.pipeline.input_allocator import Locality, greedy_assign
+from torchrec_herald.pipeline.input_allocator import greedy_assign
 from torchrec_herald.pipeline.lazy_sync import TensorLazySyncPlanner
 from torchrec_herald.pipeline.stale_skip import SkipConfig, StaleSkipper
-from torchrec_herald.pipeline.staleness import StalenessPlanner, StalePlan, check_staleness_option
-from torchrec_herald.pipeline.sync_plan import SyncCounters
+from torchrec_herald.pipeline.staleness import StalenessPlanner, check_staleness_option
+from torchrec_herald.plans import SyncCounters
 from torchrec_herald.traffic import traffic_tag
 
 logger = logging.getLogger(__name__)
@@ -40,7 +40,7 @@ ALLOCATORS = ("greedy", "identity")
 #: ``pipeline.sync`` values: ``lazy`` = worker caches + the exact plan; ``eager`` = herald's own
 #: per-step path (hot rows all-reduced every step, cold rows looked up at their owner)
 SYNC_MODES = ("lazy", "eager")
-#: ``pipeline.cache`` values executed for real (Belady exists at trace level: ``sync_plan.LazySyncPlanner``)
+#: ``pipeline.cache`` values executed for real (Belady exists at trace level: ``testing.reference_plans.LazySyncPlanner``)
 CACHE_POLICIES = ("lru",)
 
 
@@ -168,7 +168,7 @@ class HeraldTrainPipeline:
             raise ValueError(f"unknown pipeline.sync {sync!r}; known: {list(SYNC_MODES)}")
         if cache not in CACHE_POLICIES:
             raise ValueError(f"unknown pipeline.cache {cache!r}; executed policies: {list(CACHE_POLICIES)} "
-                             f"(belady is trace-level only: sync_plan.LazySyncPlanner)")
+                             f"(belady is trace-level only: torchrec_herald.testing.reference_plans.LazySyncPlanner)")
         if not 0.0 < float(cache_fraction) <= 1.0:
             raise ValueError(f"pipeline.cache_fraction={cache_fraction}: a cache must hold at least one row and "
                              f"at most all rows of a table; use a fraction in (0, 1]")
@@ -180,18 +180,17 @@ class HeraldTrainPipeline:
         self.move_penalty = int(move_penalty)
         self._ebc = find_herald_ebc(model)
         ebc = self._ebc
-        self._pg = ebc._pg
-        self._W, self._rank = ebc._world, ebc._rank
-        self.locality = Locality(world_size=self._W, num_embeddings=dict(zip(ebc._tables, ebc._num_embeddings)),
-                                 hot_ids=dict(zip(ebc._tables, ebc._hot_ids)))
+        self._pg = ebc.process_group
+        self._W, self._rank = ebc.world_size, ebc.rank
+        self.layout = ebc.layout
         self.staleness = None if staleness is None else int(staleness)
         self.planner: TensorLazySyncPlanner = (
-            TensorLazySyncPlanner(self.locality, float(cache_fraction), self.window) if staleness is None
-            else StalenessPlanner(self.locality, int(staleness), float(cache_fraction), self.window))
-        if skip is not None and ebc._num_hot == 0:
+            TensorLazySyncPlanner(self.layout, float(cache_fraction), self.window) if staleness is None
+            else StalenessPlanner(self.layout, int(staleness), float(cache_fraction), self.window))
+        if skip is not None and self.layout.num_hot == 0:
             raise ValueError("pipeline.skip needs hot replication: this plan has no hot rows (use planner=herald "
                              "with a hot-set budget that holds some rows)")
-        self.skipper = StaleSkipper(skip, ebc._num_hot) if skip is not None else None
+        self.skipper = StaleSkipper(skip, self.layout.num_hot) if skip is not None else None
         self._stale_keys = torch.empty(0, dtype=torch.int64)  # keys of the hot rows classified stale
         self._queue: Deque[_Entry] = deque()
         self._exhausted = False
@@ -231,11 +230,12 @@ class HeraldTrainPipeline:
         # the id check and global_keys by hand, from one bag index per id (which also gives its sample)
         bag = torch.repeat_interleave(lengths)
         feature = bag // B
-        invalid = (values < 0) | (values >= self._ebc._rows_per_feature.index_select(0, feature))
-        bad = first_invalid_id(values, lengths, self._ebc._rows_per_feature, B) if bool(invalid.any()) else None
+        lay = self.layout
+        invalid = (values < 0) | (values >= lay.rows_per_feature.index_select(0, feature))
+        bad = first_invalid_id(values, lengths, lay.rows_per_feature, B) if bool(invalid.any()) else None
         err = torch.tensor([1 if bad else 0, bad[0] if bad else 0, bad[1] if bad else 0, values.numel()],
                            dtype=torch.int64)
-        keys = None if bad else self._ebc._table_offsets[self._ebc._feature_table].index_select(0, feature) + values
+        keys = None if bad else lay.table_offsets[lay.feature_table].index_select(0, feature) + values
         if self.allocator == "greedy" and keys is not None:
             local = self.planner.local_on(keys).to(torch.int64)  # [W, nnz]
             scores = torch.zeros(self._W, B, dtype=torch.int64).index_add_(1, bag % B, local).T
@@ -326,9 +326,12 @@ class HeraldTrainPipeline:
 
     def _exchange_reads(self, mine: torch.Tensor) -> List[torch.Tensor]:
         """Every rank's sorted unique read keys (int32 on the wire)."""
-        with _CommTimer(self.stats, "herald_schedule_meta"):
-            got = all_gather_varlen(mine.to(torch.int32), self._pg, "herald_schedule_meta")
-        return [k.to(torch.int64) for k in got]
+        return [k.to(torch.int64) for k in self._gather_varlen(mine.to(torch.int32), "herald_schedule_meta")]
+
+    def _gather_varlen(self, mine: torch.Tensor, label: str) -> List[torch.Tensor]:
+        """Every rank's ``mine`` (:func:`~torchrec_herald.comm.all_gather_varlen`), timed as scheduler comm."""
+        with _CommTimer(self.stats, label):
+            return all_gather_varlen(mine, self._pg, label)
 
     # ------------------------------------------------------------------ training
     def progress(self, dataloader_iter: Iterator[Batch]) -> Any:
@@ -357,7 +360,7 @@ class HeraldTrainPipeline:
             self.stats.planner_s += dt
             self.stats.scheduler_s += dt
             self.stats.counters = self.stats.counters + plan.counters
-            if isinstance(plan, StalePlan):
+            if plan.additive:
                 self.stats.stale_reads += plan.stale_reads
                 self.stats.max_staleness = max(self.stats.max_staleness, plan.max_staleness)
             self._ebc.begin_plan_step(plan)
@@ -392,7 +395,7 @@ class HeraldTrainPipeline:
         if second:
             self.skipper.set_threshold(step, self._sampled_scores())
         stale = self.skipper.stale if second else None
-        self._stale_keys = self._ebc._hot_keys[stale] if stale is not None else torch.empty(0, dtype=torch.int64)
+        self._stale_keys = self.layout.hot_keys[stale] if stale is not None else torch.empty(0, dtype=torch.int64)
         if self.skipper.config.granularity == "row":
             if self.sync == "eager":
                 self._ebc.set_frozen_hot(stale)
@@ -401,7 +404,7 @@ class HeraldTrainPipeline:
     def _movement_of(self, keys: torch.Tensor) -> torch.Tensor:
         """Movement (max |Δ| over the last measuring window) of the rows ``keys``; ``inf`` if not hot."""
         assert self.skipper is not None and self.skipper.movement is not None
-        hot_keys = self._ebc._hot_keys
+        hot_keys = self.layout.hot_keys
         pos = torch.searchsorted(hot_keys, keys).clamp(max=max(hot_keys.numel() - 1, 0))
         hot = hot_keys[pos] == keys if hot_keys.numel() else torch.zeros_like(keys, dtype=torch.bool)
         out = torch.full((keys.numel(),), float("inf"))
@@ -426,7 +429,7 @@ class HeraldTrainPipeline:
                 worst[torch.bincount(sample, minlength=B) == 0] = float("inf")  # no lookups: never skipped
                 local.append(worst)
         mine = torch.cat(local).float() if local else torch.empty(0)
-        return torch.cat(self._all_gather_varlen(mine, "herald_skip_meta"))
+        return torch.cat(self._gather_varlen(mine, "herald_skip_meta"))
 
     def _without_frozen(self, reads: List[List[torch.Tensor]]) -> List[List[torch.Tensor]]:
         """Row granularity: frozen rows are read but never updated, so the plan leaves them out (their

@@ -35,15 +35,11 @@ from torchrec.sparse.jagged_tensor import KeyedJaggedTensor, KeyedTensor
 from torchrec.streamable import Multistreamable
 
 from torchrec_herald.comm import FLOAT_BYTES, INDEX_BYTES, all_to_all_rows, variable_all_to_all
-from torchrec_herald.ops.hot_cold import (
-    HotColdSplit,
-    first_invalid_id,
-    local_block_rows,
-    offsets_from_lengths,
-    row_block_sizes,
-    split_hot_cold,
-)
-from torchrec_herald.ops.tbe import SUPPORTED_OPTIMIZERS, dense_hot_tbe, dense_lookup, fused_cold_tbe
+from torchrec_herald.layout import RowLayout
+from torchrec_herald.ops.hot_cold import HotColdSplit, first_invalid_id, offsets_from_lengths, split_hot_cold
+from torchrec_herald.ops.tbe import SUPPORTED_OPTIMIZERS, dense_lookup
+from torchrec_herald.sharding.plan_exec import PlanExecutor
+from torchrec_herald.sharding.row_store import RowStore
 from torchrec_herald.sharding.types import HERALD_HOT_ROW_WISE, HotSpec, hot_spec_of
 from torchrec_herald.traffic import traffic_tag
 
@@ -129,13 +125,12 @@ class HeraldFusedOptimizer(FusedOptimizer):
     def __init__(self, module: "ShardedHeraldEmbeddingBagCollection") -> None:
         params: Dict[str, Any] = {}
         state: Dict[Any, Any] = {}
-        momentum = module._cold_momentum()
-        for t, name in enumerate(module._tables):
-            start = sum(module._my_rows[:t])
-            weight = module.sharded_block(t, module._cold_block(t))
+        store = module.store
+        for t, name in enumerate(module.layout.tables):
+            weight = module.sharded_block(t, store.cold_block(t))
             params[f"embedding_bags.{name}.weight"] = weight
-            state[weight] = ({} if momentum is None else
-                             {f"{name}.momentum1": module.sharded_block(t, momentum[start: start + module._my_rows[t]])})
+            momentum = store.cold_block_state(t)
+            state[weight] = {} if momentum is None else {f"{name}.momentum1": module.sharded_block(t, momentum)}
         super().__init__(params, state, [{"params": list(params.values())}])
         self._module = module
 
@@ -146,7 +141,7 @@ class HeraldFusedOptimizer(FusedOptimizer):
         return None
 
     def post_load_state_dict(self) -> None:
-        self._module._refresh_hot_from_blocks()
+        self._module.refresh_hot_from_blocks()
 
 
 class ShardedHeraldEmbeddingBagCollection(
@@ -174,11 +169,6 @@ class ShardedHeraldEmbeddingBagCollection(
         if len(dims) != 1:
             raise ValueError(f"herald sharding needs one embedding dim for all tables, got {sorted(dims)}")
         self._dim = dims.pop()
-        self._tables = [c.name for c in configs]
-        self._num_embeddings = [c.num_embeddings for c in configs]
-        self._feature_names: List[str] = [f for c in configs for f in c.feature_names]
-        self._feature_table = torch.tensor([t for t, c in enumerate(configs) for _ in c.feature_names])
-        self._rows_per_feature = torch.tensor(self._num_embeddings, dtype=torch.int64)[self._feature_table]
         self._mean_features = torch.tensor([c.pooling == PoolingType.MEAN for c in configs for _ in c.feature_names])
         for c in configs:
             if c.pooling not in (PoolingType.SUM, PoolingType.MEAN):
@@ -197,61 +187,56 @@ class ShardedHeraldEmbeddingBagCollection(
         self._fused_params = fused_params_of(module, fused_params)
         self._optimizer: EmbOptimType = self._fused_params["optimizer"]
 
-        # global row space (table offsets) and hot buffer (hot_keys sorted: table-major, ids sorted)
-        n = torch.tensor(self._num_embeddings, dtype=torch.int64)
-        self._table_offsets = torch.cumsum(n, 0) - n
-        self._hot_keys = torch.cat([self._table_offsets[t] + s.hot_ids for t, s in enumerate(specs)])
-        self._hot_counts = [int(s.hot_ids.numel()) for s in specs]
-        self._hot_ids = [s.hot_ids for s in specs]
-        self._num_hot = int(self._hot_keys.numel())
-        # cold row-wise blocks: owner o holds rows [o*block, (o+1)*block) of every table
-        blocks = row_block_sizes(self._num_embeddings, self._world)
-        self._blocks = blocks
-        self._block_sizes = torch.tensor([blocks[t] for t in self._feature_table.tolist()], dtype=torch.int64)
-        rows = torch.tensor([[local_block_rows(nt, b, o)[1] for nt, b in zip(self._num_embeddings, blocks)]
-                             for o in range(self._world)], dtype=torch.int64)  # [W, T]
-        self._owner_table_offset = torch.cumsum(rows, 1) - rows
-        self._my_rows = rows[self._rank].tolist()
-
-        self._cold = fused_cold_tbe(sum(self._my_rows), self._dim, self._fused_params, self._device)
-        self._hot = dense_hot_tbe(self._num_hot, self._dim, self._device)
-        self._hot_state = torch.zeros(max(self._num_hot, 1), dtype=torch.float32, device=self._device)  # Adagrad sum
+        # the global row space (P²RES hot/cold layout) and this rank's rows
+        self.layout = RowLayout.build(self._world, {c.name: c.num_embeddings for c in configs},
+                                      {c.name: spec.hot_ids for c, spec in zip(configs, specs)},
+                                      features={f: c.name for c in configs for f in c.feature_names})
+        lay = self.layout
+        self._tables, self._num_embeddings = list(lay.tables), list(lay.num_embeddings)
+        self._feature_names: List[str] = list(lay.features)
+        self._num_hot = lay.num_hot
+        self._store = RowStore(lay, self._rank, self._dim, self._fused_params, self._device)
         self._hot_touched: Tuple[torch.Tensor, List[int]] = (torch.empty(0, dtype=torch.int64), [])
-        for p in list(self._hot.parameters()) + list(self._cold.parameters()):
+        for p in self._store.parameters():
             p._in_backward_optimizers = [EmptyFusedOptimizer()]  # updated in backward: keep dense optimizers off
-        self._hot.weights.register_post_accumulate_grad_hook(self._sync_and_update_hot)
-        # hot rows that fall in this rank's cold blocks: their weights/optimizer state are mirrored into
-        # the cold TBE after each hot update, so the cold blocks are always a complete ROW_WISE shard
-        mine_hot, mine_cold = [], []
-        for t in range(len(self._tables)):
-            start, rows = local_block_rows(self._num_embeddings[t], self._blocks[t], self._rank)
-            ids = self._hot_ids[t]
-            inside = (ids >= start) & (ids < start + rows)
-            mine_hot.append(sum(self._hot_counts[:t]) + inside.nonzero().flatten())
-            mine_cold.append(sum(self._my_rows[:t]) + ids[inside] - start)
-        self._mirror_hot = torch.cat(mine_hot).to(self._device, torch.int64)  # indices into device storage
-        self._mirror_cold = torch.cat(mine_cold).to(self._device, torch.int64)
+        self._store.hot.weights.register_post_accumulate_grad_hook(self._sync_and_update_hot)
         self._optim: FusedOptimizer = HeraldFusedOptimizer(self)
-        # plan mode (HeraldTrainPipeline): the step's plan, its working set and the executor
-        self._executor: Optional[Any] = None
-        self._step_plan: Optional[Any] = None
-        self._ws: Optional[torch.Tensor] = None
-        self._ws_keys = torch.empty(0, dtype=torch.int64)
-        self._frozen_keys = torch.empty(0, dtype=torch.int64)  # stale-update skipping in plan mode
+        # plan mode (HeraldTrainPipeline): the executor holds the step's plan and working set
+        self._executor: Optional[PlanExecutor] = None
         # bytes this rank sends per table, by the same formulas as TrafficMeter (cross-checked in tests)
         self._traffic = torch.zeros(len(self._tables), 4, dtype=torch.float64)  # ids, pooled, grads, hot_sync
-        self._hot_table_of_row = torch.repeat_interleave(torch.arange(len(self._tables)),
-                                                         torch.tensor(self._hot_counts, dtype=torch.int64))
         sparse_table = torch.tensor([m == "sparse" for m in self._syncs], dtype=torch.bool)
-        self._sparse_row = sparse_table[self._hot_table_of_row]  # per hot row: synced sparsely?
+        self._sparse_row = sparse_table[lay.hot_slot_table]  # per hot row: synced sparsely?
         self._dense_rows = (~self._sparse_row).nonzero().flatten()
         self._all_dense_rows = self._dense_rows
         self._frozen_hot = torch.zeros(max(self._num_hot, 1), dtype=torch.bool)  # stale-update skipping
         if not any(p.is_meta for p in module.parameters()):
             self._load_full({c.name: module.embedding_bags[c.name].weight.detach() for c in configs})
         logger.info("herald EBC rank %d: %d tables, %d cold rows, %d hot rows (%s sync), optimizer %s",
-                    self._rank, len(configs), sum(self._my_rows), self._num_hot, "/".join(sorted(set(self._syncs))),
+                    self._rank, len(configs), sum(self._store.block_rows), self._num_hot, "/".join(sorted(set(self._syncs))),
                     self._optimizer.name)
+
+    # ------------------------------------------------------------------ what the pipeline reads
+    @property
+    def store(self) -> RowStore:
+        """This rank's rows (hot replicas, cold block, cache)."""
+        return self._store
+
+    @property
+    def process_group(self) -> Optional[dist.ProcessGroup]:
+        return self._pg
+
+    @property
+    def rank(self) -> int:
+        return self._rank
+
+    @property
+    def world_size(self) -> int:
+        return self._world
+
+    @property
+    def embedding_dim(self) -> int:
+        return self._dim
 
     # ------------------------------------------------------------------ ShardedModule API
     def create_context(self) -> HeraldContext:
@@ -268,23 +253,24 @@ class ShardedHeraldEmbeddingBagCollection(
         # and the pooled vectors live on the device
         values, lengths = features.values().to("cpu", torch.int64), features.lengths().to("cpu", torch.int64)
         ctx.batch_size, ctx.bag_lengths = B, lengths
-        if self._step_plan is not None:
+        if self._executor is not None and self._executor.active:
             return self._plan_input_dist(ctx, values, lengths, B)
-        bad = first_invalid_id(values, lengths, self._rows_per_feature, B)
+        lay = self.layout
+        bad = first_invalid_id(values, lengths, lay.rows_per_feature, B)
         W, FB = self._world, len(self._feature_names) * B
         if bad is None:
-            split = split_hot_cold(values, lengths, self._feature_table, self._table_offsets, self._hot_keys,
-                                   self._block_sizes, W, B)
+            split = split_hot_cold(values, lengths, lay.feature_table, lay.table_offsets, lay.hot_keys,
+                                   lay.blocks_per_feature, W, B)
         else:  # still take part in the counts exchange below, so every rank raises together
-            split = split_hot_cold(values[:0], torch.zeros_like(lengths), self._feature_table,
-                                   self._table_offsets, self._hot_keys, self._block_sizes, W, B)
+            split = split_hot_cold(values[:0], torch.zeros_like(lengths), lay.feature_table,
+                                   lay.table_offsets, lay.hot_keys, lay.blocks_per_feature, W, B)
         sub = split.sub_lengths
         nonempty = (sub > 0).nonzero().flatten()
         bags_to = torch.bincount(nonempty // FB, minlength=W)
         ids_to = sub.view(W, FB).sum(1)
         sub_of_value = torch.repeat_interleave(torch.arange(sub.numel()), sub)
         owner, feature = sub_of_value // FB, (sub_of_value % FB) // B
-        cold_rows = self._owner_table_offset[owner, self._feature_table[feature]] + split.cold_local_ids
+        cold_rows = lay.block_offsets[owner, lay.feature_table[feature]] + split.cold_local_ids
         err = torch.tensor([bad[0] + 1, bad[1]] if bad else [0, 0], dtype=torch.int64)
         # hot rows of sparsely synced tables this batch touches: their count rides on this exchange
         touched = torch.unique(split.hot_rows)
@@ -323,9 +309,10 @@ class ShardedHeraldEmbeddingBagCollection(
         bags = (per[remote] > 0).sum((0, 2)).double()
         T = len(self._tables)
         add = torch.zeros(T, 4, dtype=torch.float64)
-        add[:, 0].index_add_(0, self._feature_table, INDEX_BYTES * (ids + bags))
-        add[:, 1].index_add_(0, self._feature_table, FLOAT_BYTES * self._dim * bags)
-        add[:, 2].index_add_(0, self._feature_table, FLOAT_BYTES * self._dim * bags)
+        ft = self.layout.feature_table
+        add[:, 0].index_add_(0, ft, INDEX_BYTES * (ids + bags))
+        add[:, 1].index_add_(0, ft, FLOAT_BYTES * self._dim * bags)
+        add[:, 2].index_add_(0, ft, FLOAT_BYTES * self._dim * bags)
         self._traffic += add
 
     def traffic_by_table(self) -> Dict[str, Dict[str, float]]:
@@ -345,7 +332,7 @@ class ShardedHeraldEmbeddingBagCollection(
     def bad_id_error(self, bad_ranks: List[int], feature: int, value: int) -> ValueError:
         """The error every rank raises for an id outside its table: ``value`` of feature index ``feature``
         in the batch of ``bad_ranks[0]`` (all ranks whose batches held one: ``bad_ranks``)."""
-        t = int(self._feature_table[feature])
+        t = int(self.layout.feature_table[feature])
         return ValueError(f"id {value} of feature '{self._feature_names[feature]}' is outside table "
                           f"'{self._tables[t]}' [0, {self._num_embeddings[t]}) (in rank {bad_ranks[0]}'s batch; "
                           f"ranks with bad ids: {bad_ranks})")
@@ -355,15 +342,14 @@ class ShardedHeraldEmbeddingBagCollection(
         if isinstance(dist_input, KJTList):  # the awaitables above deliver a one-element KJTList
             dist_input = dist_input[0]
         if dist_input.ws_index is not None:  # plan mode: every row is local, in the working set
-            assert self._ws is not None
             return (torch.empty(0, self._dim, device=self._device),
-                    dense_lookup(self._ws, dist_input.ws_index, dist_input.ws_offsets))
+                    dense_lookup(self.plan_executor.ws, dist_input.ws_index, dist_input.ws_offsets))
         dev = self._device
-        partial = self._cold(dist_input.recv_rows.to(dev, torch.int64),
+        partial = self._store.cold(dist_input.recv_rows.to(dev, torch.int64),
                              offsets_from_lengths(dist_input.recv_lengths).to(dev))
         split = dist_input.split
         assert split is not None
-        hot = self._hot(split.hot_rows.to(dev), split.hot_offsets.to(dev))
+        hot = self._store.hot(split.hot_rows.to(dev), split.hot_offsets.to(dev))
         self._hot_touched = (dist_input.sparse_touched, dist_input.sparse_from)  # for this batch's backward
         return partial, hot
 
@@ -400,56 +386,34 @@ class ShardedHeraldEmbeddingBagCollection(
         return kjt.permute([kjt.keys().index(f) for f in self._feature_names])
 
     def global_keys(self, values: torch.Tensor, lengths: torch.Tensor, batch_size: int) -> torch.Tensor:
-        """Global row key (table offset + id) of every id of a KJT in this module's feature order (the
-        values are feature-major: one offset per feature, repeated over its ids)."""
-        per_feature = lengths.to(torch.int64).view(len(self._feature_names), batch_size).sum(1)
-        return values + torch.repeat_interleave(self._table_offsets[self._feature_table], per_feature)
+        """Global row key of every id of a KJT in this module's feature order (see ``RowLayout.feature_keys``)."""
+        return self.layout.feature_keys(values, lengths, batch_size)
 
     @property
-    def plan_executor(self) -> Any:
-        """The :class:`~torchrec_herald.sharding.plan_exec.PlanExecutor` of this rank (built on first use)."""
+    def plan_executor(self) -> PlanExecutor:
+        """This rank's :class:`~torchrec_herald.sharding.plan_exec.PlanExecutor` (plan mode; built on first use)."""
         if self._executor is None:
-            from torchrec_herald.sharding.plan_exec import PlanExecutor
-
-            self._executor = PlanExecutor(self)
+            self._executor = PlanExecutor(self._store, self._pg)
         return self._executor
 
     def begin_plan_step(self, plan: Any) -> None:
         """Plan mode for the next forward: run the plan's pre-read transfers (collective); the forward
-        then looks every id up locally."""
-        self.plan_executor.before_forward(plan)
-        self._step_plan = plan
+        then looks every id up locally, in the plan's working set."""
+        self.plan_executor.begin(plan)
 
     def _plan_input_dist(self, ctx: HeraldContext, values: torch.Tensor, lengths: torch.Tensor, B: int
                          ) -> Awaitable[Awaitable[HeraldContext]]:
-        plan = self._step_plan
-        keys = self.global_keys(values, lengths, B)
-        ws_keys = torch.unique(keys)  # the plan's reads, plus frozen (stale-skipped) rows it leaves out
-        planned = plan.reads[self._rank]
-        extra = ws_keys[~torch.isin(ws_keys, planned)]
-        if planned.numel() + extra.numel() != ws_keys.numel() or not bool(torch.isin(extra, self._frozen_keys).all()):
-            raise RuntimeError(f"rank {self._rank}: the batch's rows differ from the ones the plan was made for")
-        pos = torch.searchsorted(ws_keys, keys)
-        w, _ = self.plan_executor.read(ws_keys)
-        self._ws, self._ws_keys = w.requires_grad_(True), ws_keys
-        ctx.ws_index, ctx.ws_offsets = pos, offsets_from_lengths(lengths)
+        ctx.ws_index = self.plan_executor.working_set(self.layout.feature_keys(values, lengths, B))
+        ctx.ws_offsets = offsets_from_lengths(lengths)
         return KJTListSplitsAwaitable([NoWait(NoWait(ctx))], ctx)
 
     def finish_plan_step(self) -> None:
         """After backward: reduce, exact update, pushes and evictions of the plan (collective)."""
-        plan, ws = self._step_plan, self._ws
-        if plan is None or ws is None:
-            raise RuntimeError("finish_plan_step without a planned forward (call begin_plan_step first)")
-        grad = ws.grad if ws.grad is not None else torch.zeros_like(ws)
-        self._step_plan, self._ws = None, None
-        planned = plan.reads[self._rank]  # frozen rows' gradients are dropped
-        grad = grad.detach() if planned.numel() == self._ws_keys.numel() else \
-            grad.detach()[torch.searchsorted(self._ws_keys, planned).to(grad.device)]
-        self.plan_executor.after_backward(plan, planned, grad)
+        self.plan_executor.finish()
 
     def set_frozen_keys(self, keys: torch.Tensor) -> None:
         """Plan mode, stale-update skipping (``row``): global keys of hot rows read without an update."""
-        self._frozen_keys = keys.to(torch.int64)
+        self.plan_executor.frozen_keys = keys.to(torch.int64)
 
     def flush_plan(self, flush: Any) -> None:
         """Back to the stock herald layout (see :meth:`PlanExecutor.flush`; collective)."""
@@ -466,7 +430,7 @@ class ShardedHeraldEmbeddingBagCollection(
 
     def hot_values(self) -> torch.Tensor:
         """The hot replica rows ``[num_hot, D]`` (a copy, on CPU: the scheduler's side)."""
-        return self._hot.weights.detach().view(-1, self._dim)[: self._num_hot].to("cpu", copy=True)
+        return self._store.hot_weights()[: self._num_hot].to("cpu", copy=True)
 
     # ------------------------------------------------------------------ hot replicas: sync + exact update
     def _sync_and_update_hot(self, weights: torch.Tensor) -> None:
@@ -490,56 +454,28 @@ class ShardedHeraldEmbeddingBagCollection(
                 total = self._sparse_sum(grad, touched, counts_from)
                 sparse_row = self._sparse_row.to(dev)
                 grad[sparse_row] = total[sparse_row]
-                sent_sparse = torch.bincount(self._hot_table_of_row[touched], minlength=len(self._tables)).double()
+                sent_sparse = torch.bincount(self.layout.hot_slot_table[touched], minlength=len(self._tables)).double()
                 self._traffic[:, 3] += sent_sparse * ((W - 1) * (INDEX_BYTES + row_bytes))
-        dense_per_table = torch.bincount(self._hot_table_of_row[self._dense_rows], minlength=len(self._tables)).double()
+        dense_per_table = torch.bincount(self.layout.hot_slot_table[self._dense_rows], minlength=len(self._tables)).double()
         self._traffic[:, 3] += dense_per_table * (2 * (W - 1) * row_bytes / W)
-        lr = float(self._fused_params["learning_rate"])
-        live = (~self._frozen_hot[: self._num_hot]).to(dev)
-        with torch.no_grad():
-            w = weights.view(-1, self._dim)[: self._num_hot]
-            if self._optimizer == EmbOptimType.EXACT_SGD:
-                w[live] -= lr * grad[live]
-            else:
-                state = self._hot_state[: self._num_hot]
-                state[live] += grad[live].pow(2).mean(1)
-                eps = float(self._fused_params.get("eps", 1e-8))
-                w[live] -= grad[live] * (lr / (state[live].sqrt() + eps))[:, None]
-            self._mirror_hot_into_cold()
+        self._store.update_hot(grad, (~self._frozen_hot[: self._num_hot]).to(dev))
 
-    def _cold_momentum(self) -> Optional[torch.Tensor]:
-        """Row-wise Adagrad state of the cold TBE (one value per row of this rank's blocks), or None."""
-        if self._optimizer != EmbOptimType.EXACT_ROWWISE_ADAGRAD:
-            return None
-        return self._cold.split_optimizer_states()[0][0].view(-1)
-
-    def _mirror_hot_into_cold(self) -> None:
-        """Copy the replicas' rows that lie in this rank's blocks (weights and Adagrad state) into the cold TBE."""
-        if not self._mirror_hot.numel():
-            return
-        # .data: runs inside backward, and the cold TBE's saved tensors must not see a version bump
-        # (the rows written are hot, never looked up or updated through the cold TBE)
-        cold_w = self._cold.split_embedding_weights()[0].data
-        cold_w[self._mirror_cold] = self._hot.weights.detach().view(-1, self._dim)[self._mirror_hot]
-        momentum = self._cold_momentum()
-        if momentum is not None:
-            momentum.data[self._mirror_cold] = self._hot_state[self._mirror_hot]
-
-    def _refresh_hot_from_blocks(self) -> None:
+    def refresh_hot_from_blocks(self) -> None:
         """After the cold blocks were loaded (weights/optimizer state), give every replica the owners'
         values of the hot rows (collective: each owner contributes its rows, the others zeros)."""
+        store = self._store
         with torch.no_grad():
             hot_w = torch.zeros(max(self._num_hot, 1), self._dim, device=self._device)
-            hot_w[self._mirror_hot] = self._cold.split_embedding_weights()[0][self._mirror_cold]
-            momentum = self._cold_momentum()
-            hot_s = torch.zeros_like(self._hot_state)
+            hot_w[store.mirror_hot] = store.cold_weights()[store.mirror_cold]
+            momentum = store.cold_state()
+            hot_s = torch.zeros_like(store.hot_state)
             if momentum is not None:
-                hot_s[self._mirror_hot] = momentum[self._mirror_cold]
+                hot_s[store.mirror_hot] = momentum[store.mirror_cold]
             both = torch.cat([hot_w.view(-1), hot_s])
             dist.all_reduce(both, group=self._pg)
             n = hot_w.numel()
-            self._hot.weights.detach().view(-1)[:n].copy_(both[:n])
-            self._hot_state.copy_(both[n:])
+            store.hot_weights().view(-1)[:n].copy_(both[:n])
+            store.hot_state.copy_(both[n:])
 
     def sharded_block(self, t: int, local: torch.Tensor) -> Any:
         """``local`` (this rank's block of table t: ``[rows, dim]`` or ``[rows]``) as a ShardedTensor with
@@ -549,9 +485,8 @@ class ShardedHeraldEmbeddingBagCollection(
         from torch.distributed._shard.sharded_tensor.metadata import TensorProperties
 
         trailing = list(local.shape[1:])
-        n, block = self._num_embeddings[t], self._blocks[t]
-        metas = [ShardMetadata(shard_offsets=[local_block_rows(n, block, o)[0]] + [0] * len(trailing),
-                               shard_sizes=[local_block_rows(n, block, o)[1]] + trailing,
+        metas = [ShardMetadata(shard_offsets=[self.layout.block_range(t, o)[0]] + [0] * len(trailing),
+                               shard_sizes=[self.layout.block_range(t, o)[1]] + trailing,
                                placement=f"rank:{o}/{self._device}") for o in range(self._world)]
         mine = [Shard(local, metas[self._rank])]
         global_meta = ShardedTensorMetadata(
@@ -579,24 +514,15 @@ class ShardedHeraldEmbeddingBagCollection(
     def fused_optimizer(self) -> FusedOptimizer:
         return self._optim
 
-    def _cold_block(self, t: int) -> torch.Tensor:
-        """This rank's cold block of table t (view into the cold TBE)."""
-        start = sum(self._my_rows[:t])
-        return self._cold.split_embedding_weights()[0][start: start + self._my_rows[t]]
-
-    def _hot_block(self, t: int) -> torch.Tensor:
-        start = sum(self._hot_counts[:t])
-        return self._hot.weights.detach().view(-1, self._dim)[start: start + self._hot_counts[t]]
-
     def full_table(self, t: int) -> torch.Tensor:
         """Table t as ``[n, dim]`` (collective: all-gathers the cold blocks; hot rows from the replica)."""
-        n, block = self._num_embeddings[t], self._blocks[t]
+        n, block = self._num_embeddings[t], self.layout.block_sizes[t]
         mine = torch.zeros(block, self._dim, device=self._device)
-        mine[: self._my_rows[t]] = self._cold_block(t)
+        mine[: self._store.block_rows[t]] = self._store.cold_block(t)
         gathered = torch.empty(self._world * block, self._dim, device=self._device)
         dist.all_gather_into_tensor(gathered, mine, group=self._pg)
         full = gathered[:n].clone()
-        full[self._hot_ids[t].to(self._device)] = self._hot_block(t)
+        full[self.layout.hot_ids[t].to(self._device)] = self._store.hot_block(t)
         return full
 
     def _load_full(self, tables: Dict[str, torch.Tensor]) -> None:
@@ -610,10 +536,10 @@ class ShardedHeraldEmbeddingBagCollection(
                 if tuple(full.shape) != (self._num_embeddings[t], self._dim):
                     raise ValueError(f"table {name}: expected shape {(self._num_embeddings[t], self._dim)}, "
                                      f"got {tuple(full.shape)}")
-                start, rows = local_block_rows(self._num_embeddings[t], self._blocks[t], self._rank)
-                self._cold_block(t).copy_(full[start: start + rows])
-                self._hot_block(t).copy_(full[self._hot_ids[t].to(full.device)])
-            self._mirror_hot_into_cold()
+                start, rows = self.layout.block_range(t, self._rank)
+                self._store.cold_block(t).copy_(full[start: start + rows])
+                self._store.hot_block(t).copy_(full[self.layout.hot_ids[t].to(full.device)])
+            self._store.mirror_hot_into_cold()
 
     def state_dict(self, destination: Optional[Dict[str, Any]] = None, prefix: str = "",
                    keep_vars: bool = False) -> Dict[str, Any]:  # type: ignore[override]

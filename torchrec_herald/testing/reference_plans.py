@@ -1,7 +1,10 @@
-"""Herald's communication plan (DESIGN §3, Herald (b)): worker caches of remote rows and a lazy, exact
-sync plan computed from a window of the next ``K`` global batches. Planning core only: pure Python, no
-``torch.distributed``; every rank computing :meth:`SyncPlanner.plan_step` on the same window gets the same
-:class:`StepPlan`.
+"""Test and benchmark support: the readable reference of Herald's communication plan (DESIGN §3, Herald
+(b)), its exactness checker and trace simulator. Live training runs the tensor planners of
+``torchrec_herald/pipeline/lazy_sync.py`` (tested against these); nothing in training imports this module.
+
+Worker caches of remote rows and a lazy, exact sync plan computed from a window of the next ``K`` global
+batches. Planning core only: pure Python, no ``torch.distributed``; every rank computing
+:meth:`SyncPlanner.plan_step` on the same window gets the same :class:`StepPlan`.
 
 Layout (a :class:`~torchrec_herald.pipeline.input_allocator.Locality`): a *hot* row of a table is replicated
 on every rank; a *cold* row ``x`` is owned by rank ``owner(x) = x // block`` (stock ROW_WISE blocks,
@@ -70,14 +73,15 @@ import abc
 import itertools
 import math
 from collections import OrderedDict
-from dataclasses import dataclass, field, fields
-from typing import Dict, List, Mapping, Optional, Sequence, Tuple, Union
+from dataclasses import dataclass, field
+from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple, Union
 
 import torch
 
-from torchrec_herald.comm import FLOAT_BYTES, INDEX_BYTES
-
+from torchrec_herald.comm import INDEX_BYTES
+from torchrec_herald.layout import cache_capacities, layout_of
 from torchrec_herald.pipeline.input_allocator import Locality
+from torchrec_herald.plans import TRANSFER_KINDS, ExecPlan, SyncCounters, no_transfers
 
 __all__ = [
     "CACHE_POLICIES",
@@ -95,14 +99,13 @@ __all__ = [
     "TRANSFER_KINDS",
     "check_exact",
     "simulate",
+    "to_step_plan",
 ]
 
 #: bytes of a row id on herald's wire (int32)
 ROW_ID_BYTES = INDEX_BYTES
 CACHE_POLICIES = ("lru", "belady")
 ROUTES = ("owner", "direct")
-#: transfer kinds, each one embedding vector (+ row id)
-TRANSFER_KINDS = ("miss_pull", "update_pull", "update_push", "miss_push", "reduce", "deliver")
 
 Rows = Union[torch.Tensor, Sequence[int]]
 #: one step's reads: table -> ``[W]`` row ids read by each rank (any order, duplicates allowed);
@@ -113,48 +116,6 @@ _INF = math.inf
 
 
 # ------------------------------------------------------------------------------------------ types
-
-
-@dataclass
-class SyncCounters:
-    """Transfers (embedding vectors) and reads of one step (or a sum of steps).
-
-    ``reads``: (rank, row) reads; ``hits``: reads served without any transfer in the step;
-    ``cache_reads`` / ``cache_hits``: the same restricted to remote cold rows (the cache's hit rate).
-    """
-
-    miss_pull: int = 0
-    update_pull: int = 0
-    update_push: int = 0
-    miss_push: int = 0
-    reduce: int = 0
-    deliver: int = 0
-    hits: int = 0
-    reads: int = 0
-    cache_hits: int = 0
-    cache_reads: int = 0
-
-    @property
-    def vectors(self) -> int:
-        """Embedding vectors moved (every transfer kind)."""
-        return sum(getattr(self, k) for k in TRANSFER_KINDS)
-
-    @property
-    def hit_rate(self) -> float:
-        """``hits / reads`` (1.0 with no reads)."""
-        return self.hits / self.reads if self.reads else 1.0
-
-    @property
-    def cache_hit_rate(self) -> float:
-        """``cache_hits / cache_reads`` (1.0 with no remote cold reads)."""
-        return self.cache_hits / self.cache_reads if self.cache_reads else 1.0
-
-    def bytes(self, embedding_dim: int) -> int:
-        """Wire bytes: ``vectors · (4·D + 4)`` (a vector and its row id)."""
-        return self.vectors * (FLOAT_BYTES * int(embedding_dim) + ROW_ID_BYTES)
-
-    def __add__(self, other: "SyncCounters") -> "SyncCounters":
-        return SyncCounters(**{f.name: getattr(self, f.name) + getattr(other, f.name) for f in fields(self)})
 
 
 def _pairs(rows: List[Tuple[int, int, int]]) -> torch.Tensor:
@@ -313,23 +274,6 @@ class _Table:
         return order[:excess]
 
 
-def _capacities(loc: Locality, capacity_fraction: Optional[float], capacity_rows: Optional[Mapping[str, int]]
-                ) -> Dict[str, int]:
-    caps: Dict[str, int] = {}
-    if capacity_fraction is not None:
-        f = float(capacity_fraction)
-        if not 0.0 < f <= 1.0:
-            raise ValueError(f"capacity_fraction must be in (0, 1], got {capacity_fraction}")
-        caps = {t: max(1, math.ceil(f * n)) for t, n in loc.num_embeddings.items()}
-    for t, c in (capacity_rows or {}).items():
-        if t not in loc.num_embeddings:
-            raise ValueError(f"capacity for unknown table {t!r}")
-        if not 1 <= int(c) <= loc.num_embeddings[t]:
-            raise ValueError(f"table {t!r}: cache capacity must be in [1, {loc.num_embeddings[t]}] rows, got {c}")
-        caps[t] = int(c)
-    return caps
-
-
 # ------------------------------------------------------------------------------------------ planners
 
 
@@ -462,7 +406,7 @@ class LazySyncPlanner(SyncPlanner):
             raise ValueError(f"route must be one of {ROUTES}, got {route!r}")
         self.policy = policy
         self.route = route
-        self.capacities = _capacities(locality, capacity_fraction, capacity_rows)
+        self.capacities = cache_capacities(locality.layout, capacity_fraction, capacity_rows)
         super().__init__(locality, window)
 
     def _capacity(self, table: str) -> int:
@@ -539,7 +483,7 @@ class EagerSyncPlanner(SyncPlanner):
         if policy not in CACHE_POLICIES:
             raise ValueError(f"policy must be one of {CACHE_POLICIES}, got {policy!r}")
         self.policy = policy
-        self.capacities = _capacities(locality, capacity_fraction, capacity_rows)
+        self.capacities = cache_capacities(locality.layout, capacity_fraction, capacity_rows)
         super().__init__(locality, window)
 
     def _capacity(self, table: str) -> int:
@@ -750,3 +694,25 @@ class _Replay:
                 if cached > capacity:
                     raise ExactnessError(f"step {step}, table {self.table!r}: rank {r} caches {cached} rows > "
                                          f"capacity {capacity}")
+
+
+def to_step_plan(plan: ExecPlan, locality: Any) -> StepPlan:
+    """An executed plan (global keys) as the per-table :class:`StepPlan` (table-local row ids) that
+    :func:`check_exact` replays (``locality``: a ``Locality`` or its ``RowLayout``)."""
+    lay = layout_of(locality)
+    tables: Dict[str, TablePlan] = {}
+    for i, name in enumerate(lay.tables):
+        lo = int(lay.table_offsets[i])
+        hi = lo + lay.num_embeddings[i]
+
+        def part(t: torch.Tensor) -> torch.Tensor:
+            s = t[(t[:, 0] >= lo) & (t[:, 0] < hi)].clone()
+            s[:, 0] -= lo
+            return s
+
+        tables[name] = TablePlan(
+            table=name, world_size=lay.world_size, push_before_read=part(plan.push_before_read),
+            miss_pull=part(plan.pull[plan.pull_miss]), update_pull=part(plan.pull[~plan.pull_miss]),
+            reduce=part(plan.reduce), update_push=part(plan.update_push), miss_push=part(plan.miss_push),
+            deliver=no_transfers(), evictions=[e[(e >= lo) & (e < hi)] - lo for e in plan.evictions])
+    return StepPlan(step=plan.step, tables=tables, counters=plan.counters)

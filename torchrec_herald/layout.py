@@ -1,0 +1,221 @@
+"""The global row space herald works in (P²RES's two-fold layout): every row of every table has one key,
+``table offset + id``; a hot row is replicated on every rank, a cold row lives in its stock ROW_WISE
+block on its home rank. Built once per sharded module; the EBC, the row store, the plan executor, the
+planners and the input allocator all read it, and none recomputes it.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from functools import cached_property
+from typing import Dict, List, Mapping, Optional, Tuple
+
+import torch
+
+from torchrec_herald.ops.hot_cold import local_block_rows, row_block_sizes
+
+__all__ = ["RowLayout", "cache_capacities", "layout_of"]
+
+
+@dataclass(frozen=True, eq=False)
+class RowLayout:
+    """Which rank holds which row, and where (build it with :meth:`build`).
+
+    Attributes:
+        world_size: ``W``.
+        tables: table names; a table's index is its position here, and its keys follow the tables before it.
+        num_embeddings: rows per table.
+        hot_ids: per table, the sorted unique ids replicated on every rank.
+        block_sizes: per table, the ROW_WISE block size (home of a cold id ``x``: ``x // block``).
+        features: KJT feature names in this layout's order; ``feature_table[f]`` serves feature f.
+    """
+
+    world_size: int
+    tables: Tuple[str, ...]
+    num_embeddings: Tuple[int, ...]
+    hot_ids: Tuple[torch.Tensor, ...]
+    block_sizes: Tuple[int, ...]
+    features: Tuple[str, ...]
+    feature_table: torch.Tensor
+    # derived in __post_init__
+    rows: torch.Tensor = field(init=False)  # int64 [T]
+    table_offsets: torch.Tensor = field(init=False)  # int64 [T]: key of each table's row 0
+    num_rows: int = field(init=False)
+    blocks: torch.Tensor = field(init=False)  # int64 [T]
+    hot_keys: torch.Tensor = field(init=False)  # sorted keys of all hot rows (= hot slot order)
+    hot_counts: Tuple[int, ...] = field(init=False)
+    num_hot: int = field(init=False)
+    block_rows: torch.Tensor = field(init=False)  # int64 [W, T]: rows of table t in rank r's block
+    block_offsets: torch.Tensor = field(init=False)  # int64 [W, T]: where they start among r's cold rows
+    table_index: Dict[str, int] = field(init=False)
+
+    @classmethod
+    def build(cls, world_size: int, num_embeddings: Mapping[str, int],
+              hot_ids: Optional[Mapping[str, torch.Tensor]] = None, features: Optional[Mapping[str, str]] = None,
+              block_sizes: Optional[Mapping[str, int]] = None) -> "RowLayout":
+        """Validate and build. ``features``: feature -> table (default: one feature per table, named as it);
+        ``block_sizes``: default ``ceil(n / W)``, stock ROW_WISE's. Raises ValueError naming the table."""
+        if world_size < 1:
+            raise ValueError(f"world_size must be >= 1, got {world_size}")
+        tables = list(num_embeddings)
+        n = {t: int(num_embeddings[t]) for t in tables}
+        for t, rows in n.items():
+            if rows < 1:
+                raise ValueError(f"table {t!r}: num_embeddings must be >= 1, got {rows}")
+        hot_ids = dict(hot_ids or {})
+        unknown = sorted(set(hot_ids) - set(tables))
+        if unknown:
+            raise ValueError(f"hot ids for unknown tables {unknown} (tables: {tables})")
+        hot: List[torch.Tensor] = []
+        for t in tables:
+            ids = torch.unique(torch.as_tensor(hot_ids.get(t, []), dtype=torch.int64).flatten())
+            if ids.numel() and (int(ids[0]) < 0 or int(ids[-1]) >= n[t]):
+                raise ValueError(f"table {t!r}: hot ids outside [0, {n[t]})")
+            hot.append(ids)
+        feats = dict(features) if features is not None else {t: t for t in tables}
+        bad = sorted(f for f, t in feats.items() if t not in n)
+        if bad:
+            raise ValueError(f"features {bad} map to unknown tables (tables: {tables})")
+        blocks = dict(zip(tables, row_block_sizes([n[t] for t in tables], world_size)), **(block_sizes or {}))
+        for t, b in blocks.items():
+            if t not in n:
+                raise ValueError(f"block size for unknown table {t!r}")
+            if b < 1 or -(-n[t] // b) > world_size:
+                raise ValueError(f"table {t!r}: block size {b} does not spread {n[t]} rows over {world_size} ranks")
+        index = {t: i for i, t in enumerate(tables)}
+        return cls(world_size=int(world_size), tables=tuple(tables), num_embeddings=tuple(n[t] for t in tables),
+                   hot_ids=tuple(hot), block_sizes=tuple(int(blocks[t]) for t in tables), features=tuple(feats),
+                   feature_table=torch.tensor([index[t] for t in feats.values()], dtype=torch.int64))
+
+    def __post_init__(self) -> None:
+        def put(name: str, value: object) -> None:
+            object.__setattr__(self, name, value)
+
+        rows = torch.tensor(self.num_embeddings, dtype=torch.int64)
+        put("rows", rows)
+        put("table_offsets", torch.cumsum(rows, 0) - rows)
+        put("num_rows", int(rows.sum()))
+        put("blocks", torch.tensor(self.block_sizes, dtype=torch.int64))
+        put("hot_keys", torch.cat([self.table_offsets[t] + h for t, h in enumerate(self.hot_ids)])
+            if self.hot_ids else torch.empty(0, dtype=torch.int64))
+        put("hot_counts", tuple(int(h.numel()) for h in self.hot_ids))
+        put("num_hot", int(sum(self.hot_counts)))
+        block_rows = torch.tensor([[local_block_rows(n, b, r)[1] for n, b in zip(self.num_embeddings, self.block_sizes)]
+                                   for r in range(self.world_size)], dtype=torch.int64).view(self.world_size, -1)
+        put("block_rows", block_rows)
+        put("block_offsets", torch.cumsum(block_rows, 1) - block_rows)
+        put("table_index", {t: i for i, t in enumerate(self.tables)})
+
+    # ------------------------------------------------------------------ per table / per feature
+    def table(self, name: str) -> int:
+        """Index of table ``name`` (ValueError naming the known tables)."""
+        if name not in self.table_index:
+            raise ValueError(f"unknown table {name!r} (tables: {list(self.tables)})")
+        return self.table_index[name]
+
+    def block_range(self, table: int, rank: int) -> Tuple[int, int]:
+        """(first row, number of rows) of ``rank``'s block of ``table``."""
+        return local_block_rows(self.num_embeddings[table], self.block_sizes[table], rank)
+
+    @cached_property
+    def rows_per_feature(self) -> torch.Tensor:
+        """int64 [F]: rows of the table serving each feature."""
+        return self.rows.index_select(0, self.feature_table)
+
+    @cached_property
+    def blocks_per_feature(self) -> torch.Tensor:
+        """int64 [F]: block size of the table serving each feature."""
+        return self.blocks.index_select(0, self.feature_table)
+
+    @cached_property
+    def hot_slot_table(self) -> torch.Tensor:
+        """int64 [num_hot]: table of each hot slot."""
+        return torch.repeat_interleave(torch.arange(len(self.tables)), torch.tensor(self.hot_counts, dtype=torch.int64))
+
+    def feature_keys(self, values: torch.Tensor, lengths: torch.Tensor, batch_size: int) -> torch.Tensor:
+        """Key of every id of a KJT in this layout's feature order (values feature-major: ``lengths`` has
+        ``F * batch_size`` entries)."""
+        per_feature = lengths.to(torch.int64).view(len(self.features), batch_size).sum(1)
+        return values.to(torch.int64) + torch.repeat_interleave(self.table_offsets.index_select(0, self.feature_table),
+                                                                per_feature)
+
+    # ------------------------------------------------------------------ per row (dense over all rows)
+    @cached_property
+    def table_of_row(self) -> torch.Tensor:
+        """int64 [num_rows]: table of each key."""
+        return torch.repeat_interleave(torch.arange(len(self.tables)), self.rows)
+
+    @cached_property
+    def home_of_row(self) -> torch.Tensor:
+        """int64 [num_rows]: ROW_WISE home rank of each key (where its cold copy lives)."""
+        t = self.table_of_row
+        return (torch.arange(self.num_rows) - self.table_offsets.index_select(0, t)) // self.blocks.index_select(0, t)
+
+    @cached_property
+    def is_hot_row(self) -> torch.Tensor:
+        """bool [num_rows]: the key is replicated on every rank."""
+        out = torch.zeros(self.num_rows, dtype=torch.bool)
+        out[self.hot_keys] = True
+        return out
+
+    @cached_property
+    def hot_slot_of_row(self) -> torch.Tensor:
+        """int64 [num_rows]: position of each hot key in the hot replica buffer, -1 for cold keys."""
+        out = torch.full((self.num_rows,), -1, dtype=torch.int64)
+        out[self.hot_keys] = torch.arange(self.num_hot)
+        return out
+
+    def block_slot_of_row(self, rank: int) -> torch.Tensor:
+        """int64 [num_rows]: position of each key among ``rank``'s cold rows (its fused TBE), -1 elsewhere."""
+        t = self.table_of_row
+        local = torch.arange(self.num_rows) - self.table_offsets.index_select(0, t)
+        mine = self.home_of_row == rank
+        out = torch.full((self.num_rows,), -1, dtype=torch.int64)
+        out[mine] = (self.block_offsets[rank].index_select(0, t[mine]) + local[mine]
+                     - rank * self.blocks.index_select(0, t[mine]))
+        return out
+
+    def hot_rows_in_block(self, rank: int) -> Tuple[torch.Tensor, torch.Tensor]:
+        """(hot slots, block positions) of the hot rows that lie in ``rank``'s cold block: the rows whose
+        replica the block mirrors, so that the block is always a complete ROW_WISE shard."""
+        slots, positions = [], []
+        first_slot = 0
+        for t in range(len(self.tables)):
+            start, n = self.block_range(t, rank)
+            ids = self.hot_ids[t]
+            inside = (ids >= start) & (ids < start + n)
+            slots.append(first_slot + inside.nonzero().flatten())
+            positions.append(int(self.block_offsets[rank, t]) + ids[inside] - start)
+            first_slot += int(ids.numel())
+        return torch.cat(slots).to(torch.int64), torch.cat(positions).to(torch.int64)
+
+
+def cache_capacities(layout: RowLayout, capacity_fraction: Optional[float],
+                     capacity_rows: Optional[Mapping[str, int]] = None) -> Dict[str, int]:
+    """Cache capacity in rows per table (every rank the same): ``ceil(fraction * n)`` (at least 1), or
+    ``capacity_rows[t]`` where given (``1 <= C <= n``)."""
+    n = dict(zip(layout.tables, layout.num_embeddings))
+    caps: Dict[str, int] = {}
+    if capacity_fraction is not None:
+        f = float(capacity_fraction)
+        if not 0.0 < f <= 1.0:
+            raise ValueError(f"capacity_fraction must be in (0, 1], got {capacity_fraction}")
+        caps = {t: max(1, math.ceil(f * rows)) for t, rows in n.items()}
+    for t, c in (capacity_rows or {}).items():
+        if t not in n:
+            raise ValueError(f"capacity for unknown table {t!r}")
+        if not 1 <= int(c) <= n[t]:
+            raise ValueError(f"table {t!r}: cache capacity must be in [1, {n[t]}] rows, got {c}")
+        caps[t] = int(c)
+    return caps
+
+
+def layout_of(obj: object) -> RowLayout:
+    """The :class:`RowLayout` of ``obj``: itself, or its ``layout`` attribute (a ``Locality``)."""
+    if isinstance(obj, RowLayout):
+        return obj
+    layout = getattr(obj, "layout", None)
+    if not isinstance(layout, RowLayout):
+        raise TypeError(f"expected a RowLayout or an object with a .layout, got {type(obj).__name__}")
+    return layout

@@ -1,0 +1,242 @@
+"""One rank's embedding rows, addressed by global key: P²RES's hot replicas (a dense TBE buffer + their
+row-wise Adagrad state), this rank's ROW_WISE cold block (fbgemm's fused TBE) and Herald's cache of
+remote rows; with the one exact update rule (EXACT_SGD / EXACT_ROWWISE_ADAGRAD, as the fused kernel).
+
+Rows live on the training device; keys, slots and masks stay on CPU, and each access moves only its
+slot indices over.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Dict, List, Optional, Tuple
+
+import torch
+from fbgemm_gpu.split_embedding_configs import EmbOptimType
+from torch import nn
+
+from torchrec_herald.layout import RowLayout
+from torchrec_herald.ops.tbe import dense_hot_tbe, fused_cold_tbe
+
+__all__ = ["RowStore", "exact_update"]
+
+
+def exact_update(w: torch.Tensor, state: torch.Tensor, grad: torch.Tensor, optimizer: EmbOptimType, lr: float,
+                 eps: float) -> Tuple[torch.Tensor, torch.Tensor]:
+    """The fused kernels' update of rows ``w`` ``[n, D]`` with row-wise state ``state`` ``[n]`` and summed
+    gradient ``grad``: EXACT_SGD ``w − lr·g``; EXACT_ROWWISE_ADAGRAD ``s + mean(g²)``, then
+    ``w − g·lr/(sqrt(s) + eps)``. Returns the new ``(w, state)`` (the state unchanged for SGD)."""
+    if optimizer == EmbOptimType.EXACT_SGD:
+        return w - lr * grad, state
+    state = state + grad.pow(2).mean(1)
+    return w - grad * (lr / (state.sqrt() + eps))[:, None], state
+
+
+class RowStore(nn.Module):
+    """The rows one rank holds (see the module docstring).
+
+    Args:
+        layout: the global row space.
+        rank: this rank.
+        dim: embedding dimension of every table.
+        fused_params: the embedding optimizer (``optimizer``, ``learning_rate``, ``eps``).
+        device: where the rows live.
+    """
+
+    def __init__(self, layout: RowLayout, rank: int, dim: int, fused_params: Dict[str, Any],
+                 device: torch.device) -> None:
+        super().__init__()
+        self.layout, self.rank, self.dim, self.device = layout, rank, dim, device
+        self.optimizer: EmbOptimType = fused_params["optimizer"]
+        self.adagrad = self.optimizer == EmbOptimType.EXACT_ROWWISE_ADAGRAD
+        self.lr = float(fused_params.get("learning_rate", 0.01))
+        self.eps = float(fused_params.get("eps", 1e-8))
+        self.block_rows: List[int] = layout.block_rows[rank].tolist()
+        self.cold = fused_cold_tbe(sum(self.block_rows), dim, fused_params, device)
+        self.hot = dense_hot_tbe(layout.num_hot, dim, device)
+        self.hot_state = torch.zeros(max(layout.num_hot, 1), dtype=torch.float32, device=device)
+        mirror_hot, mirror_cold = layout.hot_rows_in_block(rank)
+        self.mirror_hot, self.mirror_cold = mirror_hot.to(device), mirror_cold.to(device)
+        # by-key access (plan mode only): slot maps over all rows, built on first use
+        self._own_slot: Optional[torch.Tensor] = None
+        self._cache_slot: Optional[torch.Tensor] = None
+        # remote rows (Herald's cache): [slots, D] weights + [slots] state, grown on demand
+        self.cache_w = torch.zeros(0, dim, device=device)
+        self.cache_s = torch.zeros(0, device=device)
+        self.free: List[int] = []
+        # bounded staleness: each hot replica's / cache entry's value when it was last synced
+        self.track_base = False
+        self.base_hot = torch.zeros(layout.num_hot, dim + 1, device=device)
+        self.base_cache = torch.zeros(0, dim + 1, device=device)
+
+    # ------------------------------------------------------------------ views
+    def hot_weights(self) -> torch.Tensor:
+        """``[max(num_hot, 1), D]`` view of the hot replica buffer."""
+        return self.hot.weights.detach().view(-1, self.dim)
+
+    def cold_weights(self) -> torch.Tensor:
+        """``[block rows, D]`` view of this rank's cold block (the fused TBE's weights)."""
+        return self.cold.split_embedding_weights()[0].data
+
+    def cold_state(self) -> Optional[torch.Tensor]:
+        """``[block rows]`` view of the cold block's row-wise Adagrad state, or None (SGD)."""
+        if not self.adagrad:
+            return None
+        return self.cold.split_optimizer_states()[0][0].view(-1).data
+
+    def cold_block(self, table: int) -> torch.Tensor:
+        """This rank's block of ``table`` (a view into the cold TBE)."""
+        start = sum(self.block_rows[:table])
+        return self.cold.split_embedding_weights()[0][start: start + self.block_rows[table]]
+
+    def cold_block_state(self, table: int) -> Optional[torch.Tensor]:
+        """The row-wise Adagrad state of :meth:`cold_block`, or None."""
+        state = self.cold_state()
+        start = sum(self.block_rows[:table])
+        return None if state is None else state[start: start + self.block_rows[table]]
+
+    def hot_block(self, table: int) -> torch.Tensor:
+        """The hot replicas of ``table`` (a view into the hot buffer)."""
+        start = sum(self.layout.hot_counts[:table])
+        return self.hot_weights()[start: start + self.layout.hot_counts[table]]
+
+    def mirror_hot_into_cold(self) -> None:
+        """Copy the replicas of the hot rows that lie in this rank's block (weights and state) into the cold
+        TBE, so the block is always a complete ROW_WISE shard. Writes ``.data``: it runs inside backward,
+        where the cold TBE's saved tensors must not see a version bump (the rows written are hot, never
+        looked up or updated through the cold TBE)."""
+        if not self.mirror_hot.numel():
+            return
+        self.cold_weights()[self.mirror_cold] = self.hot_weights()[self.mirror_hot]
+        state = self.cold_state()
+        if state is not None:
+            state[self.mirror_cold] = self.hot_state[self.mirror_hot]
+
+    def update_hot(self, grad: torch.Tensor, live: torch.Tensor) -> None:
+        """Apply :func:`exact_update` to the hot replicas with ``live`` set (bool ``[num_hot]`` on the
+        device), ``grad`` ``[num_hot, D]`` the gradient summed over ranks; then mirror into the block."""
+        n = self.layout.num_hot
+        with torch.no_grad():
+            w, s = self.hot_weights()[:n], self.hot_state[:n]
+            w[live], s[live] = exact_update(w[live], s[live], grad[live], self.optimizer, self.lr, self.eps)
+            self.mirror_hot_into_cold()
+
+    # ------------------------------------------------------------------ by global key
+    def _dev(self, index: torch.Tensor) -> torch.Tensor:
+        return index.to(self.device, non_blocking=True)
+
+    def where(self, keys: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Masks of ``keys`` held as hot replica / own block row / cache entry (a key must be one)."""
+        hot = self.layout.hot_slot_of_row[keys] >= 0
+        own = ~hot & (self.own_slot[keys] >= 0)
+        cache = ~hot & ~own
+        if bool(cache.any()) and bool((self.cache_slot[keys[cache]] < 0).any()):
+            missing = keys[cache][self.cache_slot[keys[cache]] < 0][:5].tolist()
+            raise RuntimeError(f"rank {self.rank}: plan reads rows it does not hold: keys {missing}")
+        return hot, own, cache
+
+    @property
+    def own_slot(self) -> torch.Tensor:
+        """int64 [num_rows]: each key's row in this rank's cold block, -1 elsewhere."""
+        if self._own_slot is None:
+            self._own_slot = self.layout.block_slot_of_row(self.rank)
+        return self._own_slot
+
+    @property
+    def cache_slot(self) -> torch.Tensor:
+        """int64 [num_rows]: each key's cache slot, -1 when not cached."""
+        if self._cache_slot is None:
+            self._cache_slot = torch.full((self.layout.num_rows,), -1, dtype=torch.int64)
+        return self._cache_slot
+
+    def _slots(self, keys: torch.Tensor) -> Tuple[torch.Tensor, ...]:
+        """Device indices: positions among ``keys`` of hot / own / cached keys, and their slots."""
+        hot, own, cache = self.where(keys)
+        d = self._dev
+        return (d(hot.nonzero().flatten()), d(own.nonzero().flatten()), d(cache.nonzero().flatten()),
+                d(self.layout.hot_slot_of_row[keys[hot]]), d(self.own_slot[keys[own]]),
+                d(self.cache_slot[keys[cache]]))
+
+    def read(self, keys: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+        """``(weights [n, D], row-wise Adagrad state [n])`` of rows this rank holds."""
+        at_hot, at_own, at_cache, hot_i, own_i, cache_i = self._slots(keys)
+        w = torch.empty(keys.numel(), self.dim, device=self.device)
+        s = torch.zeros(keys.numel(), device=self.device)
+        w[at_hot] = self.hot_weights()[hot_i]
+        w[at_own] = self.cold_weights()[own_i]
+        w[at_cache] = self.cache_w[cache_i]
+        cold_s = self.cold_state()
+        if cold_s is not None:
+            s[at_hot] = self.hot_state[hot_i]
+            s[at_own] = cold_s[own_i]
+            s[at_cache] = self.cache_s[cache_i]
+        return w, s
+
+    def write(self, keys: torch.Tensor, w: torch.Tensor, s: torch.Tensor) -> None:
+        """Store rows (a remote row gets a cache slot)."""
+        self._allocate(keys)
+        at_hot, at_own, at_cache, hot_i, own_i, cache_i = self._slots(keys)
+        self.hot_weights()[hot_i] = w[at_hot]
+        self.cold_weights()[own_i] = w[at_own]
+        self.cache_w[cache_i] = w[at_cache]
+        cold_s = self.cold_state()
+        if cold_s is not None:
+            self.hot_state[hot_i] = s[at_hot]
+            cold_s[own_i] = s[at_own]
+            self.cache_s[cache_i] = s[at_cache]
+
+    def _allocate(self, keys: torch.Tensor) -> None:
+        """Give remote keys without a cache slot one (growing the cache when no slot is free)."""
+        new = keys[(self.layout.hot_slot_of_row[keys] < 0) & (self.own_slot[keys] < 0) & (self.cache_slot[keys] < 0)]
+        if not new.numel():
+            return
+        short = new.numel() - len(self.free)
+        if short > 0:
+            start = self.cache_w.shape[0]
+            grow = max(short, start // 2, 64)
+            self.cache_w = torch.cat([self.cache_w, torch.zeros(grow, self.dim, device=self.device)])
+            self.cache_s = torch.cat([self.cache_s, torch.zeros(grow, device=self.device)])
+            self.base_cache = torch.cat([self.base_cache, torch.zeros(grow, self.dim + 1, device=self.device)])
+            self.free.extend(range(start + grow - 1, start - 1, -1))
+        slots = [self.free.pop() for _ in range(new.numel())]
+        self.cache_slot[new] = torch.tensor(slots, dtype=torch.int64)
+
+    def drop(self, keys: torch.Tensor) -> None:
+        """Free the cache slots of ``keys``."""
+        keys = keys[self.cache_slot[keys] >= 0]
+        self.free.extend(self.cache_slot[keys].tolist())
+        self.cache_slot[keys] = -1
+
+    def drop_cache(self) -> None:
+        """Forget every cache entry and release the cache buffers."""
+        self.cache_w = torch.zeros(0, self.dim, device=self.device)
+        self.cache_s = torch.zeros(0, device=self.device)
+        self.free = []
+        self.cache_slot.fill_(-1)
+        self.base_cache = torch.zeros(0, self.dim + 1, device=self.device)
+
+    # ------------------------------------------------------------------ bounded staleness: sync bases
+    def rebase(self, keys: torch.Tensor) -> None:
+        """Base of the hot replicas / cache entries among ``keys`` := their current value (+ state)."""
+        hot, _, cache = self.where(keys)
+        w, st = self.read(keys)
+        val = torch.cat([w, st[:, None]], 1)
+        d = self._dev
+        self.base_hot[d(self.layout.hot_slot_of_row[keys[hot]])] = val[d(hot)]
+        self.base_cache[d(self.cache_slot[keys[cache]])] = val[d(cache)]
+
+    def rebase_hot(self) -> None:
+        """Every hot replica's base := its current value (every replica is in sync with its home)."""
+        n = self.base_hot.shape[0]
+        self.base_hot[:, : self.dim] = self.hot_weights()[:n]
+        self.base_hot[:, self.dim] = self.hot_state[:n]
+
+    def base(self, keys: torch.Tensor) -> torch.Tensor:
+        """``[n, D + 1]`` bases of hot replicas / cache entries (a home never pushes its own rows)."""
+        hot, own, cache = self.where(keys)
+        if bool(own.any()):
+            raise RuntimeError(f"rank {self.rank}: a home never pushes its own rows (keys {keys[own][:5].tolist()})")
+        d = self._dev
+        out = torch.empty(keys.numel(), self.dim + 1, device=self.device)
+        out[d(hot)] = self.base_hot[d(self.layout.hot_slot_of_row[keys[hot]])]
+        out[d(cache)] = self.base_cache[d(self.cache_slot[keys[cache]])]
+        return out
