@@ -281,7 +281,7 @@ def _behaviour(rank: int, world: int) -> Dict[str, Any]:
     B = out["B"] = h["batch_size"]
     pipe = HeraldTrainPipeline(h["dmp"], h["optimizer"], cpu, window=5)
     it = data.train_batches(rank, world, B)
-    pipe._fill(it)
+    pipe.fill(it)
     out["queued"] = [_samples(e.batch) for e in pipe._queue]
     out["moved"] = [e.moved for e in pipe._queue]
     shards = [data.train_batches(r, world, B) for r in range(world)]

@@ -188,46 +188,47 @@ def _one_run(rank: int, world: int, cfg: Dict[str, Any]) -> Dict[str, Any]:
                                                        t_max=cfg["skip"][1], target=cfg["skip"][2], tolerance=0.05)
     pipe = HeraldTrainPipeline(b["dmp"], b["optimizer"], torch.device("cpu"), sync=cfg["pipe_sync"], window=WINDOW,
                                skip=skip)
-    ebc = pipe._ebc
+    ebc = pipe.ebc
     n = ebc.layout.num_rows
     out: Dict[str, Any] = {"hot_keys": ebc.layout.hot_keys.clone(), "B": b["batch_size"]}
 
     def snapshot() -> Dict[str, torch.Tensor]:
         return {"w": ebc.hot_values(), "state": ebc.store.hot_state[: ebc.layout.num_hot].clone()}
 
+    hook = pipe.skip_hook
     if skip is not None:
-        orig_phase = pipe._skip_phase
+        orig_phase = hook.before_step
 
-        def skip_phase(step: int) -> None:
-            orig_phase(step)
+        def before_step(p: Any, step: int) -> None:
+            orig_phase(p, step)
             if pipe.skipper.phase(step) == "snapshot_b":  # type: ignore[union-attr]
                 out["at_b"] = snapshot()
                 out["stale"] = pipe.skipper.stale.clone()  # type: ignore[union-attr]
-                out["stale_keys"] = pipe._stale_keys.clone()
+                out["stale_keys"] = hook.frozen_keys.clone()
 
-        pipe._skip_phase = skip_phase  # type: ignore[method-assign]
+        hook.before_step = before_step  # type: ignore[method-assign]
         dropped = torch.zeros(n, dtype=torch.int64)  # lookups of dropped samples, per row
-        orig_drop = pipe._drop_stale_inputs
+        orig_drop = hook.filter_inputs
 
-        def drop(batch: Any, train_step: int) -> Any:
-            kept = orig_drop(batch, train_step)
-            before = torch.bincount(pipe._keys(batch.sparse_features), minlength=n)
-            after = torch.bincount(pipe._keys(kept.sparse_features), minlength=n)
+        def drop(p: Any, batch: Any, train_step: int) -> Any:
+            kept = orig_drop(p, batch, train_step)
+            before = torch.bincount(pipe.batch_keys(batch.sparse_features), minlength=n)
+            after = torch.bincount(pipe.batch_keys(kept.sparse_features), minlength=n)
             dropped.add_(before - after)
             return kept
 
-        pipe._drop_stale_inputs = drop  # type: ignore[method-assign]
+        hook.filter_inputs = drop  # type: ignore[method-assign]
         out["dropped"] = dropped
     it = b["data"].train_batches(rank, world, b["batch_size"])
     trained_keys: List[torch.Tensor] = []  # per step: the rows this rank's trained batch reads
     sizes: List[int] = []
     meter = TrafficMeter(embedding_dim=8)
-    pipe._fill(it)
+    pipe.fill(it)
     step = 0
     while True:
-        if pipe._queue:  # the head of the window is the batch progress() trains (after any input skipping)
-            trained = pipe._queue[0].batch
-            trained_keys.append(torch.unique(pipe._keys(trained.sparse_features)))
+        if pipe.window_batches():  # the head of the window is the batch progress() trains (after input skipping)
+            trained = pipe.window_batches()[0]
+            trained_keys.append(torch.unique(pipe.batch_keys(trained.sparse_features)))
             sizes.append(int(trained.labels.numel()))
         try:
             with meter if step >= SNAP_B else contextlib.nullcontext():
@@ -243,7 +244,7 @@ def _one_run(rank: int, world: int, cfg: Dict[str, Any]) -> Dict[str, Any]:
     model = pipe.detach()
     after_keys = []
     for _, batch in zip(range(2), b["data"].train_batches(rank, world, b["batch_size"])):
-        after_keys.append(torch.unique(pipe._keys(batch.sparse_features)))
+        after_keys.append(torch.unique(pipe.batch_keys(batch.sparse_features)))
         loss, _ = model(batch)
         b["optimizer"].zero_grad()
         loss.backward()

@@ -370,7 +370,7 @@ def _one_run(rank: int, world: int, cfg: Dict[str, Any]) -> Dict[str, Any]:
     b = build(world, dict(cfg, planner="herald"))
     dmp = b["dmp"]
     pipe = HeraldTrainPipeline(dmp, b["optimizer"], torch.device("cpu"), **cfg["pipeline"])
-    ebc = pipe._ebc
+    ebc = pipe.ebc
     grad_sum = torch.zeros(ebc.layout.num_rows, ebc.embedding_dim, dtype=torch.float64)
     if cfg.get("record"):
         ex = ebc.plan_executor

@@ -31,8 +31,7 @@ from torchrec_herald.data import DataSource, build_data_source
 from torchrec_herald.dist_utils import init_distributed
 from torchrec_herald.model import build_dlrm_train, build_tables
 from torchrec_herald.pipeline import HeraldTrainPipeline
-from torchrec_herald.pipeline.stale_skip import SkipConfig
-from torchrec_herald.pipeline.staleness import check_staleness_option
+from torchrec_herald.pipeline.options import HeraldPipelineConfig
 from torchrec_herald.planner.stock import describe_plan, stock_plan
 from torchrec_herald.sharding import CpuEmbeddingBagCollectionSharder
 from torchrec_herald.traffic import MeteredDataParallelWrapper, TrafficMeter, reduce_summaries
@@ -140,37 +139,27 @@ def build_plan(cfg: DictConfig, model: nn.Module, tables: List[Any], data: DataS
 
 def build_pipeline(cfg: DictConfig, dmp: nn.Module, optimizer: Any, device: torch.device) -> Any:
     """``pipeline.name``: ``sparse_dist`` / ``base`` (TorchRec's) or ``herald`` (HeraldTrainPipeline with
-    the group's window/allocator/sync/cache options)."""
+    the group's options, see :func:`herald_pipeline_config`)."""
     name = cfg.pipeline.name
     if name == "herald":
-        opts = {k: cfg.pipeline[k] for k in ("window", "allocator", "sync", "cache", "cache_fraction", "move_penalty",
-                                             "staleness")}
-        return HeraldTrainPipeline(dmp, optimizer, device, skip=skip_config(cfg), **opts)
+        return HeraldTrainPipeline(dmp, optimizer, device, config=herald_pipeline_config(cfg))
     if name not in PIPELINES:
         raise ValueError(f"unknown pipeline.name {name!r}; expected one of {sorted(PIPELINES) + ['herald']}")
     return PIPELINES[name](dmp, optimizer, device)
 
 
-def skip_config(cfg: DictConfig) -> Optional[SkipConfig]:
-    """``pipeline.skip*`` as a validated :class:`SkipConfig` (the first measuring window must end inside
-    the run), or None when skipping is off."""
-    if cfg.pipeline.get("skip") is None:
-        return None
-    p = cfg.pipeline
-    skip = SkipConfig(granularity=p.skip, target=p.skip_target, tolerance=p.skip_tolerance, start=p.skip_start,
-                      gap=p.skip_gap, every=p.skip_every, t_max=p.skip_t_max)
+def herald_pipeline_config(cfg: DictConfig) -> HeraldPipelineConfig:
+    """The ``pipeline=herald`` group as a validated :class:`HeraldPipelineConfig` (the first skip measuring
+    window must end inside the run)."""
     total = getattr(cfg.data, "num_train_batches", None)
-    skip.check_run_length(None if total is None else int(total) * int(cfg.epochs))
-    return skip
+    return HeraldPipelineConfig.from_hydra(cfg.pipeline, None if total is None else int(total) * int(cfg.epochs))
 
 
 def check_approximate_options(cfg: DictConfig) -> None:
-    """Raise on bad ``pipeline.staleness`` / ``pipeline.skip*`` values before anything is trained (an
-    approximate run trains its exact reference first)."""
-    if not is_approximate(cfg):
-        return
-    check_staleness_option(cfg.pipeline.get("staleness"), cfg.pipeline.get("sync", "lazy"))
-    skip_config(cfg)
+    """Raise on bad herald pipeline options before anything is trained (an approximate run trains its
+    exact reference first)."""
+    if cfg.pipeline.name == "herald":
+        herald_pipeline_config(cfg)
 
 
 def herald_traffic_report(dmp: nn.Module, plan: Any, steps: int, measured: bool = True) -> Dict[str, Any]:

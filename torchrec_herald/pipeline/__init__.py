@@ -15,14 +15,18 @@ from torchrec_herald.pipeline.input_allocator import (
     score,
 )
 from torchrec_herald.pipeline.lazy_sync import TensorLazySyncPlanner
-from torchrec_herald.pipeline.stale_skip import SkipConfig, StaleSkipper
+from torchrec_herald.pipeline.options import HeraldPipelineConfig
+from torchrec_herald.pipeline.stale_skip import SkipConfig, StaleSkipHook, StaleSkipper
 from torchrec_herald.pipeline.staleness import StalenessPlanner
-from torchrec_herald.pipeline.train_pipeline import HeraldTrainPipeline, SchedulerStats
+from torchrec_herald.pipeline.train_pipeline import HeraldBatchContext, HeraldTrainPipeline, SchedulerStats
 
 __all__ = [
+    "HeraldBatchContext",
+    "HeraldPipelineConfig",
     "HeraldTrainPipeline",
     "SchedulerStats",
     "SkipConfig",
+    "StaleSkipHook",
     "StaleSkipper",
     "StalenessPlanner",
     "TensorLazySyncPlanner",

@@ -394,6 +394,9 @@ def greedy_assign(scores: torch.Tensor, step: int, tie_break: str = "rotate", mo
 class InputAllocator(abc.ABC):
     """Decides which rank trains which sample of a global batch (a pure function of its inputs)."""
 
+    #: whether the assignment uses the samples' local-lookup scores (HeraldTrainPipeline gathers them)
+    needs_scores: bool = True
+
     @abc.abstractmethod
     def assign(self, global_kjt: KeyedJaggedTensor, locality: Locality, world_size: int, step: int) -> torch.Tensor:
         """``rank_of_sample``: int64 ``[G]`` with exactly ``B = G // W`` samples on every rank.
@@ -412,6 +415,9 @@ class InputAllocator(abc.ABC):
 
 class IdentityAllocator(InputAllocator):
     """Sample ``s`` -> rank ``s // B``: stock TorchRec's contiguous split (for comparisons)."""
+
+    #: the assignment needs no scores (HeraldTrainPipeline then exchanges none)
+    needs_scores = False
 
     def assign(self, global_kjt: KeyedJaggedTensor, locality: Locality, world_size: int, step: int) -> torch.Tensor:
         locality.check_world_size(world_size)
@@ -444,11 +450,17 @@ class GreedyLocalityAllocator(InputAllocator):
     def _tables(self, global_kjt: KeyedJaggedTensor, locality: Locality, world_size: int) -> Optional[List[str]]:
         return None
 
+    needs_scores = True
+
     def assign(self, global_kjt: KeyedJaggedTensor, locality: Locality, world_size: int, step: int) -> torch.Tensor:
         local_batch_size(int(global_kjt.stride()), world_size)
         tables = self._tables(global_kjt, locality, world_size)
-        return greedy_assign(score(global_kjt, locality, world_size, tables), step, self.tie_break,
-                             self.move_penalty)
+        return self.assign_scores(score(global_kjt, locality, world_size, tables), step)
+
+    def assign_scores(self, scores: torch.Tensor, step: int) -> torch.Tensor:
+        """The assignment from the ``[G, W]`` local-lookup scores (every rank the same): what
+        HeraldTrainPipeline runs on the all-gathered scores of the ranks' own samples."""
+        return greedy_assign(scores, step, self.tie_break, self.move_penalty)
 
     def __repr__(self) -> str:
         return f"GreedyLocalityAllocator(tie_break={self.tie_break!r}, move_penalty={self.move_penalty})"

@@ -15,13 +15,13 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, field
-from typing import List, Optional, Tuple
+from typing import Any, List, Optional, Tuple
 
 import torch
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["GRANULARITIES", "SkipConfig", "StaleSkipper", "search_threshold"]
+__all__ = ["GRANULARITIES", "SkipConfig", "StaleSkipHook", "StaleSkipper", "search_threshold"]
 
 #: ``pipeline.skip`` values (``None``: off)
 GRANULARITIES = ("input", "row")
@@ -145,3 +145,124 @@ class StaleSkipper:
         logger.info("stale-update skipping at step %d: T=%.3g, sampled skip share %.3f (target %.2f ± %.2f), "
                     "%d of %d hot rows stale", step, self.threshold, self.achieved_share, c.target, c.tolerance,
                     int(self.stale.sum()), self.num_hot)
+
+
+class StaleSkipHook:
+    """Stale-update skipping plugged into ``HeraldTrainPipeline``: the pipeline calls :meth:`before_step`
+    at every step, :meth:`filter_inputs` on each batch entering the window (``input`` granularity),
+    :meth:`filter_reads` on the window's reads before planning and :meth:`count_reads` on the eager path
+    (``row`` granularity). ``frozen_keys``: global keys of the hot rows classified stale."""
+
+    def __init__(self, config: SkipConfig, num_hot: int) -> None:
+        self.skipper = StaleSkipper(config, num_hot)
+        self.frozen_keys = torch.empty(0, dtype=torch.int64)
+
+    @property
+    def granularity(self) -> str:
+        return self.skipper.config.granularity
+
+    # ------------------------------------------------------------------ hooks
+    def before_step(self, pipe: Any, step: int) -> None:
+        """Snapshots at the ends of each measuring window (after a flush, so every rank sees the same
+        hot rows), the threshold search at its end, and the (un)freezing of stale rows."""
+        phase = self.skipper.phase(step)
+        if phase not in ("snapshot_a", "snapshot_b"):
+            return
+        pipe.flush()
+        second = phase == "snapshot_b"
+        self.skipper.take_snapshot(pipe.ebc.hot_values(), second=second)
+        if second:
+            self.skipper.set_threshold(step, self._sampled_scores(pipe))
+        stale = self.skipper.stale if second else None
+        self.frozen_keys = pipe.layout.hot_keys[stale] if stale is not None else torch.empty(0, dtype=torch.int64)
+        if self.granularity == "row":
+            if pipe.config.sync == "eager":
+                pipe.ebc.set_frozen_hot(stale)
+            pipe.ebc.set_frozen_keys(self.frozen_keys)
+
+    def filter_inputs(self, pipe: Any, batch: Any, train_step: int) -> Any:
+        """Input granularity: drop the samples all of whose lookups are stale hot rows (at least one
+        sample stays on every rank); counts skipped inputs and their lookups."""
+        from torchrec.datasets.utils import Batch
+        from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
+
+        kjt = batch.sparse_features
+        B, F = kjt.stride(), len(kjt.keys())
+        lengths = kjt.lengths().to(torch.int64)
+        pipe.stats.candidate_updates += int(lengths.sum())
+        if self.skipper.phase(train_step) != "skip" or not self.frozen_keys.numel():
+            return batch
+        sample = torch.repeat_interleave(torch.arange(F * B) % B, lengths)
+        stale = torch.isin(pipe.batch_keys(kjt), self.frozen_keys)
+        n = torch.bincount(sample, minlength=B)
+        drop = (torch.bincount(sample, weights=stale.double(), minlength=B) == n) & (n > 0)
+        if bool(drop.all()):
+            drop[0] = False
+        if not bool(drop.any()):
+            return batch
+        keep = ~drop
+        pipe.stats.skipped_inputs += int(drop.sum())
+        pipe.stats.skipped_updates += int(n[drop].sum())
+        value_kept = keep[sample]
+        new_lengths = lengths.view(F, B)[:, keep].flatten()
+        new_kjt = KeyedJaggedTensor(keys=kjt.keys(), values=kjt.values()[value_kept],
+                                    lengths=new_lengths.to(kjt.lengths().dtype))
+        return Batch(dense_features=batch.dense_features[keep], sparse_features=new_kjt, labels=batch.labels[keep])
+
+    def filter_reads(self, pipe: Any, reads: List[List[torch.Tensor]]) -> List[List[torch.Tensor]]:
+        """Row granularity: frozen rows are read but never updated, so the plan leaves them out (their
+        replicas were synchronised by the snapshot's flush and stay so); counts the skipped updates."""
+        frozen = self.frozen_keys
+        out = []
+        for k, step_reads in enumerate(reads):
+            kept = []
+            for r in step_reads:
+                f = torch.isin(r, frozen) if frozen.numel() else torch.zeros_like(r, dtype=torch.bool)
+                kept.append(r[~f])
+                if k == 0:
+                    pipe.stats.candidate_updates += r.numel()
+                    pipe.stats.skipped_updates += int(f.sum())
+            out.append(kept)
+        return out
+
+    def count_reads(self, pipe: Any, rows: torch.Tensor) -> None:
+        """Row granularity on the eager path: the step's rows read, and those frozen."""
+        pipe.stats.candidate_updates += rows.numel()
+        if self.frozen_keys.numel():
+            pipe.stats.skipped_updates += int(torch.isin(rows, self.frozen_keys).sum())
+
+    def detach(self, pipe: Any) -> None:
+        """Train every row again (the herald EBC would otherwise keep the stale ones frozen)."""
+        self.frozen_keys = torch.empty(0, dtype=torch.int64)
+        pipe.ebc.set_frozen_hot(None)
+        pipe.ebc.set_frozen_keys(self.frozen_keys)
+
+    # ------------------------------------------------------------------ threshold sampling
+    def _movement_of(self, pipe: Any, keys: torch.Tensor) -> torch.Tensor:
+        """Movement (max |Δ| over the last measuring window) of the rows ``keys``; ``inf`` if not hot."""
+        assert self.skipper.movement is not None
+        hot_keys = pipe.layout.hot_keys
+        pos = torch.searchsorted(hot_keys, keys).clamp(max=max(hot_keys.numel() - 1, 0))
+        hot = hot_keys[pos] == keys if hot_keys.numel() else torch.zeros_like(keys, dtype=torch.bool)
+        out = torch.full((keys.numel(),), float("inf"))
+        out[hot] = self.skipper.movement[pos[hot]]
+        return out
+
+    def _sampled_scores(self, pipe: Any) -> torch.Tensor:
+        """Every rank's scores on the window's upcoming batches (``row``: per lookup, its row's movement;
+        ``input``: per sample, its largest), all-gathered so every rank searches the same threshold."""
+        local = []
+        for batch in pipe.window_batches():
+            kjt = batch.sparse_features
+            B, F = kjt.stride(), len(kjt.keys())
+            lengths = kjt.lengths().to(torch.int64)
+            mv = self._movement_of(pipe, pipe.batch_keys(kjt))
+            if self.granularity == "row":
+                local.append(mv)
+            else:
+                sample = torch.repeat_interleave(torch.arange(F * B) % B, lengths)
+                worst = torch.full((B,), float("-inf")).scatter_reduce(0, sample, mv, "amax", include_self=True)
+                worst[torch.bincount(sample, minlength=B) == 0] = float("inf")  # no lookups: never skipped
+                local.append(worst)
+        mine = torch.cat(local).float() if local else torch.empty(0)
+        return torch.cat(pipe.gather_varlen(mine, "herald_skip_meta"))

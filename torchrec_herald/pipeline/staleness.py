@@ -31,18 +31,7 @@ import torch
 from torchrec_herald.pipeline.lazy_sync import TensorLazySyncPlanner
 from torchrec_herald.plans import ExecPlan, FlushPlan, SyncCounters, no_transfers, sort_transfers, transfer_order
 
-__all__ = ["StalenessPlanner", "check_staleness_option"]
-
-
-def check_staleness_option(staleness: Any, sync: str) -> None:
-    """Raise unless ``pipeline.staleness`` is null (exact) or an integer ``s >= 0`` with ``sync=lazy``."""
-    if staleness is None:
-        return
-    s = staleness
-    if isinstance(s, bool) or not isinstance(s, (int, float)) or int(s) != s or int(s) < 0:
-        raise ValueError(f"pipeline.staleness must be null (exact) or an integer >= 0, got {s}")
-    if sync != "lazy":
-        raise ValueError("pipeline.staleness needs pipeline.sync=lazy (it relaxes the caches' plan)")
+__all__ = ["StalenessPlanner"]
 
 
 class StalenessPlanner(TensorLazySyncPlanner):

@@ -1,0 +1,91 @@
+"""HeraldTrainPipeline's options (Herald's window, allocator and worker caches; HET's bounded staleness;
+Slipstream's stale-update skipping) as one dataclass, validated once, with one error per bad value
+naming its ``pipeline.*`` key.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Optional
+
+from torchrec_herald.pipeline.stale_skip import SkipConfig
+
+__all__ = ["ALLOCATORS", "CACHE_POLICIES", "HeraldPipelineConfig", "SYNC_MODES"]
+
+#: ``pipeline.allocator`` values
+ALLOCATORS = ("greedy", "identity")
+#: ``pipeline.sync`` values: ``lazy`` = worker caches + the exact plan; ``eager`` = herald's own
+#: per-step path (hot rows all-reduced every step, cold rows looked up at their owner)
+SYNC_MODES = ("lazy", "eager")
+#: ``pipeline.cache`` values executed for real (Belady exists at trace level:
+#: ``torchrec_herald.testing.reference_plans.LazySyncPlanner``)
+CACHE_POLICIES = ("lru",)
+
+
+@dataclass(frozen=True)
+class HeraldPipelineConfig:
+    """The ``pipeline=herald`` group (see ``conf/pipeline/herald.yaml``).
+
+    Args:
+        window: ``K >= 1``, global batches of look-ahead.
+        allocator: ``greedy`` (location-aware) or ``identity`` (samples stay where loaded).
+        sync: ``lazy`` (caches + plan) or ``eager`` (herald's per-step path, e.g. to measure the allocator alone).
+        cache: cache eviction policy (``lru``).
+        cache_fraction: cache capacity per rank per table as a fraction of the table's rows, in (0, 1].
+        move_penalty: local lookups a sample move must gain (``greedy_assign``'s ``move_penalty``), >= 0.
+        staleness: ``None``: the exact plan; an integer ``s >= 0``: HET's bounded staleness (``sync=lazy``).
+        skip: ``None`` or a :class:`~torchrec_herald.pipeline.stale_skip.SkipConfig` (Slipstream).
+    """
+
+    window: int = 5
+    allocator: str = "greedy"
+    sync: str = "lazy"
+    cache: str = "lru"
+    cache_fraction: float = 0.05
+    move_penalty: int = 0
+    staleness: Optional[int] = None
+    skip: Optional[SkipConfig] = None
+
+    def __post_init__(self) -> None:
+        if int(self.window) < 1:
+            raise ValueError(f"pipeline.window must be >= 1, got {self.window}")
+        if self.allocator not in ALLOCATORS:
+            raise ValueError(f"unknown pipeline.allocator {self.allocator!r}; known: {list(ALLOCATORS)}")
+        if self.sync not in SYNC_MODES:
+            raise ValueError(f"unknown pipeline.sync {self.sync!r}; known: {list(SYNC_MODES)}")
+        if self.cache not in CACHE_POLICIES:
+            raise ValueError(f"unknown pipeline.cache {self.cache!r}; executed policies: {list(CACHE_POLICIES)} "
+                             f"(belady is trace-level only: torchrec_herald.testing.reference_plans.LazySyncPlanner)")
+        if not 0.0 < float(self.cache_fraction) <= 1.0:
+            raise ValueError(f"pipeline.cache_fraction={self.cache_fraction}: a cache must hold at least one row and "
+                             f"at most all rows of a table; use a fraction in (0, 1]")
+        if int(self.move_penalty) < 0:
+            raise ValueError(f"pipeline.move_penalty must be >= 0, got {self.move_penalty}")
+        s = self.staleness
+        if s is not None:
+            if isinstance(s, bool) or not isinstance(s, (int, float)) or int(s) != s or int(s) < 0:
+                raise ValueError(f"pipeline.staleness must be null (exact) or an integer >= 0, got {s}")
+            if self.sync != "lazy":
+                raise ValueError("pipeline.staleness needs pipeline.sync=lazy (it relaxes the caches' plan)")
+        object.__setattr__(self, "window", int(self.window))
+        object.__setattr__(self, "cache_fraction", float(self.cache_fraction))
+        object.__setattr__(self, "move_penalty", int(self.move_penalty))
+        object.__setattr__(self, "staleness", None if s is None else int(s))
+
+    @property
+    def approximate(self) -> bool:
+        """An opt-in approximate mode (bounded staleness or stale-update skipping) is on."""
+        return self.staleness is not None or self.skip is not None
+
+    @classmethod
+    def from_hydra(cls, p: Any, total_steps: Optional[int] = None) -> "HeraldPipelineConfig":
+        """From the ``pipeline`` node of the Hydra config; with ``total_steps`` (the run's steps, if known)
+        the first skip measuring window must end inside the run."""
+        skip = None
+        if p.get("skip") is not None:
+            skip = SkipConfig(granularity=p.skip, target=p.skip_target, tolerance=p.skip_tolerance,
+                              start=p.skip_start, gap=p.skip_gap, every=p.skip_every, t_max=p.skip_t_max)
+            skip.check_run_length(total_steps)
+        return cls(window=p.window, allocator=p.allocator, sync=p.sync, cache=p.cache,
+                   cache_fraction=p.cache_fraction, move_penalty=p.move_penalty, staleness=p.get("staleness"),
+                   skip=skip)
