@@ -152,6 +152,30 @@ def test_score_matches_per_lookup_reference(w: int, cache: bool) -> None:
     assert score(kjt, loc, w).tolist() == _reference_score(kjt, loc, w)
 
 
+@pytest.mark.parametrize("w", [2, 3, 4])
+@pytest.mark.parametrize("cache", [False, True])
+def test_pipeline_scoring_path_is_score(w: int, cache: bool) -> None:
+    """HeraldTrainPipeline scores its own samples with ``InputAllocator.local_scores`` over global keys and
+    a ``local_on`` map, then runs ``assign_scores``: that path gives exactly :func:`score` and the
+    allocator's own :meth:`assign`, rank by rank."""
+    kjt, loc = _random_case(w, 5, seed=10 + w, cache=cache)
+    g, lay = kjt.stride(), loc.layout
+    feats = list(kjt.keys())
+    rows = []
+    for r in range(w):  # each rank scores its own B samples
+        mine = kjt_from_lists(feats, [[kjt[f].to_dense()[s].tolist() for f in feats] for s in range(r * 5, (r + 1) * 5)])
+        lengths = mine.lengths().to(torch.int64)
+        bag = torch.repeat_interleave(lengths)
+        table = torch.tensor([lay.table_index[loc.features[f]] for f in feats])[bag // 5]
+        keys = lay.table_offsets[table] + mine.values().to(torch.int64)
+        rows.append(InputAllocator.local_scores(keys, bag % 5, 5, loc.local_on))
+    scores = torch.cat(rows)
+    assert scores.tolist() == score(kjt, loc, w).tolist() == _reference_score(kjt, loc, w)
+    greedy = GreedyLocalityAllocator()
+    for step in range(3):
+        assert greedy.assign_scores(scores, step).tolist() == greedy.assign(kjt, loc, w, step).tolist()
+
+
 ALLOCATORS = [IdentityAllocator(), GreedyLocalityAllocator(), GreedyLocalityAllocator("home", move_penalty=1),
               TopKTablesAllocator(1), TopKTablesAllocator(2, tables=["t0", "t2"])]
 

@@ -129,6 +129,12 @@ class RowLayout:
         return self.blocks.index_select(0, self.feature_table)
 
     @cached_property
+    def feature_offsets(self) -> torch.Tensor:
+        """int64 [F]: key of row 0 of the table serving each feature (a feature's id ``x`` has key
+        ``feature_offsets[f] + x``)."""
+        return self.table_offsets.index_select(0, self.feature_table)
+
+    @cached_property
     def hot_slot_table(self) -> torch.Tensor:
         """int64 [num_hot]: table of each hot slot."""
         return torch.repeat_interleave(torch.arange(len(self.tables)), torch.tensor(self.hot_counts, dtype=torch.int64))
@@ -137,8 +143,7 @@ class RowLayout:
         """Key of every id of a KJT in this layout's feature order (values feature-major: ``lengths`` has
         ``F * batch_size`` entries)."""
         per_feature = lengths.to(torch.int64).view(len(self.features), batch_size).sum(1)
-        return values.to(torch.int64) + torch.repeat_interleave(self.table_offsets.index_select(0, self.feature_table),
-                                                                per_feature)
+        return values.to(torch.int64) + torch.repeat_interleave(self.feature_offsets, per_feature)
 
     # ------------------------------------------------------------------ per row (dense over all rows)
     @cached_property

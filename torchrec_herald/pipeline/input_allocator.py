@@ -178,6 +178,22 @@ class Locality:
             raise ValueError(f"KJT keys {unknown} are not served by any table (features: {sorted(self.features)})")
         return torch.tensor([self.layout.table_index[self.features[k]] for k in keys], dtype=torch.int64)
 
+    def local_on(self, keys: torch.Tensor) -> torch.Tensor:
+        """bool ``[W, len(keys)]`` over global keys (``layout``'s): rank r holds row ``keys[i]`` as a hot
+        replica, in its own block, or as a valid cache entry — what :func:`score` counts."""
+        lay = self.layout
+        keys = torch.as_tensor(keys, dtype=torch.int64)
+        ranks = torch.arange(self.world_size).unsqueeze(1)
+        out = lay.is_hot_row[keys].unsqueeze(0) | (lay.home_of_row[keys].unsqueeze(0) == ranks)
+        if self.cache is not None:
+            table = lay.table_of_row[keys]
+            for ti, name in enumerate(self.tables):
+                idx = (table == ti).nonzero().flatten()
+                cached = self.cached_on(name, keys[idx] - lay.table_offsets[ti]) if idx.numel() else None
+                if cached is not None:
+                    out[:, idx] |= cached.T
+        return out
+
     def cached_on(self, table: str, ids: torch.Tensor) -> Optional[torch.Tensor]:
         """bool [N, W]: rank r holds a valid cache entry of row ``ids[i]`` of ``table`` (None: no cache)."""
         if self.cache is None:
@@ -396,6 +412,15 @@ class InputAllocator(abc.ABC):
 
     #: whether the assignment uses the samples' local-lookup scores (HeraldTrainPipeline gathers them)
     needs_scores: bool = True
+
+    @staticmethod
+    def local_scores(keys: torch.Tensor, sample: torch.Tensor, num_samples: int,
+                     local_on: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
+        """int64 ``[num_samples, W]``: lookups of each sample local to each rank, from its global row
+        ``keys`` (``sample[i]`` the sample of ``keys[i]``) and ``local_on`` (bool ``[W, n]``: a
+        ``Locality``'s or a planner's). Each rank scores its own samples this way (= :func:`score`)."""
+        local = local_on(keys).to(torch.int64)
+        return torch.zeros(local.shape[0], num_samples, dtype=torch.int64).index_add_(1, sample, local).T
 
     @abc.abstractmethod
     def assign(self, global_kjt: KeyedJaggedTensor, locality: Locality, world_size: int, step: int) -> torch.Tensor:

@@ -240,7 +240,7 @@ class HeraldTrainPipeline(TrainPipeline[Batch, Any]):
         invalid = (values < 0) | (values >= lay.rows_per_feature.index_select(0, feature))
         bad = first_invalid_id(values, lengths, lay.rows_per_feature, B) if bool(invalid.any()) else None
         ctx.batch = Batch(dense_features=raw.dense_features, sparse_features=kjt, labels=raw.labels)
-        ctx.keys = None if bad else lay.table_offsets[lay.feature_table].index_select(0, feature) + values
+        ctx.keys = None if bad else lay.feature_offsets.index_select(0, feature) + values
         ctx.bad = (1, bad[0], bad[1]) if bad else (0, 0, 0)
         ctx.sample_of_key = bag % B
 
@@ -253,8 +253,8 @@ class HeraldTrainPipeline(TrainPipeline[Batch, Any]):
         scored = self.input_allocator.needs_scores
         err = torch.tensor([*ctx.bad, kjt.values().numel()], dtype=torch.int64)
         if scored and ctx.keys is not None:
-            local = self.planner.local_on(ctx.keys).to(torch.int64)  # [W, nnz]
-            scores = torch.zeros(self._W, B, dtype=torch.int64).index_add_(1, ctx.sample_of_key, local).T
+            # local: a hot replica, this rank's block or a valid cache entry under the planner's state
+            scores = self.input_allocator.local_scores(ctx.keys, ctx.sample_of_key, B, self.planner.local_on)
         else:
             scores = torch.zeros(B, self._W, dtype=torch.int64)
         meta = torch.cat([err, _pack_int16(scores)]) if scored else err
