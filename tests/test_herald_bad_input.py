@@ -161,25 +161,26 @@ def _herald_sharder() -> Any:
     return HeraldEmbeddingBagCollectionSharder()
 
 
-def test_budget_below_one_row_falls_back_to_stock_plan(caplog: pytest.LogCaptureFixture) -> None:
-    from torchrec.distributed.planner import EmbeddingShardingPlanner, Topology
-
+def test_budget_below_one_row_gives_a_herald_plan_without_hot_rows(caplog: pytest.LogCaptureFixture) -> None:
+    """Never a stock plan labelled herald: every table is herald_hot_row_wise with no hot rows, and one
+    warning names the key and the smallest budget that would replicate a row."""
     from torchrec_herald.planner import herald_tables
     from torchrec_herald.planner.stock import describe_plan
-    from torchrec_herald.sharding import CpuEmbeddingBagCollectionSharder
+    from torchrec_herald.sharding.types import HERALD_HOT_ROW_WISE
 
     _, _, model, stats = _model_and_stats()
     row_bytes = 8 * 4 + 4  # dim 8 fp32 weights + the row-wise Adagrad state
     planner = _planner(stats=stats, hot_memory_budget_bytes=row_bytes - 1)
     with caplog.at_level(logging.WARNING, logger="torchrec_herald"):
         plan = planner.plan(model, [_herald_sharder()])
-    assert herald_tables(plan) == {}
-    stock = EmbeddingShardingPlanner(topology=Topology(world_size=2, compute_device="cpu"), batch_size=32).plan(
-        model, [CpuEmbeddingBagCollectionSharder()])
-    assert describe_plan(plan) == describe_plan(stock)
-    warnings = [r for r in caplog.records if r.levelno == logging.WARNING and r.name.startswith("torchrec_herald")]
-    assert any("cannot hold one hot row" in r.getMessage() and "stock plan" in r.getMessage() for r in warnings), \
-        [r.getMessage() for r in warnings]
+    specs = herald_tables(plan)
+    assert set(describe_plan(plan).values()) == {HERALD_HOT_ROW_WISE} and len(specs) == len(describe_plan(plan))
+    assert all(s.hot_ids.numel() == 0 and s.sync == "none" for s in specs.values())
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING
+                and r.name.startswith("torchrec_herald")]
+    assert len(warnings) == 1, warnings
+    assert warnings[0].startswith(f"planner.hot_memory_budget_bytes: a budget of {row_bytes - 1} B per rank is "
+                                  f"smaller than one hot row ({row_bytes} B, the smallest budget"), warnings[0]
 
 
 def test_budget_above_rank_memory_is_rejected_at_construction() -> None:

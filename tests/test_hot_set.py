@@ -241,8 +241,10 @@ def test_budget_below_one_row_empties_every_table(budget: int, caplog: pytest.Lo
         assert c.expected.herald_total == pytest.approx(expected_cold_bytes(lam, W, 16), rel=1e-12)
     warnings = [r for r in caplog.records if r.levelno == logging.WARNING]
     assert len(warnings) == 1
-    assert f"budget of {budget} B per rank is smaller than one hot row (68 B)" in warnings[0].getMessage()
-    assert "fall back to stock" in warnings[0].getMessage() or "falls back to stock" in warnings[0].getMessage()
+    msg = warnings[0].getMessage()
+    assert msg.startswith(f"planner.hot_memory_budget_bytes: a budget of {budget} B per rank is smaller than one "
+                          "hot row (68 B, the smallest budget that replicates any row)"), msg
+    assert "a herald plan with no hot rows" in msg and "stock" not in msg
 
 
 def test_top_fraction_baseline() -> None:

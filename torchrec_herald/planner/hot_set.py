@@ -374,8 +374,9 @@ def _warn_if_nothing_fits(candidates: List[torch.Tensor], kept: List[torch.Tenso
     if budget is None or not any(c.numel() for c in candidates) or any(k.numel() for k in kept):
         return
     smallest = min(b for c, b in zip(candidates, row_bytes) if c.numel())
-    logger.warning("hot-row memory budget of %d B per rank is smaller than one hot row (%d B): no rows are "
-                   "replicated, every table falls back to stock sharding", budget, smallest)
+    logger.warning("planner.hot_memory_budget_bytes: a budget of %d B per rank is smaller than one hot row "
+                   "(%d B, the smallest budget that replicates any row): no rows are replicated, every table keeps "
+                   "its cold rows row-wise (a herald plan with no hot rows)", budget, smallest)
 
 
 def _choice(t: _TableInput, hot: torch.Tensor, sync: str, world_size: int, local_batch_size: int) -> HotSetChoice:

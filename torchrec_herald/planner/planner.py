@@ -48,8 +48,9 @@ class HeraldPlanner(EmbeddingShardingPlanner):
     ``DistributedModelParallel(module, plan=plan, sharders=[HeraldEmbeddingBagCollectionSharder()])``.
     Each table is :data:`HERALD_HOT_ROW_WISE`: its hot rows replicated, its cold rows in stock
     ROW_WISE's block layout. A table where replication does not pay gets no hot rows (cold path
-    only). If the budget cannot hold a single hot row the planner warns and returns TorchRec's own
-    plan; a budget larger than a rank's memory is an error. ``last_choices`` /
+    only). If the budget cannot hold a single hot row no table gets any (a warning names the smallest
+    budget that would): still a herald plan, whose cold rows ``pipeline=herald`` caches and plans; a
+    budget larger than a rank's memory is an error. ``last_choices`` /
     :meth:`describe` explain the plan: per table the hot rows, replica bytes per rank and the
     expected traffic per step, stock vs herald.
     """
@@ -98,11 +99,6 @@ class HeraldPlanner(EmbeddingShardingPlanner):
         choices = self._selector.select(self._access_stats, tables, self._topology.world_size, self._batch_size,
                                         self._budget)
         self.last_choices = choices
-        if all(c.num_hot == 0 for c in choices.values()) and self._budget is not None \
-                and self._budget < min(4 * t.embedding_dim + 4 for t in tables):
-            logger.warning("hot_memory_budget_bytes=%d cannot hold one hot row (%d bytes): using TorchRec's "
-                           "stock plan", self._budget, min(4 * t.embedding_dim + 4 for t in tables))
-            return super().plan(module, stock_sharders)
         # cold layout: TorchRec's own planner with every table ROW_WISE (its enumerator is built with
         # the constraints, hence a second planner rather than swapping ours)
         row_wise = EmbeddingShardingPlanner(topology=self._topology, batch_size=self._batch_size,
