@@ -279,13 +279,56 @@ def test_e2e_torchx_local_cwd_two_ranks(run_id: str) -> None:
     print(f"e2e launch took {elapsed:.1f} s")
 
 
+def _last_lines(out: str, n: int = 10) -> str:
+    """The last ``n`` non-empty lines of a launch's output as one whitespace-normalised string (torchx
+    wraps its final status at 80 columns and doubles quotes in YAML)."""
+    lines = [ln for ln in out.splitlines() if ln.strip()][-n:]
+    return " ".join(" ".join(lines).replace("''", "'").split())
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("overrides, message", [
+    (["planner=herald", "pipeline=herald", "compare_with=table_wise", "pipeline.window=100000"],
+     "ValueError: pipeline.window=100000 is larger than the 1000 batch(es) the data loader has "
+     "(data.num_train_batches); lower pipeline.window"),
+    (["planner=herald", "pipeline=herald", "compare_with=table_wise", "pipeline.cache_fraction=0"],
+     "ValueError: pipeline.cache_fraction=0: a cache must hold at least one row"),
+    (["planner=herald", "pipeline=herald", "compare_with=table_wise", "pipeline.staleness=-1"],
+     "ValueError: pipeline.staleness must be null (exact) or an integer >= 0, got -1"),
+    (["pipeline=herald"], "ValueError: pipeline=herald needs planner=herald"),
+])
+def test_e2e_bad_setting_fails_before_training_with_one_line(run_id: str, overrides: List[str],
+                                                             message: str) -> None:
+    """A bad herald setting fails before anything trains (with compare_with: before the baseline), and
+    its one-line message, naming the key, ends the launch's output."""
+    proc, elapsed = _launch(run_id, *overrides, timeout=90)
+    out = _combined(proc)
+    assert proc.returncode != 0, out[-6000:]
+    assert message in _last_lines(out), out[-3000:]
+    assert f"traceback: {REPO / 'outputs' / run_id / 'logs' / 'rank'}" in _last_lines(out), out[-3000:]
+    assert "Traceback (most recent call last)" in (REPO / "outputs" / run_id / "logs" / "rank0.log").read_text()
+    assert not list((REPO / "outputs" / run_id).glob("**/metrics.json"))  # nothing trained, baseline included
+    assert "train:" not in out  # no progress bar ever started
+    print(f"{overrides[-1]} failed in {elapsed:.1f} s")
+
+
+@pytest.mark.slow
+def test_e2e_empty_data_file_is_named(run_id: str, tmp_path: Path) -> None:
+    empty = tmp_path / "day_0.tsv"
+    empty.write_text("")
+    proc, _ = _launch(run_id, "data=criteo_tsv", f"data.paths={empty}", timeout=60)
+    out = _combined(proc)
+    assert proc.returncode != 0, out[-6000:]
+    assert f"DataFormatError: {empty}:1: the file is empty" in _last_lines(out), out[-3000:]
+
+
 @pytest.mark.slow
 def test_e2e_fail_fast_missing_file(run_id: str) -> None:
     proc, elapsed = _launch(run_id, "data=criteo_tsv", "data.paths=/nonexistent/x.tsv", timeout=60)
     out = _combined(proc)
     assert proc.returncode != 0, out[-6000:]
-    # the failing rank's error is shown
-    assert "FileNotFoundError: data file(s) not found: /nonexistent/x.tsv" in out, out[-6000:]
+    # the failing rank's error ends the output
+    assert "FileNotFoundError: data file(s) not found: /nonexistent/x.tsv" in _last_lines(out), out[-6000:]
     assert "/nonexistent/x.tsv" in out
     assert elapsed < 60
     print(f"fail-fast launch took {elapsed:.1f} s")
@@ -300,6 +343,6 @@ def test_e2e_bad_hydra_override(run_id: str, override: str, message: str) -> Non
     proc, elapsed = _launch(run_id, override, timeout=60)
     out = _combined(proc)
     assert proc.returncode != 0, out[-6000:]
-    assert message in out, out[-6000:]
+    assert message in _last_lines(out), out[-6000:]
     assert not (REPO / "outputs" / run_id / "metrics.json").exists()
     print(f"{override} launch took {elapsed:.1f} s")

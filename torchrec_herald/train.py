@@ -3,34 +3,99 @@
 Run under torchrun / torchx for several ranks (``torchrec_herald/components.py:train``); alone it
 trains on one rank. Writes ``metrics.json``, ``losses.json``, ``training.png`` and per-rank logs
 into the Hydra run dir and prints the metrics table on rank 0.
+
+A run that fails ends with one line, ``<type>: <message>``, naming the key, file or line at fault (rank
+0's, or the failing rank's when it alone fails); the traceback goes to the rank's log file, whose path
+the line gives. Alone it is printed as ``ERROR: ...`` on stderr; under torchrun / torchx it is the root
+cause they show (torchelastic's error file).
 """
 
 from __future__ import annotations
 
+import json
 import logging
+import os
 import sys
+import time
+import traceback
 from pathlib import Path
+from typing import NoReturn, Optional, Sequence
 
 import hydra
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
-from torch.distributed.elastic.multiprocessing.errors import record
 
 logger = logging.getLogger(__name__)
 
 
+def one_line(e: BaseException) -> str:
+    """``"<Type>: <message>"`` on one line, with the first line of its cause when that adds something
+    (Hydra's "Could not override 'foo'" is caused by "Key 'foo' is not in struct")."""
+    line = " ".join(f"{type(e).__name__}: {e}".split())
+    cause = e.__cause__
+    if cause is not None and str(cause).strip():
+        first = str(cause).strip().splitlines()[0].strip()
+        if first not in line:
+            line += f" ({first})"
+    return line
+
+
+def fail(e: BaseException, log_file: Optional[Path] = None) -> NoReturn:
+    """End this rank with one readable line: the traceback to ``log_file`` (the rank's log), the line to
+    torchelastic's error file (torchrun's / torchx's root cause) and, from rank 0 or a rank failing on
+    its own, to stderr; exit code 1."""
+    line = one_line(e)
+    where = f" (traceback: {log_file})" if log_file is not None else ""
+    if log_file is not None:
+        log_file.parent.mkdir(parents=True, exist_ok=True)
+        with open(log_file, "a") as f:
+            f.write(f"{time.strftime('%Y-%m-%d %H:%M:%S')} ERROR {line}\n")
+            f.write("".join(traceback.format_exception(type(e), e, e.__traceback__)))
+    error_file = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if error_file:  # under torchrun: the line is its root cause (and torchx's final status), once
+        with open(error_file, "w") as f:
+            json.dump({"message": {"message": line + where, "extraInfo": {"timestamp": str(int(time.time()))}}}, f)
+    elif os.environ.get("RANK", "0") == "0" or not _collective(e):
+        sys.stderr.write(f"ERROR: {line}{where}\n")
+        sys.stderr.flush()
+    logging.shutdown()
+    sys.exit(1)
+
+
+def _collective(e: BaseException) -> bool:
+    """Whether every rank raises this error alike (config, data and bad-id errors do), so one rank's line
+    is enough; anything else may be one rank's own."""
+    from torchrec_herald.data.base import DataFormatError
+
+    return isinstance(e, (ValueError, FileNotFoundError, DataFormatError))
+
+
+def check_overrides(overrides: Sequence[str]) -> None:
+    """Compose ``conf/train.yaml`` with the command line's overrides (Hydra's compose API), so a bad key
+    or group option fails with Hydra's one-line message before anything starts."""
+    from torchrec_herald.config import compose_config
+
+    compose_config([o for o in overrides if not o.startswith(("-", "hydra.", "hydra/", "+hydra", "~hydra"))])
+
+
 @hydra.main(version_base="1.3", config_path="conf", config_name="train")
 def _hydra_main(cfg: DictConfig) -> None:
-    import torch.distributed as dist
+    run_dir = Path(HydraConfig.get().runtime.output_dir)
+    log_file = run_dir / "logs" / f"rank{os.environ.get('RANK', '0')}.log"
+    try:
+        _run(cfg, run_dir)
+    except Exception as e:  # noqa: BLE001 - one readable line for whatever went wrong
+        fail(e, log_file)
 
-    from torchrec_herald.trainer import format_metrics_table, run_training
+
+def _run(cfg: DictConfig, run_dir: Path) -> None:
+    import torch.distributed as dist
 
     from hydra import compose
 
-    from torchrec_herald.trainer import format_comparison_table
+    from torchrec_herald.trainer import format_comparison_table, format_metrics_table, preflight, run_training
 
     hc = HydraConfig.get()
-    run_dir = Path(hc.runtime.output_dir)
     baseline = None
     if cfg.compare_with:
         # the same job with planner=<compare_with> and TorchRec's pipeline: same data, same global
@@ -38,10 +103,9 @@ def _hydra_main(cfg: DictConfig) -> None:
         overrides = [o for o in hc.overrides.task if not o.startswith(("planner", "pipeline", "compare_with"))]
         base_cfg = compose(config_name="train", overrides=overrides + [f"planner={cfg.compare_with}"])
         base_cfg.compare_with = None
-        baseline = record(run_training)(base_cfg, run_dir / f"baseline_{cfg.compare_with}")
-    # record() writes torchelastic's error file before Hydra swallows the exception, so torchrun /
-    # torchx show this rank's traceback as the root cause.
-    metrics = record(run_training)(cfg, run_dir)
+        preflight(cfg)  # the herald run's settings fail here, before the baseline trains
+        baseline = run_training(base_cfg, run_dir / f"baseline_{cfg.compare_with}")
+    metrics = run_training(cfg, run_dir)
     if dist.get_rank() == 0:
         table = format_metrics_table(metrics) if baseline is None else format_comparison_table(
             {f"{cfg.compare_with} (baseline)": baseline,
@@ -51,8 +115,11 @@ def _hydra_main(cfg: DictConfig) -> None:
     dist.destroy_process_group()
 
 
-@record  # torchelastic error file: the failing rank's traceback is shown by torchrun / torchx
 def main() -> None:
+    try:
+        check_overrides(sys.argv[1:])
+    except Exception as e:  # noqa: BLE001 - Hydra's composition errors, one line
+        fail(e)
     _hydra_main()
 
 

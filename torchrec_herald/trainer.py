@@ -44,6 +44,8 @@ OPTIMIZERS: Dict[str, tuple[type, type]] = {
     "sgd": (torch.optim.SGD, torch.optim.SGD),  # fused: EXACT_SGD
 }
 PIPELINES = {"sparse_dist": TrainPipelineSparseDist, "base": TrainPipelineBase}
+#: ``planner.selector`` values
+HOT_SET_SELECTORS = ("cost_model", "top_fraction")
 
 
 def setup_logging(run_dir: Path, rank: int) -> None:
@@ -123,6 +125,7 @@ def build_plan(cfg: DictConfig, model: nn.Module, tables: List[Any], data: DataS
                  lambda: TopFractionHotSetSelector(cfg.planner.top_fraction)}
     if cfg.planner.selector not in selectors:
         raise ValueError(f"unknown planner.selector {cfg.planner.selector!r}; expected one of {sorted(selectors)}")
+    assert set(selectors) == set(HOT_SET_SELECTORS)
     sample = []
     for i, batch in enumerate(data.train_batches(0, 1, world_size * cfg.batch_size)):
         if i == cfg.planner.stats_batches:
@@ -155,11 +158,53 @@ def herald_pipeline_config(cfg: DictConfig) -> HeraldPipelineConfig:
     return HeraldPipelineConfig.from_hydra(cfg.pipeline, None if total is None else int(total) * int(cfg.epochs))
 
 
-def check_approximate_options(cfg: DictConfig) -> None:
-    """Raise on bad herald pipeline options before anything is trained (an approximate run trains its
-    exact reference first)."""
-    if cfg.pipeline.name == "herald":
-        herald_pipeline_config(cfg)
+def preflight(cfg: DictConfig) -> DataSource:
+    """Every check of a run's config that needs no model, no process group and no training step: the
+    config groups, herald's pipeline options, the model's shapes, the data source and its files. Raises
+    ValueError (a data file: DataFormatError / FileNotFoundError) with one line naming the key or file;
+    ``python -m torchrec_herald.train`` runs it for the herald run and its baseline before either trains.
+    Returns the data source."""
+    from torchrec_herald.planner.stock import STOCK_MODES
+
+    if cfg.optimizer.name not in OPTIMIZERS:
+        raise ValueError(f"unknown optimizer.name {cfg.optimizer.name!r}; expected one of {sorted(OPTIMIZERS)}")
+    for key in ("batch_size", "epochs", "log_every"):
+        if int(cfg[key]) < 1:
+            raise ValueError(f"{key} must be >= 1, got {cfg[key]}")
+    p = cfg.planner
+    if p.name == "stock":
+        if p.mode not in STOCK_MODES:
+            raise ValueError(f"unknown planner.mode {p.mode!r}; expected one of {sorted(STOCK_MODES)}")
+    elif p.name == "herald":
+        if p.selector not in HOT_SET_SELECTORS:
+            raise ValueError(f"unknown planner.selector {p.selector!r}; expected one of {sorted(HOT_SET_SELECTORS)}")
+        if p.hot_memory_budget_bytes is not None and int(p.hot_memory_budget_bytes) < 0:
+            raise ValueError(f"planner.hot_memory_budget_bytes must be >= 0, got {p.hot_memory_budget_bytes}")
+        if int(p.stats_batches) < 1:
+            raise ValueError(f"planner.stats_batches must be >= 1, got {p.stats_batches}")
+    else:
+        raise ValueError(f"unknown planner.name {p.name!r}; expected 'stock' or 'herald'")
+    name = cfg.pipeline.name
+    if name == "herald":
+        pipe = herald_pipeline_config(cfg)
+        if p.name != "herald":
+            raise ValueError(f"pipeline=herald needs planner=herald (its embeddings must be herald-sharded); "
+                             f"got planner.name={p.name!r}")
+        total = getattr(cfg.data, "num_train_batches", None)
+        if total is not None and pipe.window > int(total):
+            raise ValueError(f"pipeline.window={pipe.window} is larger than the {int(total)} batch(es) the data "
+                             f"loader has (data.num_train_batches); lower pipeline.window")
+    elif name not in PIPELINES:
+        raise ValueError(f"unknown pipeline.name {name!r}; expected one of {sorted(PIPELINES) + ['herald']}")
+    m = cfg.model
+    if str(m.pooling).upper() not in ("SUM", "MEAN"):
+        raise ValueError(f"model.pooling must be SUM or MEAN, got {m.pooling!r}")
+    if int(m.embedding_dim) < 1 or list(m.dense_arch)[-1] != m.embedding_dim:
+        raise ValueError(f"model.dense_arch must end with model.embedding_dim={m.embedding_dim}, "
+                         f"got {list(m.dense_arch)}")
+    data = build_data_source(cfg.data)
+    data.check()
+    return data
 
 
 def herald_traffic_report(dmp: nn.Module, plan: Any, steps: int, measured: bool = True) -> Dict[str, Any]:
@@ -278,14 +323,13 @@ def run_training(cfg: DictConfig, run_dir: Path, show_progress: bool = True) -> 
     trains the exact mode on the same batches (into ``run_dir/exact_reference``) and records it and the
     deltas under ``metrics["approximate"]``."""
     reference = None
-    check_approximate_options(cfg)
+    data = preflight(cfg)
     if is_approximate(cfg) and cfg.pipeline.get("reference", True):
         reference = run_training(exact_reference_config(cfg), Path(run_dir) / "exact_reference", show_progress)
     rank, world, device = init_distributed()
     run_dir = Path(run_dir)
     setup_logging(run_dir, rank)
     torch.manual_seed(cfg.seed)
-    data = build_data_source(cfg.data)
     dmp, optimizer, sharding_plan = build_model_and_plan(cfg, data, world, device)
     plan = describe_plan(sharding_plan)
     logger.info("world_size=%d local_batch=%d plan=%s", world, cfg.batch_size, plan)
@@ -320,7 +364,8 @@ def run_training(cfg: DictConfig, run_dir: Path, show_progress: bool = True) -> 
     bar.close()
     steps = len(losses)
     if steps == 0:
-        raise RuntimeError("no training step ran: the data source yielded no full global batch")
+        raise RuntimeError(f"no training step ran: {data.describe()} yielded no full global batch of "
+                           f"{world} × {cfg.batch_size} samples (data.*, batch_size)")
 
     traffic = reduce_summaries(meter.summary())
     traffic_tags = reduce_summaries(meter.tag_summary())

@@ -97,6 +97,15 @@ class DataSource(abc.ABC):
         """Counters for metrics.json (``skipped_lines``, ``dropped_tail_samples``, ...)."""
         return {"skipped_lines": 0, "dropped_tail_samples": 0}
 
+    def check(self) -> None:
+        """Cheap checks before anything is built or trained (file sources: every file has a first record
+        that parses); raises naming the file and line."""
+        return None
+
+    def describe(self) -> str:
+        """What the source reads, for messages (e.g. ``CriteoTSV(day_0.tsv)``)."""
+        return type(self).__name__
+
 
 def global_batch_size(rank: int, world_size: int, batch_size: int) -> int:
     """Validate a rank/world/batch triple and return the global batch size."""

@@ -130,6 +130,25 @@ class FileSource(DataSource, Generic[Sample]):
                 split, self._dropped[split], size,
             )  # fmt: skip
 
+    def check(self) -> None:
+        """Every file is non-empty and its first record parses (with ``on_error="raise"``; with ``skip`` a
+        file needs one good record among its first 1000): DataFormatError / ValueError naming the file."""
+        for path in [*self.paths, *self.eval_paths]:
+            if os.path.getsize(path) == 0:
+                raise DataFormatError(path, 1, "the file is empty")
+            for n, item in enumerate(self._read(path)):
+                if not isinstance(item, DataFormatError):
+                    break
+                if self.on_error == "raise" or n >= 999:
+                    raise item
+            else:
+                raise DataFormatError(path, 1, "the file holds no records")
+
+    def describe(self) -> str:
+        files = [os.path.basename(p) for p in self.paths]
+        shown = ", ".join(files[:3]) + (f", … ({len(files)} files)" if len(files) > 3 else "")
+        return f"{type(self).__name__}({shown})"
+
     def train_batches(self, rank: int, world_size: int, batch_size: int) -> Iterator[Batch]:
         """One pass over the training stream (held-out global batches excluded)."""
         return self._batches("train", rank, world_size, batch_size)
