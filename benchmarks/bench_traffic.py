@@ -210,22 +210,43 @@ def write_results_md(sections: Dict[str, str]) -> None:
     path.write_text(text)
 
 
+#: short labels of the configurations (y axis of traffic.png)
+SHORT = {"stock default plan": "stock, default plan", "stock all TABLE_WISE": "stock, all TABLE_WISE",
+         HOT: "herald: hot replication", "herald + allocator": "herald: + allocator",
+         "herald + cache/plan": "herald: + caches/plan", "herald + allocator + cache/plan": "herald: full"}
+#: traffic parts of traffic.png, in stacking order, and their colours
+PARTS = {"embedding vectors": "#4c72b0", "ids and lengths": "#9db4d8", "scheduling": "#dd8452",
+         "dense all-reduce": "#d9d9d9"}
+
+
 def plot(rows: List[Dict[str, Any]], out: Path) -> None:
+    """One panel per world size, one horizontal bar per configuration: embedding vectors, ids and
+    lengths, herald's scheduling bytes and (last, grey) the dense all-reduce, KiB per step on all ranks."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(9, 3.8))
-    labels = [f"{r['config']}\n{r['world_size']} ranks" for r in rows]
-    bottom = [0.0] * len(rows)
-    for k in KINDS:
-        vals = [r["metrics"]["traffic_per_step"].get(k, {}).get("bytes", 0) / 1024 for r in rows]
-        ax.bar(labels, vals, bottom=bottom, label=k)
-        bottom = [b + v for b, v in zip(bottom, vals)]
-    ax.set_ylabel("KiB per step, all ranks")
-    ax.tick_params(axis="x", labelsize=7)
-    ax.legend(fontsize=7)
+    from torchrec_herald.report import traffic_groups
+
+    worlds = sorted({r["world_size"] for r in rows})
+    fig, axes = plt.subplots(1, len(worlds), figsize=(6.2 * len(worlds), 3.6), squeeze=False)
+    for ax, w in zip(axes[0], worlds):
+        at = [r for r in rows if r["world_size"] == w]
+        ys = list(range(len(at)))[::-1]
+        for y, r in zip(ys, at):
+            g = traffic_groups(r["metrics"])
+            left = 0.0
+            for part, color in PARTS.items():
+                v = g[part] / 1024
+                ax.barh(y, v, left=left, color=color, label=part if y == ys[0] else None)
+                left += v
+            emb = g["embedding vectors"] / 1024
+            ax.text(0, y, f" {emb:.0f}", va="center", ha="left", fontsize=7, color="white")
+        ax.set_yticks(ys, [SHORT.get(r["config"], r["config"]) for r in at], fontsize=8)
+        ax.set_xlabel("KiB per step, all ranks (number: embedding vectors)")
+        ax.set_title(f"{w} ranks", fontsize=10)
+    axes[0][0].legend(fontsize=7, loc="lower right")
     fig.tight_layout()
     fig.savefig(out, dpi=100)
     plt.close(fig)

@@ -93,6 +93,7 @@ def _run(cfg: DictConfig, run_dir: Path) -> None:
 
     from hydra import compose
 
+    from torchrec_herald.report import write_comparison
     from torchrec_herald.trainer import format_comparison_table, format_metrics_table, preflight, run_training
 
     hc = HydraConfig.get()
@@ -107,10 +108,17 @@ def _run(cfg: DictConfig, run_dir: Path) -> None:
         baseline = run_training(base_cfg, run_dir / f"baseline_{cfg.compare_with}")
     metrics = run_training(cfg, run_dir)
     if dist.get_rank() == 0:
-        table = format_metrics_table(metrics) if baseline is None else format_comparison_table(
-            {f"{cfg.compare_with} (baseline)": baseline,
-             cfg.planner.name + (" + scheduling" if cfg.pipeline.name == "herald" else ""): metrics})
-        sys.stdout.write(f"\n{table}\n\nmetrics: {run_dir / 'metrics.json'}\n")
+        if baseline is None:
+            sys.stdout.write(f"\n{format_metrics_table(metrics)}\n\nmetrics: {run_dir / 'metrics.json'}\n")
+        else:
+            name = cfg.planner.name + (" + scheduling" if cfg.pipeline.name == "herald" else "")
+            runs = {f"{cfg.compare_with} (baseline)": baseline, name: metrics}
+            table = format_comparison_table(runs)
+            losses = {n: json.loads((d / "losses.json").read_text()) for n, d in
+                      zip(runs, (run_dir / f"baseline_{cfg.compare_with}", run_dir))}
+            paths = write_comparison(run_dir, runs, losses, table)
+            sys.stdout.write(f"\n{table}\n\nmetrics: {run_dir / 'metrics.json'}\ncomparison: {paths['png']} "
+                             f"(and {paths['md'].name}, {paths['json'].name})\n")
         sys.stdout.flush()
     dist.destroy_process_group()
 

@@ -32,6 +32,7 @@ from torchrec_herald.dist_utils import init_distributed
 from torchrec_herald.model import build_dlrm_train, build_tables
 from torchrec_herald.pipeline import HeraldTrainPipeline
 from torchrec_herald.pipeline.options import HeraldPipelineConfig
+from torchrec_herald.report import embedding_bytes_per_step, headline  # noqa: F401  (re-exported)
 from torchrec_herald.planner.stock import describe_plan, stock_plan
 from torchrec_herald.sharding import CpuEmbeddingBagCollectionSharder
 from torchrec_herald.traffic import MeteredDataParallelWrapper, TrafficMeter, reduce_summaries
@@ -403,6 +404,7 @@ def run_training(cfg: DictConfig, run_dir: Path, show_progress: bool = True) -> 
         "approximate": approximate_report(cfg, pipeline, eval_metrics, reference, steps),
         "config": OmegaConf.to_container(cfg, resolve=True),
     }
+    metrics["summary"] = headline(metrics)
     if rank == 0:
         (run_dir / "metrics.json").write_text(json.dumps(metrics, indent=2))
         (run_dir / "losses.json").write_text(json.dumps(loss_t.tolist()))
@@ -430,18 +432,6 @@ def _plot(run_dir: Path, losses: List[float], per_step: Dict[str, Dict[str, floa
     fig.tight_layout()
     fig.savefig(run_dir / "training.png", dpi=100)
     plt.close(fig)
-
-
-def embedding_bytes_per_step(m: Dict[str, Any]) -> float:
-    """Embedding bytes per step of a run's metrics: embedding vectors × dim × 4 (pooled vectors, their
-    gradients, hot-row and DATA_PARALLEL-table gradient rows, rows moved by Herald's plan), plus the
-    row-wise Adagrad state float that each row moved by the plan carries (``herald_pull`` /
-    ``herald_update_push``)."""
-    dim = m["config"]["model"]["embedding_dim"]
-    tags = m.get("traffic_per_step_by_tag", {})
-    state = sum(tags.get(t, {}).get("bytes", 0) for t in ("herald_pull", "herald_update_push")) / (dim + 1) \
-        if m["config"]["optimizer"]["name"] == "rowwise_adagrad" else 0.0
-    return m["traffic_per_step_total"]["embedding_vectors"] * dim * 4 + state
 
 
 def format_comparison_table(runs: Dict[str, Dict[str, Any]]) -> str:

@@ -79,7 +79,7 @@ class SchedulerStats:
         n = max(self.steps, 1)
         c = self.counters
         out = {k: getattr(c, k) / n for k in ("miss_pull", "update_pull", "update_push", "miss_push", "reduce")}
-        out.update(hit_rate=c.hit_rate, cache_hit_rate=c.cache_hit_rate, vectors_per_step=c.vectors / n,
+        out.update(hit_rate=c.hit_rate, cache_hit_rate=c.cache_hit_rate, plan_transfers_per_step_all_ranks=c.vectors / n,
                    moved_samples_per_step=self.moved_samples / n,
                    local_lookup_share=self.local_lookups / max(self.lookups, 1),
                    scheduler_ms_per_step=1000 * self.scheduler_s / n, planner_ms_per_step=1000 * self.planner_s / n,

@@ -1,0 +1,166 @@
+"""A newcomer's run (issue 13): every bad setting fails in ``preflight`` with one line naming the key or
+file, before anything trains; metric keys say scope and unit; the comparison report and the benchmark
+plot are written from the run's data (their data is checked, not their pixels)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any, Dict, List
+
+import pytest
+
+from torchrec_herald.config import compose_config
+from torchrec_herald.trainer import preflight
+
+GOOD_TSV_LINE = "1\t" + "\t".join(["1"] * 13) + "\t" + "\t".join(["a"] * 26)
+
+
+def _error(overrides: List[str]) -> str:
+    try:
+        preflight(compose_config(overrides))
+    except Exception as e:  # noqa: BLE001 - the message is what is asserted
+        return f"{type(e).__name__}: {e}"
+    return "no error"
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["optimizer.name=adam"], "ValueError: unknown optimizer.name 'adam'; expected one of ['rowwise_adagrad', 'sgd']"),
+    (["batch_size=0"], "ValueError: batch_size must be >= 1, got 0"),
+    (["planner.mode=bogus"], "ValueError: unknown planner.mode 'bogus'"),
+    (["planner=herald", "planner.selector=best"], "ValueError: unknown planner.selector 'best'"),
+    (["planner=herald", "planner.hot_memory_budget_bytes=-1"],
+     "ValueError: planner.hot_memory_budget_bytes must be >= 0, got -1"),
+    (["pipeline=herald"], "ValueError: pipeline=herald needs planner=herald (its embeddings must be herald-sharded); "
+                          "got planner.name='stock'"),
+    (["planner=herald", "pipeline=herald", "pipeline.window=100000"],
+     "ValueError: pipeline.window=100000 is larger than the 1000 batch(es) the data loader has "
+     "(data.num_train_batches); lower pipeline.window"),
+    (["planner=herald", "pipeline=herald", "pipeline.cache_fraction=0"],
+     "ValueError: pipeline.cache_fraction=0: a cache must hold at least one row"),
+    (["planner=herald", "pipeline=herald", "pipeline.staleness=-1"],
+     "ValueError: pipeline.staleness must be null (exact) or an integer >= 0, got -1"),
+    (["planner=herald", "pipeline=herald", "pipeline.skip=row", "pipeline.skip_start=995"],
+     "ValueError: pipeline.skip snapshots at steps 995 and 1005 are beyond the run's 1000 steps"),
+    (["pipeline.name=bogus"], "ValueError: unknown pipeline.name 'bogus'"),
+    (["model.embedding_dim=8"], "ValueError: model.dense_arch must end with model.embedding_dim=8, got [64, 16]"),
+    (["model.pooling=MAX"], "ValueError: model.pooling must be SUM or MEAN, got 'MAX'"),
+])
+def test_bad_setting_fails_in_preflight_naming_its_key(overrides: List[str], message: str) -> None:
+    assert _error(overrides).startswith(message), _error(overrides)
+
+
+def test_good_settings_pass_preflight() -> None:
+    for overrides in ([], ["planner=herald", "pipeline=herald", "compare_with=table_wise"],
+                      ["planner=herald", "planner.hot_memory_budget_bytes=1", "pipeline=herald"]):
+        assert _error(overrides) == "no error", overrides
+
+
+@pytest.mark.parametrize("content, problem", [
+    ("", "the file is empty"),
+    ("0\tnot-a-number\n", "expected 40 tab-separated fields, got 2"),
+])
+def test_bad_data_file_is_named_in_preflight(tmp_path: Path, content: str, problem: str) -> None:
+    f = tmp_path / "day_0.tsv"
+    f.write_text(content)
+    assert _error(["data=criteo_tsv", f"data.paths={f}"]) == f"DataFormatError: {f}:1: {problem}"
+    good = tmp_path / "good.tsv"
+    good.write_text(GOOD_TSV_LINE + "\n")
+    assert _error(["data=criteo_tsv", f"data.paths=[{good},{f}]"]) == f"DataFormatError: {f}:1: {problem}"
+    assert _error(["data=criteo_tsv", f"data.paths={good}"]) == "no error"
+
+
+def test_a_file_of_only_bad_records_is_named_even_when_skipping(tmp_path: Path) -> None:
+    f = tmp_path / "junk.tsv"
+    f.write_text("junk\n" * 5)
+    assert _error(["data=criteo_tsv", f"data.paths={f}", "data.on_error=skip"]) == \
+        f"DataFormatError: {f}:1: the file holds no records"
+
+
+def test_too_few_samples_for_a_global_batch_names_the_source(tmp_path: Path) -> None:
+    from torchrec_herald.dist_utils import run_multiprocess
+
+    f = tmp_path / "small.tsv"
+    f.write_text((GOOD_TSV_LINE + "\n") * 3)
+    with pytest.raises(RuntimeError, match=r"no training step ran: CriteoTSV\(small\.tsv\) yielded no full global "
+                                           r"batch of 1 × 256 samples \(data\.\*, batch_size\)"):
+        run_multiprocess(_train, 1, ["data=criteo_tsv", f"data.paths={f}", "eval=false"], str(tmp_path / "run"),
+                         timeout_s=120)
+
+
+def _train(rank: int, world: int, overrides: List[str], run_dir: str) -> Any:
+    from torchrec_herald.trainer import run_training
+
+    return run_training(compose_config(overrides), Path(run_dir), show_progress=False)
+
+
+# ---------------------------------------------------------------------- metrics and reports
+
+
+def _metrics(tags: Dict[str, float], untagged: float, vectors: float, samples_per_s: float) -> Dict[str, Any]:
+    total = sum(tags.values()) + untagged
+    return {"steps": 10, "world_size": 2, "samples_per_s": samples_per_s, "train_time_s": 1.0,
+            "step_time_s": {"p50": 0.01}, "eval": {"auc": 0.75, "logloss": 0.5},
+            "traffic_per_step_total": {"bytes": total, "embedding_vectors": vectors, "calls": 8.0},
+            "traffic_per_step_by_tag": {t: {"bytes": b} for t, b in tags.items()},
+            "config": {"model": {"embedding_dim": 16}, "optimizer": {"name": "sgd"}}}
+
+
+STOCK = _metrics({"dense_allreduce": 220_000.0}, untagged=900_000.0, vectors=13_000.0, samples_per_s=40_000.0)
+HERALD = _metrics({"dense_allreduce": 220_000.0, "herald_pull": 60_000.0, "herald_reduce": 52_000.0,
+                   "herald_samples": 66_000.0, "herald_schedule_meta": 12_000.0},
+                  untagged=0.0, vectors=1_750.0, samples_per_s=20_000.0)
+
+
+def test_traffic_parts_add_up_and_say_what_they_are() -> None:
+    from torchrec_herald.report import traffic_groups
+
+    s = traffic_groups(STOCK)
+    assert s == {"embedding vectors": 13_000 * 16 * 4, "ids and lengths": 900_000 - 13_000 * 64,
+                 "scheduling": 0.0, "dense all-reduce": 220_000.0}
+    h = traffic_groups(HERALD)
+    assert h["scheduling"] == 78_000.0 and h["dense all-reduce"] == 220_000.0
+    for m, g in ((STOCK, s), (HERALD, h)):
+        assert sum(g.values()) == pytest.approx(m["traffic_per_step_total"]["bytes"])
+
+
+def test_summary_keys_say_scope_and_unit() -> None:
+    from torchrec_herald.report import headline
+
+    h = headline(STOCK)
+    assert h["bytes_per_step_all_ranks"] == 1_120_000.0
+    assert h["embedding_bytes_per_step_all_ranks"] == 13_000 * 64
+    assert h["dense_allreduce_bytes_per_step_all_ranks"] == 220_000.0
+    assert h["embedding_vectors_per_step_all_ranks"] == 13_000.0
+    assert h["collective_calls_per_step_per_rank"] == 4.0
+    assert h["samples_per_s_all_ranks"] == 40_000.0 and h["step_time_ms_p50"] == 10.0
+    assert all(k.endswith(("_all_ranks", "_per_rank", "_ms_p50", "_s", "steps", "auc", "logloss")) for k in h), h
+
+
+def test_comparison_report_files_hold_the_runs(tmp_path: Path) -> None:
+    from torchrec_herald.report import write_comparison
+
+    runs = {"table_wise (baseline)": STOCK, "herald + scheduling": HERALD}
+    losses = {n: [0.7 - 0.001 * i for i in range(100)] for n in runs}
+    paths = write_comparison(tmp_path, runs, losses, "| metric | a | b |")
+    assert paths == {k: tmp_path / f"comparison.{k}" for k in ("md", "json", "png")}
+    assert paths["md"].read_text() == "| metric | a | b |\n"
+    data = json.loads(paths["json"].read_text())
+    assert data["baseline"] == "table_wise (baseline)" and data["compared"] == "herald + scheduling"
+    assert data["runs"]["herald + scheduling"]["summary"]["embedding_bytes_per_step_all_ranks"] == 1_750 * 64
+    assert data["ratio_last_to_first"]["embedding_bytes_per_step_all_ranks"] == pytest.approx(1_750 / 13_000)
+    assert data["ratio_last_to_first"]["samples_per_s_all_ranks"] == 0.5
+    assert paths["png"].stat().st_size > 20_000  # a drawn figure, not an empty canvas
+
+
+def test_benchmark_plot_is_drawn_from_the_saved_rows(tmp_path: Path) -> None:
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("bench_traffic", Path(__file__).parents[1] / "benchmarks/bench_traffic.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)  # type: ignore[union-attr]
+    rows = json.loads((Path(__file__).parents[1] / "benchmarks/results/traffic.json").read_text())["rows"]
+    assert all(r["config"] in bench.SHORT for r in rows)  # every configuration has a short label
+    assert max(len(v) for v in bench.SHORT.values()) <= 24
+    bench.plot(rows, tmp_path / "traffic.png")
+    assert (tmp_path / "traffic.png").stat().st_size > 20_000

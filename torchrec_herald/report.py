@@ -1,0 +1,144 @@
+"""What a run leaves for a person to look at: headline metrics with keys that say their scope and unit,
+and, for a ``compare_with`` run, ``comparison.md`` / ``comparison.json`` / ``comparison.png`` putting the
+baseline and herald side by side (loss curves, embedding bytes by kind with the dense all-reduce apart,
+samples/s), so the embedding saving, the product's point, shows at a glance.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any, Dict, List, Sequence, Tuple
+
+__all__ = ["TRAFFIC_GROUPS", "embedding_bytes_per_step", "headline", "traffic_groups", "write_comparison"]
+
+#: TrafficMeter tags of the traffic that is not embedding traffic (everything else, TorchRec's own
+#: untagged all-to-alls included, is)
+TRAFFIC_GROUPS: Dict[str, Tuple[str, ...]] = {
+    "dense all-reduce": ("dense_allreduce",),
+    "scheduling": ("herald_schedule_meta", "herald_samples", "herald_meta", "herald_skip_meta"),
+}
+
+
+def traffic_groups(m: Dict[str, Any]) -> Dict[str, float]:
+    """Bytes per step (all ranks) of a run's metrics in four parts that add up to its total:
+    ``embedding vectors`` (pooled vectors, their gradients, hot-row and plan rows, as the comparison
+    table's "embedding KiB"), ``ids and lengths`` (the rest of the embedding collectives' bytes),
+    ``scheduling`` (herald's allocator and plan metadata, sample moves) and ``dense all-reduce``."""
+    tags = {t: s["bytes"] for t, s in m.get("traffic_per_step_by_tag", {}).items()}
+    total = m["traffic_per_step_total"]["bytes"]
+    dense = sum(tags.get(t, 0.0) for t in TRAFFIC_GROUPS["dense all-reduce"])
+    sched = sum(tags.get(t, 0.0) for t in TRAFFIC_GROUPS["scheduling"])
+    vectors = embedding_bytes_per_step(m)
+    return {"embedding vectors": vectors, "ids and lengths": max(total - dense - sched - vectors, 0.0),
+            "scheduling": sched, "dense all-reduce": dense}
+
+
+def headline(m: Dict[str, Any]) -> Dict[str, float]:
+    """The headline figures of a run under keys that say scope and unit (``metrics.json`` → ``summary``).
+
+    ``embedding_vectors_per_step_all_ranks``: TrafficMeter's count, float payload bytes on the wire
+    divided by ``4·D`` (a transferred row that carries its Adagrad state counts ``(D+1)/D``); not the
+    same as ``herald_pipeline.plan_transfers_per_step_all_ranks``, the rows the plan moves."""
+    g = traffic_groups(m)
+    steps = max(int(m["steps"]), 1)
+    return {
+        "bytes_per_step_all_ranks": m["traffic_per_step_total"]["bytes"],
+        "embedding_bytes_per_step_all_ranks": g["embedding vectors"],
+        "ids_and_lengths_bytes_per_step_all_ranks": g["ids and lengths"],
+        "dense_allreduce_bytes_per_step_all_ranks": g["dense all-reduce"],
+        "scheduling_bytes_per_step_all_ranks": g["scheduling"],
+        "embedding_vectors_per_step_all_ranks": m["traffic_per_step_total"]["embedding_vectors"],
+        "collective_calls_per_step_per_rank": m["traffic_per_step_total"]["calls"] / max(int(m["world_size"]), 1),
+        "samples_per_s_all_ranks": m["samples_per_s"],
+        "step_time_ms_p50": 1e3 * m["step_time_s"].get("p50", float("nan")),
+        "train_time_s": m["train_time_s"],
+        "steps": float(steps),
+        "eval_auc": m.get("eval", {}).get("auc", float("nan")),
+        "eval_logloss": m.get("eval", {}).get("logloss", float("nan")),
+    }
+
+
+def embedding_bytes_per_step(m: Dict[str, Any]) -> float:
+    """Embedding bytes per step of a run's metrics: embedding vectors × dim × 4 (pooled vectors, their
+    gradients, hot-row and DATA_PARALLEL-table gradient rows, rows moved by Herald's plan), plus the
+    row-wise Adagrad state float that each row moved by the plan carries (``herald_pull`` /
+    ``herald_update_push``)."""
+    dim = m["config"]["model"]["embedding_dim"]
+    tags = m.get("traffic_per_step_by_tag", {})
+    state = sum(tags.get(t, {}).get("bytes", 0) for t in ("herald_pull", "herald_update_push")) / (dim + 1) \
+        if m["config"]["optimizer"]["name"] == "rowwise_adagrad" else 0.0
+    return m["traffic_per_step_total"]["embedding_vectors"] * dim * 4 + state
+
+
+def _smooth(xs: Sequence[float], k: int) -> List[float]:
+    return [sum(xs[max(0, i - k + 1): i + 1]) / len(xs[max(0, i - k + 1): i + 1]) for i in range(len(xs))]
+
+
+def write_comparison(run_dir: Path, runs: Dict[str, Dict[str, Any]], losses: Dict[str, List[float]],
+                     table_md: str) -> Dict[str, Path]:
+    """``comparison.md`` (``table_md``), ``comparison.json`` (every run's :func:`headline`, traffic by
+    category and the ratios last / first run) and ``comparison.png`` into ``run_dir``; returns the paths."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names = list(runs)
+    heads = {n: headline(runs[n]) for n in names}
+    base, new = names[0], names[-1]
+    ratios = {k: heads[new][k] / heads[base][k] for k in heads[base] if isinstance(heads[base][k], float)
+              and heads[base][k] not in (0.0,) and heads[base][k] == heads[base][k]}
+    data = {"runs": {n: {"summary": heads[n], "traffic_bytes_per_step_all_ranks": traffic_groups(runs[n])}
+                     for n in names},
+            "ratio_last_to_first": ratios, "baseline": base, "compared": new}
+    paths = {"md": run_dir / "comparison.md", "json": run_dir / "comparison.json", "png": run_dir / "comparison.png"}
+    paths["md"].write_text(table_md + "\n")
+    paths["json"].write_text(json.dumps(data, indent=2))
+
+    colors = {"embedding vectors": "#4c72b0", "ids and lengths": "#9db4d8", "scheduling": "#dd8452"}
+    palette = ("#7f7f7f", "#c44e52", "#55a868", "#8172b2")
+    fig, axes = plt.subplots(1, 3, figsize=(15, 4.2), gridspec_kw={"width_ratios": [1.2, 1.6, 0.8]})
+    a, b, c = axes
+    for i, (n, color) in enumerate(zip(names, palette)):
+        xs = losses.get(n, [])
+        if xs:
+            k = max(1, len(xs) // 50)
+            a.plot(range(1, len(xs) + 1), _smooth(xs, k), label=n, color=color, lw=4 if i == 0 else 1.2,
+                   alpha=0.45 if i == 0 else 1.0)
+    a.set(xlabel="step", ylabel=f"train logloss (mean over ranks, running mean)",
+          title="loss: the curves lie on each other")
+    a.legend(fontsize=8)
+    # traffic: one horizontal bar per run, its parts stacked; the dense all-reduce (the same in every
+    # run) is written beside the bar, so the embedding saving stays visible
+    y = list(range(len(names)))[::-1]
+    for yi, n in zip(y, names):
+        g = traffic_groups(runs[n])
+        left = 0.0
+        for part in ("embedding vectors", "ids and lengths", "scheduling"):
+            v = g[part] / 1024
+            b.barh(yi, v, left=left, color=colors[part], label=part if yi == y[0] else None)
+            if v >= 40:
+                b.text(left + v / 2, yi, f"{v:.0f}", ha="center", va="center", color="white", fontsize=8)
+            left += v
+        b.text(left, yi, f"  +{g['dense all-reduce'] / 1024:.0f} KiB dense all-reduce", va="center", fontsize=7,
+               color="#555555")
+    e_base, e_new = heads[base]["embedding_bytes_per_step_all_ranks"], heads[new]["embedding_bytes_per_step_all_ranks"]
+    b.set_yticks(y, names, fontsize=8)
+    b.set(xlabel="KiB per step, all ranks")
+    b.set_title(f"embedding vectors: {100 * (1 - e_new / e_base):.0f} % fewer bytes" if e_base > 0 else "traffic",
+                fontsize=11)
+    b.legend(fontsize=8, loc="lower right")
+    b.set_xlim(0, max(sum(v for k, v in traffic_groups(runs[n]).items() if k != "dense all-reduce")
+                      for n in names) / 1024 * 1.45)
+    sps = [heads[n]["samples_per_s_all_ranks"] for n in names]
+    c.bar(range(len(names)), sps, color=list(palette[: len(names)]))
+    for i, v in enumerate(sps):
+        c.text(i, v, f"{v:,.0f}", ha="center", va="bottom", fontsize=8)
+    c.set_xticks(range(len(names)), [n.split(" (")[0] for n in names], fontsize=8)
+    c.set(ylabel="samples/s, all ranks", xlabel="on this machine's cores, unshaped link")
+    c.set_title(f"speed: {sps[-1] / sps[0]:.2f}×" if sps[0] else "speed", fontsize=11)
+    fig.tight_layout()
+    fig.savefig(paths["png"], dpi=110)
+    plt.close(fig)
+    return paths
