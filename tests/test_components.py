@@ -323,6 +323,26 @@ def test_e2e_empty_data_file_is_named(run_id: str, tmp_path: Path) -> None:
 
 
 @pytest.mark.slow
+def test_e2e_compare_with_leaves_a_comparison_report(run_id: str) -> None:
+    """``make run``'s command (herald vs its stock baseline) leaves comparison.md/json/png in the run dir."""
+    proc, _ = _launch(run_id, "planner=herald", "pipeline=herald", "compare_with=table_wise", "pipeline.window=3",
+                      "data.num_train_batches=8", "data.num_eval_batches=2", "batch_size=64", timeout=180)
+    out = _combined(proc)
+    assert proc.returncode == 0, out[-6000:]
+    run_dir = REPO / "outputs" / run_id
+    assert f"comparison: {run_dir / 'comparison.png'} (and comparison.md, comparison.json)" in out
+    data = json.loads((run_dir / "comparison.json").read_text())
+    assert list(data["runs"]) == ["table_wise (baseline)", "herald + scheduling"]
+    base, herald = (json.loads(p.read_text()) for p in (run_dir / "baseline_table_wise" / "metrics.json",
+                                                         run_dir / "metrics.json"))
+    assert data["runs"]["herald + scheduling"]["summary"] == pytest.approx(herald["summary"], nan_ok=True)
+    assert data["runs"]["table_wise (baseline)"]["summary"] == pytest.approx(base["summary"], nan_ok=True)
+    assert (run_dir / "comparison.md").read_text().startswith("| metric | table_wise (baseline) | herald + scheduling |")
+    assert (run_dir / "comparison.png").stat().st_size > 20_000
+    assert (run_dir / "training.png").stat().st_size > 0 and (run_dir / "baseline_table_wise" / "training.png").exists()
+
+
+@pytest.mark.slow
 def test_e2e_fail_fast_missing_file(run_id: str) -> None:
     proc, elapsed = _launch(run_id, "data=criteo_tsv", "data.paths=/nonexistent/x.tsv", timeout=60)
     out = _combined(proc)

@@ -408,27 +408,33 @@ def run_training(cfg: DictConfig, run_dir: Path, show_progress: bool = True) -> 
     if rank == 0:
         (run_dir / "metrics.json").write_text(json.dumps(metrics, indent=2))
         (run_dir / "losses.json").write_text(json.dumps(loss_t.tolist()))
-        _plot(run_dir, loss_t.tolist(), per_step)
+        _plot(run_dir, loss_t.tolist(), metrics)
         logger.info("wrote %s", run_dir / "metrics.json")
     dist.barrier()
     return metrics
 
 
-def _plot(run_dir: Path, losses: List[float], per_step: Dict[str, Dict[str, float]]) -> None:
-    """training.png: loss curve and traffic per step by collective kind."""
+def _plot(run_dir: Path, losses: List[float], metrics: Dict[str, Any]) -> None:
+    """training.png: the loss curve and this run's traffic per step in the report's four parts
+    (embedding vectors, ids and lengths, herald's scheduling, the dense all-reduce)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+
+    from torchrec_herald.report import traffic_groups
 
     fig, (a, b) = plt.subplots(1, 2, figsize=(10, 3.5))
     k = max(1, len(losses) // 50)
     smooth = [sum(losses[i:i + k]) / len(losses[i:i + k]) for i in range(0, len(losses), k)]
     a.plot([i * k for i in range(len(smooth))], smooth)
     a.set(xlabel="step", ylabel="train logloss (mean over ranks)", title="loss")
-    kinds = list(per_step)
-    b.barh(kinds, [per_step[x]["bytes"] / 1024 for x in kinds])
-    b.set(xlabel="KiB per step (all ranks, sent to other ranks)", title="traffic by collective")
+    parts = traffic_groups(metrics)
+    names = list(parts)[::-1]
+    b.barh(names, [parts[n] / 1024 for n in names], color=["#d9d9d9", "#dd8452", "#9db4d8", "#4c72b0"])
+    for y, n in enumerate(names):
+        b.text(parts[n] / 1024, y, f" {parts[n] / 1024:.0f}", va="center", fontsize=8)
+    b.set(xlabel="KiB per step (all ranks, sent to other ranks)", title="traffic by kind")
     fig.tight_layout()
     fig.savefig(run_dir / "training.png", dpi=100)
     plt.close(fig)
