@@ -1,8 +1,9 @@
 """Herald checkpoints interoperate with stock TorchRec and unsharded models (2 ranks).
 
-``ShardedHeraldEmbeddingBagCollection.state_dict()`` presents every table as a full ``[n, dim]`` tensor
-(collective: the cold row-wise blocks are all-gathered, hot rows come from the replica);
-``load_state_dict`` takes full tensors or TorchRec ShardedTensors. One 2-rank run (row-wise Adagrad,
+``ShardedHeraldEmbeddingBagCollection.state_dict()`` presents every table as a ShardedTensor in stock
+ROW_WISE's layout (each rank its own block, hot rows' current values included: no table is gathered);
+``load_state_dict`` takes that layout (a local copy per rank), full tensors, or other TorchRec
+ShardedTensors. One 2-rank run (row-wise Adagrad,
 so the optimizer state question is real) checks:
 
 (i)   herald trained a few steps -> ``DMP.state_dict()`` -> a stock TABLE_WISE DMP and an unsharded
@@ -57,7 +58,9 @@ def _worker(rank: int, world: int) -> Dict[str, Any]:
     probe = next(iter(h["data"].eval_batches(rank, world, h["batch_size"])))
     run_steps(h["dmp"], h["optimizer"], h["data"].train_batches(rank, world, h["batch_size"]))
     raw = h["dmp"].state_dict()
-    out["herald_types"] = sorted({type(v).__name__ for v in raw.values()})
+    out["herald_types"] = sorted({type(v).__name__ for k, v in raw.items() if k.startswith(EBC)})
+    out["herald_local_rows"] = {t.name: raw[EBC + t.name + ".weight"].local_shards()[0].tensor.shape[0]
+                                if raw[EBC + t.name + ".weight"].local_shards() else 0 for t in h["tables"]}
     out["herald_shapes_full"] = all(tuple(raw[EBC + t.name + ".weight"].shape) == (t.num_embeddings, 8)
                                     for t in h["tables"])
     sd = gather_state(raw)
@@ -83,6 +86,17 @@ def _worker(rank: int, world: int) -> Dict[str, Any]:
     rw_raw = rw["dmp"].state_dict()
     out["rw_sharded"] = all(isinstance(rw_raw[EBC + t.name + ".weight"], ShardedTensor) for t in rw["tables"])
     rw_sd = gather_state(rw_raw)
+    out["rw_local_rows"] = {t.name: rw_raw[EBC + t.name + ".weight"].local_shards()[0].tensor.shape[0]
+                            if rw_raw[EBC + t.name + ".weight"].local_shards() else 0 for t in rw["tables"]}
+    # herald's sharded state dict (no gathering) -> stock ROW_WISE (TorchRec copies shard for shard) and
+    # -> a fresh herald DMP (each rank copies its own block, hot replicas refreshed)
+    rw3 = build(world, dict(cfg, planner="row_wise"))
+    out["rw3_load"] = rw3["dmp"].load_state_dict(dict(raw))
+    out["rw3_equal"] = _equal(full_state(rw3["dmp"]), sd)
+    h6 = build(world, cfg)
+    out["h6_load"] = h6["dmp"].load_state_dict(dict(raw))
+    out["h6_equal"] = _equal(full_state(h6["dmp"]), sd)
+    out["h6_logits"] = _logits(h6["dmp"], probe)
     rw_fused = rw["dmp"].fused_optimizer.state_dict()
     out["rw_fused_state"] = {k: sorted(v) for k, v in rw_fused["state"].items()}
 
@@ -146,7 +160,8 @@ def _no_bad_keys(load_result: Any) -> None:
 def test_herald_checkpoint_loads_into_stock_and_unsharded() -> None:
     for r in results():
         assert r["trained_moved"]
-        assert r["herald_types"] == ["Tensor"] and r["herald_shapes_full"]  # full tables, no ShardedTensors
+        assert r["herald_types"] == ["ShardedTensor"] and r["herald_shapes_full"]  # global shapes, local blocks
+        assert r["herald_local_rows"] == r["rw_local_rows"]  # each rank holds exactly its ROW_WISE block
         _no_bad_keys(r["tw_load"])
         _no_bad_keys(r["plain_load"])
         assert all(r["tw_equal"].values()), [k for k, v in r["tw_equal"].items() if not v]
@@ -161,6 +176,14 @@ def test_stock_row_wise_checkpoint_loads_into_herald() -> None:
         _no_bad_keys(r["h2_load"])
         assert all(r["h2_equal"].values()), [k for k, v in r["h2_equal"].items() if not v]
         assert torch.equal(r["h2_logits"], r["rw_logits"])  # logits and loss
+
+
+def test_sharded_herald_state_loads_without_gathering() -> None:
+    for r in results():
+        for name in ("rw3", "h6"):
+            _no_bad_keys(r[f"{name}_load"])
+            assert all(r[f"{name}_equal"].values()), (name, [k for k, v in r[f"{name}_equal"].items() if not v])
+        assert torch.equal(r["h6_logits"], r["herald_logits"])
 
 
 def test_herald_round_trip() -> None:

@@ -543,15 +543,20 @@ class ShardedHeraldEmbeddingBagCollection(
 
     def state_dict(self, destination: Optional[Dict[str, Any]] = None, prefix: str = "",
                    keep_vars: bool = False) -> Dict[str, Any]:  # type: ignore[override]
-        """``{prefix}embedding_bags.<table>.weight`` → full ``[n, dim]`` tensor (collective)."""
+        """``{prefix}embedding_bags.<table>.weight`` → a ShardedTensor in stock ROW_WISE's layout whose
+        local shard is this rank's block (a view: ``torch.distributed.checkpoint`` loads into it in place;
+        call :meth:`refresh_hot_from_blocks` after such a load). The blocks hold every row's current
+        value, hot rows included; in plan mode flush first (``HeraldTrainPipeline.flush``)."""
         destination = {} if destination is None else destination
         for t, name in enumerate(self._tables):
-            destination[f"{prefix}embedding_bags.{name}.weight"] = self.full_table(t)
+            destination[f"{prefix}embedding_bags.{name}.weight"] = self.sharded_block(t, self._store.cold_block(t))
         return destination
 
     def load_state_dict(self, state_dict: Dict[str, Any], strict: bool = True) -> Any:  # type: ignore[override]
-        """Accepts full ``[n, dim]`` tensors (e.g. an unsharded model's or a herald checkpoint) or
-        TorchRec ShardedTensors (a stock-sharded checkpoint: gathered to full tables, collective)."""
+        """Accepts this layout's ShardedTensors (each rank copies its own block: no table is gathered),
+        full ``[n, dim]`` tensors (an unsharded model's), or ShardedTensors of another layout (stock
+        TABLE_WISE: gathered table by table, collective; ``torchrec_herald.checkpoint`` reshards those with
+        ``torch.distributed.checkpoint`` instead). Hot replicas are refreshed from the loaded rows."""
         from torch.distributed._shard.sharded_tensor import ShardedTensor
 
         keys = {f"embedding_bags.{n}.weight" for n in self._tables}
@@ -560,22 +565,46 @@ class ShardedHeraldEmbeddingBagCollection(
         if strict and (missing or unexpected):
             raise RuntimeError(f"herald EBC load_state_dict: missing {missing}, unexpected {unexpected}")
         tables = {}
+        local_blocks: Dict[int, torch.Tensor] = {}
         for t, name in enumerate(self._tables):
             v = state_dict.get(f"embedding_bags.{name}.weight")
             if v is None:
                 continue
+            shape = (self._num_embeddings[t], self._dim)
+            if tuple(v.shape) != shape:
+                raise ValueError(f"table {name}: the checkpoint holds shape {tuple(v.shape)}, the model {shape}")
+            if isinstance(v, ShardedTensor) and self._same_blocks(t, v):
+                local_blocks[t] = v.local_shards()[0].tensor if v.local_shards() else torch.empty(0, self._dim)
+                continue
             if isinstance(v, ShardedTensor):
-                shape = (self._num_embeddings[t], self._dim)
                 full = torch.zeros(shape, device=self._device) if self._rank == 0 else None
                 v.gather(dst=0, out=full)
                 full = full if full is not None else torch.empty(shape, device=self._device)
                 dist.broadcast(full, src=0, group=self._pg)
                 v = full
             tables[name] = v.detach().to(torch.float32)
-        self._load_full(tables)  # strict=False: the tables present are loaded, as nn.Module does
+        if tables:
+            self._load_full(tables)  # strict=False: the tables present are loaded, as nn.Module does
+        if local_blocks:  # each rank its own block, then every replica from the blocks' owners
+            with torch.no_grad():
+                for t, block in local_blocks.items():
+                    self._store.cold_block(t).copy_(block)
+            self.refresh_hot_from_blocks()
         from torch.nn.modules.module import _IncompatibleKeys
 
         return _IncompatibleKeys(missing, unexpected)
+
+    def _same_blocks(self, t: int, v: Any) -> bool:
+        """``v`` (a ShardedTensor of table t) is laid out as this module's blocks, rank for rank."""
+        metas = v.metadata().shards_metadata
+        if len(metas) != self._world:
+            return False
+        for o in range(self._world):
+            start, rows = self.layout.block_range(t, o)
+            m = [x for x in metas if x.placement is not None and x.placement.rank() == o]
+            if len(m) != 1 or list(m[0].shard_offsets[:1]) != [start] or list(m[0].shard_sizes[:1]) != [rows]:
+                return False
+        return True
 
     @property
     def unsharded_module_type(self) -> type:
