@@ -268,7 +268,7 @@ def _plain_steps(dmp: Any, optimizer: Any, it: Iterator[Any], n: int) -> List[fl
 
 
 def _behaviour(rank: int, world: int) -> Dict[str, Any]:
-    from herald_harness import MultiHotData, build, full_state, make_data, run_steps
+    from herald_harness import MultiHotData, build, full_state, gather_state, make_data, run_steps
     from torchrec_herald.pipeline import HeraldTrainPipeline
     from torchrec_herald.traffic import TrafficMeter
 
@@ -348,7 +348,8 @@ def _behaviour(rank: int, world: int) -> Dict[str, Any]:
     with TrafficMeter(embedding_dim=8) as meter:
         pipe.flush()
     out["second_flush_traffic"] = meter.summary()
-    out["raw_state_3"] = {k: v.detach().clone() for k, v in hs["dmp"].state_dict().items()}
+    # each rank's own view after a flush: the gathered state and its hot replicas
+    out["raw_state_3"] = dict(gather_state(hs["dmp"].state_dict()), hot=pipe.ebc.hot_values())
     out["herald_state_3"] = full_state(hs["dmp"])
     out["herald_losses"] += _drain(pipe, it)
     out["herald_state_12"] = full_state(hs["dmp"])
@@ -356,7 +357,7 @@ def _behaviour(rank: int, world: int) -> Dict[str, Any]:
     with TrafficMeter(embedding_dim=8) as meter:
         pipe.detach()
     out["second_detach_traffic"] = meter.summary()
-    out["raw_state_12"] = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    out["raw_state_12"] = dict(gather_state(model.state_dict()), hot=pipe.ebc.hot_values())
 
     # the checkpoint loads into stock TABLE_WISE: identical weights and logits
     sd = full_state(model)
@@ -478,10 +479,11 @@ def test_flush_mid_run_gives_stock_state_and_training_goes_on_exactly() -> None:
         assert len(r["herald_losses"]) == len(r["stock_losses"]) == 12
     h, s = _mean(res, "herald_losses"), _mean(res, "stock_losses")
     assert float(((h - s).abs() / s.abs()).max()) <= RTOL
-    # dmp.state_dict() after a flush: the same full tensors on every rank
+    # after a flush every rank holds the same model: the same state (sharded blocks gathered) and the
+    # same hot replicas
     for key in ("raw_state_3", "raw_state_12"):
         a, b = res[0][key], res[1][key]
-        assert set(a) == set(b) and sum(".embedding_bags." in k for k in a) == 26
+        assert set(a) == set(b) and sum(".embedding_bags." in k for k in a) == 26 and a["hot"].numel() > 0
         for k in a:
             assert torch.equal(a[k], b[k]), (key, k)
 

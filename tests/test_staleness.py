@@ -360,7 +360,7 @@ RUNS: Dict[str, Dict[str, Any]] = {
 
 
 def _one_run(rank: int, world: int, cfg: Dict[str, Any]) -> Dict[str, Any]:
-    from herald_harness import build, full_state, train
+    from herald_harness import build, full_state, gather_state, train
     from torchrec_herald.pipeline import HeraldTrainPipeline
     from torchrec_herald.traffic import TrafficMeter
 
@@ -390,7 +390,7 @@ def _one_run(rank: int, world: int, cfg: Dict[str, Any]) -> Dict[str, Any]:
             except StopIteration:
                 break
     state = full_state(dmp)
-    return {"losses": losses, "state": state, "raw_state": {k: v.detach().clone() for k, v in dmp.state_dict().items()},
+    return {"losses": losses, "state": state, "raw_state": dict(gather_state(dmp.state_dict()), hot=ebc.hot_values()),
             "initial": b["initial"], "tags": meter.tag_summary(), "stats": pipe.stats, "grad_sum": grad_sum,
             "tables": list(ebc.layout.tables), "offsets": ebc.layout.table_offsets.clone()}
 
@@ -443,7 +443,7 @@ def test_positive_staleness_is_bounded_finite_and_consistent(name: str, s: int) 
         assert (r[name]["stats"].stale_reads, r[name]["stats"].max_staleness) == (st.stale_reads, st.max_staleness)
         assert all(math.isfinite(x) and 0 < x < 10 for x in r[name]["losses"])
         assert all(bool(torch.isfinite(v).all()) for v in r[name]["state"].values())
-    # after the final flush every rank holds the same model (dmp.state_dict(): full tables, dense params)
+    # after the final flush every rank holds the same model (the gathered state, the hot replicas)
     a, b = res[0][name]["raw_state"], res[1][name]["raw_state"]
     assert set(a) == set(b) and sum(".embedding_bags." in k for k in a) == 26
     for k in a:

@@ -1,0 +1,148 @@
+"""Checkpoints through ``torch.distributed.checkpoint`` (torchrec_herald/checkpoint.py), 2 ranks:
+a herald checkpoint loads into stock ROW_WISE and TABLE_WISE DMPs and back with identical weights and
+row-wise Adagrad state (DCP reshards; no rank gathers a table); a checkpoint of other shapes is refused
+naming the table and both shapes; interrupted saves are skipped with a warning naming them."""
+
+from __future__ import annotations
+
+import functools
+import json
+import logging
+from pathlib import Path
+from typing import Any, Dict
+
+import pytest
+import torch
+
+from torchrec_herald.dist_utils import run_multiprocess
+
+CFG = dict(optimizer="rowwise_adagrad", via="apply", steps=4, sync="dense")
+
+
+def _momentum(dmp: Any) -> Dict[str, torch.Tensor]:
+    """Every table's row-wise Adagrad state as a full tensor on every rank, whatever the layout (stock
+    TABLE_WISE keeps a table's state on its one rank only): each rank fills in its local shards, then
+    one all-reduce (collective)."""
+    import torch.distributed as dist
+
+    st = dmp.fused_optimizer.state_dict()["state"]
+    local = {k: v for per in st.values() for k, v in per.items() if k.endswith("momentum1")}
+    sizes: list = [None] * dist.get_world_size()
+    dist.all_gather_object(sizes, {k: list(v.size()) for k, v in local.items()})
+    merged = {k: s for d in sizes for k, s in d.items()}
+    out = {}
+    for k in sorted(merged):
+        full = torch.zeros(merged[k])
+        for shard in (local[k].local_shards() if k in local else []):
+            off = shard.metadata.shard_offsets[0]
+            full[off: off + shard.tensor.shape[0]] = shard.tensor
+        dist.all_reduce(full)
+        out[k] = full
+    return out
+
+
+def _worker(rank: int, world: int, root: str) -> Dict[str, Any]:
+    from herald_harness import build, full_state, run_steps
+    from torchrec_herald.checkpoint import load_checkpoint, save_checkpoint
+
+    out: Dict[str, Any] = {}
+    h = build(world, dict(CFG, planner="herald"))
+    run_steps(h["dmp"], h["optimizer"], h["data"].train_batches(rank, world, h["batch_size"]))
+    ref_w, ref_m = full_state(h["dmp"]), _momentum(h["dmp"])
+    path = save_checkpoint(Path(root) / "h", 4, h["dmp"], h["optimizer"], {"note": "herald"})
+    for target in ("row_wise", "table_wise", "herald"):
+        t = build(world, dict(CFG, planner=target, hot_min_count=3) if target == "herald" else dict(CFG, planner=target))
+        state = load_checkpoint(path, t["dmp"], t["optimizer"])
+        out[f"{target}_state"] = state
+        w, m = full_state(t["dmp"]), _momentum(t["dmp"])
+        out[f"{target}_w"] = all(torch.equal(w[k], ref_w[k]) for k in ref_w)
+        out[f"{target}_m"] = sorted(m) == sorted(ref_m) and all(torch.equal(m[k], ref_m[k]) for k in ref_m)
+    # and back: stock TABLE_WISE trained -> DCP -> herald
+    tw = build(world, dict(CFG, planner="table_wise"))
+    run_steps(tw["dmp"], tw["optimizer"], tw["data"].train_batches(rank, world, tw["batch_size"]))
+    tw_path = save_checkpoint(Path(root) / "tw", 4, tw["dmp"], tw["optimizer"], {})
+    h2 = build(world, dict(CFG, planner="herald"))
+    load_checkpoint(tw_path, h2["dmp"], h2["optimizer"])
+    w, m, tw_w, tw_m = full_state(h2["dmp"]), _momentum(h2["dmp"]), full_state(tw["dmp"]), _momentum(tw["dmp"])
+    out["back_w"] = all(torch.equal(w[k], tw_w[k]) for k in tw_w)
+    out["back_m"] = all(torch.equal(m[k], tw_m[k]) for k in tw_m)
+    # hot replicas hold the loaded rows on every rank (they were refreshed from the blocks' owners)
+    ebc = [x for x in h2["dmp"].modules() if type(x).__name__ == "ShardedHeraldEmbeddingBagCollection"][0]
+    out["hot_values"] = ebc.hot_values()
+    # a model of other table sizes is refused, naming the table and both shapes
+    from herald_harness import make_data
+
+    small = make_data({"steps": 4})
+    small.num_embeddings = [n + 1 for n in small.num_embeddings]
+    other = build(world, dict(CFG, planner="herald"), data=small)
+    try:
+        load_checkpoint(path, other["dmp"], other["optimizer"])
+        out["mismatch"] = "no error"
+    except Exception as e:  # noqa: BLE001
+        out["mismatch"] = f"{type(e).__name__}: {e}"
+    out["path"] = str(path)
+    return out
+
+
+@functools.lru_cache(maxsize=None)
+def _results(root: str) -> tuple:
+    return tuple(run_multiprocess(_worker, 2, root, timeout_s=300))
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory: pytest.TempPathFactory) -> tuple:
+    return _results(str(tmp_path_factory.mktemp("dcp")))
+
+
+def test_herald_checkpoint_loads_into_stock_row_wise_table_wise_and_herald(results: tuple) -> None:
+    for r in results:
+        for target in ("row_wise", "table_wise", "herald"):
+            assert r[f"{target}_state"]["note"] == "herald" and r[f"{target}_state"]["step"] == 4
+            assert r[f"{target}_w"], target
+            assert r[f"{target}_m"], target
+
+
+def test_stock_table_wise_checkpoint_loads_into_herald(results: tuple) -> None:
+    for r in results:
+        assert r["back_w"] and r["back_m"]
+    assert torch.equal(results[0]["hot_values"], results[1]["hot_values"])
+
+
+def test_checkpoint_of_other_shapes_is_refused_naming_the_table(results: tuple) -> None:
+    msg = results[0]["mismatch"]
+    assert msg.startswith("CheckpointMismatchError: table 't_cat_0': the checkpoint "), msg
+    assert "holds shape (" in msg and "the model (" in msg
+
+
+def test_interrupted_saves_are_skipped_with_a_warning(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    from torchrec_herald.checkpoint import latest_checkpoint
+
+    def fake(name: str, metadata: bool, state: str = None) -> Path:
+        p = tmp_path / name
+        p.mkdir()
+        if metadata:
+            (p / ".metadata").write_bytes(b"")
+        if state is not None:
+            (p / "trainer_state.json").write_text(state)
+        return p
+
+    fake(".tmp-step_00000030", metadata=False)  # killed during dcp.save
+    fake("step_00000020", metadata=True, state='{"step": 2')  # truncated trainer state
+    fake("step_00000025", metadata=False, state='{"step": 25}')  # DCP never finished
+    with caplog.at_level(logging.WARNING, logger="torchrec_herald.checkpoint"):
+        assert latest_checkpoint(tmp_path) is None  # none usable here (empty .metadata is unreadable too)
+    msgs = [r.getMessage() for r in caplog.records]
+    assert any(".tmp-step_00000030: a save that did not finish" in m for m in msgs), msgs
+    assert any("step_00000025: no .metadata" in m for m in msgs), msgs
+    assert any("step_00000020: trainer_state.json is truncated" in m for m in msgs), msgs
+
+
+def test_a_kill_during_a_save_leaves_the_previous_checkpoint_loadable(results: tuple) -> None:
+    from torchrec_herald.checkpoint import latest_checkpoint
+
+    good = Path(results[0]["path"])
+    root = good.parent
+    (root / ".tmp-step_00000008").mkdir(exist_ok=True)  # the next save, killed before its rename
+    (root / ".tmp-step_00000008" / "__0_0.distcp").write_bytes(b"partial")
+    assert latest_checkpoint(root) == good
+    assert json.loads((good / "trainer_state.json").read_text())["step"] == 4

@@ -1,0 +1,164 @@
+"""Checkpoints the TorchRec / torchtitan way, so a run survives a lost rank: ``torch.distributed.checkpoint``
+(DCP) of the model's sharded state (herald's ROW_WISE-layout blocks, stock TorchRec's shards, the dense
+weights), the fused and dense optimizer state and the trainer's position. Every rank writes only its own
+shards, DCP reshards on load (herald ↔ stock ROW_WISE / TABLE_WISE), saves are atomic (a temporary
+directory renamed when complete) and a run resumes from the latest complete checkpoint.
+
+Layout: ``<dir>/step_00000100/`` (DCP's files + ``.metadata`` + ``trainer_state.json``); a save in
+progress is ``<dir>/.tmp-step_00000100/``.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import re
+import shutil
+from pathlib import Path
+from typing import Any, Dict, List, Optional
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["CheckpointMismatchError", "checkpoints", "latest_checkpoint", "load_checkpoint", "save_checkpoint"]
+
+TRAINER_STATE = "trainer_state.json"
+_STEP_DIR = re.compile(r"^step_(\d{8,})$")
+
+
+class CheckpointMismatchError(ValueError):
+    """A checkpoint's tables or shapes do not match the model it is loaded into."""
+
+
+def _state(dmp: torch.nn.Module, optimizer: Any) -> Dict[str, Any]:
+    return {"model": dmp.state_dict(), "optim": optimizer.state_dict()}
+
+
+def _rank() -> int:
+    return dist.get_rank() if dist.is_initialized() else 0
+
+
+def _barrier() -> None:
+    if dist.is_initialized():
+        dist.barrier()
+
+
+def save_checkpoint(directory: Path, step: int, dmp: torch.nn.Module, optimizer: Any, trainer_state: Dict[str, Any],
+                    keep: int = 2) -> Path:
+    """Save (collective) into ``directory/step_<step>``: DCP writes every rank's shards into a temporary
+    directory, rank 0 adds ``trainer_state.json`` and renames it; then only the ``keep`` newest remain.
+    A herald model must be flushed first (``HeraldTrainPipeline.flush``): its blocks then hold every
+    row's current value."""
+    directory = Path(directory)
+    final = directory / f"step_{step:08d}"
+    tmp = directory / f".tmp-step_{step:08d}"
+    if _rank() == 0:
+        directory.mkdir(parents=True, exist_ok=True)
+        shutil.rmtree(tmp, ignore_errors=True)  # a save of this step that was interrupted earlier
+        tmp.mkdir()
+    _barrier()
+    dcp.save(_state(dmp, optimizer), checkpoint_id=str(tmp))
+    if _rank() == 0:
+        with open(tmp / TRAINER_STATE, "w") as f:
+            json.dump(dict(trainer_state, step=step), f)
+            f.flush()
+            os.fsync(f.fileno())
+        shutil.rmtree(final, ignore_errors=True)
+        os.replace(tmp, final)  # atomic: a reader sees the whole checkpoint or none of it
+        for old in checkpoints(directory)[:-max(int(keep), 1)]:
+            shutil.rmtree(old, ignore_errors=True)
+        logger.info("saved checkpoint %s", final)
+    _barrier()
+    return final
+
+
+def checkpoints(directory: Path) -> List[Path]:
+    """The ``step_*`` directories under ``directory``, oldest first (complete or not)."""
+    directory = Path(directory)
+    if not directory.is_dir():
+        return []
+    found = [(int(m.group(1)), p) for p in directory.iterdir() if (m := _STEP_DIR.match(p.name)) and p.is_dir()]
+    return [p for _, p in sorted(found)]
+
+
+def _incomplete(path: Path) -> Optional[str]:
+    """Why ``path`` is not a usable checkpoint, or None."""
+    if not (path / ".metadata").is_file():
+        return "no .metadata (DCP did not finish writing it)"
+    try:
+        state = json.loads((path / TRAINER_STATE).read_text())
+    except FileNotFoundError:
+        return f"no {TRAINER_STATE}"
+    except json.JSONDecodeError as e:
+        return f"{TRAINER_STATE} is truncated ({e.msg})"
+    if "step" not in state:
+        return f"{TRAINER_STATE} has no step"
+    try:
+        dcp.FileSystemReader(str(path)).read_metadata()
+    except Exception as e:  # noqa: BLE001 - any unreadable metadata makes the checkpoint unusable
+        return f"unreadable .metadata ({type(e).__name__}: {e})"
+    return None
+
+
+def latest_checkpoint(directory: Path) -> Optional[Path]:
+    """The newest complete checkpoint under ``directory``; every newer incomplete one and every
+    interrupted save is skipped with a warning naming it."""
+    directory = Path(directory)
+    if directory.is_dir():
+        for tmp in sorted(p for p in directory.iterdir() if p.name.startswith(".tmp-step_")):
+            logger.warning("skipping %s: a save that did not finish", tmp)
+    for path in reversed(checkpoints(directory)):
+        why = _incomplete(path)
+        if why is None:
+            return path
+        logger.warning("skipping checkpoint %s: %s; using an older one", path, why)
+    return None
+
+
+def _check_shapes(path: Path, state: Dict[str, Any]) -> None:
+    """Every tensor of the model's state is in the checkpoint with the same shape, else an error naming
+    the table (or key) and both shapes."""
+    saved = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
+    for key, value in state["model"].items():
+        if not hasattr(value, "shape"):
+            continue
+        name = key.split("embedding_bags.")[-1].removesuffix(".weight") if "embedding_bags." in key else key
+        fqn = f"model.{key}"
+        meta = saved.get(fqn)
+        if meta is None:
+            raise CheckpointMismatchError(f"checkpoint {path} has no {'table' if name != key else 'tensor'} "
+                                          f"{name!r} (model key {key})")
+        size = getattr(meta, "size", None)
+        if size is not None and tuple(size) != tuple(value.shape):
+            raise CheckpointMismatchError(f"{'table' if name != key else 'tensor'} {name!r}: the checkpoint {path} "
+                                          f"holds shape {tuple(size)}, the model {tuple(value.shape)}")
+
+
+def load_checkpoint(path: Path, dmp: torch.nn.Module, optimizer: Any) -> Dict[str, Any]:
+    """Load (collective) the checkpoint at ``path`` into ``dmp`` and ``optimizer`` (DCP reshards: a herald
+    checkpoint loads into stock ROW_WISE / TABLE_WISE models and back); returns its trainer state."""
+    path = Path(path)
+    why = _incomplete(path)
+    if why is not None:
+        raise FileNotFoundError(f"checkpoint {path} is not usable: {why}")
+    state = _state(dmp, optimizer)
+    _check_shapes(path, state)
+    dcp.load(state, checkpoint_id=str(path))
+    dmp.load_state_dict(dict(state["model"]))  # in place already; this lets herald refresh its hot replicas
+    optimizer.load_state_dict(state["optim"])
+    trainer_state = json.loads((path / TRAINER_STATE).read_text())
+    logger.info("resumed from checkpoint %s (step %d)", path, trainer_state["step"])
+    return trainer_state
+
+
+def rng_state() -> Dict[str, Any]:
+    """Torch's CPU generator state, JSON-able (the trainer state records it)."""
+    return {"torch": torch.get_rng_state().tolist()}
+
+
+def set_rng_state(state: Dict[str, Any]) -> None:
+    torch.set_rng_state(torch.tensor(state["torch"], dtype=torch.uint8))
