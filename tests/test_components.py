@@ -14,7 +14,7 @@ import sys
 import time
 import uuid
 from pathlib import Path
-from typing import List, Tuple
+from typing import Any, Dict, List, Optional, Tuple
 
 import pytest
 import torchx.specs as specs
@@ -222,13 +222,15 @@ def test_multi_node_command_as_bash_runs_it(tmp_path: Path, rank0_host) -> None:
 # --------------------------------------------------------------------------- end to end (slow)
 
 
-def _launch(run_id: str, *overrides: str, timeout: float) -> Tuple[subprocess.CompletedProcess, float]:
+def _launch(run_id: str, *overrides: str, timeout: float, max_restarts: int = 0,
+            env_extra: Optional[Dict[str, str]] = None) -> Tuple[subprocess.CompletedProcess, float]:
     assert TORCHX.exists(), TORCHX
     cmd: List[str] = [
         str(TORCHX), "run", "--log", "-s", "local_cwd", COMPONENT,
-        "--nproc_per_node", "2", "--run_id", run_id, *overrides,
+        "--nproc_per_node", "2", "--max_restarts", str(max_restarts), "--run_id", run_id, *overrides,
     ]
     env = {k: v for k, v in os.environ.items() if k not in ("HERALD_RUN_ID", "RANK", "WORLD_SIZE")}
+    env.update(env_extra or {})
     t0 = time.monotonic()
     # local_cwd runs the job in the cwd: it must be the repo root
     proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
@@ -340,6 +342,58 @@ def test_e2e_compare_with_leaves_a_comparison_report(run_id: str) -> None:
     assert (run_dir / "comparison.md").read_text().startswith("| metric | table_wise (baseline) | herald + scheduling |")
     assert (run_dir / "comparison.png").stat().st_size > 20_000
     assert (run_dir / "training.png").stat().st_size > 0 and (run_dir / "baseline_table_wise" / "training.png").exists()
+
+
+def _final_weights(run_dir: Path, step: int) -> Dict[str, Any]:
+    """The model of a run's checkpoint at ``step`` as full tensors (DCP's own converter)."""
+    import torch
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    out = run_dir / f"final_{step}.pt"
+    dcp_to_torch_save(str(run_dir / "checkpoints" / f"step_{step:08d}"), str(out))
+    return torch.load(out, weights_only=False)["model"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("config", [
+    ["planner=herald", "pipeline=herald", "optimizer=sgd"],
+    ["planner=table_wise", "optimizer=sgd"],
+    ["planner=herald", "pipeline=herald", "optimizer=rowwise_adagrad"],
+])
+def test_e2e_a_killed_rank_resumes_and_trains_as_if_never_stopped(config: List[str]) -> None:
+    """2 ranks, checkpoints every 5 steps; rank 1 is SIGKILLed after step 12; torchx restarts the job
+    (``--max_restarts 1``), which resumes from step 10 and finishes: its per-step losses and final weights
+    equal an uninterrupted run of the same config, bit for bit."""
+    import torch
+
+    common = config + ["data.num_train_batches=20", "data.num_eval_batches=2", "batch_size=64",
+                       "checkpoint.every_n_steps=5"]
+    runs = {}
+    for kind, env, restarts in (("whole", {}, 0),
+                                ("killed", {"HERALD_FAULT_KILL_AT_STEP": "12", "HERALD_FAULT_KILL_RANK": "1"}, 1)):
+        rid = f"pytest-{uuid.uuid4().hex[:12]}"
+        try:
+            proc, _ = _launch(rid, *common, timeout=240, max_restarts=restarts, env_extra=env)
+            out = _combined(proc)
+            assert proc.returncode == 0, out[-6000:]
+            run_dir = REPO / "outputs" / rid
+            runs[kind] = (json.loads((run_dir / "losses.json").read_text()), _final_weights(run_dir, 20), out)
+        finally:
+            shutil.rmtree(REPO / "outputs" / rid, ignore_errors=True)
+    (l1, w1, _), (l2, w2, out2) = runs["whole"], runs["killed"]
+    # the first attempt died (rank 1 killed after step 12), the second resumed from the step-10 checkpoint
+    assert "resuming from checkpoint" in out2 and "step_00000010: step 10 (epoch 0, batch 10 of it)" in out2, \
+        out2[-3000:]
+    assert "resuming from checkpoint" not in runs["whole"][2]
+    assert len(l1) == len(l2) == 20 and l1 == l2
+    assert set(w1) == set(w2) and all(torch.equal(w1[k], w2[k]) for k in w1)
+
+
+def test_max_restarts_reaches_torchrun() -> None:
+    role = train("planner=herald", max_restarts=3).roles[0]
+    assert role.args[role.args.index("--max_restarts") + 1] == "3"
+    with pytest.raises(ValueError, match="max_restarts must be >= 0, got -1"):
+        train(max_restarts=-1)
 
 
 @pytest.mark.slow

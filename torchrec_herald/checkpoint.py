@@ -35,7 +35,24 @@ class CheckpointMismatchError(ValueError):
 
 
 def _state(dmp: torch.nn.Module, optimizer: Any) -> Dict[str, Any]:
-    return {"model": dmp.state_dict(), "optim": optimizer.state_dict()}
+    return _pruned({"model": dmp.state_dict(), "optim": optimizer.state_dict()})
+
+
+def _pruned(d: Any) -> Any:
+    """``d`` without empty dicts, recursively (SGD's per-parameter state is ``{}``: DCP cannot save a
+    key with nothing under it, and ranks of a TABLE_WISE plan would disagree on it); new dicts, the
+    same leaves."""
+    if not isinstance(d, dict):
+        return d
+    out = {k: _pruned(v) for k, v in d.items()}
+    return {k: v for k, v in out.items() if not (isinstance(v, dict) and not v)}
+
+
+def _merged(into: Any, loaded: Any) -> Any:
+    """``into`` with the leaves of ``loaded`` (its pruned copy after loading) put back."""
+    if not isinstance(into, dict) or not isinstance(loaded, dict):
+        return loaded
+    return {k: _merged(v, loaded[k]) if k in loaded else v for k, v in into.items()}
 
 
 def _rank() -> int:
@@ -149,7 +166,7 @@ def load_checkpoint(path: Path, dmp: torch.nn.Module, optimizer: Any) -> Dict[st
     _check_shapes(path, state)
     dcp.load(state, checkpoint_id=str(path))
     dmp.load_state_dict(dict(state["model"]))  # in place already; this lets herald refresh its hot replicas
-    optimizer.load_state_dict(state["optim"])
+    optimizer.load_state_dict(_merged(optimizer.state_dict(), state.get("optim", {})))
     trainer_state = json.loads((path / TRAINER_STATE).read_text())
     logger.info("resumed from checkpoint %s (step %d)", path, trainer_state["step"])
     return trainer_state

@@ -29,6 +29,7 @@ def train(
     rdzv_port: int = 29500,
     run_id: str = macros.app_id,
     env: Optional[Dict[str, str]] = None,
+    max_restarts: int = 0,
 ) -> specs.AppDef:
     """DLRM training with torchrec_herald on ``nnodes`` × ``nproc_per_node`` ranks.
 
@@ -45,14 +46,18 @@ def train(
         rdzv_port: c10d rendezvous port on rank 0's host (multi-node only; single node picks a free one).
         run_id: run-dir name shared by all ranks (``outputs/<run_id>``); default: the torchx app id.
         env: extra environment variables.
+        max_restarts: times torchrun restarts every rank after one fails (0: the job ends); with
+            ``checkpoint.every_n_steps`` a restarted job resumes from its latest complete checkpoint.
     """
+    if max_restarts < 0:
+        raise ValueError(f"max_restarts must be >= 0, got {max_restarts}")
     if nproc_per_node < 1 or nnodes < 1:
         raise ValueError(f"nproc_per_node and nnodes must be >= 1, got {nproc_per_node}, {nnodes}")
     launcher: List[str] = [
         python, "-m", "torch.distributed.run",
         "--nnodes", str(nnodes),
         "--nproc_per_node", str(nproc_per_node),
-        "--max_restarts", "0",
+        "--max_restarts", str(max_restarts),
         "--monitor_interval", "1",
         "--rdzv_backend", "c10d",
         "--rdzv_id", macros.app_id,

@@ -35,7 +35,14 @@ def init_distributed(timeout_s: int = 600) -> tuple[int, int, torch.device]:
             os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
             os.environ.setdefault("MASTER_PORT", str(free_port()))
             os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
-        dist.init_process_group(backend=default_backend(), timeout=datetime.timedelta(seconds=timeout_s))
+        timeout = datetime.timedelta(seconds=timeout_s)
+        attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT")
+        if attempt is not None and attempt != "0":
+            dist.init_process_group(backend=default_backend(), store=_attempt_store(int(attempt), timeout),
+                                    rank=int(os.environ["RANK"]), world_size=int(os.environ["WORLD_SIZE"]),
+                                    timeout=timeout)
+        else:
+            dist.init_process_group(backend=default_backend(), timeout=timeout)
     rank, world = dist.get_rank(), dist.get_world_size()
     if torch.cuda.is_available():
         local = int(os.environ.get("LOCAL_RANK", "0"))
@@ -44,6 +51,18 @@ def init_distributed(timeout_s: int = 600) -> tuple[int, int, torch.device]:
     else:
         device = torch.device("cpu")
     return rank, world, device
+
+
+def _attempt_store(attempt: int, timeout: datetime.timedelta) -> dist.Store:
+    """The rendezvous store of a restarted torchrun attempt, under a prefix of its own: torchrun reuses
+    its agent's store across restarts, and gloo would otherwise read the dead attempt's rank addresses
+    and fail to connect (written by hand: ``init_process_group``'s env:// store has no per-attempt
+    prefix when the agent hosts it)."""
+    use_agent = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+    rank = int(os.environ["RANK"])
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), int(os.environ["WORLD_SIZE"]),
+                          is_master=not use_agent and rank == 0, timeout=timeout, multi_tenant=True)
+    return dist.PrefixStore(f"torchrec_herald/attempt_{attempt}", store)
 
 
 def free_port() -> int:

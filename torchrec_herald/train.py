@@ -31,6 +31,10 @@ logger = logging.getLogger(__name__)
 def one_line(e: BaseException) -> str:
     """``"<Type>: <message>"`` on one line, with the first line of its cause when that adds something
     (Hydra's "Could not override 'foo'" is caused by "Key 'foo' is not in struct")."""
+    failures = getattr(e, "failures", None)  # DCP's CheckpointException: {rank: the exception there}
+    if isinstance(failures, dict) and failures:
+        rank, first = sorted(failures.items())[0]
+        e = first if isinstance(first, BaseException) else e
     line = " ".join(f"{type(e).__name__}: {e}".split())
     cause = e.__cause__
     if cause is not None and str(cause).strip():
@@ -84,8 +88,10 @@ def _hydra_main(cfg: DictConfig) -> None:
     log_file = run_dir / "logs" / f"rank{os.environ.get('RANK', '0')}.log"
     try:
         _run(cfg, run_dir)
-    except Exception as e:  # noqa: BLE001 - one readable line for whatever went wrong
-        fail(e, log_file)
+    except (SystemExit, KeyboardInterrupt):
+        raise
+    except BaseException as e:  # noqa: BLE001 - one readable line for whatever went wrong (DCP's errors are
+        fail(e, log_file)       # BaseExceptions)
 
 
 def _run(cfg: DictConfig, run_dir: Path) -> None:

@@ -7,9 +7,12 @@ unsharded model loaded into DMP), which makes stock and herald runs comparable s
 
 from __future__ import annotations
 
+import itertools
 import json
 import logging
 import math
+import os
+import signal
 import sys
 import time
 from collections import Counter
@@ -203,6 +206,15 @@ def preflight(cfg: DictConfig) -> DataSource:
     if int(m.embedding_dim) < 1 or list(m.dense_arch)[-1] != m.embedding_dim:
         raise ValueError(f"model.dense_arch must end with model.embedding_dim={m.embedding_dim}, "
                          f"got {list(m.dense_arch)}")
+    c = cfg.get("checkpoint") or {}
+    if c.get("every_n_steps") is not None:
+        if int(c.every_n_steps) < 1:
+            raise ValueError(f"checkpoint.every_n_steps must be >= 1 (or null: no checkpoints), got {c.every_n_steps}")
+        if is_approximate(cfg):
+            raise ValueError("checkpoint.every_n_steps with pipeline.staleness / pipeline.skip is not supported "
+                             "(their state is not checkpointed); use the exact herald pipeline")
+    if c.get("keep") is not None and int(c.keep) < 1:
+        raise ValueError(f"checkpoint.keep must be >= 1, got {c.keep}")
     data = build_data_source(cfg.data)
     data.check()
     return data
@@ -316,6 +328,70 @@ def exact_reference_config(cfg: DictConfig) -> DictConfig:
     return ref
 
 
+class Checkpointing:
+    """The trainer's checkpoints (``checkpoint.*``): every ``every_n_steps`` steps a DCP save of the model,
+    the optimizers and the position (epoch, batch, every rank's losses, RNG, herald's pipeline counters);
+    at start, a resume from the latest complete one. A herald pipeline flushes and restarts its window
+    at a save, in an uninterrupted run as in a resumed one, so both train the same batches the same way."""
+
+    def __init__(self, cfg: DictConfig, run_dir: Path, dmp: nn.Module, optimizer: Any, pipeline: Any) -> None:
+        c = cfg.get("checkpoint") or {}
+        self.every = c.get("every_n_steps")
+        self.keep = int(c.get("keep") if c.get("keep") is not None else 2)
+        self.dir = Path(c.get("dir") or Path(run_dir) / "checkpoints")
+        self.dmp, self.optimizer, self.pipeline = dmp, optimizer, pipeline
+
+    def due(self, step: int) -> bool:
+        return bool(self.every) and step % int(self.every) == 0
+
+    def resume(self) -> Optional[Dict[str, Any]]:
+        """Load the latest complete checkpoint (collective; rank 0 picks it), if checkpointing is on."""
+        from torchrec_herald.checkpoint import latest_checkpoint, load_checkpoint, set_rng_state
+
+        if not self.every:
+            return None
+        choice: List[Any] = [str(latest_checkpoint(self.dir) or "") if dist.get_rank() == 0 else None]
+        dist.broadcast_object_list(choice, src=0)
+        if not choice[0]:
+            return None
+        state = load_checkpoint(Path(choice[0]), self.dmp, self.optimizer)
+        set_rng_state(state["rng"])
+        if isinstance(self.pipeline, HeraldTrainPipeline):
+            self.pipeline.load_state_dict(state["pipeline"])
+        logger.info("resuming from checkpoint %s: step %d (epoch %d, batch %d of it)", choice[0], state["step"],
+                    state["epoch"], state["batch_in_epoch"])
+        return state
+
+    def save(self, step: int, epoch: int, batch_in_epoch: int, losses: List[float], it: Iterator[Any],
+             restart: Any) -> Iterator[Any]:
+        """Save (collective); returns the iterator to go on with (a herald pipeline's window restarts at
+        the data position, from ``restart()``)."""
+        from torchrec_herald.checkpoint import rng_state, save_checkpoint
+
+        herald = isinstance(self.pipeline, HeraldTrainPipeline)
+        if herald:
+            self.pipeline.reset_window()
+            it = restart()
+        by_rank: List[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(by_rank, losses)
+        state = {"epoch": epoch, "batch_in_epoch": batch_in_epoch, "losses_by_rank": by_rank, "rng": rng_state(),
+                 "pipeline": self.pipeline.state_dict() if herald else None}
+        save_checkpoint(self.dir, step, self.dmp, self.optimizer, state, self.keep)
+        return it
+
+
+def fault_injection(step: int, rank: int) -> None:
+    """Test hook: SIGKILL this rank after ``step`` when ``HERALD_FAULT_KILL_AT_STEP`` / ``_RANK`` say so,
+    on a job's first attempt only (``TORCHELASTIC_RESTART_COUNT`` 0), as a lost machine would end it."""
+    at = os.environ.get("HERALD_FAULT_KILL_AT_STEP")
+    if at is None or os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") != "0":
+        return
+    if step == int(at) and rank == int(os.environ.get("HERALD_FAULT_KILL_RANK", "0")):
+        logger.warning("fault injection: SIGKILL rank %d after step %d", rank, step)
+        logging.shutdown()
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
 def run_training(cfg: DictConfig, run_dir: Path, show_progress: bool = True) -> Dict[str, Any]:
     """Train on every rank of the (already or newly) initialised process group; rank 0 writes
     ``run_dir/metrics.json`` and a plot. Returns the metrics dict (same on every rank).
@@ -338,13 +414,20 @@ def run_training(cfg: DictConfig, run_dir: Path, show_progress: bool = True) -> 
 
     losses: List[float] = []
     step_times: List[float] = []
+    ckpt = Checkpointing(cfg, run_dir, dmp, optimizer, pipeline)
+    start_epoch, start_batch = 0, 0
+    resumed = ckpt.resume()
+    if resumed is not None:
+        losses = list(resumed["losses_by_rank"][rank])
+        start_epoch, start_batch = int(resumed["epoch"]), int(resumed["batch_in_epoch"])
     total_batches = getattr(data, "num_train_batches", None)
     bar = tqdm(total=(total_batches * cfg.epochs if total_batches else None), desc="train", unit="step",
-               disable=not (show_progress and rank == 0), dynamic_ncols=True, file=sys.stderr)
+               disable=not (show_progress and rank == 0), dynamic_ncols=True, file=sys.stderr, initial=len(losses))
     meter = TrafficMeter(embedding_dim=cfg.model.embedding_dim)
     train_start = time.perf_counter()
-    for epoch in range(cfg.epochs):
-        it = data.train_batches(rank, world, cfg.batch_size)
+    for epoch in range(start_epoch, cfg.epochs):
+        batch_in_epoch = start_batch if epoch == start_epoch else 0
+        it = itertools.islice(data.train_batches(rank, world, cfg.batch_size), batch_in_epoch, None)
         while True:
             t0 = time.perf_counter()
             try:
@@ -357,6 +440,12 @@ def run_training(cfg: DictConfig, run_dir: Path, show_progress: bool = True) -> 
             if not math.isfinite(loss):
                 raise FloatingPointError(f"loss became {loss} at step {len(losses)} (epoch {epoch})")
             losses.append(loss)
+            batch_in_epoch += 1
+            if ckpt.due(len(losses)):
+                it = ckpt.save(len(losses), epoch, batch_in_epoch, losses, it,
+                               lambda: itertools.islice(data.train_batches(rank, world, cfg.batch_size),
+                                                        batch_in_epoch, None))
+            fault_injection(len(losses), rank)
             bar.update(1)
             if len(losses) % cfg.log_every == 0:
                 bar.set_postfix(loss=f"{sum(losses[-cfg.log_every:]) / cfg.log_every:.4f}")

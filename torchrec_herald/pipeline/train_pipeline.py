@@ -182,6 +182,7 @@ class HeraldTrainPipeline(TrainPipeline[Batch, Any]):
         self._flushed = True
         self._alloc_step = 0
         self._batch_index = 0
+        self._refill = False  # the window restarts mid-data (a checkpoint): running dry is not an error
         self.stats = SchedulerStats()
 
     @property
@@ -197,7 +198,7 @@ class HeraldTrainPipeline(TrainPipeline[Batch, Any]):
                 raw = next(it)
             except StopIteration:
                 self._exhausted = True
-                if not self._started:
+                if not self._started and not self._refill:
                     raise ValueError(f"pipeline.window={self.window} is larger than the {len(self._queue)} "
                                      f"batch(es) the data loader has left; lower pipeline.window") from None
                 break
@@ -215,6 +216,7 @@ class HeraldTrainPipeline(TrainPipeline[Batch, Any]):
             self._queue.append(ctx)
             self.stats.scheduler_s += time.perf_counter() - t0
         self._started = True
+        self._refill = False
 
     def window_batches(self) -> List[Batch]:
         """This rank's batches in the window (after allocation), oldest first."""
@@ -395,6 +397,34 @@ class HeraldTrainPipeline(TrainPipeline[Batch, Any]):
             self.ebc.finish_plan_step()
         self._optimizer.step()
         return output
+
+    # ------------------------------------------------------------------ checkpoints
+    def reset_window(self) -> None:
+        """Flush (collective) and forget the window: the next :meth:`progress` refills it from the
+        iterator it is given (a checkpoint's data position); the next batch is allocated as the
+        ``stats.steps``-th. A run resumed from a checkpoint taken here trains like one never stopped."""
+        self.flush()
+        self._queue.clear()
+        self._exhausted = self._started = False
+        self._refill = True
+        self._alloc_step = self.stats.steps
+
+    def state_dict(self) -> Dict[str, Any]:
+        """What a checkpoint keeps of the pipeline (JSON-able): its counters; take it after
+        :meth:`reset_window`."""
+        if self._queue:
+            raise RuntimeError("HeraldTrainPipeline.state_dict with batches in the window: call reset_window first")
+        from dataclasses import asdict
+
+        return {"stats": asdict(self.stats), "alloc_step": self._alloc_step}
+
+    def load_state_dict(self, state: Dict[str, Any]) -> None:
+        """Restore :meth:`state_dict`'s counters (the planner starts from the flushed layout, as saved)."""
+        stats = dict(state["stats"])
+        stats["counters"] = SyncCounters(**stats["counters"])
+        self.stats = SchedulerStats(**stats)
+        self._alloc_step = int(state["alloc_step"])
+        self._refill = True
 
     # ------------------------------------------------------------------ end of training
     def flush(self) -> None:
