@@ -45,6 +45,10 @@ def _error(overrides: List[str]) -> str:
     (["pipeline.name=bogus"], "ValueError: unknown pipeline.name 'bogus'"),
     (["model.embedding_dim=8"], "ValueError: model.dense_arch must end with model.embedding_dim=8, got [64, 16]"),
     (["model.pooling=MAX"], "ValueError: model.pooling must be SUM or MEAN, got 'MAX'"),
+    (["checkpoint.every_n_steps=0"], "ValueError: checkpoint.every_n_steps must be >= 1 (or null: no checkpoints), got 0"),
+    (["checkpoint.keep=0"], "ValueError: checkpoint.keep must be >= 1, got 0"),
+    (["planner=herald", "pipeline=herald", "pipeline.staleness=1", "checkpoint.every_n_steps=10"],
+     "ValueError: checkpoint.every_n_steps with pipeline.staleness / pipeline.skip is not supported"),
 ])
 def test_bad_setting_fails_in_preflight_naming_its_key(overrides: List[str], message: str) -> None:
     assert _error(overrides).startswith(message), _error(overrides)
