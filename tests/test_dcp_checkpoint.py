@@ -81,6 +81,11 @@ def _worker(rank: int, world: int, root: str) -> Dict[str, Any]:
     except Exception as e:  # noqa: BLE001
         out["mismatch"] = f"{type(e).__name__}: {e}"
     out["path"] = str(path)
+    # keep=1: a newer save removes the older ones
+    h_keep = build(world, dict(CFG, planner="herald"))
+    for step in (2, 3):
+        save_checkpoint(Path(root) / "keep", step, h_keep["dmp"], h_keep["optimizer"], {}, keep=1)
+    out["kept"] = sorted(p.name for p in (Path(root) / "keep").iterdir())
     return out
 
 
@@ -112,6 +117,10 @@ def test_checkpoint_of_other_shapes_is_refused_naming_the_table(results: tuple) 
     msg = results[0]["mismatch"]
     assert msg.startswith("CheckpointMismatchError: table 't_cat_0': the checkpoint "), msg
     assert "holds shape (" in msg and "the model (" in msg
+
+
+def test_only_the_newest_keep_checkpoints_remain(results: tuple) -> None:
+    assert results[0]["kept"] == ["step_00000003"]
 
 
 def test_interrupted_saves_are_skipped_with_a_warning(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
