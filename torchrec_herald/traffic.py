@@ -36,6 +36,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import threading
+import time
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence
 
@@ -173,6 +174,7 @@ class TrafficMeter:
         self._by_kind: Dict[str, CollectiveStats] = {}
         self._by_tag: Dict[str, CollectiveStats] = {}
         self._tags: List[tuple[str, Optional[int]]] = []
+        self.wait_s = 0.0  # wall time blocked in collectives (sync calls + waits of async ones), all threads
 
     # ------------------------------------------------------------------ activation
     def __enter__(self) -> "TrafficMeter":
@@ -229,6 +231,12 @@ class TrafficMeter:
     def reset(self) -> None:
         self._by_kind.clear()
         self._by_tag.clear()
+        self.wait_s = 0.0
+
+    @classmethod
+    def _add_wait(cls, seconds: float) -> None:
+        for meter in list(cls._active):
+            meter.wait_s += seconds
 
     # ------------------------------------------------------------------ patching
     @classmethod
@@ -256,15 +264,39 @@ class TrafficMeter:
                 for meter in list(cls._active):
                     meter._record(name, nbytes, payload)
             cls._local.depth = depth + 1
+            t0 = time.perf_counter()
             try:
-                return orig(*args, **kwargs)
+                work = orig(*args, **kwargs)
             finally:
                 cls._local.depth = depth
+                if depth == 0:
+                    cls._add_wait(time.perf_counter() - t0)
+            if depth == 0 and work is not None and kwargs.get("async_op", False):
+                return _TimedWork(work, cls)  # the exposed part of an async collective is its wait()
+            return work
 
         wrapper.__name__ = name
         wrapper.__wrapped__ = orig  # type: ignore[attr-defined]
         wrapper._herald_meter = True  # type: ignore[attr-defined]
         return wrapper
+
+
+class _TimedWork:
+    """An async collective's ``Work`` whose ``wait()`` time counts as communication wait (the
+    time a collective overlapped with other work is not waited for, so it is not exposed)."""
+
+    def __init__(self, work: Any, meter_cls: Any) -> None:
+        self._work, self._meter_cls = work, meter_cls
+
+    def wait(self, *args: Any, **kwargs: Any) -> Any:
+        t0 = time.perf_counter()
+        try:
+            return self._work.wait(*args, **kwargs)
+        finally:
+            self._meter_cls._add_wait(time.perf_counter() - t0)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._work, name)
 
 
 def reduce_summaries(summary: Dict[str, Dict[str, float]], group: Optional[dist.ProcessGroup] = None

@@ -155,6 +155,15 @@ def build_pipeline(cfg: DictConfig, dmp: nn.Module, optimizer: Any, device: torc
     return PIPELINES[name](dmp, optimizer, device)
 
 
+def train_stream(data: DataSource, pipeline: Any, rank: int, world: int, batch_size: int) -> Iterator[Any]:
+    """The train batches ``pipeline`` consumes: whole global batches for a herald pipeline with
+    ``global_batches`` (every rank reads them, the source is deterministic and seekable), else this
+    rank's slice of each."""
+    if isinstance(pipeline, HeraldTrainPipeline) and pipeline.global_batches:
+        return data.train_batches(0, 1, world * batch_size)
+    return data.train_batches(rank, world, batch_size)
+
+
 def herald_pipeline_config(cfg: DictConfig) -> HeraldPipelineConfig:
     """The ``pipeline=herald`` group as a validated :class:`HeraldPipelineConfig` (the first skip measuring
     window must end inside the run)."""
@@ -427,9 +436,11 @@ def run_training(cfg: DictConfig, run_dir: Path, show_progress: bool = True) -> 
     train_start = time.perf_counter()
     for epoch in range(start_epoch, cfg.epochs):
         batch_in_epoch = start_batch if epoch == start_epoch else 0
-        it = itertools.islice(data.train_batches(rank, world, cfg.batch_size), batch_in_epoch, None)
+        it = itertools.islice(train_stream(data, pipeline, rank, world, cfg.batch_size), batch_in_epoch, None)
         while True:
             t0 = time.perf_counter()
+            if isinstance(pipeline, HeraldTrainPipeline):  # a checkpoint after this step restarts its window
+                pipeline.reset_after_step = ckpt.due(len(losses) + 1)
             try:
                 with meter:
                     out = pipeline.progress(it)
@@ -443,7 +454,7 @@ def run_training(cfg: DictConfig, run_dir: Path, show_progress: bool = True) -> 
             batch_in_epoch += 1
             if ckpt.due(len(losses)):
                 it = ckpt.save(len(losses), epoch, batch_in_epoch, losses, it,
-                               lambda: itertools.islice(data.train_batches(rank, world, cfg.batch_size),
+                               lambda: itertools.islice(train_stream(data, pipeline, rank, world, cfg.batch_size),
                                                         batch_in_epoch, None))
             fault_injection(len(losses), rank)
             bar.update(1)

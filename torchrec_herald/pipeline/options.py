@@ -35,6 +35,11 @@ class HeraldPipelineConfig:
         move_penalty: local lookups a sample move must gain (``greedy_assign``'s ``move_penalty``), >= 0.
         staleness: ``None``: the exact plan; an integer ``s >= 0``: HET's bounded staleness (``sync=lazy``).
         skip: ``None`` or a :class:`~torchrec_herald.pipeline.stale_skip.SkipConfig` (Slipstream).
+        global_batches: the data loader yields whole global batches (``W·B`` samples, from a seekable
+            source): each rank schedules every batch alone (DESIGN §3: no collective agrees on the
+            allocation or the plan, no sample bytes move) and trains the samples assigned to it.
+        run_ahead: (with ``global_batches``) a background thread schedules the next batch entering the
+            window (read, keys, allocation, reads) while the current step trains.
     """
 
     window: int = 5
@@ -45,6 +50,8 @@ class HeraldPipelineConfig:
     move_penalty: int = 0
     staleness: Optional[int] = None
     skip: Optional[SkipConfig] = None
+    global_batches: bool = False
+    run_ahead: bool = False
 
     def __post_init__(self) -> None:
         if int(self.window) < 1:
@@ -67,6 +74,12 @@ class HeraldPipelineConfig:
                 raise ValueError(f"pipeline.staleness must be null (exact) or an integer >= 0, got {s}")
             if self.sync != "lazy":
                 raise ValueError("pipeline.staleness needs pipeline.sync=lazy (it relaxes the caches' plan)")
+        if self.global_batches and self.skip is not None:
+            raise ValueError("pipeline.global_batches needs pipeline.skip=null: stale-update skipping filters "
+                             "each rank's batch by its own training state (set pipeline.global_batches=false)")
+        if self.run_ahead and not self.global_batches:
+            raise ValueError("pipeline.run_ahead needs pipeline.global_batches=true (the per-rank path's "
+                             "scheduling collectives must stay in step with training's)")
         object.__setattr__(self, "window", int(self.window))
         object.__setattr__(self, "cache_fraction", float(self.cache_fraction))
         object.__setattr__(self, "move_penalty", int(self.move_penalty))
@@ -86,6 +99,9 @@ class HeraldPipelineConfig:
             skip = SkipConfig(granularity=p.skip, target=p.skip_target, tolerance=p.skip_tolerance,
                               start=p.skip_start, gap=p.skip_gap, every=p.skip_every, t_max=p.skip_t_max)
             skip.check_run_length(total_steps)
+        # stale-update skipping schedules per rank (its filter reads the rank's own training state)
+        global_batches = bool(p.get("global_batches", False)) and skip is None
         return cls(window=p.window, allocator=p.allocator, sync=p.sync, cache=p.cache,
                    cache_fraction=p.cache_fraction, move_penalty=p.move_penalty, staleness=p.get("staleness"),
-                   skip=skip)
+                   skip=skip, global_batches=global_batches,
+                   run_ahead=bool(p.get("run_ahead", False)) and global_batches)

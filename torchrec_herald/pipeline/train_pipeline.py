@@ -19,6 +19,7 @@ from __future__ import annotations
 import logging
 import time
 from collections import deque
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Deque, Dict, Iterator, List, Optional, Tuple
 
@@ -55,6 +56,8 @@ class HeraldBatchContext(TrainPipelineContext):
     moved: int = 0  # samples of the global batch the allocator moved
     bad: Tuple[int, int, int] = (0, 0, 0)  # (1, feature, id) of this rank's first id outside its table
     sample_of_key: Optional[torch.Tensor] = None  # sample of each key, before allocation
+    rank_of: Optional[torch.Tensor] = None  # global batches: the rank each sample was assigned to
+    plan: Any = None  # run-ahead: this batch's plan, made while the previous step trained
 
 
 @dataclass
@@ -71,7 +74,10 @@ class SchedulerStats:
     candidate_updates: int = 0  # the same, all of them (while a classification was active or not)
     stale_reads: int = 0  # bounded staleness: reads served by a copy 1..s versions behind
     max_staleness: int = 0  # the largest lag served
-    scheduler_s: float = 0.0  # allocation + sample/reads exchange + planning, incl. their collectives
+    scheduler_s: float = 0.0  # on the critical path: allocation + sample/reads exchange + planning, incl. their
+    # collectives, and waiting for the run-ahead thread
+    ahead_s: float = 0.0  # run-ahead thread: scheduling done while steps trained (off the critical path)
+    wait_ahead_s: float = 0.0  # of scheduler_s: the step waiting for the run-ahead thread
     comm_s: float = 0.0  # of which inside the scheduler's collectives (transfer + waiting for other ranks)
     planner_s: float = 0.0  # of which planning
 
@@ -84,6 +90,8 @@ class SchedulerStats:
                    local_lookup_share=self.local_lookups / max(self.lookups, 1),
                    scheduler_ms_per_step=1000 * self.scheduler_s / n, planner_ms_per_step=1000 * self.planner_s / n,
                    scheduler_comm_ms_per_step=1000 * self.comm_s / n,
+                   scheduler_overlapped_ms_per_step=1000 * self.ahead_s / n,
+                   scheduler_wait_ahead_ms_per_step=1000 * self.wait_ahead_s / n,
                    stale_reads_per_step=self.stale_reads / n, stale_read_share=self.stale_reads / max(c.reads, 1),
                    max_staleness=self.max_staleness,
                    scheduler_compute_ms_per_step=1000 * (self.scheduler_s - self.comm_s) / n,
@@ -117,6 +125,21 @@ def _pack_int16(scores: torch.Tensor) -> torch.Tensor:
 
 def _unpack_int16(packed: torch.Tensor, n: int) -> torch.Tensor:
     return packed.contiguous().view(torch.int16)[:n].to(torch.int64)
+
+
+def select_samples(batch: Batch, index: torch.Tensor) -> Batch:
+    """The samples ``index`` of ``batch`` (in that order): dense rows, labels and every feature's bags.
+    By hand: fbgemm's ``keyed_jagged_index_select_dim1`` has no CPU kernel in fbgemm-gpu-cpu 1.8."""
+    kjt = batch.sparse_features
+    G, F = kjt.stride(), len(kjt.keys())
+    lengths = kjt.lengths().view(F, G).index_select(1, index).reshape(-1)
+    starts = kjt.offsets()[:-1].view(F, G).index_select(1, index).reshape(-1)
+    ends = torch.cumsum(lengths, 0)
+    pos = torch.repeat_interleave(starts - (ends - lengths), lengths) + torch.arange(int(ends[-1]) if ends.numel() else 0)
+    return Batch(dense_features=batch.dense_features.index_select(0, index),
+                 sparse_features=KeyedJaggedTensor(keys=kjt.keys(), values=kjt.values().index_select(0, pos),
+                                                   lengths=lengths),
+                 labels=batch.labels.index_select(0, index))
 
 
 def find_herald_ebc(model: nn.Module) -> Any:
@@ -184,6 +207,13 @@ class HeraldTrainPipeline(TrainPipeline[Batch, Any]):
         self._batch_index = 0
         self._refill = False  # the window restarts mid-data (a checkpoint): running dry is not an error
         self.stats = SchedulerStats()
+        self.global_batches, self.run_ahead = c.global_batches, c.run_ahead
+        # run-ahead: one worker thread; at most one batch in flight, handed over before the next plan_step
+        self._ahead: Optional[ThreadPoolExecutor] = ThreadPoolExecutor(1, "herald-ahead") if c.run_ahead else None
+        self._pending: Optional[Future] = None
+        #: set before a :meth:`progress` after which :meth:`reset_window` is called (a checkpoint): that
+        #: step's run-ahead job then plans nothing ahead, so the flush sees the planner in step
+        self.reset_after_step = False
 
     @property
     def skipper(self) -> Any:
@@ -193,30 +223,76 @@ class HeraldTrainPipeline(TrainPipeline[Batch, Any]):
     # ------------------------------------------------------------------ window
     def fill(self, it: Iterator[Batch]) -> None:
         """Read batches until the window holds ``window`` of them, running each through the stages."""
+        self._collect_ahead()
         while not self._exhausted and len(self._queue) < self.window:
-            try:
-                raw = next(it)
-            except StopIteration:
-                self._exhausted = True
+            t0 = time.perf_counter()
+            ctx = self.schedule_next(it)
+            self.stats.scheduler_s += time.perf_counter() - t0
+            if ctx is None:
                 if not self._started and not self._refill:
                     raise ValueError(f"pipeline.window={self.window} is larger than the {len(self._queue)} "
-                                     f"batch(es) the data loader has left; lower pipeline.window") from None
+                                     f"batch(es) the data loader has left; lower pipeline.window")
                 break
-            t0 = time.perf_counter()
-            ctx = HeraldBatchContext(index=self._batch_index)
-            self._batch_index += 1
-            self.key_batch(ctx, raw)
-            self.allocate_batch(ctx)
-            if self.skip_hook is not None and self.skip_hook.granularity == "input":
-                before = ctx.batch.labels.numel()
-                ctx.batch = self.skip_hook.filter_inputs(self, ctx.batch, self.stats.steps + len(self._queue))
-                if ctx.batch.labels.numel() != before:
-                    ctx.keys = self.batch_keys(ctx.batch.sparse_features)
-            self.collect_reads(ctx)
             self._queue.append(ctx)
-            self.stats.scheduler_s += time.perf_counter() - t0
         self._started = True
         self._refill = False
+
+    def schedule_next(self, it: Iterator[Batch]) -> Optional[HeraldBatchContext]:
+        """Read the next batch and run it through the stages (key, allocate, reads); None (and the
+        window marked exhausted) when the loader is dry."""
+        try:
+            raw = next(it)
+        except StopIteration:
+            self._exhausted = True
+            return None
+        ctx = HeraldBatchContext(index=self._batch_index)
+        self._batch_index += 1
+        self.key_batch(ctx, raw)
+        self.allocate_batch(ctx)
+        if self.skip_hook is not None and self.skip_hook.granularity == "input":
+            before = ctx.batch.labels.numel()
+            ctx.batch = self.skip_hook.filter_inputs(self, ctx.batch, self.stats.steps + len(self._queue))
+            if ctx.batch.labels.numel() != before:
+                ctx.keys = self.batch_keys(ctx.batch.sparse_features)
+        self.collect_reads(ctx)
+        return ctx
+
+    def _schedule_ahead(self, it: Iterator[Batch], plan_ahead: bool) -> Optional[HeraldBatchContext]:
+        """The run-ahead job, while step t trains: batch t+K enters the window (allocated under the
+        planner's state after plan t, as in the serial order), then plan t+1 is made from the window.
+        It only reads the window; the step takes its batch in :meth:`_collect_ahead`."""
+        t0 = time.perf_counter()
+        try:
+            ctx = self.schedule_next(it)
+            window = list(self._queue) + ([ctx] if ctx is not None else [])
+            if plan_ahead and window and self.sync == "lazy":
+                window[0].plan = self._make_plan(window)
+            return ctx
+        finally:
+            self.stats.ahead_s += time.perf_counter() - t0
+
+    def _collect_ahead(self) -> None:
+        """Take the run-ahead thread's batch into the window (waiting for it if it is not done; its
+        errors, e.g. a bad id, are raised here, on every rank alike)."""
+        if self._pending is None:
+            return
+        t0 = time.perf_counter()
+        pending, self._pending = self._pending, None
+        ctx = pending.result()
+        waited = time.perf_counter() - t0
+        self.stats.wait_ahead_s += waited
+        self.stats.scheduler_s += waited
+        if ctx is not None:
+            self._queue.append(ctx)
+
+    def _cancel_ahead(self) -> None:
+        """Wait for the run-ahead thread and drop its batch (the window restarts from a new iterator)."""
+        if self._pending is not None:
+            pending, self._pending = self._pending, None
+            try:
+                pending.result()
+            except Exception:  # noqa: BLE001 - the batch is dropped; a restarted window re-reads it
+                logger.debug("dropped run-ahead batch raised", exc_info=True)
 
     def window_batches(self) -> List[Batch]:
         """This rank's batches in the window (after allocation), oldest first."""
@@ -241,6 +317,10 @@ class HeraldTrainPipeline(TrainPipeline[Batch, Any]):
         feature = bag // B
         invalid = (values < 0) | (values >= lay.rows_per_feature.index_select(0, feature))
         bad = first_invalid_id(values, lengths, lay.rows_per_feature, B) if bool(invalid.any()) else None
+        if bad and self.global_batches:  # every rank sees the same global batch: all raise the same error
+            local_batch = B // self._W
+            ranks = torch.unique((bag % B)[invalid] // local_batch).tolist()
+            raise self.ebc.bad_id_error(ranks, bad[0], bad[1])
         ctx.batch = Batch(dense_features=raw.dense_features, sparse_features=kjt, labels=raw.labels)
         ctx.keys = None if bad else lay.feature_offsets.index_select(0, feature) + values
         ctx.bad = (1, bad[0], bad[1]) if bad else (0, 0, 0)
@@ -250,6 +330,9 @@ class HeraldTrainPipeline(TrainPipeline[Batch, Any]):
         """Stage 2 (collective): every rank's id errors and own samples' local-lookup scores are
         all-gathered, the allocator assigns the global batch, samples move to their ranks."""
         assert ctx.batch is not None
+        if self.global_batches:
+            self._allocate_global(ctx)
+            return
         kjt = ctx.batch.sparse_features
         B = kjt.stride()
         scored = self.input_allocator.needs_scores
@@ -279,8 +362,42 @@ class HeraldTrainPipeline(TrainPipeline[Batch, Any]):
                                                (rank_of == self._rank).nonzero().flatten())
             ctx.keys = self.batch_keys(ctx.batch.sparse_features)
 
+    def _allocate_global(self, ctx: HeraldBatchContext) -> None:
+        """Stage 2 on a global batch, on this rank alone: score every sample for every rank (the
+        planner's state is the same everywhere), assign, keep this rank's samples (in global order)."""
+        assert ctx.batch is not None and ctx.keys is not None and ctx.sample_of_key is not None
+        G, W = ctx.batch.sparse_features.stride(), self._W
+        if G % W:
+            raise ValueError(f"pipeline.global_batches: a global batch of {G} samples does not split over {W} ranks")
+        B = G // W
+        if self.input_allocator.needs_scores:
+            scores = self.input_allocator.local_scores(ctx.keys, ctx.sample_of_key, G, self.planner.local_on)
+            rank_of = self.input_allocator.assign_scores(scores, self._alloc_step)
+            self._alloc_step += 1
+            self.stats.local_lookups += int(scores.gather(1, rank_of[:, None]).sum())
+            self.stats.lookups += ctx.keys.numel()
+        else:
+            rank_of = torch.arange(G) // B
+        ctx.moved = int((rank_of != torch.arange(G) // B).sum())
+        ctx.rank_of = rank_of
+        mine = (rank_of == self._rank).nonzero().flatten()
+        ctx.batch = select_samples(ctx.batch, mine)
+
     def collect_reads(self, ctx: HeraldBatchContext) -> None:
-        """Stage 3 (collective, lazy sync only): every rank's sorted unique read keys (int32 on the wire)."""
+        """Stage 3 (collective, lazy sync only): every rank's sorted unique read keys (int32 on the wire).
+        With global batches every rank's reads come from the assignment: no collective."""
+        if self.global_batches:
+            assert ctx.keys is not None and ctx.rank_of is not None and ctx.sample_of_key is not None
+            key_rank = ctx.rank_of.index_select(0, ctx.sample_of_key)
+            mine = key_rank == self._rank
+            if self.sync == "lazy":
+                n = self.layout.num_rows
+                both = torch.from_numpy(np.unique((key_rank * n + ctx.keys).numpy()))  # sorted, by rank then key
+                per_rank = torch.bincount(both // n, minlength=self._W).tolist()
+                ctx.reads = [part - r * n for r, part in enumerate(both.split(per_rank))]
+            ctx.keys = ctx.keys[mine]  # this rank's samples' keys, in its batch's order
+            ctx.rank_of = ctx.sample_of_key = None
+            return
         if self.sync != "lazy":
             return
         assert ctx.keys is not None
@@ -360,21 +477,24 @@ class HeraldTrainPipeline(TrainPipeline[Batch, Any]):
         if self.skip_hook is not None:
             self.skip_hook.before_step(self, self.stats.steps)
         self.plan_step()
-        return self.train_step(self._queue.popleft())
+        head = self._queue.popleft()
+        if self._ahead is not None and not self._exhausted:
+            # the next batch enters the window (allocated under the state after this plan) while this step trains
+            self._pending = self._ahead.submit(self._schedule_ahead, dataloader_iter,
+                                               self.skip_hook is None and not self.reset_after_step)
+        self.reset_after_step = False
+        return self.train_step(head)
 
     def plan_step(self) -> None:
         """Stage 4 (lazy sync): plan the head batch's transfers from the window (every rank the same
         plan) and run the pre-read ones; eager sync: count the rows stale-skipping leaves frozen."""
         head = self._queue[0]
         if self.sync == "lazy":
-            t0 = time.perf_counter()
-            reads = [ctx.reads for ctx in self._queue]
-            if self.skip_hook is not None and self.skip_hook.granularity == "row":
-                reads = self.skip_hook.filter_reads(self, reads)
-            plan = self.planner.plan_step(reads)
-            dt = time.perf_counter() - t0
-            self.stats.planner_s += dt
-            self.stats.scheduler_s += dt
+            plan, head.plan = head.plan, None
+            if plan is None:  # not made ahead: plan here, on the critical path
+                t0 = time.perf_counter()
+                plan = self._make_plan(list(self._queue))
+                self.stats.scheduler_s += time.perf_counter() - t0
             self.stats.counters = self.stats.counters + plan.counters
             if plan.additive:
                 self.stats.stale_reads += plan.stale_reads
@@ -384,6 +504,16 @@ class HeraldTrainPipeline(TrainPipeline[Batch, Any]):
         elif self.skip_hook is not None and self.skip_hook.granularity == "row":
             assert head.batch is not None
             self.skip_hook.count_reads(self, torch.unique(self.batch_keys(head.batch.sparse_features)))
+
+    def _make_plan(self, window: List[HeraldBatchContext]) -> Any:
+        """The planner's plan for ``window[0]`` from the window's reads (advances the planner)."""
+        t0 = time.perf_counter()
+        reads = [ctx.reads for ctx in window]
+        if self.skip_hook is not None and self.skip_hook.granularity == "row":
+            reads = self.skip_hook.filter_reads(self, reads)
+        plan = self.planner.plan_step(reads)
+        self.stats.planner_s += time.perf_counter() - t0
+        return plan
 
     def train_step(self, ctx: HeraldBatchContext) -> Any:
         """Stage 5: forward/backward of this rank's share, the plan's reduce/update/pushes, the dense step."""
@@ -403,6 +533,10 @@ class HeraldTrainPipeline(TrainPipeline[Batch, Any]):
         """Flush (collective) and forget the window: the next :meth:`progress` refills it from the
         iterator it is given (a checkpoint's data position); the next batch is allocated as the
         ``stats.steps``-th. A run resumed from a checkpoint taken here trains like one never stopped."""
+        self._cancel_ahead()
+        if any(ctx.plan is not None for ctx in self._queue):
+            raise RuntimeError("reset_window after a step whose successor was planned ahead: set "
+                               "pipeline.reset_after_step = True before that step's progress()")
         self.flush()
         self._queue.clear()
         self._exhausted = self._started = False
@@ -438,7 +572,11 @@ class HeraldTrainPipeline(TrainPipeline[Batch, Any]):
     def detach(self) -> nn.Module:
         """Flush and hand back the model (as ``TrainPipelineSparseDist.detach``); hot rows frozen by
         stale-update skipping are trained again (the herald EBC would otherwise keep them frozen)."""
+        self._cancel_ahead()
         self.flush()
+        if self._ahead is not None:
+            self._ahead.shutdown(wait=True)
+            self._ahead = None
         if self.skip_hook is not None:
             self.skip_hook.detach(self)
         return self._model
