@@ -2,6 +2,7 @@
 #   make run     set up .venv, then a 2-rank torchx launch of DLRM training on the default data
 #   make test    set up .venv, then the test suite
 #   make bench   set up .venv, then the stock benchmark (benchmarks/RESULTS.md)
+#   make bench-bandwidth   (root) samples/s of stock and herald with tc-limited per-rank links
 # CUDA machines: make setup FBGEMM=fbgemm-gpu  (torch==2.13.0 from PyPI is then the CUDA build)
 PYTHON ?= python3
 VENV   ?= .venv
@@ -10,7 +11,7 @@ NPROC  ?= 2
 PIP    := $(VENV)/bin/python -m pip
 STAMP  := $(VENV)/.herald-installed
 
-.PHONY: setup run test bench clean
+.PHONY: setup run test bench bench-bandwidth clean
 
 setup: $(STAMP)
 
@@ -35,6 +36,10 @@ test: setup
 
 bench: setup
 	$(VENV)/bin/python benchmarks/bench_traffic.py $(ARGS)
+
+# speed under emulated bandwidth (root: network namespaces, veth, tc tbf); see benchmarks/bench_bandwidth.py
+bench-bandwidth: setup
+	$(VENV)/bin/python benchmarks/bench_bandwidth.py $(ARGS)
 
 clean:
 	rm -rf $(VENV) outputs

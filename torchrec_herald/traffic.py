@@ -281,11 +281,13 @@ class TrafficMeter:
         return wrapper
 
 
-class _TimedWork:
-    """An async collective's ``Work`` whose ``wait()`` time counts as communication wait (the
-    time a collective overlapped with other work is not waited for, so it is not exposed)."""
+class _TimedWork(dist.Work):
+    """An async collective's ``Work`` whose ``wait()`` time counts as communication wait (the time a
+    collective overlapped with other work is not waited for, so it is not exposed). A ``dist.Work``
+    subclass: TorchRec checks ``isinstance(req, dist.Work)`` before waiting."""
 
     def __init__(self, work: Any, meter_cls: Any) -> None:
+        super().__init__()
         self._work, self._meter_cls = work, meter_cls
 
     def wait(self, *args: Any, **kwargs: Any) -> Any:
@@ -294,6 +296,27 @@ class _TimedWork:
             return self._work.wait(*args, **kwargs)
         finally:
             self._meter_cls._add_wait(time.perf_counter() - t0)
+
+    def is_completed(self) -> bool:
+        return self._work.is_completed()
+
+    def is_success(self) -> bool:
+        return self._work.is_success()
+
+    def exception(self) -> Any:
+        return self._work.exception()
+
+    def source_rank(self) -> int:
+        return self._work.source_rank()
+
+    def result(self) -> Any:
+        return self._work.result()
+
+    def synchronize(self) -> None:
+        self._work.synchronize()
+
+    def get_future(self) -> Any:
+        return self._work.get_future()
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._work, name)

@@ -498,7 +498,8 @@ def run_training(cfg: DictConfig, run_dir: Path, show_progress: bool = True) -> 
         "plan": plan,
         "herald": herald,
         "herald_pipeline": (pipeline.stats.summary(train_time / steps) | {"sync": pipeline.sync,
-                            "allocator": pipeline.allocator, "window": pipeline.window}
+                            "allocator": pipeline.allocator, "window": pipeline.window,
+                            "scheduling": pipeline.scheduling_report()}
                             if isinstance(pipeline, HeraldTrainPipeline) else {}),
         "data_stats": data.stats(),
         "approximate": approximate_report(cfg, pipeline, eval_metrics, reference, steps),

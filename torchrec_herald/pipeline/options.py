@@ -10,13 +10,17 @@ from typing import Any, Optional
 
 from torchrec_herald.pipeline.stale_skip import SkipConfig
 
-__all__ = ["ALLOCATORS", "CACHE_POLICIES", "HeraldPipelineConfig", "SYNC_MODES"]
+__all__ = ["ALLOCATORS", "CACHE_POLICIES", "HeraldPipelineConfig", "SCHEDULING", "SYNC_MODES"]
 
 #: ``pipeline.allocator`` values
 ALLOCATORS = ("greedy", "identity")
 #: ``pipeline.sync`` values: ``lazy`` = worker caches + the exact plan; ``eager`` = herald's own
 #: per-step path (hot rows all-reduced every step, cold rows looked up at their owner)
 SYNC_MODES = ("lazy", "eager")
+#: ``pipeline.scheduling`` values: ``on`` = the allocator and ``sync`` as configured; ``off`` = hot
+#: replication alone (samples stay where loaded, herald's per-step path); ``auto`` = time both on the
+#: first steps and keep the faster (needs ``global_batches``)
+SCHEDULING = ("on", "off", "auto")
 #: ``pipeline.cache`` values executed for real (Belady exists at trace level:
 #: ``torchrec_herald.testing.reference_plans.LazySyncPlanner``)
 CACHE_POLICIES = ("lru",)
@@ -39,7 +43,9 @@ class HeraldPipelineConfig:
             source): each rank schedules every batch alone (DESIGN §3: no collective agrees on the
             allocation or the plan, no sample bytes move) and trains the samples assigned to it.
         run_ahead: (with ``global_batches``) a background thread schedules the next batch entering the
-            window (read, keys, allocation, reads) while the current step trains.
+            window (read, keys, allocation, reads) and plans the next step while the current step trains.
+        scheduling: ``on``, ``off`` (hot replication alone) or ``auto`` (measure both, keep the faster).
+        probe_steps: ``auto``: steps timed in each mode (after ``probe_steps // 2`` unmeasured ones).
     """
 
     window: int = 5
@@ -52,6 +58,8 @@ class HeraldPipelineConfig:
     skip: Optional[SkipConfig] = None
     global_batches: bool = False
     run_ahead: bool = False
+    scheduling: str = "on"
+    probe_steps: int = 10
 
     def __post_init__(self) -> None:
         if int(self.window) < 1:
@@ -77,9 +85,17 @@ class HeraldPipelineConfig:
         if self.global_batches and self.skip is not None:
             raise ValueError("pipeline.global_batches needs pipeline.skip=null: stale-update skipping filters "
                              "each rank's batch by its own training state (set pipeline.global_batches=false)")
+        if self.scheduling not in SCHEDULING:
+            raise ValueError(f"unknown pipeline.scheduling {self.scheduling!r}; known: {list(SCHEDULING)}")
+        if self.scheduling == "auto" and not self.global_batches:
+            raise ValueError("pipeline.scheduling=auto needs pipeline.global_batches=true (both modes must "
+                             "keep every rank's reads at hand)")
+        if int(self.probe_steps) < 2:
+            raise ValueError(f"pipeline.probe_steps must be >= 2, got {self.probe_steps}")
         if self.run_ahead and not self.global_batches:
             raise ValueError("pipeline.run_ahead needs pipeline.global_batches=true (the per-rank path's "
                              "scheduling collectives must stay in step with training's)")
+        object.__setattr__(self, "probe_steps", int(self.probe_steps))
         object.__setattr__(self, "window", int(self.window))
         object.__setattr__(self, "cache_fraction", float(self.cache_fraction))
         object.__setattr__(self, "move_penalty", int(self.move_penalty))
@@ -101,7 +117,11 @@ class HeraldPipelineConfig:
             skip.check_run_length(total_steps)
         # stale-update skipping schedules per rank (its filter reads the rank's own training state)
         global_batches = bool(p.get("global_batches", False)) and skip is None
+        scheduling = p.get("scheduling", "on")
+        if scheduling == "auto" and not global_batches:
+            scheduling = "on"
         return cls(window=p.window, allocator=p.allocator, sync=p.sync, cache=p.cache,
                    cache_fraction=p.cache_fraction, move_penalty=p.move_penalty, staleness=p.get("staleness"),
                    skip=skip, global_batches=global_batches,
-                   run_ahead=bool(p.get("run_ahead", False)) and global_batches)
+                   run_ahead=bool(p.get("run_ahead", False)) and global_batches, scheduling=scheduling,
+                   probe_steps=p.get("probe_steps", 10))

@@ -212,8 +212,19 @@ class HeraldTrainPipeline(TrainPipeline[Batch, Any]):
         self._ahead: Optional[ThreadPoolExecutor] = ThreadPoolExecutor(1, "herald-ahead") if c.run_ahead else None
         self._pending: Optional[Future] = None
         #: set before a :meth:`progress` after which :meth:`reset_window` is called (a checkpoint): that
-        #: step's run-ahead job then plans nothing ahead, so the flush sees the planner in step
+        #: step's run-ahead job then plans nothing ahead (else the flush first runs that plan without
+        #: gradients, which changes no value but counts its transfers)
         self.reset_after_step = False
+        # pipeline.scheduling: "on"/"off", or "auto" = time both modes on the first steps, keep the faster
+        self._allocator_on = self.input_allocator
+        self._allocator_off = build_allocator("identity")
+        self._reads_needed = c.sync == "lazy" and c.scheduling != "off"
+        self.mode = "off" if c.scheduling == "off" else "on"
+        self._apply_mode()
+        self.probe: Optional[Dict[str, Any]] = (
+            {"seconds": {"on": 0.0, "off": 0.0}, "steps": {"on": 0, "off": 0}, "decided": False}
+            if c.scheduling == "auto" else None)
+        self._step_started: Optional[float] = None
 
     @property
     def skipper(self) -> Any:
@@ -390,7 +401,7 @@ class HeraldTrainPipeline(TrainPipeline[Batch, Any]):
             assert ctx.keys is not None and ctx.rank_of is not None and ctx.sample_of_key is not None
             key_rank = ctx.rank_of.index_select(0, ctx.sample_of_key)
             mine = key_rank == self._rank
-            if self.sync == "lazy":
+            if self._reads_needed:  # also while scheduling is off: "auto" may turn it back on
                 n = self.layout.num_rows
                 both = torch.from_numpy(np.unique((key_rank * n + ctx.keys).numpy()))  # sorted, by rank then key
                 per_rank = torch.bincount(both // n, minlength=self._W).tolist()
@@ -469,6 +480,7 @@ class HeraldTrainPipeline(TrainPipeline[Batch, Any]):
             StopIteration: the loader and the window are empty (copies flushed first).
             ValueError: the first window cannot be filled (``window`` > batches left), bad ids (every rank).
         """
+        self._auto_schedule()
         self.fill(dataloader_iter)
         if not self._queue:
             self.flush()
@@ -484,6 +496,69 @@ class HeraldTrainPipeline(TrainPipeline[Batch, Any]):
                                                self.skip_hook is None and not self.reset_after_step)
         self.reset_after_step = False
         return self.train_step(head)
+
+    # ------------------------------------------------------------------ pipeline.scheduling=auto
+    def _apply_mode(self) -> None:
+        """``on``: the configured allocator and sync; ``off``: hot replication alone (samples stay where
+        loaded, herald's per-step path)."""
+        on = self.mode == "on"
+        self.sync = self.config.sync if on else "eager"
+        self.input_allocator = self._allocator_on if on else self._allocator_off
+
+    def _probe_phase(self, step: int) -> Tuple[str, bool]:
+        """(mode, timed) of ``step`` in the probe: ``w`` unmeasured then ``p`` timed steps with scheduling
+        on, the same with it off (``p = probe_steps``, ``w = p // 2``)."""
+        p = self.config.probe_steps
+        w = p // 2
+        mode = "on" if step < w + p else "off"
+        return mode, (step % (w + p)) >= w
+
+    def _auto_schedule(self) -> None:
+        """Before a step: time the previous one into its mode; switch modes on the probe's schedule; after
+        the probe, keep the faster mode (the slowest rank's mean step time decides, the same on every rank)."""
+        now = time.perf_counter()
+        probe, step = self.probe, self.stats.steps
+        if probe is None or probe["decided"]:
+            return
+        last, self._step_started = self._step_started, now
+        if last is not None and step >= 1:
+            mode, timed = self._probe_phase(step - 1)
+            if timed:
+                probe["seconds"][mode] += now - last
+                probe["steps"][mode] += 1
+        p = self.config.probe_steps
+        w = p // 2
+        if step < 2 * (w + p):
+            want = self._probe_phase(step)[0]
+            if want != self.mode:
+                self._switch(want)
+            return
+        means = torch.tensor([probe["seconds"][m] / max(probe["steps"][m], 1) for m in ("on", "off")],
+                             dtype=torch.float64)
+        dist.all_reduce(means, op=dist.ReduceOp.MAX, group=self._pg)
+        on_ms, off_ms = (1000 * float(x) for x in means)
+        probe.update(decided=True, on_ms_per_step=on_ms, off_ms_per_step=off_ms)
+        best = "on" if on_ms <= off_ms else "off"
+        logger.info("pipeline.scheduling=auto: %.1f ms/step with scheduling on, %.1f with it off (hot replication "
+                    "alone) -> %s%s", on_ms, off_ms, best,
+                    "" if best == "on" else ": scheduling costs more time than it saves on this link and machine")
+        if best != self.mode:
+            self._switch(best)
+
+    def _switch(self, mode: str) -> None:
+        """Change mode between steps (every rank at the same step): turning the plan off flushes it."""
+        self._collect_ahead()
+        if self.mode == "on" and self.sync == "lazy":
+            self.flush()
+        self.mode = mode
+        self._apply_mode()
+
+    def scheduling_report(self) -> Dict[str, Any]:
+        """``metrics.json`` ``herald_pipeline.scheduling``: the mode, and for ``auto`` the probe's figures."""
+        out: Dict[str, Any] = {"setting": self.config.scheduling, "mode": self.mode}
+        if self.probe is not None:
+            out.update({k: v for k, v in self.probe.items() if k in ("decided", "on_ms_per_step", "off_ms_per_step")})
+        return out
 
     def plan_step(self) -> None:
         """Stage 4 (lazy sync): plan the head batch's transfers from the window (every rank the same
@@ -534,9 +609,6 @@ class HeraldTrainPipeline(TrainPipeline[Batch, Any]):
         iterator it is given (a checkpoint's data position); the next batch is allocated as the
         ``stats.steps``-th. A run resumed from a checkpoint taken here trains like one never stopped."""
         self._cancel_ahead()
-        if any(ctx.plan is not None for ctx in self._queue):
-            raise RuntimeError("reset_window after a step whose successor was planned ahead: set "
-                               "pipeline.reset_after_step = True before that step's progress()")
         self.flush()
         self._queue.clear()
         self._exhausted = self._started = False
@@ -550,7 +622,7 @@ class HeraldTrainPipeline(TrainPipeline[Batch, Any]):
             raise RuntimeError("HeraldTrainPipeline.state_dict with batches in the window: call reset_window first")
         from dataclasses import asdict
 
-        return {"stats": asdict(self.stats), "alloc_step": self._alloc_step}
+        return {"stats": asdict(self.stats), "alloc_step": self._alloc_step, "mode": self.mode, "probe": self.probe}
 
     def load_state_dict(self, state: Dict[str, Any]) -> None:
         """Restore :meth:`state_dict`'s counters (the planner starts from the flushed layout, as saved)."""
@@ -559,6 +631,10 @@ class HeraldTrainPipeline(TrainPipeline[Batch, Any]):
         self.stats = SchedulerStats(**stats)
         self._alloc_step = int(state["alloc_step"])
         self._refill = True
+        if "mode" in state:
+            self.mode, self.probe = state["mode"], state["probe"]
+            self._apply_mode()
+            self._step_started = None
 
     # ------------------------------------------------------------------ end of training
     def flush(self) -> None:
@@ -566,6 +642,11 @@ class HeraldTrainPipeline(TrainPipeline[Batch, Any]):
         model is then in herald's stock layout (for eval, ``state_dict``, a stock pipeline)."""
         if self._flushed:
             return
+        self._collect_ahead()
+        for ctx in self._queue:  # a plan made ahead for a batch that will not train now: run it without gradients
+            if ctx.plan is not None:
+                plan, ctx.plan = ctx.plan, None
+                self.ebc.drain_plan(plan)
         self.ebc.flush_plan(self.planner.flush())
         self._flushed = True
 

@@ -407,6 +407,10 @@ class ShardedHeraldEmbeddingBagCollection(
         ctx.ws_offsets = offsets_from_lengths(lengths)
         return KJTListSplitsAwaitable([NoWait(NoWait(ctx))], ctx)
 
+    def drain_plan(self, plan: Any) -> None:
+        """Execute a plan whose batch will not be trained (no-op on every value; collective)."""
+        self.plan_executor.run_without_gradients(plan)
+
     def finish_plan_step(self) -> None:
         """After backward: reduce, exact update, pushes and evictions of the plan (collective)."""
         self.plan_executor.finish()

@@ -58,8 +58,18 @@ class PlanExecutor:
         """The forward's lookups ``keys``: load the step's working set (the plan's reads, plus frozen
         rows it leaves out) as a leaf :attr:`ws` and return each key's position in it."""
         assert self.plan is not None
-        ws_keys = torch.unique(keys)
         planned = self.plan.reads[self.rank]
+        if not self.frozen_keys.numel():  # the working set is the plan's reads: check, then index into it
+            pos = torch.searchsorted(planned, keys)
+            ok = bool((pos < planned.numel()).all())
+            if ok and keys.numel():
+                ok = torch.equal(planned[pos], keys)
+            if not ok or not bool(torch.zeros(planned.numel(), dtype=torch.bool).index_fill_(0, pos, True).all()):
+                raise RuntimeError(f"rank {self.rank}: the batch's rows differ from the ones the plan was made for")
+            w, _ = self.store.read(planned)
+            self.ws, self.ws_keys = w.requires_grad_(True), planned
+            return pos
+        ws_keys = torch.unique(keys)
         extra = ws_keys[~torch.isin(ws_keys, planned)]
         if planned.numel() + extra.numel() != ws_keys.numel() or not bool(torch.isin(extra, self.frozen_keys).all()):
             raise RuntimeError(f"rank {self.rank}: the batch's rows differ from the ones the plan was made for")
@@ -79,6 +89,16 @@ class PlanExecutor:
             grad.detach()[torch.searchsorted(self.ws_keys, planned).to(grad.device)]
         self.after_backward(plan, planned, grad)
 
+    def run_without_gradients(self, plan: ExecPlan) -> None:
+        """Execute ``plan`` as a step whose batch is not trained (collective): its transfers run and every
+        planned update gets a zero gradient, which leaves each value and Adagrad state bit for bit as it
+        was (``w - 0``, ``s + 0``). Brings the rows in step with a planner that planned ahead."""
+        if self.plan is not None:
+            raise RuntimeError("run_without_gradients with a planned step in flight")
+        self.before_forward(plan)
+        planned = plan.reads[self.rank]
+        self.after_backward(plan, planned, torch.zeros(planned.numel(), self.D, device=self.store.device))
+
     # ------------------------------------------------------------------ transfers
     def _exchange(self, transfers: torch.Tensor, payload: Callable[[torch.Tensor], torch.Tensor], label: str,
                   width: int) -> Tuple[List[torch.Tensor], torch.Tensor]:
@@ -87,12 +107,15 @@ class PlanExecutor:
         it; returns (per source, the positions of the rows received from it; the received rows)."""
         me, W = self.rank, self.W
         src, dst = transfers[:, 1], transfers[:, 2]
-        send_pos = [((src == me) & (dst == d)).nonzero().squeeze(1) for d in range(W)]
-        recv_pos = [((src == r) & (dst == me)).nonzero().squeeze(1) for r in range(W)]
-        send = torch.cat([payload(i) for i in send_pos]) if any(i.numel() for i in send_pos) \
-            else torch.zeros(0, width, device=self.store.device)
-        out = all_to_all_rows(send, [i.numel() for i in send_pos], [i.numel() for i in recv_pos], self.pg, label, width)
-        return recv_pos, out
+        send_pos = (src == me).nonzero().squeeze(1)
+        send_pos = send_pos[torch.argsort(dst[send_pos], stable=True)]  # by destination, in plan order
+        recv_pos = (dst == me).nonzero().squeeze(1)
+        recv_pos = recv_pos[torch.argsort(src[recv_pos], stable=True)]  # by source, in plan order
+        send_counts = torch.bincount(dst[send_pos], minlength=W).tolist()
+        recv_counts = torch.bincount(src[recv_pos], minlength=W).tolist()
+        send = payload(send_pos) if send_pos.numel() else torch.zeros(0, width, device=self.store.device)
+        out = all_to_all_rows(send, send_counts, recv_counts, self.pg, label, width)
+        return list(recv_pos.split(recv_counts)), out
 
     def _row_payload(self, keys: torch.Tensor, add: torch.Tensor) -> torch.Tensor:
         """Each row's value (+ Adagrad state); for ``add`` rows the accumulated update (value − base)."""

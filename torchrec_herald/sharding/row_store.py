@@ -56,6 +56,9 @@ class RowStore(nn.Module):
         self.hot_state = torch.zeros(max(layout.num_hot, 1), dtype=torch.float32, device=device)
         mirror_hot, mirror_cold = layout.hot_rows_in_block(rank)
         self.mirror_hot, self.mirror_cold = mirror_hot.to(device), mirror_cold.to(device)
+        # each hot slot's row in this rank's cold block (-1: another rank's block)
+        self.cold_row_of_hot = torch.full((max(layout.num_hot, 1),), -1, dtype=torch.int64, device=device)
+        self.cold_row_of_hot[self.mirror_hot] = self.mirror_cold.to(torch.int64)
         # by-key access (plan mode only): slot maps over all rows, built on first use
         self._own_slot: Optional[torch.Tensor] = None
         self._cache_slot: Optional[torch.Tensor] = None
@@ -113,12 +116,24 @@ class RowStore(nn.Module):
 
     def update_hot(self, grad: torch.Tensor, live: torch.Tensor) -> None:
         """Apply :func:`exact_update` to the hot replicas with ``live`` set (bool ``[num_hot]`` on the
-        device), ``grad`` ``[num_hot, D]`` the gradient summed over ranks; then mirror into the block."""
+        device), ``grad`` ``[num_hot, D]`` the gradient summed over ranks; then mirror them into the block.
+        Only rows with a nonzero gradient are touched: for the others the update is the identity
+        (``w - 0``, ``s + 0``), so skipping them changes no bit."""
         n = self.layout.num_hot
         with torch.no_grad():
+            rows = (live & grad[:n].ne(0).any(1)).nonzero().flatten()
+            if not rows.numel():
+                return
             w, s = self.hot_weights()[:n], self.hot_state[:n]
-            w[live], s[live] = exact_update(w[live], s[live], grad[live], self.optimizer, self.lr, self.eps)
-            self.mirror_hot_into_cold()
+            new_w, new_s = exact_update(w[rows], s[rows], grad[rows], self.optimizer, self.lr, self.eps)
+            w[rows], s[rows] = new_w, new_s
+            cold = self.cold_row_of_hot[rows]
+            mine = cold >= 0
+            if bool(mine.any()):
+                self.cold_weights()[cold[mine]] = new_w[mine]
+                state = self.cold_state()
+                if state is not None:
+                    state[cold[mine]] = new_s[mine]
 
     # ------------------------------------------------------------------ by global key
     def _dev(self, index: torch.Tensor) -> torch.Tensor:

@@ -1,0 +1,283 @@
+"""Speed under emulated bandwidth (DESIGN §6): samples/s of stock TorchRec and herald, side by side,
+with every rank's link rate-limited by ``tc tbf``.
+
+    sudo .venv/bin/python benchmarks/bench_bandwidth.py [--world-sizes 2 4] [--rates 0 1000 200 50]
+                                                        [--steps 100] [--segments 5] [--configs tw stock hot herald]
+    (or: make bench-bandwidth ARGS="...")
+
+Each rank runs in its own network namespace (``herald_nsR``) whose only link, a veth pair to a bridge,
+carries all its gloo traffic; ``tc tbf`` limits both ends of that link to the rate (0 = unlimited). Every
+configuration trains the same global batches (default synthetic data, local batch 256). A run warms up,
+then times ``steps`` steps in ``segments`` equal segments; samples/s is the median over the segments.
+
+Per configuration and rate it records the step-time breakdown on rank 0's main thread:
+
+* ``comm_wait``: time blocked in collectives (sync calls and the ``wait()`` of async ones, TrafficMeter);
+  DDP's dense all-reduce is waited for inside autograd's C++ and counts as compute;
+* ``scheduler_critical``: herald scheduling on the step's critical path (its collectives excluded);
+* ``scheduler_overlapped``: herald scheduling done by the run-ahead thread while steps trained;
+* ``compute``: the rest of the step.
+
+Stock's communication share (``comm_wait`` / step) says which GPU-cluster regime a rate stands for.
+Writes ``benchmarks/results/bandwidth.json``, ``bandwidth.png`` and the BANDWIDTH section of RESULTS.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any, Dict, List
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+from netns_crosscheck import SUBNET, setup, sh, teardown  # noqa: E402  (one netns plumbing)
+
+PORT = 29571
+logger = logging.getLogger("bench_bandwidth")
+
+#: configuration name -> (label, Hydra overrides)
+CONFIGS: Dict[str, tuple] = {
+    "tw": ("stock all TABLE_WISE", ["planner=table_wise"]),
+    "stock": ("stock default plan", ["planner=stock"]),
+    "hot": ("herald hot replication", ["planner=herald", "pipeline=sparse_dist"]),
+    "herald": ("herald full", ["planner=herald", "pipeline=herald"]),
+}
+
+
+def limit(world: int, rate_mbit: int) -> None:
+    """``tc tbf`` at ``rate_mbit`` on both ends of every rank's link (0: no limit). The bucket holds 1 ms
+    of traffic (at least 16 KiB), so a step's messages cannot ride a burst past the rate."""
+    for r in range(world):
+        for dev, ns in ((f"herald_v{r}", None), (f"eth{r}", f"herald_ns{r}")):
+            pre = ["ip", "netns", "exec", ns] if ns else []
+            subprocess.run(pre + ["tc", "qdisc", "del", "dev", dev, "root"], capture_output=True)
+            if rate_mbit:
+                burst = max(16 * 1024, rate_mbit * 1_000_000 // 8 // 1000)
+                sh(*pre, "tc", "qdisc", "add", "dev", dev, "root", "tbf", "rate", f"{rate_mbit}mbit",
+                   "burst", str(burst), "latency", "100ms")
+
+
+def worker(config: str, steps: int, segments: int, warmup: int, out: str) -> None:
+    """One rank (inside its namespace): build the configuration, warm up, time ``steps`` steps."""
+    import torch
+    import torch.distributed as dist
+
+    from torchrec_herald.config import compose_config
+    from torchrec_herald.data import build_data_source
+    from torchrec_herald.dist_utils import init_distributed
+    from torchrec_herald.pipeline import HeraldTrainPipeline
+    from torchrec_herald.trainer import build_model_and_plan, build_pipeline, train_stream
+    from torchrec_herald.traffic import TrafficMeter
+
+    torch.set_num_threads(1)
+    rank, world, device = init_distributed()
+    window = 5
+    cfg = compose_config(CONFIGS[config][1] + [f"data.num_train_batches={warmup + steps + window}", "eval=false"])
+    data = build_data_source(cfg.data)
+    dmp, optimizer, _ = build_model_and_plan(cfg, data, world, device)
+    pipeline = build_pipeline(cfg, dmp, optimizer, device)
+    it = train_stream(data, pipeline, rank, world, cfg.batch_size)
+    for _ in range(warmup):
+        pipeline.progress(it)
+    herald = isinstance(pipeline, HeraldTrainPipeline)
+    s0 = (pipeline.stats.scheduler_s, pipeline.stats.comm_s, pipeline.stats.ahead_s) if herald else (0, 0, 0)
+    dist.barrier()
+    seg_s: List[float] = []
+    per = steps // segments
+    with TrafficMeter(embedding_dim=cfg.model.embedding_dim) as meter:
+        for _ in range(segments):
+            t0 = time.perf_counter()
+            for _ in range(per):
+                out_ = pipeline.progress(it)
+            out_[0].item()
+            seg_s.append(time.perf_counter() - t0)
+    n = per * segments
+    if herald:
+        st = pipeline.stats
+        sched, comm, ahead = (st.scheduler_s - s0[0], st.comm_s - s0[1], st.ahead_s - s0[2])
+    else:
+        sched = comm = ahead = 0.0
+    step_ms = 1000 * sum(seg_s) / n
+    wait_ms = 1000 * meter.wait_s / n
+    crit_ms = 1000 * (sched - comm) / n
+    result = {
+        "rank": rank, "config": config, "steps": n,
+        "samples_per_s": statistics.median(world * cfg.batch_size * per / s for s in seg_s),
+        "segment_samples_per_s": [world * cfg.batch_size * per / s for s in seg_s],
+        "bytes_per_step": meter.total()["bytes"] / n,
+        "breakdown_ms": {"step": step_ms, "compute": step_ms - wait_ms - crit_ms, "comm_wait": wait_ms,
+                         "scheduler_critical": crit_ms, "scheduler_overlapped": 1000 * ahead / n},
+    }
+    Path(out).write_text(json.dumps(result))
+    if herald:
+        pipeline.detach()
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def run_one(world: int, config: str, a: argparse.Namespace, tmp: Path) -> Dict[str, Any]:
+    procs = []
+    for r in range(world):
+        env = dict(os.environ, RANK=str(r), WORLD_SIZE=str(world), LOCAL_RANK=str(r), MASTER_ADDR=f"{SUBNET}.1",
+                   MASTER_PORT=str(PORT), GLOO_SOCKET_IFNAME=f"eth{r}", OMP_NUM_THREADS="1")
+        cmd = ["ip", "netns", "exec", f"herald_ns{r}", sys.executable, __file__, "--worker", "--config", config,
+               "--steps", str(a.steps), "--segments", str(a.segments), "--warmup", str(a.warmup),
+               "--out", str(tmp / f"{config}_{r}.json")]
+        procs.append(subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE))
+    for p in procs:
+        _, err = p.communicate(timeout=1800)
+        if p.returncode != 0:
+            raise RuntimeError(f"rank failed ({config}, W={world}): {err.decode()[-3000:]}")
+    ranks = [json.loads((tmp / f"{config}_{r}.json").read_text()) for r in range(world)]
+    row = dict(ranks[0])
+    row["bytes_per_step_all_ranks"] = sum(x["bytes_per_step"] for x in ranks)
+    row["samples_per_s"] = min(x["samples_per_s"] for x in ranks)  # ranks step together; take the slowest view
+    row.pop("rank")
+    return row
+
+
+def ratios(rows: List[Dict[str, Any]]) -> None:
+    """Each row's speedup over stock TABLE_WISE and over the stock default plan at the same W and rate."""
+    for r in rows:
+        for base in ("tw", "stock"):
+            ref = [x for x in rows if x["config"] == base and x["world_size"] == r["world_size"]
+                   and x["rate_mbit"] == r["rate_mbit"]]
+            r[f"speedup_vs_{base}"] = r["samples_per_s"] / ref[0]["samples_per_s"] if ref else None
+
+
+def rate_name(rate: int) -> str:
+    return "unlimited" if rate == 0 else f"{rate} Mbit/s"
+
+
+def markdown(rows: List[Dict[str, Any]], command: str) -> str:
+    lines = [f"Command: `{command}` (samples/s: median of the timed segments; breakdown on rank 0's main "
+             "thread, ms per step)", "",
+             "| ranks | link | configuration | samples/s | vs TABLE_WISE | vs default plan | step | compute | "
+             "comm wait | scheduler on path | scheduler overlapped | KiB/step (all ranks) |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        b = r["breakdown_ms"]
+        f = (lambda v: "–" if v is None else f"{v:.2f}×")
+        lines.append(f"| {r['world_size']} | {rate_name(r['rate_mbit'])} | {CONFIGS[r['config']][0]} | "
+                     f"{r['samples_per_s']:.0f} | {f(r['speedup_vs_tw'])} | {f(r['speedup_vs_stock'])} | "
+                     f"{b['step']:.1f} | {b['compute']:.1f} | {b['comm_wait']:.1f} | {b['scheduler_critical']:.1f} | "
+                     f"{b['scheduler_overlapped']:.1f} | {r['bytes_per_step_all_ranks'] / 1024:.0f} |")
+    shares = [f"W={r['world_size']} {rate_name(r['rate_mbit'])}: {100 * r['breakdown_ms']['comm_wait'] / r['breakdown_ms']['step']:.0f} %"
+              for r in rows if r["config"] == "tw"]
+    if shares:
+        lines += ["", "Stock TABLE_WISE's communication share of its step (comm wait / step): " + ", ".join(shares) + "."]
+    return "\n".join(lines)
+
+
+def plot(rows: List[Dict[str, Any]], out: Path) -> None:
+    """Left: speedup over the baseline (W=2: TABLE_WISE, W=4: default plan) vs link rate, one line per
+    configuration and world size; right: herald full's and the baseline's step-time breakdown."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rates = sorted({r["rate_mbit"] for r in rows}, key=lambda v: (v == 0, v))
+    worlds = sorted({r["world_size"] for r in rows})
+    fig, axes = plt.subplots(1, 2, figsize=(13, 4.8))
+    ax = axes[0]
+    styles = {"tw": ("#8c8c8c", "s"), "stock": ("#4c4c4c", "^"), "hot": ("#4c72b0", "o"), "herald": ("#dd8452", "D")}
+    for w, ls in zip(worlds, ("-", "--", ":")):
+        base = "tw" if w == 2 else "stock"
+        for cfg, (color, marker) in styles.items():
+            ys = []
+            for rate in rates:
+                m = [r for r in rows if r["world_size"] == w and r["rate_mbit"] == rate and r["config"] == cfg]
+                ys.append(m[0][f"speedup_vs_{base}"] if m else float("nan"))
+            if cfg != base:
+                ax.plot(range(len(rates)), ys, ls, color=color, marker=marker,
+                        label=f"W={w}: {CONFIGS[cfg][0]} / {CONFIGS[base][0]}")
+    ax.axhline(1.0, color="black", lw=0.8)
+    ax.set_xticks(range(len(rates)), [rate_name(v) for v in rates])
+    ax.set_xlabel("per-rank link rate (tc tbf)")
+    ax.set_ylabel("samples/s relative to the stock baseline")
+    ax.set_title("Speedup vs bandwidth (higher is better)")
+    ax.legend(fontsize=7)
+    ax.grid(alpha=0.3)
+    ax = axes[1]
+    parts = [("compute", "#4c72b0"), ("comm_wait", "#c44e52"), ("scheduler_critical", "#dd8452")]
+    labels, bottoms = [], []
+    sel = [r for r in rows if r["config"] in ("herald", "tw" if r["world_size"] == 2 else "stock")]
+    sel.sort(key=lambda r: (r["world_size"], (r["rate_mbit"] == 0, r["rate_mbit"]), r["config"] != "herald"))
+    x = range(len(sel))
+    bottom = [0.0] * len(sel)
+    for part, color in parts:
+        vals = [r["breakdown_ms"][part] for r in sel]
+        ax.bar(x, vals, bottom=bottom, color=color, label=part.replace("_", " "))
+        bottom = [b + v for b, v in zip(bottom, vals)]
+    ax.set_xticks(list(x), [f"W={r['world_size']} {rate_name(r['rate_mbit']).replace(' Mbit/s', 'M')}\n"
+                            f"{'herald' if r['config'] == 'herald' else CONFIGS[r['config']][0].replace('stock ', '')}"
+                            for r in sel], fontsize=6, rotation=90)
+    ax.set_ylabel("ms per step (rank 0)")
+    ax.set_title("Step-time breakdown: herald full vs the baseline")
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(out, dpi=130)
+    plt.close(fig)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--world-sizes", type=int, nargs="+", default=[2, 4])
+    p.add_argument("--rates", type=int, nargs="+", default=[0, 1000, 200, 50], help="Mbit/s per link; 0 = unlimited")
+    p.add_argument("--configs", nargs="+", default=list(CONFIGS), choices=list(CONFIGS))
+    p.add_argument("--steps", type=int, default=100)
+    p.add_argument("--segments", type=int, default=5)
+    p.add_argument("--warmup", type=int, default=40, help="untimed steps (herald's scheduling=auto decides within 30)")
+    p.add_argument("--out", default=str(HERE / "results" / "bandwidth.json"))
+    p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--config", help=argparse.SUPPRESS)
+    a = p.parse_args()
+    if a.worker:
+        worker(a.config, a.steps, a.segments, a.warmup, a.out)
+        return
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
+    if os.geteuid() != 0:
+        raise SystemExit("bench_bandwidth needs root (ip netns, veth, tc)")
+    if a.steps % a.segments:
+        raise SystemExit(f"--steps {a.steps} must be a multiple of --segments {a.segments}")
+    rows: List[Dict[str, Any]] = []
+    for world in a.world_sizes:
+        setup(world)
+        try:
+            for rate in a.rates:
+                limit(world, rate)
+                for config in a.configs:
+                    with tempfile.TemporaryDirectory() as tmp:
+                        row = run_one(world, config, a, Path(tmp))
+                    row.update(world_size=world, rate_mbit=rate)
+                    rows.append(row)
+                    logger.info("W=%d %s %s: %.0f samples/s, %s", world, rate_name(rate), config,
+                                row["samples_per_s"], {k: round(v, 1) for k, v in row["breakdown_ms"].items()})
+        finally:
+            teardown(world)
+    ratios(rows)
+    from machine_info import machine as machine_info
+
+    command = "python benchmarks/bench_bandwidth.py " + " ".join(sys.argv[1:])
+    out = Path(a.out)
+    out.parent.mkdir(exist_ok=True)
+    out.write_text(json.dumps({"machine": machine_info(), "command": command.strip(), "rows": rows}, indent=2))
+    plot(rows, out.with_suffix(".png"))
+    section = markdown(rows, command.strip())
+    from bench_traffic import write_results_md
+
+    write_results_md({"BANDWIDTH": section})
+    sys.stdout.write(section + "\n")
+
+
+if __name__ == "__main__":
+    main()

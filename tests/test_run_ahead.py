@@ -1,0 +1,211 @@
+"""Scheduling off the critical path (issue 10): ``pipeline.global_batches`` (every rank reads the whole
+global batch and allocates/plans alone), ``pipeline.run_ahead`` (a worker thread schedules batch t+K and
+plans step t+1 while step t trains) and ``pipeline.scheduling=auto`` (time scheduling on and off, keep
+the faster).
+
+* The global-batch path, with and without run-ahead, trains **bit for bit** what the per-rank path
+  (scores all-gathered, samples exchanged, reads all-gathered) trains: the same per-step losses on every
+  rank, the same final weights, the same samples moved and the same plan counters; and it sends no
+  scheduling or sample bytes (TrafficMeter tags).
+* ``auto`` switches on its schedule (flushing the plan), decides the same on every rank, and trains
+  what stock TABLE_WISE trains (1e-5 relative, as every exactness test).
+* Stopping a run-ahead run early (a plan already made for the next step) and detaching leaves the
+  model stock TABLE_WISE has after the same steps.
+* A bad id in one rank's part of a global batch is one ValueError on every rank, naming the rank.
+"""
+
+from __future__ import annotations
+
+import functools
+import itertools
+from typing import Any, Dict, List
+
+import pytest
+import torch
+
+from herald_harness import MappedData, error_of
+from torchrec_herald.dist_utils import run_multiprocess
+
+STEPS = 24
+RTOL = 1e-5
+COMMON = dict(optimizer="rowwise_adagrad", via="apply", pooling="SUM", steps=STEPS, batch_size=32)
+
+
+def _run(rank: int, world: int, cfg: Dict[str, Any], pipeline: Any, global_batches: bool,
+         stop_after: int = 0) -> Dict[str, Any]:
+    from herald_harness import build, full_state, run_steps
+
+    from torchrec_herald.pipeline import HeraldTrainPipeline
+    from torchrec_herald.traffic import TrafficMeter
+
+    b = build(world, cfg)
+    B = b["batch_size"]
+    it = b["data"].train_batches(0, 1, world * B) if global_batches else b["data"].train_batches(rank, world, B)
+    with TrafficMeter(embedding_dim=8) as meter:
+        if stop_after:  # stop mid-run: the run-ahead thread has planned the next step; detach flushes
+            pipe = HeraldTrainPipeline(b["dmp"], b["optimizer"], b["device"], **pipeline)
+            losses = [pipe.progress(it)[0].item() for _ in range(stop_after)]
+            pipe.detach()
+        elif pipeline == "plain":
+            losses = run_steps(b["dmp"], b["optimizer"], it, "plain")
+            pipe = None
+        else:
+            losses = run_steps(b["dmp"], b["optimizer"], it, pipeline)
+            pipe = run_steps.last_pipeline  # type: ignore[attr-defined]
+    out = {"losses": losses, "state": full_state(b["dmp"]), "tags": meter.tag_summary(), "wait_s": meter.wait_s}
+    if pipe is not None:
+        out.update(moved=pipe.stats.moved_samples, counters=pipe.stats.counters, report=pipe.scheduling_report(),
+                   overlapped=pipe.stats.ahead_s)
+    return out
+
+
+def _worker(rank: int, world: int) -> Dict[str, Any]:
+    herald = dict(COMMON, planner="herald")
+    out: Dict[str, Any] = {
+        "per_rank": _run(rank, world, herald, {}, False),
+        "global": _run(rank, world, herald, dict(global_batches=True), True),
+        "ahead": _run(rank, world, herald, dict(global_batches=True, run_ahead=True), True),
+        "auto": _run(rank, world, herald, dict(global_batches=True, run_ahead=True, scheduling="auto",
+                                               probe_steps=4), True),
+        "stock": _run(rank, world, dict(COMMON, planner="table_wise"), "plain", False),
+        "stopped": _run(rank, world, herald, dict(global_batches=True, run_ahead=True), True, stop_after=9),
+        "stock_9": _run(rank, world, dict(COMMON, planner="table_wise", steps=9), "plain", False),
+    }
+    if world == 2:
+        from herald_harness import build
+
+        b = build(world, dict(herald, steps=4))
+        feature = b["data"].feature_names[3]
+
+        def poison(step: int, r: int, w: int, bs: int, batch: Any) -> Any:
+            """Global batch 2: sample B+1 (rank 1's part) gets an id past its table."""
+            if step != 2:
+                return batch
+            kjt = batch.sparse_features
+            values = kjt.values().clone()
+            start = int(kjt.offsets()[3 * bs + bs // 2 + 1])
+            values[start] = 10**6
+            from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
+
+            kjt = KeyedJaggedTensor(keys=kjt.keys(), values=values, lengths=kjt.lengths())
+            return type(batch)(dense_features=batch.dense_features, sparse_features=kjt, labels=batch.labels)
+
+        from torchrec_herald.pipeline import HeraldTrainPipeline
+
+        data = MappedData(b["data"], poison)
+        pipe = HeraldTrainPipeline(b["dmp"], b["optimizer"], b["device"], global_batches=True, run_ahead=True,
+                                   window=1)
+        it = data.train_batches(0, 1, world * b["batch_size"])
+        out["bad_id"] = error_of(lambda: [pipe.progress(it) for _ in range(4)])
+        out["feature"] = feature
+    return out
+
+
+@functools.lru_cache(maxsize=None)
+def results(world: int) -> List[Dict[str, Any]]:
+    return run_multiprocess(_worker, world, timeout_s=600)
+
+
+def rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a.double() - b.double()).abs().max() / b.double().abs().max().clamp(min=1e-12))
+
+
+def _close(h: Dict[str, torch.Tensor], s: Dict[str, torch.Tensor]) -> None:
+    assert set(h) == set(s)
+    bad = {k: rel(h[k], s[k]) for k in s if not rel(h[k], s[k]) <= RTOL}
+    assert not bad, bad
+
+
+@pytest.mark.parametrize("world", [2, 3])
+@pytest.mark.parametrize("run", ["global", "ahead"])
+def test_global_batches_train_bit_for_bit_like_the_per_rank_path(world: int, run: str) -> None:
+    for r in results(world):
+        ref, got = r["per_rank"], r[run]
+        assert len(got["losses"]) == STEPS and got["losses"] == ref["losses"]
+        assert all(torch.equal(got["state"][k], ref["state"][k]) for k in ref["state"])
+        assert got["moved"] == ref["moved"] > 0 and got["counters"] == ref["counters"]
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_global_batches_send_no_scheduling_or_sample_bytes(world: int) -> None:
+    for r in results(world):
+        assert {"herald_samples", "herald_schedule_meta"} <= set(r["per_rank"]["tags"])
+        for run in ("global", "ahead"):
+            assert not {"herald_samples", "herald_schedule_meta"} & set(r[run]["tags"]), r[run]["tags"]
+        assert r["ahead"]["overlapped"] > 0 and r["global"]["overlapped"] == 0
+        assert r["stock"]["wait_s"] > 0  # TrafficMeter timed stock's collectives (async ones via wait())
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_auto_scheduling_probes_both_modes_decides_alike_and_stays_exact(world: int) -> None:
+    res = results(world)
+    reports = [r["auto"]["report"] for r in res]
+    assert reports[0]["setting"] == "auto" and reports[0]["decided"] is True
+    assert reports[0]["mode"] in ("on", "off") and all(rep == reports[0] for rep in reports)
+    assert reports[0]["mode"] == ("on" if reports[0]["on_ms_per_step"] <= reports[0]["off_ms_per_step"] else "off")
+    # the probe ran with scheduling off (steps 6-11): herald's own per-step path carried hot rows then
+    assert "herald_hot_sync" in res[0]["auto"]["tags"] and "herald_pull" in res[0]["auto"]["tags"]
+    h = torch.tensor([r["auto"]["losses"] for r in res], dtype=torch.float64).mean(0)
+    s = torch.tensor([r["stock"]["losses"] for r in res], dtype=torch.float64).mean(0)
+    assert float(((h - s).abs() / s.abs()).max()) <= RTOL
+    for r in res:
+        _close(r["auto"]["state"], r["stock"]["state"])
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_stopping_a_run_ahead_run_early_leaves_stock_weights(world: int) -> None:
+    res = results(world)
+    for r in res:
+        assert len(r["stopped"]["losses"]) == 9
+        _close(r["stopped"]["state"], r["stock_9"]["state"])
+
+
+def test_bad_id_in_one_ranks_part_of_a_global_batch_is_one_error_on_every_rank() -> None:
+    for r in results(2):
+        msg = r["bad_id"]
+        assert msg.startswith("ValueError: id 1000000 of feature "), msg
+        assert f"'{r['feature']}'" in msg and "rank 1's batch" in msg, msg
+
+
+def test_options_of_the_run_ahead_path_are_checked() -> None:
+    from torchrec_herald.pipeline.options import HeraldPipelineConfig
+    from torchrec_herald.pipeline.stale_skip import SkipConfig
+
+    with pytest.raises(ValueError, match="pipeline.run_ahead needs pipeline.global_batches=true"):
+        HeraldPipelineConfig(run_ahead=True)
+    with pytest.raises(ValueError, match="pipeline.scheduling=auto needs pipeline.global_batches=true"):
+        HeraldPipelineConfig(scheduling="auto")
+    with pytest.raises(ValueError, match=r"unknown pipeline.scheduling 'maybe'; known: \['on', 'off', 'auto'\]"):
+        HeraldPipelineConfig(scheduling="maybe", global_batches=True)
+    with pytest.raises(ValueError, match="pipeline.probe_steps must be >= 2, got 1"):
+        HeraldPipelineConfig(probe_steps=1)
+    with pytest.raises(ValueError, match="pipeline.global_batches needs pipeline.skip=null"):
+        HeraldPipelineConfig(global_batches=True, skip=SkipConfig(granularity="input"))
+
+
+def test_hydra_defaults_schedule_ahead_and_skip_falls_back_to_per_rank() -> None:
+    from torchrec_herald.config import compose_config
+    from torchrec_herald.trainer import herald_pipeline_config
+
+    c = herald_pipeline_config(compose_config(["planner=herald", "pipeline=herald"]))
+    assert (c.global_batches, c.run_ahead, c.scheduling) == (True, True, "auto")
+    c = herald_pipeline_config(compose_config(["planner=herald", "pipeline=herald", "pipeline.skip=input"]))
+    assert (c.global_batches, c.run_ahead, c.scheduling) == (False, False, "on")
+
+
+def test_run_ahead_batches_are_consumed_in_order() -> None:
+    """The trainer's global stream for a herald pipeline is the source's global batches, in order."""
+    from torchrec_herald.data import SyntheticCriteo
+    from torchrec_herald.pipeline.train_pipeline import select_samples
+
+    data = SyntheticCriteo(scale=0.001, num_train_batches=3, seed=1)
+    glob = list(data.train_batches(0, 1, 8))
+    mine = list(itertools.chain.from_iterable(data.train_batches(r, 2, 4) for r in range(2)))
+    for i, g in enumerate(glob):
+        for r in range(2):
+            part = select_samples(g, torch.arange(r * 4, (r + 1) * 4))
+            ref = list(data.train_batches(r, 2, 4))[i]
+            assert torch.equal(part.dense_features, ref.dense_features) and torch.equal(part.labels, ref.labels)
+            assert torch.equal(part.sparse_features.values(), ref.sparse_features.values())
+            assert torch.equal(part.sparse_features.lengths(), ref.sparse_features.lengths())
+    assert len(mine) == 6
