@@ -7,6 +7,8 @@ the faster).
   (scores all-gathered, samples exchanged, reads all-gathered) trains: the same per-step losses on every
   rank, the same final weights, the same samples moved and the same plan counters; and it sends no
   scheduling or sample bytes (TrafficMeter tags).
+* ``off`` is hot replication alone under TorchRec's ``TrainPipelineSparseDist`` (this rank's slice of
+  each global batch) and trains what stock TABLE_WISE trains.
 * ``auto`` switches on its schedule (flushing the plan), decides the same on every rank, and trains
   what stock TABLE_WISE trains (1e-5 relative, as every exactness test).
 * Stopping a run-ahead run early (a plan already made for the next step) and detaching leaves the
@@ -67,6 +69,7 @@ def _worker(rank: int, world: int) -> Dict[str, Any]:
         "ahead": _run(rank, world, herald, dict(global_batches=True, run_ahead=True), True),
         "auto": _run(rank, world, herald, dict(global_batches=True, run_ahead=True, scheduling="auto",
                                                probe_steps=4), True),
+        "off": _run(rank, world, herald, dict(global_batches=True, run_ahead=True, scheduling="off"), True),
         "stock": _run(rank, world, dict(COMMON, planner="table_wise"), "plain", False),
         "stopped": _run(rank, world, herald, dict(global_batches=True, run_ahead=True), True, stop_after=9),
         "stock_9": _run(rank, world, dict(COMMON, planner="table_wise", steps=9), "plain", False),
@@ -150,6 +153,19 @@ def test_auto_scheduling_probes_both_modes_decides_alike_and_stays_exact(world: 
     assert float(((h - s).abs() / s.abs()).max()) <= RTOL
     for r in res:
         _close(r["auto"]["state"], r["stock"]["state"])
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_scheduling_off_is_hot_replication_alone_under_torchrecs_pipeline(world: int) -> None:
+    res = results(world)
+    for r in res:
+        off = r["off"]
+        assert len(off["losses"]) == STEPS and off["report"] == {"setting": "off", "mode": "off"}
+        assert "herald_pooled" in off["tags"] and "herald_pull" not in off["tags"] and off["moved"] == 0
+        _close(off["state"], r["stock"]["state"])
+    h = torch.tensor([r["off"]["losses"] for r in res], dtype=torch.float64).mean(0)
+    s = torch.tensor([r["stock"]["losses"] for r in res], dtype=torch.float64).mean(0)
+    assert float(((h - s).abs() / s.abs()).max()) <= RTOL
 
 
 @pytest.mark.parametrize("world", [2, 3])

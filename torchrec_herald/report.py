@@ -52,6 +52,7 @@ def headline(m: Dict[str, Any]) -> Dict[str, float]:
         "collective_calls_per_step_per_rank": m["traffic_per_step_total"]["calls"] / max(int(m["world_size"]), 1),
         "samples_per_s_all_ranks": m["samples_per_s"],
         "step_time_ms_p50": 1e3 * m["step_time_s"].get("p50", float("nan")),
+        **{f"step_{k}_ms_mean": v for k, v in m.get("step_time_breakdown_ms", {}).items()},
         "train_time_s": m["train_time_s"],
         "steps": float(steps),
         "eval_auc": m.get("eval", {}).get("auc", float("nan")),

@@ -141,7 +141,33 @@ def build_plan(cfg: DictConfig, model: nn.Module, tables: List[Any], data: DataS
                             batch_size=cfg.batch_size, stats=stats,
                             hot_memory_budget_bytes=cfg.planner.hot_memory_budget_bytes,
                             hot_set_selector=selectors[cfg.planner.selector]())
-    return planner.collective_plan(model, sharders, dist.group.WORLD), sharders  # rank 0 logs describe()
+    plan = planner.collective_plan(model, sharders, dist.group.WORLD)  # rank 0 logs describe()
+    link = link_model(cfg)
+    if link is not None:
+        from torchrec_herald.planner import herald_tables
+        from torchrec_herald.planner.link_model import decide
+
+        decision = decide([s.expected for s in herald_tables(plan).values()], world_size, link)
+        logger.info("planner.link_mbit: %s", decision.describe())
+        if not decision.herald:
+            stock_sharders = [CpuEmbeddingBagCollectionSharder()]
+            plan = stock_plan(model, tables, stock_sharders, "table_wise", world_size, cfg.batch_size, device,
+                              dist.group.WORLD)
+            sharders = stock_sharders
+        plan.link_decision = decision.as_dict()  # type: ignore[attr-defined]  # -> metrics.json "link_decision"
+    return plan, sharders
+
+
+def link_model(cfg: DictConfig) -> Any:
+    """The planner's :class:`~torchrec_herald.planner.link_model.LinkModel` (``planner.link_mbit`` etc.), or
+    None when the link rate is not given (herald's plan is then kept whatever the link)."""
+    from torchrec_herald.planner.link_model import LinkModel
+
+    p = cfg.planner
+    if p.get("link_mbit") is None:
+        return None
+    return LinkModel(link_mbit=float(p.link_mbit), collective_latency_ms=float(p.get("collective_latency_ms", 1.0)),
+                     cpu_us_per_lookup=float(p.get("cpu_us_per_lookup", 0.6)))
 
 
 def build_pipeline(cfg: DictConfig, dmp: nn.Module, optimizer: Any, device: torch.device) -> Any:
@@ -149,6 +175,13 @@ def build_pipeline(cfg: DictConfig, dmp: nn.Module, optimizer: Any, device: torc
     the group's options, see :func:`herald_pipeline_config`)."""
     name = cfg.pipeline.name
     if name == "herald":
+        from torchrec_herald.sharding.hot_replicated import ShardedHeraldEmbeddingBagCollection
+
+        if not any(isinstance(m, ShardedHeraldEmbeddingBagCollection) for m in dmp.modules()):
+            # planner.link_mbit chose stock TABLE_WISE: there is nothing for herald's pipeline to schedule
+            logger.info("pipeline=herald: the plan is stock TABLE_WISE (planner.link_mbit), training with "
+                        "TorchRec's TrainPipelineSparseDist")
+            return TrainPipelineSparseDist(dmp, optimizer, device)
         return HeraldTrainPipeline(dmp, optimizer, device, config=herald_pipeline_config(cfg))
     if name not in PIPELINES:
         raise ValueError(f"unknown pipeline.name {name!r}; expected one of {sorted(PIPELINES) + ['herald']}")
@@ -195,6 +228,7 @@ def preflight(cfg: DictConfig) -> DataSource:
             raise ValueError(f"planner.hot_memory_budget_bytes must be >= 0, got {p.hot_memory_budget_bytes}")
         if int(p.stats_batches) < 1:
             raise ValueError(f"planner.stats_batches must be >= 1, got {p.stats_batches}")
+        link_model(cfg)  # planner.link_mbit / collective_latency_ms / cpu_us_per_lookup: one error naming the key
     else:
         raise ValueError(f"unknown planner.name {p.name!r}; expected 'stock' or 'herald'")
     name = cfg.pipeline.name
@@ -488,6 +522,7 @@ def run_training(cfg: DictConfig, run_dir: Path, show_progress: bool = True) -> 
         "train_time_s": train_time,
         "samples_per_s": steps * world * cfg.batch_size / train_time,
         "step_time_s": _percentiles(step_times),
+        "step_time_breakdown_ms": step_time_breakdown(train_time / steps, meter.wait_s / steps, pipeline),
         "train_logloss": loss_t[-window:].mean().item(),
         "train_logloss_first": loss_t[:window].mean().item(),
         "eval": eval_metrics,
@@ -496,6 +531,7 @@ def run_training(cfg: DictConfig, run_dir: Path, show_progress: bool = True) -> 
                                    for m in ("calls", "bytes", "embedding_vectors")},
         "traffic_per_step_by_tag": {k: {m: v / steps for m, v in s.items()} for k, s in traffic_tags.items()},
         "plan": plan,
+        "link_decision": getattr(sharding_plan, "link_decision", None),
         "herald": herald,
         "herald_pipeline": (pipeline.stats.summary(train_time / steps) | {"sync": pipeline.sync,
                             "allocator": pipeline.allocator, "window": pipeline.window,
@@ -541,6 +577,29 @@ def _plot(run_dir: Path, losses: List[float], metrics: Dict[str, Any]) -> None:
     plt.close(fig)
 
 
+def step_time_breakdown(step_s: float, wait_s: float, pipeline: Any) -> Dict[str, float]:
+    """Where a rank-0 step's wall time goes, ms: ``comm_wait`` (blocked in collectives: sync calls and
+    the ``wait()`` of async ones; DDP's all-reduce is awaited in autograd's C++ and counts as compute),
+    ``scheduler_critical`` (herald scheduling on the critical path, its collectives excluded),
+    ``compute`` (the rest), and ``scheduler_overlapped`` (scheduling the run-ahead thread did while
+    steps trained: not part of the step)."""
+    crit = over = 0.0
+    if isinstance(pipeline, HeraldTrainPipeline):
+        n = max(pipeline.stats.steps, 1)
+        crit = (pipeline.stats.scheduler_s - pipeline.stats.comm_s) / n
+        over = pipeline.stats.ahead_s / n
+    return {"step": 1e3 * step_s, "compute": 1e3 * (step_s - wait_s - crit), "comm_wait": 1e3 * wait_s,
+            "scheduler_critical": 1e3 * crit, "scheduler_overlapped": 1e3 * over}
+
+
+def _breakdown_cell(m: Dict[str, Any]) -> str:
+    b = m.get("step_time_breakdown_ms")
+    if not b:
+        return "–"
+    return (f"{b['step']:.1f} = {b['compute']:.1f} + {b['comm_wait']:.1f} + {b['scheduler_critical']:.1f} "
+            f"(ahead {b['scheduler_overlapped']:.1f})")
+
+
 def format_comparison_table(runs: Dict[str, Dict[str, Any]]) -> str:
     """Markdown table, one column per run (e.g. stock baseline vs herald) and a last/first ratio."""
     names = list(runs)
@@ -556,6 +615,7 @@ def format_comparison_table(runs: Dict[str, Dict[str, Any]]) -> str:
         ("embedding KiB per step", [emb_kib(m) for m in ms], "ratio"),
         ("embedding vectors per step", [m["traffic_per_step_total"]["embedding_vectors"] for m in ms], "ratio"),
         ("samples/s", [m["samples_per_s"] for m in ms], "ratio"),
+        ("step ms = compute + comm wait + scheduler (ahead: off the path)", [_breakdown_cell(m) for m in ms], None),
         ("train logloss (last)", [m["train_logloss"] for m in ms], "diff"),
         ("eval AUC", [m["eval"].get("auc", float("nan")) for m in ms], "diff"),
         ("eval logloss", [m["eval"].get("logloss", float("nan")) for m in ms], "diff"),
@@ -585,6 +645,7 @@ def format_metrics_table(metrics: Dict[str, Any]) -> str:
         ("samples/s", f"{metrics['samples_per_s']:.0f}"),
         ("step time p50 / p90 (ms)", f"{metrics['step_time_s']['p50'] * 1e3:.1f} / "
                                      f"{metrics['step_time_s']['p90'] * 1e3:.1f}"),
+        ("step ms = compute + comm wait + scheduler (ahead: off the path)", _breakdown_cell(metrics)),
         ("train logloss first → last", f"{metrics['train_logloss_first']:.4f} → {metrics['train_logloss']:.4f}"),
         ("eval AUC", f"{ev.get('auc', float('nan')):.4f}"),
         ("eval logloss", f"{ev.get('logloss', float('nan')):.4f}"),

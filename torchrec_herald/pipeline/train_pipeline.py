@@ -28,7 +28,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torchrec.datasets.utils import Batch
-from torchrec.distributed.train_pipeline import TrainPipeline, TrainPipelineContext
+from torchrec.distributed.train_pipeline import TrainPipeline, TrainPipelineContext, TrainPipelineSparseDist
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from torchrec_herald.comm import all_gather_varlen, all_to_all_rows
@@ -225,6 +225,11 @@ class HeraldTrainPipeline(TrainPipeline[Batch, Any]):
             {"seconds": {"on": 0.0, "off": 0.0}, "steps": {"on": 0, "off": 0}, "decided": False}
             if c.scheduling == "auto" else None)
         self._step_started: Optional[float] = None
+        # scheduling off for good ("off", or "auto" decided off): hot replication alone runs under TorchRec's
+        # own TrainPipelineSparseDist (its input dist overlapped with compute), fed this rank's samples
+        self._delegate: Optional[TrainPipelineSparseDist] = None
+        self._delegate_src: Optional[Iterator[Batch]] = None
+        self._delegate_it: Optional[Iterator[Batch]] = None
 
     @property
     def skipper(self) -> Any:
@@ -481,6 +486,8 @@ class HeraldTrainPipeline(TrainPipeline[Batch, Any]):
             ValueError: the first window cannot be filled (``window`` > batches left), bad ids (every rank).
         """
         self._auto_schedule()
+        if self._scheduling_off_for_good():
+            return self._delegate_progress(dataloader_iter)
         self.fill(dataloader_iter)
         if not self._queue:
             self.flush()
@@ -544,6 +551,8 @@ class HeraldTrainPipeline(TrainPipeline[Batch, Any]):
                     "" if best == "on" else ": scheduling costs more time than it saves on this link and machine")
         if best != self.mode:
             self._switch(best)
+        if best == "off":  # for good: the window's batches no longer need every rank's reads
+            self._reads_needed = False
 
     def _switch(self, mode: str) -> None:
         """Change mode between steps (every rank at the same step): turning the plan off flushes it."""
@@ -552,6 +561,42 @@ class HeraldTrainPipeline(TrainPipeline[Batch, Any]):
             self.flush()
         self.mode = mode
         self._apply_mode()
+
+    def _scheduling_off_for_good(self) -> bool:
+        return self.mode == "off" and (self.probe is None or bool(self.probe["decided"]))
+
+    def _delegate_progress(self, it: Iterator[Batch]) -> Any:
+        """One step of hot replication alone under TorchRec's ``TrainPipelineSparseDist``: first the
+        window's batches (this rank's share, already read), then this rank's slice of each global batch."""
+        if self._delegate is None:
+            self._collect_ahead()
+            self.flush()
+            self._delegate = TrainPipelineSparseDist(self._model, self._optimizer, self._device)
+        if self._delegate_src is not it:
+            queued = [ctx.batch for ctx in self._queue]
+            self._queue.clear()
+            self._delegate_src, self._delegate_it = it, self._my_share(queued, it)
+        try:
+            out = self._delegate.progress(self._delegate_it)
+        except StopIteration:
+            self._delegate_src = self._delegate_it = None
+            raise
+        self.stats.steps += 1
+        return out
+
+    def _my_share(self, queued: List[Any], it: Iterator[Batch]) -> Iterator[Batch]:
+        yield from queued
+        for batch in it:
+            if self.global_batches:
+                B = batch.sparse_features.stride() // self._W
+                batch = select_samples(batch, torch.arange(self._rank * B, (self._rank + 1) * B))
+            yield batch
+
+    def _drop_delegate(self) -> None:
+        if self._delegate is not None:
+            self._delegate.detach()
+            self._delegate = None
+        self._delegate_src = self._delegate_it = None
 
     def scheduling_report(self) -> Dict[str, Any]:
         """``metrics.json`` ``herald_pipeline.scheduling``: the mode, and for ``auto`` the probe's figures."""
@@ -609,6 +654,7 @@ class HeraldTrainPipeline(TrainPipeline[Batch, Any]):
         iterator it is given (a checkpoint's data position); the next batch is allocated as the
         ``stats.steps``-th. A run resumed from a checkpoint taken here trains like one never stopped."""
         self._cancel_ahead()
+        self._drop_delegate()
         self.flush()
         self._queue.clear()
         self._exhausted = self._started = False
@@ -654,6 +700,7 @@ class HeraldTrainPipeline(TrainPipeline[Batch, Any]):
         """Flush and hand back the model (as ``TrainPipelineSparseDist.detach``); hot rows frozen by
         stale-update skipping are trained again (the herald EBC would otherwise keep them frozen)."""
         self._cancel_ahead()
+        self._drop_delegate()
         self.flush()
         if self._ahead is not None:
             self._ahead.shutdown(wait=True)

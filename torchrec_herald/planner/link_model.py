@@ -1,0 +1,98 @@
+"""Price time, not only bytes: does herald's plan pay on this link (DESIGN §6, issue 10)?
+
+Herald trades link time (fewer bytes) for collectives and CPU work per step. Given the per-rank link rate,
+a per-collective latency and herald's measured extra CPU per lookup, :func:`decide` compares the
+predicted per-step cost of herald's plan with stock TABLE_WISE's (its exact reference) and keeps herald
+only where it is predicted faster; the trainer then trains the TABLE_WISE plan and says why.
+
+Predicted cost per rank and step (the dense all-reduce and the model's compute are the same for both
+and cancel out):
+
+    stock  = bytes_TW / W / rate + c_TW · latency
+    herald = bytes_herald / W / rate + c_herald · latency + cpu_per_lookup · lookups / W
+
+with the bytes of the planner's own traffic model (``HotSpec.expected``) and ``c_TW`` / ``c_herald``
+the collectives per rank and step TrafficMeter counts besides the dense all-reduce.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Iterable, Mapping
+
+__all__ = ["LinkModel", "LinkDecision", "decide", "STOCK_TW_COLLECTIVES", "HERALD_COLLECTIVES"]
+
+#: collectives per rank and step besides the dense all-reduce (TrafficMeter, 2 ranks, 200 steps):
+#: stock TABLE_WISE under TrainPipelineSparseDist: input dist (splits, ids) + pooled all-to-all + its gradient
+STOCK_TW_COLLECTIVES = 5
+#: herald's hot replication: counts + ids, pooled + gradient, hot sync (sparse exchange + dense all-reduce)
+HERALD_COLLECTIVES = 7
+
+
+@dataclass(frozen=True)
+class LinkModel:
+    """The link and herald's CPU price (``planner.link_mbit``, ``planner.collective_latency_ms``,
+    ``planner.cpu_us_per_lookup``).
+
+    Args:
+        link_mbit: each rank's link rate in Mbit/s (> 0).
+        collective_latency_ms: time a collective costs beyond its bytes (>= 0): a fabric's ~0.02 ms;
+            gloo on 2 shared CPU cores ~1 ms (RESULTS.md, "Speed under emulated bandwidth").
+        cpu_us_per_lookup: herald's extra CPU time per lookup over stock's fused kernels (>= 0), measured as
+            (herald hot replication's compute − TABLE_WISE's) / lookups per rank at an unlimited link.
+    """
+
+    link_mbit: float
+    collective_latency_ms: float = 1.0
+    cpu_us_per_lookup: float = 0.6
+
+    def __post_init__(self) -> None:
+        if not self.link_mbit > 0:
+            raise ValueError(f"planner.link_mbit must be > 0 Mbit/s (or null: unknown), got {self.link_mbit}")
+        if self.collective_latency_ms < 0:
+            raise ValueError(f"planner.collective_latency_ms must be >= 0, got {self.collective_latency_ms}")
+        if self.cpu_us_per_lookup < 0:
+            raise ValueError(f"planner.cpu_us_per_lookup must be >= 0, got {self.cpu_us_per_lookup}")
+
+    def transfer_ms(self, nbytes: float) -> float:
+        """Milliseconds to send ``nbytes`` over the link."""
+        return nbytes * 8 / (self.link_mbit * 1e3)
+
+
+@dataclass(frozen=True)
+class LinkDecision:
+    """Herald's plan or stock TABLE_WISE, with the predicted per-rank step costs behind the choice."""
+
+    herald: bool
+    stock_ms: float
+    herald_ms: float
+    link_mbit: float
+
+    def describe(self) -> str:
+        verdict = ("herald's plan" if self.herald else
+                   "stock TABLE_WISE (herald's replication and scheduling cannot pay on this link)")
+        return (f"link {self.link_mbit:g} Mbit/s: predicted embedding cost per rank and step {self.herald_ms:.1f} ms "
+                f"with herald vs {self.stock_ms:.1f} ms stock TABLE_WISE -> {verdict}")
+
+    def as_dict(self) -> dict:
+        return {"herald": self.herald, "predicted_stock_ms": self.stock_ms, "predicted_herald_ms": self.herald_ms,
+                "link_mbit": self.link_mbit, "text": self.describe()}
+
+
+def decide(expected: Iterable[Mapping[str, float]], world_size: int, model: LinkModel) -> LinkDecision:
+    """Compare herald's plan with stock TABLE_WISE on ``model``'s link.
+
+    Args:
+        expected: per herald table, the planner's expected traffic (``HotSpec.expected``: ``lookups``,
+            ``stock_table_wise`` and ``herald_total`` bytes per step, all ranks).
+        world_size: W.
+    """
+    expected = list(expected)
+    lookups = sum(e.get("lookups", 0.0) for e in expected) / world_size
+    stock_bytes = sum(e.get("stock_table_wise", 0.0) for e in expected) / world_size
+    herald_bytes = sum(e.get("herald_total", 0.0) for e in expected) / world_size
+    lat = model.collective_latency_ms
+    stock_ms = model.transfer_ms(stock_bytes) + STOCK_TW_COLLECTIVES * lat
+    herald_ms = (model.transfer_ms(herald_bytes) + HERALD_COLLECTIVES * lat
+                 + model.cpu_us_per_lookup * lookups / 1e3)
+    return LinkDecision(herald=herald_ms < stock_ms, stock_ms=stock_ms, herald_ms=herald_ms, link_mbit=model.link_mbit)
