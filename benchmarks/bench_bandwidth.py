@@ -50,6 +50,8 @@ CONFIGS: Dict[str, tuple] = {
     "hot": ("herald hot replication", ["planner=herald", "pipeline=sparse_dist"]),
     "herald": ("herald full", ["planner=herald", "pipeline=herald"]),
 }
+#: herald full declares the link it runs on (planner.link_mbit); "unlimited" (veth without tc) as 10 Gbit/s
+UNLIMITED_DECLARED_MBIT = 10_000
 
 
 def limit(world: int, rate_mbit: int) -> None:
@@ -65,7 +67,7 @@ def limit(world: int, rate_mbit: int) -> None:
                    "burst", str(burst), "latency", "100ms")
 
 
-def worker(config: str, steps: int, segments: int, warmup: int, out: str) -> None:
+def worker(config: str, steps: int, segments: int, warmup: int, out: str, rate: int) -> None:
     """One rank (inside its namespace): build the configuration, warm up, time ``steps`` steps."""
     import torch
     import torch.distributed as dist
@@ -80,9 +82,10 @@ def worker(config: str, steps: int, segments: int, warmup: int, out: str) -> Non
     torch.set_num_threads(1)
     rank, world, device = init_distributed()
     window = 5
-    cfg = compose_config(CONFIGS[config][1] + [f"data.num_train_batches={warmup + steps + window}", "eval=false"])
+    link = [f"planner.link_mbit={rate or UNLIMITED_DECLARED_MBIT}"] if config == "herald" else []
+    cfg = compose_config(CONFIGS[config][1] + link + [f"data.num_train_batches={warmup + steps + window}", "eval=false"])
     data = build_data_source(cfg.data)
-    dmp, optimizer, _ = build_model_and_plan(cfg, data, world, device)
+    dmp, optimizer, sharding_plan = build_model_and_plan(cfg, data, world, device)
     pipeline = build_pipeline(cfg, dmp, optimizer, device)
     it = train_stream(data, pipeline, rank, world, cfg.batch_size)
     for _ in range(warmup):
@@ -113,6 +116,8 @@ def worker(config: str, steps: int, segments: int, warmup: int, out: str) -> Non
         "samples_per_s": statistics.median(world * cfg.batch_size * per / s for s in seg_s),
         "segment_samples_per_s": [world * cfg.batch_size * per / s for s in seg_s],
         "bytes_per_step": meter.total()["bytes"] / n,
+        "link_decision": getattr(sharding_plan, "link_decision", None),
+        "scheduling": pipeline.scheduling_report() if herald else None,
         "breakdown_ms": {"step": step_ms, "compute": step_ms - wait_ms - crit_ms, "comm_wait": wait_ms,
                          "scheduler_critical": crit_ms, "scheduler_overlapped": 1000 * ahead / n},
     }
@@ -123,14 +128,14 @@ def worker(config: str, steps: int, segments: int, warmup: int, out: str) -> Non
     dist.destroy_process_group()
 
 
-def run_one(world: int, config: str, a: argparse.Namespace, tmp: Path) -> Dict[str, Any]:
+def run_one(world: int, config: str, rate: int, a: argparse.Namespace, tmp: Path) -> Dict[str, Any]:
     procs = []
     for r in range(world):
         env = dict(os.environ, RANK=str(r), WORLD_SIZE=str(world), LOCAL_RANK=str(r), MASTER_ADDR=f"{SUBNET}.1",
                    MASTER_PORT=str(PORT), GLOO_SOCKET_IFNAME=f"eth{r}", OMP_NUM_THREADS="1")
         cmd = ["ip", "netns", "exec", f"herald_ns{r}", sys.executable, __file__, "--worker", "--config", config,
                "--steps", str(a.steps), "--segments", str(a.segments), "--warmup", str(a.warmup),
-               "--out", str(tmp / f"{config}_{r}.json")]
+               "--out", str(tmp / f"{config}_{r}.json"), "--rate", str(rate)]
         procs.append(subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE))
     for p in procs:
         _, err = p.communicate(timeout=1800)
@@ -170,6 +175,17 @@ def markdown(rows: List[Dict[str, Any]], command: str) -> str:
                      f"{r['samples_per_s']:.0f} | {f(r['speedup_vs_tw'])} | {f(r['speedup_vs_stock'])} | "
                      f"{b['step']:.1f} | {b['compute']:.1f} | {b['comm_wait']:.1f} | {b['scheduler_critical']:.1f} | "
                      f"{b['scheduler_overlapped']:.1f} | {r['bytes_per_step_all_ranks'] / 1024:.0f} |")
+    chose = []
+    for r in rows:
+        if r["config"] != "herald":
+            continue
+        d, sch = r.get("link_decision") or {}, r.get("scheduling") or {}
+        what = "stock TABLE_WISE (link model)" if d and not d.get("herald") else \
+            ("hot replication + scheduling" if sch.get("mode") == "on" else "hot replication alone (auto)")
+        chose.append(f"W={r['world_size']} {rate_name(r['rate_mbit'])}: {what}")
+    if chose:
+        lines += ["", "What herald full trained (`planner.link_mbit` = the link's rate, unlimited declared as "
+                  f"{UNLIMITED_DECLARED_MBIT} Mbit/s; `pipeline.scheduling=auto`): " + "; ".join(chose) + "."]
     shares = [f"W={r['world_size']} {rate_name(r['rate_mbit'])}: {100 * r['breakdown_ms']['comm_wait'] / r['breakdown_ms']['step']:.0f} %"
               for r in rows if r["config"] == "tw"]
     if shares:
@@ -240,9 +256,10 @@ def main() -> None:
     p.add_argument("--out", default=str(HERE / "results" / "bandwidth.json"))
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--config", help=argparse.SUPPRESS)
+    p.add_argument("--rate", type=int, default=0, help=argparse.SUPPRESS)
     a = p.parse_args()
     if a.worker:
-        worker(a.config, a.steps, a.segments, a.warmup, a.out)
+        worker(a.config, a.steps, a.segments, a.warmup, a.out, a.rate)
         return
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     if os.geteuid() != 0:
@@ -257,7 +274,7 @@ def main() -> None:
                 limit(world, rate)
                 for config in a.configs:
                     with tempfile.TemporaryDirectory() as tmp:
-                        row = run_one(world, config, a, Path(tmp))
+                        row = run_one(world, config, rate, a, Path(tmp))
                     row.update(world_size=world, rate_mbit=rate)
                     rows.append(row)
                     logger.info("W=%d %s %s: %.0f samples/s, %s", world, rate_name(rate), config,
