@@ -2,13 +2,15 @@
 with every rank's link rate-limited by ``tc tbf``.
 
     sudo .venv/bin/python benchmarks/bench_bandwidth.py [--world-sizes 2 4] [--rates 0 1000 200 50]
-                                                        [--steps 100] [--segments 5] [--configs tw stock hot herald]
+                                                        [--steps 100] [--segments 5] [--repeats 3]
+                                                        [--configs tw stock hot herald]
     (or: make bench-bandwidth ARGS="...")
 
 Each rank runs in its own network namespace (``herald_nsR``) whose only link, a veth pair to a bridge,
 carries all its gloo traffic; ``tc tbf`` limits both ends of that link to the rate (0 = unlimited). Every
 configuration trains the same global batches (default synthetic data, local batch 256). A run warms up,
-then times ``steps`` steps in ``segments`` equal segments; samples/s is the median over the segments.
+then times ``steps`` steps in ``segments`` equal segments (its samples/s: the median segment); each
+configuration runs ``repeats`` times, interleaved with the others, and the median run is reported.
 
 Per configuration and rate it records the step-time breakdown on rank 0's main thread:
 
@@ -163,8 +165,8 @@ def rate_name(rate: int) -> str:
 
 
 def markdown(rows: List[Dict[str, Any]], command: str) -> str:
-    lines = [f"Command: `{command}` (samples/s: median of the timed segments; breakdown on rank 0's main "
-             "thread, ms per step)", "",
+    lines = [f"Command: `{command}` (samples/s: the median of the repeats, each the median of its timed "
+             "segments; breakdown of that run on rank 0's main thread, ms per step)", "",
              "| ranks | link | configuration | samples/s | vs TABLE_WISE | vs default plan | step | compute | "
              "comm wait | scheduler on path | scheduler overlapped | KiB/step (all ranks) |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|"]
@@ -252,6 +254,7 @@ def main() -> None:
     p.add_argument("--configs", nargs="+", default=list(CONFIGS), choices=list(CONFIGS))
     p.add_argument("--steps", type=int, default=100)
     p.add_argument("--segments", type=int, default=5)
+    p.add_argument("--repeats", type=int, default=3, help="runs per configuration (interleaved); the median is reported")
     p.add_argument("--warmup", type=int, default=40, help="untimed steps (herald's scheduling=auto decides within 30)")
     p.add_argument("--out", default=str(HERE / "results" / "bandwidth.json"))
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
@@ -272,13 +275,20 @@ def main() -> None:
         try:
             for rate in a.rates:
                 limit(world, rate)
-                for config in a.configs:
-                    with tempfile.TemporaryDirectory() as tmp:
-                        row = run_one(world, config, rate, a, Path(tmp))
-                    row.update(world_size=world, rate_mbit=rate)
+                reps: Dict[str, List[Dict[str, Any]]] = {c: [] for c in a.configs}
+                for rep in range(a.repeats):  # configurations interleaved, so drifts of the machine hit all alike
+                    for config in a.configs:
+                        with tempfile.TemporaryDirectory() as tmp:
+                            row = run_one(world, config, rate, a, Path(tmp))
+                        reps[config].append(row)
+                        logger.info("W=%d %s %s (repeat %d): %.0f samples/s, %s", world, rate_name(rate), config, rep,
+                                    row["samples_per_s"], {k: round(v, 1) for k, v in row["breakdown_ms"].items()})
+                for config, runs in reps.items():
+                    runs.sort(key=lambda r: r["samples_per_s"])
+                    row = dict(runs[len(runs) // 2])  # the median repeat (its breakdown with it)
+                    row.update(world_size=world, rate_mbit=rate,
+                               repeat_samples_per_s=[r["samples_per_s"] for r in runs])
                     rows.append(row)
-                    logger.info("W=%d %s %s: %.0f samples/s, %s", world, rate_name(rate), config,
-                                row["samples_per_s"], {k: round(v, 1) for k, v in row["breakdown_ms"].items()})
         finally:
             teardown(world)
     ratios(rows)
