@@ -205,7 +205,7 @@ def plot(rows: List[Dict[str, Any]], out: Path) -> None:
 
     rates = sorted({r["rate_mbit"] for r in rows}, key=lambda v: (v == 0, v))
     worlds = sorted({r["world_size"] for r in rows})
-    fig, axes = plt.subplots(1, 2, figsize=(13, 4.8))
+    fig, axes = plt.subplots(1, 2, figsize=(14, 5.6))
     ax = axes[0]
     styles = {"tw": ("#8c8c8c", "s"), "stock": ("#4c4c4c", "^"), "hot": ("#4c72b0", "o"), "herald": ("#dd8452", "D")}
     for w, ls in zip(worlds, ("-", "--", ":")):
@@ -223,7 +223,7 @@ def plot(rows: List[Dict[str, Any]], out: Path) -> None:
     ax.set_xlabel("per-rank link rate (tc tbf)")
     ax.set_ylabel("samples/s relative to the stock baseline")
     ax.set_title("Speedup vs bandwidth (higher is better)")
-    ax.legend(fontsize=7)
+    ax.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.16), ncol=2, frameon=False)
     ax.grid(alpha=0.3)
     ax = axes[1]
     parts = [("compute", "#4c72b0"), ("comm_wait", "#c44e52"), ("scheduler_critical", "#dd8452")]
@@ -236,12 +236,13 @@ def plot(rows: List[Dict[str, Any]], out: Path) -> None:
         vals = [r["breakdown_ms"][part] for r in sel]
         ax.bar(x, vals, bottom=bottom, color=color, label=part.replace("_", " "))
         bottom = [b + v for b, v in zip(bottom, vals)]
-    ax.set_xticks(list(x), [f"W={r['world_size']} {rate_name(r['rate_mbit']).replace(' Mbit/s', 'M')}\n"
-                            f"{'herald' if r['config'] == 'herald' else CONFIGS[r['config']][0].replace('stock ', '')}"
-                            for r in sel], fontsize=6, rotation=90)
+    short = {"herald": "herald", "tw": "TW", "stock": "default"}
+    ax.set_xticks(list(x), [f"W={r['world_size']} {rate_name(r['rate_mbit']).replace(' Mbit/s', 'M')}: {short[r['config']]}"
+                            for r in sel], fontsize=7, rotation=60, ha="right")
+    ax.set_ylim(0, 1.08 * max(bottom))
     ax.set_ylabel("ms per step (rank 0)")
-    ax.set_title("Step-time breakdown: herald full vs the baseline")
-    ax.legend(fontsize=7)
+    ax.set_title("Step time: herald full vs the baseline (W=2: TW, W=4: default plan)", fontsize=10)
+    ax.legend(fontsize=7, loc="upper right")
     fig.tight_layout()
     fig.savefig(out, dpi=130)
     plt.close(fig)
@@ -257,6 +258,7 @@ def main() -> None:
     p.add_argument("--repeats", type=int, default=3, help="runs per configuration (interleaved); the median is reported")
     p.add_argument("--warmup", type=int, default=40, help="untimed steps (herald's scheduling=auto decides within 30)")
     p.add_argument("--out", default=str(HERE / "results" / "bandwidth.json"))
+    p.add_argument("--plot-only", action="store_true", help="redraw the plot from --out's JSON")
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--config", help=argparse.SUPPRESS)
     p.add_argument("--rate", type=int, default=0, help=argparse.SUPPRESS)
@@ -265,6 +267,9 @@ def main() -> None:
         worker(a.config, a.steps, a.segments, a.warmup, a.out, a.rate)
         return
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
+    if a.plot_only:
+        plot(json.loads(Path(a.out).read_text())["rows"], Path(a.out).with_suffix(".png"))
+        return
     if os.geteuid() != 0:
         raise SystemExit("bench_bandwidth needs root (ip netns, veth, tc)")
     if a.steps % a.segments:
