@@ -38,7 +38,8 @@ def main() -> None:
     a = p.parse_args()
     rows = []
     for name, ov in VARIANTS.items():
-        overrides = ["planner=herald", "pipeline=herald", f"data.num_train_batches={a.steps}", "eval=false"] + ov + a.overrides
+        overrides = ["planner=herald", "pipeline=herald", "pipeline.scheduling=on", "pipeline.global_batches=false",
+                     "pipeline.run_ahead=false", f"data.num_train_batches={a.steps}", "eval=false"] + ov + a.overrides
         with tempfile.TemporaryDirectory() as tmp:
             m = run_multiprocess(_worker, a.world_size, overrides, tmp)[0]
         tags = m["traffic_per_step_by_tag"]

@@ -97,7 +97,7 @@ def main() -> None:
         rows = []
         for data, dov in DATA.items():
             for mode, mov in MODES.items():
-                ov = (["planner=herald", "pipeline=herald", "pipeline.reference=false",
+                ov = (["planner=herald", "pipeline=herald", "pipeline.reference=false", "pipeline.scheduling=on",
                        f"data.num_train_batches={a.steps}"] + dov + mov + a.overrides)
                 logger.info("%s / %s: %s", data, mode, ov)
                 with tempfile.TemporaryDirectory() as tmp:

@@ -34,12 +34,15 @@ logger = logging.getLogger("bench_traffic")
 HERE = Path(__file__).resolve().parent
 STOCK = {"stock default plan": ["planner=stock"], "stock all TABLE_WISE": ["planner=table_wise"]}
 HOT = "herald hot replication"
+#: each technique on, per-rank scheduling path (scores all-gathered, samples exchanged): the figures in
+#: RESULTS.md's traffic tables; the default global-batch path sends no scheduling bytes (see bench_bandwidth.py)
+PER_RANK = ["pipeline.scheduling=on", "pipeline.global_batches=false", "pipeline.run_ahead=false"]
 HERALD = {HOT: ["planner=herald"],
           # Herald scheduling (HeraldTrainPipeline, window 5): the allocator alone on herald's eager path,
           # the cache/plan alone, and both
-          "herald + allocator": ["planner=herald", "pipeline=herald", "pipeline.sync=eager"],
-          "herald + cache/plan": ["planner=herald", "pipeline=herald", "pipeline.allocator=identity"],
-          "herald + allocator + cache/plan": ["planner=herald", "pipeline=herald"]}
+          "herald + allocator": ["planner=herald", "pipeline=herald", "pipeline.sync=eager"] + PER_RANK,
+          "herald + cache/plan": ["planner=herald", "pipeline=herald", "pipeline.allocator=identity"] + PER_RANK,
+          "herald + allocator + cache/plan": ["planner=herald", "pipeline=herald"] + PER_RANK}
 SCHED_LABEL = {"herald hot replication": "(b)", "herald + allocator": "(c)", "herald + cache/plan": "(d′)",
                "herald + allocator + cache/plan": "(d)"}
 KINDS = ["all_to_all_single", "reduce_scatter_tensor", "all_gather_into_tensor", "all_reduce"]

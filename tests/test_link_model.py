@@ -69,3 +69,17 @@ def test_driver_trains_the_plan_the_link_model_chooses(tmp_path: Path, mbit: int
     else:
         assert kinds == {"table_wise"} and m["herald_pipeline"] == {}  # TorchRec's TrainPipelineSparseDist
         assert "cannot pay on this link" in d["text"]
+
+
+@pytest.mark.parametrize("metrics,label", [
+    ({"link_decision": {"herald": False}}, "herald -> table_wise (link model)"),
+    ({"link_decision": {"herald": True}, "herald_pipeline": {"scheduling": {"decided": True, "mode": "on"}}},
+     "herald + scheduling"),
+    ({"herald_pipeline": {"scheduling": {"decided": True, "mode": "off"}}}, "herald (scheduling off: auto)"),
+    ({"herald_pipeline": {"scheduling": {"decided": False, "mode": "off"}}}, "herald + scheduling"),
+])
+def test_the_compared_run_is_named_after_what_it_trained(metrics: dict, label: str) -> None:
+    from torchrec_herald.config import compose_config
+    from torchrec_herald.train import run_label
+
+    assert run_label(compose_config(["planner=herald", "pipeline=herald"]), metrics) == label

@@ -207,6 +207,8 @@ def test_hydra_defaults_schedule_ahead_and_skip_falls_back_to_per_rank() -> None
     assert (c.global_batches, c.run_ahead, c.scheduling) == (True, True, "auto")
     c = herald_pipeline_config(compose_config(["planner=herald", "pipeline=herald", "pipeline.skip=input"]))
     assert (c.global_batches, c.run_ahead, c.scheduling) == (False, False, "on")
+    c = herald_pipeline_config(compose_config(["planner=herald", "pipeline=herald", "pipeline.staleness=1"]))
+    assert (c.global_batches, c.run_ahead, c.scheduling) == (True, True, "on")  # its plan stays on
 
 
 def test_run_ahead_batches_are_consumed_in_order() -> None:

@@ -19,7 +19,7 @@ import sys
 import time
 import traceback
 from pathlib import Path
-from typing import NoReturn, Optional, Sequence
+from typing import Any, Dict, NoReturn, Optional, Sequence
 
 import hydra
 from hydra.core.hydra_config import HydraConfig
@@ -117,7 +117,7 @@ def _run(cfg: DictConfig, run_dir: Path) -> None:
         if baseline is None:
             sys.stdout.write(f"\n{format_metrics_table(metrics)}\n\nmetrics: {run_dir / 'metrics.json'}\n")
         else:
-            name = cfg.planner.name + (" + scheduling" if cfg.pipeline.name == "herald" else "")
+            name = run_label(cfg, metrics)
             runs = {f"{cfg.compare_with} (baseline)": baseline, name: metrics}
             table = format_comparison_table(runs)
             losses = {n: json.loads((d / "losses.json").read_text()) for n, d in
@@ -127,6 +127,20 @@ def _run(cfg: DictConfig, run_dir: Path) -> None:
                              f"(and {paths['md'].name}, {paths['json'].name})\n")
         sys.stdout.flush()
     dist.destroy_process_group()
+
+
+def run_label(cfg: DictConfig, metrics: Dict[str, Any]) -> str:
+    """The compared run's name, saying what it trained: herald's plan with or without scheduling, or the
+    TABLE_WISE plan the link model chose."""
+    decision = metrics.get("link_decision") or {}
+    if decision and not decision.get("herald", True):
+        return f"{cfg.planner.name} -> table_wise (link model)"
+    if cfg.pipeline.name != "herald":
+        return cfg.planner.name
+    sched = metrics.get("herald_pipeline", {}).get("scheduling", {})
+    if sched.get("decided") and sched.get("mode") == "off":
+        return f"{cfg.planner.name} (scheduling off: auto)"
+    return f"{cfg.planner.name} + scheduling"
 
 
 def main() -> None:

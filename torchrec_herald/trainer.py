@@ -368,6 +368,7 @@ def exact_reference_config(cfg: DictConfig) -> DictConfig:
     ref = OmegaConf.create(OmegaConf.to_container(cfg, resolve=True))
     ref.pipeline.staleness = None
     ref.pipeline.skip = None
+    ref.pipeline.scheduling = "on"  # the approximate run keeps its plan on: so does its reference
     return ref
 
 

@@ -118,8 +118,8 @@ class HeraldPipelineConfig:
         # stale-update skipping schedules per rank (its filter reads the rank's own training state)
         global_batches = bool(p.get("global_batches", False)) and skip is None
         scheduling = p.get("scheduling", "on")
-        if scheduling == "auto" and not global_batches:
-            scheduling = "on"
+        if scheduling == "auto" and (not global_batches or p.get("staleness") is not None):
+            scheduling = "on"  # an approximate mode is measured against the exact plan: keep its plan on
         return cls(window=p.window, allocator=p.allocator, sync=p.sync, cache=p.cache,
                    cache_fraction=p.cache_fraction, move_penalty=p.move_penalty, staleness=p.get("staleness"),
                    skip=skip, global_batches=global_batches,
