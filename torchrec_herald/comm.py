@@ -16,7 +16,7 @@ from torchrec_herald.traffic import traffic_tag
 
 __all__ = [
     "FLOAT_BYTES", "INDEX_BYTES", "OPTIMIZER_STATE_BYTES", "SCORE_BYTES", "STOCK_ID_BYTES", "STOCK_LENGTH_BYTES",
-    "all_gather_varlen", "all_to_all_rows", "variable_all_to_all",
+    "all_gather_varlen", "all_to_all_rows", "all_to_all_rows_async", "variable_all_to_all",
 ]
 
 #: bytes of one embedding element (fp32 weights, pooled vectors and gradients)
@@ -41,6 +41,17 @@ def all_to_all_rows(x: torch.Tensor, send: Sequence[int], recv: Sequence[int], p
     with traffic_tag(label, dim):
         dist.all_to_all_single(out, x.contiguous(), list(recv), list(send), group=pg)
     return out
+
+
+def all_to_all_rows_async(x: torch.Tensor, send: Sequence[int], recv: Sequence[int],
+                          pg: Optional[dist.ProcessGroup], label: str, dim: Optional[int] = None
+                          ) -> Tuple[torch.Tensor, Any]:
+    """:func:`all_to_all_rows` started now, finished by ``work.wait()``: returns ``(out, work)``; ``out``
+    holds the received rows once waited for."""
+    out = x.new_empty((sum(recv),) + tuple(x.shape[1:]))
+    with traffic_tag(label, dim):
+        work = dist.all_to_all_single(out, x.contiguous(), list(recv), list(send), group=pg, async_op=True)
+    return out, work
 
 
 class _VariableAllToAll(torch.autograd.Function):

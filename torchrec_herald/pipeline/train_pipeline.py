@@ -625,6 +625,15 @@ class HeraldTrainPipeline(TrainPipeline[Batch, Any]):
             assert head.batch is not None
             self.skip_hook.count_reads(self, torch.unique(self.batch_keys(head.batch.sparse_features)))
 
+    def _prefetch_next(self) -> None:
+        """Run-ahead: once this step's pushes are done, take the next batch's plan (made ahead) and start
+        its pulls, so they travel while the dense optimizer steps and the next step starts."""
+        if self._ahead is None or self.reset_after_step:
+            return
+        self._collect_ahead()
+        if self._queue and self._queue[0].plan is not None:
+            self.ebc.prefetch_plan(self._queue[0].plan)
+
     def _make_plan(self, window: List[HeraldBatchContext]) -> Any:
         """The planner's plan for ``window[0]`` from the window's reads (advances the planner)."""
         t0 = time.perf_counter()
@@ -645,6 +654,7 @@ class HeraldTrainPipeline(TrainPipeline[Batch, Any]):
         torch.sum(loss).backward()
         if self.sync == "lazy":
             self.ebc.finish_plan_step()
+            self._prefetch_next()
         self._optimizer.step()
         return output
 

@@ -407,6 +407,10 @@ class ShardedHeraldEmbeddingBagCollection(
         ctx.ws_offsets = offsets_from_lengths(lengths)
         return KJTListSplitsAwaitable([NoWait(NoWait(ctx))], ctx)
 
+    def prefetch_plan(self, plan: Any) -> None:
+        """Start the next step's pulls now (async; see :meth:`PlanExecutor.prefetch`)."""
+        self.plan_executor.prefetch(plan)
+
     def drain_plan(self, plan: Any) -> None:
         """Execute a plan whose batch will not be trained (no-op on every value; collective)."""
         self.plan_executor.run_without_gradients(plan)

@@ -11,12 +11,12 @@ up to, bit for bit, without re-summing deltas. The plan is known to every rank, 
 from __future__ import annotations
 
 import logging
-from typing import Callable, List, Optional, Tuple
+from typing import Any, Callable, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
 
-from torchrec_herald.comm import all_to_all_rows
+from torchrec_herald.comm import all_to_all_rows, all_to_all_rows_async
 from torchrec_herald.plans import ExecPlan, FlushPlan
 from torchrec_herald.sharding.row_store import RowStore, exact_update
 
@@ -42,6 +42,8 @@ class PlanExecutor:
         self.ws: Optional[torch.Tensor] = None
         self.ws_keys = torch.empty(0, dtype=torch.int64)
         self.frozen_keys = torch.empty(0, dtype=torch.int64)  # stale-update skipping: rows read, not updated
+        # a plan whose pulls are in flight (prefetch): (plan, work, received rows, positions per source, keys)
+        self._prefetched: Optional[Tuple[ExecPlan, Any, Any, List[torch.Tensor], torch.Tensor]] = None
 
     # ------------------------------------------------------------------ one step
     @property
@@ -100,22 +102,29 @@ class PlanExecutor:
         self.after_backward(plan, planned, torch.zeros(planned.numel(), self.D, device=self.store.device))
 
     # ------------------------------------------------------------------ transfers
+    def _route(self, transfers: torch.Tensor) -> Tuple[torch.Tensor, List[int], List[torch.Tensor], List[int]]:
+        """Of ``transfers`` (``(key, src, dst)``, known to every rank): the positions this rank sends,
+        grouped by destination, and their counts; per source, the positions it receives, and their counts
+        (each group in plan order)."""
+        me, W = self.rank, self.W
+        src, dst = transfers[:, 1], transfers[:, 2]
+        send_pos = (src == me).nonzero().squeeze(1)
+        send_pos = send_pos[torch.argsort(dst[send_pos], stable=True)]
+        recv_pos = (dst == me).nonzero().squeeze(1)
+        recv_pos = recv_pos[torch.argsort(src[recv_pos], stable=True)]
+        send_counts = torch.bincount(dst[send_pos], minlength=W).tolist()
+        recv_counts = torch.bincount(src[recv_pos], minlength=W).tolist()
+        return send_pos, send_counts, list(recv_pos.split(recv_counts)), recv_counts
+
     def _exchange(self, transfers: torch.Tensor, payload: Callable[[torch.Tensor], torch.Tensor], label: str,
                   width: int) -> Tuple[List[torch.Tensor], torch.Tensor]:
         """One all-to-all of the rows of ``transfers`` (``(key, src, dst)``, known to every rank): for each
         destination this rank sends ``payload(i)``, ``i`` the positions in ``transfers`` of its rows to
         it; returns (per source, the positions of the rows received from it; the received rows)."""
-        me, W = self.rank, self.W
-        src, dst = transfers[:, 1], transfers[:, 2]
-        send_pos = (src == me).nonzero().squeeze(1)
-        send_pos = send_pos[torch.argsort(dst[send_pos], stable=True)]  # by destination, in plan order
-        recv_pos = (dst == me).nonzero().squeeze(1)
-        recv_pos = recv_pos[torch.argsort(src[recv_pos], stable=True)]  # by source, in plan order
-        send_counts = torch.bincount(dst[send_pos], minlength=W).tolist()
-        recv_counts = torch.bincount(src[recv_pos], minlength=W).tolist()
+        send_pos, send_counts, recv_pos, recv_counts = self._route(transfers)
         send = payload(send_pos) if send_pos.numel() else torch.zeros(0, width, device=self.store.device)
         out = all_to_all_rows(send, send_counts, recv_counts, self.pg, label, width)
-        return list(recv_pos.split(recv_counts)), out
+        return recv_pos, out
 
     def _row_payload(self, keys: torch.Tensor, add: torch.Tensor) -> torch.Tensor:
         """Each row's value (+ Adagrad state); for ``add`` rows the accumulated update (value − base)."""
@@ -140,6 +149,12 @@ class PlanExecutor:
             sent = keys[transfers[:, 1] == self.rank]
             if sent.numel():
                 store.rebase(sent)
+        self._store_received(keys, add, recv_pos, out)
+
+    def _store_received(self, keys: torch.Tensor, add: torch.Tensor, recv_pos: List[torch.Tensor],
+                        out: torch.Tensor) -> None:
+        """Write the rows received from each source, in rank order (``add``: add to the current value)."""
+        store = self.store
         for pos, rows in zip(recv_pos, out.split([i.numel() for i in recv_pos])):
             if not rows.numel():
                 continue
@@ -155,8 +170,39 @@ class PlanExecutor:
             if store.track_base:
                 store.rebase(k)
 
+    def prefetch(self, plan: ExecPlan) -> None:
+        """Start ``plan``'s pre-read transfers now, while the current step ends (collective): the pushes
+        planned before the reads at once, the pulls as an async all-to-all that :meth:`begin` waits for
+        (Herald's step order: push the planned rows, then pull the next batch's rows asynchronously). The
+        rows sent are read now: nothing changes an embedding row between here and the next forward. Exact
+        plans only (bounded staleness keeps its synchronous path)."""
+        if self.plan is not None or self._prefetched is not None or plan.additive or self.store.track_base:
+            return
+        self.move_rows(plan.push_before_read, "herald_update_push", plan.push_before_read_add)
+        transfers = plan.pull
+        if not transfers.numel():
+            self._prefetched = (plan, None, None, [], transfers[:, 0])
+            return
+        keys = transfers[:, 0]
+        no_add = torch.zeros(len(transfers), dtype=torch.bool)
+        send_pos, send_counts, recv_pos, recv_counts = self._route(transfers)
+        send = self._row_payload(keys[send_pos], no_add[send_pos]) if send_pos.numel() else \
+            torch.zeros(0, self.width, device=self.store.device)
+        out, work = all_to_all_rows_async(send, send_counts, recv_counts, self.pg, "herald_pull", self.width)
+        self._prefetched = (plan, work, out, recv_pos, keys)
+
     def before_forward(self, plan: ExecPlan) -> None:
-        """Pushes planned before the reads, then pulls of missing/outdated rows."""
+        """Pushes planned before the reads, then pulls of missing/outdated rows (or, when :meth:`prefetch`
+        started them, wait for its pulls and store them)."""
+        if self._prefetched is not None:
+            pre, work, out, recv_pos, keys = self._prefetched
+            self._prefetched = None
+            if pre is not plan:
+                raise RuntimeError("a prefetched plan must be the next one begun")
+            if work is not None:
+                work.wait()
+                self._store_received(keys, torch.zeros(len(keys), dtype=torch.bool), recv_pos, out)
+            return
         if plan.additive and not self.store.track_base:
             self.store.track_base = True
             self.store.rebase_hot()  # every replica is in sync with its home when a staleness run starts
@@ -200,6 +246,8 @@ class PlanExecutor:
     def flush(self, fp: FlushPlan) -> None:
         """Dirty rows home, outdated hot replicas refreshed, caches dropped, home replicas mirrored into
         the cold blocks: the stock herald layout again (eval, checkpoints, a stock pipeline)."""
+        if self._prefetched is not None:
+            raise RuntimeError("flush with a prefetched plan that did not run: run it first (run_without_gradients)")
         self.move_rows(fp.push, "herald_update_push", fp.push_add)
         self.move_rows(fp.pull, "herald_pull")
         self.store.drop(fp.dropped[self.rank])
