@@ -40,7 +40,7 @@ from typing import Any, Dict, List
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
-from netns_crosscheck import SUBNET, setup, sh, teardown  # noqa: E402  (one netns plumbing)
+from netns_crosscheck import run_in_namespaces, setup, sh, teardown  # noqa: E402  (one netns plumbing)
 
 PORT = 29571
 logger = logging.getLogger("bench_bandwidth")
@@ -78,7 +78,8 @@ def worker(config: str, steps: int, segments: int, warmup: int, out: str, rate: 
     from torchrec_herald.data import build_data_source
     from torchrec_herald.dist_utils import init_distributed
     from torchrec_herald.pipeline import HeraldTrainPipeline
-    from torchrec_herald.trainer import build_model_and_plan, build_pipeline, train_stream
+    from torchrec_herald.trainer import (build_model_and_plan, build_pipeline, scheduler_seconds, step_time_breakdown,
+                                         train_stream)
     from torchrec_herald.traffic import TrafficMeter
 
     torch.set_num_threads(1)
@@ -93,7 +94,7 @@ def worker(config: str, steps: int, segments: int, warmup: int, out: str, rate: 
     for _ in range(warmup):
         pipeline.progress(it)
     herald = isinstance(pipeline, HeraldTrainPipeline)
-    s0 = (pipeline.stats.scheduler_s, pipeline.stats.comm_s, pipeline.stats.ahead_s) if herald else (0, 0, 0)
+    s0 = scheduler_seconds(pipeline)
     dist.barrier()
     seg_s: List[float] = []
     per = steps // segments
@@ -105,14 +106,7 @@ def worker(config: str, steps: int, segments: int, warmup: int, out: str, rate: 
             out_[0].item()
             seg_s.append(time.perf_counter() - t0)
     n = per * segments
-    if herald:
-        st = pipeline.stats
-        sched, comm, ahead = (st.scheduler_s - s0[0], st.comm_s - s0[1], st.ahead_s - s0[2])
-    else:
-        sched = comm = ahead = 0.0
-    step_ms = 1000 * sum(seg_s) / n
-    wait_ms = 1000 * meter.wait_s / n
-    crit_ms = 1000 * (sched - comm) / n
+    sched = [(after - before) / n for after, before in zip(scheduler_seconds(pipeline), s0)]
     result = {
         "rank": rank, "config": config, "steps": n,
         "samples_per_s": statistics.median(world * cfg.batch_size * per / s for s in seg_s),
@@ -120,8 +114,7 @@ def worker(config: str, steps: int, segments: int, warmup: int, out: str, rate: 
         "bytes_per_step": meter.total()["bytes"] / n,
         "link_decision": getattr(sharding_plan, "link_decision", None),
         "scheduling": pipeline.scheduling_report() if herald else None,
-        "breakdown_ms": {"step": step_ms, "compute": step_ms - wait_ms - crit_ms, "comm_wait": wait_ms,
-                         "scheduler_critical": crit_ms, "scheduler_overlapped": 1000 * ahead / n},
+        "breakdown_ms": step_time_breakdown(sum(seg_s) / n, meter.wait_s / n, *sched),
     }
     Path(out).write_text(json.dumps(result))
     if herald:
@@ -131,18 +124,10 @@ def worker(config: str, steps: int, segments: int, warmup: int, out: str, rate: 
 
 
 def run_one(world: int, config: str, rate: int, a: argparse.Namespace, tmp: Path) -> Dict[str, Any]:
-    procs = []
-    for r in range(world):
-        env = dict(os.environ, RANK=str(r), WORLD_SIZE=str(world), LOCAL_RANK=str(r), MASTER_ADDR=f"{SUBNET}.1",
-                   MASTER_PORT=str(PORT), GLOO_SOCKET_IFNAME=f"eth{r}", OMP_NUM_THREADS="1")
-        cmd = ["ip", "netns", "exec", f"herald_ns{r}", sys.executable, __file__, "--worker", "--config", config,
-               "--steps", str(a.steps), "--segments", str(a.segments), "--warmup", str(a.warmup),
-               "--out", str(tmp / f"{config}_{r}.json"), "--rate", str(rate)]
-        procs.append(subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE))
-    for p in procs:
-        _, err = p.communicate(timeout=1800)
-        if p.returncode != 0:
-            raise RuntimeError(f"rank failed ({config}, W={world}): {err.decode()[-3000:]}")
+    run_in_namespaces(world, PORT, lambda r: [
+        __file__, "--worker", "--config", config, "--steps", str(a.steps), "--segments", str(a.segments),
+        "--warmup", str(a.warmup), "--out", str(tmp / f"{config}_{r}.json"), "--rate", str(rate)],
+        f"{config}, W={world}", timeout=1800)
     ranks = [json.loads((tmp / f"{config}_{r}.json").read_text()) for r in range(world)]
     row = dict(ranks[0])
     row["bytes_per_step_all_ranks"] = sum(x["bytes_per_step"] for x in ranks)

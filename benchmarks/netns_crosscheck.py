@@ -20,7 +20,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Any, Dict, List
+from typing import Any, Callable, Dict, List
 
 HERE = Path(__file__).resolve().parent
 BRIDGE, SUBNET, PORT = "herald_br0", "10.213.0", 29561
@@ -97,21 +97,27 @@ def worker(planner: str, steps: int, out: str) -> None:
     dist.destroy_process_group()
 
 
+def run_in_namespaces(world: int, port: int, args_of_rank: Callable[[int], List[str]], what: str,
+                      timeout: float = 900) -> None:
+    """Run ``python <args_of_rank(r)>`` as rank r inside ``herald_nsR`` (gloo on its link ``ethR``, the
+    rendezvous at rank 0's address) for every rank; wait for all; a failed rank's stderr in the error."""
+    procs = []
+    for r in range(world):
+        env = dict(os.environ, RANK=str(r), WORLD_SIZE=str(world), LOCAL_RANK=str(r), MASTER_ADDR=f"{SUBNET}.1",
+                   MASTER_PORT=str(port), GLOO_SOCKET_IFNAME=f"eth{r}", OMP_NUM_THREADS="1")
+        cmd = ["ip", "netns", "exec", f"herald_ns{r}", sys.executable, *args_of_rank(r)]
+        procs.append(subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE))
+    for p in procs:
+        _, err = p.communicate(timeout=timeout)
+        if p.returncode != 0:
+            raise RuntimeError(f"rank failed ({what}): {err.decode()[-3000:]}")
+
+
 def run(world: int, steps: int, planners: List[str], tmp: Path) -> List[Dict[str, Any]]:
     rows = []
     for planner in planners:
-        procs = []
-        for r in range(world):
-            env = dict(os.environ, RANK=str(r), WORLD_SIZE=str(world), LOCAL_RANK=str(r),
-                       MASTER_ADDR=f"{SUBNET}.1", MASTER_PORT=str(PORT), GLOO_SOCKET_IFNAME=f"eth{r}",
-                       OMP_NUM_THREADS="1")
-            cmd = ["ip", "netns", "exec", f"herald_ns{r}", sys.executable, __file__, "--worker",
-                   "--planner", planner, "--steps", str(steps), "--out", str(tmp / f"{planner}_{r}.json")]
-            procs.append(subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE))
-        for p in procs:
-            _, err = p.communicate(timeout=900)
-            if p.returncode != 0:
-                raise RuntimeError(f"rank failed ({planner}): {err.decode()[-3000:]}")
+        run_in_namespaces(world, PORT, lambda r: [__file__, "--worker", "--planner", planner, "--steps", str(steps),
+                                                  "--out", str(tmp / f"{planner}_{r}.json")], planner)
         per_rank = [json.loads((tmp / f"{planner}_{r}.json").read_text()) for r in range(world)]
         meter = sum(x["meter_bytes"] for x in per_rank)
         kernel = sum(x["kernel_tx_bytes"] for x in per_rank)

@@ -166,8 +166,8 @@ def link_model(cfg: DictConfig) -> Any:
     p = cfg.planner
     if p.get("link_mbit") is None:
         return None
-    return LinkModel(link_mbit=float(p.link_mbit), collective_latency_ms=float(p.get("collective_latency_ms", 1.0)),
-                     cpu_us_per_lookup=float(p.get("cpu_us_per_lookup", 0.6)))
+    priced = {k: float(p[k]) for k in ("collective_latency_ms", "cpu_us_per_lookup") if p.get(k) is not None}
+    return LinkModel(link_mbit=float(p.link_mbit), **priced)
 
 
 def build_pipeline(cfg: DictConfig, dmp: nn.Module, optimizer: Any, device: torch.device) -> Any:
@@ -523,7 +523,8 @@ def run_training(cfg: DictConfig, run_dir: Path, show_progress: bool = True) -> 
         "train_time_s": train_time,
         "samples_per_s": steps * world * cfg.batch_size / train_time,
         "step_time_s": _percentiles(step_times),
-        "step_time_breakdown_ms": step_time_breakdown(train_time / steps, meter.wait_s / steps, pipeline),
+        "step_time_breakdown_ms": step_time_breakdown(train_time / steps, meter.wait_s / steps,
+                                                      *(x / steps for x in scheduler_seconds(pipeline))),
         "train_logloss": loss_t[-window:].mean().item(),
         "train_logloss_first": loss_t[:window].mean().item(),
         "eval": eval_metrics,
@@ -578,19 +579,24 @@ def _plot(run_dir: Path, losses: List[float], metrics: Dict[str, Any]) -> None:
     plt.close(fig)
 
 
-def step_time_breakdown(step_s: float, wait_s: float, pipeline: Any) -> Dict[str, float]:
-    """Where a rank-0 step's wall time goes, ms: ``comm_wait`` (blocked in collectives: sync calls and
-    the ``wait()`` of async ones; DDP's all-reduce is awaited in autograd's C++ and counts as compute),
-    ``scheduler_critical`` (herald scheduling on the critical path, its collectives excluded),
-    ``compute`` (the rest), and ``scheduler_overlapped`` (scheduling the run-ahead thread did while
-    steps trained: not part of the step)."""
-    crit = over = 0.0
-    if isinstance(pipeline, HeraldTrainPipeline):
-        n = max(pipeline.stats.steps, 1)
-        crit = (pipeline.stats.scheduler_s - pipeline.stats.comm_s) / n
-        over = pipeline.stats.ahead_s / n
-    return {"step": 1e3 * step_s, "compute": 1e3 * (step_s - wait_s - crit), "comm_wait": 1e3 * wait_s,
-            "scheduler_critical": 1e3 * crit, "scheduler_overlapped": 1e3 * over}
+def step_time_breakdown(step_s: float, wait_s: float, scheduler_critical_s: float = 0.0,
+                        scheduler_overlapped_s: float = 0.0) -> Dict[str, float]:
+    """Where a rank's step wall time goes (all arguments per step, seconds), ms: ``comm_wait`` (blocked in
+    collectives: sync calls and the ``wait()`` of async ones; DDP's all-reduce is awaited in autograd's
+    C++ and counts as compute), ``scheduler_critical`` (herald scheduling on the critical path, its
+    collectives excluded), ``compute`` (the rest), and ``scheduler_overlapped`` (scheduling the run-ahead
+    thread did while steps trained: not part of the step)."""
+    return {"step": 1e3 * step_s, "compute": 1e3 * (step_s - wait_s - scheduler_critical_s),
+            "comm_wait": 1e3 * wait_s, "scheduler_critical": 1e3 * scheduler_critical_s,
+            "scheduler_overlapped": 1e3 * scheduler_overlapped_s}
+
+
+def scheduler_seconds(pipeline: Any) -> tuple[float, float]:
+    """A pipeline's scheduling seconds so far: (on the critical path, its collectives excluded; done
+    ahead by the run-ahead thread). Zero for TorchRec's pipelines."""
+    if not isinstance(pipeline, HeraldTrainPipeline):
+        return 0.0, 0.0
+    return pipeline.stats.scheduler_s - pipeline.stats.comm_s, pipeline.stats.ahead_s
 
 
 def _breakdown_cell(m: Dict[str, Any]) -> str:

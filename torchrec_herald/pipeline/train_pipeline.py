@@ -385,7 +385,7 @@ class HeraldTrainPipeline(TrainPipeline[Batch, Any]):
         G, W = ctx.batch.sparse_features.stride(), self._W
         if G % W:
             raise ValueError(f"pipeline.global_batches: a global batch of {G} samples does not split over {W} ranks")
-        B = G // W
+        loaded_on = torch.arange(G) // (G // W)  # stock's contiguous split
         if self.input_allocator.needs_scores:
             scores = self.input_allocator.local_scores(ctx.keys, ctx.sample_of_key, G, self.planner.local_on)
             rank_of = self.input_allocator.assign_scores(scores, self._alloc_step)
@@ -393,8 +393,8 @@ class HeraldTrainPipeline(TrainPipeline[Batch, Any]):
             self.stats.local_lookups += int(scores.gather(1, rank_of[:, None]).sum())
             self.stats.lookups += ctx.keys.numel()
         else:
-            rank_of = torch.arange(G) // B
-        ctx.moved = int((rank_of != torch.arange(G) // B).sum())
+            rank_of = loaded_on
+        ctx.moved = int((rank_of != loaded_on).sum())
         ctx.rank_of = rank_of
         mine = (rank_of == self._rank).nonzero().flatten()
         ctx.batch = select_samples(ctx.batch, mine)
@@ -515,10 +515,12 @@ class HeraldTrainPipeline(TrainPipeline[Batch, Any]):
     def _probe_phase(self, step: int) -> Tuple[str, bool]:
         """(mode, timed) of ``step`` in the probe: ``w`` unmeasured then ``p`` timed steps with scheduling
         on, the same with it off (``p = probe_steps``, ``w = p // 2``)."""
-        p = self.config.probe_steps
-        w = p // 2
-        mode = "on" if step < w + p else "off"
-        return mode, (step % (w + p)) >= w
+        half = self._probe_length() // 2
+        return ("on" if step < half else "off"), (step % half) >= self.config.probe_steps // 2
+
+    def _probe_length(self) -> int:
+        """Steps the probe runs: ``2 · (w + p)``."""
+        return 2 * (self.config.probe_steps // 2 + self.config.probe_steps)
 
     def _auto_schedule(self) -> None:
         """Before a step: time the previous one into its mode; switch modes on the probe's schedule; after
@@ -533,9 +535,7 @@ class HeraldTrainPipeline(TrainPipeline[Batch, Any]):
             if timed:
                 probe["seconds"][mode] += now - last
                 probe["steps"][mode] += 1
-        p = self.config.probe_steps
-        w = p // 2
-        if step < 2 * (w + p):
+        if step < self._probe_length():
             want = self._probe_phase(step)[0]
             if want != self.mode:
                 self._switch(want)
@@ -628,7 +628,7 @@ class HeraldTrainPipeline(TrainPipeline[Batch, Any]):
     def _prefetch_next(self) -> None:
         """Run-ahead: once this step's pushes are done, take the next batch's plan (made ahead) and start
         its pulls, so they travel while the dense optimizer steps and the next step starts."""
-        if self._ahead is None or self.reset_after_step:
+        if self._ahead is None:
             return
         self._collect_ahead()
         if self._queue and self._queue[0].plan is not None:

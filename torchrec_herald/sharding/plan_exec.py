@@ -16,7 +16,7 @@ from typing import Any, Callable, List, Optional, Tuple
 import torch
 import torch.distributed as dist
 
-from torchrec_herald.comm import all_to_all_rows, all_to_all_rows_async
+from torchrec_herald.comm import all_to_all_rows_async
 from torchrec_herald.plans import ExecPlan, FlushPlan
 from torchrec_herald.sharding.row_store import RowStore, exact_update
 
@@ -116,14 +116,22 @@ class PlanExecutor:
         recv_counts = torch.bincount(src[recv_pos], minlength=W).tolist()
         return send_pos, send_counts, list(recv_pos.split(recv_counts)), recv_counts
 
-    def _exchange(self, transfers: torch.Tensor, payload: Callable[[torch.Tensor], torch.Tensor], label: str,
-                  width: int) -> Tuple[List[torch.Tensor], torch.Tensor]:
-        """One all-to-all of the rows of ``transfers`` (``(key, src, dst)``, known to every rank): for each
-        destination this rank sends ``payload(i)``, ``i`` the positions in ``transfers`` of its rows to
-        it; returns (per source, the positions of the rows received from it; the received rows)."""
+    def _start_exchange(self, transfers: torch.Tensor, payload: Callable[[torch.Tensor], torch.Tensor], label: str,
+                        width: int) -> Tuple[List[torch.Tensor], torch.Tensor, Any]:
+        """Start one all-to-all of the rows of ``transfers`` (``(key, src, dst)``, known to every rank): for
+        each destination this rank sends ``payload(i)``, ``i`` the positions in ``transfers`` of its rows
+        to it; returns (per source, the positions of the rows received from it; the buffer they arrive
+        in; the collective's work, to wait for)."""
         send_pos, send_counts, recv_pos, recv_counts = self._route(transfers)
         send = payload(send_pos) if send_pos.numel() else torch.zeros(0, width, device=self.store.device)
-        out = all_to_all_rows(send, send_counts, recv_counts, self.pg, label, width)
+        out, work = all_to_all_rows_async(send, send_counts, recv_counts, self.pg, label, width)
+        return recv_pos, out, work
+
+    def _exchange(self, transfers: torch.Tensor, payload: Callable[[torch.Tensor], torch.Tensor], label: str,
+                  width: int) -> Tuple[List[torch.Tensor], torch.Tensor]:
+        """:meth:`_start_exchange`, waited for: (per source, the positions received from it; the rows)."""
+        recv_pos, out, work = self._start_exchange(transfers, payload, label, width)
+        work.wait()
         return recv_pos, out
 
     def _row_payload(self, keys: torch.Tensor, add: torch.Tensor) -> torch.Tensor:
@@ -179,16 +187,10 @@ class PlanExecutor:
         if self.plan is not None or self._prefetched is not None or plan.additive or self.store.track_base:
             return
         self.move_rows(plan.push_before_read, "herald_update_push", plan.push_before_read_add)
-        transfers = plan.pull
-        if not transfers.numel():
-            self._prefetched = (plan, None, None, [], transfers[:, 0])
-            return
-        keys = transfers[:, 0]
-        no_add = torch.zeros(len(transfers), dtype=torch.bool)
-        send_pos, send_counts, recv_pos, recv_counts = self._route(transfers)
-        send = self._row_payload(keys[send_pos], no_add[send_pos]) if send_pos.numel() else \
-            torch.zeros(0, self.width, device=self.store.device)
-        out, work = all_to_all_rows_async(send, send_counts, recv_counts, self.pg, "herald_pull", self.width)
+        keys = plan.pull[:, 0]
+        no_add = torch.zeros(len(keys), dtype=torch.bool)
+        recv_pos, out, work = self._start_exchange(plan.pull, lambda i: self._row_payload(keys[i], no_add[i]),
+                                                   "herald_pull", self.width) if keys.numel() else ([], None, None)
         self._prefetched = (plan, work, out, recv_pos, keys)
 
     def before_forward(self, plan: ExecPlan) -> None:

@@ -102,17 +102,24 @@ class RowStore(nn.Module):
         start = sum(self.layout.hot_counts[:table])
         return self.hot_weights()[start: start + self.layout.hot_counts[table]]
 
-    def mirror_hot_into_cold(self) -> None:
+    def mirror_hot_into_cold(self, hot_rows: Optional[torch.Tensor] = None) -> None:
         """Copy the replicas of the hot rows that lie in this rank's block (weights and state) into the cold
-        TBE, so the block is always a complete ROW_WISE shard. Writes ``.data``: it runs inside backward,
-        where the cold TBE's saved tensors must not see a version bump (the rows written are hot, never
-        looked up or updated through the cold TBE)."""
-        if not self.mirror_hot.numel():
+        TBE, so the block is always a complete ROW_WISE shard; ``hot_rows``: only these hot slots (those in
+        another rank's block are passed over). Writes ``.data``: it runs inside backward, where the cold
+        TBE's saved tensors must not see a version bump (the rows written are hot, never looked up or
+        updated through the cold TBE)."""
+        if hot_rows is None:
+            hot, cold = self.mirror_hot, self.mirror_cold
+        else:
+            cold = self.cold_row_of_hot[hot_rows]
+            mine = cold >= 0
+            hot, cold = hot_rows[mine], cold[mine]
+        if not hot.numel():
             return
-        self.cold_weights()[self.mirror_cold] = self.hot_weights()[self.mirror_hot]
+        self.cold_weights()[cold] = self.hot_weights()[hot]
         state = self.cold_state()
         if state is not None:
-            state[self.mirror_cold] = self.hot_state[self.mirror_hot]
+            state[cold] = self.hot_state[hot]
 
     def update_hot(self, grad: torch.Tensor, live: torch.Tensor) -> None:
         """Apply :func:`exact_update` to the hot replicas with ``live`` set (bool ``[num_hot]`` on the
@@ -125,15 +132,8 @@ class RowStore(nn.Module):
             if not rows.numel():
                 return
             w, s = self.hot_weights()[:n], self.hot_state[:n]
-            new_w, new_s = exact_update(w[rows], s[rows], grad[rows], self.optimizer, self.lr, self.eps)
-            w[rows], s[rows] = new_w, new_s
-            cold = self.cold_row_of_hot[rows]
-            mine = cold >= 0
-            if bool(mine.any()):
-                self.cold_weights()[cold[mine]] = new_w[mine]
-                state = self.cold_state()
-                if state is not None:
-                    state[cold[mine]] = new_s[mine]
+            w[rows], s[rows] = exact_update(w[rows], s[rows], grad[rows], self.optimizer, self.lr, self.eps)
+            self.mirror_hot_into_cold(rows)
 
     # ------------------------------------------------------------------ by global key
     def _dev(self, index: torch.Tensor) -> torch.Tensor:
