@@ -1,8 +1,9 @@
 """The training run behind ``python -m torchrec_herald.train``: data → DLRM → plan → DMP → pipeline → metrics.
 
 Everything is built from one Hydra config (``conf/train.yaml`` and its groups), so the driver, the
-tests and the benchmarks run the very same code. Every rank starts from identical weights (a seeded
-unsharded model loaded into DMP), which makes stock and herald runs comparable step by step.
+tests and the benchmarks run the very same code. The model is built on ``meta`` and every rank fills only
+its shards from a deterministic per-row initialisation, so every plan starts from identical weights and
+stock and herald runs are comparable step by step.
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ from tqdm import tqdm
 from torchrec_herald.data import DataSource, build_data_source
 from torchrec_herald.dist_utils import init_distributed
 from torchrec_herald.model import build_dlrm_train, build_tables
+from torchrec_herald.row_init import init_sharded_embeddings
 from torchrec_herald.pipeline import HeraldTrainPipeline
 from torchrec_herald.pipeline.options import HeraldPipelineConfig
 from torchrec_herald.report import embedding_bytes_per_step, headline  # noqa: F401  (re-exported)
@@ -95,16 +97,18 @@ def embedding_optimizer_setup(model: nn.Module, cfg: DictConfig) -> type:
 
 def build_model_and_plan(cfg: DictConfig, data: DataSource, world_size: int, device: torch.device
                          ) -> tuple[DistributedModelParallel, CombinedOptimizer, Any]:
-    """Seeded DLRM → stock plan (TorchRec's planner) → DMP with identical initial weights on every rank."""
+    """Seeded DLRM with its tables on ``meta`` → plan → DMP, which materialises only this rank's shards
+    (and herald's replicas and caches); the shards are then filled by the deterministic per-row
+    initialisation (:mod:`torchrec_herald.row_init`), so every plan starts from identical weights
+    without a full copy of the model on any rank."""
     tables = build_tables(data.feature_names, data.num_embeddings, cfg.model.embedding_dim, cfg.model.pooling)
     model = build_dlrm_train(tables, data.num_dense, cfg.model.dense_arch, cfg.model.over_arch,
-                             seed=cfg.seed, device="cpu")
-    initial_state = {k: v.detach().clone() for k, v in model.state_dict().items()}
+                             seed=cfg.seed, device="meta")
     dense_cls = embedding_optimizer_setup(model, cfg.optimizer)
     plan, sharders = build_plan(cfg, model, tables, data, world_size, device)
     dmp = DistributedModelParallel(model, device=device, plan=plan, sharders=sharders,
                                    data_parallel_wrapper=MeteredDataParallelWrapper(cfg.model.embedding_dim))
-    dmp.load_state_dict(initial_state)
+    init_sharded_embeddings(dmp, {t.name: t.num_embeddings for t in tables}, cfg.seed)
     dense_params = dict(in_backward_optimizer_filter(dmp.named_parameters()))
     dense_opt = KeyedOptimizerWrapper(dense_params, lambda ps: dense_cls(ps, lr=cfg.optimizer.dense_lr))
     return dmp, CombinedOptimizer([dmp.fused_optimizer, dense_opt]), plan

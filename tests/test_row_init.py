@@ -1,0 +1,90 @@
+"""The model is built on ``meta`` and each rank fills only its shards from the per-row initialisation
+(``torchrec_herald/row_init.py``): a row's values depend only on (seed, table, row), so every plan —
+stock TABLE_WISE, ROW_WISE, TorchRec's default plan (``planner=stock``), herald's hot/cold layout — starts from identical
+weights, and no rank holds a full copy of the model."""
+
+from __future__ import annotations
+
+from typing import Any, Dict, List
+
+import pytest
+import torch
+
+from torchrec_herald.dist_utils import run_multiprocess
+from torchrec_herald.row_init import ROWS_PER_DRAW, initial_rows
+
+
+def test_a_row_range_equals_the_same_rows_drawn_in_any_other_split() -> None:
+    n, dim = 3 * ROWS_PER_DRAW + 77, 5
+    whole = initial_rows(7, "t_a", n, dim, 0, n)
+    cuts = [0, 13, ROWS_PER_DRAW - 1, ROWS_PER_DRAW + 5, 2 * ROWS_PER_DRAW, n]
+    parts = torch.cat([initial_rows(7, "t_a", n, dim, a, b) for a, b in zip(cuts, cuts[1:])])
+    assert torch.equal(parts, whole)
+    bound = (1.0 / n) ** 0.5
+    assert float(whole.abs().max()) <= bound and float(whole.std()) > bound / 3
+
+
+def test_rows_differ_by_seed_and_by_table() -> None:
+    a = initial_rows(0, "t_a", 100, 4, 0, 100)
+    assert not torch.equal(a, initial_rows(1, "t_a", 100, 4, 0, 100))
+    assert not torch.equal(a, initial_rows(0, "t_b", 100, 4, 0, 100))
+    assert torch.equal(a, initial_rows(0, "t_a", 100, 4, 0, 100))
+
+
+def test_a_row_range_outside_the_table_is_refused_naming_it() -> None:
+    with pytest.raises(ValueError, match=r"table 't_a': rows \[5, 11\) outside \[0, 10\)"):
+        initial_rows(0, "t_a", 10, 4, 5, 11)
+
+
+def _initial_tables(rank: int, world: int, plans: List[str]) -> Dict[str, Any]:
+    from herald_harness import gather_state
+
+    from torchrec_herald.config import compose_config
+    from torchrec_herald.dist_utils import init_distributed
+    from torchrec_herald.trainer import build_model_and_plan, preflight
+
+    init_distributed()
+    out: Dict[str, Any] = {}
+    for p in plans:
+        cfg = compose_config([f"planner={p}", "data.num_train_batches=4", "batch_size=64", "seed=3"])
+        data = preflight(cfg)
+        dmp, _, _ = build_model_and_plan(cfg, data, world, torch.device("cpu"))
+        state = gather_state(dmp.state_dict())
+        emb = {k.split(".")[-2]: v for k, v in state.items() if ".embedding_bags." in k}
+        dense = {k: v for k, v in state.items() if ".embedding_bags." not in k}
+        meta = [n for n, prm in dmp.named_parameters() if prm.is_meta]
+        hot = None
+        from torchrec_herald.sharding.hot_replicated import ShardedHeraldEmbeddingBagCollection
+
+        for m in dmp.modules():
+            if isinstance(m, ShardedHeraldEmbeddingBagCollection):
+                # every hot replica equals its row's initial values
+                hot = all(torch.equal(m.store.hot_block(t), emb[name][m.layout.hot_ids[t]])
+                          for t, name in enumerate(m.layout.tables))
+        out[p] = {"emb": emb, "dense": dense, "meta": meta, "hot_ok": hot,
+                  "n": {name: int(n) for name, n in zip(data.feature_names, data.num_embeddings)}}
+    return out
+
+
+def test_every_plan_starts_from_identical_weights_equal_to_the_per_row_initialisation() -> None:
+    plans = ["table_wise", "row_wise", "stock", "herald"]
+    res = run_multiprocess(_initial_tables, 2, plans)
+    r0 = res[0]
+    ref = r0["table_wise"]
+    assert len(ref["emb"]) == 26
+    for p in plans:
+        got = r0[p]
+        assert got["meta"] == [], f"{p}: parameters left on meta: {got['meta']}"
+        assert sorted(got["emb"]) == sorted(ref["emb"])
+        for name, w in got["emb"].items():
+            assert torch.equal(w, ref["emb"][name]), f"{p}: table {name} differs from table_wise's"
+        for k, v in got["dense"].items():
+            assert torch.equal(v, ref["dense"][k]), f"{p}: {k} differs"
+    assert r0["herald"]["hot_ok"] is True
+    # and the values are the per-row draws, whatever the plan
+    for name, w in ref["emb"].items():
+        n = w.shape[0]
+        assert torch.equal(w, initial_rows(3, name, n, w.shape[1], 0, n)), name
+    # rank 1 saw the same full tables
+    for name, w in res[1]["herald"]["emb"].items():
+        assert torch.equal(w, ref["emb"][name])
