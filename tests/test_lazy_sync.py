@@ -200,7 +200,7 @@ def test_exec_plan_is_sorted_and_consistent() -> None:
         readers = torch.stack([torch.isin(union, k) for k in p.reads])  # [W, n]
         single = readers.sum(0) == 1
         assert torch.equal(p.reducer[single], readers[:, single].int().argmax(0))
-        assert torch.equal(p.reducer[~single], vec.home[union[~single]])
+        assert torch.equal(p.reducer[~single], vec.layout.home_of(union[~single]))
 
 
 def test_local_on_counts_hot_replicas_own_blocks_and_valid_cache_entries() -> None:
@@ -226,6 +226,11 @@ def test_local_on_counts_hot_replicas_own_blocks_and_valid_cache_entries() -> No
     sub = keys[torch.randperm(vec.num_rows, generator=torch.Generator().manual_seed(0))[:40]]
     assert torch.equal(vec.local_on(sub), got[:, sub])  # any key order, duplicates allowed
     assert torch.equal(vec.local_on(torch.cat([sub, sub])), got[:, torch.cat([sub, sub])])
+    # the allocator's per-sample scores, built sparsely, equal the sums over this matrix
+    many = torch.cat([sub, sub, keys])
+    sample = torch.randint(0, 50, (many.numel(),), generator=torch.Generator().manual_seed(1))
+    dense = torch.zeros(3, 50, dtype=torch.int64).index_add_(1, sample, got[:, many].to(torch.int64)).T
+    assert torch.equal(vec.local_scores(many, sample, 50), dense)
 
 
 # ------------------------------------------------------------------------------------------ flush
@@ -248,7 +253,7 @@ def test_flush_sends_dirty_rows_home_and_refreshes_outdated_hot_replicas(world: 
                 if r != tab.home(x) and tab.held(r, x) != tab.latest(x):
                     outdated.append([int(off[i]) + x, tab.home(x), r])
     assert dirty and outdated, "the trace leaves dirty rows and outdated replicas to flush"
-    cached = [vec.cached[r].nonzero().flatten() for r in range(world)]
+    cached = vec.cached_rows()
     assert any(len(c) for c in cached)
     fp = vec.flush()
     assert fp.push.tolist() == sorted(dirty)
@@ -256,7 +261,8 @@ def test_flush_sends_dirty_rows_home_and_refreshes_outdated_hot_replicas(world: 
     assert all(torch.equal(a, b) for a, b in zip(fp.dropped, cached))
     # the state is a fresh planner's
     fresh = TensorLazySyncPlanner(loc, 0.1, window=window)
-    for attr in ("valid", "cached", "master", "last_use", "cache_count"):
+    assert len(vec.dirty) == 0 and len(vec.entries) == 0 and vec.state_bytes() == fresh.state_bytes()
+    for attr in ("hot_valid", "cache_count"):
         assert torch.equal(getattr(vec, attr), getattr(fresh, attr)), attr
     assert vec.step == 0
     # a second flush moves nothing
@@ -326,3 +332,21 @@ def test_wrong_number_of_ranks_is_rejected(ranks: int) -> None:
 def test_empty_window_is_rejected() -> None:
     with pytest.raises(ValueError, match="at least the current step"):
         TensorLazySyncPlanner(_locality(2), 0.1).plan_step([])
+
+
+def test_a_cache_bytes_budget_shares_rows_in_proportion_to_the_tables() -> None:
+    from torchrec_herald.layout import RowLayout, cache_rows_for_budget
+    from torchrec_herald.pipeline.options import HeraldPipelineConfig
+
+    lay = RowLayout.build(2, {"a": 1000, "b": 3000, "c": 10})
+    # 400 rows of 68 bytes over 4010 rows: 99 + 299 + (0 -> at least 1)
+    assert cache_rows_for_budget(lay, 400 * 68, 68) == {"a": 99, "b": 299, "c": 1}
+    assert cache_rows_for_budget(lay, 10 ** 9, 68) == {"a": 1000, "b": 3000, "c": 10}  # at most the table
+    with pytest.raises(ValueError, match=r"pipeline.cache_bytes=100 holds 1 rows of 68 bytes; the 3 tables "
+                                         r"need at least one cache row each \(204 bytes\)"):
+        cache_rows_for_budget(lay, 100, 68)
+    with pytest.raises(ValueError, match=r"pipeline.cache_bytes must be null or a positive number of bytes, got 0"):
+        HeraldPipelineConfig(cache_bytes=0)
+    # the planner holds exactly those capacities
+    p = TensorLazySyncPlanner(lay, 0.5, capacity_rows=cache_rows_for_budget(lay, 400 * 68, 68))
+    assert p.capacity.tolist() == [99, 299, 1]

@@ -203,12 +203,23 @@ class RefStaleness:
 
 
 class _Recording(StalenessPlanner):
-    """Keeps the home versions the flush leaves (before it resets the state)."""
+    """Keeps the hot rows' home versions the flush leaves (before it resets the state)."""
 
     def reset(self) -> None:
-        if hasattr(self, "hv"):
-            self.final_hv = self.hv.clone()
+        if hasattr(self, "hv_hot"):
+            self.final_hv_hot = self.hv_hot.clone()
         super().reset()
+
+    def max_pending(self) -> int:
+        """The most updates any copy holds back."""
+        both = torch.cat([self.pending_hot.flatten(), self.entries.col("pending")])
+        return int(both.max()) if both.numel() else 0
+
+    def lags(self) -> Dict[Tuple[int, int], int]:
+        """(rank, key) -> home versions behind, of every cached copy."""
+        x = self.entries.keys // self.W
+        lag = self.hv_cold.get(x, "hv", 0) - self.entries.col("base")
+        return {(int(k) % self.W, int(k) // self.W): int(v) for k, v in zip(self.entries.keys, lag)}
 
 
 def _with_add(t: torch.Tensor, add: torch.Tensor) -> List[Tuple[int, int, int, bool]]:
@@ -258,7 +269,9 @@ def test_planner_matches_reference_and_bounds_the_lag(world: int, s: int, seed: 
         seen["replace"] += int((~plan.update_push_add).sum())
         seen["miss_push"] += c.miss_push
         seen["update_pull"] += c.update_pull
-        assert bool((vec.pending <= s).all())  # no copy holds back more than s updates
+        assert vec.max_pending() <= s  # no copy holds back more than s updates
+        # a cached copy lags its home as the reference's does (its home version is kept while cached)
+        assert vec.lags() == {(r, x): ref.hv[x] - ref.base[r, x] for r, x in vec.lags()}, t
     if s > 0:  # not vacuous: stale reads served, some pushes add, some replace
         assert seen["stale"] > 0 and seen["max_lag"] >= 1 and seen["add"] > 0 and seen["replace"] > 0, seen
     if fraction < 1.0 and s > 0:  # (with s = 0 no copy is ever dirty after its step)
@@ -270,10 +283,12 @@ def test_planner_matches_reference_and_bounds_the_lag(world: int, s: int, seed: 
     assert _with_add(fp.push, fp.push_add) == exp["push"]
     assert [tuple(r) for r in fp.pull.tolist()] == exp["pull"]
     assert [d.tolist() for d in fp.dropped] == exp["dropped"]
-    assert torch.equal(vec.final_hv, updates), (vec.final_hv - updates).nonzero().flatten()[:10].tolist()
+    hot = loc.layout.hot_keys
+    assert torch.equal(vec.final_hv_hot, updates[hot])  # every update of a hot row counted at home
     assert {x: int(updates[x]) for x in updates.nonzero().flatten().tolist()} == exp["hv"]
     # and the state is a fresh planner's
-    assert not vec.hv.any() and not vec.base.any() and not vec.pending.any() and not vec.cached.any()
+    assert len(vec.entries) == 0 and len(vec.hv_cold) == 0 and len(vec.dirty) == 0
+    assert not vec.hv_hot.any() and not vec.base_hot.any() and not vec.pending_hot.any()
     assert vec.step == 0
 
 
@@ -288,7 +303,7 @@ def test_zero_staleness_never_adds_and_never_serves_stale(world: int, seed: int)
             assert not bool(add.any())
         assert plan.stale_reads == 0 and plan.max_staleness == 0
         assert plan.push_before_read.numel() == 0  # nothing is ever held back, so nothing to push first
-        assert not bool(vec.pending.any())
+        assert not bool(vec.pending_hot.any()) and not bool(vec.entries.col("pending").any())
         pushes += len(plan.update_push) + len(plan.miss_push)
     assert pushes > 0
     fp = vec.flush()
@@ -306,17 +321,17 @@ def test_pre_read_push_refreshes_other_copies_it_puts_beyond_s() -> None:
     none = torch.empty(0, dtype=torch.int64)
     row = torch.tensor([0])
     p.plan_step([[none, row, none]])  # rank 1 alone: its copy, pending 1 (<= s: kept)
-    assert int(p.pending[1, 0]) == 1 and int(p.hv[0]) == 0
+    assert int(p.pending_hot[1, 0]) == 1 and int(p.hv_hot[0]) == 0
     p.plan_step([[row, none, none]])  # home: hv 1
     p.plan_step([[row, none, none]])  # home: hv 2
     plan = p.plan_step([[row, none, row]])  # rank 2 lag 2 > s: refreshed (base 2); two readers: home, hv 3
-    assert plan.pull.tolist() == [[0, 0, 2]] and int(p.hv[0]) == 3 and int(p.base[2, 0]) == 2
+    assert plan.pull.tolist() == [[0, 0, 2]] and int(p.hv_hot[0]) == 3 and int(p.base_hot[2, 0]) == 2
     plan = p.plan_step([[none, row, row]])
     assert plan.push_before_read.tolist() == [[0, 1, 0]] and plan.push_before_read_add.tolist() == [True]
     assert plan.pull.tolist() == [[0, 0, 1], [0, 0, 2]]  # both readers refreshed at version 4
     assert plan.stale_reads == 0 and plan.max_staleness == 0
     assert plan.counters.update_pull == 2 and plan.counters.update_push == 1
-    assert int(p.hv[0]) == 5  # the push (4), then the two readers' summed update at home
+    assert int(p.hv_hot[0]) == 5  # the push (4), then the two readers' summed update at home
 
 
 def test_bad_staleness_is_a_value_error() -> None:
@@ -531,3 +546,29 @@ def test_driver_records_the_exact_reference(tmp_path: Path) -> None:
         assert r["bad"].startswith("ValueError: ") and "pipeline.staleness must be null (exact) or an integer >= 0, " \
             "got -1" in r["bad"], r["bad"]
         assert not r["bad_trained"]
+
+
+@pytest.mark.parametrize("world,s,seed", [(3, 1, 21), (4, 2, 22)])
+def test_local_on_counts_cached_copies_at_most_s_behind_and_scores_sum_it(world: int, s: int, seed: int) -> None:
+    """What the allocator counts as local under bounded staleness, checked against the reference's state:
+    a hot row, a row of the rank's own block, or a cached copy at most ``s`` home versions behind; and
+    the per-sample scores built sparsely equal the sums over that matrix."""
+    loc = _locality(world)
+    vec, ref = StalenessPlanner(loc, s, 0.1), RefStaleness(loc, s, 0.1)
+    for reads in _trace(loc, 25, seed):
+        vec.plan_step([reads])
+        ref.plan_step([r.tolist() for r in reads])
+    n = loc.layout.num_rows
+    got = vec.local_on(torch.arange(n))
+    lagging = 0
+    for x in range(n):
+        for r in range(world):
+            cached = x in ref.cache[r]
+            fresh = cached and ref.hv[x] - ref.base[r, x] <= s
+            lagging += cached and not fresh
+            assert bool(got[r, x]) == (x in ref.hot or ref.home[x] == r or fresh), (x, r)
+    assert lagging > 0  # the trace leaves copies more than s behind, which do not count
+    keys = torch.randint(0, n, (400,), generator=torch.Generator().manual_seed(seed))
+    sample = torch.randint(0, 30, (400,), generator=torch.Generator().manual_seed(seed + 1))
+    dense = torch.zeros(world, 30, dtype=torch.int64).index_add_(1, sample, got[:, keys].to(torch.int64)).T
+    assert torch.equal(vec.local_scores(keys, sample, 30), dense)

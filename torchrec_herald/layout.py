@@ -15,7 +15,7 @@ import torch
 
 from torchrec_herald.ops.hot_cold import local_block_rows, row_block_sizes
 
-__all__ = ["RowLayout", "cache_capacities", "layout_of"]
+__all__ = ["RowLayout", "cache_capacities", "cache_rows_for_budget", "layout_of"]
 
 
 @dataclass(frozen=True, eq=False)
@@ -145,41 +145,41 @@ class RowLayout:
         per_feature = lengths.to(torch.int64).view(len(self.features), batch_size).sum(1)
         return values.to(torch.int64) + torch.repeat_interleave(self.feature_offsets, per_feature)
 
-    # ------------------------------------------------------------------ per row (dense over all rows)
-    @cached_property
-    def table_of_row(self) -> torch.Tensor:
-        """int64 [num_rows]: table of each key."""
-        return torch.repeat_interleave(torch.arange(len(self.tables)), self.rows)
+    # ------------------------------------------------------------------ per key (nothing dense over all rows)
+    def table_of(self, keys: torch.Tensor) -> torch.Tensor:
+        """int64: table of each key."""
+        return torch.searchsorted(self.table_offsets, keys.to(torch.int64), right=True) - 1
 
-    @cached_property
-    def home_of_row(self) -> torch.Tensor:
-        """int64 [num_rows]: ROW_WISE home rank of each key (where its cold copy lives)."""
-        t = self.table_of_row
-        return (torch.arange(self.num_rows) - self.table_offsets.index_select(0, t)) // self.blocks.index_select(0, t)
+    def home_of(self, keys: torch.Tensor, table: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """int64: ROW_WISE home rank of each key (where its cold copy lives); ``table``: its
+        :meth:`table_of`, when the caller has it."""
+        keys = keys.to(torch.int64)
+        t = self.table_of(keys) if table is None else table
+        return (keys - self.table_offsets.index_select(0, t.view(-1)).view(t.shape)) // \
+            self.blocks.index_select(0, t.view(-1)).view(t.shape)
 
-    @cached_property
-    def is_hot_row(self) -> torch.Tensor:
-        """bool [num_rows]: the key is replicated on every rank."""
-        out = torch.zeros(self.num_rows, dtype=torch.bool)
-        out[self.hot_keys] = True
-        return out
+    def hot_slot(self, keys: torch.Tensor) -> torch.Tensor:
+        """int64: position of each key in the hot replica buffer, -1 for cold keys."""
+        keys = keys.to(torch.int64)
+        if not self.num_hot:
+            return torch.full(keys.shape, -1, dtype=torch.int64)
+        pos = torch.searchsorted(self.hot_keys, keys)
+        clamped = pos.clamp(max=self.num_hot - 1)
+        hit = self.hot_keys.index_select(0, clamped.view(-1)).view(keys.shape) == keys
+        return torch.where(hit, clamped, torch.full_like(pos, -1))
 
-    @cached_property
-    def hot_slot_of_row(self) -> torch.Tensor:
-        """int64 [num_rows]: position of each hot key in the hot replica buffer, -1 for cold keys."""
-        out = torch.full((self.num_rows,), -1, dtype=torch.int64)
-        out[self.hot_keys] = torch.arange(self.num_hot)
-        return out
+    def is_hot(self, keys: torch.Tensor) -> torch.Tensor:
+        """bool: each key is replicated on every rank."""
+        return self.hot_slot(keys) >= 0
 
-    def block_slot_of_row(self, rank: int) -> torch.Tensor:
-        """int64 [num_rows]: position of each key among ``rank``'s cold rows (its fused TBE), -1 elsewhere."""
-        t = self.table_of_row
-        local = torch.arange(self.num_rows) - self.table_offsets.index_select(0, t)
-        mine = self.home_of_row == rank
-        out = torch.full((self.num_rows,), -1, dtype=torch.int64)
-        out[mine] = (self.block_offsets[rank].index_select(0, t[mine]) + local[mine]
-                     - rank * self.blocks.index_select(0, t[mine]))
-        return out
+    def block_slot(self, keys: torch.Tensor, rank: int) -> torch.Tensor:
+        """int64: position of each key among ``rank``'s cold rows (its fused TBE), -1 elsewhere."""
+        keys = keys.to(torch.int64)
+        t = self.table_of(keys)
+        local = keys - self.table_offsets.index_select(0, t.view(-1)).view(t.shape)
+        block = self.blocks.index_select(0, t.view(-1)).view(t.shape)
+        slot = self.block_offsets[rank].index_select(0, t.view(-1)).view(t.shape) + local - rank * block
+        return torch.where(local // block == rank, slot, torch.full_like(slot, -1))
 
     def hot_rows_in_block(self, rank: int) -> Tuple[torch.Tensor, torch.Tensor]:
         """(hot slots, block positions) of the hot rows that lie in ``rank``'s cold block: the rows whose
@@ -214,6 +214,19 @@ def cache_capacities(layout: RowLayout, capacity_fraction: Optional[float],
             raise ValueError(f"table {t!r}: cache capacity must be in [1, {n[t]}] rows, got {c}")
         caps[t] = int(c)
     return caps
+
+
+def cache_rows_for_budget(layout: RowLayout, budget_bytes: int, row_bytes: int) -> Dict[str, int]:
+    """Cache capacity in rows per table from a bytes budget per rank (``row_bytes``: one cached row,
+    weights and optimizer state): the budget's rows shared in proportion to the tables' rows, at least
+    one row per table, at most the table. Raises ValueError when the budget cannot hold one row per table."""
+    rows = int(budget_bytes) // int(row_bytes)
+    T = len(layout.tables)
+    if rows < T:
+        raise ValueError(f"pipeline.cache_bytes={budget_bytes} holds {rows} rows of {row_bytes} bytes; the "
+                         f"{T} tables need at least one cache row each ({T * row_bytes} bytes)")
+    total = layout.num_rows
+    return {t: max(1, min(n, rows * n // total)) for t, n in zip(layout.tables, layout.num_embeddings)}
 
 
 def layout_of(obj: object) -> RowLayout:

@@ -150,6 +150,12 @@ class CommPlanner(abc.ABC):
     def local_on(self, keys: torch.Tensor) -> torch.Tensor:
         """bool ``[W, len(keys)]``: the input allocator's "local lookup of ``keys[i]`` on rank r"."""
 
+    def local_scores(self, keys: torch.Tensor, sample: torch.Tensor, num_samples: int) -> torch.Tensor:
+        """int64 ``[num_samples, W]``: lookups of each sample local to each rank (``sample[i]`` the sample of
+        ``keys[i]``), from :meth:`local_on` (a planner may build it sparsely)."""
+        local = self.local_on(keys).to(torch.int64)
+        return torch.zeros(local.shape[0], num_samples, dtype=torch.int64).index_add_(1, sample, local).T
+
     @abc.abstractmethod
     def reset(self) -> None:
         """Initial state: every hot replica and every home copy valid, caches empty."""

@@ -544,6 +544,7 @@ def run_training(cfg: DictConfig, run_dir: Path, show_progress: bool = True) -> 
                             "scheduling": pipeline.scheduling_report()}
                             if isinstance(pipeline, HeraldTrainPipeline) else {}),
         "data_stats": data.stats(),
+        "peak_rss_mib_by_rank": peak_rss_mib_by_rank(),
         "approximate": approximate_report(cfg, pipeline, eval_metrics, reference, steps),
         "config": OmegaConf.to_container(cfg, resolve=True),
     }
@@ -555,6 +556,16 @@ def run_training(cfg: DictConfig, run_dir: Path, show_progress: bool = True) -> 
         logger.info("wrote %s", run_dir / "metrics.json")
     dist.barrier()
     return metrics
+
+
+def peak_rss_mib_by_rank() -> List[float]:
+    """Every rank's peak resident memory so far in MiB (``getrusage``; collective)."""
+    import resource
+
+    mine = torch.tensor([resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0], dtype=torch.float64)
+    out = [torch.zeros_like(mine) for _ in range(dist.get_world_size())]
+    dist.all_gather(out, mine)
+    return [round(float(x), 1) for x in out]
 
 
 def _plot(run_dir: Path, losses: List[float], metrics: Dict[str, Any]) -> None:

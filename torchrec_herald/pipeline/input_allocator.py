@@ -184,9 +184,9 @@ class Locality:
         lay = self.layout
         keys = torch.as_tensor(keys, dtype=torch.int64)
         ranks = torch.arange(self.world_size).unsqueeze(1)
-        out = lay.is_hot_row[keys].unsqueeze(0) | (lay.home_of_row[keys].unsqueeze(0) == ranks)
+        table = lay.table_of(keys)
+        out = lay.is_hot(keys).unsqueeze(0) | (lay.home_of(keys, table).unsqueeze(0) == ranks)
         if self.cache is not None:
-            table = lay.table_of_row[keys]
             for ti, name in enumerate(self.tables):
                 idx = (table == ti).nonzero().flatten()
                 cached = self.cached_on(name, keys[idx] - lay.table_offsets[ti]) if idx.numel() else None
@@ -383,27 +383,37 @@ def greedy_assign(scores: torch.Tensor, step: int, tie_break: str = "rotate", mo
     sample_order = torch.sort(priority, descending=True, stable=True).indices
     # The sequential greedy, vectorised by rounds: until the next rank fills up, every sample simply takes
     # its most preferred rank with room (largest key), so a round places the samples up to the one that
-    # fills a rank, and there are at most W rounds.
+    # fills a rank, and there are at most W rounds. Each sample's choice is kept between rounds and
+    # recomputed only when its chosen rank fills (O(G log G) per round, not O(G·W)).
     key = key.index_select(0, sample_order)  # in placement order
-    ranks = torch.arange(w)
     placed = torch.empty(g, dtype=torch.int64)
-    room = [b] * w
+    room = torch.full((w,), b, dtype=torch.int64)
+    choice = key.argmax(1) if g else torch.empty(0, dtype=torch.int64)
     p = 0
     while p < g:
-        with_room = [r for r in range(w) if room[r]]
-        if len(with_room) == 1:  # the last rank with room takes the rest
+        with_room = (room > 0).nonzero().flatten()
+        if with_room.numel() == 1:  # the last rank with room takes the rest
             placed[p:] = with_room[0]
             break
-        rest = key[p:]
-        if len(with_room) < w:  # full ranks are never chosen
-            rest = rest.masked_fill(torch.tensor([k == 0 for k in room]), torch.iinfo(torch.int64).min)
-        choice = rest.argmax(1)
-        taken = (choice.unsqueeze(1) == ranks).cumsum(0)  # [n, w]: samples so far per rank
-        filled = (taken == torch.tensor([k or -1 for k in room])).any(1).nonzero()  # where a rank gets its last
-        n = int(filled[0, 0]) + 1 if filled.numel() else g - p
-        placed[p:p + n] = choice[:n]
-        room = [k - t for k, t in zip(room, taken[n - 1].tolist())]
+        c = choice[p:]
+        counts = torch.bincount(c, minlength=w)
+        fills = (counts >= room) & (room > 0)
+        if not bool(fills.any()):  # (cannot happen: the samples left exactly fill the room left)
+            placed[p:] = c
+            break
+        order = torch.sort(c, stable=True).indices
+        first = torch.cumsum(counts, 0) - counts
+        where = order.index_select(0, (first + room - 1).clamp(0, c.numel() - 1))  # each rank's last sample that fits
+        where = torch.where(fills, where, torch.full_like(where, g))
+        n = int(where.min()) + 1  # the first sample that fills a rank ends the round
+        full = int(where.argmin())
+        placed[p:p + n] = c[:n]
+        room -= torch.bincount(c[:n], minlength=w)
         p += n
+        again = (choice[p:] == full).nonzero().flatten() + p  # later samples that chose the full rank
+        if again.numel():
+            choice[again] = key.index_select(0, again).masked_fill_((room == 0).unsqueeze(0),
+                                                                    torch.iinfo(torch.int64).min).argmax(1)
     return torch.empty(g, dtype=torch.int64).index_copy_(0, sample_order, placed)
 
 

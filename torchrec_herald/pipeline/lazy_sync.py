@@ -2,25 +2,29 @@
 run every step: the owner-route LRU plan of the readable reference ``LazySyncPlanner``.
 
 ``LazySyncPlanner`` (``torchrec_herald/testing/reference_plans.py``) is the reference (dicts, one row at a time);
-:class:`TensorLazySyncPlanner` here keeps the same state as ``[W, N]`` tensors over the *global row space*
+:class:`TensorLazySyncPlanner` here keeps the same state in sorted tensors over the *global row space*
 (key = table offset + row id, tables concatenated) and plans a step with a few dozen vectorised ops. It
 produces the **same transfers** as the reference with ``route="owner", policy="lru"`` (tested on random
 traces; ``torchrec_herald.testing.reference_plans`` holds the reference, the exactness checker and the
 conversion of a plan for it).
 
-State per row ``x``: ``master[x]`` (the rank holding the latest version; its home ``x // block`` when
-clean), per rank ``valid[r, x]`` (r's copy is the latest), ``cached[r, x]`` (r caches remote cold row x),
-``last_use[r, x]`` (LRU). Hot rows are held by every rank, a cold row by its home, cached rows by the cache.
-Every rank runs the planner on the same reads and gets the same plan, so the transfers it implies need no
-further metadata on the wire: a receiver knows which rows arrive, from whom, in which order.
+State, only where it differs from the stock layout (DESIGN §6: nothing dense over all rows × ranks):
+``dirty`` maps each row whose latest version is not at its home to the rank holding it (its *master*);
+``entries`` holds one entry per cached copy (remote cold row ``x`` on rank ``r``, keyed ``x·W + r``) with
+its LRU time and whether it is the latest; ``hot_valid [W, num_hot]`` says which hot replicas are the
+latest. A home copy is the latest exactly when its row is not dirty. Memory: ``16·dirty rows +
+17·cache entries + W·hot rows`` bytes. Every rank runs the planner on the same reads and gets the same
+plan, so the transfers it implies need no further metadata on the wire: a receiver knows which rows
+arrive, from whom, in which order.
 """
 
 from __future__ import annotations
 
-from typing import Any, List, Mapping, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 
 import torch
 
+from torchrec_herald.keymap import SortedKeyMap, expand_ranges
 from torchrec_herald.layout import RowLayout, cache_capacities, layout_of
 from torchrec_herald.plans import CommPlanner, ExecPlan, FlushPlan, SyncCounters, no_transfers, sort_transfers
 
@@ -48,25 +52,25 @@ class TensorLazySyncPlanner(CommPlanner):
         caps = cache_capacities(lay, capacity_fraction, capacity_rows)
         self.capacity = torch.tensor([caps[t] for t in lay.tables], dtype=torch.int64)
         self.num_rows = lay.num_rows
-        self.table_lo = lay.table_offsets
-        self.table_hi = lay.table_offsets + lay.rows
-        self.table_of, self.home, self.is_hot = lay.table_of_row, lay.home_of_row, lay.is_hot_row
         self.reset()
+
+    def _entry_columns(self) -> Dict[str, torch.dtype]:
+        """The columns of a cache entry (a subclass may add its own)."""
+        return {"last_use": torch.int64, "valid": torch.bool}
 
     def reset(self) -> None:
         """Initial state: every hot replica and every home copy valid, caches empty."""
-        W, N = self.W, self.num_rows
-        ranks = torch.arange(W).unsqueeze(1)
-        self.valid = self.is_hot.unsqueeze(0) | (self.home.unsqueeze(0) == ranks)
-        self.cached = torch.zeros(W, N, dtype=torch.bool)
-        self.last_use = torch.full((W, N), -1, dtype=torch.int64)
-        self.cache_count = torch.zeros(W, len(self.capacity), dtype=torch.int64)
-        self.master = self.home.clone()
+        self.hot_valid = torch.ones(self.W, self.layout.num_hot, dtype=torch.bool)
+        self.dirty = SortedKeyMap(master=torch.int64)
+        self.entries = SortedKeyMap(**self._entry_columns())
+        self.cache_count = torch.zeros(self.W, len(self.capacity), dtype=torch.int64)
         self.step = 0
 
+    def state_bytes(self) -> int:
+        """Bytes of scheduler state this planner holds (dirty rows, cache entries, hot replica flags)."""
+        return self.dirty.nbytes() + self.entries.nbytes() + self.hot_valid.numel() + self.cache_count.numel() * 8
+
     # ------------------------------------------------------------------ helpers
-    # (1-D gathers and scatters below use index_select / index_fill_ / index_copy_ on flat ``r * N + x``
-    # indices: same results as advanced indexing, a few times less overhead per call)
     def _pairs(self, reads: Sequence[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
         if len(reads) != self.W:
             raise ValueError(f"reads need one key set per rank ({self.W}), got {len(reads)}")
@@ -86,41 +90,69 @@ class TensorLazySyncPlanner(CommPlanner):
                                                                                 include_self=False)
         return ux, inv, nS, first
 
+    def _master(self, x: torch.Tensor, home: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """The rank holding the latest version of each row of ``x``."""
+        m = self.dirty.get(x, "master")
+        return torch.where(m >= 0, m, self.layout.home_of(x) if home is None else home)
+
+    def _set_master(self, x: torch.Tensor, m: torch.Tensor, home: torch.Tensor) -> None:
+        """Rows ``x`` (sorted, unique) now have their latest version on ranks ``m``."""
+        clean = m == home
+        self.dirty.remove(x[clean])
+        xd, md = x[~clean], m[~clean]
+        pos, found = self.dirty.find(xd)
+        self.dirty.col("master")[pos[found]] = md[found]
+        self.dirty.insert(xd[~found], master=md[~found])
+
+    def _entry_positions(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Positions in ``entries`` of every cached copy of the rows ``x``, and which row each is of."""
+        k = self.entries.keys
+        return expand_ranges(torch.searchsorted(k, x * self.W), torch.searchsorted(k, x * self.W + self.W))
+
     def _push_home(self, x: torch.Tensor) -> torch.Tensor:
         """Dirty rows ``x`` (sorted) go home: ``(key, master, home)``; the home copies become the latest."""
-        m, h = self.master.index_select(0, x), self.home.index_select(0, x)
-        self.valid.view(-1).index_fill_(0, h * self.num_rows + x, True)
-        self.master.index_copy_(0, x, h)
+        h = self.layout.home_of(x)
+        m = self._master(x, h)
+        slot = self.layout.hot_slot(x)
+        hot = slot >= 0
+        self.hot_valid[h[hot], slot[hot]] = True
+        self.dirty.remove(x)
         return torch.stack([x, m, h], 1)
 
-    def _admit_to_caches(self, R: torch.Tensor, X: torch.Tensor, cold: torch.Tensor, new: torch.Tensor) -> None:
-        """Reads ``(R[i], X[i])`` of remote cold rows (``cold``) enter (``new``) or refresh their LRU entry."""
-        N, T = self.num_rows, self.cache_count.shape[1]
-        fc = (R * N + X).masked_select(cold)
-        self.cached.view(-1).index_fill_(0, fc, True)
-        self.last_use.view(-1).index_fill_(0, fc, self.step)
-        t_new = self.table_of.index_select(0, X.masked_select(new))
-        self.cache_count += torch.bincount(R.masked_select(new) * T + t_new, minlength=self.W * T).view(self.W, T)
+    def _admit_to_caches(self, R: torch.Tensor, X: torch.Tensor, table: torch.Tensor, cold: torch.Tensor,
+                         new: torch.Tensor) -> None:
+        """Reads ``(R[i], X[i])`` of remote cold rows (``cold``) enter (``new``)
+        or refresh their LRU entry; every such copy is now the latest."""
+        T = self.cache_count.shape[1]
+        pos, found = self.entries.find(X * self.W + R)
+        old = pos[found & cold]
+        self.entries.col("last_use")[old] = self.step
+        self.entries.col("valid")[old] = True
+        fresh = {c: 0 for c in self.entries.cols} | {"last_use": self.step, "valid": True}
+        self.entries.insert(torch.sort((X * self.W + R)[new]).values, **fresh)
+        self.cache_count += torch.bincount(R[new] * T + table[new], minlength=self.W * T).view(self.W, T)
 
-    def _reducers(self, R: torch.Tensor, X: torch.Tensor, ux: torch.Tensor, inv: torch.Tensor, nS: torch.Tensor,
-                  first: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+    @staticmethod
+    def _reducers(R: torch.Tensor, X: torch.Tensor, inv: torch.Tensor, nS: torch.Tensor, first: torch.Tensor,
+                  home_u: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
         """One update per read row: by its only reader, or at home when several ranks read it. Returns
-        (reducer of each row of ``ux``, the ``(key, reader, reducer)`` gradient sends, in read order)."""
-        reducer = torch.where(nS == 1, first, self.home.index_select(0, ux))
+        (reducer of each unique row, the ``(key, reader, reducer)`` gradient sends, in read order)."""
+        reducer = torch.where(nS == 1, first, home_u)
         red_of = reducer.index_select(0, inv)
         sends = (R != red_of).nonzero().squeeze(1)
         return reducer, torch.stack([X.index_select(0, sends), R.index_select(0, sends), red_of.index_select(0, sends)], 1)
 
     def _hot_pulls(self, stale: torch.Tensor) -> torch.Tensor:
         """``(key, home, rank)`` pulls refreshing the hot replicas where ``stale`` (bool ``[W, num_hot]``)."""
-        hot = self.is_hot.nonzero().flatten()
         r, i = stale.nonzero(as_tuple=True)
-        x = hot[i]
-        return sort_transfers(torch.stack([x, self.home[x], r], 1))
+        x = self.layout.hot_keys[i]
+        return sort_transfers(torch.stack([x, self.layout.home_of(x), r], 1))
 
-    def _cached_rows(self) -> List[torch.Tensor]:
-        """Per rank, the keys it caches."""
-        return [self.cached[q].nonzero().flatten() for q in range(self.W)]
+    def cached_rows(self) -> List[torch.Tensor]:
+        """Per rank, the keys it caches (sorted)."""
+        k = self.entries.keys
+        r, x = k % self.W, k // self.W  # x ascends within each rank
+        return [x[r == q] for q in range(self.W)]
 
     # ------------------------------------------------------------------ planning
     def plan_step(self, window: Sequence[Sequence[torch.Tensor]]) -> ExecPlan:
@@ -128,8 +160,7 @@ class TensorLazySyncPlanner(CommPlanner):
         as look-ahead; advances the state. Every rank calling this on the same window gets the same plan."""
         if len(window) < 1:
             raise ValueError("plan_step needs a window with at least the current step")
-        N = self.num_rows
-        valid, cached = self.valid.view(-1), self.cached.view(-1)  # [W * N]: flat index r * N + x
+        lay = self.layout
         cnt = SyncCounters()
         reads = [torch.as_tensor(k, dtype=torch.int64) for k in window[0]]
         R, X = self._pairs(reads)
@@ -138,39 +169,48 @@ class TensorLazySyncPlanner(CommPlanner):
         X, perm = torch.sort(X, stable=True)
         R = R.index_select(0, perm)
         ux, inv, nS = torch.unique_consecutive(X, return_inverse=True, return_counts=True)
-        first = R.index_select(0, torch.cumsum(nS, 0) - nS)
+        starts = torch.cumsum(nS, 0) - nS
+        first = R.index_select(0, starts)
+        table_X = lay.table_of(X)
+        home_X, slot_X = lay.home_of(X, table_X), lay.hot_slot(X)
+        home_u, slot_u = home_X.index_select(0, starts), slot_X.index_select(0, starts)
         # dirty rows read by some rank other than their master go home first
-        m, home_u = self.master.index_select(0, ux), self.home.index_select(0, ux)
+        m = self._master(ux, home_u)
         pre = self._push_home(ux.masked_select((m != home_u) & ~((nS == 1) & (first == m))))
-        home_X = self.home.index_select(0, X)
         # pulls: every read whose copy is not the latest, from the row's master
-        flat = R * N + X
-        ok = valid.index_select(0, flat)
-        cold = ~self.is_hot.index_select(0, X) & (home_X != R)
-        new = cold & ~cached.index_select(0, flat)
+        hot = slot_X >= 0
+        cold = ~hot & (home_X != R)
+        pos, found = self.entries.find(X * self.W + R)
+        ok = torch.zeros(X.numel(), dtype=torch.bool)
+        hi = hot.nonzero().squeeze(1)
+        ok[hi] = self.hot_valid[R[hi], slot_X[hi]]
+        at_home = (~hot & ~cold).nonzero().squeeze(1)
+        ok[at_home] = ~self.dirty.contains(X[at_home])
+        ci = found.nonzero().squeeze(1)
+        ok[ci] = self.entries.col("valid")[pos[ci]]
+        new = cold & ~found
         need = (~ok).nonzero().squeeze(1)
         Xn = X.index_select(0, need)
-        pull = torch.stack([Xn, self.master.index_select(0, Xn), R.index_select(0, need)], 1)
+        pull = torch.stack([Xn, self._master(Xn, home_X.index_select(0, need)), R.index_select(0, need)], 1)
         pull_miss = new.index_select(0, need)  # = not held (not hot, not home, not cached)
-        valid.index_fill_(0, flat, True)
-        self._admit_to_caches(R, X, cold, new)
+        self.hot_valid[R[hi], slot_X[hi]] = True  # (a home read is of a clean row: already the latest)
+        self._admit_to_caches(R, X, table_X, cold, new)
         cnt.reads, cnt.hits = X.numel(), int(ok.sum())
         cnt.cache_reads, cnt.cache_hits = int(cold.sum()), int((ok & cold).sum())
         cnt.miss_pull = int(pull_miss.sum())
         cnt.update_pull = need.numel() - cnt.miss_pull
         # read pairs in (key, rank) order: the sends come out sorted by (key, src, dst)
-        reducer, reduce = self._reducers(R, X, ux, inv, nS, first)
+        reducer, reduce = self._reducers(R, X, inv, nS, first, home_u)
         cnt.reduce = len(reduce)
-        self.valid.index_fill_(1, ux, False)
-        valid.index_fill_(0, reducer * N + ux, True)
-        self.master.index_copy_(0, ux, reducer)
+        self._updated(ux, reducer, home_u, slot_u)
         # look-ahead: a dirty row another rank reads in the next step is pushed home now
         post = no_transfers()
         if len(window) > 1 and self.window > 1:
             R1, X1 = self._pairs([torch.as_tensor(k, dtype=torch.int64) for k in window[1]])
             # (a rank reads a row at most once: a row with several readers has one other than its master)
-            m1 = self.master.index_select(0, X1)
-            post = self._push_home(torch.unique(X1.masked_select((m1 != self.home.index_select(0, X1)) & (R1 != m1))))
+            h1 = lay.home_of(X1)
+            m1 = self._master(X1, h1)
+            post = self._push_home(torch.unique(X1.masked_select((m1 != h1) & (R1 != m1))))
         cnt.update_push = len(pre) + len(post)
         miss_push, evictions = self._evict()
         cnt.miss_push = len(miss_push)
@@ -180,59 +220,68 @@ class TensorLazySyncPlanner(CommPlanner):
         self.step += 1
         return plan
 
-    def _lru_victims(self) -> torch.Tensor:
-        """Flat indices ``r * N + key`` (sorted: by rank, then key) of the cached rows that trim every
-        (rank, table) cache back to capacity, least recently used first (ties: lower key); the cache
+    def _updated(self, ux: torch.Tensor, reducer: torch.Tensor, home_u: torch.Tensor, slot_u: torch.Tensor) -> None:
+        """Rows ``ux`` were updated on ``reducer``: every other copy is outdated."""
+        hot = slot_u >= 0
+        s = slot_u[hot]
+        self.hot_valid[:, s] = False
+        self.hot_valid[reducer[hot], s] = True
+        cold = ~hot
+        xc, rc = ux[cold], reducer[cold]
+        p, _ = self._entry_positions(xc)
+        self.entries.col("valid")[p] = False
+        remote = rc != home_u[cold]  # the only reader, remote: it cached the row in this step
+        pos, found = self.entries.find(xc[remote] * self.W + rc[remote])
+        self.entries.col("valid")[pos[found]] = True
+        self._set_master(ux, reducer, home_u)
+
+    def _lru_victims(self) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``(entry positions, ranks, keys)`` of the cached rows that trim every (rank, table) cache back
+        to capacity, least recently used first (ties: lower key), sorted by rank then key; the cache
         counts are set to the trimmed sizes, the rest of the state is the caller's."""
-        N = self.num_rows
-        over = (self.cache_count > self.capacity.unsqueeze(0)).nonzero()  # (rank, table), rank-major
-        if not over.numel():
-            return torch.empty(0, dtype=torch.int64)
-        r_over, t_over = over[:, 0], over[:, 1]
-        lo = r_over * N + self.table_lo.index_select(0, t_over)  # flat index of each segment's first row
-        size = (self.table_hi - self.table_lo).index_select(0, t_over)
-        cached = self.cached.view(-1)
-        seg = torch.cat([cached[a:a + n] for a, n in zip(lo.tolist(), size.tolist())])
-        pos = seg.nonzero().squeeze(1)
-        seg_start = torch.cumsum(size, 0) - size
-        grp = torch.searchsorted(seg_start, pos, right=True) - 1
-        flat = pos - seg_start.index_select(0, grp) + lo.index_select(0, grp)  # r * N + key of each cached row
-        # LRU order within each segment (cached rows have 0 <= last_use <= step); stable: ties by lower key
-        lru = grp * (self.step + 2) + self.last_use.view(-1).index_select(0, flat) + 1
-        order = torch.sort(lru, stable=True).indices
-        count = torch.bincount(grp, minlength=len(over))
-        g = grp.index_select(0, order)
-        excess = self.cache_count[r_over, t_over] - self.capacity.index_select(0, t_over)
+        empty = torch.empty(0, dtype=torch.int64)
+        excess = (self.cache_count - self.capacity.unsqueeze(0)).clamp(min=0).view(-1)
+        if not bool(excess.any()):
+            return empty, empty, empty
+        T = self.cache_count.shape[1]
+        k = self.entries.keys
+        r, x = k % self.W, k // self.W
+        seg = r * T + self.layout.table_of(x)
+        sel = (excess.index_select(0, seg) > 0).nonzero().squeeze(1)  # in key order within each segment
+        g = seg.index_select(0, sel)
+        # LRU order within each segment (0 <= last_use <= step); stable: ties by lower key
+        order = torch.sort(g * (self.step + 2) + self.entries.col("last_use").index_select(0, sel) + 1,
+                           stable=True).indices
+        sel, g = sel.index_select(0, order), g.index_select(0, order)
+        count = torch.bincount(g, minlength=excess.numel())
+        rank_in_seg = torch.arange(sel.numel()) - (torch.cumsum(count, 0) - count).index_select(0, g)
+        victims = sel.masked_select(rank_in_seg < excess.index_select(0, g))
         self.cache_count.clamp_(max=self.capacity)  # the over-full caches lose their excess
-        rank_in_seg = torch.arange(len(order)) - (torch.cumsum(count, 0) - count).index_select(0, g)
-        evict = rank_in_seg < excess.index_select(0, g)
-        return torch.sort(flat.index_select(0, order.masked_select(evict))).values
+        vr, vx = r.index_select(0, victims), x.index_select(0, victims)
+        o = torch.sort(vr * self.num_rows + vx).indices
+        return victims[o], vr[o], vx[o]
 
     def _evict(self) -> tuple[torch.Tensor, List[torch.Tensor]]:
         """Trim the caches (:meth:`_lru_victims`); a victim holding the only latest version is pushed home
         (``miss_push``)."""
-        W, N = self.W, self.num_rows
-        v = self._lru_victims()
-        rv, xv = v // N, v % N
-        d = (self.master.index_select(0, xv) == rv).nonzero().squeeze(1)  # dirty: push home
+        victims, rv, xv = self._lru_victims()
+        d = (self._master(xv) == rv).nonzero().squeeze(1)  # dirty: push home
         xd, rd = xv.index_select(0, d), rv.index_select(0, d)
-        h = self.home.index_select(0, xd)
-        # a victim's home is never its rank (caches hold remote rows only): the scatters do not overlap
-        self.valid.view(-1).index_fill_(0, h * N + xd, True)
-        self.master.index_copy_(0, xd, h)
-        self.cached.view(-1).index_fill_(0, v, False)
-        self.valid.view(-1).index_fill_(0, v, False)
-        self.last_use.view(-1).index_fill_(0, v, -1)
-        return torch.stack([xd, rd, h], 1), list(xv.split(torch.bincount(rv, minlength=W).tolist()))
+        self.dirty.remove(xd)  # (a victim's home is never its rank: caches hold remote rows only)
+        self.entries.remove_at(victims)
+        return torch.stack([xd, rd, self.layout.home_of(xd)], 1), list(xv.split(torch.bincount(rv, minlength=self.W).tolist()))
 
     def flush(self) -> FlushPlan:
         """Plan the transfers that bring every copy back to the stock layout (see :class:`FlushPlan`)
         and reset the state to it."""
-        dirty = (self.master != self.home).nonzero().flatten()
-        push = torch.stack([dirty, self.master[dirty], self.home[dirty]], 1)
-        self.valid[self.home[dirty], dirty] = True
-        pull = self._hot_pulls(~self.valid[:, self.is_hot.nonzero().flatten()])
-        dropped = self._cached_rows()
+        dirty = self.dirty.keys
+        home = self.layout.home_of(dirty)
+        push = torch.stack([dirty, self.dirty.col("master"), home], 1)
+        slot = self.layout.hot_slot(dirty)
+        hot = slot >= 0
+        self.hot_valid[home[hot], slot[hot]] = True
+        pull = self._hot_pulls(~self.hot_valid)
+        dropped = self.cached_rows()
         self.reset()
         return FlushPlan(push=sort_transfers(push), pull=pull, dropped=dropped)
 
@@ -242,7 +291,32 @@ class TensorLazySyncPlanner(CommPlanner):
         keys = torch.as_tensor(keys, dtype=torch.int64)
         k = keys.reshape(-1)
         ranks = torch.arange(self.W).unsqueeze(1)
-        flat = (ranks * self.num_rows + k).view(-1)
-        cache = self.cached.view(-1).index_select(0, flat) & self.valid.view(-1).index_select(0, flat)
-        out = cache.view(self.W, -1) | self.is_hot.index_select(0, k) | (self.home.index_select(0, k) == ranks)
+        out = self.layout.is_hot(k).unsqueeze(0) | (self.layout.home_of(k).unsqueeze(0) == ranks)
+        p, owner = self._entry_positions(k)
+        live = self._entry_counts_as_local(p)
+        p, owner = p[live], owner[live]
+        out[self.entries.keys[p] % self.W, owner] = True
         return out.view(self.W, *keys.shape)
+
+    def local_scores(self, keys: torch.Tensor, sample: torch.Tensor, num_samples: int) -> torch.Tensor:
+        """int64 ``[num_samples, W]``: lookups of each sample local to each rank (``sample[i]`` the sample
+        of ``keys[i]``), = ``InputAllocator.local_scores(keys, sample, num_samples, self.local_on)`` but
+        built from the few ranks each key is local on (a hot key counts on every rank; a cold one on its
+        home and its valid cache entries), never as a ``[W, len(keys)]`` matrix."""
+        k, sample = keys.to(torch.int64).reshape(-1), sample.to(torch.int64).reshape(-1)
+        W = self.W
+        hot = self.layout.is_hot(k)
+        out = torch.bincount(sample[hot], minlength=num_samples).unsqueeze(1).repeat(1, W)
+        kc, sc = k[~hot], sample[~hot]
+        flat = out.view(-1)
+        flat.index_add_(0, sc * W + self.layout.home_of(kc), torch.ones_like(kc))
+        p, owner = self._entry_positions(kc)
+        live = self._entry_counts_as_local(p)
+        p, owner = p[live], owner[live]
+        flat.index_add_(0, sc.index_select(0, owner) * W + self.entries.keys.index_select(0, p) % W,
+                        torch.ones_like(p))
+        return out
+
+    def _entry_counts_as_local(self, positions: torch.Tensor) -> torch.Tensor:
+        """bool: the cache entries at ``positions`` count as local reads (the exact plan: the latest)."""
+        return self.entries.col("valid")[positions]

@@ -36,6 +36,9 @@ class HeraldPipelineConfig:
         sync: ``lazy`` (caches + plan) or ``eager`` (herald's per-step path, e.g. to measure the allocator alone).
         cache: cache eviction policy (``lru``).
         cache_fraction: cache capacity per rank per table as a fraction of the table's rows, in (0, 1].
+        cache_bytes: ``None``, or the cache capacity per rank as a bytes budget (weights + optimizer
+            state of the cached rows), shared among the tables in proportion to their rows; overrides
+            ``cache_fraction``.
         move_penalty: local lookups a sample move must gain (``greedy_assign``'s ``move_penalty``), >= 0.
         staleness: ``None``: the exact plan; an integer ``s >= 0``: HET's bounded staleness (``sync=lazy``).
         skip: ``None`` or a :class:`~torchrec_herald.pipeline.stale_skip.SkipConfig` (Slipstream).
@@ -53,6 +56,7 @@ class HeraldPipelineConfig:
     sync: str = "lazy"
     cache: str = "lru"
     cache_fraction: float = 0.05
+    cache_bytes: Optional[int] = None
     move_penalty: int = 0
     staleness: Optional[int] = None
     skip: Optional[SkipConfig] = None
@@ -74,6 +78,8 @@ class HeraldPipelineConfig:
         if not 0.0 < float(self.cache_fraction) <= 1.0:
             raise ValueError(f"pipeline.cache_fraction={self.cache_fraction}: a cache must hold at least one row and "
                              f"at most all rows of a table; use a fraction in (0, 1]")
+        if self.cache_bytes is not None and (isinstance(self.cache_bytes, bool) or int(self.cache_bytes) < 1):
+            raise ValueError(f"pipeline.cache_bytes must be null or a positive number of bytes, got {self.cache_bytes}")
         if int(self.move_penalty) < 0:
             raise ValueError(f"pipeline.move_penalty must be >= 0, got {self.move_penalty}")
         s = self.staleness
@@ -121,7 +127,7 @@ class HeraldPipelineConfig:
         if scheduling == "auto" and (not global_batches or p.get("staleness") is not None):
             scheduling = "on"  # an approximate mode is measured against the exact plan: keep its plan on
         return cls(window=p.window, allocator=p.allocator, sync=p.sync, cache=p.cache,
-                   cache_fraction=p.cache_fraction, move_penalty=p.move_penalty, staleness=p.get("staleness"),
+                   cache_fraction=p.cache_fraction, cache_bytes=p.get("cache_bytes"), move_penalty=p.move_penalty, staleness=p.get("staleness"),
                    skip=skip, global_batches=global_batches,
                    run_ahead=bool(p.get("run_ahead", False)) and global_batches, scheduling=scheduling,
                    probe_steps=p.get("probe_steps", 10))

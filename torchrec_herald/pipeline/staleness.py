@@ -20,14 +20,20 @@ its base). Per step, for the rows each rank reads:
 A push *replaces* the home's copy when the home has not changed since the pusher's base (then the two are
 equal but for the pusher's updates), else it *adds* the accumulated update. With ``s = 0`` every read
 sees every earlier update and every push replaces: the exact mode's training, bit for bit.
+
+State is held only for the copies that exist (DESIGN §6): ``b`` and ``u`` of a hot replica in
+``[W, num_hot]`` tensors, of a cache entry as two more columns of the exact plan's entries; ``hv`` of a hot
+row in ``[num_hot]``, of a cold row only while some rank caches it (only differences ``hv − b`` matter, so
+a row that nobody caches may forget it).
 """
 
 from __future__ import annotations
 
-from typing import Any, List, Mapping, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 
 import torch
 
+from torchrec_herald.keymap import SortedKeyMap
 from torchrec_herald.pipeline.lazy_sync import TensorLazySyncPlanner
 from torchrec_herald.plans import ExecPlan, FlushPlan, SyncCounters, no_transfers, sort_transfers, transfer_order
 
@@ -53,11 +59,62 @@ class StalenessPlanner(TensorLazySyncPlanner):
         self.staleness = int(staleness)
         super().__init__(locality, capacity_fraction, window, capacity_rows)
 
+    def _entry_columns(self) -> Dict[str, torch.dtype]:
+        return super()._entry_columns() | {"base": torch.int64, "pending": torch.int64}
+
     def reset(self) -> None:
         super().reset()
-        self.hv = torch.zeros(self.num_rows, dtype=torch.int64)
-        self.base = torch.zeros(self.W, self.num_rows, dtype=torch.int64)
-        self.pending = torch.zeros(self.W, self.num_rows, dtype=torch.int64)
+        nh = self.layout.num_hot
+        self.hv_hot = torch.zeros(nh, dtype=torch.int64)
+        self.base_hot = torch.zeros(self.W, nh, dtype=torch.int64)
+        self.pending_hot = torch.zeros(self.W, nh, dtype=torch.int64)
+        self.hv_cold = SortedKeyMap(hv=torch.int64)
+
+    def state_bytes(self) -> int:
+        return (super().state_bytes() + self.hv_cold.nbytes()
+                + 8 * (self.hv_hot.numel() + self.base_hot.numel() + self.pending_hot.numel()))
+
+    # ------------------------------------------------------------------ per row / per copy
+    def _hv(self, x: torch.Tensor, slot: torch.Tensor) -> torch.Tensor:
+        """Home version of rows ``x`` (``slot``: their hot slots, -1 for cold)."""
+        hot = slot >= 0
+        return torch.where(hot, self.hv_hot[slot.clamp(min=0)] if self.hv_hot.numel() else torch.zeros_like(x),
+                           self.hv_cold.get(x, "hv", 0))
+
+    def _hv_add(self, x: torch.Tensor, slot: torch.Tensor, delta: torch.Tensor) -> None:
+        """``hv[x] += delta`` (``x`` unique)."""
+        hot = slot >= 0
+        self.hv_hot.index_add_(0, slot[hot], delta[hot])
+        xc, dc = x[~hot], delta[~hot]
+        xc, order = torch.sort(xc)
+        dc = dc[order]
+        pos, found = self.hv_cold.find(xc)
+        self.hv_cold.col("hv").index_add_(0, pos[found], dc[found])
+        self.hv_cold.insert(xc[~found], hv=dc[~found])
+
+    def _copy(self, R: torch.Tensor, X: torch.Tensor, slot: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Where copies ``(R[i], X[i])`` are: hot mask, entry position, entry found."""
+        pos, found = self.entries.find(X * self.W + R)
+        return slot >= 0, pos, found & (slot < 0)
+
+    def _field(self, R: torch.Tensor, slot: torch.Tensor, where: Tuple[torch.Tensor, ...], name: str) -> torch.Tensor:
+        """``base`` or ``pending`` of copies (0 where there is no copy)."""
+        hot, pos, found = where
+        dense = self.base_hot if name == "base" else self.pending_hot
+        out = torch.zeros(R.numel(), dtype=torch.int64)
+        hi, ei = hot.nonzero().squeeze(1), found.nonzero().squeeze(1)
+        out[hi] = dense[R[hi], slot[hi]]
+        out[ei] = self.entries.col(name)[pos[ei]]
+        return out
+
+    def _set_field(self, R: torch.Tensor, slot: torch.Tensor, where: Tuple[torch.Tensor, ...], name: str,
+                   value: torch.Tensor) -> None:
+        """Set ``base`` or ``pending`` of copies that exist."""
+        hot, pos, found = where
+        dense = self.base_hot if name == "base" else self.pending_hot
+        hi, ei = hot.nonzero().squeeze(1), found.nonzero().squeeze(1)
+        dense[R[hi], slot[hi]] = value[hi]
+        self.entries.col(name)[pos[ei]] = value[ei]
 
     # ------------------------------------------------------------------ helpers
     def _push(self, R: torch.Tensor, X: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
@@ -68,12 +125,16 @@ class StalenessPlanner(TensorLazySyncPlanner):
             x = X[R == r]
             if not x.numel():
                 continue
-            u = self.pending[r, x]
-            add.append(self.hv[x] != self.base[r, x])
-            self.hv[x] += u
-            self.base[r, x] += u
-            self.pending[r, x] = 0
-            out.append(torch.stack([x, torch.full_like(x, r), self.home[x]], 1))
+            rr = torch.full_like(x, r)
+            slot = self.layout.hot_slot(x)
+            where = self._copy(rr, x, slot)
+            u = self._field(rr, slot, where, "pending")
+            base = self._field(rr, slot, where, "base")
+            add.append(self._hv(x, slot) != base)
+            self._hv_add(x, slot, u)
+            self._set_field(rr, slot, where, "base", base + u)
+            self._set_field(rr, slot, where, "pending", torch.zeros_like(u))
+            out.append(torch.stack([x, rr, self.layout.home_of(x)], 1))
         if not out:
             return no_transfers(), torch.empty(0, dtype=torch.bool)
         return torch.cat(out), torch.cat(add)
@@ -92,49 +153,64 @@ class StalenessPlanner(TensorLazySyncPlanner):
         if len(window) < 1:
             raise ValueError("plan_step needs a window with at least the current step")
         s = self.staleness
+        lay = self.layout
         reads = [torch.as_tensor(k, dtype=torch.int64) for k in window[0]]
         R, X = self._pairs(reads)
         ux, inv, nS, first = self._readers(R, X)
         cnt_reads = X.numel()
-        home_read = self.home[X] == R
-        held = self.is_hot[X] | home_read | self.cached[R, X]
-        lag = torch.where(home_read, torch.zeros_like(X), self.hv[X] - self.base[R, X])
+        table_X = lay.table_of(X)
+        home_X, slot_X = lay.home_of(X, table_X), lay.hot_slot(X)
+        home_read = home_X == R
+        where = self._copy(R, X, slot_X)
+        cached = where[2]
+        held = where[0] | home_read | cached
+
+        def lag_now() -> torch.Tensor:
+            lag = self._hv(X, slot_X) - self._field(R, slot_X, self._copy(R, X, slot_X), "base")
+            return torch.where(home_read, torch.zeros_like(X), lag)
+
+        lag = lag_now()
         miss = ~held
         refresh = held & ~home_read & (lag > s)
         # a refreshing copy's pending updates go home before the reads; they raise the home version the
         # other copies are read against, which may put one of those more than s behind too (and its own
         # pending updates then go home as well): grow the refreshed set to its fixed point, then push
         # once, rank by rank (the executor applies a row's pushes in rank order: the first may replace)
-        pending = self.pending[R, X]
+        pending = self._field(R, slot_X, where, "pending")
         while True:
             pend = refresh & (pending > 0)
             if not bool(pend.any()):  # (always so with s = 0: nothing is ever held back)
                 break
             ahead = torch.zeros(ux.numel(), dtype=torch.int64).index_add_(0, inv[pend], pending[pend])[inv]
-            grown = refresh | (held & ~home_read & (self.hv[X] + ahead - self.base[R, X] > s))
+            grown = refresh | (held & ~home_read & (lag + ahead > s))
             if bool((grown == refresh).all()):
                 break
             refresh = grown
         pre, pre_add = self._push(R[pend], X[pend])
-        lag = torch.where(home_read, torch.zeros_like(X), self.hv[X] - self.base[R, X])  # at read time
+        lag = lag_now()  # at read time
         need = miss | refresh
-        pull = torch.stack([X[need], self.home[X[need]], R[need]], 1)
+        pull = torch.stack([X[need], home_X[need], R[need]], 1)
         pull_miss = miss[need]
-        self.base[R[need], X[need]] = self.hv[X[need]]
         hits = ~need
         stale = hits & (lag > 0)
-        # cache bookkeeping (remote cold rows), LRU as in the exact plan
-        cold = ~self.is_hot[X] & ~home_read
-        new = cold & ~self.cached[R, X]
-        self._admit_to_caches(R, X, cold, new)
+        # cache bookkeeping (remote cold rows), LRU as in the exact plan; a pulled copy is based on hv now
+        cold = ~where[0] & ~home_read
+        self._admit_to_caches(R, X, table_X, cold, cold & ~cached)
+        Rn, Xn, sn = R[need], X[need], slot_X[need]
+        self._set_field(Rn, sn, self._copy(Rn, Xn, sn), "base", self._hv(Xn, sn))
         # writes: one reader updates its copy; several readers' gradients are summed at home
-        updater, reduce = self._reducers(R, X, ux, inv, nS, first)
-        at_home = updater == self.home[ux]
-        self.hv[ux[at_home]] += 1
-        local = ux[~at_home]
-        lr = updater[~at_home]
-        self.pending[lr, local] += 1
-        over = self.pending[lr, local] > s
+        home_u = lay.home_of(ux)
+        updater, reduce = self._reducers(R, X, inv, nS, first, home_u)
+        at_home = updater == home_u
+        slot_u = lay.hot_slot(ux)
+        xh, sh = ux[at_home], slot_u[at_home]
+        tracked = (sh >= 0) | (self._entry_positions(xh)[1].bincount(minlength=xh.numel()) > 0)
+        self._hv_add(xh[tracked], sh[tracked], torch.ones(int(tracked.sum()), dtype=torch.int64))
+        local, lr, sl = ux[~at_home], updater[~at_home], slot_u[~at_home]
+        wl = self._copy(lr, local, sl)
+        pend_l = self._field(lr, sl, wl, "pending") + 1
+        self._set_field(lr, sl, wl, "pending", pend_l)
+        over = pend_l > s
         post, post_add = self._push(lr[over], local[over])
         miss_push, evictions = self._evict()
         cnt = self._counters(cnt_reads, hits, cold, pull_miss, reduce, len(pre) + len(post), len(miss_push[0]))
@@ -158,27 +234,29 @@ class StalenessPlanner(TensorLazySyncPlanner):
                             cache_hits=int((hits & cold).sum()), cache_reads=int(cold.sum()))
 
     def _evict(self) -> Tuple[Tuple[torch.Tensor, torch.Tensor], List[torch.Tensor]]:  # type: ignore[override]
-        """LRU trim as in the exact plan; an evicted copy with pending updates is always pushed home."""
-        v = self._lru_victims()
-        R, X = v // self.num_rows, v % self.num_rows
+        """LRU trim as in the exact plan; an evicted copy with pending updates is always pushed home. A row
+        nobody caches any more forgets its home version."""
+        v, R, X = self._lru_victims()
         victims = list(X.split(torch.bincount(R, minlength=self.W).tolist()))
-        dirty = self.pending[R, X] > 0
+        dirty = self.entries.col("pending")[v] > 0
         pushes = self._push(R[dirty], X[dirty])
-        self.cached[R, X] = False
-        self.last_use[R, X] = -1
-        self.base[R, X] = 0
+        self.entries.remove_at(v)
+        gone = torch.unique(X)
+        gone = gone[self._entry_positions(gone)[1].bincount(minlength=gone.numel()) == 0]
+        self.hv_cold.remove(gone)
         return pushes, victims
 
     def flush(self) -> FlushPlan:
         """Push every pending update home, refresh every lagging hot replica, drop the caches; reset."""
-        R, X = (self.pending > 0).nonzero(as_tuple=True)
-        push, add = self._push(R, X)
+        rh, ih = (self.pending_hot > 0).nonzero(as_tuple=True)
+        k = self.entries.keys[self.entries.col("pending") > 0]
+        push, add = self._push(torch.cat([rh, k % self.W]), torch.cat([self.layout.hot_keys[ih], k // self.W]))
         push, add = self._by_key(push, add)
-        hot = self.is_hot.nonzero().flatten()
-        lag = self.hv[hot].unsqueeze(0) - self.base[:, hot]
-        not_home = self.home[hot].unsqueeze(0) != torch.arange(self.W).unsqueeze(1)
+        hot = self.layout.hot_keys
+        lag = self.hv_hot.unsqueeze(0) - self.base_hot
+        not_home = self.layout.home_of(hot).unsqueeze(0) != torch.arange(self.W).unsqueeze(1)
         pull = self._hot_pulls((lag > 0) & not_home)
-        dropped = self._cached_rows()
+        dropped = self.cached_rows()
         self.reset()
         return FlushPlan(push=push, pull=pull, dropped=dropped, push_add=add)
 
@@ -186,7 +264,8 @@ class StalenessPlanner(TensorLazySyncPlanner):
         """bool ``[W, len(keys)]``: what the input allocator counts as local on rank r — a hot replica, r's
         own block, or a cache entry at most ``s`` versions behind (hot replicas count as the exact
         plan counts them, so ``s = 0`` allocates exactly as the exact mode does)."""
-        ranks = torch.arange(self.W).unsqueeze(1)
-        home = self.home[keys].unsqueeze(0) == ranks
-        fresh = (self.hv[keys].unsqueeze(0) - self.base[:, keys]) <= self.staleness
-        return home | self.is_hot[keys].unsqueeze(0) | (self.cached[:, keys] & fresh)
+        return super().local_on(keys)
+
+    def _entry_counts_as_local(self, positions: torch.Tensor) -> torch.Tensor:
+        x = self.entries.keys[positions] // self.W
+        return self.hv_cold.get(x, "hv", 0) - self.entries.col("base")[positions] <= self.staleness

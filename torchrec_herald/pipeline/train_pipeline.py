@@ -32,6 +32,7 @@ from torchrec.distributed.train_pipeline import TrainPipeline, TrainPipelineCont
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from torchrec_herald.comm import all_gather_varlen, all_to_all_rows
+from torchrec_herald.layout import cache_rows_for_budget
 from torchrec_herald.ops.hot_cold import first_invalid_id
 from torchrec_herald.pipeline.input_allocator import build_allocator
 from torchrec_herald.pipeline.lazy_sync import TensorLazySyncPlanner
@@ -190,9 +191,11 @@ class HeraldTrainPipeline(TrainPipeline[Batch, Any]):
         self._pg = self.ebc.process_group
         self._W, self._rank = self.ebc.world_size, self.ebc.rank
         self.layout = self.ebc.layout
+        capacity_rows = (None if c.cache_bytes is None else  # the store keeps a cached row's weights + state
+                         cache_rows_for_budget(self.layout, c.cache_bytes, (self.ebc.embedding_dim + 1) * 4))
         self.planner: CommPlanner = (
-            TensorLazySyncPlanner(self.layout, c.cache_fraction, c.window) if c.staleness is None
-            else StalenessPlanner(self.layout, c.staleness, c.cache_fraction, c.window))
+            TensorLazySyncPlanner(self.layout, c.cache_fraction, c.window, capacity_rows) if c.staleness is None
+            else StalenessPlanner(self.layout, c.staleness, c.cache_fraction, c.window, capacity_rows))
         self.input_allocator = build_allocator(c.allocator, **({"move_penalty": c.move_penalty}
                                                                if c.allocator == "greedy" else {}))
         if c.skip is not None and self.layout.num_hot == 0:
@@ -355,7 +358,7 @@ class HeraldTrainPipeline(TrainPipeline[Batch, Any]):
         err = torch.tensor([*ctx.bad, kjt.values().numel()], dtype=torch.int64)
         if scored and ctx.keys is not None:
             # local: a hot replica, this rank's block or a valid cache entry under the planner's state
-            scores = self.input_allocator.local_scores(ctx.keys, ctx.sample_of_key, B, self.planner.local_on)
+            scores = self.planner.local_scores(ctx.keys, ctx.sample_of_key, B)
         else:
             scores = torch.zeros(B, self._W, dtype=torch.int64)
         meta = torch.cat([err, _pack_int16(scores)]) if scored else err
@@ -387,7 +390,7 @@ class HeraldTrainPipeline(TrainPipeline[Batch, Any]):
             raise ValueError(f"pipeline.global_batches: a global batch of {G} samples does not split over {W} ranks")
         loaded_on = torch.arange(G) // (G // W)  # stock's contiguous split
         if self.input_allocator.needs_scores:
-            scores = self.input_allocator.local_scores(ctx.keys, ctx.sample_of_key, G, self.planner.local_on)
+            scores = self.planner.local_scores(ctx.keys, ctx.sample_of_key, G)
             rank_of = self.input_allocator.assign_scores(scores, self._alloc_step)
             self._alloc_step += 1
             self.stats.local_lookups += int(scores.gather(1, rank_of[:, None]).sum())

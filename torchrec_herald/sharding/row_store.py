@@ -14,6 +14,7 @@ import torch
 from fbgemm_gpu.split_embedding_configs import EmbOptimType
 from torch import nn
 
+from torchrec_herald.keymap import SortedKeyMap
 from torchrec_herald.layout import RowLayout
 from torchrec_herald.ops.tbe import dense_hot_tbe, fused_cold_tbe
 
@@ -59,9 +60,8 @@ class RowStore(nn.Module):
         # each hot slot's row in this rank's cold block (-1: another rank's block)
         self.cold_row_of_hot = torch.full((max(layout.num_hot, 1),), -1, dtype=torch.int64, device=device)
         self.cold_row_of_hot[self.mirror_hot] = self.mirror_cold.to(torch.int64)
-        # by-key access (plan mode only): slot maps over all rows, built on first use
-        self._own_slot: Optional[torch.Tensor] = None
-        self._cache_slot: Optional[torch.Tensor] = None
+        # by-key access (plan mode only): own rows by arithmetic on the key, cached rows in a sorted map
+        self.cache_map = SortedKeyMap(slot=torch.int64)
         # remote rows (Herald's cache): [slots, D] weights + [slots] state, grown on demand
         self.cache_w = torch.zeros(0, dim, device=device)
         self.cache_s = torch.zeros(0, device=device)
@@ -141,35 +141,39 @@ class RowStore(nn.Module):
 
     def where(self, keys: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Masks of ``keys`` held as hot replica / own block row / cache entry (a key must be one)."""
-        hot = self.layout.hot_slot_of_row[keys] >= 0
-        own = ~hot & (self.own_slot[keys] >= 0)
+        return self._where(keys)[:3]
+
+    def _where(self, keys: torch.Tensor) -> Tuple[torch.Tensor, ...]:
+        """:meth:`where`, plus each key's hot slot, own block row and cache slot (-1 where not)."""
+        hot_slot = self.layout.hot_slot(keys)
+        own_slot = self.own_slot(keys)
+        cache_slot = self.cache_slot(keys)
+        hot = hot_slot >= 0
+        own = ~hot & (own_slot >= 0)
         cache = ~hot & ~own
-        if bool(cache.any()) and bool((self.cache_slot[keys[cache]] < 0).any()):
-            missing = keys[cache][self.cache_slot[keys[cache]] < 0][:5].tolist()
+        if bool(cache.any()) and bool((cache_slot[cache] < 0).any()):
+            missing = keys[cache][cache_slot[cache] < 0][:5].tolist()
             raise RuntimeError(f"rank {self.rank}: plan reads rows it does not hold: keys {missing}")
-        return hot, own, cache
+        return hot, own, cache, hot_slot, own_slot, cache_slot
 
-    @property
-    def own_slot(self) -> torch.Tensor:
-        """int64 [num_rows]: each key's row in this rank's cold block, -1 elsewhere."""
-        if self._own_slot is None:
-            self._own_slot = self.layout.block_slot_of_row(self.rank)
-        return self._own_slot
+    def own_slot(self, keys: torch.Tensor) -> torch.Tensor:
+        """int64: each key's row in this rank's cold block, -1 elsewhere."""
+        return self.layout.block_slot(keys, self.rank)
 
-    @property
-    def cache_slot(self) -> torch.Tensor:
-        """int64 [num_rows]: each key's cache slot, -1 when not cached."""
-        if self._cache_slot is None:
-            self._cache_slot = torch.full((self.layout.num_rows,), -1, dtype=torch.int64)
-        return self._cache_slot
+    def cache_slot(self, keys: torch.Tensor) -> torch.Tensor:
+        """int64: each key's cache slot, -1 when not cached."""
+        return self.cache_map.get(keys, "slot")
+
+    def cached_keys(self) -> torch.Tensor:
+        """The keys this rank caches (sorted)."""
+        return self.cache_map.keys
 
     def _slots(self, keys: torch.Tensor) -> Tuple[torch.Tensor, ...]:
         """Device indices: positions among ``keys`` of hot / own / cached keys, and their slots."""
-        hot, own, cache = self.where(keys)
+        hot, own, cache, hot_slot, own_slot, cache_slot = self._where(keys)
         d = self._dev
         return (d(hot.nonzero().flatten()), d(own.nonzero().flatten()), d(cache.nonzero().flatten()),
-                d(self.layout.hot_slot_of_row[keys[hot]]), d(self.own_slot[keys[own]]),
-                d(self.cache_slot[keys[cache]]))
+                d(hot_slot[hot]), d(own_slot[own]), d(cache_slot[cache]))
 
     def read(self, keys: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
         """``(weights [n, D], row-wise Adagrad state [n])`` of rows this rank holds."""
@@ -201,7 +205,7 @@ class RowStore(nn.Module):
 
     def _allocate(self, keys: torch.Tensor) -> None:
         """Give remote keys without a cache slot one (growing the cache when no slot is free)."""
-        new = keys[(self.layout.hot_slot_of_row[keys] < 0) & (self.own_slot[keys] < 0) & (self.cache_slot[keys] < 0)]
+        new = keys[(self.layout.hot_slot(keys) < 0) & (self.own_slot(keys) < 0) & ~self.cache_map.contains(keys)]
         if not new.numel():
             return
         short = new.numel() - len(self.free)
@@ -213,31 +217,33 @@ class RowStore(nn.Module):
             self.base_cache = torch.cat([self.base_cache, torch.zeros(grow, self.dim + 1, device=self.device)])
             self.free.extend(range(start + grow - 1, start - 1, -1))
         slots = [self.free.pop() for _ in range(new.numel())]
-        self.cache_slot[new] = torch.tensor(slots, dtype=torch.int64)
+        new, order = torch.sort(new)  # (the plan's keys are unique)
+        self.cache_map.insert(new, slot=torch.tensor(slots, dtype=torch.int64)[order])
 
     def drop(self, keys: torch.Tensor) -> None:
         """Free the cache slots of ``keys``."""
-        keys = keys[self.cache_slot[keys] >= 0]
-        self.free.extend(self.cache_slot[keys].tolist())
-        self.cache_slot[keys] = -1
+        pos, found = self.cache_map.find(keys)
+        pos = pos[found]
+        self.free.extend(self.cache_map.col("slot")[pos].tolist())
+        self.cache_map.remove_at(pos)
 
     def drop_cache(self) -> None:
         """Forget every cache entry and release the cache buffers."""
         self.cache_w = torch.zeros(0, self.dim, device=self.device)
         self.cache_s = torch.zeros(0, device=self.device)
         self.free = []
-        self.cache_slot.fill_(-1)
+        self.cache_map.clear()
         self.base_cache = torch.zeros(0, self.dim + 1, device=self.device)
 
     # ------------------------------------------------------------------ bounded staleness: sync bases
     def rebase(self, keys: torch.Tensor) -> None:
         """Base of the hot replicas / cache entries among ``keys`` := their current value (+ state)."""
-        hot, _, cache = self.where(keys)
+        hot, _, cache, hot_slot, _, cache_slot = self._where(keys)
         w, st = self.read(keys)
         val = torch.cat([w, st[:, None]], 1)
         d = self._dev
-        self.base_hot[d(self.layout.hot_slot_of_row[keys[hot]])] = val[d(hot)]
-        self.base_cache[d(self.cache_slot[keys[cache]])] = val[d(cache)]
+        self.base_hot[d(hot_slot[hot])] = val[d(hot)]
+        self.base_cache[d(cache_slot[cache])] = val[d(cache)]
 
     def rebase_hot(self) -> None:
         """Every hot replica's base := its current value (every replica is in sync with its home)."""
@@ -247,11 +253,11 @@ class RowStore(nn.Module):
 
     def base(self, keys: torch.Tensor) -> torch.Tensor:
         """``[n, D + 1]`` bases of hot replicas / cache entries (a home never pushes its own rows)."""
-        hot, own, cache = self.where(keys)
+        hot, own, cache, hot_slot, _, cache_slot = self._where(keys)
         if bool(own.any()):
             raise RuntimeError(f"rank {self.rank}: a home never pushes its own rows (keys {keys[own][:5].tolist()})")
         d = self._dev
         out = torch.empty(keys.numel(), self.dim + 1, device=self.device)
-        out[d(hot)] = self.base_hot[d(self.layout.hot_slot_of_row[keys[hot]])]
-        out[d(cache)] = self.base_cache[d(self.cache_slot[keys[cache]])]
+        out[d(hot)] = self.base_hot[d(hot_slot[hot])]
+        out[d(cache)] = self.base_cache[d(cache_slot[cache])]
         return out
