@@ -230,7 +230,16 @@ def test_local_on_counts_hot_replicas_own_blocks_and_valid_cache_entries() -> No
     many = torch.cat([sub, sub, keys])
     sample = torch.randint(0, 50, (many.numel(),), generator=torch.Generator().manual_seed(1))
     dense = torch.zeros(3, 50, dtype=torch.int64).index_add_(1, sample, got[:, many].to(torch.int64)).T
-    assert torch.equal(vec.local_scores(many, sample, 50), dense)
+    got = vec.local_scores(many, sample, 50)
+    assert got.dtype == torch.int32 and torch.equal(got.to(torch.int64), dense)
+    import torchrec_herald.pipeline.lazy_sync as lazy_sync
+
+    chunk = lazy_sync._PAIRS_PER_CHUNK
+    try:  # the same when the (lookup, cache entry) pairs are expanded a few at a time
+        lazy_sync._PAIRS_PER_CHUNK = 3
+        assert torch.equal(vec.local_scores(many, sample, 50).to(torch.int64), dense)
+    finally:
+        lazy_sync._PAIRS_PER_CHUNK = chunk
 
 
 # ------------------------------------------------------------------------------------------ flush

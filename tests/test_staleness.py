@@ -571,4 +571,4 @@ def test_local_on_counts_cached_copies_at_most_s_behind_and_scores_sum_it(world:
     keys = torch.randint(0, n, (400,), generator=torch.Generator().manual_seed(seed))
     sample = torch.randint(0, 30, (400,), generator=torch.Generator().manual_seed(seed + 1))
     dense = torch.zeros(world, 30, dtype=torch.int64).index_add_(1, sample, got[:, keys].to(torch.int64)).T
-    assert torch.equal(vec.local_scores(keys, sample, 30), dense)
+    assert torch.equal(vec.local_scores(keys, sample, 30).to(torch.int64), dense)

@@ -371,16 +371,22 @@ def greedy_assign(scores: torch.Tensor, step: int, tie_break: str = "rotate", mo
         raise ValueError(f"move_penalty must be >= 0, got {move_penalty}")
     g, w = scores.shape
     b = local_batch_size(g, w)
-    scores = scores.to(torch.int64)
+    # keys in int32 where they fit ([G, W] is the allocator's largest tensor: 4 bytes a score, not 8)
+    top = (int(scores.max()) if g else 0) + int(move_penalty)
+    dtype = torch.int32 if (top + 1) * 2 * w < 2 ** 31 else torch.int64
+    scores = scores.to(dtype)
     if move_penalty and g:
         scores = scores + int(move_penalty) * (torch.arange(g).unsqueeze(1) // b == torch.arange(w).unsqueeze(0))
-    pref = (torch.arange(w, dtype=torch.int64) - step) % w  # 0 = most preferred on ties
-    key = scores * w + (w - 1 - pref)  # distinct per row: a total order of the ranks
+    pref = (torch.arange(w, dtype=dtype) - step) % w  # 0 = most preferred on ties
+    priority = (w * scores.max(1).values.to(torch.int64) - scores.sum(1, dtype=torch.int64)
+                if g else torch.empty(0, dtype=torch.int64))
+    sample_order = torch.sort(priority, descending=True, stable=True).indices
     if tie_break == "home" and g:
         home = torch.arange(g).unsqueeze(1) // b == torch.arange(w).unsqueeze(0)
-        key = scores * (2 * w) + home.to(torch.int64) * w + (w - 1 - pref)
-    priority = w * scores.max(1).values - scores.sum(1) if g else scores.new_empty(0)
-    sample_order = torch.sort(priority, descending=True, stable=True).indices
+        key = scores * (2 * w) + home.to(dtype) * w + (w - 1 - pref)
+    else:
+        key = scores.mul(w).add_(w - 1 - pref)  # distinct per row: a total order of the ranks
+    del scores
     # The sequential greedy, vectorised by rounds: until the next rank fills up, every sample simply takes
     # its most preferred rank with room (largest key), so a round places the samples up to the one that
     # fills a rank, and there are at most W rounds. Each sample's choice is kept between rounds and
@@ -413,7 +419,7 @@ def greedy_assign(scores: torch.Tensor, step: int, tie_break: str = "rotate", mo
         again = (choice[p:] == full).nonzero().flatten() + p  # later samples that chose the full rank
         if again.numel():
             choice[again] = key.index_select(0, again).masked_fill_((room == 0).unsqueeze(0),
-                                                                    torch.iinfo(torch.int64).min).argmax(1)
+                                                                    torch.iinfo(key.dtype).min).argmax(1)
     return torch.empty(g, dtype=torch.int64).index_copy_(0, sample_order, placed)
 
 

@@ -30,6 +30,8 @@ from torchrec_herald.plans import CommPlanner, ExecPlan, FlushPlan, SyncCounters
 
 __all__ = ["TensorLazySyncPlanner"]
 
+_PAIRS_PER_CHUNK = 1 << 22  # (lookup, cache entry) pairs expanded at once by local_scores
+
 
 class TensorLazySyncPlanner(CommPlanner):
     """Vectorised owner-route, LRU lazy plan (see the module docstring).
@@ -299,22 +301,33 @@ class TensorLazySyncPlanner(CommPlanner):
         return out.view(self.W, *keys.shape)
 
     def local_scores(self, keys: torch.Tensor, sample: torch.Tensor, num_samples: int) -> torch.Tensor:
-        """int64 ``[num_samples, W]``: lookups of each sample local to each rank (``sample[i]`` the sample
+        """int32 ``[num_samples, W]``: lookups of each sample local to each rank (``sample[i]`` the sample
         of ``keys[i]``), = ``InputAllocator.local_scores(keys, sample, num_samples, self.local_on)`` but
         built from the few ranks each key is local on (a hot key counts on every rank; a cold one on its
         home and its valid cache entries), never as a ``[W, len(keys)]`` matrix."""
         k, sample = keys.to(torch.int64).reshape(-1), sample.to(torch.int64).reshape(-1)
         W = self.W
         hot = self.layout.is_hot(k)
-        out = torch.bincount(sample[hot], minlength=num_samples).unsqueeze(1).repeat(1, W)
+        out = torch.bincount(sample[hot], minlength=num_samples).to(torch.int32).unsqueeze(1).repeat(1, W)
         kc, sc = k[~hot], sample[~hot]
         flat = out.view(-1)
-        flat.index_add_(0, sc * W + self.layout.home_of(kc), torch.ones_like(kc))
-        p, owner = self._entry_positions(kc)
-        live = self._entry_counts_as_local(p)
-        p, owner = p[live], owner[live]
-        flat.index_add_(0, sc.index_select(0, owner) * W + self.entries.keys.index_select(0, p) % W,
-                        torch.ones_like(p))
+        flat.index_add_(0, sc * W + self.layout.home_of(kc), torch.ones(kc.numel(), dtype=torch.int32))
+        # each lookup of a cached row counts on every rank caching it: expand in chunks of lookups so the
+        # (lookup, entry) pairs held at once stay bounded (a popular row may be cached on many ranks)
+        ek = self.entries.keys
+        lo, hi = torch.searchsorted(ek, kc * W), torch.searchsorted(ek, kc * W + W)
+        some = (hi > lo).nonzero().squeeze(1)
+        lo, hi, sc = lo[some], hi[some], sc[some]
+        ends = torch.cumsum(hi - lo, 0)
+        a = 0
+        while a < lo.numel():
+            b = max(a + 1, int(torch.searchsorted(ends, int(ends[a]) - int(hi[a] - lo[a]) + _PAIRS_PER_CHUNK)))
+            p, owner = expand_ranges(lo[a:b], hi[a:b])
+            live = self._entry_counts_as_local(p)
+            p, owner = p[live], owner[live] + a
+            flat.index_add_(0, sc.index_select(0, owner) * W + ek.index_select(0, p) % W,
+                            torch.ones(p.numel(), dtype=torch.int32))
+            a = b
         return out
 
     def _entry_counts_as_local(self, positions: torch.Tensor) -> torch.Tensor:
