@@ -1,7 +1,7 @@
 """Herald's per-step scheduler CPU time on one rank, at a simulated world size W, in one process.
 
 What one rank of ``HeraldTrainPipeline`` computes each step besides training (collectives excluded):
-(1) the allocator scores of its own B samples (``TensorLazySyncPlanner.local_on``, one [W, B] row per
+(1) the allocator scores of its own B samples (``TensorLazySyncPlanner.local_scores``, one [B, W] block per
 rank), (2) the greedy assignment of all W·B samples (every rank runs the same ``greedy_assign``),
 (3) the sorted unique rows its allocated samples read, (4) the lazy plan of the step over all W ranks'
 reads (``TensorLazySyncPlanner.plan_step``, every rank the same). Scores and reads come from the real
@@ -53,9 +53,10 @@ def measure(W: int, B: int, steps: int, window: int, scale: float, stats_batches
         keys = ids + offsets[:, None]  # [F, G] global row keys, one id per bag
         # every rank scores its own samples; time rank 0's share, compute the rest untimed
         t0 = time.perf_counter()
-        own = planner.local_on(keys[:, :B]).to(torch.int64).sum(1).T  # [B, W]
+        own_sample = torch.arange(B).repeat(len(tables))  # feature-major keys of one rank's B samples
+        own = planner.local_scores(keys[:, :B].reshape(-1), own_sample, B)  # [B, W]
         t1 = time.perf_counter()
-        rest = [planner.local_on(keys[:, r * B:(r + 1) * B]).to(torch.int64).sum(1).T for r in range(1, W)]
+        rest = [planner.local_scores(keys[:, r * B:(r + 1) * B].reshape(-1), own_sample, B) for r in range(1, W)]
         scores = torch.cat([own] + rest)
         t2 = time.perf_counter()
         rank_of = greedy_assign(scores, i)

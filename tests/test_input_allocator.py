@@ -155,8 +155,9 @@ def test_score_matches_per_lookup_reference(w: int, cache: bool) -> None:
 @pytest.mark.parametrize("w", [2, 3, 4])
 @pytest.mark.parametrize("cache", [False, True])
 def test_pipeline_scoring_path_is_score(w: int, cache: bool) -> None:
-    """HeraldTrainPipeline scores its own samples with ``InputAllocator.local_scores`` over global keys and
-    a ``local_on`` map, then runs ``assign_scores``: that path gives exactly :func:`score` and the
+    """Scoring each rank's own samples over global keys and a ``local_on`` map
+    (``InputAllocator.local_scores``; the pipeline's planners build the same sums sparsely, see
+    tests/test_lazy_sync.py), then ``assign_scores``: that path gives exactly :func:`score` and the
     allocator's own :meth:`assign`, rank by rank."""
     kjt, loc = _random_case(w, 5, seed=10 + w, cache=cache)
     g, lay = kjt.stride(), loc.layout

@@ -15,7 +15,8 @@ import torch
 from torchrec_herald.comm import FLOAT_BYTES, INDEX_BYTES
 from torchrec_herald.layout import RowLayout
 
-__all__ = ["CommPlanner", "ExecPlan", "FlushPlan", "SyncCounters", "TRANSFER_KINDS", "no_transfers", "sort_transfers"]
+__all__ = ["CommPlanner", "ExecPlan", "FlushPlan", "SyncCounters", "TRANSFER_KINDS", "no_transfers", "scores_from_local_on",
+           "sort_transfers"]
 
 #: transfer kinds, each one embedding vector (+ row id)
 TRANSFER_KINDS = ("miss_pull", "update_pull", "update_push", "miss_push", "reduce", "deliver")
@@ -38,6 +39,13 @@ def transfer_order(t: torch.Tensor) -> torch.Tensor:
 def sort_transfers(t: torch.Tensor) -> torch.Tensor:
     """``t`` sorted by key, then src, then dst."""
     return t[transfer_order(t)] if t.numel() else no_transfers()
+
+
+def scores_from_local_on(local: torch.Tensor, sample: torch.Tensor, num_samples: int) -> torch.Tensor:
+    """int64 ``[num_samples, W]``: per sample, the lookups ``local`` (bool ``[W, n]``: lookup i is local on
+    rank r) counts on each rank; ``sample[i]`` is lookup i's sample."""
+    local = local.to(torch.int64)
+    return torch.zeros(local.shape[0], num_samples, dtype=torch.int64).index_add_(1, sample, local).T
 
 
 @dataclass
@@ -151,10 +159,9 @@ class CommPlanner(abc.ABC):
         """bool ``[W, len(keys)]``: the input allocator's "local lookup of ``keys[i]`` on rank r"."""
 
     def local_scores(self, keys: torch.Tensor, sample: torch.Tensor, num_samples: int) -> torch.Tensor:
-        """int64 ``[num_samples, W]``: lookups of each sample local to each rank (``sample[i]`` the sample of
+        """``[num_samples, W]``: lookups of each sample local to each rank (``sample[i]`` the sample of
         ``keys[i]``), from :meth:`local_on` (a planner may build it sparsely)."""
-        local = self.local_on(keys).to(torch.int64)
-        return torch.zeros(local.shape[0], num_samples, dtype=torch.int64).index_add_(1, sample, local).T
+        return scores_from_local_on(self.local_on(keys), sample, num_samples)
 
     @abc.abstractmethod
     def reset(self) -> None:

@@ -44,6 +44,7 @@ from torchrec.modules.embedding_configs import EmbeddingBagConfig
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from torchrec_herald.layout import RowLayout
+from torchrec_herald.plans import scores_from_local_on
 from torchrec_herald.sharding.types import HERALD_HOT_ROW_WISE, hot_spec_of
 
 __all__ = [
@@ -434,9 +435,9 @@ class InputAllocator(abc.ABC):
                      local_on: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
         """int64 ``[num_samples, W]``: lookups of each sample local to each rank, from its global row
         ``keys`` (``sample[i]`` the sample of ``keys[i]``) and ``local_on`` (bool ``[W, n]``: a
-        ``Locality``'s or a planner's). Each rank scores its own samples this way (= :func:`score`)."""
-        local = local_on(keys).to(torch.int64)
-        return torch.zeros(local.shape[0], num_samples, dtype=torch.int64).index_add_(1, sample, local).T
+        ``Locality``'s or a planner's), = :func:`score` (the pipeline's planners build the same sums
+        sparsely: ``CommPlanner.local_scores``)."""
+        return scores_from_local_on(local_on(keys), sample, num_samples)
 
     @abc.abstractmethod
     def assign(self, global_kjt: KeyedJaggedTensor, locality: Locality, world_size: int, step: int) -> torch.Tensor:
