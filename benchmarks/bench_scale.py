@@ -119,6 +119,24 @@ def project_ms(compute_ms: float, bytes_per_rank: float, collectives: int, link_
     return max(step, scheduler_ms)
 
 
+def projections(run: Dict[str, Any], cal: Dict[str, float], a: argparse.Namespace) -> Dict[str, Dict[str, float]]:
+    """Projected step ms per link rate: stock (its default plan, else TABLE_WISE), herald hot replication
+    alone (no scheduler) and herald full (its scheduler's measured CPU time as the floor)."""
+    W, e = run["world_size"], run["embedding_bytes_per_step"]
+    stock = e["stock_default_plan"] if e["stock_default_plan"] is not None else e["stock_table_wise"]
+    compute_ms = cal["compute_ms_per_sample"] * run["local_batch"]
+    extra_cpu_ms = a.cpu_us_per_lookup * run["lookups_per_rank_step"] / 1e3
+    out = {}
+    for link in a.links:
+        stock_ms = project_ms(compute_ms, stock / W, STOCK_TW_COLLECTIVES, link, a.latency_ms)
+        hot_ms = project_ms(compute_ms, e["herald_hot_only"] / W, HERALD_COLLECTIVES, link, a.latency_ms, extra_cpu_ms)
+        full_ms = project_ms(compute_ms, e["herald_full"] / W, HERALD_COLLECTIVES, link, a.latency_ms, extra_cpu_ms,
+                             1e3 * run["scheduler_cpu_s_total"])
+        out[f"{link:g}"] = {"stock_ms": stock_ms, "herald_hot_only_ms": hot_ms, "herald_full_ms": full_ms,
+                            "hot_only_speedup": stock_ms / hot_ms, "full_speedup": stock_ms / full_ms}
+    return out
+
+
 def default_plan_bytes(tables: List[Any], W: int, B: int, lam: Dict[str, float], dim: int) -> Optional[float]:
     """Bytes per step of TorchRec's default plan for these tables at W ranks (its planner on a meta model),
     priced with the same formulas; None if the stock planner cannot plan it."""
@@ -220,14 +238,6 @@ def measure(setting: str, W: int, a: argparse.Namespace, cal: Dict[str, float]) 
     metadata_global = (W - 1) * B * F * INDEX
     unique_reads_per_rank = sum(r.numel() for w in queue for r in w) / max(len(queue), 1) / W
     metadata_per_rank_path = G * W * 2 + (W - 1) * unique_reads_per_rank * INDEX
-    compute_ms = cal["compute_ms_per_sample"] * B
-    lookups_per_rank = sum(lam.values()) / W
-    proj = {}
-    for link in a.links:
-        stock_ms = project_ms(compute_ms, stock_ref / W, STOCK_TW_COLLECTIVES, link, a.latency_ms)
-        herald_ms = project_ms(compute_ms, herald_full / W, HERALD_COLLECTIVES, link, a.latency_ms,
-                               a.cpu_us_per_lookup * lookups_per_rank / 1e3, 1e3 * cpu_s)
-        proj[str(link)] = {"stock_default_ms": stock_ms, "herald_full_ms": herald_ms, "speedup": stock_ms / herald_ms}
     out = {
         "setting": setting, "ids": a.ids, "world_size": W, "local_batch": B, "global_batch": G, "window": K,
         "rows": N, "hot_rows": layout.num_hot, "own_rows": own_rows, "cache_bytes_per_rank": cache_bytes,
@@ -242,8 +252,9 @@ def measure(setting: str, W: int, a: argparse.Namespace, cal: Dict[str, float]) 
                                      "herald_hot_only": herald_hot, "herald_full": herald_full},
         "herald_saves_per_rank_step": saved_per_rank,
         "metadata_share_of_saving": metadata_global / saved_per_rank if saved_per_rank > 0 else math.inf,
-        "projected_step_ms": proj,
+        "lookups_per_rank_step": sum(lam.values()) / W,
     }
+    out["projected_step_ms"] = projections(out, cal, a)
     log.info("%s W=%d: state %.0f MiB, peak +%.0f MiB, cpu %.2f s/step (%s); metadata %.1f MiB vs saved %.2f MiB",
              setting, W, state_bytes / 2**20, out["scheduler_peak_rss_bytes"] / 2**20, cpu_s,
              ", ".join(f"{k} {v:.2f}" for k, v in per.items()), metadata_global / 2**20, saved_per_rank / 2**20)
@@ -264,7 +275,8 @@ def plot(runs: List[Dict[str, Any]], path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, 3, figsize=(15, 4.2))
+    fig, grid = plt.subplots(2, 2, figsize=(12, 8))
+    axes = grid.flatten()
     for setting in sorted({r["setting"] for r in runs}):
         rs = sorted((r for r in runs if r["setting"] == setting), key=lambda r: r["world_size"])
         W = [r["world_size"] for r in rs]
@@ -272,21 +284,49 @@ def plot(runs: List[Dict[str, Any]], path: Path) -> None:
         axes[0].plot(W, [r["scheduler_state_bytes"] / 2**30 for r in rs], "s--", label=f"{setting}: plan state")
         axes[1].plot(W, [r["scheduler_cpu_s_total"] for r in rs], "o-", label=setting)
         axes[2].plot(W, [r["metadata_share_of_saving"] * 100 for r in rs], "o-", label=setting)
+        link = next(iter(rs[0]["projected_step_ms"]))
+        axes[3].plot(W, [r["projected_step_ms"][link]["hot_only_speedup"] for r in rs], "o-",
+                     label=f"{setting}: hot replication alone")
+        axes[3].plot(W, [r["projected_step_ms"][link]["full_speedup"] for r in rs], "s--",
+                     label=f"{setting}: herald full (scheduler-bound)")
     axes[0].axhline(1.0, color="gray", ls=":", label="1 GiB target")
     axes[2].axhline(10, color="gray", ls=":", label="10 % target")
-    for ax, title, ylabel in zip(axes, ("scheduler memory per rank", "scheduler CPU per step (this machine)",
-                                        "ids read / embedding bytes saved"), ("GiB", "s", "%")):
+    axes[3].axhline(1.0, color="gray", ls=":", label="stock")
+    titles = ("scheduler memory per rank", "scheduler CPU per step (one thread, this machine)",
+              "ids read per rank / embedding bytes it saves", f"projected speedup vs stock ({link} Mbit/s)")
+    for ax, title, ylabel in zip(axes, titles, ("GiB", "s", "%", "× stock")):
         ax.set_xscale("log", base=2)
         ax.set_xlabel("ranks W")
         ax.set_ylabel(ylabel)
         ax.set_title(title)
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
-    axes[1].set_yscale("log")
-    axes[2].set_yscale("log")
+    for ax in axes[1:]:
+        ax.set_yscale("log")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     log.info("wrote %s", path)
+
+
+def table(runs: List[Dict[str, Any]]) -> str:
+    """The RESULTS.md table of ``runs``."""
+    mib = 2 ** 20
+    head = ("| setting | W | hot rows | plan state MiB | window MiB | peak RSS +MiB | scheduler CPU s/step "
+            "(score/assign/reads/plan) | ids read MiB/step | herald saves MiB/step/rank | stock TW / RW / default / "
+            "herald hot / herald full, MiB/step all ranks | projected vs stock: hot only · full, 10 / 1 Gbit/s |\n"
+            "|---|---|---|---|---|---|---|---|---|---|---|\n")
+    rows = []
+    for r in runs:
+        e, c, m = r["embedding_bytes_per_step"], r["scheduler_cpu_s_per_step"], r["metadata_bytes_per_rank_step"]
+        default = "–" if e["stock_default_plan"] is None else f"{e['stock_default_plan'] / mib:.0f}"
+        proj = " / ".join(f"{v['hot_only_speedup']:.2f}× · {v['full_speedup']:.2f}×" for v in r["projected_step_ms"].values())
+        rows.append(f"| {r['setting']} | {r['world_size']} | {r['hot_rows']} | {r['scheduler_state_bytes'] / mib:.0f} | "
+                    f"{r['window_read_bytes'] / mib:.0f} | {r['scheduler_peak_rss_bytes'] / mib:.0f} | "
+                    f"{r['scheduler_cpu_s_total']:.2f} ({c['score']:.2f}/{c['assign']:.2f}/{c['reads']:.2f}/{c['plan']:.2f}) | "
+                    f"{m['global_batches_ids_read'] / mib:.1f} | {r['herald_saves_per_rank_step'] / mib:.2f} | "
+                    f"{e['stock_table_wise'] / mib:.0f} / {e['stock_row_wise'] / mib:.0f} / {default} / "
+                    f"{e['herald_hot_only'] / mib:.0f} / {e['herald_full'] / mib:.0f} | {proj} |")
+    return head + "\n".join(rows)
 
 
 def main() -> None:
@@ -311,6 +351,7 @@ def main() -> None:
     p.add_argument("--no-default-plan", dest="default_plan", action="store_false")
     p.add_argument("--calibration", type=Path, default=Path("benchmarks/results/bandwidth.json"))
     p.add_argument("--out", type=Path, default=Path("benchmarks/results/scale.json"))
+    p.add_argument("--report-only", action="store_true", help="plot and print the table of --out, measure nothing")
     a = p.parse_args()
     if os.environ.get("MALLOC_MMAP_THRESHOLD_") is None:
         # large blocks straight from mmap, returned on free: RSS then follows the live tensors (glibc)
@@ -320,6 +361,15 @@ def main() -> None:
     log.setLevel(logging.INFO)  # (the stock planner's tables and notes stay quiet)
     if a.record_trace:
         record_trace(a.record_trace, a.overrides, a.record_samples)
+        return
+    if a.report_only:  # redraw the plot and print the table from --out (projections recomputed)
+        blob = json.loads(a.out.read_text())
+        runs = blob["runs"]
+        for r in runs:
+            if "lookups_per_rank_step" in r:
+                r["projected_step_ms"] = projections(r, blob["calibration"], a)
+        plot(runs, a.out.with_suffix(".png"))
+        print(table(runs))
         return
     if a.ids == "trace" and a.trace is None:
         p.error("--ids trace needs --trace FILE (record one with --record-trace FILE)")
@@ -333,6 +383,7 @@ def main() -> None:
             a.out.write_text(json.dumps({"machine": machine(), "command": "python " + " ".join(sys.argv),
                                          "calibration": cal, "runs": runs}, indent=2, default=str))
     plot(runs, a.out.with_suffix(".png"))
+    print(table(runs))
 
 
 if __name__ == "__main__":
