@@ -119,11 +119,14 @@ class AccessStats:
     def empty(cls, tables: Sequence[EmbeddingBagConfig]) -> "AccessStats":
         """Zero statistics for ``tables`` (nothing sampled yet)."""
         names, rows, features = _table_layout(tables)
-        zeros = {t: torch.zeros(rows[t], dtype=torch.int64) for t in names}
-        return cls(tables=names, num_embeddings=rows, feature_names=features,
-                   counts=zeros, num_batches=0, num_samples=0,
-                   sample_counts={t: z.clone() for t, z in zeros.items()},
-                   presence={t: z.clone() for t, z in zeros.items()})
+        # the counters are fresh and well-formed: set them directly rather than through __post_init__,
+        # which would copy every one of them (3 x 8 B per row, about 0.8 GB at full Criteo Kaggle size)
+        stats = cls.__new__(cls)
+        stats.tables, stats.num_embeddings, stats.feature_names = names, rows, features
+        stats.num_batches, stats.num_samples = 0, 0
+        for name in _COUNTERS:
+            setattr(stats, name, {t: torch.zeros(rows[t], dtype=torch.int64) for t in names})
+        return stats
 
     @classmethod
     def from_batches(cls, batches: Iterable[KeyedJaggedTensor], tables: Sequence[EmbeddingBagConfig]
@@ -164,29 +167,41 @@ class AccessStats:
         lengths = kjt.lengths().detach().to("cpu", torch.int64)
         per_key_values = values.split(kjt.length_per_key())
         per_key_lengths = lengths.split([stride] * len(keys))
-        # gather the (sample, id) pairs of every table over its features, validating ids per feature
+        # gather the ids and bag lengths of every table over its features, validating ids per feature
+        # (all before any counter changes: a bad batch leaves the stats as they were)
         ids_of: Dict[str, List[torch.Tensor]] = {}
-        samples_of: Dict[str, List[torch.Tensor]] = {}
+        lengths_of: Dict[str, List[torch.Tensor]] = {}
         for key, v, ln in zip(keys, per_key_values, per_key_lengths):
             t = feature_table[key]
             n = self.num_embeddings[t]
-            bad = (v < 0) | (v >= n)
-            if bool(bad.any()):
-                bad_id = int(v[int(bad.nonzero()[0, 0])])
-                raise ValueError(f"batch {index}: table {t!r} feature {key!r}: id {bad_id} is outside "
-                                 f"[0, {n})")
+            if v.numel():
+                lo, hi = torch.aminmax(v)
+                if int(lo) < 0 or int(hi) >= n:
+                    bad = (v < 0) | (v >= n)
+                    bad_id = int(v[int(bad.nonzero()[0, 0])])
+                    raise ValueError(f"batch {index}: table {t!r} feature {key!r}: id {bad_id} is outside "
+                                     f"[0, {n})")
             ids_of.setdefault(t, []).append(v)
-            samples_of.setdefault(t, []).append(torch.repeat_interleave(torch.arange(stride), ln))
+            lengths_of.setdefault(t, []).append(ln)
         for t, parts in ids_of.items():
-            ids = torch.cat(parts)
+            ids = parts[0] if len(parts) == 1 else torch.cat(parts)
             if ids.numel() == 0:
                 continue
-            n = self.num_embeddings[t]
-            rows, cnt = torch.unique(ids, return_counts=True)
-            self.counts[t].index_add_(0, rows, cnt)
-            self.presence[t].index_add_(0, rows, torch.ones_like(rows))
-            pairs = torch.unique(torch.cat(samples_of[t]) * n + ids)  # distinct (sample, row)
-            self.sample_counts[t].index_add_(0, pairs % n, torch.ones_like(pairs))
+            one = torch.ones((), dtype=torch.int64).expand(ids.numel())
+            self.counts[t].index_add_(0, ids, one)
+            # presence: +1 once per distinct row. Every occurrence of a row writes the same value (its
+            # presence before this batch, plus one), so duplicates within the batch add one in all.
+            presence = self.presence[t]
+            presence.scatter_(0, ids, presence.index_select(0, ids).add_(1))
+            per_sample = lengths_of[t][0] if len(lengths_of[t]) == 1 else torch.stack(lengths_of[t]).sum(0)
+            if int(per_sample.max()) <= 1:
+                # at most one id of this table per sample: every (sample, row) pair is distinct
+                self.sample_counts[t].index_add_(0, ids, one)
+            else:
+                n = self.num_embeddings[t]
+                samples = torch.cat([torch.repeat_interleave(torch.arange(stride), ln) for ln in lengths_of[t]])
+                pairs = torch.unique(samples * n + ids)  # distinct (sample, row)
+                self.sample_counts[t].index_add_(0, pairs % n, torch.ones_like(pairs))
         self.num_batches += 1
         self.num_samples += stride
 
@@ -200,17 +215,32 @@ class AccessStats:
         """Expected lookups of each row per global step, ``counts / num_samples * G`` (float64 ``[n]``;
         zeros when nothing was sampled)."""
         self._check_table(table)
-        if self.num_samples == 0:
-            return torch.zeros(self.num_embeddings[table], dtype=torch.float64)
-        return self.counts[table].to(torch.float64) * (float(global_batch_size) / self.num_samples)
+        return self._lookups_per_step(table, global_batch_size, None)
 
     def sample_probability(self, table: str) -> torch.Tensor:
         """Per-sample probability that a sample looks row ``x`` up at least once,
         ``sample_counts / num_samples`` (float64 ``[n]``; zeros when nothing was sampled)."""
         self._check_table(table)
+        return self._sample_probability(table, None)
+
+    def _lookups_per_step(self, table: str, global_batch_size: int, rows: Optional[torch.Tensor]) -> torch.Tensor:
+        """:meth:`lookups_per_step` of the rows ``rows`` only (``None``: every row), value for value."""
+        c = self.counts[table] if rows is None else self.counts[table][rows]
         if self.num_samples == 0:
-            return torch.zeros(self.num_embeddings[table], dtype=torch.float64)
-        return self.sample_counts[table].to(torch.float64) / self.num_samples
+            return torch.zeros(c.numel(), dtype=torch.float64)
+        return c.to(torch.float64) * (float(global_batch_size) / self.num_samples)
+
+    def _sample_probability(self, table: str, rows: Optional[torch.Tensor]) -> torch.Tensor:
+        """:meth:`sample_probability` of the rows ``rows`` only (``None``: every row), value for value."""
+        c = self.sample_counts[table] if rows is None else self.sample_counts[table][rows]
+        if self.num_samples == 0:
+            return torch.zeros(c.numel(), dtype=torch.float64)
+        return c.to(torch.float64) / self.num_samples
+
+    def _sampled_rows(self, table: str) -> torch.Tensor:
+        """Ascending int64 ids of the rows with a nonzero ``counts`` or ``sample_counts`` (every other row
+        has zero lookups per step and zero sample probability)."""
+        return torch.nonzero(torch.logical_or(self.counts[table], self.sample_counts[table])).flatten()
 
     def total_lookups(self, table: str) -> int:
         """All sampled lookups of ``table``."""
