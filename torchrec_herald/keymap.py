@@ -40,20 +40,23 @@ class SortedKeyMap:
     def find(self, q: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
         """``(position, found)`` of each of ``q``: where it is (``found``) or would be inserted."""
         q = q.to(torch.int64)
+        n = len(self)
+        if not n or not q.numel():
+            return torch.zeros(q.shape, dtype=torch.int64), torch.zeros(q.shape, dtype=torch.bool)
         pos = torch.searchsorted(self.keys, q)
-        if not len(self):
-            return pos, torch.zeros(q.shape, dtype=torch.bool)
-        found = self.keys.index_select(0, pos.clamp(max=len(self) - 1).view(-1)).view(q.shape) == q
-        return pos, found & (pos < len(self))
+        at = pos.clamp(max=n - 1)
+        found = (self.keys.index_select(0, at) if q.dim() == 1
+                 else self.keys.index_select(0, at.view(-1)).view(q.shape)) == q
+        return pos, found
 
     def get(self, q: torch.Tensor, name: str, default: int = -1) -> torch.Tensor:
         """Column ``name`` at each of ``q``, ``default`` where absent."""
-        pos, found = self.find(q)
         col = self.cols[name]
-        out = torch.full(q.shape, default, dtype=col.dtype)
-        if len(self):
-            out = torch.where(found, col.index_select(0, pos.clamp(max=len(self) - 1).view(-1)).view(q.shape), out)
-        return out
+        if not len(self) or not q.numel():
+            return torch.full(q.shape, default, dtype=col.dtype)
+        pos, found = self.find(q)
+        got = col.index_select(0, pos.clamp(max=len(self) - 1).view(-1)).view(q.shape)
+        return got.masked_fill_(~found, default)
 
     def contains(self, q: torch.Tensor) -> torch.Tensor:
         """bool: each of ``q`` is a key."""
@@ -69,31 +72,29 @@ class SortedKeyMap:
             raise ValueError(f"insert needs a value for columns {sorted(missing)}")
         n = len(self)
         at = torch.searchsorted(self.keys, new) + torch.arange(n_new)  # new keys' places in the merge
-        is_new = torch.zeros(n + n_new, dtype=torch.bool)
-        is_new[at] = True
-        old_at = (~is_new).nonzero().flatten()
+        old_at = torch.arange(n) + torch.searchsorted(new, self.keys)  # old keys' places in the merge
         keys = torch.empty(n + n_new, dtype=torch.int64)
-        keys[at], keys[old_at] = new, self.keys
+        keys.index_copy_(0, at, new).index_copy_(0, old_at, self.keys)
         self.keys = keys
         for c, d in self._dtypes.items():
             col = torch.empty(n + n_new, dtype=d)
-            col[at] = torch.as_tensor(values[c], dtype=d).expand(n_new)
-            col[old_at] = self.cols[c]
-            self.cols[c] = col
+            col.index_copy_(0, at, torch.as_tensor(values[c], dtype=d).expand(n_new).contiguous())
+            self.cols[c] = col.index_copy_(0, old_at, self.cols[c])
 
     def remove_at(self, positions: torch.Tensor) -> None:
         """Delete the keys at ``positions`` (positions into :attr:`keys`)."""
         if not positions.numel():
             return
-        keep = torch.ones(len(self), dtype=torch.bool)
-        keep[positions] = False
-        self.keys = self.keys[keep]
-        self.cols = {c: v[keep] for c, v in self.cols.items()}
+        keep = torch.ones(len(self), dtype=torch.bool).index_fill_(0, positions, False)
+        self.keys = self.keys.masked_select(keep)
+        self.cols = {c: v.masked_select(keep) for c, v in self.cols.items()}
 
     def remove(self, q: torch.Tensor) -> None:
         """Delete those of ``q`` that are keys."""
+        if not len(self) or not q.numel():
+            return
         pos, found = self.find(q)
-        self.remove_at(pos[found])
+        self.remove_at(pos.masked_select(found))
 
     def nbytes(self) -> int:
         """Bytes held by the keys and columns."""

@@ -150,23 +150,24 @@ class RowLayout:
         """int64: table of each key."""
         return torch.searchsorted(self.table_offsets, keys.to(torch.int64), right=True) - 1
 
+    def _per_table(self, values: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+        """``values[t]`` (a per-table tensor gathered for every key's table ``t``), any shape of ``t``."""
+        return values.index_select(0, t) if t.dim() == 1 else values.index_select(0, t.reshape(-1)).view(t.shape)
+
     def home_of(self, keys: torch.Tensor, table: Optional[torch.Tensor] = None) -> torch.Tensor:
         """int64: ROW_WISE home rank of each key (where its cold copy lives); ``table``: its
         :meth:`table_of`, when the caller has it."""
         keys = keys.to(torch.int64)
         t = self.table_of(keys) if table is None else table
-        return (keys - self.table_offsets.index_select(0, t.view(-1)).view(t.shape)) // \
-            self.blocks.index_select(0, t.view(-1)).view(t.shape)
+        return (keys - self._per_table(self.table_offsets, t)).div_(self._per_table(self.blocks, t), rounding_mode="floor")
 
     def hot_slot(self, keys: torch.Tensor) -> torch.Tensor:
         """int64: position of each key in the hot replica buffer, -1 for cold keys."""
         keys = keys.to(torch.int64)
         if not self.num_hot:
             return torch.full(keys.shape, -1, dtype=torch.int64)
-        pos = torch.searchsorted(self.hot_keys, keys)
-        clamped = pos.clamp(max=self.num_hot - 1)
-        hit = self.hot_keys.index_select(0, clamped.view(-1)).view(keys.shape) == keys
-        return torch.where(hit, clamped, torch.full_like(pos, -1))
+        pos = torch.searchsorted(self.hot_keys, keys).clamp_(max=self.num_hot - 1)
+        return pos.masked_fill_(self._per_table(self.hot_keys, pos) != keys, -1)
 
     def is_hot(self, keys: torch.Tensor) -> torch.Tensor:
         """bool: each key is replicated on every rank."""
@@ -176,10 +177,10 @@ class RowLayout:
         """int64: position of each key among ``rank``'s cold rows (its fused TBE), -1 elsewhere."""
         keys = keys.to(torch.int64)
         t = self.table_of(keys)
-        local = keys - self.table_offsets.index_select(0, t.view(-1)).view(t.shape)
-        block = self.blocks.index_select(0, t.view(-1)).view(t.shape)
-        slot = self.block_offsets[rank].index_select(0, t.view(-1)).view(t.shape) + local - rank * block
-        return torch.where(local // block == rank, slot, torch.full_like(slot, -1))
+        local = keys - self._per_table(self.table_offsets, t)
+        block = self._per_table(self.blocks, t)
+        slot = self._per_table(self.block_offsets[rank], t) + local - rank * block
+        return slot.masked_fill_(local.div(block, rounding_mode="floor") != rank, -1)
 
     def hot_rows_in_block(self, rank: int) -> Tuple[torch.Tensor, torch.Tensor]:
         """(hot slots, block positions) of the hot rows that lie in ``rank``'s cold block: the rows whose

@@ -94,17 +94,20 @@ class TensorLazySyncPlanner(CommPlanner):
 
     def _master(self, x: torch.Tensor, home: Optional[torch.Tensor] = None) -> torch.Tensor:
         """The rank holding the latest version of each row of ``x``."""
+        home = self.layout.home_of(x) if home is None else home
+        if not len(self.dirty):
+            return home
         m = self.dirty.get(x, "master")
-        return torch.where(m >= 0, m, self.layout.home_of(x) if home is None else home)
+        return torch.where(m >= 0, m, home)
 
     def _set_master(self, x: torch.Tensor, m: torch.Tensor, home: torch.Tensor) -> None:
         """Rows ``x`` (sorted, unique) now have their latest version on ranks ``m``."""
         clean = m == home
-        self.dirty.remove(x[clean])
-        xd, md = x[~clean], m[~clean]
+        self.dirty.remove(x.masked_select(clean))
+        xd, md = x.masked_select(~clean), m.masked_select(~clean)
         pos, found = self.dirty.find(xd)
-        self.dirty.col("master")[pos[found]] = md[found]
-        self.dirty.insert(xd[~found], master=md[~found])
+        self.dirty.col("master").index_copy_(0, pos.masked_select(found), md.masked_select(found))
+        self.dirty.insert(xd.masked_select(~found), master=md.masked_select(~found))
 
     def _entry_positions(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Positions in ``entries`` of every cached copy of the rows ``x``, and which row each is of."""
@@ -113,6 +116,8 @@ class TensorLazySyncPlanner(CommPlanner):
 
     def _push_home(self, x: torch.Tensor) -> torch.Tensor:
         """Dirty rows ``x`` (sorted) go home: ``(key, master, home)``; the home copies become the latest."""
+        if not x.numel():
+            return no_transfers()
         h = self.layout.home_of(x)
         m = self._master(x, h)
         slot = self.layout.hot_slot(x)
@@ -122,17 +127,19 @@ class TensorLazySyncPlanner(CommPlanner):
         return torch.stack([x, m, h], 1)
 
     def _admit_to_caches(self, R: torch.Tensor, X: torch.Tensor, table: torch.Tensor, cold: torch.Tensor,
-                         new: torch.Tensor) -> None:
+                         new: torch.Tensor, found: Optional[Tuple[torch.Tensor, torch.Tensor]] = None) -> None:
         """Reads ``(R[i], X[i])`` of remote cold rows (``cold``) enter (``new``)
-        or refresh their LRU entry; every such copy is now the latest."""
+        or refresh their LRU entry; every such copy is now the latest. ``found``: their
+        ``entries.find`` when the caller has it."""
         T = self.cache_count.shape[1]
-        pos, found = self.entries.find(X * self.W + R)
-        old = pos[found & cold]
-        self.entries.col("last_use")[old] = self.step
-        self.entries.col("valid")[old] = True
+        pos, hit = self.entries.find(X * self.W + R) if found is None else found
+        old = pos.masked_select(hit & cold)
+        self.entries.col("last_use").index_fill_(0, old, self.step)
+        self.entries.col("valid").index_fill_(0, old, True)
         fresh = {c: 0 for c in self.entries.cols} | {"last_use": self.step, "valid": True}
-        self.entries.insert(torch.sort((X * self.W + R)[new]).values, **fresh)
-        self.cache_count += torch.bincount(R[new] * T + table[new], minlength=self.W * T).view(self.W, T)
+        self.entries.insert(torch.sort((X * self.W + R).masked_select(new)).values, **fresh)
+        self.cache_count += torch.bincount(R.masked_select(new) * T + table.masked_select(new),
+                                           minlength=self.W * T).view(self.W, T)
 
     @staticmethod
     def _reducers(R: torch.Tensor, X: torch.Tensor, inv: torch.Tensor, nS: torch.Tensor, first: torch.Tensor,
@@ -196,7 +203,7 @@ class TensorLazySyncPlanner(CommPlanner):
         pull = torch.stack([Xn, self._master(Xn, home_X.index_select(0, need)), R.index_select(0, need)], 1)
         pull_miss = new.index_select(0, need)  # = not held (not hot, not home, not cached)
         self.hot_valid[R[hi], slot_X[hi]] = True  # (a home read is of a clean row: already the latest)
-        self._admit_to_caches(R, X, table_X, cold, new)
+        self._admit_to_caches(R, X, table_X, cold, new, (pos, found))
         cnt.reads, cnt.hits = X.numel(), int(ok.sum())
         cnt.cache_reads, cnt.cache_hits = int(cold.sum()), int((ok & cold).sum())
         cnt.miss_pull = int(pull_miss.sum())
@@ -229,12 +236,12 @@ class TensorLazySyncPlanner(CommPlanner):
         self.hot_valid[:, s] = False
         self.hot_valid[reducer[hot], s] = True
         cold = ~hot
-        xc, rc = ux[cold], reducer[cold]
+        xc, rc = ux.masked_select(cold), reducer.masked_select(cold)
         p, _ = self._entry_positions(xc)
-        self.entries.col("valid")[p] = False
-        remote = rc != home_u[cold]  # the only reader, remote: it cached the row in this step
-        pos, found = self.entries.find(xc[remote] * self.W + rc[remote])
-        self.entries.col("valid")[pos[found]] = True
+        valid = self.entries.col("valid").index_fill_(0, p, False)
+        remote = rc != home_u.masked_select(cold)  # the only reader, remote: it cached the row in this step
+        pos, found = self.entries.find(xc.masked_select(remote) * self.W + rc.masked_select(remote))
+        valid.index_fill_(0, pos.masked_select(found), True)
         self._set_master(ux, reducer, home_u)
 
     def _lru_victims(self) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -260,12 +260,9 @@ class StalenessPlanner(TensorLazySyncPlanner):
         self.reset()
         return FlushPlan(push=push, pull=pull, dropped=dropped, push_add=add)
 
-    def local_on(self, keys: torch.Tensor) -> torch.Tensor:
-        """bool ``[W, len(keys)]``: what the input allocator counts as local on rank r — a hot replica, r's
-        own block, or a cache entry at most ``s`` versions behind (hot replicas count as the exact
-        plan counts them, so ``s = 0`` allocates exactly as the exact mode does)."""
-        return super().local_on(keys)
-
     def _entry_counts_as_local(self, positions: torch.Tensor) -> torch.Tensor:
+        """What the input allocator counts as local on rank r: a hot replica, r's own block (as the exact
+        plan counts them, so ``s = 0`` allocates exactly as the exact mode does), or — this — a cache
+        entry at most ``s`` home versions behind."""
         x = self.entries.keys[positions] // self.W
         return self.hv_cold.get(x, "hv", 0) - self.entries.col("base")[positions] <= self.staleness
