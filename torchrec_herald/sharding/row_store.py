@@ -139,12 +139,9 @@ class RowStore(nn.Module):
     def _dev(self, index: torch.Tensor) -> torch.Tensor:
         return index.to(self.device, non_blocking=True)
 
-    def where(self, keys: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Masks of ``keys`` held as hot replica / own block row / cache entry (a key must be one)."""
-        return self._where(keys)[:3]
-
     def _where(self, keys: torch.Tensor) -> Tuple[torch.Tensor, ...]:
-        """:meth:`where`, plus each key's hot slot, own block row and cache slot (-1 where not)."""
+        """Masks of ``keys`` held as hot replica / own block row / cache entry (a key must be one), and
+        each key's hot slot, own block row and cache slot (-1 where not)."""
         hot_slot = self.layout.hot_slot(keys)
         own_slot = self.own_slot(keys)
         cache_slot = self.cache_slot(keys)
@@ -163,10 +160,6 @@ class RowStore(nn.Module):
     def cache_slot(self, keys: torch.Tensor) -> torch.Tensor:
         """int64: each key's cache slot, -1 when not cached."""
         return self.cache_map.get(keys, "slot")
-
-    def cached_keys(self) -> torch.Tensor:
-        """The keys this rank caches (sorted)."""
-        return self.cache_map.keys
 
     def _slots(self, keys: torch.Tensor) -> Tuple[torch.Tensor, ...]:
         """Device indices: positions among ``keys`` of hot / own / cached keys, and their slots."""
