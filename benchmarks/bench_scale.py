@@ -50,7 +50,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from checkpoint_memory import PeakRSS, rss_bytes  # noqa: E402  (benchmarks/checkpoint_memory.py)
 from machine_info import machine  # noqa: E402  (benchmarks/machine_info.py)
 
-from torchrec_herald.data import SyntheticCriteo  # noqa: E402
+from torchrec_herald.data import SyntheticCriteo, kjt_from_ids  # noqa: E402
 from torchrec_herald.layout import RowLayout, cache_rows_for_budget  # noqa: E402
 from torchrec_herald.model import build_tables  # noqa: E402
 from torchrec_herald.pipeline.input_allocator import greedy_assign  # noqa: E402
@@ -182,7 +182,7 @@ def measure(setting: str, W: int, a: argparse.Namespace, cal: Dict[str, float]) 
         return src.global_batch(i, G) if a.ids == "trace" else src.global_batch("train", i, G)[1]
 
     t0 = time.perf_counter()
-    stats = AccessStats.from_batches([_kjt(names, batch_ids(-1 - i)[:, :min(G, 65536)])
+    stats = AccessStats.from_batches([kjt_from_ids(names, batch_ids(-1 - i)[:, :min(G, 65536)])
                                       for i in range(a.stats_batches)], tables)
     stats_s = time.perf_counter() - t0
     choice = CostModelHotSetSelector().select(stats, tables, W, B, a.hot_budget)
@@ -259,14 +259,6 @@ def measure(setting: str, W: int, a: argparse.Namespace, cal: Dict[str, float]) 
              setting, W, state_bytes / 2**20, out["scheduler_peak_rss_bytes"] / 2**20, cpu_s,
              ", ".join(f"{k} {v:.2f}" for k, v in per.items()), metadata_global / 2**20, saved_per_rank / 2**20)
     return out
-
-
-def _kjt(names: List[str], ids: torch.Tensor) -> Any:
-    """One id per feature and sample, ``ids [F, n]``, as the KJT AccessStats reads."""
-    from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
-
-    return KeyedJaggedTensor.from_lengths_sync(keys=list(names), values=ids.reshape(-1),
-                                               lengths=torch.ones(ids.numel(), dtype=torch.int32))
 
 
 def plot(runs: List[Dict[str, Any]], path: Path) -> None:

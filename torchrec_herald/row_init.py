@@ -12,7 +12,7 @@ from __future__ import annotations
 import logging
 import math
 import zlib
-from typing import Dict, Mapping
+from typing import Mapping, Set
 
 import torch
 from torch import nn
@@ -64,7 +64,7 @@ def init_sharded_embeddings(dmp: nn.Module, tables: Mapping[str, int], seed: int
     from torchrec_herald.sharding.hot_replicated import ShardedHeraldEmbeddingBagCollection
 
     written = 0
-    seen: Dict[str, bool] = {}
+    seen: Set[str] = set()
     with torch.no_grad():
         for key, value in dmp.state_dict().items():
             parts = key.split(".")
@@ -74,7 +74,7 @@ def init_sharded_embeddings(dmp: nn.Module, tables: Mapping[str, int], seed: int
             if name not in tables:
                 raise ValueError(f"{key}: table {name!r} is not among the model's tables {sorted(tables)}")
             n = int(tables[name])
-            seen[name] = True
+            seen.add(name)
             if isinstance(value, ShardedTensor):
                 dim = int(value.size()[1])
                 for shard in value.local_shards():
@@ -86,7 +86,7 @@ def init_sharded_embeddings(dmp: nn.Module, tables: Mapping[str, int], seed: int
             else:  # replicated (DATA_PARALLEL): the whole table
                 value.copy_(initial_rows(seed, name, n, int(value.shape[1]), 0, n))
                 written += n
-    missing = sorted(set(tables) - set(seen))
+    missing = sorted(set(tables) - seen)
     if missing:
         raise ValueError(f"tables {missing} have no weights in the sharded model's state_dict")
     for m in dmp.modules():

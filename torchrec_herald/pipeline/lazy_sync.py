@@ -109,10 +109,14 @@ class TensorLazySyncPlanner(CommPlanner):
         self.dirty.col("master").index_copy_(0, pos.masked_select(found), md.masked_select(found))
         self.dirty.insert(xd.masked_select(~found), master=md.masked_select(~found))
 
+    def _entry_ranges(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``[lo, hi)``: where the cached copies of each row of ``x`` lie in ``entries`` (keyed x·W + r)."""
+        k = self.entries.keys
+        return torch.searchsorted(k, x * self.W), torch.searchsorted(k, x * self.W + self.W)
+
     def _entry_positions(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Positions in ``entries`` of every cached copy of the rows ``x``, and which row each is of."""
-        k = self.entries.keys
-        return expand_ranges(torch.searchsorted(k, x * self.W), torch.searchsorted(k, x * self.W + self.W))
+        return expand_ranges(*self._entry_ranges(x))
 
     def _push_home(self, x: torch.Tensor) -> torch.Tensor:
         """Dirty rows ``x`` (sorted) go home: ``(key, master, home)``; the home copies become the latest."""
@@ -322,7 +326,7 @@ class TensorLazySyncPlanner(CommPlanner):
         # each lookup of a cached row counts on every rank caching it: expand in chunks of lookups so the
         # (lookup, entry) pairs held at once stay bounded (a popular row may be cached on many ranks)
         ek = self.entries.keys
-        lo, hi = torch.searchsorted(ek, kc * W), torch.searchsorted(ek, kc * W + W)
+        lo, hi = self._entry_ranges(kc)
         some = (hi > lo).nonzero().squeeze(1)
         lo, hi, sc = lo[some], hi[some], sc[some]
         ends = torch.cumsum(hi - lo, 0)

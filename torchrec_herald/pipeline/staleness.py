@@ -75,6 +75,11 @@ class StalenessPlanner(TensorLazySyncPlanner):
                 + 8 * (self.hv_hot.numel() + self.base_hot.numel() + self.pending_hot.numel()))
 
     # ------------------------------------------------------------------ per row / per copy
+    def _cached_anywhere(self, x: torch.Tensor) -> torch.Tensor:
+        """bool: some rank caches row ``x[i]`` (its home version is then kept)."""
+        lo, hi = self._entry_ranges(x)
+        return hi > lo
+
     def _hv(self, x: torch.Tensor, slot: torch.Tensor) -> torch.Tensor:
         """Home version of rows ``x`` (``slot``: their hot slots, -1 for cold)."""
         hot = slot >= 0
@@ -165,8 +170,8 @@ class StalenessPlanner(TensorLazySyncPlanner):
         cached = where[2]
         held = where[0] | home_read | cached
 
-        def lag_now() -> torch.Tensor:
-            lag = self._hv(X, slot_X) - self._field(R, slot_X, self._copy(R, X, slot_X), "base")
+        def lag_now() -> torch.Tensor:  # (pushes change no entry's position: ``where`` stays right)
+            lag = self._hv(X, slot_X) - self._field(R, slot_X, where, "base")
             return torch.where(home_read, torch.zeros_like(X), lag)
 
         lag = lag_now()
@@ -204,7 +209,7 @@ class StalenessPlanner(TensorLazySyncPlanner):
         at_home = updater == home_u
         slot_u = lay.hot_slot(ux)
         xh, sh = ux[at_home], slot_u[at_home]
-        tracked = (sh >= 0) | (self._entry_positions(xh)[1].bincount(minlength=xh.numel()) > 0)
+        tracked = (sh >= 0) | self._cached_anywhere(xh)
         self._hv_add(xh[tracked], sh[tracked], torch.ones(int(tracked.sum()), dtype=torch.int64))
         local, lr, sl = ux[~at_home], updater[~at_home], slot_u[~at_home]
         wl = self._copy(lr, local, sl)
@@ -242,8 +247,7 @@ class StalenessPlanner(TensorLazySyncPlanner):
         pushes = self._push(R[dirty], X[dirty])
         self.entries.remove_at(v)
         gone = torch.unique(X)
-        gone = gone[self._entry_positions(gone)[1].bincount(minlength=gone.numel()) == 0]
-        self.hv_cold.remove(gone)
+        self.hv_cold.remove(gone[~self._cached_anywhere(gone)])
         return pushes, victims
 
     def flush(self) -> FlushPlan:
