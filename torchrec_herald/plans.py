@@ -119,6 +119,9 @@ class ExecPlan:
     miss_push_add: torch.Tensor = field(default_factory=_no_flags)
     stale_reads: int = 0  # reads served by a copy 1..s home versions behind
     max_staleness: int = 0  # the largest lag served in this step
+    #: this rank's share only (planning by home): the executor runs every collective even when its
+    #: share of one is empty, since another rank's may not be
+    partial: bool = False
 
 
 @dataclass
@@ -131,6 +134,7 @@ class FlushPlan:
     pull: torch.Tensor
     dropped: List[torch.Tensor]
     push_add: torch.Tensor = field(default_factory=_no_flags)
+    partial: bool = False  # this rank's share only (see ExecPlan.partial)
 
 
 class CommPlanner(abc.ABC):
