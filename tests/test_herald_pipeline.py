@@ -60,11 +60,11 @@ RTOL = 1e-5
 #: case -> (world size, common harness cfg, pipeline runs)
 CASES: Dict[str, Tuple[int, Dict[str, Any], Tuple[str, ...]]] = {
     "w2_sgd": (2, dict(optimizer="sgd", via="apply", pooling="SUM"), ("greedy_lazy", "identity_lazy", "greedy_eager",
-                                                                       "greedy_lazy_k1_small_cache")),
+                                                                       "greedy_lazy_k1_small_cache", "by_home_lazy")),
     "w2_adagrad": (2, dict(optimizer="rowwise_adagrad", via="fused_params", pooling="SUM"), ("greedy_lazy",)),
     "w3_sgd_mean_multihot": (3, dict(optimizer="sgd", via="fused_params", pooling="MEAN", multi_hot=True),
-                             ("greedy_lazy",)),
-    "w4_adagrad": (4, dict(optimizer="rowwise_adagrad", via="apply", pooling="SUM"), ("greedy_lazy",)),
+                             ("greedy_lazy", "by_home_lazy_small_cache")),
+    "w4_adagrad": (4, dict(optimizer="rowwise_adagrad", via="apply", pooling="SUM"), ("greedy_lazy", "by_home_lazy")),
 }
 #: pipeline run -> HeraldTrainPipeline kwargs
 PIPELINES: Dict[str, Dict[str, Any]] = {
@@ -72,6 +72,9 @@ PIPELINES: Dict[str, Dict[str, Any]] = {
     "identity_lazy": dict(allocator="identity"),
     "greedy_eager": dict(sync="eager"),
     "greedy_lazy_k1_small_cache": dict(window=1, cache_fraction=0.01),
+    # planning by home (each rank plans its own rows; samples stay where loaded)
+    "by_home_lazy": dict(allocator="identity", planning="by_home"),
+    "by_home_lazy_small_cache": dict(allocator="identity", planning="by_home", cache_fraction=0.01),
 }
 
 
@@ -152,9 +155,16 @@ def test_herald_pipeline_ran_its_configured_paths(case: str, pipe: str) -> None:
     greedy = kwargs.get("allocator", "greedy") == "greedy"
     stats = herald[0]["stats"]
     assert stats.steps == STEPS
+    by_home = kwargs.get("planning") == "by_home"
+    total = herald[0]["stats"].counters
+    for res in herald[1:]:
+        total = total + res["stats"].counters
     for rank, res in enumerate(herald):
         tags = res["tags"]
-        assert res["stats"].counters == stats.counters, rank  # every rank ran the same plans
+        if by_home:  # each rank counts the rows it is home to; every rank's own step ran
+            assert res["stats"].steps == STEPS and _bytes(tags, "herald_schedule_meta") > 0, rank
+        else:
+            assert res["stats"].counters == stats.counters, rank  # every rank ran the same plans
         if lazy:
             for tag in ("herald_pull", "herald_reduce", "herald_update_push"):
                 assert _bytes(tags, tag) > 0, (rank, tag, tags)
@@ -168,7 +178,7 @@ def test_herald_pipeline_ran_its_configured_paths(case: str, pipe: str) -> None:
         assert (_bytes(tags, "herald_samples") > 0) == greedy, (rank, tags)
     assert (stats.moved_samples > 0) == greedy
     if lazy:
-        c = stats.counters
+        c = total if by_home else stats.counters
         assert min(c.miss_pull, c.update_pull, c.reduce, c.update_push) > 0, c
         assert c.reads > 0 and 0 < c.hits < c.reads
         # every planned gradient message was sent, and nothing else under that tag
@@ -177,7 +187,7 @@ def test_herald_pipeline_ran_its_configured_paths(case: str, pipe: str) -> None:
         assert sum(res["tags"]["herald_pull"]["embedding_vectors"] for res in herald) >= c.miss_pull + c.update_pull
         assert sum(res["tags"]["herald_update_push"]["embedding_vectors"] for res in herald) >= \
             c.update_push + c.miss_push
-        if pipe == "greedy_lazy_k1_small_cache":
+        if pipe in ("greedy_lazy_k1_small_cache", "by_home_lazy_small_cache"):
             assert c.miss_push > 0, c  # dirty evictions executed
     else:
         assert stats.counters.reads == 0

@@ -103,3 +103,15 @@ def test_plan_step_without_an_exchange_is_refused() -> None:
         p.plan_step([[torch.tensor([0]), torch.tensor([1])]])
     with pytest.raises(RuntimeError, match="allocator=identity"):
         p.local_on(torch.tensor([0]))
+
+
+def test_planning_by_home_config_names_each_clashing_key() -> None:
+    from torchrec_herald.pipeline.options import HeraldPipelineConfig
+
+    HeraldPipelineConfig(planning="by_home", allocator="identity")  # the supported combination
+    with pytest.raises(ValueError, match=r"needs allocator=identity.*got pipeline\.allocator=greedy$"):
+        HeraldPipelineConfig(planning="by_home")
+    with pytest.raises(ValueError, match=r"got pipeline\.allocator=greedy, pipeline\.staleness=2$"):
+        HeraldPipelineConfig(planning="by_home", staleness=2)
+    with pytest.raises(ValueError, match=r"unknown pipeline.planning 'nope'; known: \['global', 'by_home'\]"):
+        HeraldPipelineConfig(planning="nope")

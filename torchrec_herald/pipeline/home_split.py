@@ -184,9 +184,8 @@ class HomeSplitLazyPlanner(CommPlanner):
         self._next_reads = nxt
         R = torch.cat([torch.full((k.numel(),), r, dtype=torch.int64) for r, k in enumerate(now)])
         X = torch.cat(now)
-        at = torch.cat([torch.arange(k.numel()) for k in now])  # position in the reader's key list
         X, perm = torch.sort(X, stable=True)
-        R, at = R.index_select(0, perm), at.index_select(0, perm)
+        R = R.index_select(0, perm)
         ux, inv, nS = torch.unique_consecutive(X, return_inverse=True, return_counts=True)
         starts = torch.cumsum(nS, 0) - nS
         first = R.index_select(0, starts)
@@ -261,13 +260,17 @@ class HomeSplitLazyPlanner(CommPlanner):
         flags = torch.zeros(X.numel(), dtype=torch.uint8)
         flags[need] |= _PULL
         flags |= (red_of == R).to(torch.uint8) * _REDUCE_HERE
-        out = []
-        for r in range(W):
-            mine = (R == r).nonzero().squeeze(1)
-            f = torch.zeros(now[r].numel(), dtype=torch.uint8).index_copy_(0, at[mine], flags[mine])
-            pushes = [t[t[:, 1] == r, 0] for t in (pre, post, miss)]
-            out.append(_message(_pack_bytes(f), *pushes, head=[f.numel()]))
-        return out
+        # back in each reader's key order: readers in rank order, keys in the order they were sent
+        f_all = torch.empty(X.numel(), dtype=torch.uint8).index_copy_(0, perm, flags)
+        by_reader = f_all.split([k.numel() for k in now])
+        pushes = [self._by_source(t) for t in (pre, post, miss)]
+        return [_message(_pack_bytes(by_reader[r]), *(p[r] for p in pushes), head=[by_reader[r].numel()])
+                for r in range(W)]
+
+    def _by_source(self, t: torch.Tensor) -> List[torch.Tensor]:
+        """The keys of transfers ``t`` grouped by source rank (each group in ``t``'s order)."""
+        order = torch.sort(t[:, 1], stable=True).indices
+        return list(t[order, 0].split(torch.bincount(t[:, 1], minlength=self.W).tolist()))
 
     # ------------------------------------------------------------------ this rank's plan
     def assemble(self, replies: Sequence[torch.Tensor]) -> ExecPlan:
@@ -328,7 +331,9 @@ class HomeSplitLazyPlanner(CommPlanner):
         x = self.layout.hot_keys[i]
         pull = sort_transfers(torch.stack([x, torch.full_like(x, me), r], 1))
         self._flush_share = (push, pull)
-        return [_message(push[push[:, 1] == q, 0], pull[pull[:, 2] == q, 0]) for q in range(self.W)]
+        pushes = self._by_source(push)
+        pulls = self._by_source(pull[:, [0, 2, 1]])  # grouped by receiver
+        return [_message(pushes[q], pulls[q]) for q in range(self.W)]
 
     def flush_assemble(self, received: Sequence[torch.Tensor]) -> FlushPlan:
         """Flush, stage 2: this rank's :class:`FlushPlan`; resets the state."""

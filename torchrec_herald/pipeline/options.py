@@ -10,7 +10,7 @@ from typing import Any, Optional
 
 from torchrec_herald.pipeline.stale_skip import SkipConfig
 
-__all__ = ["ALLOCATORS", "CACHE_POLICIES", "HeraldPipelineConfig", "SCHEDULING", "SYNC_MODES"]
+__all__ = ["ALLOCATORS", "CACHE_POLICIES", "HeraldPipelineConfig", "PLANNING", "SCHEDULING", "SYNC_MODES"]
 
 #: ``pipeline.allocator`` values
 ALLOCATORS = ("greedy", "identity")
@@ -21,6 +21,10 @@ SYNC_MODES = ("lazy", "eager")
 #: replication alone (samples stay where loaded, herald's per-step path); ``auto`` = time both on the
 #: first steps and keep the faster (needs ``global_batches``)
 SCHEDULING = ("on", "off", "auto")
+#: ``pipeline.planning`` values: ``global`` = every rank plans every row (the same plan everywhere);
+#: ``by_home`` = each rank plans the rows it is home to from the read keys sent to it
+#: (``HomeSplitLazyPlanner``: per-rank work and metadata grow with its own reads, not with W·B)
+PLANNING = ("global", "by_home")
 #: ``pipeline.cache`` values executed for real (Belady exists at trace level:
 #: ``torchrec_herald.testing.reference_plans.LazySyncPlanner``)
 CACHE_POLICIES = ("lru",)
@@ -49,6 +53,9 @@ class HeraldPipelineConfig:
             window (read, keys, allocation, reads) and plans the next step while the current step trains.
         scheduling: ``on``, ``off`` (hot replication alone) or ``auto`` (measure both, keep the faster).
         probe_steps: ``auto``: steps timed in each mode (after ``probe_steps // 2`` unmeasured ones).
+        planning: ``global`` (every rank plans every row) or ``by_home`` (each rank plans its own rows from
+            the keys the readers send it; needs ``allocator=identity``, ``global_batches=false``, the exact
+            plan and no skipping).
     """
 
     window: int = 5
@@ -64,6 +71,7 @@ class HeraldPipelineConfig:
     run_ahead: bool = False
     scheduling: str = "on"
     probe_steps: int = 10
+    planning: str = "global"
 
     def __post_init__(self) -> None:
         if int(self.window) < 1:
@@ -96,6 +104,19 @@ class HeraldPipelineConfig:
         if self.scheduling == "auto" and not self.global_batches:
             raise ValueError("pipeline.scheduling=auto needs pipeline.global_batches=true (both modes must "
                              "keep every rank's reads at hand)")
+        if self.planning not in PLANNING:
+            raise ValueError(f"unknown pipeline.planning {self.planning!r}; known: {list(PLANNING)}")
+        if self.planning == "by_home":
+            clash = [f"{k}={v}" for k, v, ok in (
+                ("allocator", self.allocator, self.allocator == "identity"),
+                ("global_batches", self.global_batches, not self.global_batches),
+                ("sync", self.sync, self.sync == "lazy"), ("staleness", self.staleness, self.staleness is None),
+                ("skip", self.skip, self.skip is None), ("scheduling", self.scheduling, self.scheduling == "on"))
+                if not ok]
+            if clash:
+                raise ValueError(f"pipeline.planning=by_home keeps no global view of the caches: it needs "
+                                 f"allocator=identity, global_batches=false, sync=lazy, staleness=null, skip=null "
+                                 f"and scheduling=on; got pipeline.{', pipeline.'.join(clash)}")
         if int(self.probe_steps) < 2:
             raise ValueError(f"pipeline.probe_steps must be >= 2, got {self.probe_steps}")
         if self.run_ahead and not self.global_batches:
@@ -130,4 +151,4 @@ class HeraldPipelineConfig:
                    cache_fraction=p.cache_fraction, cache_bytes=p.get("cache_bytes"), move_penalty=p.move_penalty, staleness=p.get("staleness"),
                    skip=skip, global_batches=global_batches,
                    run_ahead=bool(p.get("run_ahead", False)) and global_batches, scheduling=scheduling,
-                   probe_steps=p.get("probe_steps", 10))
+                   probe_steps=p.get("probe_steps", 10), planning=p.get("planning", "global"))

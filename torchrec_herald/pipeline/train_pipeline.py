@@ -34,6 +34,7 @@ from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 from torchrec_herald.comm import all_gather_varlen, all_to_all_rows
 from torchrec_herald.layout import cache_rows_for_budget
 from torchrec_herald.ops.hot_cold import first_invalid_id
+from torchrec_herald.pipeline.home_split import HomeSplitLazyPlanner
 from torchrec_herald.pipeline.input_allocator import build_allocator
 from torchrec_herald.pipeline.lazy_sync import TensorLazySyncPlanner
 from torchrec_herald.pipeline.options import ALLOCATORS, CACHE_POLICIES, SYNC_MODES, HeraldPipelineConfig
@@ -193,8 +194,11 @@ class HeraldTrainPipeline(TrainPipeline[Batch, Any]):
         self.layout = self.ebc.layout
         capacity_rows = (None if c.cache_bytes is None else  # the store keeps a cached row's weights + state
                          cache_rows_for_budget(self.layout, c.cache_bytes, (self.ebc.embedding_dim + 1) * 4))
+        self.by_home = c.planning == "by_home"
         self.planner: CommPlanner = (
-            TensorLazySyncPlanner(self.layout, c.cache_fraction, c.window, capacity_rows) if c.staleness is None
+            HomeSplitLazyPlanner(self.layout, self._rank, self._exchange_words, c.cache_fraction, c.window,
+                                 capacity_rows) if self.by_home
+            else TensorLazySyncPlanner(self.layout, c.cache_fraction, c.window, capacity_rows) if c.staleness is None
             else StalenessPlanner(self.layout, c.staleness, c.cache_fraction, c.window, capacity_rows))
         self.input_allocator = build_allocator(c.allocator, **({"move_penalty": c.move_penalty}
                                                                if c.allocator == "greedy" else {}))
@@ -422,7 +426,19 @@ class HeraldTrainPipeline(TrainPipeline[Batch, Any]):
         assert ctx.keys is not None
         # = torch.unique(keys); numpy's sort is several times faster than torch's on CPU
         mine = torch.unique_consecutive(torch.from_numpy(np.sort(ctx.keys.numpy())))
+        if self.by_home:  # the keys go to their homes when the step is planned
+            ctx.reads = [mine[:0]] * self._W
+            ctx.reads[self._rank] = mine
+            return
         ctx.reads = [k.to(torch.int64) for k in self.gather_varlen(mine.to(torch.int32), "herald_schedule_meta")]
+
+    def _exchange_words(self, send: List[torch.Tensor]) -> List[torch.Tensor]:
+        """Planning by home: one int64 tensor to each rank, one from each (two all-to-alls: sizes, words)."""
+        with _CommTimer(self.stats, "herald_schedule_meta"):
+            sizes = torch.tensor([t.numel() for t in send], dtype=torch.int64)
+            recv = all_to_all_rows(sizes, [1] * self._W, [1] * self._W, self._pg, "herald_schedule_meta")
+            out = all_to_all_rows(torch.cat(send), sizes.tolist(), recv.tolist(), self._pg, "herald_schedule_meta")
+        return list(out.split(recv.tolist()))
 
     def gather_varlen(self, mine: torch.Tensor, label: str) -> List[torch.Tensor]:
         """Every rank's ``mine`` (:func:`~torchrec_herald.comm.all_gather_varlen`), timed as scheduler comm."""

@@ -142,12 +142,14 @@ class PlanExecutor:
             rows[add.to(rows.device)] -= self.store.base(keys[add])
         return rows if self.store.adagrad else rows[:, : self.D]
 
-    def move_rows(self, transfers: torch.Tensor, label: str, add: Optional[torch.Tensor] = None) -> None:
-        """One all-to-all for the ``(key, src, dst)`` rows of ``transfers`` (known to every rank): src sends
+    def move_rows(self, transfers: torch.Tensor, label: str, add: Optional[torch.Tensor] = None,
+                  partial: bool = False) -> None:
+        """One all-to-all for the ``(key, src, dst)`` rows of ``transfers`` (known to every rank, or with
+        ``partial`` this rank's share of them, which runs the collective even when empty): src sends
         the row's current value (+ state), dst stores it — or, where ``add`` is set, src sends its
         accumulated update and dst adds it. Sources are applied in rank order (a row's one replacing
         push comes from the lowest pushing rank, as the staleness planner assigns it)."""
-        if not transfers.numel():
+        if not transfers.numel() and not partial:
             return
         store = self.store
         keys = transfers[:, 0]
@@ -186,11 +188,12 @@ class PlanExecutor:
         plans only (bounded staleness keeps its synchronous path)."""
         if self.plan is not None or self._prefetched is not None or plan.additive or self.store.track_base:
             return
-        self.move_rows(plan.push_before_read, "herald_update_push", plan.push_before_read_add)
+        self.move_rows(plan.push_before_read, "herald_update_push", plan.push_before_read_add, plan.partial)
         keys = plan.pull[:, 0]
         no_add = torch.zeros(len(keys), dtype=torch.bool)
-        recv_pos, out, work = self._start_exchange(plan.pull, lambda i: self._row_payload(keys[i], no_add[i]),
-                                                   "herald_pull", self.width) if keys.numel() else ([], None, None)
+        recv_pos, out, work = (self._start_exchange(plan.pull, lambda i: self._row_payload(keys[i], no_add[i]),
+                                                    "herald_pull", self.width) if keys.numel() or plan.partial
+                               else ([], None, None))
         self._prefetched = (plan, work, out, recv_pos, keys)
 
     def before_forward(self, plan: ExecPlan) -> None:
@@ -208,8 +211,8 @@ class PlanExecutor:
         if plan.additive and not self.store.track_base:
             self.store.track_base = True
             self.store.rebase_hot()  # every replica is in sync with its home when a staleness run starts
-        self.move_rows(plan.push_before_read, "herald_update_push", plan.push_before_read_add)
-        self.move_rows(plan.pull, "herald_pull")
+        self.move_rows(plan.push_before_read, "herald_update_push", plan.push_before_read_add, plan.partial)
+        self.move_rows(plan.pull, "herald_pull", partial=plan.partial)
 
     def after_backward(self, plan: ExecPlan, ws_keys: torch.Tensor, ws_grad: torch.Tensor) -> None:
         """Sum each read row's gradients at its reducer, apply the one exact update there, push dirty
@@ -222,7 +225,7 @@ class PlanExecutor:
         red_keys = plan.reduce[:, 0]
         recv_keys: List[torch.Tensor] = [red_keys[:0]] * self.W
         rows = torch.zeros(0, self.D, device=dev)
-        if plan.reduce.numel():
+        if plan.reduce.numel() or plan.partial:
             recv_pos, rows = self._exchange(plan.reduce,
                                             lambda i: ws_grad[torch.searchsorted(ws_keys, red_keys[i]).to(dev)],
                                             "herald_reduce", self.D)
@@ -242,7 +245,7 @@ class PlanExecutor:
             self.move_rows(plan.update_push, "herald_update_push", plan.update_push_add)
             self.move_rows(plan.miss_push, "herald_update_push", plan.miss_push_add)
         else:  # exact plan: every push replaces, disjoint rows: one all-to-all
-            self.move_rows(torch.cat([plan.update_push, plan.miss_push]), "herald_update_push")
+            self.move_rows(torch.cat([plan.update_push, plan.miss_push]), "herald_update_push", partial=plan.partial)
         store.drop(plan.evictions[me])
 
     def flush(self, fp: FlushPlan) -> None:
@@ -250,8 +253,8 @@ class PlanExecutor:
         the cold blocks: the stock herald layout again (eval, checkpoints, a stock pipeline)."""
         if self._prefetched is not None:
             raise RuntimeError("flush with a prefetched plan that did not run: run it first (run_without_gradients)")
-        self.move_rows(fp.push, "herald_update_push", fp.push_add)
-        self.move_rows(fp.pull, "herald_pull")
+        self.move_rows(fp.push, "herald_update_push", fp.push_add, fp.partial)
+        self.move_rows(fp.pull, "herald_pull", partial=fp.partial)
         self.store.drop(fp.dropped[self.rank])
         self.store.drop_cache()
         self.store.mirror_hot_into_cold()
