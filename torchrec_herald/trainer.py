@@ -507,6 +507,8 @@ def run_training(cfg: DictConfig, run_dir: Path, show_progress: bool = True) -> 
         raise RuntimeError(f"no training step ran: {data.describe()} yielded no full global batch of "
                            f"{world} × {cfg.batch_size} samples (data.*, batch_size)")
 
+    if isinstance(pipeline, HeraldTrainPipeline) and pipeline.by_home:  # each rank counted its own rows
+        pipeline.stats.counters = pipeline.plan_counters_all_ranks()
     traffic = reduce_summaries(meter.summary())
     traffic_tags = reduce_summaries(meter.tag_summary())
     per_step = {k: {m: v / steps for m, v in s.items()} for k, s in traffic.items()}

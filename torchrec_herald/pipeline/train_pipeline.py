@@ -617,6 +617,18 @@ class HeraldTrainPipeline(TrainPipeline[Batch, Any]):
             self._delegate = None
         self._delegate_src = self._delegate_it = None
 
+    def plan_counters_all_ranks(self) -> SyncCounters:
+        """The plan's counters over all ranks (collective with ``planning=by_home``, where each rank
+        counts the rows it is home to; otherwise every rank already holds the global figures)."""
+        if not self.by_home:
+            return self.stats.counters
+        parts: List[Any] = [None] * self._W
+        dist.all_gather_object(parts, self.stats.counters, group=self._pg)
+        total = SyncCounters()
+        for c in parts:
+            total = total + c
+        return total
+
     def scheduling_report(self) -> Dict[str, Any]:
         """``metrics.json`` ``herald_pipeline.scheduling``: the mode, and for ``auto`` the probe's figures."""
         out: Dict[str, Any] = {"setting": self.config.scheduling, "mode": self.mode}
