@@ -115,6 +115,47 @@ def measure(setting: str, W: int, a: argparse.Namespace) -> Dict[str, Any]:
     return out
 
 
+def plot(runs: List[Dict[str, Any]], scale_json: Path, path: Path) -> None:
+    """Metadata share, CPU and plan state per rank vs W: planning by home against global planning
+    (``bench_scale.py``'s Kaggle rows, when ``scale_json`` exists)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    glob = ([r for r in json.loads(scale_json.read_text())["runs"] if r["setting"] == "kaggle"]
+            if scale_json.exists() else [])
+    glob.sort(key=lambda r: r["world_size"])
+    runs = sorted(runs, key=lambda r: r["world_size"])
+    fig, axes = plt.subplots(1, 3, figsize=(14, 4.2))
+    W = [r["world_size"] for r in runs]
+    Wg = [r["world_size"] for r in glob]
+    series = (
+        ([100 * r["metadata_share_of_saving"]["max"] for r in runs], [100 * r["metadata_share_of_saving"] for r in glob]),
+        ([r["scheduler_cpu_s_per_rank_step"]["max"] for r in runs], [r["scheduler_cpu_s_total"] for r in glob]),
+        ([r["state_bytes_per_rank"]["max"] / 2**20 for r in runs], [r["scheduler_state_bytes"] / 2**20 for r in glob]),
+    )
+    titles = ("scheduling metadata / embedding bytes saved", "scheduler CPU per rank and step (one thread)",
+              "plan state per rank")
+    for ax, (home, g), title, ylabel in zip(axes, series, titles, ("%", "s", "MiB")):
+        if glob:
+            ax.plot(Wg, g, "s--", color="tab:red", label="every rank plans everything (bench_scale)")
+        ax.plot(W, home, "o-", color="tab:blue", label="planning by home (max over ranks)")
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.set_xlabel("ranks W")
+        ax.set_ylabel(ylabel)
+        ax.set_title(title, fontsize=10)
+        ax.grid(alpha=0.3)
+    axes[0].axhline(10, color="gray", ls=":", label="10 % target")
+    for ax in axes:
+        ax.legend(fontsize=8)
+    fig.suptitle("Full Criteo Kaggle, local batch 2048, window 5, dim 16")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    log.info("wrote %s", path)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--world-sizes", type=int, nargs="+", default=[8, 32, 128])
@@ -127,7 +168,13 @@ def main() -> None:
     p.add_argument("--hot-budget", type=int, default=64 << 20)
     p.add_argument("--cache-factor", type=float, default=1.0)
     p.add_argument("--out", type=Path, default=Path("benchmarks/results/home_split.json"))
+    p.add_argument("--scale-json", type=Path, default=Path("benchmarks/results/scale.json"),
+                   help="bench_scale.py's results, drawn for comparison")
+    p.add_argument("--plot-only", action="store_true", help="redraw the plot of --out, measure nothing")
     a = p.parse_args()
+    if a.plot_only:
+        plot(json.loads(a.out.read_text())["runs"], a.scale_json, a.out.with_suffix(".png"))
+        return
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s %(message)s", force=True)
     log.setLevel(logging.INFO)
     torch.set_num_threads(1)
@@ -137,6 +184,7 @@ def main() -> None:
             runs.append(measure(setting, W, a))
             a.out.write_text(json.dumps({"machine": machine(), "command": "python " + " ".join(sys.argv),
                                          "runs": runs}, indent=2))
+    plot(runs, a.scale_json, a.out.with_suffix(".png"))
 
 
 if __name__ == "__main__":
