@@ -27,6 +27,7 @@ import torch
 
 from torchrec_herald.keymap import SortedKeyMap, expand_ranges
 from torchrec_herald.layout import RowLayout, cache_capacities, layout_of
+from torchrec_herald.pipeline.lazy_sync import lru_victims, reads_of_latest
 from torchrec_herald.plans import CommPlanner, ExecPlan, FlushPlan, SyncCounters, no_transfers, sort_transfers
 
 __all__ = ["HomeSplitLazyPlanner", "Exchange"]
@@ -113,15 +114,7 @@ class HomeSplitLazyPlanner(CommPlanner):
         if not bool(excess.any()):
             return torch.empty(0, dtype=torch.int64)
         x = self.cache.keys
-        seg = self.layout.table_of(x)
-        sel = (excess.index_select(0, seg) > 0).nonzero().squeeze(1)
-        g = seg.index_select(0, sel)
-        order = torch.sort(g * (self.step + 2) + self.cache.col("last_use").index_select(0, sel) + 1,
-                           stable=True).indices
-        sel, g = sel.index_select(0, order), g.index_select(0, order)
-        count = torch.bincount(g, minlength=excess.numel())
-        in_seg = torch.arange(sel.numel()) - (torch.cumsum(count, 0) - count).index_select(0, g)
-        victims = torch.sort(sel.masked_select(in_seg < excess.index_select(0, g))).values
+        victims = torch.sort(lru_victims(self.layout.table_of(x), self.cache.col("last_use"), excess, self.step)).values
         self.cache_count.clamp_(max=self.capacity)
         vx = x.index_select(0, victims)
         self.cache.remove_at(victims)
@@ -195,15 +188,8 @@ class HomeSplitLazyPlanner(CommPlanner):
         pre = self._push_home(ux.masked_select((m != me) & ~((nS == 1) & (first == m))))
         hot = slot_X >= 0
         cold = ~hot & (R != me)
-        pos, found = self.copies.find(X * W + R)
-        found &= cold
-        ok = torch.zeros(X.numel(), dtype=torch.bool)
+        ok, pos, found = reads_of_latest(X, R, slot_X, cold, self.hot_valid, self.dirty, self.copies, W)
         hi = hot.nonzero().squeeze(1)
-        ok[hi] = self.hot_valid[R[hi], slot_X[hi]]
-        at_home = (~hot & ~cold).nonzero().squeeze(1)
-        ok[at_home] = ~self.dirty.contains(X[at_home])
-        ci = found.nonzero().squeeze(1)
-        ok[ci] = self.copies.col("valid")[pos[ci]]
         new = cold & ~found
         need = (~ok).nonzero().squeeze(1)
         Xn = X.index_select(0, need)

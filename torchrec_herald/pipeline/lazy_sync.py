@@ -28,9 +28,40 @@ from torchrec_herald.keymap import SortedKeyMap, expand_ranges
 from torchrec_herald.layout import RowLayout, cache_capacities, layout_of
 from torchrec_herald.plans import CommPlanner, ExecPlan, FlushPlan, SyncCounters, no_transfers, sort_transfers
 
-__all__ = ["TensorLazySyncPlanner"]
+__all__ = ["TensorLazySyncPlanner", "lru_victims", "reads_of_latest"]
 
 _PAIRS_PER_CHUNK = 1 << 22  # (lookup, cache entry) pairs expanded at once by local_scores
+
+
+def reads_of_latest(X: torch.Tensor, R: torch.Tensor, slot_X: torch.Tensor, cold: torch.Tensor,
+                    hot_valid: torch.Tensor, dirty: SortedKeyMap, copies: SortedKeyMap, W: int
+                    ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Whether read ``(R[i], X[i])`` finds the latest version where it reads (a hot replica, a home copy
+    that is not dirty, a valid cache entry: ``copies`` keyed x·W + r, with a ``valid`` column, holding
+    remote cold copies only); returns ``(ok, position in copies, found in copies)``."""
+    hot = slot_X >= 0
+    pos, found = copies.find(X * W + R)
+    ok = torch.zeros(X.numel(), dtype=torch.bool)
+    hi = hot.nonzero().squeeze(1)
+    ok[hi] = hot_valid[R[hi], slot_X[hi]]
+    at_home = (~hot & ~cold).nonzero().squeeze(1)
+    ok[at_home] = ~dirty.contains(X[at_home])
+    ci = found.nonzero().squeeze(1)
+    ok[ci] = copies.col("valid")[pos[ci]]
+    return ok, pos, found
+
+
+def lru_victims(seg: torch.Tensor, last_use: torch.Tensor, excess: torch.Tensor, step: int) -> torch.Tensor:
+    """Positions of the cache entries (in key order, entry i in cache segment ``seg[i]``, last read at
+    ``last_use[i]`` ≤ ``step``) that trim each segment by ``excess[segment]``: least recently used first,
+    ties to the lower key."""
+    sel = (excess.index_select(0, seg) > 0).nonzero().squeeze(1)  # in key order within each segment
+    g = seg.index_select(0, sel)
+    order = torch.sort(g * (step + 2) + last_use.index_select(0, sel) + 1, stable=True).indices  # stable: ties by key
+    sel, g = sel.index_select(0, order), g.index_select(0, order)
+    count = torch.bincount(g, minlength=excess.numel())
+    rank_in_seg = torch.arange(sel.numel()) - (torch.cumsum(count, 0) - count).index_select(0, g)
+    return sel.masked_select(rank_in_seg < excess.index_select(0, g))
 
 
 class TensorLazySyncPlanner(CommPlanner):
@@ -193,14 +224,8 @@ class TensorLazySyncPlanner(CommPlanner):
         # pulls: every read whose copy is not the latest, from the row's master
         hot = slot_X >= 0
         cold = ~hot & (home_X != R)
-        pos, found = self.entries.find(X * self.W + R)
-        ok = torch.zeros(X.numel(), dtype=torch.bool)
+        ok, pos, found = reads_of_latest(X, R, slot_X, cold, self.hot_valid, self.dirty, self.entries, self.W)
         hi = hot.nonzero().squeeze(1)
-        ok[hi] = self.hot_valid[R[hi], slot_X[hi]]
-        at_home = (~hot & ~cold).nonzero().squeeze(1)
-        ok[at_home] = ~self.dirty.contains(X[at_home])
-        ci = found.nonzero().squeeze(1)
-        ok[ci] = self.entries.col("valid")[pos[ci]]
         new = cold & ~found
         need = (~ok).nonzero().squeeze(1)
         Xn = X.index_select(0, need)
@@ -260,15 +285,7 @@ class TensorLazySyncPlanner(CommPlanner):
         k = self.entries.keys
         r, x = k % self.W, k // self.W
         seg = r * T + self.layout.table_of(x)
-        sel = (excess.index_select(0, seg) > 0).nonzero().squeeze(1)  # in key order within each segment
-        g = seg.index_select(0, sel)
-        # LRU order within each segment (0 <= last_use <= step); stable: ties by lower key
-        order = torch.sort(g * (self.step + 2) + self.entries.col("last_use").index_select(0, sel) + 1,
-                           stable=True).indices
-        sel, g = sel.index_select(0, order), g.index_select(0, order)
-        count = torch.bincount(g, minlength=excess.numel())
-        rank_in_seg = torch.arange(sel.numel()) - (torch.cumsum(count, 0) - count).index_select(0, g)
-        victims = sel.masked_select(rank_in_seg < excess.index_select(0, g))
+        victims = lru_victims(seg, self.entries.col("last_use"), excess, self.step)
         self.cache_count.clamp_(max=self.capacity)  # the over-full caches lose their excess
         vr, vx = r.index_select(0, victims), x.index_select(0, victims)
         o = torch.sort(vr * self.num_rows + vx).indices
