@@ -27,8 +27,9 @@ import torch
 
 from torchrec_herald.keymap import SortedKeyMap, expand_ranges
 from torchrec_herald.layout import RowLayout, cache_capacities, layout_of
-from torchrec_herald.pipeline.lazy_sync import lru_victims, reads_of_latest
-from torchrec_herald.plans import CommPlanner, ExecPlan, FlushPlan, SyncCounters, no_transfers, sort_transfers
+from torchrec_herald.pipeline.lazy_sync import lru_victims, readers_by_key, reads_of_latest, set_master
+from torchrec_herald.plans import (CommPlanner, ExecPlan, FlushPlan, SyncCounters, no_transfers, sort_transfers,
+                                   transfer_order)
 
 __all__ = ["HomeSplitLazyPlanner", "Exchange"]
 
@@ -176,12 +177,7 @@ class HomeSplitLazyPlanner(CommPlanner):
             vic.append(v)
         self._next_reads = nxt
         R = torch.cat([torch.full((k.numel(),), r, dtype=torch.int64) for r, k in enumerate(now)])
-        X = torch.cat(now)
-        X, perm = torch.sort(X, stable=True)
-        R = R.index_select(0, perm)
-        ux, inv, nS = torch.unique_consecutive(X, return_inverse=True, return_counts=True)
-        starts = torch.cumsum(nS, 0) - nS
-        first = R.index_select(0, starts)
+        R, X, perm, ux, inv, nS, starts, first = readers_by_key(R, torch.cat(now))
         slot_X = lay.hot_slot(X)
         slot_u = slot_X.index_select(0, starts)
         m = self._master(ux)
@@ -220,12 +216,7 @@ class HomeSplitLazyPlanner(CommPlanner):
         remote = rc != me
         pos_r, found_r = self.copies.find(xc[remote] * W + rc[remote])
         valid.index_fill_(0, pos_r.masked_select(found_r), True)
-        clean = reducer == me
-        self.dirty.remove(ux.masked_select(clean))
-        xd, md = ux.masked_select(~clean), reducer.masked_select(~clean)
-        pd, fd = self.dirty.find(xd)
-        self.dirty.col("master").index_copy_(0, pd.masked_select(fd), md.masked_select(fd))
-        self.dirty.insert(xd.masked_select(~fd), master=md.masked_select(~fd))
+        set_master(self.dirty, ux, reducer, torch.full_like(reducer, me))
         # look-ahead: a dirty row another rank reads in the next step goes home now
         R1 = torch.cat([torch.full((k.numel(),), r, dtype=torch.int64) for r, k in enumerate(nxt)])
         X1 = torch.cat(nxt)
@@ -241,7 +232,7 @@ class HomeSplitLazyPlanner(CommPlanner):
         self.copies.remove(torch.sort(Xv * W + Rv).values)
         cnt.miss_push = len(miss)
         self._share = dict(pre=pre, pull=pull, pull_miss=pull_miss, reduce=reduce, post=post,
-                           miss=sort_transfers(miss), update=ux.masked_select(clean), counters=cnt)
+                           miss=sort_transfers(miss), update=ux.masked_select(reducer == me), counters=cnt)
         # replies: per read key its flags; per reader the rows it pushes home
         flags = torch.zeros(X.numel(), dtype=torch.uint8)
         flags[need] |= _PULL
@@ -281,12 +272,8 @@ class HomeSplitLazyPlanner(CommPlanner):
             for acc, k in ((pre, p_pre), (post, p_post), (miss, p_miss)):
                 acc.append(torch.stack([k, torch.full_like(k, me), torch.full_like(k, q)], 1))
         pull = torch.cat(pulls)
-        order = torch.argsort((pull[:, 0] * 65536 + pull[:, 1]) * 65536 + pull[:, 2]) if pull.numel() else None
-        pull_miss = torch.cat(miss_flags)
-        if order is not None:
-            pull, pull_miss = pull[order], pull_miss[order]
-        else:
-            pull = no_transfers()
+        order = transfer_order(pull)
+        pull, pull_miss = pull[order], torch.cat(miss_flags)[order]
         upd = torch.sort(torch.cat(updates)).values
         reads = [torch.empty(0, dtype=torch.int64)] * W
         reads[me] = self._now

@@ -28,7 +28,7 @@ from torchrec_herald.keymap import SortedKeyMap, expand_ranges
 from torchrec_herald.layout import RowLayout, cache_capacities, layout_of
 from torchrec_herald.plans import CommPlanner, ExecPlan, FlushPlan, SyncCounters, no_transfers, sort_transfers
 
-__all__ = ["TensorLazySyncPlanner", "lru_victims", "reads_of_latest"]
+__all__ = ["TensorLazySyncPlanner", "lru_victims", "readers_by_key", "reads_of_latest", "set_master"]
 
 _PAIRS_PER_CHUNK = 1 << 22  # (lookup, cache entry) pairs expanded at once by local_scores
 
@@ -49,6 +49,28 @@ def reads_of_latest(X: torch.Tensor, R: torch.Tensor, slot_X: torch.Tensor, cold
     ci = found.nonzero().squeeze(1)
     ok[ci] = copies.col("valid")[pos[ci]]
     return ok, pos, found
+
+
+def readers_by_key(R: torch.Tensor, X: torch.Tensor) -> Tuple[torch.Tensor, ...]:
+    """Read pairs ``(R[i], X[i])`` (R ascending in the concatenation) in (key, rank) order: a key's readers
+    are adjacent, lowest rank first, so pulls and reduces come out sorted by (key, src, dst). Returns
+    ``(R, X, perm, unique keys, inverse, reader count, first pair of each key, lowest reader)``."""
+    X, perm = torch.sort(X, stable=True)
+    R = R.index_select(0, perm)
+    ux, inv, nS = torch.unique_consecutive(X, return_inverse=True, return_counts=True)
+    starts = torch.cumsum(nS, 0) - nS
+    return R, X, perm, ux, inv, nS, starts, R.index_select(0, starts)
+
+
+def set_master(dirty: SortedKeyMap, x: torch.Tensor, m: torch.Tensor, home: torch.Tensor) -> None:
+    """Rows ``x`` (sorted, unique) now have their latest version on ranks ``m``: ``dirty`` keeps those
+    whose master is not their ``home``."""
+    clean = m == home
+    dirty.remove(x.masked_select(clean))
+    xd, md = x.masked_select(~clean), m.masked_select(~clean)
+    pos, found = dirty.find(xd)
+    dirty.col("master").index_copy_(0, pos.masked_select(found), md.masked_select(found))
+    dirty.insert(xd.masked_select(~found), master=md.masked_select(~found))
 
 
 def lru_victims(seg: torch.Tensor, last_use: torch.Tensor, excess: torch.Tensor, step: int) -> torch.Tensor:
@@ -131,15 +153,6 @@ class TensorLazySyncPlanner(CommPlanner):
         m = self.dirty.get(x, "master")
         return torch.where(m >= 0, m, home)
 
-    def _set_master(self, x: torch.Tensor, m: torch.Tensor, home: torch.Tensor) -> None:
-        """Rows ``x`` (sorted, unique) now have their latest version on ranks ``m``."""
-        clean = m == home
-        self.dirty.remove(x.masked_select(clean))
-        xd, md = x.masked_select(~clean), m.masked_select(~clean)
-        pos, found = self.dirty.find(xd)
-        self.dirty.col("master").index_copy_(0, pos.masked_select(found), md.masked_select(found))
-        self.dirty.insert(xd.masked_select(~found), master=md.masked_select(~found))
-
     def _entry_ranges(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """``[lo, hi)``: where the cached copies of each row of ``x`` lie in ``entries`` (keyed x·W + r)."""
         k = self.entries.keys
@@ -208,13 +221,7 @@ class TensorLazySyncPlanner(CommPlanner):
         cnt = SyncCounters()
         reads = [torch.as_tensor(k, dtype=torch.int64) for k in window[0]]
         R, X = self._pairs(reads)
-        # read pairs in (key, rank) order (R ascends in X's concatenation): a key's readers are adjacent,
-        # lowest rank first, and pulls and reduces come out sorted by (key, src, dst) with no further sort
-        X, perm = torch.sort(X, stable=True)
-        R = R.index_select(0, perm)
-        ux, inv, nS = torch.unique_consecutive(X, return_inverse=True, return_counts=True)
-        starts = torch.cumsum(nS, 0) - nS
-        first = R.index_select(0, starts)
+        R, X, _, ux, inv, nS, starts, first = readers_by_key(R, X)
         table_X = lay.table_of(X)
         home_X, slot_X = lay.home_of(X, table_X), lay.hot_slot(X)
         home_u, slot_u = home_X.index_select(0, starts), slot_X.index_select(0, starts)
@@ -271,7 +278,7 @@ class TensorLazySyncPlanner(CommPlanner):
         remote = rc != home_u.masked_select(cold)  # the only reader, remote: it cached the row in this step
         pos, found = self.entries.find(xc.masked_select(remote) * self.W + rc.masked_select(remote))
         valid.index_fill_(0, pos.masked_select(found), True)
-        self._set_master(ux, reducer, home_u)
+        set_master(self.dirty, ux, reducer, home_u)
 
     def _lru_victims(self) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """``(entry positions, ranks, keys)`` of the cached rows that trim every (rank, table) cache back
