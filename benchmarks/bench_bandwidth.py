@@ -115,6 +115,11 @@ def worker(config: str, steps: int, segments: int, warmup: int, out: str, rate: 
         "link_decision": getattr(sharding_plan, "link_decision", None),
         "scheduling": pipeline.scheduling_report() if herald else None,
         "breakdown_ms": step_time_breakdown(sum(seg_s) / n, meter.wait_s / n, *sched),
+        # per collective label: calls and bytes per step, and the ms per step waited for it
+        "by_label": {k: {"calls": v["calls"] / n, "bytes": v["bytes"] / n,
+                         "wait_ms": 1000 * meter.wait_by_tag.get(k, 0.0) / n}
+                     for k, v in meter.tag_summary().items()},
+        "untagged_wait_ms": 1000 * meter.wait_by_tag.get("untagged", 0.0) / n,
     }
     Path(out).write_text(json.dumps(result))
     if herald:

@@ -175,6 +175,7 @@ class TrafficMeter:
         self._by_tag: Dict[str, CollectiveStats] = {}
         self._tags: List[tuple[str, Optional[int]]] = []
         self.wait_s = 0.0  # wall time blocked in collectives (sync calls + waits of async ones), all threads
+        self.wait_by_tag: Dict[str, float] = {}  # the same, per tag label ("untagged" for the rest)
 
     # ------------------------------------------------------------------ activation
     def __enter__(self) -> "TrafficMeter":
@@ -232,11 +233,17 @@ class TrafficMeter:
         self._by_kind.clear()
         self._by_tag.clear()
         self.wait_s = 0.0
+        self.wait_by_tag.clear()
+
+    def _current_label(self) -> str:
+        return self._tags[-1][0] if self._tags else "untagged"
 
     @classmethod
-    def _add_wait(cls, seconds: float) -> None:
+    def _add_wait(cls, seconds: float, labels: Dict[int, str]) -> None:
         for meter in list(cls._active):
             meter.wait_s += seconds
+            label = labels.get(id(meter), "untagged")
+            meter.wait_by_tag[label] = meter.wait_by_tag.get(label, 0.0) + seconds
 
     # ------------------------------------------------------------------ patching
     @classmethod
@@ -259,6 +266,7 @@ class TrafficMeter:
     def _make_wrapper(cls, name: str, orig: Callable[..., Any]) -> Callable[..., Any]:
         def wrapper(*args: Any, **kwargs: Any) -> Any:
             depth = getattr(cls._local, "depth", 0)
+            labels = {id(m): m._current_label() for m in cls._active}
             if depth == 0 and cls._active:
                 nbytes, payload = _bytes_for(name, args, kwargs)
                 for meter in list(cls._active):
@@ -270,9 +278,9 @@ class TrafficMeter:
             finally:
                 cls._local.depth = depth
                 if depth == 0:
-                    cls._add_wait(time.perf_counter() - t0)
+                    cls._add_wait(time.perf_counter() - t0, labels)
             if depth == 0 and work is not None and kwargs.get("async_op", False):
-                return _TimedWork(work, cls)  # the exposed part of an async collective is its wait()
+                return _TimedWork(work, cls, labels)  # the exposed part of an async collective is its wait()
             return work
 
         wrapper.__name__ = name
@@ -286,16 +294,16 @@ class _TimedWork(dist.Work):
     collective overlapped with other work is not waited for, so it is not exposed). A ``dist.Work``
     subclass: TorchRec checks ``isinstance(req, dist.Work)`` before waiting."""
 
-    def __init__(self, work: Any, meter_cls: Any) -> None:
+    def __init__(self, work: Any, meter_cls: Any, labels: Dict[int, str]) -> None:
         super().__init__()
-        self._work, self._meter_cls = work, meter_cls
+        self._work, self._meter_cls, self._labels = work, meter_cls, labels
 
     def wait(self, *args: Any, **kwargs: Any) -> Any:
         t0 = time.perf_counter()
         try:
             return self._work.wait(*args, **kwargs)
         finally:
-            self._meter_cls._add_wait(time.perf_counter() - t0)
+            self._meter_cls._add_wait(time.perf_counter() - t0, self._labels)
 
     def is_completed(self) -> bool:
         return self._work.is_completed()

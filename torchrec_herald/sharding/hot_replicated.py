@@ -34,7 +34,7 @@ from torchrec.optim.fused import EmptyFusedOptimizer, FusedOptimizer, FusedOptim
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor, KeyedTensor
 from torchrec.streamable import Multistreamable
 
-from torchrec_herald.comm import FLOAT_BYTES, INDEX_BYTES, all_to_all_rows, variable_all_to_all
+from torchrec_herald.comm import FLOAT_BYTES, INDEX_BYTES, all_to_all_rows, all_to_all_rows_async, variable_all_to_all
 from torchrec_herald.layout import RowLayout
 from torchrec_herald.ops.hot_cold import HotColdSplit, first_invalid_id, offsets_from_lengths, split_hot_cold
 from torchrec_herald.ops.tbe import SUPPORTED_OPTIMIZERS, dense_lookup
@@ -90,6 +90,46 @@ class HeraldContext(Multistreamable):
         return None
 
 
+@dataclass
+class _PendingHotSync:
+    """A hot-row gradient sum in flight: the gradients, which rows update, and the collectives'
+    (rows, buffer, work) for densely synced tables and (received rows, work) for sparsely synced ones."""
+
+    grad: torch.Tensor
+    live: torch.Tensor
+    dense: Optional[Tuple[torch.Tensor, torch.Tensor, Any]] = None
+    sparse: Optional[Tuple[torch.Tensor, Any]] = None
+
+
+class _IdsAwaitable(Awaitable[HeraldContext]):
+    """Second stage of the herald input dist: the sub-bag lengths and ids in flight; waiting stores them."""
+
+    def __init__(self, ctx: HeraldContext, recv: torch.Tensor, work: Any, sizes: List[int]) -> None:
+        super().__init__()
+        self._ctx, self._recv, self._work, self._sizes = ctx, recv, work, sizes
+
+    def _wait_impl(self) -> HeraldContext:
+        self._work.wait()
+        parts = self._recv.split(self._sizes)
+        self._ctx.recv_lengths = torch.cat(parts[0::2])
+        self._ctx.recv_rows = torch.cat(parts[1::2])
+        return self._ctx
+
+
+class _CountsAwaitable(Awaitable[Awaitable[HeraldContext]]):
+    """First stage: the per-owner counts (and bad-id flags) in flight; waiting starts the ids' exchange."""
+
+    def __init__(self, module: "ShardedHeraldEmbeddingBagCollection", ctx: HeraldContext, recv_counts: torch.Tensor,
+                 work: Any, packed: torch.Tensor, ids_to: List[int]) -> None:
+        super().__init__()
+        self._module, self._ctx, self._recv_counts, self._work = module, ctx, recv_counts, work
+        self._packed, self._ids_to = packed, ids_to
+
+    def _wait_impl(self) -> Awaitable[HeraldContext]:
+        self._work.wait()
+        return self._module._ids_dist(self._ctx, self._recv_counts, self._packed, self._ids_to)
+
+
 def fused_params_of(module: EmbeddingBagCollection, sharder_fused_params: Optional[Dict[str, Any]]
                     ) -> Dict[str, Any]:
     """The embedding optimizer, set the TorchRec way: ``apply_optimizer_in_backward`` on the EBC's
@@ -137,8 +177,10 @@ class HeraldFusedOptimizer(FusedOptimizer):
     def zero_grad(self, set_to_none: bool = False) -> None:
         return None
 
-    def step(self, closure: Any = None) -> None:  # updates happen inside backward
-        return None
+    def step(self, closure: Any = None) -> None:
+        """Cold rows were updated inside backward; the hot rows' gradient sum, started there, is
+        finished and applied here."""
+        self._module.settle_hot_sync()
 
     def post_load_state_dict(self) -> None:
         self._module.refresh_hot_from_blocks()
@@ -197,6 +239,7 @@ class ShardedHeraldEmbeddingBagCollection(
         self._num_hot = lay.num_hot
         self._store = RowStore(lay, self._rank, self._dim, self._fused_params, self._device)
         self._hot_touched: Tuple[torch.Tensor, List[int]] = (torch.empty(0, dtype=torch.int64), [])
+        self._pending_hot: Optional[_PendingHotSync] = None  # hot-row gradient sum in flight
         for p in self._store.parameters():
             p._in_backward_optimizers = [EmptyFusedOptimizer()]  # updated in backward: keep dense optimizers off
         self._store.hot.weights.register_post_accumulate_grad_hook(self._sync_and_update_hot)
@@ -213,13 +256,15 @@ class ShardedHeraldEmbeddingBagCollection(
         if not any(p.is_meta for p in module.parameters()):
             self._load_full({c.name: module.embedding_bags[c.name].weight.detach() for c in configs})
         logger.info("herald EBC rank %d: %d tables, %d cold rows, %d hot rows (%s sync), optimizer %s",
-                    self._rank, len(configs), sum(self._store.block_rows), self._num_hot, "/".join(sorted(set(self._syncs))),
+                    self._rank, len(configs), sum(self.store.block_rows), self._num_hot, "/".join(sorted(set(self._syncs))),
                     self._optimizer.name)
 
     # ------------------------------------------------------------------ what the pipeline reads
     @property
     def store(self) -> RowStore:
-        """This rank's rows (hot replicas, cold block, cache)."""
+        """This rank's rows (hot replicas, cold block, cache), the hot replicas' pending update applied
+        first (:meth:`settle_hot_sync`): every use of the rows goes through here."""
+        self.settle_hot_sync()
         return self._store
 
     @property
@@ -243,7 +288,9 @@ class ShardedHeraldEmbeddingBagCollection(
         return HeraldContext()
 
     def input_dist(self, ctx: HeraldContext, features: KeyedJaggedTensor) -> Awaitable[Awaitable[HeraldContext]]:
-        """Split ids hot/cold, validate them, and send the remote cold ids to their owners."""
+        """Split ids hot/cold, validate them, and send the remote cold ids to their owners: an awaitable
+        of an awaitable, as a stock input dist (first wait: the counts arrived, the ids are sent; second:
+        the ids arrived). An id outside its table is raised by every rank at the first wait."""
         features = self.in_feature_order(features)
         if features.weights_or_none() is not None:
             raise ValueError("herald_hot_row_wise does not support per-sample weights (weighted KJT); "
@@ -277,26 +324,32 @@ class ShardedHeraldEmbeddingBagCollection(
         touched = touched[self._sparse_row[touched] & ~self._frozen_hot[touched]] if touched.numel() else touched
         k = torch.full((W, 1), touched.numel(), dtype=torch.int64)
         counts = torch.cat([bags_to[:, None], ids_to[:, None], err.expand(W, 2), k], 1)
-        recv_counts = all_to_all_rows(counts, [1] * W, [1] * W, self._pg, "herald_meta")
-        self._raise_on_bad_ids(recv_counts)
         ctx.split = split
         self._count_cold_traffic(sub, B)
         ctx.send_bag_index = nonempty % FB
         ctx.bags_to = bags_to.tolist()
-        ctx.bags_from = recv_counts[:, 0].tolist()
-        ids_from = recv_counts[:, 1].tolist()
-        ctx.sparse_touched, ctx.sparse_from = touched, recv_counts[:, 4].tolist()
-        # one all-to-all for the sub-bag lengths and the ids: [lengths to o | ids to o] for each owner o
+        ctx.sparse_touched = touched
+        # [lengths to o | ids to o] for each owner o: sent once the counts are known
         lengths_to = sub[nonempty].to(torch.int32).split(ctx.bags_to)
         rows_to = cold_rows.to(torch.int32).split(ids_to.tolist())
         packed = torch.cat([t for o in range(W) for t in (lengths_to[o], rows_to[o])])
-        recv = all_to_all_rows(packed, [b + i for b, i in zip(ctx.bags_to, ids_to.tolist())],
-                               [b + i for b, i in zip(ctx.bags_from, ids_from)], self._pg, "herald_ids")
-        parts = recv.split([n for b, i in zip(ctx.bags_from, ids_from) for n in (b, i)])
-        ctx.recv_lengths = torch.cat(parts[0::2])
-        ctx.recv_rows = torch.cat(parts[1::2])
-        # TorchRec's awaitable types, so TrainPipelineSparseDist can fuse/await it like a stock input dist
-        return KJTListSplitsAwaitable([NoWait(NoWait(ctx))], ctx)
+        # both exchanges run asynchronously: TrainPipelineSparseDist starts this input dist before the
+        # previous batch's forward and waits for it after, so neither sits on the critical path
+        recv_counts, work = all_to_all_rows_async(counts, [1] * W, [1] * W, self._pg, "herald_meta")
+        return KJTListSplitsAwaitable([_CountsAwaitable(self, ctx, recv_counts, work, packed, ids_to.tolist())], ctx)
+
+    def _ids_dist(self, ctx: HeraldContext, recv_counts: torch.Tensor, packed: torch.Tensor, ids_to: List[int]
+                  ) -> "_IdsAwaitable":
+        """The counts arrived: raise on any rank's bad id (every rank together), then start the
+        all-to-all of the sub-bag lengths and ids."""
+        self._raise_on_bad_ids(recv_counts)
+        ctx.bags_from = recv_counts[:, 0].tolist()
+        ids_from = recv_counts[:, 1].tolist()
+        ctx.sparse_from = recv_counts[:, 4].tolist()
+        sizes = [n for b, i in zip(ctx.bags_from, ids_from) for n in (b, i)]
+        recv, work = all_to_all_rows_async(packed, [b + i for b, i in zip(ctx.bags_to, ids_to)],
+                                           [b + i for b, i in zip(ctx.bags_from, ids_from)], self._pg, "herald_ids")
+        return _IdsAwaitable(ctx, recv, work, sizes)
 
     def _count_cold_traffic(self, sub: torch.Tensor, B: int) -> None:
         """Per table: ids + lengths this rank sends to remote owners; pooled vectors it returns as an
@@ -345,11 +398,11 @@ class ShardedHeraldEmbeddingBagCollection(
             return (torch.empty(0, self._dim, device=self._device),
                     dense_lookup(self.plan_executor.ws, dist_input.ws_index, dist_input.ws_offsets))
         dev = self._device
-        partial = self._store.cold(dist_input.recv_rows.to(dev, torch.int64),
+        partial = self.store.cold(dist_input.recv_rows.to(dev, torch.int64),
                              offsets_from_lengths(dist_input.recv_lengths).to(dev))
         split = dist_input.split
         assert split is not None
-        hot = self._store.hot(split.hot_rows.to(dev), split.hot_offsets.to(dev))
+        hot = self.store.hot(split.hot_rows.to(dev), split.hot_offsets.to(dev))
         self._hot_touched = (dist_input.sparse_touched, dist_input.sparse_from)  # for this batch's backward
         return partial, hot
 
@@ -393,7 +446,7 @@ class ShardedHeraldEmbeddingBagCollection(
     def plan_executor(self) -> PlanExecutor:
         """This rank's :class:`~torchrec_herald.sharding.plan_exec.PlanExecutor` (plan mode; built on first use)."""
         if self._executor is None:
-            self._executor = PlanExecutor(self._store, self._pg)
+            self._executor = PlanExecutor(self.store, self._pg)
         return self._executor
 
     def begin_plan_step(self, plan: Any) -> None:
@@ -438,40 +491,62 @@ class ShardedHeraldEmbeddingBagCollection(
 
     def hot_values(self) -> torch.Tensor:
         """The hot replica rows ``[num_hot, D]`` (a copy, on CPU: the scheduler's side)."""
-        return self._store.hot_weights()[: self._num_hot].to("cpu", copy=True)
+        return self.store.hot_weights()[: self._num_hot].to("cpu", copy=True)
 
     # ------------------------------------------------------------------ hot replicas: sync + exact update
     def _sync_and_update_hot(self, weights: torch.Tensor) -> None:
-        """Sum the hot-row gradients over ranks, then apply the fused kernel's update rule (EXACT_SGD or
-        EXACT_ROWWISE_ADAGRAD) identically on every replica."""
+        """Backward hook of the hot replicas: start summing the hot-row gradients over ranks (async), so
+        the exchange overlaps the rest of backward and DDP's all-reduce; :meth:`settle_hot_sync` (the
+        optimizer step, or any later use of the rows) waits and applies the fused kernel's update rule
+        (EXACT_SGD or EXACT_ROWWISE_ADAGRAD) identically on every replica."""
         grad = weights.grad
         weights.grad = None
         if grad is None or self._num_hot == 0:
             return
+        self.settle_hot_sync()
         grad = grad.view(-1, self._dim)[: self._num_hot]
         W, row_bytes = self._world, FLOAT_BYTES * self._dim
         dev = grad.device
+        pending = _PendingHotSync(grad, (~self._frozen_hot[: self._num_hot]).to(dev))
         with traffic_tag("herald_hot_sync", self._dim):
             if self._dense_rows.numel():  # tables synced densely: one ring all-reduce of their rows
-                dense_rows = self._dense_rows.to(dev)
-                dense = grad[dense_rows]
-                dist.all_reduce(dense, group=self._pg)
-                grad[dense_rows] = dense
+                rows = self._dense_rows.to(dev)
+                dense = grad[rows]
+                pending.dense = (rows, dense, dist.all_reduce(dense, group=self._pg, async_op=True))
             if bool(self._sparse_row.any()):  # tables synced sparsely: exchange touched rows only
                 touched, counts_from = self._hot_touched
-                total = self._sparse_sum(grad, touched, counts_from)
-                sparse_row = self._sparse_row.to(dev)
-                grad[sparse_row] = total[sparse_row]
+                pending.sparse = self._start_sparse_sum(grad, touched, counts_from)
                 sent_sparse = torch.bincount(self.layout.hot_slot_table[touched], minlength=len(self._tables)).double()
                 self._traffic[:, 3] += sent_sparse * ((W - 1) * (INDEX_BYTES + row_bytes))
         dense_per_table = torch.bincount(self.layout.hot_slot_table[self._dense_rows], minlength=len(self._tables)).double()
         self._traffic[:, 3] += dense_per_table * (2 * (W - 1) * row_bytes / W)
-        self._store.update_hot(grad, (~self._frozen_hot[: self._num_hot]).to(dev))
+        self._pending_hot = pending
+
+    def settle_hot_sync(self) -> None:
+        """Finish the hot-row gradient sum started in backward and apply the update (no-op if none is
+        in flight). Every use of the rows (:attr:`store`) calls it first, so no read sees a stale replica."""
+        p = self._pending_hot
+        if p is None:
+            return
+        self._pending_hot = None
+        grad = p.grad
+        if p.dense is not None:
+            rows, dense, work = p.dense
+            work.wait()
+            grad[rows] = dense
+        if p.sparse is not None:
+            got, work = p.sparse
+            work.wait()
+            total = torch.zeros_like(grad)  # every rank adds the rows up in rank order: bit-identical sums
+            total.index_add_(0, got[:, :1].contiguous().view(torch.int32).view(-1).to(torch.int64), got[:, 1:])
+            sparse_row = self._sparse_row.to(grad.device)
+            grad[sparse_row] = total[sparse_row]
+        self._store.update_hot(grad, p.live)
 
     def refresh_hot_from_blocks(self) -> None:
         """After the cold blocks were loaded (weights/optimizer state), give every replica the owners'
         values of the hot rows (collective: each owner contributes its rows, the others zeros)."""
-        store = self._store
+        store = self.store
         with torch.no_grad():
             hot_w = torch.zeros(max(self._num_hot, 1), self._dim, device=self._device)
             hot_w[store.mirror_hot] = store.cold_weights()[store.mirror_cold]
@@ -503,19 +578,15 @@ class ShardedHeraldEmbeddingBagCollection(
                                                memory_format=torch.contiguous_format, pin_memory=False))
         return ShardedTensor._init_from_local_shards_and_global_metadata(mine, global_meta, process_group=self._pg)
 
-    def _sparse_sum(self, grad: torch.Tensor, rows: torch.Tensor, counts_from: List[int]) -> torch.Tensor:
-        """Sum over ranks of the gradients of the hot ``rows`` each rank touched: every rank sends its
-        touched rows to every other rank in one all-to-all of ``[row id (int32 bits) | D floats]``
-        (the counts came with the input dist's exchange); all ranks add them up in rank order, so
-        every replica gets the bit-identical sum."""
+    def _start_sparse_sum(self, grad: torch.Tensor, rows: torch.Tensor, counts_from: List[int]) -> Tuple[torch.Tensor, Any]:
+        """Start the exchange of the gradients of the hot ``rows`` each rank touched: every rank sends
+        its touched rows to every other rank in one all-to-all of ``[row id (int32 bits) | D floats]``
+        (the counts came with the input dist's exchange). Returns (the rows received, the work)."""
         W, k = self._world, rows.numel()
         rows = rows.to(grad.device)
         payload = torch.cat([rows.to(torch.int32).view(-1, 1).view(torch.float32), grad[rows]], 1)
-        # one vector per row, its id included
-        got = all_to_all_rows(payload.repeat(W, 1), [k] * W, counts_from, self._pg, "herald_hot_sync", self._dim + 1)
-        total = torch.zeros_like(grad)
-        total.index_add_(0, got[:, :1].contiguous().view(torch.int32).view(-1).to(torch.int64), got[:, 1:])
-        return total
+        return all_to_all_rows_async(payload.repeat(W, 1), [k] * W, counts_from, self._pg, "herald_hot_sync",
+                                     self._dim + 1)
 
     # ------------------------------------------------------------------ state
     @property
@@ -526,11 +597,11 @@ class ShardedHeraldEmbeddingBagCollection(
         """Table t as ``[n, dim]`` (collective: all-gathers the cold blocks; hot rows from the replica)."""
         n, block = self._num_embeddings[t], self.layout.block_sizes[t]
         mine = torch.zeros(block, self._dim, device=self._device)
-        mine[: self._store.block_rows[t]] = self._store.cold_block(t)
+        mine[: self.store.block_rows[t]] = self.store.cold_block(t)
         gathered = torch.empty(self._world * block, self._dim, device=self._device)
         dist.all_gather_into_tensor(gathered, mine, group=self._pg)
         full = gathered[:n].clone()
-        full[self.layout.hot_ids[t].to(self._device)] = self._store.hot_block(t)
+        full[self.layout.hot_ids[t].to(self._device)] = self.store.hot_block(t)
         return full
 
     def _load_full(self, tables: Dict[str, torch.Tensor]) -> None:
@@ -545,9 +616,9 @@ class ShardedHeraldEmbeddingBagCollection(
                     raise ValueError(f"table {name}: expected shape {(self._num_embeddings[t], self._dim)}, "
                                      f"got {tuple(full.shape)}")
                 start, rows = self.layout.block_range(t, self._rank)
-                self._store.cold_block(t).copy_(full[start: start + rows])
-                self._store.hot_block(t).copy_(full[self.layout.hot_ids[t].to(full.device)])
-            self._store.mirror_hot_into_cold()
+                self.store.cold_block(t).copy_(full[start: start + rows])
+                self.store.hot_block(t).copy_(full[self.layout.hot_ids[t].to(full.device)])
+            self.store.mirror_hot_into_cold()
 
     def state_dict(self, destination: Optional[Dict[str, Any]] = None, prefix: str = "",
                    keep_vars: bool = False) -> Dict[str, Any]:  # type: ignore[override]
@@ -557,7 +628,7 @@ class ShardedHeraldEmbeddingBagCollection(
         value, hot rows included; in plan mode flush first (``HeraldTrainPipeline.flush``)."""
         destination = {} if destination is None else destination
         for t, name in enumerate(self._tables):
-            destination[f"{prefix}embedding_bags.{name}.weight"] = self.sharded_block(t, self._store.cold_block(t))
+            destination[f"{prefix}embedding_bags.{name}.weight"] = self.sharded_block(t, self.store.cold_block(t))
         return destination
 
     def load_state_dict(self, state_dict: Dict[str, Any], strict: bool = True) -> Any:  # type: ignore[override]
@@ -596,7 +667,7 @@ class ShardedHeraldEmbeddingBagCollection(
         if local_blocks:  # each rank its own block, then every replica from the blocks' owners
             with torch.no_grad():
                 for t, block in local_blocks.items():
-                    self._store.cold_block(t).copy_(block)
+                    self.store.cold_block(t).copy_(block)
             self.refresh_hot_from_blocks()
         from torch.nn.modules.module import _IncompatibleKeys
 
