@@ -31,15 +31,29 @@ from torchrec_herald.dist_utils import run_multiprocess
 STEPS = 24
 RTOL = 1e-5
 COMMON = dict(optimizer="rowwise_adagrad", via="apply", pooling="SUM", steps=STEPS, batch_size=32)
+AUTO = dict(global_batches=True, run_ahead=True, scheduling="auto", probe_steps=4)
+
+
+def _decide_by_time() -> Any:
+    from torchrec_herald.pipeline import HeraldTrainPipeline
+
+    return HeraldTrainPipeline.__dict__["_probe_decision"]
+
+
+_DECIDE: Any = None
 
 
 def _run(rank: int, world: int, cfg: Dict[str, Any], pipeline: Any, global_batches: bool,
-         stop_after: int = 0) -> Dict[str, Any]:
+         stop_after: int = 0, decide: str = "") -> Dict[str, Any]:
     from herald_harness import build, full_state, run_steps
 
     from torchrec_herald.pipeline import HeraldTrainPipeline
     from torchrec_herald.traffic import TrafficMeter
 
+    if decide:  # the probe's decision forced (timings on 2 shared cores decide either way)
+        HeraldTrainPipeline._probe_decision = staticmethod(lambda on_ms, off_ms: decide)  # type: ignore[method-assign]
+    else:
+        HeraldTrainPipeline._probe_decision = _DECIDE  # type: ignore[method-assign]
     b = build(world, cfg)
     B = b["batch_size"]
     it = b["data"].train_batches(0, 1, world * B) if global_batches else b["data"].train_batches(rank, world, B)
@@ -62,13 +76,16 @@ def _run(rank: int, world: int, cfg: Dict[str, Any], pipeline: Any, global_batch
 
 
 def _worker(rank: int, world: int) -> Dict[str, Any]:
+    global _DECIDE
+    _DECIDE = _decide_by_time()
     herald = dict(COMMON, planner="herald")
     out: Dict[str, Any] = {
         "per_rank": _run(rank, world, herald, {}, False),
         "global": _run(rank, world, herald, dict(global_batches=True), True),
         "ahead": _run(rank, world, herald, dict(global_batches=True, run_ahead=True), True),
-        "auto": _run(rank, world, herald, dict(global_batches=True, run_ahead=True, scheduling="auto",
-                                               probe_steps=4), True),
+        "auto": _run(rank, world, herald, AUTO, True),
+        "auto_on": _run(rank, world, herald, AUTO, True, decide="on"),
+        "auto_off": _run(rank, world, herald, AUTO, True, decide="off"),
         "off": _run(rank, world, herald, dict(global_batches=True, run_ahead=True, scheduling="off"), True),
         "stock": _run(rank, world, dict(COMMON, planner="table_wise"), "plain", False),
         "stopped": _run(rank, world, herald, dict(global_batches=True, run_ahead=True), True, stop_after=9),
@@ -146,13 +163,29 @@ def test_auto_scheduling_probes_both_modes_decides_alike_and_stays_exact(world: 
     assert reports[0]["setting"] == "auto" and reports[0]["decided"] is True
     assert reports[0]["mode"] in ("on", "off") and all(rep == reports[0] for rep in reports)
     assert reports[0]["mode"] == ("on" if reports[0]["on_ms_per_step"] <= reports[0]["off_ms_per_step"] else "off")
-    # the probe ran with scheduling off (steps 6-11): herald's own per-step path carried hot rows then
+    # the probe ran with scheduling off (steps 6-13, under TrainPipelineSparseDist): hot rows synced then
     assert "herald_hot_sync" in res[0]["auto"]["tags"] and "herald_pull" in res[0]["auto"]["tags"]
     h = torch.tensor([r["auto"]["losses"] for r in res], dtype=torch.float64).mean(0)
     s = torch.tensor([r["stock"]["losses"] for r in res], dtype=torch.float64).mean(0)
     assert float(((h - s).abs() / s.abs()).max()) <= RTOL
     for r in res:
         _close(r["auto"]["state"], r["stock"]["state"])
+
+
+@pytest.mark.parametrize("world", [2, 3])
+@pytest.mark.parametrize("decided", ["on", "off"])
+def test_either_probe_decision_trains_every_batch_once_like_stock(world: int, decided: str) -> None:
+    """The probe's off phase runs under TorchRec's pipeline, which reads batches ahead: whichever mode
+    wins, the run trains each global batch once, in order, as stock does."""
+    res = results(world)
+    for r in res:
+        run = r[f"auto_{decided}"]
+        assert run["report"]["mode"] == decided and run["report"]["decided"] is True
+        assert len(run["losses"]) == STEPS
+        _close(run["state"], r["stock"]["state"])
+    h = torch.tensor([r[f"auto_{decided}"]["losses"] for r in res], dtype=torch.float64).mean(0)
+    s = torch.tensor([r["stock"]["losses"] for r in res], dtype=torch.float64).mean(0)
+    assert float(((h - s).abs() / s.abs()).max()) <= RTOL
 
 
 @pytest.mark.parametrize("world", [2, 3])

@@ -19,6 +19,7 @@ from __future__ import annotations
 import logging
 import time
 from collections import deque
+from itertools import islice
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Deque, Dict, Iterator, List, Optional, Tuple
@@ -44,6 +45,9 @@ from torchrec_herald.plans import CommPlanner, SyncCounters
 from torchrec_herald.traffic import traffic_tag
 
 logger = logging.getLogger(__name__)
+
+#: batches ``TrainPipelineSparseDist`` holds beyond the one it trains (input dist started, copied)
+_SPARSE_DIST_AHEAD = 2
 
 __all__ = ["ALLOCATORS", "CACHE_POLICIES", "SYNC_MODES", "HeraldBatchContext", "HeraldTrainPipeline", "SchedulerStats"]
 
@@ -505,7 +509,7 @@ class HeraldTrainPipeline(TrainPipeline[Batch, Any]):
             ValueError: the first window cannot be filled (``window`` > batches left), bad ids (every rank).
         """
         self._auto_schedule()
-        if self._scheduling_off_for_good():
+        if self.mode == "off":
             return self._delegate_progress(dataloader_iter)
         self.fill(dataloader_iter)
         if not self._queue:
@@ -533,13 +537,16 @@ class HeraldTrainPipeline(TrainPipeline[Batch, Any]):
 
     def _probe_phase(self, step: int) -> Tuple[str, bool]:
         """(mode, timed) of ``step`` in the probe: ``w`` unmeasured then ``p`` timed steps with scheduling
-        on, the same with it off (``p = probe_steps``, ``w = p // 2``)."""
-        half = self._probe_length() // 2
-        return ("on" if step < half else "off"), (step % half) >= self.config.probe_steps // 2
+        on, then the same with it off under TorchRec's pipeline, plus the steps that drain the batches it
+        holds ahead (``p = probe_steps``, ``w = p // 2``). Both modes are timed as they would then run."""
+        w, p = self.config.probe_steps // 2, self.config.probe_steps
+        if step < w + p:
+            return "on", step >= w
+        return "off", w <= step - (w + p) < w + p
 
     def _probe_length(self) -> int:
-        """Steps the probe runs: ``2 · (w + p)``."""
-        return 2 * (self.config.probe_steps // 2 + self.config.probe_steps)
+        """Steps the probe runs: ``2 · (w + p)`` and the off mode's drain."""
+        return 2 * (self.config.probe_steps // 2 + self.config.probe_steps) + _SPARSE_DIST_AHEAD
 
     def _auto_schedule(self) -> None:
         """Before a step: time the previous one into its mode; switch modes on the probe's schedule; after
@@ -564,7 +571,8 @@ class HeraldTrainPipeline(TrainPipeline[Batch, Any]):
         dist.all_reduce(means, op=dist.ReduceOp.MAX, group=self._pg)
         on_ms, off_ms = (1000 * float(x) for x in means)
         probe.update(decided=True, on_ms_per_step=on_ms, off_ms_per_step=off_ms)
-        best = "on" if on_ms <= off_ms else "off"
+        self._drop_delegate()  # the probe's delegate trained exactly its share of batches: it is empty
+        best = self._probe_decision(on_ms, off_ms)
         logger.info("pipeline.scheduling=auto: %.1f ms/step with scheduling on, %.1f with it off (hot replication "
                     "alone) -> %s%s", on_ms, off_ms, best,
                     "" if best == "on" else ": scheduling costs more time than it saves on this link and machine")
@@ -573,20 +581,26 @@ class HeraldTrainPipeline(TrainPipeline[Batch, Any]):
         if best == "off":  # for good: the window's batches no longer need every rank's reads
             self._reads_needed = False
 
+    @staticmethod
+    def _probe_decision(on_ms: float, off_ms: float) -> str:
+        """The mode ``auto`` keeps: the one with the shorter mean step (scheduling on when equal)."""
+        return "on" if on_ms <= off_ms else "off"
+
     def _switch(self, mode: str) -> None:
         """Change mode between steps (every rank at the same step): turning the plan off flushes it."""
+        if mode == "on":
+            self._drop_delegate()
         self._collect_ahead()
         if self.mode == "on" and self.sync == "lazy":
             self.flush()
         self.mode = mode
         self._apply_mode()
 
-    def _scheduling_off_for_good(self) -> bool:
-        return self.mode == "off" and (self.probe is None or bool(self.probe["decided"]))
-
     def _delegate_progress(self, it: Iterator[Batch]) -> Any:
         """One step of hot replication alone under TorchRec's ``TrainPipelineSparseDist``: first the
-        window's batches (this rank's share, already read), then this rank's slice of each global batch."""
+        window's batches (this rank's share, already read), then this rank's slice of each global batch.
+        While ``auto`` probes, it is fed exactly the batches of the probe's remaining steps, so it is empty
+        when the probe decides (whichever mode wins, no batch is skipped or trained twice)."""
         if self._delegate is None:
             self._collect_ahead()
             self.flush()
@@ -594,7 +608,9 @@ class HeraldTrainPipeline(TrainPipeline[Batch, Any]):
         if self._delegate_src is not it:
             queued = [ctx.batch for ctx in self._queue]
             self._queue.clear()
-            self._delegate_src, self._delegate_it = it, self._my_share(queued, it)
+            probing = self.probe is not None and not self.probe["decided"]
+            limit = self._probe_length() - self.stats.steps if probing else None
+            self._delegate_src, self._delegate_it = it, islice(self._my_share(queued, it), limit)
         try:
             out = self._delegate.progress(self._delegate_it)
         except StopIteration:
