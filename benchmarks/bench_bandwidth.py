@@ -51,6 +51,9 @@ CONFIGS: Dict[str, tuple] = {
     "stock": ("stock default plan", ["planner=stock"]),
     "hot": ("herald hot replication", ["planner=herald", "pipeline=sparse_dist"]),
     "herald": ("herald full", ["planner=herald", "pipeline=herald"]),
+    # diagnostics, not in the default set: herald's scheduling forced on (no probe, no link model)
+    "sched": ("herald hot replication + scheduling (forced on)", ["planner=herald", "pipeline=herald",
+                                                                  "pipeline.scheduling=on"]),
 }
 #: herald full declares the link it runs on (planner.link_mbit); "unlimited" (veth without tc) as 10 Gbit/s
 UNLIMITED_DECLARED_MBIT = 10_000
@@ -242,7 +245,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--world-sizes", type=int, nargs="+", default=[2, 4])
     p.add_argument("--rates", type=int, nargs="+", default=[0, 1000, 200, 50], help="Mbit/s per link; 0 = unlimited")
-    p.add_argument("--configs", nargs="+", default=list(CONFIGS), choices=list(CONFIGS))
+    p.add_argument("--configs", nargs="+", default=["tw", "stock", "hot", "herald"], choices=list(CONFIGS))
     p.add_argument("--steps", type=int, default=100)
     p.add_argument("--segments", type=int, default=5)
     p.add_argument("--repeats", type=int, default=3, help="runs per configuration (interleaved); the median is reported")

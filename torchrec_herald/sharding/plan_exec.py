@@ -44,6 +44,9 @@ class PlanExecutor:
         self.frozen_keys = torch.empty(0, dtype=torch.int64)  # stale-update skipping: rows read, not updated
         # a plan whose pulls are in flight (prefetch): (plan, work, received rows, positions per source, keys)
         self._prefetched: Optional[Tuple[ExecPlan, Any, Any, List[torch.Tensor], torch.Tensor]] = None
+        # the step's gradient reduce, started by the working set's gradient hook inside backward:
+        # (per source, the positions received; the buffer; the work)
+        self._reduce: Optional[Tuple[List[torch.Tensor], torch.Tensor, Any]] = None
 
     # ------------------------------------------------------------------ one step
     @property
@@ -69,15 +72,32 @@ class PlanExecutor:
             if not ok or not bool(torch.zeros(planned.numel(), dtype=torch.bool).index_fill_(0, pos, True).all()):
                 raise RuntimeError(f"rank {self.rank}: the batch's rows differ from the ones the plan was made for")
             w, _ = self.store.read(planned)
-            self.ws, self.ws_keys = w.requires_grad_(True), planned
+            self._set_working_set(w, planned)
             return pos
         ws_keys = torch.unique(keys)
         extra = ws_keys[~torch.isin(ws_keys, planned)]
         if planned.numel() + extra.numel() != ws_keys.numel() or not bool(torch.isin(extra, self.frozen_keys).all()):
             raise RuntimeError(f"rank {self.rank}: the batch's rows differ from the ones the plan was made for")
         w, _ = self.store.read(ws_keys)
-        self.ws, self.ws_keys = w.requires_grad_(True), ws_keys
+        self._set_working_set(w, ws_keys)
         return torch.searchsorted(ws_keys, keys)
+
+    def _set_working_set(self, w: torch.Tensor, keys: torch.Tensor) -> None:
+        """The forward's rows as a leaf; once backward has its gradient (the forward looks the working
+        set up once), the reduce starts, overlapping the rest of backward and DDP's all-reduce."""
+        self.ws, self.ws_keys = w.requires_grad_(True), keys
+        self._reduce = None
+        self.ws.register_post_accumulate_grad_hook(self._start_reduce)
+
+    def _start_reduce(self, ws: torch.Tensor) -> None:
+        plan = self.plan
+        if plan is None or ws is not self.ws or self._reduce is not None or ws.grad is None:
+            return
+        if not plan.reduce.numel() and not plan.partial:
+            return
+        grad, keys, red_keys, dev = ws.grad.detach(), self.ws_keys, plan.reduce[:, 0], self.store.device
+        self._reduce = self._start_exchange(plan.reduce, lambda i: grad[torch.searchsorted(keys, red_keys[i]).to(dev)],
+                                            "herald_reduce", self.D)
 
     def finish(self) -> None:
         """After backward: reduce, exact update, pushes and evictions of the plan (collective)."""
@@ -86,10 +106,11 @@ class PlanExecutor:
             raise RuntimeError("finish_plan_step without a planned forward (call begin_plan_step first)")
         grad = ws.grad if ws.grad is not None else torch.zeros_like(ws)
         self.plan, self.ws = None, None
+        started, self._reduce = self._reduce, None
         planned = plan.reads[self.rank]  # frozen rows' gradients are dropped
         grad = grad.detach() if planned.numel() == self.ws_keys.numel() else \
             grad.detach()[torch.searchsorted(self.ws_keys, planned).to(grad.device)]
-        self.after_backward(plan, planned, grad)
+        self.after_backward(plan, planned, grad, started)
 
     def run_without_gradients(self, plan: ExecPlan) -> None:
         """Execute ``plan`` as a step whose batch is not trained (collective): its transfers run and every
@@ -214,9 +235,11 @@ class PlanExecutor:
         self.move_rows(plan.push_before_read, "herald_update_push", plan.push_before_read_add, plan.partial)
         self.move_rows(plan.pull, "herald_pull", partial=plan.partial)
 
-    def after_backward(self, plan: ExecPlan, ws_keys: torch.Tensor, ws_grad: torch.Tensor) -> None:
+    def after_backward(self, plan: ExecPlan, ws_keys: torch.Tensor, ws_grad: torch.Tensor,
+                       started: Optional[Tuple[List[torch.Tensor], torch.Tensor, Any]] = None) -> None:
         """Sum each read row's gradients at its reducer, apply the one exact update there, push dirty
-        rows home for the next step's readers and on eviction, free evicted cache slots."""
+        rows home for the next step's readers and on eviction, free evicted cache slots. ``started``:
+        the reduce's all-to-all, already started in backward (:meth:`_start_reduce`)."""
         me, store = self.rank, self.store
         mine = plan.reducer == me
         upd = plan.update_keys[mine]
@@ -225,7 +248,11 @@ class PlanExecutor:
         red_keys = plan.reduce[:, 0]
         recv_keys: List[torch.Tensor] = [red_keys[:0]] * self.W
         rows = torch.zeros(0, self.D, device=dev)
-        if plan.reduce.numel() or plan.partial:
+        if started is not None:
+            recv_pos, rows, work = started
+            work.wait()
+            recv_keys = [red_keys[i] for i in recv_pos]
+        elif plan.reduce.numel() or plan.partial:
             recv_pos, rows = self._exchange(plan.reduce,
                                             lambda i: ws_grad[torch.searchsorted(ws_keys, red_keys[i]).to(dev)],
                                             "herald_reduce", self.D)
