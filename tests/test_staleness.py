@@ -391,9 +391,9 @@ def _one_run(rank: int, world: int, cfg: Dict[str, Any]) -> Dict[str, Any]:
         ex = ebc.plan_executor
         orig = ex.after_backward
 
-        def after_backward(plan: Any, ws_keys: torch.Tensor, ws_grad: torch.Tensor) -> None:
+        def after_backward(plan: Any, ws_keys: torch.Tensor, ws_grad: torch.Tensor, *started: Any) -> None:
             grad_sum.index_add_(0, ws_keys, ws_grad.double())
-            orig(plan, ws_keys, ws_grad)
+            orig(plan, ws_keys, ws_grad, *started)
 
         ex.after_backward = after_backward
     it = b["data"].train_batches(rank, world, b["batch_size"])
