@@ -157,8 +157,9 @@ def fused_params_of(module: EmbeddingBagCollection, sharder_fused_params: Option
 
 
 class HeraldFusedOptimizer(FusedOptimizer):
-    """The herald EBC's embedding optimizer as TorchRec sees it: the update itself happens in backward
-    (fused cold TBE, hot-row hook), so ``step``/``zero_grad`` do nothing; its state is each table's
+    """The herald EBC's embedding optimizer as TorchRec sees it: cold rows are updated in backward (fused
+    TBE); the hot rows' gradient sum, started there by a hook, is applied by ``step`` (or by the next use
+    of the rows); ``zero_grad`` does nothing. Its state is each table's
     row-wise Adagrad ``momentum1`` as a ShardedTensor in stock ROW_WISE's layout (keys as stock's), so
     optimizer state moves between herald and stock ROW_WISE models like TorchRec's own."""
 
