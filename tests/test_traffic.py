@@ -84,6 +84,33 @@ def test_meters_nest_and_unpatch() -> None:
         assert r["reduced"] == {"all_reduce": {"calls": 2, "bytes": 32, "embedding_vectors": 0.0}}
 
 
+def _waits_by_label(rank: int, world: int) -> Dict[str, Any]:
+    import time
+
+    from torchrec_herald.traffic import traffic_tag
+
+    with TrafficMeter() as meter:
+        with traffic_tag("sync_one"):
+            if rank == 1:
+                time.sleep(0.2)  # rank 0 waits in the sync collective for rank 1
+            dist.all_reduce(torch.ones(4))
+        with traffic_tag("async_one"):
+            if rank == 1:
+                time.sleep(0.2)
+            work = dist.all_reduce(torch.ones(4), async_op=True)
+        work.wait()  # rank 0 waits here, outside the tag: counted as async_one, the label it was started under
+        dist.barrier()  # untagged
+    return {"by_tag": dict(meter.wait_by_tag), "total": meter.wait_s}
+
+
+def test_wait_is_attributed_to_the_label_of_the_collective_waited_for() -> None:
+    res = run_multiprocess(_waits_by_label, 2)
+    by_tag, total = res[0]["by_tag"], res[0]["total"]
+    assert set(by_tag) == {"sync_one", "async_one", "untagged"}
+    assert by_tag["sync_one"] >= 0.15 and by_tag["async_one"] >= 0.15  # the late peer's 0.2 s each
+    assert abs(sum(by_tag.values()) - total) < 1e-9
+
+
 # --------------------------------------------------------------------------- TorchRec's own collectives
 B, D, FEATURES, ROWS = 4, 8, ["f0", "f1", "f2", "f3"], [40, 30, 20, 10]
 
