@@ -18,9 +18,11 @@ the faster).
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import itertools
 from typing import Any, Dict, List
+from unittest import mock
 
 import pytest
 import torch
@@ -34,15 +36,6 @@ COMMON = dict(optimizer="rowwise_adagrad", via="apply", pooling="SUM", steps=STE
 AUTO = dict(global_batches=True, run_ahead=True, scheduling="auto", probe_steps=4)
 
 
-def _decide_by_time() -> Any:
-    from torchrec_herald.pipeline import HeraldTrainPipeline
-
-    return HeraldTrainPipeline.__dict__["_probe_decision"]
-
-
-_DECIDE: Any = None
-
-
 def _run(rank: int, world: int, cfg: Dict[str, Any], pipeline: Any, global_batches: bool,
          stop_after: int = 0, decide: str = "") -> Dict[str, Any]:
     from herald_harness import build, full_state, run_steps
@@ -50,14 +43,13 @@ def _run(rank: int, world: int, cfg: Dict[str, Any], pipeline: Any, global_batch
     from torchrec_herald.pipeline import HeraldTrainPipeline
     from torchrec_herald.traffic import TrafficMeter
 
-    if decide:  # the probe's decision forced (timings on 2 shared cores decide either way)
-        HeraldTrainPipeline._probe_decision = staticmethod(lambda on_ms, off_ms: decide)  # type: ignore[method-assign]
-    else:
-        HeraldTrainPipeline._probe_decision = _DECIDE  # type: ignore[method-assign]
+    # ``decide``: the probe's decision forced (timings on 2 shared cores decide either way)
+    forced = (mock.patch.object(HeraldTrainPipeline, "_probe_decision", staticmethod(lambda on_ms, off_ms: decide))
+              if decide else contextlib.nullcontext())
     b = build(world, cfg)
     B = b["batch_size"]
     it = b["data"].train_batches(0, 1, world * B) if global_batches else b["data"].train_batches(rank, world, B)
-    with TrafficMeter(embedding_dim=8) as meter:
+    with forced, TrafficMeter(embedding_dim=8) as meter:
         if stop_after:  # stop mid-run: the run-ahead thread has planned the next step; detach flushes
             pipe = HeraldTrainPipeline(b["dmp"], b["optimizer"], b["device"], **pipeline)
             losses = [pipe.progress(it)[0].item() for _ in range(stop_after)]
@@ -76,8 +68,6 @@ def _run(rank: int, world: int, cfg: Dict[str, Any], pipeline: Any, global_batch
 
 
 def _worker(rank: int, world: int) -> Dict[str, Any]:
-    global _DECIDE
-    _DECIDE = _decide_by_time()
     herald = dict(COMMON, planner="herald")
     out: Dict[str, Any] = {
         "per_rank": _run(rank, world, herald, {}, False),

@@ -19,9 +19,9 @@ from __future__ import annotations
 import logging
 import time
 from collections import deque
-from itertools import islice
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
+from itertools import islice
 from typing import Any, Deque, Dict, Iterator, List, Optional, Tuple
 
 import numpy as np
