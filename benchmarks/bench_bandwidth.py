@@ -51,7 +51,10 @@ CONFIGS: Dict[str, tuple] = {
     "stock": ("stock default plan", ["planner=stock"]),
     "hot": ("herald hot replication", ["planner=herald", "pipeline=sparse_dist"]),
     "herald": ("herald full", ["planner=herald", "pipeline=herald"]),
-    # diagnostics, not in the default set: herald's scheduling forced on (no probe, no link model)
+    # diagnostics, not in the default set: hot replication with DDP's dense sync (before forward_ordered);
+    # herald's scheduling forced on (no probe, no link model)
+    "hot_ddp": ("herald hot replication, DDP dense sync", ["planner=herald", "pipeline=sparse_dist",
+                                                           "planner.dense_sync=ddp"]),
     "sched": ("herald hot replication + scheduling (forced on)", ["planner=herald", "pipeline=herald",
                                                                   "pipeline.scheduling=on"]),
 }

@@ -131,6 +131,7 @@ def build(world: int, cfg: Dict[str, Any], data: Optional[Any] = None) -> Dict[s
     """Seeded DLRM (every rank the same weights) -> plan of ``cfg["planner"]`` -> DMP + CombinedOptimizer.
 
     cfg: planner (table_wise|row_wise|herald), optimizer (sgd|rowwise_adagrad), via (apply|fused_params),
+    dense_sync (ddp|forward_ordered: TorchRec's DDP or :class:`ForwardOrderedDenseSync`),
     pooling (SUM|MEAN), batch_size, hot_min_count, sync (herald: dense|sparse|mixed), lr, multi_hot, steps,
     device (cpu|cuda: where every rank keeps its rows; the GPU check runs two gloo ranks on one GPU)."""
     from torchrec.distributed import DistributedModelParallel
@@ -143,6 +144,7 @@ def build(world: int, cfg: Dict[str, Any], data: Optional[Any] = None) -> Dict[s
     from torchrec_herald.planner.convert import herald_plan_from_row_wise
     from torchrec_herald.planner.stock import stock_plan
     from torchrec_herald.sharding import HeraldEmbeddingBagCollectionSharder
+    from torchrec_herald.sharding.dense_sync import ForwardOrderedDenseSync
 
     B = cfg.get("batch_size", 32)
     data = data if data is not None else make_data(cfg)
@@ -165,11 +167,15 @@ def build(world: int, cfg: Dict[str, Any], data: Optional[Any] = None) -> Dict[s
     if cfg["planner"] == "herald":
         plan = herald_plan_from_row_wise(plan, hot_specs_from_data(data, tables, cfg.get("hot_min_count", 2),
                                                                    cfg.get("sync", "dense")))
-    dmp = DistributedModelParallel(model, device=device, plan=plan, sharders=[sharder])
+    sync = ForwardOrderedDenseSync() if cfg.get("dense_sync", "ddp") == "forward_ordered" else None
+    dmp = DistributedModelParallel(model, device=device, plan=plan, sharders=[sharder], data_parallel_wrapper=sync)
     dmp.load_state_dict(dict(initial))  # a copy: TorchRec's DMP.load_state_dict renames the DDP keys in place
     dense_cls = torch.optim.SGD if opt == "sgd" else torch.optim.Adagrad
-    dense = KeyedOptimizerWrapper(dict(in_backward_optimizer_filter(dmp.named_parameters())),
-                                  lambda ps: dense_cls(ps, lr=lr))
+    if sync is not None:
+        dense: Any = sync.dense_optimizer(lambda ps: dense_cls(ps, lr=lr))
+    else:
+        dense = KeyedOptimizerWrapper(dict(in_backward_optimizer_filter(dmp.named_parameters())),
+                                      lambda ps: dense_cls(ps, lr=lr))
     optimizer = CombinedOptimizer([dmp.fused_optimizer, dense])
     return {"dmp": dmp, "optimizer": optimizer, "data": data, "tables": tables, "plan": plan,
             "initial": initial, "batch_size": B, "device": device}

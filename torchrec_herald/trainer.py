@@ -106,12 +106,35 @@ def build_model_and_plan(cfg: DictConfig, data: DataSource, world_size: int, dev
                              seed=cfg.seed, device="meta")
     dense_cls = embedding_optimizer_setup(model, cfg.optimizer)
     plan, sharders = build_plan(cfg, model, tables, data, world_size, device)
+    wrapper = dense_sync_wrapper(cfg)
     dmp = DistributedModelParallel(model, device=device, plan=plan, sharders=sharders,
-                                   data_parallel_wrapper=MeteredDataParallelWrapper(cfg.model.embedding_dim))
+                                   data_parallel_wrapper=wrapper or MeteredDataParallelWrapper(cfg.model.embedding_dim))
     init_sharded_embeddings(dmp, {t.name: t.num_embeddings for t in tables}, cfg.seed)
-    dense_params = dict(in_backward_optimizer_filter(dmp.named_parameters()))
-    dense_opt = KeyedOptimizerWrapper(dense_params, lambda ps: dense_cls(ps, lr=cfg.optimizer.dense_lr))
+
+    def factory(ps: Any) -> torch.optim.Optimizer:
+        return dense_cls(ps, lr=cfg.optimizer.dense_lr)
+
+    if wrapper is not None and wrapper.groups:
+        dense_opt: Any = wrapper.dense_optimizer(factory)
+    else:
+        dense_opt = KeyedOptimizerWrapper(dict(in_backward_optimizer_filter(dmp.named_parameters())), factory)
     return dmp, CombinedOptimizer([dmp.fused_optimizer, dense_opt]), plan
+
+
+#: ``planner.dense_sync`` values: how the dense layers' gradients are summed over ranks
+DENSE_SYNCS = ("ddp", "forward_ordered")
+
+
+def dense_sync_wrapper(cfg: DictConfig) -> Any:
+    """``planner.dense_sync``: ``ddp`` (None: TorchRec's DDP wrapper, metered) or ``forward_ordered``
+    (:class:`~torchrec_herald.sharding.dense_sync.ForwardOrderedDenseSync`: each layer's sum is waited for
+    at its next forward instead of at the end of backward)."""
+    from torchrec_herald.sharding.dense_sync import ForwardOrderedDenseSync
+
+    mode = cfg.planner.get("dense_sync") or "ddp"
+    if mode not in DENSE_SYNCS:
+        raise ValueError(f"unknown planner.dense_sync {mode!r}; expected one of {list(DENSE_SYNCS)}")
+    return ForwardOrderedDenseSync() if mode == "forward_ordered" else None
 
 
 def build_plan(cfg: DictConfig, model: nn.Module, tables: List[Any], data: DataSource, world_size: int,
