@@ -142,3 +142,43 @@ def test_unknown_dense_sync_is_refused_naming_the_key() -> None:
         dense_sync_wrapper(compose_config(["planner=herald", "planner.dense_sync=bogus"]))
     assert dense_sync_wrapper(compose_config(["planner=stock"])) is None
     assert dense_sync_wrapper(compose_config(["planner=herald"])) is not None
+
+
+class _ReadsAnotherLayersWeight(nn.Module):
+    """``first``'s weight is read outside ``first``'s forward: its forward pre-hook cannot settle it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.first = nn.Linear(4, 4)
+        self.second = nn.Linear(4, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.second(torch.nn.functional.linear(x, self.first.weight, self.first.bias))
+
+
+def _shared_read(rank: int, world: int) -> str:
+    from types import SimpleNamespace
+
+    import torch.distributed as dist
+
+    from torchrec_herald.sharding.dense_sync import ForwardOrderedDenseSync
+
+    torch.manual_seed(0)
+    dmp = SimpleNamespace(_dmp_wrapped_module=_ReadsAnotherLayersWeight())
+    sync = ForwardOrderedDenseSync(group_bytes=1)
+    sync.wrap(dmp, SimpleNamespace(process_group=dist.group.WORLD), torch.device("cpu"))
+    opt = sync.dense_optimizer(lambda ps: torch.optim.SGD(ps, lr=0.1))
+    x = torch.ones(2, 4)
+    for _ in range(2):
+        dmp._dmp_wrapped_module(x).sum().backward()
+        try:
+            opt.step()
+        except RuntimeError as e:
+            return str(e)
+    return "no error"
+
+
+def test_a_weight_read_outside_its_layer_is_refused_naming_it() -> None:
+    msg = run_multiprocess(_shared_read, 1)[0]
+    assert msg.startswith("dense parameter 'first.weight' was read before its last update was applied"), msg
+    assert "use planner.dense_sync=ddp" in msg

@@ -1,9 +1,9 @@
 """Forward-ordered dense gradient sums: a TorchRec ``DataParallelWrapper`` that replaces DDP's wait.
 
 DDP waits for every dense gradient's all-reduce at the end of backward, yet the next forward needs a
-layer's weights only when it reaches that layer. Here each group of layers starts its sum in backward as
-soon as its gradients are complete, on a process group of its own, and the sum is waited for and applied
-(the group's own optimizer step) just before that group's next forward. Exact: the same averaged
+layer's weights only when it reaches that layer. Here the optimizer step starts each group of layers'
+sum, in forward order, on a process group of its own, and each sum is waited for and applied (the
+group's own optimizer step) just before that group's next forward. Exact: the same averaged
 gradients and the same per-parameter updates as DDP + the dense optimizer, applied before any read of
 the weights (forward, ``state_dict``, ``load_state_dict``, the optimizer's state).
 """
@@ -85,8 +85,6 @@ class ForwardOrderedDenseSync:
         self._world = 1
         self._optims: List[KeyedOptimizer] = []
         self._pending: List[Optional[Tuple[torch.Tensor, Any]]] = []  # per group: (sum buffer, work) in flight
-        self._requested: List[bool] = []  # per group: optimizer.step() was called for the sum in flight
-        self._fired: List[int] = []  # per group: parameters whose gradient this backward has accumulated
 
     # ------------------------------------------------------------------ DataParallelWrapper
     def wrap(self, dmp: Any, env: Any, device: torch.device) -> None:
@@ -107,14 +105,10 @@ class ForwardOrderedDenseSync:
         self._world = len(ranks)
         self.groups = group_dense_parameters(module, dense, self.group_bytes)
         self._pending = [None] * len(self.groups)
-        self._requested = [False] * len(self.groups)
-        self._fired = [0] * len(self.groups)
         with torch.no_grad():  # as DDP does at construction: every rank starts from rank 0's dense weights
             for p in dense.values():
                 dist.broadcast(p.data, src=ranks[0], group=self._pg)
         for i, g in enumerate(self.groups):  # every read of a group's weights settles its pending update
-            for name, p in zip(g.names, g.params):
-                p.register_post_accumulate_grad_hook(lambda _, i=i, name=name: self._on_grad(i, name))
             for owner in g.owners:
                 owner.register_forward_pre_hook(lambda *_, i=i: self.settle(i))
                 owner.register_state_dict_pre_hook(lambda *_, i=i: self.settle(i))
@@ -129,45 +123,35 @@ class ForwardOrderedDenseSync:
                         for g in self.groups]
         return DeferredDenseOptimizer(self)
 
-    def _on_grad(self, i: int, name: str) -> None:
-        """Post-accumulate-grad hook of group ``i``'s parameter ``name``: the group's sum starts in
-        backward once each of its parameters has its gradient (each is read once per forward)."""
-        if self._pending[i] is not None:
-            if not self._requested[i]:
-                raise RuntimeError(f"dense parameter '{name}' received a second gradient in one backward; "
-                                   "planner.dense_sync=forward_ordered needs each dense parameter read once per "
-                                   "forward (use planner.dense_sync=ddp)")
-            raise RuntimeError(f"dense parameter '{name}' was read before its last update was applied: it is "
-                               "used outside the forward of the module that holds it (shared weights?); "
-                               "planner.dense_sync=forward_ordered cannot see such reads (use planner.dense_sync=ddp)")
-        self._fired[i] += 1
-        if self._fired[i] == len(self.groups[i].params):
-            self._start(i)
-
     def _start(self, i: int) -> None:
         g = self.groups[i]
-        self._fired[i] = 0
         flat = _flatten_dense_tensors([p.grad if p.grad is not None else torch.zeros_like(p) for p in g.params])
         flat.div_(self._world)  # averaged over ranks as DDP does: divide, then sum
+        for p in g.params:  # the sum owns the gradients now; a gradient seen later was made after this step
+            p.grad = None
         with traffic_tag("dense_allreduce"):
             work = dist.all_reduce(flat, group=self._pg, async_op=True)
         self._pending[i] = (flat, work)
-        self._requested[i] = False
 
     def start_all(self) -> None:
-        """The optimizer step: every group's update is requested; a group whose sum did not start in
-        backward (a layer without gradients) starts now, in forward order."""
-        for i in range(len(self.groups)):
-            if self._pending[i] is not None and self._requested[i]:
-                self.settle(i)  # a layer that did not run since its last update
-            if self._pending[i] is None:
-                self._start(i)
-            self._requested[i] = True
+        """The optimizer step: start every group's gradient sum, in forward order. Not in backward, as
+        soon as a group's gradients are complete: the sums would then share the link with the hot rows'
+        gradient sum, which the next forward needs first (RESULTS.md: slower at 50 Mbit/s)."""
+        for i, g in enumerate(self.groups):
+            if self._pending[i] is not None:  # the group's layers did not run since its last update ...
+                used = [n for n, p in zip(g.names, g.params) if p.grad is not None]
+                if used:  # ... yet its parameters got gradients: read elsewhere, before their update
+                    raise RuntimeError(f"dense parameter '{used[0]}' was read before its last update was applied: "
+                                       "it is used outside the forward of the module that holds it (shared "
+                                       "weights?); planner.dense_sync=forward_ordered cannot see such reads "
+                                       "(use planner.dense_sync=ddp)")
+                self.settle(i)
+            self._start(i)
 
     def settle(self, i: int) -> None:
-        """Wait for group ``i``'s sum and apply its optimizer step (no-op unless one was requested)."""
+        """Wait for group ``i``'s sum and apply its optimizer step (no-op if none is in flight)."""
         pending = self._pending[i]
-        if pending is None or not self._requested[i]:
+        if pending is None:
             return
         self._pending[i] = None
         flat, work = pending

@@ -158,8 +158,8 @@ def fused_params_of(module: EmbeddingBagCollection, sharder_fused_params: Option
 
 class HeraldFusedOptimizer(FusedOptimizer):
     """The herald EBC's embedding optimizer as TorchRec sees it: cold rows are updated in backward (fused
-    TBE); the hot rows' gradient sum, started there by a hook, is applied by ``step`` (or by the next use
-    of the rows); ``zero_grad`` does nothing. Its state is each table's
+    TBE); the hot rows' gradient sum, started there by a hook, is applied by the next use of the rows or
+    of this optimizer's state; ``step`` and ``zero_grad`` do nothing. Its state is each table's
     row-wise Adagrad ``momentum1`` as a ShardedTensor in stock ROW_WISE's layout (keys as stock's), so
     optimizer state moves between herald and stock ROW_WISE models like TorchRec's own."""
 
@@ -178,10 +178,24 @@ class HeraldFusedOptimizer(FusedOptimizer):
     def zero_grad(self, set_to_none: bool = False) -> None:
         return None
 
+    @property  # type: ignore[override]
+    def state(self) -> Dict[Any, Any]:
+        """The optimizer state; a hot-row update still in flight is applied first (its rows' state is
+        mirrored into these blocks then)."""
+        module = self.__dict__.get("_module")
+        if module is not None:
+            module.settle_hot_sync()
+        return self.__dict__["_herald_state"]
+
+    @state.setter
+    def state(self, value: Dict[Any, Any]) -> None:
+        self.__dict__["_herald_state"] = value
+
     def step(self, closure: Any = None) -> None:
-        """Cold rows were updated inside backward; the hot rows' gradient sum, started there, is
-        finished and applied here."""
-        self._module.settle_hot_sync()
+        """Cold rows were updated inside backward. The hot rows' gradient sum, started there, is applied
+        at the rows' next use (:attr:`ShardedHeraldEmbeddingBagCollection.store`), not here: it travels
+        while the dense layers step and the next batch starts."""
+        return None
 
     def post_load_state_dict(self) -> None:
         self._module.refresh_hot_from_blocks()
@@ -445,9 +459,11 @@ class ShardedHeraldEmbeddingBagCollection(
 
     @property
     def plan_executor(self) -> PlanExecutor:
-        """This rank's :class:`~torchrec_herald.sharding.plan_exec.PlanExecutor` (plan mode; built on first use)."""
+        """This rank's :class:`~torchrec_herald.sharding.plan_exec.PlanExecutor` (plan mode; built on first use).
+        Like :attr:`store`, it settles a hot-row update still in flight first: the executor reads the rows."""
+        store = self.store
         if self._executor is None:
-            self._executor = PlanExecutor(self.store, self._pg)
+            self._executor = PlanExecutor(store, self._pg)
         return self._executor
 
     def begin_plan_step(self, plan: Any) -> None:
@@ -497,8 +513,8 @@ class ShardedHeraldEmbeddingBagCollection(
     # ------------------------------------------------------------------ hot replicas: sync + exact update
     def _sync_and_update_hot(self, weights: torch.Tensor) -> None:
         """Backward hook of the hot replicas: start summing the hot-row gradients over ranks (async), so
-        the exchange overlaps the rest of backward and DDP's all-reduce; :meth:`settle_hot_sync` (the
-        optimizer step, or any later use of the rows) waits and applies the fused kernel's update rule
+        the exchange overlaps the rest of the step and the start of the next; :meth:`settle_hot_sync` (at
+        the next use of the rows or of the optimizer state) waits and applies the fused kernel's update rule
         (EXACT_SGD or EXACT_ROWWISE_ADAGRAD) identically on every replica."""
         grad = weights.grad
         weights.grad = None
