@@ -53,6 +53,8 @@ CONFIGS: Dict[str, tuple] = {
     "herald": ("herald full", ["planner=herald", "pipeline=herald"]),
     # diagnostics, not in the default set: hot replication with DDP's dense sync (before forward_ordered);
     # herald's scheduling forced on (no probe, no link model)
+    "tw_fo": ("stock all TABLE_WISE, forward-ordered dense sync", ["planner=table_wise",
+                                                                  "+planner.dense_sync=forward_ordered"]),
     "hot_ddp": ("herald hot replication, DDP dense sync", ["planner=herald", "pipeline=sparse_dist",
                                                            "planner.dense_sync=ddp"]),
     "sched": ("herald hot replication + scheduling (forced on)", ["planner=herald", "pipeline=herald",

@@ -26,7 +26,8 @@ def test_slow_link_keeps_herald_with_the_predicted_costs() -> None:
 def test_fast_link_chooses_stock_table_wise_and_says_why() -> None:
     d = decide(EXPECTED, 2, LinkModel(link_mbit=10_000))
     assert not d.herald and d.stock_ms == pytest.approx(5.4) and d.herald_ms == pytest.approx(7.38)
-    assert d.describe().endswith("-> stock TABLE_WISE (herald's replication and scheduling cannot pay on this link)")
+    assert d.describe().endswith("-> stock TABLE_WISE with DDP (herald's replication, scheduling and forward-ordered "
+                                 "dense sync cannot pay on this link)")
     assert d.as_dict()["herald"] is False and d.as_dict()["link_mbit"] == 10_000
 
 
@@ -66,8 +67,10 @@ def test_driver_trains_the_plan_the_link_model_chooses(tmp_path: Path, mbit: int
     kinds = set(m["plan"].values())
     if herald:
         assert kinds == {"herald_hot_row_wise"} and m["herald_pipeline"]["window"] == 3
+        assert m["dense_sync"] == "forward_ordered"
     else:
         assert kinds == {"table_wise"} and m["herald_pipeline"] == {}  # TorchRec's TrainPipelineSparseDist
+        assert m["dense_sync"] == "ddp"  # stock TABLE_WISE in full
         assert "cannot pay on this link" in d["text"]
 
 

@@ -106,7 +106,7 @@ def build_model_and_plan(cfg: DictConfig, data: DataSource, world_size: int, dev
                              seed=cfg.seed, device="meta")
     dense_cls = embedding_optimizer_setup(model, cfg.optimizer)
     plan, sharders = build_plan(cfg, model, tables, data, world_size, device)
-    wrapper = dense_sync_wrapper(cfg)
+    wrapper = dense_sync_wrapper(cfg, getattr(plan, "link_decision", None))
     dmp = DistributedModelParallel(model, device=device, plan=plan, sharders=sharders,
                                    data_parallel_wrapper=wrapper or MeteredDataParallelWrapper(cfg.model.embedding_dim))
     init_sharded_embeddings(dmp, {t.name: t.num_embeddings for t in tables}, cfg.seed)
@@ -125,15 +125,20 @@ def build_model_and_plan(cfg: DictConfig, data: DataSource, world_size: int, dev
 DENSE_SYNCS = ("ddp", "forward_ordered")
 
 
-def dense_sync_wrapper(cfg: DictConfig) -> Any:
+def dense_sync_wrapper(cfg: DictConfig, link_decision: Optional[Dict[str, Any]] = None) -> Any:
     """``planner.dense_sync``: ``ddp`` (None: TorchRec's DDP wrapper, metered) or ``forward_ordered``
     (:class:`~torchrec_herald.sharding.dense_sync.ForwardOrderedDenseSync`: each layer's sum is waited for
-    at its next forward instead of at the end of backward)."""
+    at its next forward instead of at the end of backward). Where the link model fell back to stock
+    TABLE_WISE (``link_decision["herald"]`` false) the link is fast enough that the sums are not the
+    bottleneck and the extra collectives cost more than they hide: DDP then, as stock trains."""
     from torchrec_herald.sharding.dense_sync import ForwardOrderedDenseSync
 
     mode = cfg.planner.get("dense_sync") or "ddp"
     if mode not in DENSE_SYNCS:
         raise ValueError(f"unknown planner.dense_sync {mode!r}; expected one of {list(DENSE_SYNCS)}")
+    if mode == "forward_ordered" and link_decision is not None and not link_decision["herald"]:
+        logger.info("planner.dense_sync: ddp (the link model chose stock TABLE_WISE for this link)")
+        return None
     return ForwardOrderedDenseSync() if mode == "forward_ordered" else None
 
 
@@ -563,6 +568,7 @@ def run_training(cfg: DictConfig, run_dir: Path, show_progress: bool = True) -> 
         "traffic_per_step_by_tag": {k: {m: v / steps for m, v in s.items()} for k, s in traffic_tags.items()},
         "plan": plan,
         "link_decision": getattr(sharding_plan, "link_decision", None),
+        "dense_sync": "forward_ordered" if getattr(dmp, "dense_sync", None) is not None else "ddp",
         "herald": herald,
         "herald_pipeline": (pipeline.stats.summary(train_time / steps) | {"sync": pipeline.sync,
                             "allocator": pipeline.allocator, "window": pipeline.window,

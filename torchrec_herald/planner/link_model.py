@@ -70,7 +70,8 @@ class LinkDecision:
 
     def describe(self) -> str:
         verdict = ("herald's plan" if self.herald else
-                   "stock TABLE_WISE (herald's replication and scheduling cannot pay on this link)")
+                   "stock TABLE_WISE with DDP (herald's replication, scheduling and forward-ordered dense "
+                   "sync cannot pay on this link)")
         return (f"link {self.link_mbit:g} Mbit/s: predicted embedding cost per rank and step {self.herald_ms:.1f} ms "
                 f"with herald vs {self.stock_ms:.1f} ms stock TABLE_WISE -> {verdict}")
 
