@@ -51,8 +51,9 @@ CONFIGS: Dict[str, tuple] = {
     "stock": ("stock default plan", ["planner=stock"]),
     "hot": ("herald hot replication", ["planner=herald", "pipeline=sparse_dist"]),
     "herald": ("herald full", ["planner=herald", "pipeline=herald"]),
-    # diagnostics, not in the default set: hot replication with DDP's dense sync (before forward_ordered);
-    # herald's scheduling forced on (no probe, no link model)
+    # diagnostics, not in the default set: stock TABLE_WISE with the forward-ordered dense sync; hot
+    # replication with DDP's dense sync (before forward_ordered); herald's scheduling forced on (no probe,
+    # no link model)
     "tw_fo": ("stock all TABLE_WISE, forward-ordered dense sync", ["planner=table_wise",
                                                                   "+planner.dense_sync=forward_ordered"]),
     "hot_ddp": ("herald hot replication, DDP dense sync", ["planner=herald", "pipeline=sparse_dist",

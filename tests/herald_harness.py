@@ -136,15 +136,14 @@ def build(world: int, cfg: Dict[str, Any], data: Optional[Any] = None) -> Dict[s
     device (cpu|cuda: where every rank keeps its rows; the GPU check runs two gloo ranks on one GPU)."""
     from torchrec.distributed import DistributedModelParallel
     from torchrec.optim import RowWiseAdagrad, apply_optimizer_in_backward
-    from torchrec.optim.keyed import CombinedOptimizer, KeyedOptimizerWrapper
-    from torchrec.optim.optimizers import in_backward_optimizer_filter
+    from torchrec.optim.keyed import CombinedOptimizer
     from fbgemm_gpu.split_embedding_configs import EmbOptimType
 
     from torchrec_herald.model import build_dlrm_train, build_tables
     from torchrec_herald.planner.convert import herald_plan_from_row_wise
     from torchrec_herald.planner.stock import stock_plan
     from torchrec_herald.sharding import HeraldEmbeddingBagCollectionSharder
-    from torchrec_herald.sharding.dense_sync import ForwardOrderedDenseSync
+    from torchrec_herald.sharding.dense_sync import ForwardOrderedDenseSync, dense_optimizer_for
 
     B = cfg.get("batch_size", 32)
     data = data if data is not None else make_data(cfg)
@@ -171,11 +170,7 @@ def build(world: int, cfg: Dict[str, Any], data: Optional[Any] = None) -> Dict[s
     dmp = DistributedModelParallel(model, device=device, plan=plan, sharders=[sharder], data_parallel_wrapper=sync)
     dmp.load_state_dict(dict(initial))  # a copy: TorchRec's DMP.load_state_dict renames the DDP keys in place
     dense_cls = torch.optim.SGD if opt == "sgd" else torch.optim.Adagrad
-    if sync is not None:
-        dense: Any = sync.dense_optimizer(lambda ps: dense_cls(ps, lr=lr))
-    else:
-        dense = KeyedOptimizerWrapper(dict(in_backward_optimizer_filter(dmp.named_parameters())),
-                                      lambda ps: dense_cls(ps, lr=lr))
+    dense = dense_optimizer_for(dmp, lambda ps: dense_cls(ps, lr=lr))
     optimizer = CombinedOptimizer([dmp.fused_optimizer, dense])
     return {"dmp": dmp, "optimizer": optimizer, "data": data, "tables": tables, "plan": plan,
             "initial": initial, "batch_size": B, "device": device}

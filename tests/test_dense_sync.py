@@ -4,9 +4,9 @@ Each case trains the same seeded DLRM on the same global batches twice in one pr
 (TorchRec's default wrapper) and with the forward-ordered dense sync, and compares every step's loss and
 every final ``DMP.state_dict()`` tensor: bit-identical at 2 ranks (a + b = b + a), within
 ``max|a - b| / max|b| <= 1e-5`` at 3 (gloo's order of adding three ranks' gradients depends on the
-bucket's size, and DDP's bucket holds every layer). The cases cover the plain loop (zero_grad after forward), TorchRec's
-``TrainPipelineSparseDist`` (zero_grad before forward) and HeraldTrainPipeline, SGD and Adagrad, 2 and 3
-ranks, stock TABLE_WISE and herald's plan.
+bucket's size, and DDP's bucket holds every layer). The cases cover the plain loop (zero_grad after
+forward), TorchRec's ``TrainPipelineSparseDist`` (zero_grad before forward) and HeraldTrainPipeline, SGD
+and Adagrad, 2 and 3 ranks, stock TABLE_WISE and herald's plan.
 
 Behaviour: after ``optimizer.step()`` every group's sum is in flight and nothing was applied; the next
 forward settles them all; ``optimizer.state_dict()`` and ``DMP.state_dict()`` settle first (a checkpoint
@@ -111,7 +111,8 @@ def _behaviour_results() -> List[Dict[str, Any]]:
 def test_step_starts_every_groups_sum_and_the_next_read_settles_it() -> None:
     for r in _behaviour_results():
         n = r["groups"]
-        assert n == 3  # harness DLRM: dense_arch's two layers (1.4 KiB together), over_arch's first (22.4 KiB), its last
+        # harness DLRM: dense_arch's two layers (1.4 KiB together), over_arch's first (22.4 KiB), its last
+        assert n == 3
         assert r["pending_after_step"] == n
         assert r["pending_after_state_dict"] == 0 and r["state_dict_applied_the_step"]
         assert r["pending_after_second_step"] == n

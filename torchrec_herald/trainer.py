@@ -27,8 +27,7 @@ from torch import nn
 from torchrec.distributed import DistributedModelParallel
 from torchrec.distributed.train_pipeline import TrainPipelineBase, TrainPipelineSparseDist
 from torchrec.optim import RowWiseAdagrad, apply_optimizer_in_backward
-from torchrec.optim.keyed import CombinedOptimizer, KeyedOptimizerWrapper
-from torchrec.optim.optimizers import in_backward_optimizer_filter
+from torchrec.optim.keyed import CombinedOptimizer
 from tqdm import tqdm
 
 from torchrec_herald.data import DataSource, build_data_source
@@ -40,6 +39,7 @@ from torchrec_herald.pipeline.options import HeraldPipelineConfig
 from torchrec_herald.report import embedding_bytes_per_step, headline  # noqa: F401  (re-exported)
 from torchrec_herald.planner.stock import describe_plan, stock_plan
 from torchrec_herald.sharding import CpuEmbeddingBagCollectionSharder
+from torchrec_herald.sharding.dense_sync import ForwardOrderedDenseSync, dense_optimizer_for
 from torchrec_herald.traffic import MeteredDataParallelWrapper, TrafficMeter, reduce_summaries
 
 logger = logging.getLogger(__name__)
@@ -111,13 +111,7 @@ def build_model_and_plan(cfg: DictConfig, data: DataSource, world_size: int, dev
                                    data_parallel_wrapper=wrapper or MeteredDataParallelWrapper(cfg.model.embedding_dim))
     init_sharded_embeddings(dmp, {t.name: t.num_embeddings for t in tables}, cfg.seed)
 
-    def factory(ps: Any) -> torch.optim.Optimizer:
-        return dense_cls(ps, lr=cfg.optimizer.dense_lr)
-
-    if wrapper is not None and wrapper.groups:
-        dense_opt: Any = wrapper.dense_optimizer(factory)
-    else:
-        dense_opt = KeyedOptimizerWrapper(dict(in_backward_optimizer_filter(dmp.named_parameters())), factory)
+    dense_opt = dense_optimizer_for(dmp, lambda ps: dense_cls(ps, lr=cfg.optimizer.dense_lr))
     return dmp, CombinedOptimizer([dmp.fused_optimizer, dense_opt]), plan
 
 
@@ -131,8 +125,6 @@ def dense_sync_wrapper(cfg: DictConfig, link_decision: Optional[Dict[str, Any]] 
     at its next forward instead of at the end of backward). Where the link model fell back to stock
     TABLE_WISE (``link_decision["herald"]`` false) the link is fast enough that the sums are not the
     bottleneck and the extra collectives cost more than they hide: DDP then, as stock trains."""
-    from torchrec_herald.sharding.dense_sync import ForwardOrderedDenseSync
-
     mode = cfg.planner.get("dense_sync") or "ddp"
     if mode not in DENSE_SYNCS:
         raise ValueError(f"unknown planner.dense_sync {mode!r}; expected one of {list(DENSE_SYNCS)}")

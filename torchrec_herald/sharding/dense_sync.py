@@ -24,6 +24,8 @@ from torchrec_herald.traffic import traffic_tag
 
 logger = logging.getLogger(__name__)
 
+OptimizerFactory = Callable[[List[nn.Parameter]], torch.optim.Optimizer]
+
 #: consecutive layers holding less than this are summed in one collective (fewer per-call latencies)
 DEFAULT_GROUP_BYTES = 16 * 1024
 
@@ -74,8 +76,9 @@ class ForwardOrderedDenseSync:
     """``DistributedModelParallel(data_parallel_wrapper=ForwardOrderedDenseSync())`` instead of DDP.
 
     After :meth:`wrap`, build the dense optimizer with :meth:`dense_optimizer` (each group steps when its
-    sum has arrived). The wrapper is kept on the DMP as ``dmp.dense_sync``; :meth:`settle_all` applies
-    every pending update (called by ``state_dict`` / ``load_state_dict`` hooks and the optimizer's state).
+    sum has arrived), or :func:`dense_optimizer_for`. The wrapper is kept on the DMP as ``dmp.dense_sync``.
+    A group's pending update is applied by the forward, ``state_dict`` and ``load_state_dict`` pre-hooks
+    of its layers; :meth:`settle_all` (the optimizer's state) applies every one.
     """
 
     def __init__(self, group_bytes: int = DEFAULT_GROUP_BYTES) -> None:
@@ -117,7 +120,7 @@ class ForwardOrderedDenseSync:
                     len(self.groups), [g.nbytes for g in self.groups])
 
     # ------------------------------------------------------------------ optimizer
-    def dense_optimizer(self, factory: Callable[[List[nn.Parameter]], torch.optim.Optimizer]) -> "DeferredDenseOptimizer":
+    def dense_optimizer(self, factory: OptimizerFactory) -> "DeferredDenseOptimizer":
         """The dense optimizer (one ``factory`` optimizer per group), stepping each group when it settles."""
         self._optims = [KeyedOptimizerWrapper(dict(zip(g.names, g.params)), factory)
                         for g in self.groups]
@@ -188,3 +191,15 @@ class DeferredDenseOptimizer(CombinedOptimizer):
     def state(self) -> Dict[Any, Any]:  # type: ignore[override]
         self._sync.settle_all()
         return super().state
+
+
+def dense_optimizer_for(dmp: Any, factory: OptimizerFactory) -> KeyedOptimizer:
+    """The dense optimizer of ``dmp``: :class:`DeferredDenseOptimizer` where a
+    :class:`ForwardOrderedDenseSync` wrapped dense layers, else TorchRec's ``KeyedOptimizerWrapper`` over
+    the parameters without a fused optimizer (DDP's)."""
+    from torchrec.optim.optimizers import in_backward_optimizer_filter
+
+    sync = getattr(dmp, "dense_sync", None)
+    if sync is not None and sync.groups:
+        return sync.dense_optimizer(factory)
+    return KeyedOptimizerWrapper(dict(in_backward_optimizer_filter(dmp.named_parameters())), factory)
