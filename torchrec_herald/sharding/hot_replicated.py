@@ -8,6 +8,7 @@ vector per non-empty (owner, feature, sample) sub-bag — and receive only those
 
 from __future__ import annotations
 
+import functools
 import logging
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Tuple
@@ -80,6 +81,11 @@ class HeraldContext(Multistreamable):
     recv_lengths: torch.Tensor = field(default_factory=lambda: torch.empty(0, dtype=torch.int64))
     recv_rows: torch.Tensor = field(default_factory=lambda: torch.empty(0, dtype=torch.int64))
     sparse_touched: torch.Tensor = field(default_factory=lambda: torch.empty(0, dtype=torch.int64))
+    # the hot rows this batch reads (sorted, unique), each hot id's position among them, and which of them
+    # are synced sparsely (the rows of ``sparse_touched``)
+    hot_unique: torch.Tensor = field(default_factory=lambda: torch.empty(0, dtype=torch.int64))
+    hot_inverse: torch.Tensor = field(default_factory=lambda: torch.empty(0, dtype=torch.int64))
+    sparse_sel: torch.Tensor = field(default_factory=lambda: torch.empty(0, dtype=torch.bool))
     sparse_from: List[int] = field(default_factory=list)  # touched sparse-sync hot rows of each rank
     bag_lengths: torch.Tensor = field(default_factory=lambda: torch.empty(0, dtype=torch.int64))
     # plan mode: every lookup local, into the step's working set of rows (sorted keys)
@@ -92,11 +98,9 @@ class HeraldContext(Multistreamable):
 
 @dataclass
 class _PendingHotSync:
-    """A hot-row gradient sum in flight: the gradients, which rows update, and the collectives'
-    (rows, buffer, work) for densely synced tables and (received rows, work) for sparsely synced ones."""
+    """A hot-row gradient sum in flight: the collectives' (rows, buffer, work) for densely synced tables
+    and (received rows, work) for sparsely synced ones."""
 
-    grad: torch.Tensor
-    live: torch.Tensor
     dense: Optional[Tuple[torch.Tensor, torch.Tensor, Any]] = None
     sparse: Optional[Tuple[torch.Tensor, Any]] = None
 
@@ -253,11 +257,9 @@ class ShardedHeraldEmbeddingBagCollection(
         self._feature_names: List[str] = list(lay.features)
         self._num_hot = lay.num_hot
         self._store = RowStore(lay, self._rank, self._dim, self._fused_params, self._device)
-        self._hot_touched: Tuple[torch.Tensor, List[int]] = (torch.empty(0, dtype=torch.int64), [])
         self._pending_hot: Optional[_PendingHotSync] = None  # hot-row gradient sum in flight
         for p in self._store.parameters():
             p._in_backward_optimizers = [EmptyFusedOptimizer()]  # updated in backward: keep dense optimizers off
-        self._store.hot.weights.register_post_accumulate_grad_hook(self._sync_and_update_hot)
         self._optim: FusedOptimizer = HeraldFusedOptimizer(self)
         # plan mode (HeraldTrainPipeline): the executor holds the step's plan and working set
         self._executor: Optional[PlanExecutor] = None
@@ -265,9 +267,9 @@ class ShardedHeraldEmbeddingBagCollection(
         self._traffic = torch.zeros(len(self._tables), 4, dtype=torch.float64)  # ids, pooled, grads, hot_sync
         sparse_table = torch.tensor([m == "sparse" for m in self._syncs], dtype=torch.bool)
         self._sparse_row = sparse_table[lay.hot_slot_table]  # per hot row: synced sparsely?
-        self._dense_rows = (~self._sparse_row).nonzero().flatten()
-        self._all_dense_rows = self._dense_rows
+        self._all_dense_rows = (~self._sparse_row).nonzero().flatten()
         self._frozen_hot = torch.zeros(max(self._num_hot, 1), dtype=torch.bool)  # stale-update skipping
+        self._set_dense_rows(self._all_dense_rows)
         if not any(p.is_meta for p in module.parameters()):
             self._load_full({c.name: module.embedding_bags[c.name].weight.detach() for c in configs})
         logger.info("herald EBC rank %d: %d tables, %d cold rows, %d hot rows (%s sync), optimizer %s",
@@ -334,9 +336,11 @@ class ShardedHeraldEmbeddingBagCollection(
         owner, feature = sub_of_value // FB, (sub_of_value % FB) // B
         cold_rows = lay.block_offsets[owner, lay.feature_table[feature]] + split.cold_local_ids
         err = torch.tensor([bad[0] + 1, bad[1]] if bad else [0, 0], dtype=torch.int64)
-        # hot rows of sparsely synced tables this batch touches: their count rides on this exchange
-        touched = torch.unique(split.hot_rows)
-        touched = touched[self._sparse_row[touched] & ~self._frozen_hot[touched]] if touched.numel() else touched
+        # the hot rows this batch reads: the lookup and its gradient cover only these; the count of those
+        # synced sparsely rides on this exchange
+        ctx.hot_unique, ctx.hot_inverse = torch.unique(split.hot_rows, return_inverse=True)
+        ctx.sparse_sel = self._sparse_row[ctx.hot_unique] & ~self._frozen_hot[ctx.hot_unique]
+        touched = ctx.hot_unique[ctx.sparse_sel]
         k = torch.full((W, 1), touched.numel(), dtype=torch.int64)
         counts = torch.cat([bags_to[:, None], ids_to[:, None], err.expand(W, 2), k], 1)
         ctx.split = split
@@ -417,8 +421,12 @@ class ShardedHeraldEmbeddingBagCollection(
                              offsets_from_lengths(dist_input.recv_lengths).to(dev))
         split = dist_input.split
         assert split is not None
-        hot = self.store.hot(split.hot_rows.to(dev), split.hot_offsets.to(dev))
-        self._hot_touched = (dist_input.sparse_touched, dist_input.sparse_from)  # for this batch's backward
+        # the hot rows this batch reads, as a leaf of their own: backward gives their gradient only
+        # (``[rows read, D]``, not the whole hot buffer's), which the hook starts summing over ranks
+        rows = self.store.hot_weights()[dist_input.hot_unique.to(dev)].requires_grad_()
+        rows.register_post_accumulate_grad_hook(functools.partial(
+            self._sync_and_update_hot, dist_input.hot_unique, dist_input.sparse_sel, dist_input.sparse_from))
+        hot = dense_lookup(rows, dist_input.hot_inverse, split.hot_offsets)
         return partial, hot
 
     def output_dist(self, ctx: HeraldContext, output: Tuple[torch.Tensor, torch.Tensor]) -> LazyAwaitable[KeyedTensor]:
@@ -504,39 +512,51 @@ class ShardedHeraldEmbeddingBagCollection(
         self._frozen_hot = torch.zeros(max(self._num_hot, 1), dtype=torch.bool)
         if frozen is not None and self._num_hot:
             self._frozen_hot[: self._num_hot] = frozen
-        self._dense_rows = self._all_dense_rows[~self._frozen_hot[self._all_dense_rows]]
+        self._set_dense_rows(self._all_dense_rows[~self._frozen_hot[self._all_dense_rows]])
 
     def hot_values(self) -> torch.Tensor:
         """The hot replica rows ``[num_hot, D]`` (a copy, on CPU: the scheduler's side)."""
         return self.store.hot_weights()[: self._num_hot].to("cpu", copy=True)
 
     # ------------------------------------------------------------------ hot replicas: sync + exact update
-    def _sync_and_update_hot(self, weights: torch.Tensor) -> None:
-        """Backward hook of the hot replicas: start summing the hot-row gradients over ranks (async), so
-        the exchange overlaps the rest of the step and the start of the next; :meth:`settle_hot_sync` (at
-        the next use of the rows or of the optimizer state) waits and applies the fused kernel's update rule
-        (EXACT_SGD or EXACT_ROWWISE_ADAGRAD) identically on every replica."""
-        grad = weights.grad
-        weights.grad = None
+    def _set_dense_rows(self, rows: torch.Tensor) -> None:
+        """The hot rows synced densely (all-reduced), and each hot row's position among them (-1: not)."""
+        self._dense_rows = rows
+        self._dense_pos = torch.full((max(self._num_hot, 1),), -1, dtype=torch.int64)
+        self._dense_pos[rows] = torch.arange(rows.numel())
+        # bytes this rank sends per table and step for them (ring all-reduce), as TrafficMeter counts
+        per_table = torch.bincount(self.layout.hot_slot_table[rows], minlength=len(self._tables)).double()
+        self._dense_sync_bytes = per_table * (2 * (self._world - 1) * FLOAT_BYTES * self._dim / self._world)
+
+    def _sync_and_update_hot(self, unique: torch.Tensor, sparse_sel: torch.Tensor, sparse_from: List[int],
+                             rows: torch.Tensor) -> None:
+        """Backward hook of the hot rows a batch read (``unique``; ``rows`` their leaf): start summing
+        their gradients over ranks (async), so the exchange overlaps the rest of the step and the start of
+        the next; :meth:`settle_hot_sync` (at the next use of the rows or of the optimizer state) waits and
+        applies the fused kernel's update rule (EXACT_SGD or EXACT_ROWWISE_ADAGRAD) identically on every
+        replica. Densely synced tables all-reduce all their hot rows (zeros where this rank read none);
+        sparsely synced ones exchange the rows each rank read."""
+        grad = rows.grad
+        rows.grad = None
         if grad is None or self._num_hot == 0:
             return
         self.settle_hot_sync()
-        grad = grad.view(-1, self._dim)[: self._num_hot]
         W, row_bytes = self._world, FLOAT_BYTES * self._dim
         dev = grad.device
-        pending = _PendingHotSync(grad, (~self._frozen_hot[: self._num_hot]).to(dev))
+        pending = _PendingHotSync()
         with traffic_tag("herald_hot_sync", self._dim):
             if self._dense_rows.numel():  # tables synced densely: one ring all-reduce of their rows
-                rows = self._dense_rows.to(dev)
-                dense = grad[rows]
-                pending.dense = (rows, dense, dist.all_reduce(dense, group=self._pg, async_op=True))
+                dense = torch.zeros(self._dense_rows.numel(), self._dim, device=dev)
+                pos = self._dense_pos[unique]
+                read = pos >= 0
+                dense[pos[read].to(dev)] = grad[read.to(dev)]
+                pending.dense = (self._dense_rows.to(dev), dense, dist.all_reduce(dense, group=self._pg, async_op=True))
             if bool(self._sparse_row.any()):  # tables synced sparsely: exchange touched rows only
-                touched, counts_from = self._hot_touched
-                pending.sparse = self._start_sparse_sum(grad, touched, counts_from)
+                touched = unique[sparse_sel]
+                pending.sparse = self._start_sparse_sum(touched, grad[sparse_sel.to(dev)], sparse_from)
                 sent_sparse = torch.bincount(self.layout.hot_slot_table[touched], minlength=len(self._tables)).double()
                 self._traffic[:, 3] += sent_sparse * ((W - 1) * (INDEX_BYTES + row_bytes))
-        dense_per_table = torch.bincount(self.layout.hot_slot_table[self._dense_rows], minlength=len(self._tables)).double()
-        self._traffic[:, 3] += dense_per_table * (2 * (W - 1) * row_bytes / W)
+        self._traffic[:, 3] += self._dense_sync_bytes
         self._pending_hot = pending
 
     def settle_hot_sync(self) -> None:
@@ -546,19 +566,24 @@ class ShardedHeraldEmbeddingBagCollection(
         if p is None:
             return
         self._pending_hot = None
-        grad = p.grad
+        rows: List[torch.Tensor] = []
+        grads: List[torch.Tensor] = []
         if p.dense is not None:
-            rows, dense, work = p.dense
+            dense_rows, dense, work = p.dense
             work.wait()
-            grad[rows] = dense
+            rows.append(dense_rows)
+            grads.append(dense)
         if p.sparse is not None:
             got, work = p.sparse
             work.wait()
-            total = torch.zeros_like(grad)  # every rank adds the rows up in rank order: bit-identical sums
-            total.index_add_(0, got[:, :1].contiguous().view(torch.int32).view(-1).to(torch.int64), got[:, 1:])
-            sparse_row = self._sparse_row.to(grad.device)
-            grad[sparse_row] = total[sparse_row]
-        self._store.update_hot(grad, p.live)
+            # every rank adds each row's gradients up in rank order (index_add_ follows the source order):
+            # bit-identical sums on every replica
+            ids = got[:, :1].contiguous().view(torch.int32).view(-1).to(torch.int64)
+            unique, slot = torch.unique(ids, return_inverse=True)
+            rows.append(unique)
+            grads.append(torch.zeros(unique.numel(), self._dim, device=got.device).index_add_(0, slot, got[:, 1:]))
+        if rows:
+            self._store.update_hot_rows(torch.cat(rows), torch.cat(grads))
 
     def refresh_hot_from_blocks(self) -> None:
         """After the cold blocks were loaded (weights/optimizer state), give every replica the owners'
@@ -595,13 +620,13 @@ class ShardedHeraldEmbeddingBagCollection(
                                                memory_format=torch.contiguous_format, pin_memory=False))
         return ShardedTensor._init_from_local_shards_and_global_metadata(mine, global_meta, process_group=self._pg)
 
-    def _start_sparse_sum(self, grad: torch.Tensor, rows: torch.Tensor, counts_from: List[int]) -> Tuple[torch.Tensor, Any]:
-        """Start the exchange of the gradients of the hot ``rows`` each rank touched: every rank sends
-        its touched rows to every other rank in one all-to-all of ``[row id (int32 bits) | D floats]``
+    def _start_sparse_sum(self, rows: torch.Tensor, grad: torch.Tensor, counts_from: List[int]) -> Tuple[torch.Tensor, Any]:
+        """Start the exchange of the gradients ``grad`` of the hot ``rows`` each rank touched: every rank
+        sends its touched rows to every other rank in one all-to-all of ``[row id (int32 bits) | D floats]``
         (the counts came with the input dist's exchange). Returns (the rows received, the work)."""
         W, k = self._world, rows.numel()
         rows = rows.to(grad.device)
-        payload = torch.cat([rows.to(torch.int32).view(-1, 1).view(torch.float32), grad[rows]], 1)
+        payload = torch.cat([rows.to(torch.int32).view(-1, 1).view(torch.float32), grad], 1)
         return all_to_all_rows_async(payload.repeat(W, 1), [k] * W, counts_from, self._pg, "herald_hot_sync",
                                      self._dim + 1)
 

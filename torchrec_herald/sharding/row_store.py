@@ -121,18 +121,18 @@ class RowStore(nn.Module):
         if state is not None:
             state[cold] = self.hot_state[hot]
 
-    def update_hot(self, grad: torch.Tensor, live: torch.Tensor) -> None:
-        """Apply :func:`exact_update` to the hot replicas with ``live`` set (bool ``[num_hot]`` on the
-        device), ``grad`` ``[num_hot, D]`` the gradient summed over ranks; then mirror them into the block.
+    def update_hot_rows(self, rows: torch.Tensor, grad: torch.Tensor) -> None:
+        """Apply :func:`exact_update` to the hot replicas ``rows`` (distinct hot slots, on the device) with
+        ``grad`` ``[len(rows), D]`` their gradient summed over ranks; then mirror them into the block.
         Only rows with a nonzero gradient are touched: for the others the update is the identity
         (``w - 0``, ``s + 0``), so skipping them changes no bit."""
-        n = self.layout.num_hot
         with torch.no_grad():
-            rows = (live & grad[:n].ne(0).any(1)).nonzero().flatten()
+            nonzero = grad.ne(0).any(1)
+            rows, grad = rows[nonzero], grad[nonzero]
             if not rows.numel():
                 return
-            w, s = self.hot_weights()[:n], self.hot_state[:n]
-            w[rows], s[rows] = exact_update(w[rows], s[rows], grad[rows], self.optimizer, self.lr, self.eps)
+            w, s = self.hot_weights(), self.hot_state
+            w[rows], s[rows] = exact_update(w[rows], s[rows], grad, self.optimizer, self.lr, self.eps)
             self.mirror_hot_into_cold(rows)
 
     # ------------------------------------------------------------------ by global key
