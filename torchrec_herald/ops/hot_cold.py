@@ -26,10 +26,12 @@ class HotColdSplit:
 
 
 def first_invalid_id(values: torch.Tensor, lengths: torch.Tensor, rows_per_feature: torch.Tensor,
-                     batch_size: int) -> Optional[Tuple[int, int]]:
-    """(feature index, id) of the first id < 0 or >= its table's rows, or None."""
-    feature_of_value = torch.repeat_interleave(
-        torch.arange(rows_per_feature.numel()).repeat_interleave(batch_size), lengths)
+                     batch_size: int, bag_of_value: Optional[torch.Tensor] = None) -> Optional[Tuple[int, int]]:
+    """(feature index, id) of the first id < 0 or >= its table's rows, or None; ``bag_of_value``: each
+    value's bag (``b = feature * B + sample``) when the caller has it already."""
+    if bag_of_value is None:
+        bag_of_value = torch.repeat_interleave(torch.arange(lengths.numel()), lengths)
+    feature_of_value = bag_of_value // batch_size
     bad = (values < 0) | (values >= rows_per_feature[feature_of_value])
     if not bool(bad.any()):
         return None
@@ -39,7 +41,7 @@ def first_invalid_id(values: torch.Tensor, lengths: torch.Tensor, rows_per_featu
 
 def split_hot_cold(values: torch.Tensor, lengths: torch.Tensor, feature_table: torch.Tensor,
                    table_offsets: torch.Tensor, hot_keys: torch.Tensor, block_sizes: torch.Tensor,
-                   world_size: int, batch_size: int) -> HotColdSplit:
+                   world_size: int, batch_size: int, bag_of_value: Optional[torch.Tensor] = None) -> HotColdSplit:
     """Split valid ids into hot rows and owner-bucketized cold ids.
 
     Args:
@@ -49,9 +51,11 @@ def split_hot_cold(values: torch.Tensor, lengths: torch.Tensor, feature_table: t
         hot_keys: sorted int64 global keys (``table_offsets[t] + id``) of all hot rows; a hot row's
             position in it is its row in the hot buffer.
         block_sizes: int64 [F] row-wise block size of each feature's table (``ceil(n / W)``).
+        bag_of_value: each value's bag, when the caller has it already.
     """
     num_bags = lengths.numel()
-    bag_of_value = torch.repeat_interleave(torch.arange(num_bags), lengths)
+    if bag_of_value is None:
+        bag_of_value = torch.repeat_interleave(torch.arange(num_bags), lengths)
     feature_of_value = bag_of_value // batch_size
     keys = table_offsets[feature_table[feature_of_value]] + values
     if hot_keys.numel():

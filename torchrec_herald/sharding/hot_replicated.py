@@ -265,6 +265,7 @@ class ShardedHeraldEmbeddingBagCollection(
         self._executor: Optional[PlanExecutor] = None
         # bytes this rank sends per table, by the same formulas as TrafficMeter (cross-checked in tests)
         self._traffic = torch.zeros(len(self._tables), 4, dtype=torch.float64)  # ids, pooled, grads, hot_sync
+        self._cold_sent = torch.zeros(2, self._world, len(self._feature_names), dtype=torch.int64)  # ids, bags
         sparse_table = torch.tensor([m == "sparse" for m in self._syncs], dtype=torch.bool)
         self._sparse_row = sparse_table[lay.hot_slot_table]  # per hot row: synced sparsely?
         self._all_dense_rows = (~self._sparse_row).nonzero().flatten()
@@ -320,11 +321,12 @@ class ShardedHeraldEmbeddingBagCollection(
         if self._executor is not None and self._executor.active:
             return self._plan_input_dist(ctx, values, lengths, B)
         lay = self.layout
-        bad = first_invalid_id(values, lengths, lay.rows_per_feature, B)
+        bag_of_value = torch.repeat_interleave(torch.arange(lengths.numel()), lengths)
+        bad = first_invalid_id(values, lengths, lay.rows_per_feature, B, bag_of_value)
         W, FB = self._world, len(self._feature_names) * B
         if bad is None:
             split = split_hot_cold(values, lengths, lay.feature_table, lay.table_offsets, lay.hot_keys,
-                                   lay.blocks_per_feature, W, B)
+                                   lay.blocks_per_feature, W, B, bag_of_value)
         else:  # still take part in the counts exchange below, so every rank raises together
             split = split_hot_cold(values[:0], torch.zeros_like(lengths), lay.feature_table,
                                    lay.table_offsets, lay.hot_keys, lay.blocks_per_feature, W, B)
@@ -371,29 +373,28 @@ class ShardedHeraldEmbeddingBagCollection(
         return _IdsAwaitable(ctx, recv, work, sizes)
 
     def _count_cold_traffic(self, sub: torch.Tensor, B: int) -> None:
-        """Per table: ids + lengths this rank sends to remote owners; pooled vectors it returns as an
-        owner (counted at the requester: same bytes, summed over ranks) and their gradients."""
-        W, F = self._world, len(self._feature_names)
-        per = sub.view(W, F, B)
-        remote = torch.ones(W, dtype=torch.bool)
-        remote[self._rank] = False
-        ids = per[remote].sum((0, 2)).double()  # [F]
-        bags = (per[remote] > 0).sum((0, 2)).double()
-        T = len(self._tables)
-        add = torch.zeros(T, 4, dtype=torch.float64)
-        ft = self.layout.feature_table
-        add[:, 0].index_add_(0, ft, INDEX_BYTES * (ids + bags))
-        add[:, 1].index_add_(0, ft, FLOAT_BYTES * self._dim * bags)
-        add[:, 2].index_add_(0, ft, FLOAT_BYTES * self._dim * bags)
-        self._traffic += add
+        """Count the cold ids and sub-bags this rank sends to each owner, per feature (two adds a step;
+        :meth:`traffic_by_table` turns them into bytes)."""
+        per = sub.view(self._world, len(self._feature_names), B)
+        self._cold_sent += torch.stack([per.sum(2), (per > 0).sum(2)])
 
     def traffic_by_table(self) -> Dict[str, Dict[str, float]]:
-        """Bytes this rank sent per table since construction/reset: ids, pooled, grads, hot_sync."""
-        return {t: dict(zip(("ids", "pooled", "grads", "hot_sync"), self._traffic[i].tolist()))
+        """Bytes this rank sent per table since construction/reset: ids (+ lengths) to remote owners,
+        pooled vectors it received from them (counted at the requester: the same bytes, summed over
+        ranks) and their gradients, hot_sync."""
+        remote = torch.arange(self._world) != self._rank
+        ids, bags = self._cold_sent[:, remote].sum(1).double()  # [F] each
+        traffic = self._traffic.clone()
+        ft = self.layout.feature_table
+        traffic[:, 0].index_add_(0, ft, INDEX_BYTES * (ids + bags))
+        traffic[:, 1].index_add_(0, ft, FLOAT_BYTES * self._dim * bags)
+        traffic[:, 2].index_add_(0, ft, FLOAT_BYTES * self._dim * bags)
+        return {t: dict(zip(("ids", "pooled", "grads", "hot_sync"), traffic[i].tolist()))
                 for i, t in enumerate(self._tables)}
 
     def reset_traffic(self) -> None:
         self._traffic.zero_()
+        self._cold_sent.zero_()
 
     def _raise_on_bad_ids(self, recv_counts: torch.Tensor) -> None:
         bad_ranks = (recv_counts[:, 2] > 0).nonzero().flatten().tolist()
