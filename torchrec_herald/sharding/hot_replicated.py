@@ -268,6 +268,7 @@ class ShardedHeraldEmbeddingBagCollection(
         self._cold_sent = torch.zeros(2, self._world, len(self._feature_names), dtype=torch.int64)  # ids, bags
         sparse_table = torch.tensor([m == "sparse" for m in self._syncs], dtype=torch.bool)
         self._sparse_row = sparse_table[lay.hot_slot_table]  # per hot row: synced sparsely?
+        self._any_sparse, self._any_mean = bool(self._sparse_row.any()), bool(self._mean_features.any())
         self._all_dense_rows = (~self._sparse_row).nonzero().flatten()
         self._frozen_hot = torch.zeros(max(self._num_hot, 1), dtype=torch.bool)  # stale-update skipping
         self._set_dense_rows(self._all_dense_rows)
@@ -444,7 +445,7 @@ class ShardedHeraldEmbeddingBagCollection(
             # all-to-all's backward (matching DDP's averaging of dense grads): do the same
             pooled = _ScaleGrad.apply(pooled, 1.0 / self._world)
         B, F = ctx.batch_size, len(self._feature_names)
-        if bool(self._mean_features.any()):
+        if self._any_mean:
             mean_bag = self._mean_features.repeat_interleave(B).to(pooled.device)
             scale = torch.where(mean_bag, 1.0 / ctx.bag_lengths.clamp(min=1).to(pooled.device, pooled.dtype),
                                 torch.ones((), dtype=pooled.dtype, device=pooled.device))
@@ -552,7 +553,7 @@ class ShardedHeraldEmbeddingBagCollection(
                 read = pos >= 0
                 dense[pos[read].to(dev)] = grad[read.to(dev)]
                 pending.dense = (self._dense_rows.to(dev), dense, dist.all_reduce(dense, group=self._pg, async_op=True))
-            if bool(self._sparse_row.any()):  # tables synced sparsely: exchange touched rows only
+            if self._any_sparse:  # tables synced sparsely: exchange touched rows only
                 touched = unique[sparse_sel]
                 pending.sparse = self._start_sparse_sum(touched, grad[sparse_sel.to(dev)], sparse_from)
                 sent_sparse = torch.bincount(self.layout.hot_slot_table[touched], minlength=len(self._tables)).double()

@@ -60,6 +60,8 @@ class RowStore(nn.Module):
         # each hot slot's row in this rank's cold block (-1: another rank's block)
         self.cold_row_of_hot = torch.full((max(layout.num_hot, 1),), -1, dtype=torch.int64, device=device)
         self.cold_row_of_hot[self.mirror_hot] = self.mirror_cold.to(torch.int64)
+        # hot slots updated since their block copies were last written (see flush_mirror)
+        self._mirror_pending: List[torch.Tensor] = []
         # by-key access (plan mode only): own rows by arithmetic on the key, cached rows in a sorted map
         self.cache_map = SortedKeyMap(slot=torch.int64)
         # remote rows (Herald's cache): [slots, D] weights + [slots] state, grown on demand
@@ -87,12 +89,14 @@ class RowStore(nn.Module):
         return self.cold.split_optimizer_states()[0][0].view(-1).data
 
     def cold_block(self, table: int) -> torch.Tensor:
-        """This rank's block of ``table`` (a view into the cold TBE)."""
+        """This rank's block of ``table`` (a view into the cold TBE), its hot rows' copies up to date."""
+        self.flush_mirror()
         start = sum(self.block_rows[:table])
         return self.cold.split_embedding_weights()[0][start: start + self.block_rows[table]]
 
     def cold_block_state(self, table: int) -> Optional[torch.Tensor]:
         """The row-wise Adagrad state of :meth:`cold_block`, or None."""
+        self.flush_mirror()
         state = self.cold_state()
         start = sum(self.block_rows[:table])
         return None if state is None else state[start: start + self.block_rows[table]]
@@ -109,6 +113,7 @@ class RowStore(nn.Module):
         TBE's saved tensors must not see a version bump (the rows written are hot, never looked up or
         updated through the cold TBE)."""
         if hot_rows is None:
+            self._mirror_pending.clear()  # every copy is written now
             hot, cold = self.mirror_hot, self.mirror_cold
         else:
             cold = self.cold_row_of_hot[hot_rows]
@@ -121,10 +126,20 @@ class RowStore(nn.Module):
         if state is not None:
             state[cold] = self.hot_state[hot]
 
+    def flush_mirror(self) -> None:
+        """Write the block copies of the hot rows updated since the last flush. Nothing looks a hot row up
+        in the cold TBE, so the copies are needed only where the block is read as a ROW_WISE shard
+        (:meth:`cold_block`, :meth:`cold_block_state`: state dicts, checkpoints, full tables); writing
+        them there, not at every update, takes two index copies off each step."""
+        if self._mirror_pending:
+            rows = torch.cat(self._mirror_pending)
+            self._mirror_pending.clear()
+            self.mirror_hot_into_cold(rows)
+
     def update_hot_rows(self, rows: torch.Tensor, grad: torch.Tensor) -> None:
         """Apply :func:`exact_update` to the hot replicas ``rows`` (distinct hot slots, on the device) with
-        ``grad`` ``[len(rows), D]`` their gradient summed over ranks; then mirror them into the block.
-        Only rows with a nonzero gradient are touched: for the others the update is the identity
+        ``grad`` ``[len(rows), D]`` their gradient summed over ranks; their block copies follow at the
+        next :meth:`flush_mirror`. Only rows with a nonzero gradient are touched: for the others the update is the identity
         (``w - 0``, ``s + 0``), so skipping them changes no bit."""
         with torch.no_grad():
             nonzero = grad.ne(0).any(1)
@@ -133,7 +148,7 @@ class RowStore(nn.Module):
                 return
             w, s = self.hot_weights(), self.hot_state
             w[rows], s[rows] = exact_update(w[rows], s[rows], grad, self.optimizer, self.lr, self.eps)
-            self.mirror_hot_into_cold(rows)
+            self._mirror_pending.append(rows)
 
     # ------------------------------------------------------------------ by global key
     def _dev(self, index: torch.Tensor) -> torch.Tensor:
