@@ -7,6 +7,7 @@ per sample, do not cover; these thin wrappers over ``torch.distributed`` are tag
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any, List, Optional, Sequence, Tuple
 
 import torch
@@ -16,7 +17,8 @@ from torchrec_herald.traffic import traffic_tag
 
 __all__ = [
     "FLOAT_BYTES", "INDEX_BYTES", "OPTIMIZER_STATE_BYTES", "SCORE_BYTES", "STOCK_ID_BYTES", "STOCK_LENGTH_BYTES",
-    "all_gather_varlen", "all_to_all_rows", "all_to_all_rows_async", "variable_all_to_all",
+    "RowsInFlight", "all_gather_varlen", "all_to_all_rows", "all_to_all_rows_async", "await_variable_all_to_all",
+    "start_variable_all_to_all", "variable_all_to_all",
 ]
 
 #: bytes of one embedding element (fp32 weights, pooled vectors and gradients)
@@ -54,24 +56,55 @@ def all_to_all_rows_async(x: torch.Tensor, send: Sequence[int], recv: Sequence[i
     return out, work
 
 
-class _VariableAllToAll(torch.autograd.Function):
-    """:func:`all_to_all_rows` whose backward sends the gradients the other way."""
+@dataclass
+class RowsInFlight:
+    """A variable-size all-to-all started by :func:`start_variable_all_to_all`: the receive buffer, the
+    work, and what its backward needs (the splits, the group, the TrafficMeter labels)."""
+
+    out: torch.Tensor
+    work: Any
+    send: List[int]
+    recv: List[int]
+    pg: Optional[dist.ProcessGroup]
+    labels: Tuple[str, str]
+    dim: int
+
+
+def start_variable_all_to_all(x: torch.Tensor, send: List[int], recv: List[int], pg: Optional[dist.ProcessGroup],
+                              labels: Tuple[str, str] = ("herald_a2a", "herald_a2a_grad"), dim: int = 0
+                              ) -> RowsInFlight:
+    """Start the variable-size all-to-all of the rows of ``x`` (``send[j]`` rows go to rank j); the caller
+    does other work, then :func:`await_variable_all_to_all` joins it to autograd. ``x`` must not change
+    in between."""
+    out, work = all_to_all_rows_async(x.detach(), send, recv, pg, labels[0], dim)
+    return RowsInFlight(out, work, list(send), list(recv), pg, labels, dim)
+
+
+class _AwaitedAllToAll(torch.autograd.Function):
+    """Waits for a started all-to-all of ``x``'s rows; its backward sends the gradients the other way
+    (synchronously: the cold rows' backward needs them)."""
 
     @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, send: List[int], recv: List[int], pg: dist.ProcessGroup,
-                labels: Tuple[str, str], dim: int) -> torch.Tensor:  # type: ignore[override]
-        ctx.send, ctx.recv, ctx.pg, ctx.labels, ctx.dim = send, recv, pg, labels, dim
-        return all_to_all_rows(x, send, recv, pg, labels[0], dim)
+    def forward(ctx: Any, x: torch.Tensor, flight: RowsInFlight) -> torch.Tensor:  # type: ignore[override]
+        ctx.flight = flight
+        flight.work.wait()
+        return flight.out
 
     @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> Tuple[Optional[torch.Tensor], ...]:  # type: ignore[override]
-        return all_to_all_rows(grad, ctx.recv, ctx.send, ctx.pg, ctx.labels[1], ctx.dim), None, None, None, None, None
+    def backward(ctx: Any, grad: torch.Tensor) -> Tuple[Optional[torch.Tensor], None]:  # type: ignore[override]
+        f = ctx.flight
+        return all_to_all_rows(grad, f.recv, f.send, f.pg, f.labels[1], f.dim), None
+
+
+def await_variable_all_to_all(x: torch.Tensor, flight: RowsInFlight) -> torch.Tensor:
+    """The rows received by ``flight`` (started from ``x``), differentiable with respect to ``x``."""
+    return _AwaitedAllToAll.apply(x, flight)
 
 
 def variable_all_to_all(x: torch.Tensor, send: List[int], recv: List[int], pg: dist.ProcessGroup,
                         labels: Tuple[str, str] = ("herald_a2a", "herald_a2a_grad"), dim: int = 0) -> torch.Tensor:
     """Autograd-aware variable-size all-to-all of the rows of ``x`` (``send[j]`` rows go to rank j)."""
-    return _VariableAllToAll.apply(x, send, recv, pg, labels, dim)
+    return await_variable_all_to_all(x, start_variable_all_to_all(x, send, recv, pg, labels, dim))
 
 
 def all_gather_varlen(mine: torch.Tensor, pg: Optional[dist.ProcessGroup], label: str) -> List[torch.Tensor]:

@@ -35,7 +35,8 @@ from torchrec.optim.fused import EmptyFusedOptimizer, FusedOptimizer, FusedOptim
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor, KeyedTensor
 from torchrec.streamable import Multistreamable
 
-from torchrec_herald.comm import FLOAT_BYTES, INDEX_BYTES, all_to_all_rows, all_to_all_rows_async, variable_all_to_all
+from torchrec_herald.comm import (FLOAT_BYTES, INDEX_BYTES, RowsInFlight, all_to_all_rows, all_to_all_rows_async,
+                                   await_variable_all_to_all, start_variable_all_to_all)
 from torchrec_herald.layout import RowLayout
 from torchrec_herald.ops.hot_cold import HotColdSplit, first_invalid_id, offsets_from_lengths, split_hot_cold
 from torchrec_herald.ops.tbe import SUPPORTED_OPTIMIZERS, dense_lookup
@@ -206,7 +207,7 @@ class HeraldFusedOptimizer(FusedOptimizer):
 
 
 class ShardedHeraldEmbeddingBagCollection(
-    ShardedModule[HeraldContext, Tuple[torch.Tensor, torch.Tensor], KeyedTensor, HeraldContext],
+    ShardedModule[HeraldContext, Tuple[torch.Tensor, Optional[RowsInFlight], torch.Tensor], KeyedTensor, HeraldContext],
     FusedOptimizerModule,
 ):
     """Sharded EBC of the herald sharding type (built by ``HeraldEmbeddingBagCollectionSharder``).
@@ -411,16 +412,20 @@ class ShardedHeraldEmbeddingBagCollection(
                           f"'{self._tables[t]}' [0, {self._num_embeddings[t]}) (in rank {bad_ranks[0]}'s batch; "
                           f"ranks with bad ids: {bad_ranks})")
 
-    def compute(self, ctx: HeraldContext, dist_input: Any) -> Tuple[torch.Tensor, torch.Tensor]:
-        """Owner side: partial pooled vectors of the received sub-bags; local side: hot pooled vectors."""
+    def compute(self, ctx: HeraldContext, dist_input: Any) -> Tuple[torch.Tensor, Optional[RowsInFlight], torch.Tensor]:
+        """Owner side: partial pooled vectors of the received sub-bags, their return to the samples' ranks
+        started (async); local side: hot pooled vectors, looked up while the partial vectors travel."""
         if isinstance(dist_input, KJTList):  # the awaitables above deliver a one-element KJTList
             dist_input = dist_input[0]
         if dist_input.ws_index is not None:  # plan mode: every row is local, in the working set
-            return (torch.empty(0, self._dim, device=self._device),
+            return (torch.empty(0, self._dim, device=self._device), None,
                     dense_lookup(self.plan_executor.ws, dist_input.ws_index, dist_input.ws_offsets))
         dev = self._device
-        partial = self.store.cold(dist_input.recv_rows.to(dev, torch.int64),
-                             offsets_from_lengths(dist_input.recv_lengths).to(dev))
+        # cold rows are never hot: their lookup need not wait for the hot rows' pending update
+        partial = self._store.cold(dist_input.recv_rows.to(dev, torch.int64),
+                                   offsets_from_lengths(dist_input.recv_lengths).to(dev))
+        flight = start_variable_all_to_all(partial, dist_input.bags_from, dist_input.bags_to, self._pg,
+                                           ("herald_pooled", "herald_pooled_grad"), self._dim)
         split = dist_input.split
         assert split is not None
         # the hot rows this batch reads, as a leaf of their own: backward gives their gradient only
@@ -429,16 +434,16 @@ class ShardedHeraldEmbeddingBagCollection(
         rows.register_post_accumulate_grad_hook(functools.partial(
             self._sync_and_update_hot, dist_input.hot_unique, dist_input.sparse_sel, dist_input.sparse_from))
         hot = dense_lookup(rows, dist_input.hot_inverse, split.hot_offsets)
-        return partial, hot
+        return partial, flight, hot
 
-    def output_dist(self, ctx: HeraldContext, output: Tuple[torch.Tensor, torch.Tensor]) -> LazyAwaitable[KeyedTensor]:
-        """Return the partial pooled vectors to the samples' ranks and add them to the hot part."""
-        partial, hot = output
-        if ctx.ws_index is not None:  # plan mode: nothing to return to other ranks
+    def output_dist(self, ctx: HeraldContext, output: Tuple[torch.Tensor, Optional[RowsInFlight], torch.Tensor]
+                    ) -> LazyAwaitable[KeyedTensor]:
+        """Receive the partial pooled vectors of this rank's samples and add them to the hot part."""
+        partial, flight, hot = output
+        if flight is None:  # plan mode: nothing to return to other ranks
             pooled = hot
         else:
-            back = variable_all_to_all(partial, ctx.bags_from, ctx.bags_to, self._pg,
-                                       ("herald_pooled", "herald_pooled_grad"), self._dim)
+            back = await_variable_all_to_all(partial, flight)
             pooled = hot.index_add(0, ctx.send_bag_index.to(hot.device), back)
         if get_gradient_division():
             # stock TorchRec divides pooled-embedding gradients by the world size in its output
