@@ -137,7 +137,24 @@ def worker(config: str, steps: int, segments: int, warmup: int, out: str, rate: 
     dist.destroy_process_group()
 
 
+def host_speed_ms() -> float:
+    """How fast this VM's cores are right now: ms for a fixed single-thread matmul loop (lower is faster).
+    Recorded before every run: herald's step is CPU-bound where stock's waits for the link, so a slow
+    phase of the host moves the ratios (RESULTS.md, "Noise")."""
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    a = torch.ones(256, 256)
+    t0 = time.perf_counter()
+    for _ in range(150):
+        a @ a
+    torch.set_num_threads(threads)
+    return 1000 * (time.perf_counter() - t0)
+
+
 def run_one(world: int, config: str, rate: int, a: argparse.Namespace, tmp: Path) -> Dict[str, Any]:
+    probe_ms = host_speed_ms()
     run_in_namespaces(world, PORT, lambda r: [
         __file__, "--worker", "--config", config, "--steps", str(a.steps), "--segments", str(a.segments),
         "--warmup", str(a.warmup), "--out", str(tmp / f"{config}_{r}.json"), "--rate", str(rate)],
@@ -146,6 +163,7 @@ def run_one(world: int, config: str, rate: int, a: argparse.Namespace, tmp: Path
     row = dict(ranks[0])
     row["bytes_per_step_all_ranks"] = sum(x["bytes_per_step"] for x in ranks)
     row["samples_per_s"] = min(x["samples_per_s"] for x in ranks)  # ranks step together; take the slowest view
+    row["host_speed_ms"] = probe_ms
     row.pop("rank")
     return row
 
@@ -189,6 +207,10 @@ def markdown(rows: List[Dict[str, Any]], command: str) -> str:
                   f"{UNLIMITED_DECLARED_MBIT} Mbit/s; `pipeline.scheduling=auto`): " + "; ".join(chose) + "."]
     shares = [f"W={r['world_size']} {rate_name(r['rate_mbit'])}: {100 * r['breakdown_ms']['comm_wait'] / r['breakdown_ms']['step']:.0f} %"
               for r in rows if r["config"] == "tw"]
+    probes = sorted(p for r in rows for p in r.get("repeat_host_speed_ms", []))
+    if probes:
+        lines += ["", f"Host speed during the runs (ms for a fixed single-thread matmul loop before each run, "
+                  f"lower is faster): min {probes[0]:.0f}, median {probes[len(probes) // 2]:.0f}, max {probes[-1]:.0f}."]
     if shares:
         lines += ["", "Stock TABLE_WISE's communication share of its step (comm wait / step): " + ", ".join(shares) + "."]
     return "\n".join(lines)
@@ -291,7 +313,8 @@ def main() -> None:
                     runs.sort(key=lambda r: r["samples_per_s"])
                     row = dict(runs[len(runs) // 2])  # the median repeat (its breakdown with it)
                     row.update(world_size=world, rate_mbit=rate,
-                               repeat_samples_per_s=[r["samples_per_s"] for r in runs])
+                               repeat_samples_per_s=[r["samples_per_s"] for r in runs],
+                               repeat_host_speed_ms=[r["host_speed_ms"] for r in runs])
                     rows.append(row)
         finally:
             teardown(world)
