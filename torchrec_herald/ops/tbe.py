@@ -37,8 +37,9 @@ def fused_cold_tbe(rows: int, dim: int, fused_params: Dict[str, Any], device: to
 
 
 def dense_hot_tbe(rows: int, dim: int, device: torch.device) -> DenseTableBatchedEmbeddingBagsCodegen:
-    """One-table SUM-pooling dense TBE over the hot replica buffer (autograd gives its weight grad,
-    which herald all-reduces before applying the optimizer itself)."""
+    """One-table SUM-pooling dense TBE holding the hot replica buffer (its weights). A batch looks up only
+    the rows it reads, gathered into a leaf of their own (:func:`dense_lookup`), so autograd gives their
+    gradient alone, which herald sums over ranks before applying the optimizer itself."""
     return DenseTableBatchedEmbeddingBagsCodegen(
         embedding_specs=[(max(rows, 1), dim)], pooling_mode=PoolingMode.SUM, use_cpu=device.type != "cuda")
 
