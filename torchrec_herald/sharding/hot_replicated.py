@@ -35,7 +35,7 @@ from torchrec.optim.fused import EmptyFusedOptimizer, FusedOptimizer, FusedOptim
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor, KeyedTensor
 from torchrec.streamable import Multistreamable
 
-from torchrec_herald.comm import (FLOAT_BYTES, INDEX_BYTES, RowsInFlight, all_to_all_rows, all_to_all_rows_async,
+from torchrec_herald.comm import (FLOAT_BYTES, INDEX_BYTES, RowsInFlight, all_to_all_rows_async,
                                    await_variable_all_to_all, start_variable_all_to_all)
 from torchrec_herald.layout import RowLayout
 from torchrec_herald.ops.hot_cold import HotColdSplit, first_invalid_id, offsets_from_lengths, split_hot_cold
@@ -81,9 +81,8 @@ class HeraldContext(Multistreamable):
     bags_from: List[int] = field(default_factory=list)  # sub-bags each rank sends to this owner
     recv_lengths: torch.Tensor = field(default_factory=lambda: torch.empty(0, dtype=torch.int64))
     recv_rows: torch.Tensor = field(default_factory=lambda: torch.empty(0, dtype=torch.int64))
-    sparse_touched: torch.Tensor = field(default_factory=lambda: torch.empty(0, dtype=torch.int64))
     # the hot rows this batch reads (sorted, unique), each hot id's position among them, and which of them
-    # are synced sparsely (the rows of ``sparse_touched``)
+    # are synced sparsely (their count rides on the input dist's counts exchange)
     hot_unique: torch.Tensor = field(default_factory=lambda: torch.empty(0, dtype=torch.int64))
     hot_inverse: torch.Tensor = field(default_factory=lambda: torch.empty(0, dtype=torch.int64))
     sparse_sel: torch.Tensor = field(default_factory=lambda: torch.empty(0, dtype=torch.bool))
@@ -344,14 +343,12 @@ class ShardedHeraldEmbeddingBagCollection(
         # synced sparsely rides on this exchange
         ctx.hot_unique, ctx.hot_inverse = torch.unique(split.hot_rows, return_inverse=True)
         ctx.sparse_sel = self._sparse_row[ctx.hot_unique] & ~self._frozen_hot[ctx.hot_unique]
-        touched = ctx.hot_unique[ctx.sparse_sel]
-        k = torch.full((W, 1), touched.numel(), dtype=torch.int64)
+        k = torch.full((W, 1), int(ctx.sparse_sel.sum()), dtype=torch.int64)
         counts = torch.cat([bags_to[:, None], ids_to[:, None], err.expand(W, 2), k], 1)
         ctx.split = split
         self._count_cold_traffic(sub, B)
         ctx.send_bag_index = nonempty % FB
         ctx.bags_to = bags_to.tolist()
-        ctx.sparse_touched = touched
         # [lengths to o | ids to o] for each owner o: sent once the counts are known
         lengths_to = sub[nonempty].to(torch.int32).split(ctx.bags_to)
         rows_to = cold_rows.to(torch.int32).split(ids_to.tolist())
