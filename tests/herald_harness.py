@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import itertools
 from typing import Any, Dict, Iterator, List, Optional
 
 import torch
@@ -63,6 +64,9 @@ class MappedData:
     def train_batches(self, rank: int, world: int, batch_size: int) -> Iterator[Any]:
         for step, b in enumerate(self._data.train_batches(rank, world, batch_size)):
             yield self._fn(step, rank, world, batch_size, b)
+
+    def train_batches_from(self, rank: int, world: int, batch_size: int, start: int) -> Iterator[Any]:
+        return itertools.islice(self.train_batches(rank, world, batch_size), start, None)  # mapped too
 
 
 def MultiHotData(data: Any) -> MappedData:  # noqa: N802 - reads as the data source it builds

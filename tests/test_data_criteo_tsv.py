@@ -10,7 +10,7 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
-from torchrec_herald.data import CriteoTSV, DataFormatError, build_data_source, scaled_num_embeddings
+from torchrec_herald.data import CriteoTSV, DataFormatError, TrainStream, build_data_source, scaled_num_embeddings
 
 NUM_EMB = [10 + f for f in range(26)]  # a different modulus per table
 CONF = Path(__file__).resolve().parents[1] / "torchrec_herald" / "conf" / "data"
@@ -126,6 +126,12 @@ def test_rank_slices_and_dropped_tail(tmp_path: Path) -> None:
     ]
     for i, g in enumerate(whole):
         assert torch.equal(torch.cat([per_rank[r][i].labels for r in range(3)]), g.labels)
+    for start in range(4):  # seeking: the records before ``start`` are read, not yielded
+        assert sample_ids(list(src.train_batches_from(1, 3, 4, start))) == sample_ids(per_rank[1][start:])
+    stream = TrainStream(src, 2, 3, 4, whole=True)
+    assert sample_ids([next(stream)]) == list(range(12))
+    stream.whole = False
+    assert sample_ids(list(stream)) == list(range(20, 24)) + list(range(32, 36))
     list(src.train_batches(0, 5, 4))  # global batch 20: one batch, 17 dropped
     assert src.stats()["train_dropped_tail_samples"] == 17
 

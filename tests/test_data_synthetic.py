@@ -16,6 +16,7 @@ from torchrec_herald.data import (
     CALIBRATION_MIN_ROWS,
     DEFAULT_ZIPF_ALPHA,
     SyntheticCriteo,
+    TrainStream,
     build_data_source,
     calibrate_zipf_alpha,
     global_coverage,
@@ -96,6 +97,26 @@ def test_rank_slices_concatenate_to_global_batch(missing_rate: float) -> None:
     ranks = [list(src.train_batches(r, 4, 32)) for r in range(4)]
     for i, g in enumerate(whole):
         assert same(concat([ranks[r][i] for r in range(4)]), g)
+
+
+def test_train_stream_switches_between_whole_batches_and_slices_without_skipping_one() -> None:
+    """``TrainStream`` reads each global batch once, whole or as the rank's slice as ``whole`` says when
+    it is read; ``train_batches_from`` seeks (here without generating the batches before ``start``)."""
+    src = SyntheticCriteo(num_train_batches=6, missing_rate=0.2)
+    whole = list(src.train_batches(0, 1, 96))
+    mine = list(src.train_batches(1, 3, 32))
+    stream = TrainStream(src, 1, 3, 32, start=1, whole=True)
+    got = []
+    for want_whole in (True, False, False, True):
+        stream.whole = want_whole
+        got.append(next(stream))
+    assert [b.labels.numel() for b in got] == [96, 32, 32, 96] and stream.position == 5
+    assert same(got[0], whole[1]) and same(got[1], mine[2]) and same(got[2], mine[3]) and same(got[3], whole[4])
+    stream.whole = False
+    assert same(next(stream), mine[5]) and next(stream, None) is None
+    assert all(same(a, b) for a, b in zip(src.train_batches_from(1, 3, 32, 4), mine[4:]))
+    with pytest.raises(ValueError, match="start must be >= 0, got -1"):
+        next(src.train_batches_from(0, 1, 32, -1))
 
 
 def test_missing_rate_gives_empty_bags() -> None:

@@ -21,13 +21,14 @@ from __future__ import annotations
 import contextlib
 import functools
 import itertools
-from typing import Any, Dict, List
+from typing import Any, Dict, List, Tuple
 from unittest import mock
 
 import pytest
 import torch
 
 from herald_harness import MappedData, error_of
+from torchrec_herald.data import TrainStream
 from torchrec_herald.dist_utils import run_multiprocess
 
 STEPS = 24
@@ -48,7 +49,9 @@ def _run(rank: int, world: int, cfg: Dict[str, Any], pipeline: Any, global_batch
               if decide else contextlib.nullcontext())
     b = build(world, cfg)
     B = b["batch_size"]
-    it = b["data"].train_batches(0, 1, world * B) if global_batches else b["data"].train_batches(rank, world, B)
+    it: Any = b["data"].train_batches(rank, world, B)
+    if global_batches:  # as trainer.train_stream: whole batches, switched to this rank's slices while off
+        it = RecordedStream(b["data"], rank, world, B, whole=True)
     with forced, TrafficMeter(embedding_dim=8) as meter:
         if stop_after:  # stop mid-run: the run-ahead thread has planned the next step; detach flushes
             pipe = HeraldTrainPipeline(b["dmp"], b["optimizer"], b["device"], **pipeline)
@@ -64,7 +67,22 @@ def _run(rank: int, world: int, cfg: Dict[str, Any], pipeline: Any, global_batch
     if pipe is not None:
         out.update(moved=pipe.stats.moved_samples, counters=pipe.stats.counters, report=pipe.scheduling_report(),
                    overlapped=pipe.stats.ahead_s)
+    if isinstance(it, RecordedStream):
+        out["reads"] = it.reads
     return out
+
+
+class RecordedStream(TrainStream):
+    """A ``TrainStream`` that records ``(global batch, samples read)`` of each batch it returns."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.reads: List[Tuple[int, int]] = []
+
+    def __next__(self) -> Any:
+        position, batch = self.position, super().__next__()
+        self.reads.append((position, batch.labels.numel()))
+        return batch
 
 
 def _worker(rank: int, world: int) -> Dict[str, Any]:
@@ -250,3 +268,20 @@ def test_run_ahead_batches_are_consumed_in_order() -> None:
             assert torch.equal(part.sparse_features.values(), ref.sparse_features.values())
             assert torch.equal(part.sparse_features.lengths(), ref.sparse_features.lengths())
     assert len(mine) == 6
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_scheduling_off_reads_only_this_ranks_slice_of_each_global_batch(world: int) -> None:
+    """While scheduling is off the stream reads this rank's B samples of a global batch, not all W·B:
+    each global batch is read once, in order, whichever mode reads it."""
+    B = COMMON["batch_size"]
+    probe_end = 2 * (AUTO["probe_steps"] // 2 + AUTO["probe_steps"]) + 2  # the probe's steps and its drain
+    for r in results(world):
+        for run in ("off", "auto", "auto_on", "auto_off", "global", "ahead"):
+            assert [p for p, _ in r[run]["reads"]] == list(range(STEPS)), run
+        assert r["off"]["reads"] == [(i, B) for i in range(STEPS)]
+        assert r["global"]["reads"] == [(i, world * B) for i in range(STEPS)]
+        off, on = dict(r["auto_off"]["reads"]), dict(r["auto_on"]["reads"])
+        assert off[0] == on[0] == world * B  # the probe starts with scheduling on
+        assert all(off[i] == B for i in range(probe_end, STEPS))  # decided off: slices from the probe on
+        assert on[STEPS - 1] == world * B and B in on.values()  # the probe's off phase read slices

@@ -8,7 +8,6 @@ stock and herald runs are comparable step by step.
 
 from __future__ import annotations
 
-import itertools
 import json
 import logging
 import math
@@ -30,7 +29,7 @@ from torchrec.optim import RowWiseAdagrad, apply_optimizer_in_backward
 from torchrec.optim.keyed import CombinedOptimizer
 from tqdm import tqdm
 
-from torchrec_herald.data import DataSource, build_data_source
+from torchrec_herald.data import DataSource, TrainStream, build_data_source
 from torchrec_herald.dist_utils import init_distributed
 from torchrec_herald.model import build_dlrm_train, build_tables
 from torchrec_herald.row_init import init_sharded_embeddings
@@ -212,13 +211,14 @@ def build_pipeline(cfg: DictConfig, dmp: nn.Module, optimizer: Any, device: torc
     return PIPELINES[name](dmp, optimizer, device)
 
 
-def train_stream(data: DataSource, pipeline: Any, rank: int, world: int, batch_size: int) -> Iterator[Any]:
-    """The train batches ``pipeline`` consumes: whole global batches for a herald pipeline with
-    ``global_batches`` (every rank reads them, the source is deterministic and seekable), else this
-    rank's slice of each."""
-    if isinstance(pipeline, HeraldTrainPipeline) and pipeline.global_batches:
-        return data.train_batches(0, 1, world * batch_size)
-    return data.train_batches(rank, world, batch_size)
+def train_stream(data: DataSource, pipeline: Any, rank: int, world: int, batch_size: int,
+                 start: int = 0) -> TrainStream:
+    """The train batches ``pipeline`` consumes from global batch ``start``: whole global batches for a
+    herald pipeline with ``global_batches`` (every rank reads them, the source is deterministic and
+    seekable; the pipeline switches the stream to this rank's slices while its scheduling is off), else
+    this rank's slice of each."""
+    whole = isinstance(pipeline, HeraldTrainPipeline) and pipeline.global_batches
+    return TrainStream(data, rank, world, batch_size, start=start, whole=whole)
 
 
 def herald_pipeline_config(cfg: DictConfig) -> HeraldPipelineConfig:
@@ -495,7 +495,7 @@ def run_training(cfg: DictConfig, run_dir: Path, show_progress: bool = True) -> 
     train_start = time.perf_counter()
     for epoch in range(start_epoch, cfg.epochs):
         batch_in_epoch = start_batch if epoch == start_epoch else 0
-        it = itertools.islice(train_stream(data, pipeline, rank, world, cfg.batch_size), batch_in_epoch, None)
+        it = train_stream(data, pipeline, rank, world, cfg.batch_size, start=batch_in_epoch)
         while True:
             t0 = time.perf_counter()
             if isinstance(pipeline, HeraldTrainPipeline):  # a checkpoint after this step restarts its window
@@ -513,8 +513,7 @@ def run_training(cfg: DictConfig, run_dir: Path, show_progress: bool = True) -> 
             batch_in_epoch += 1
             if ckpt.due(len(losses)):
                 it = ckpt.save(len(losses), epoch, batch_in_epoch, losses, it,
-                               lambda: itertools.islice(train_stream(data, pipeline, rank, world, cfg.batch_size),
-                                                        batch_in_epoch, None))
+                               lambda: train_stream(data, pipeline, rank, world, cfg.batch_size, start=batch_in_epoch))
             fault_injection(len(losses), rank)
             bar.update(1)
             if len(losses) % cfg.log_every == 0:

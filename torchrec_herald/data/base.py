@@ -17,6 +17,7 @@ from __future__ import annotations
 import abc
 import importlib
 import inspect
+import itertools
 import logging
 import math
 from typing import Any, Dict, Iterator, List, Mapping, Optional, Sequence, Tuple, Union
@@ -93,6 +94,14 @@ class DataSource(abc.ABC):
     def eval_batches(self, rank: int, world_size: int, batch_size: int) -> Iterator[Batch]:
         """One pass over the evaluation split, sharded like :meth:`train_batches`."""
 
+    def train_batches_from(self, rank: int, world_size: int, batch_size: int, start: int) -> Iterator[Batch]:
+        """:meth:`train_batches` from global batch ``start`` on (a checkpoint's position, a stream that
+        switches between whole batches and slices). This default reads and drops the first ``start``;
+        seekable sources override it to skip them without reading."""
+        if start < 0:
+            raise ValueError(f"start must be >= 0, got {start}")
+        return itertools.islice(self.train_batches(rank, world_size, batch_size), start, None)
+
     def stats(self) -> Dict[str, int]:
         """Counters for metrics.json (``skipped_lines``, ``dropped_tail_samples``, ...)."""
         return {"skipped_lines": 0, "dropped_tail_samples": 0}
@@ -105,6 +114,38 @@ class DataSource(abc.ABC):
     def describe(self) -> str:
         """What the source reads, for messages (e.g. ``CriteoTSV(day_0.tsv)``)."""
         return type(self).__name__
+
+
+class TrainStream(Iterator[Batch]):
+    """One pass over a source's train batches from global batch ``start``, each one either whole
+    (``whole=True``: the ``world_size * batch_size`` samples every rank of a herald pipeline with
+    ``global_batches`` reads) or as this rank's slice. ``whole`` may change between batches: a pipeline
+    whose scheduling is off reads only its own samples from then on, with no batch skipped or read twice.
+
+    Attributes:
+        whole: read the next batch whole (True) or as this rank's slice.
+        position: the global batch the next read returns (``start`` + batches returned so far).
+    """
+
+    def __init__(self, source: "DataSource", rank: int, world_size: int, batch_size: int, start: int = 0,
+                 whole: bool = False) -> None:
+        global_batch_size(rank, world_size, batch_size)
+        self.source, self.rank, self.world_size, self.batch_size = source, rank, world_size, batch_size
+        self.whole, self.position = whole, start
+        self._it: Optional[Iterator[Batch]] = None
+        self._it_whole: Optional[bool] = None
+
+    def __iter__(self) -> "TrainStream":
+        return self
+
+    def __next__(self) -> Batch:
+        if self._it is None or self._it_whole != self.whole:  # (re)open at the position, in the wanted form
+            shape = (0, 1, self.world_size * self.batch_size) if self.whole else (
+                self.rank, self.world_size, self.batch_size)
+            self._it, self._it_whole = self.source.train_batches_from(*shape, self.position), self.whole
+        batch = next(self._it)
+        self.position += 1
+        return batch
 
 
 def global_batch_size(rank: int, world_size: int, batch_size: int) -> int:

@@ -106,8 +106,10 @@ class FileSource(DataSource, Generic[Sample]):
                     if len(self._skipped) == _MAX_SKIP_WARNINGS:
                         logger.warning("further malformed records are skipped silently (see stats())")
 
-    def _batches(self, split: str, rank: int, world_size: int, batch_size: int) -> Iterator[Batch]:
+    def _batches(self, split: str, rank: int, world_size: int, batch_size: int, start: int = 0) -> Iterator[Batch]:
         size = global_batch_size(rank, world_size, batch_size)
+        if start < 0:
+            raise ValueError(f"start must be >= 0, got {start}")
         holdout = not self.eval_paths
         paths = self.eval_paths if split == "eval" and not holdout else self.paths
         k = self.holdout_every
@@ -116,12 +118,14 @@ class FileSource(DataSource, Generic[Sample]):
             return not holdout or (index % k == k - 1) == (split == "eval")
 
         block: List[Sample] = []
-        index = 0
+        index, returned = 0, 0
         for sample in self._samples(paths):
             block.append(sample)
             if len(block) == size:
                 if wanted(index):
-                    yield self._collate(block[rank * batch_size : (rank + 1) * batch_size])
+                    if returned >= start:  # the first ``start`` are read (the files are a stream), not collated
+                        yield self._collate(block[rank * batch_size : (rank + 1) * batch_size])
+                    returned += 1
                 block, index = [], index + 1
         self._dropped[split] = len(block) if block and wanted(index) else 0
         if self._dropped[split]:
@@ -152,6 +156,10 @@ class FileSource(DataSource, Generic[Sample]):
     def train_batches(self, rank: int, world_size: int, batch_size: int) -> Iterator[Batch]:
         """One pass over the training stream (held-out global batches excluded)."""
         return self._batches("train", rank, world_size, batch_size)
+
+    def train_batches_from(self, rank: int, world_size: int, batch_size: int, start: int) -> Iterator[Batch]:
+        """:meth:`train_batches` from global batch ``start`` (the records before it are parsed, not collated)."""
+        return self._batches("train", rank, world_size, batch_size, start)
 
     def eval_batches(self, rank: int, world_size: int, batch_size: int) -> Iterator[Batch]:
         """One pass over ``eval_paths``, or over the held-out global batches of the train stream."""

@@ -223,10 +223,13 @@ class SyntheticCriteo(DataSource):
         labels = (torch.rand(size, generator=g)[rows] < torch.sigmoid(logits)).float()
         return dense[rows].contiguous(), ids, present, labels
 
-    def _batches(self, split: str, num: int, rank: int, world_size: int, batch_size: int) -> Iterator[Batch]:
+    def _batches(self, split: str, num: int, rank: int, world_size: int, batch_size: int,
+                 start: int = 0) -> Iterator[Batch]:
         size = global_batch_size(rank, world_size, batch_size)
+        if start < 0:
+            raise ValueError(f"start must be >= 0, got {start}")
         mine = slice(rank * batch_size, (rank + 1) * batch_size)
-        for i in range(num):
+        for i in range(start, num):
             dense, ids, present, labels = self.global_batch(split, i, size, mine)
             yield Batch(dense_features=dense, sparse_features=kjt_from_ids(self.feature_names, ids, present),
                         labels=labels)
@@ -234,6 +237,11 @@ class SyntheticCriteo(DataSource):
     def train_batches(self, rank: int, world_size: int, batch_size: int) -> Iterator[Batch]:
         """``num_train_batches`` global batches of the train stream, this rank's slice of each."""
         return self._batches("train", self.num_train_batches, rank, world_size, batch_size)
+
+    def train_batches_from(self, rank: int, world_size: int, batch_size: int, start: int) -> Iterator[Batch]:
+        """:meth:`train_batches` from global batch ``start``: each batch is seeded by its index, so the
+        first ``start`` are skipped without being generated."""
+        return self._batches("train", self.num_train_batches, rank, world_size, batch_size, start)
 
     def eval_batches(self, rank: int, world_size: int, batch_size: int) -> Iterator[Batch]:
         """``num_eval_batches`` global batches of the (independent) eval stream."""

@@ -33,6 +33,7 @@ from torchrec.distributed.train_pipeline import TrainPipeline, TrainPipelineCont
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from torchrec_herald.comm import all_gather_varlen, all_to_all_rows
+from torchrec_herald.data import TrainStream
 from torchrec_herald.layout import cache_rows_for_budget
 from torchrec_herald.ops.hot_cold import first_invalid_id
 from torchrec_herald.pipeline.home_split import HomeSplitLazyPlanner
@@ -511,6 +512,8 @@ class HeraldTrainPipeline(TrainPipeline[Batch, Any]):
         self._auto_schedule()
         if self.mode == "off":
             return self._delegate_progress(dataloader_iter)
+        if isinstance(dataloader_iter, TrainStream):  # scheduling on (again): every rank reads whole batches
+            dataloader_iter.whole = self.global_batches
         self.fill(dataloader_iter)
         if not self._queue:
             self.flush()
@@ -620,7 +623,14 @@ class HeraldTrainPipeline(TrainPipeline[Batch, Any]):
         return out
 
     def _my_share(self, queued: List[Any], it: Iterator[Batch]) -> Iterator[Batch]:
+        """The window's batches, then this rank's slice of each global batch ``it`` yields: a
+        :class:`~torchrec_herald.data.TrainStream` is switched to read only the slice (no other rank's
+        sample is generated or parsed into a batch); another iterator's whole batches are sliced here."""
         yield from queued
+        if isinstance(it, TrainStream):
+            it.whole = False
+            yield from it
+            return
         for batch in it:
             if self.global_batches:
                 B = batch.sparse_features.stride() // self._W
