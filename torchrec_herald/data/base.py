@@ -98,9 +98,7 @@ class DataSource(abc.ABC):
         """:meth:`train_batches` from global batch ``start`` on (a checkpoint's position, a stream that
         switches between whole batches and slices). This default reads and drops the first ``start``;
         seekable sources override it to skip them without reading."""
-        if start < 0:
-            raise ValueError(f"start must be >= 0, got {start}")
-        return itertools.islice(self.train_batches(rank, world_size, batch_size), start, None)
+        return itertools.islice(self.train_batches(rank, world_size, batch_size), check_start(start), None)
 
     def stats(self) -> Dict[str, int]:
         """Counters for metrics.json (``skipped_lines``, ``dropped_tail_samples``, ...)."""
@@ -146,6 +144,13 @@ class TrainStream(Iterator[Batch]):
         batch = next(self._it)
         self.position += 1
         return batch
+
+
+def check_start(start: int) -> int:
+    """Validate the global batch a :meth:`DataSource.train_batches_from` starts at, and return it."""
+    if start < 0:
+        raise ValueError(f"start must be >= 0, got {start}")
+    return start
 
 
 def global_batch_size(rank: int, world_size: int, batch_size: int) -> int:

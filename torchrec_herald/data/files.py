@@ -20,7 +20,7 @@ from typing import IO, Dict, Generic, Iterator, List, Optional, Sequence, Set, T
 
 from torchrec.datasets.utils import Batch
 
-from torchrec_herald.data.base import DataFormatError, DataSource, global_batch_size
+from torchrec_herald.data.base import DataFormatError, DataSource, check_start, global_batch_size
 
 logger = logging.getLogger(__name__)
 
@@ -108,8 +108,6 @@ class FileSource(DataSource, Generic[Sample]):
 
     def _batches(self, split: str, rank: int, world_size: int, batch_size: int, start: int = 0) -> Iterator[Batch]:
         size = global_batch_size(rank, world_size, batch_size)
-        if start < 0:
-            raise ValueError(f"start must be >= 0, got {start}")
         holdout = not self.eval_paths
         paths = self.eval_paths if split == "eval" and not holdout else self.paths
         k = self.holdout_every
@@ -159,7 +157,7 @@ class FileSource(DataSource, Generic[Sample]):
 
     def train_batches_from(self, rank: int, world_size: int, batch_size: int, start: int) -> Iterator[Batch]:
         """:meth:`train_batches` from global batch ``start`` (the records before it are parsed, not collated)."""
-        return self._batches("train", rank, world_size, batch_size, start)
+        return self._batches("train", rank, world_size, batch_size, check_start(start))
 
     def eval_batches(self, rank: int, world_size: int, batch_size: int) -> Iterator[Batch]:
         """One pass over ``eval_paths``, or over the held-out global batches of the train stream."""

@@ -45,6 +45,7 @@ from torchrec_herald.data.base import (
     DEFAULT_CAT_NAMES,
     INT_FEATURE_COUNT,
     DataSource,
+    check_start,
     global_batch_size,
     kjt_from_ids,
     scaled_num_embeddings,
@@ -226,8 +227,6 @@ class SyntheticCriteo(DataSource):
     def _batches(self, split: str, num: int, rank: int, world_size: int, batch_size: int,
                  start: int = 0) -> Iterator[Batch]:
         size = global_batch_size(rank, world_size, batch_size)
-        if start < 0:
-            raise ValueError(f"start must be >= 0, got {start}")
         mine = slice(rank * batch_size, (rank + 1) * batch_size)
         for i in range(start, num):
             dense, ids, present, labels = self.global_batch(split, i, size, mine)
@@ -241,7 +240,7 @@ class SyntheticCriteo(DataSource):
     def train_batches_from(self, rank: int, world_size: int, batch_size: int, start: int) -> Iterator[Batch]:
         """:meth:`train_batches` from global batch ``start``: each batch is seeded by its index, so the
         first ``start`` are skipped without being generated."""
-        return self._batches("train", self.num_train_batches, rank, world_size, batch_size, start)
+        return self._batches("train", self.num_train_batches, rank, world_size, batch_size, check_start(start))
 
     def eval_batches(self, rank: int, world_size: int, batch_size: int) -> Iterator[Batch]:
         """``num_eval_batches`` global batches of the (independent) eval stream."""
