@@ -207,7 +207,19 @@ def test_stats_of_other_tables_are_rejected_naming_the_table() -> None:
 
 
 def test_planner_without_access_stats() -> None:
-    with pytest.raises(ValueError, match="HeraldPlanner needs stats=AccessStats"):
+    needs = r"HeraldPlanner needs access statistics: HeraldPlanner.from_batches\(sample_batches, ...\) or stats="
+    with pytest.raises(ValueError, match=needs):
         _planner()
-    with pytest.raises(ValueError, match="HeraldPlanner needs stats=AccessStats"):
+    with pytest.raises(ValueError, match=needs):
         _planner(stats=[])  # TorchRec planner Stats reporters are not access statistics
+
+
+def test_planner_from_batches_rejects_what_it_cannot_count() -> None:
+    from torchrec_herald.planner import HeraldPlanner
+
+    with pytest.raises(ValueError, match="HeraldPlanner.from_batches: num_batches must be >= 1, got 0"):
+        HeraldPlanner.from_batches([], num_batches=0)
+    with pytest.raises(ValueError, match="HeraldPlanner.from_batches: the batches iterable yielded no batch"):
+        HeraldPlanner.from_batches(iter([]))
+    with pytest.raises(ValueError, match="expected Batch or KeyedJaggedTensor items, got Tensor"):
+        HeraldPlanner.from_batches([torch.zeros(3)])

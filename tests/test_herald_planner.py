@@ -46,6 +46,41 @@ def _planned() -> Dict[str, Any]:
             "batch_size": B}
 
 
+def test_planner_from_batches_counts_its_own_statistics_and_leaves_the_generator_alone() -> None:
+    """``HeraldPlanner.from_batches`` (adoption without building AccessStats by hand) reads the first
+    ``num_batches`` batches, takes the local batch size from them and plans the hot sets an explicit
+    ``AccessStats`` of the same batches gives; a data loader drawing from the global generator while
+    it is read leaves that generator as it was."""
+    from torchrec_herald.planner import HeraldPlanner
+    from torchrec_herald.sharding import HeraldEmbeddingBagCollectionSharder
+
+    p = _planned()
+    n = p["cfg"].planner.stats_batches
+    data = __import__("torchrec_herald.data", fromlist=["SyntheticCriteo"]).SyntheticCriteo(
+        scale=0.001, seed=p["cfg"].data.seed, zipf_alpha=p["cfg"].data.zipf_alpha)
+    read = []
+
+    def loader() -> Any:
+        for b in data.train_batches(0, 1, W * p["batch_size"]):
+            torch.rand(1)  # a loader that draws from the global generator
+            read.append(1)
+            yield b
+
+    torch.manual_seed(5)
+    planner = HeraldPlanner.from_batches(loader(), num_batches=n, world_size=W, compute_device="cpu",
+                                         batch_size=p["batch_size"],
+                                         hot_memory_budget_bytes=p["cfg"].planner.hot_memory_budget_bytes)
+    after = torch.rand(2)
+    torch.manual_seed(5)
+    assert torch.equal(after, torch.rand(2)) and len(read) == n
+    assert planner._topology.world_size == W and planner._topology.compute_device == "cpu"
+    assert HeraldPlanner.from_batches(loader(), num_batches=1)._batch_size == W * p["batch_size"]  # the stride
+    plan = _module_plan(planner.plan(p["model"], [HeraldEmbeddingBagCollectionSharder()]))
+    for name, ps in _module_plan(p["plan"]).items():
+        assert torch.equal(plan[name].hot.hot_ids, ps.hot.hot_ids), name
+    assert planner.access_stats(p["tables"]).num_batches == n
+
+
 def _module_plan(plan: Any) -> Dict[str, Any]:
     assert list(plan.plan) == ["model.sparse_arch.embedding_bag_collection"]
     return dict(plan.plan["model.sparse_arch.embedding_bag_collection"])

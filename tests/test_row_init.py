@@ -88,3 +88,71 @@ def test_every_plan_starts_from_identical_weights_equal_to_the_per_row_initialis
     # rank 1 saw the same full tables
     for name, w in res[1]["herald"]["emb"].items():
         assert torch.equal(w, ref["emb"][name])
+
+
+def _meta_built_tables(rank: int, world: int, init_fns: Dict[str, Any]) -> Dict[str, Any]:
+    """A meta-built EBC sharded stock ROW_WISE and herald (hot rows in every table) from the same seed:
+    both models' full tables and their hot replicas, and a draw from the global generator after each
+    DMP (herald must leave it where stock does)."""
+    import torch.distributed as dist
+    from herald_harness import full_state
+    from torchrec.distributed import DistributedModelParallel
+    from torchrec.modules.embedding_configs import EmbeddingBagConfig
+    from torchrec.modules.embedding_modules import EmbeddingBagCollection
+    from torchrec.optim import RowWiseAdagrad, apply_optimizer_in_backward
+
+    from torchrec_herald.planner.convert import herald_plan_from_row_wise
+    from torchrec_herald.planner.stock import stock_plan
+    from torchrec_herald.sharding import (CpuEmbeddingBagCollectionSharder, HeraldEmbeddingBagCollectionSharder,
+                                          HotSpec, ShardedHeraldEmbeddingBagCollection)
+
+    sizes = {"t_a": 101, "t_b": 7, "t_c": 250, "t_d": 2}  # uneven blocks; t_d: a rank with no rows at W=3
+    out: Dict[str, Any] = {}
+    for kind in ("stock", "herald"):
+        tables = [EmbeddingBagConfig(name=n, embedding_dim=4, num_embeddings=r, feature_names=[f"f{i}"],
+                                     init_fn=init_fns.get(n)) for i, (n, r) in enumerate(sizes.items())]
+        ebc = EmbeddingBagCollection(tables=tables, device=torch.device("meta"))
+        apply_optimizer_in_backward(RowWiseAdagrad, ebc.parameters(), {"lr": 0.1})
+        sharders: List[Any] = [CpuEmbeddingBagCollectionSharder()]
+        plan = stock_plan(ebc, tables, sharders, "row_wise", world, 8, torch.device("cpu"), dist.group.WORLD)
+        if kind == "herald":
+            hot = {n: HotSpec(torch.tensor([0, r - 1, r // 2]).unique(), sync="dense") for n, r in sizes.items()}
+            plan, sharders = herald_plan_from_row_wise(plan, hot), [HeraldEmbeddingBagCollectionSharder()]
+        torch.manual_seed(11)
+        dmp = DistributedModelParallel(ebc, device=torch.device("cpu"), plan=plan, sharders=sharders)
+        after = torch.rand(4)
+        state = {k.split(".")[-2]: v for k, v in full_state(dmp).items()}
+        hot_ok = None
+        for m in dmp.modules():
+            if isinstance(m, ShardedHeraldEmbeddingBagCollection):
+                hot_ok = all(torch.equal(m.store.hot_block(t), state[n][m.layout.hot_ids[t]])
+                             for t, n in enumerate(m.layout.tables))
+        out[kind] = {"tables": state, "after": after, "hot_ok": hot_ok}
+    return out
+
+
+def _constant_half(w: Any) -> Any:
+    return torch.nn.init.constant_(w, 0.5)
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_meta_built_tables_start_from_stock_row_wise_weights_under_herald(world: int) -> None:
+    """A meta-built EBC sharded by herald's sharder initialises every row as stock TorchRec's ROW_WISE
+    does for the same seed, bit for bit: the fused TBE's own draw, then each table's ``init_fn`` on the
+    rank's block (a user's ``init_fn`` honoured: t_b normal, t_d constant); hot replicas equal their
+    rows; the global generator ends where stock leaves it. (Herald's tables used to stay all zero.)"""
+    import functools
+
+    init_fns = {"t_b": functools.partial(torch.nn.init.normal_, mean=0.0, std=0.3), "t_d": _constant_half}
+    res = run_multiprocess(_meta_built_tables, world, init_fns)
+    for r in range(world):
+        stock, herald = res[r]["stock"], res[r]["herald"]
+        assert sorted(herald["tables"]) == ["t_a", "t_b", "t_c", "t_d"]
+        for name, w in stock["tables"].items():
+            assert torch.equal(herald["tables"][name], w), (r, name)
+            assert float(w.std()) > 0 or name == "t_d", name
+        assert herald["hot_ok"] is True
+        assert torch.equal(herald["after"], stock["after"])
+    t = res[0]["stock"]["tables"]
+    assert float(t["t_a"].abs().max()) <= (1 / 101) ** 0.5 and float(t["t_b"].abs().max()) > (1 / 7) ** 0.5
+    assert torch.equal(t["t_d"], torch.full((2, 4), 0.5))

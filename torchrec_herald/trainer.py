@@ -37,6 +37,7 @@ from torchrec_herald.pipeline import HeraldTrainPipeline
 from torchrec_herald.pipeline.options import HeraldPipelineConfig
 from torchrec_herald.report import embedding_bytes_per_step, headline  # noqa: F401  (re-exported)
 from torchrec_herald.planner.stock import describe_plan, stock_plan
+from torchrec_herald.planner.topology import make_topology
 from torchrec_herald.sharding import CpuEmbeddingBagCollectionSharder
 from torchrec_herald.sharding.dense_sync import ForwardOrderedDenseSync, dense_optimizer_for
 from torchrec_herald.traffic import MeteredDataParallelWrapper, TrafficMeter, reduce_summaries
@@ -137,8 +138,6 @@ def build_plan(cfg: DictConfig, model: nn.Module, tables: List[Any], data: DataS
                device: torch.device) -> tuple[Any, List[Any]]:
     """``planner.name``: ``stock`` (TorchRec's planner, optionally one forced sharding type) or
     ``herald`` (HeraldPlanner with AccessStats of the first ``stats_batches`` global batches)."""
-    from torchrec.distributed.planner import Topology
-
     from torchrec_herald.planner import AccessStats, CostModelHotSetSelector, HeraldPlanner, TopFractionHotSetSelector
     from torchrec_herald.sharding import HeraldEmbeddingBagCollectionSharder
 
@@ -160,7 +159,7 @@ def build_plan(cfg: DictConfig, model: nn.Module, tables: List[Any], data: DataS
         sample.append(batch.sparse_features)
     stats = AccessStats.from_batches(sample, tables)
     sharders = [HeraldEmbeddingBagCollectionSharder()]
-    planner = HeraldPlanner(topology=Topology(world_size=world_size, compute_device=device.type),
+    planner = HeraldPlanner(topology=make_topology(world_size, device.type),
                             batch_size=cfg.batch_size, stats=stats,
                             hot_memory_budget_bytes=cfg.planner.hot_memory_budget_bytes,
                             hot_set_selector=selectors[cfg.planner.selector]())

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from typing import Any, Dict
+from typing import Any, Dict, Optional
 
 import torch
 from fbgemm_gpu.split_embedding_configs import EmbOptimType
@@ -16,6 +16,33 @@ from fbgemm_gpu.split_table_batched_embeddings_ops_training import (
 
 #: embedding optimizers herald reproduces exactly on the hot replicas
 SUPPORTED_OPTIMIZERS = (EmbOptimType.EXACT_SGD, EmbOptimType.EXACT_ROWWISE_ADAGRAD)
+
+#: fbgemm's dense TBE lookup op, which :func:`dense_lookup` calls
+DENSE_LOOKUP_OP = "fbgemm::dense_embedding_codegen_lookup_function"
+_AUTOGRAD_LIB: Optional[torch.library.Library] = None
+
+
+def register_dense_lookup_autograd() -> bool:
+    """Let autograd pass through to fbgemm's own backward for :data:`DENSE_LOOKUP_OP`; True if this
+    call registered it.
+
+    fbgemm (CPU build, 1.8) registers the op for the CPU key only, and its CPU kernel records the
+    gradient itself (a custom autograd function inside the kernel). PyTorch's autograd fallback then
+    warns at every backward that "an autograd kernel was not registered" — on every rank, every step.
+    A fallthrough kernel at the Autograd key is the registration PyTorch's warning prescribes for an op
+    that handles autograd below that key: the kernel's own backward still computes the gradient
+    (``tests/test_dense_lookup_autograd.py`` checks it against ``embedding_bag``'s). A build that
+    already registers an Autograd kernel (fbgemm's CUDA build) is left as it is."""
+    global _AUTOGRAD_LIB
+    if _AUTOGRAD_LIB is not None or torch._C._dispatch_has_kernel_for_dispatch_key(DENSE_LOOKUP_OP, "Autograd"):
+        return False
+    lib = torch.library.Library("fbgemm", "IMPL")  # noqa: TOR901 - an impl for fbgemm's op, not a new op
+    lib.impl(DENSE_LOOKUP_OP.split("::")[1], torch.library.fallthrough_kernel, "Autograd")
+    _AUTOGRAD_LIB = lib  # the registration lives as long as this object
+    return True
+
+
+register_dense_lookup_autograd()
 
 
 def fused_cold_tbe(rows: int, dim: int, fused_params: Dict[str, Any], device: torch.device

@@ -8,15 +8,18 @@ default) picks each table's replicated hot rows under a per-rank memory budget; 
 from __future__ import annotations
 
 import copy
+import itertools
 import logging
-from typing import Any, Dict, List, Optional, Union
+from typing import Any, Dict, Iterable, List, Optional, Sequence, Union
 
+import torch
 from torch import nn
 from torchrec.distributed.planner import EmbeddingShardingPlanner, ParameterConstraints
 from torchrec.distributed.planner.types import Stats
 from torchrec.distributed.types import ModuleSharder, ShardingPlan, ShardingType
 from torchrec.modules.embedding_configs import EmbeddingBagConfig
 from torchrec.modules.embedding_modules import EmbeddingBagCollection
+from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from torchrec_herald.planner.convert import herald_plan_from_row_wise
 from torchrec_herald.planner.hot_set import (
@@ -26,6 +29,7 @@ from torchrec_herald.planner.hot_set import (
     format_traffic_report,
 )
 from torchrec_herald.planner.stats import AccessStats
+from torchrec_herald.planner.topology import default_storage_reservation, make_topology
 from torchrec_herald.sharding.types import HERALD_HOT_ROW_WISE, HotSpec
 
 logger = logging.getLogger(__name__)
@@ -57,18 +61,57 @@ class HeraldPlanner(EmbeddingShardingPlanner):
 
     def __init__(self, *args: Any, stats: Union[AccessStats, Stats, List[Stats], None] = None,
                  hot_memory_budget_bytes: Optional[int] = DEFAULT_HOT_MEMORY_BUDGET_BYTES,
-                 hot_set_selector: Optional[HotSetSelector] = None, **kwargs: Any) -> None:
+                 hot_set_selector: Optional[HotSetSelector] = None,
+                 sample_batches: Optional[Sequence[Any]] = None, **kwargs: Any) -> None:
         access = stats if isinstance(stats, AccessStats) else None
+        kwargs.setdefault("storage_reservation", default_storage_reservation())
         super().__init__(*args, stats=None if access is not None else stats, **kwargs)
-        if access is None:
-            raise ValueError("HeraldPlanner needs stats=AccessStats.from_batches(sample_batches, tables)")
+        if access is None and not sample_batches:
+            raise ValueError("HeraldPlanner needs access statistics: HeraldPlanner.from_batches(sample_batches, ...) "
+                             "or stats=AccessStats.from_batches(sample_batches, tables)")
         if hot_memory_budget_bytes is not None and hot_memory_budget_bytes < 0:
             raise ValueError(f"hot_memory_budget_bytes must be >= 0, got {hot_memory_budget_bytes}")
         self._access_stats = access
+        self._sample_batches = list(sample_batches or [])
         self._budget = hot_memory_budget_bytes
         self._selector = hot_set_selector or CostModelHotSetSelector()
         self.last_choices: Dict[str, HotSetChoice] = {}
         self._check_budget_fits()
+
+    @classmethod
+    def from_batches(cls, batches: Iterable[Any], num_batches: int = 20, *, world_size: Optional[int] = None,
+                     compute_device: Optional[str] = None, **kwargs: Any) -> "HeraldPlanner":
+        """A planner whose access statistics are counted from ``batches``, the adoption path of a
+        script that never built a planner (DMP planned for it)::
+
+            plan = HeraldPlanner.from_batches(itertools.islice(dataset, 20)).collective_plan(model, [sharder])
+
+        Args:
+            batches: sample batches (``torchrec.datasets.utils.Batch`` or ``KeyedJaggedTensor``), e.g. a
+                fresh iterator over the training data; the first ``num_batches`` are read. The global
+                random generator is left as it was, so a model built after planning initialises as it
+                would without the planner.
+            num_batches: how many batches to count (``>= 1``).
+            world_size, compute_device: the ``Topology`` when ``topology=`` is not given (default:
+                the process group's size; ``cuda`` when a GPU is visible).
+            kwargs: ``HeraldPlanner`` / ``EmbeddingShardingPlanner`` arguments; ``batch_size``
+                defaults to the sample batches' size.
+
+        The counts are taken at :meth:`plan` time over the module's tables; with ``collective_plan``
+        rank 0's sample decides, as rank 0's plan does."""
+        if int(num_batches) < 1:
+            raise ValueError(f"HeraldPlanner.from_batches: num_batches must be >= 1, got {num_batches}")
+        with torch.random.fork_rng(devices=[]):  # a data loader drawing from the global generator
+            sample = [getattr(b, "sparse_features", b) for b in itertools.islice(iter(batches), int(num_batches))]
+        if not sample:
+            raise ValueError("HeraldPlanner.from_batches: the batches iterable yielded no batch")
+        bad = [type(b).__name__ for b in sample if not isinstance(b, KeyedJaggedTensor)]
+        if bad:
+            raise ValueError(f"HeraldPlanner.from_batches: expected Batch or KeyedJaggedTensor items, got {bad[0]}")
+        if kwargs.get("topology") is None:
+            kwargs["topology"] = make_topology(world_size, compute_device)
+        kwargs.setdefault("batch_size", int(sample[0].stride()))
+        return cls(sample_batches=sample, **kwargs)
 
     def _check_budget_fits(self) -> None:
         if self._budget is None:
@@ -95,18 +138,27 @@ class HeraldPlanner(EmbeddingShardingPlanner):
         stock_sharders = [_as_stock(s) for s in sharders]
         if not tables:
             return super().plan(module, stock_sharders)
-        self._access_stats.validate(tables)
-        choices = self._selector.select(self._access_stats, tables, self._topology.world_size, self._batch_size,
-                                        self._budget)
+        stats = self.access_stats(tables)
+        stats.validate(tables)
+        choices = self._selector.select(stats, tables, self._topology.world_size, self._batch_size, self._budget)
         self.last_choices = choices
         # cold layout: TorchRec's own planner with every table ROW_WISE (its enumerator is built with
         # the constraints, hence a second planner rather than swapping ours)
         row_wise = EmbeddingShardingPlanner(topology=self._topology, batch_size=self._batch_size,
+                                            storage_reservation=self._storage_reservation,
                                             constraints=self._row_wise_constraints(tables)).plan(module, stock_sharders)
         hot = {name: HotSpec(c.hot_ids, sync=c.sync, expected=c.expected.as_dict()) for name, c in choices.items()}
         plan = herald_plan_from_row_wise(row_wise, hot)
         logger.info("HeraldPlanner: %s tables\n%s", len(tables), self.describe())
         return plan
+
+    def access_stats(self, tables: List[EmbeddingBagConfig]) -> AccessStats:
+        """The statistics the hot sets are chosen from: those given, or the counts of the sample batches
+        over ``tables`` (counted once)."""
+        if self._access_stats is None:
+            self._access_stats = AccessStats.from_batches(self._sample_batches, tables)
+            self._sample_batches = []
+        return self._access_stats
 
     def describe(self) -> str:
         """Per table: hot rows, sync, replica bytes per rank, expected bytes per step stock vs herald."""

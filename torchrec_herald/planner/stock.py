@@ -9,9 +9,11 @@ from typing import Dict, List, Optional
 import torch
 import torch.distributed as dist
 from torch import nn
-from torchrec.distributed.planner import EmbeddingShardingPlanner, ParameterConstraints, Topology
+from torchrec.distributed.planner import EmbeddingShardingPlanner, ParameterConstraints
 from torchrec.distributed.types import ModuleSharder, ShardingPlan, ShardingType
 from torchrec.modules.embedding_configs import EmbeddingBagConfig
+
+from torchrec_herald.planner.topology import default_storage_reservation, make_topology
 
 logger = logging.getLogger(__name__)
 
@@ -38,8 +40,9 @@ def stock_plan(module: nn.Module, tables: List[EmbeddingBagConfig], sharders: Li
                pg: Optional[dist.ProcessGroup] = None) -> ShardingPlan:
     """Plan ``module`` with TorchRec's own planner (collectively when a process group is given)."""
     planner = EmbeddingShardingPlanner(
-        topology=Topology(world_size=world_size, compute_device=device.type),
+        topology=make_topology(world_size, device.type),
         batch_size=local_batch_size,
+        storage_reservation=default_storage_reservation(),
         constraints=stock_constraints(tables, mode),
     )
     plan = planner.collective_plan(module, sharders, pg) if pg is not None else planner.plan(module, sharders)

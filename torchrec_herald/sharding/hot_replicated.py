@@ -256,7 +256,11 @@ class ShardedHeraldEmbeddingBagCollection(
         self._tables, self._num_embeddings = list(lay.tables), list(lay.num_embeddings)
         self._feature_names: List[str] = list(lay.features)
         self._num_hot = lay.num_hot
-        self._store = RowStore(lay, self._rank, self._dim, self._fused_params, self._device)
+        # fbgemm's dense TBE draws its placeholder weights from the global generator (torch.randn): build
+        # the storage on a forked generator, so the rows below draw exactly what stock TorchRec draws
+        with torch.random.fork_rng(devices=[self._device] if self._device.type == "cuda" else []):
+            self._store = RowStore(lay, self._rank, self._dim, self._fused_params, self._device)
+        self._configs = list(configs)
         self._pending_hot: Optional[_PendingHotSync] = None  # hot-row gradient sum in flight
         for p in self._store.parameters():
             p._in_backward_optimizers = [EmptyFusedOptimizer()]  # updated in backward: keep dense optimizers off
@@ -272,7 +276,9 @@ class ShardedHeraldEmbeddingBagCollection(
         self._all_dense_rows = (~self._sparse_row).nonzero().flatten()
         self._frozen_hot = torch.zeros(max(self._num_hot, 1), dtype=torch.bool)  # stale-update skipping
         self._set_dense_rows(self._all_dense_rows)
-        if not any(p.is_meta for p in module.parameters()):
+        if any(p.is_meta for p in module.parameters()):
+            self.reset_parameters()  # built on meta, as large models are: initialise as stock TorchRec does
+        else:
             self._load_full({c.name: module.embedding_bags[c.name].weight.detach() for c in configs})
         logger.info("herald EBC rank %d: %d tables, %d cold rows, %d hot rows (%s sync), optimizer %s",
                     self._rank, len(configs), sum(self.store.block_rows), self._num_hot, "/".join(sorted(set(self._syncs))),
@@ -588,6 +594,26 @@ class ShardedHeraldEmbeddingBagCollection(
             grads.append(torch.zeros(unique.numel(), self._dim, device=got.device).index_add_(0, slot, got[:, 1:]))
         if rows:
             self._store.update_hot_rows(torch.cat(rows), torch.cat(grads))
+
+    def reset_parameters(self) -> None:
+        """Initialise every row this rank holds exactly as stock TorchRec's ROW_WISE sharding of the same
+        meta-built EBC does (collective: the hot replicas are then filled from their owners' blocks).
+
+        Stock builds one fused TBE over each rank's row blocks, whose constructor draws every block
+        uniform in the table's ``weight_init_min/max``, then ``ShardedEmbeddingBagCollection.
+        reset_parameters`` calls each table's ``init_fn`` (config order) on the table's ShardedTensor,
+        i.e. on the rank's block. Herald's cold blocks have the same row ranges, so doing the same two
+        passes draws the same numbers from this rank's generator: for the same seed a herald model
+        starts from the weights stock ROW_WISE would (TABLE_WISE draws each whole table on its owner's
+        generator instead, so its weights depend on which rank owns which table)."""
+        store = self._store
+        with torch.no_grad():
+            for t, cfg in enumerate(self._configs):  # the fused TBE's own initialisation (stock draws it too)
+                store.cold_block(t).uniform_(cfg.get_weight_init_min(), cfg.get_weight_init_max())
+            for t, cfg in enumerate(self._configs):
+                if cfg.init_fn is not None:
+                    cfg.init_fn(self.sharded_block(t, store.cold_block(t)))
+        self.refresh_hot_from_blocks()
 
     def refresh_hot_from_blocks(self) -> None:
         """After the cold blocks were loaded (weights/optimizer state), give every replica the owners'
