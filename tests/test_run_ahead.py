@@ -27,7 +27,7 @@ from unittest import mock
 import pytest
 import torch
 
-from herald_harness import MappedData, error_of
+from herald_harness import MappedData, error_of, weight_rtol
 from torchrec_herald.data import TrainStream
 from torchrec_herald.dist_utils import run_multiprocess
 
@@ -140,7 +140,7 @@ def rel(a: torch.Tensor, b: torch.Tensor) -> float:
 
 def _close(h: Dict[str, torch.Tensor], s: Dict[str, torch.Tensor]) -> None:
     assert set(h) == set(s)
-    bad = {k: rel(h[k], s[k]) for k in s if not rel(h[k], s[k]) <= RTOL}
+    bad = {k: rel(h[k], s[k]) for k in s if not rel(h[k], s[k]) <= weight_rtol(COMMON["optimizer"])}
     assert not bad, bad
 
 

@@ -1,8 +1,9 @@
 """torchx component: ``torchx run -s local_cwd torchrec_herald/components.py:train --nproc_per_node 2 [overrides]``.
 
-It launches ``python -m torch.distributed.run ... -m torchrec_herald.train <hydra overrides>`` with the
-same interpreter that runs torchx (so an activated-or-not venv works offline and ``torchrun`` need not
-be on PATH). Every rank gets ``HERALD_RUN_ID`` = the torchx app id, so all ranks share one Hydra run
+It launches ``python -m torchrec_herald.launch ... -m torchrec_herald.train <hydra overrides>`` (torchrun,
+whose failure report is one line naming the cause: ``torchrec_herald/launch.py``) with the same
+interpreter that runs torchx (so an activated-or-not venv works offline and ``torchrun`` need not be on
+PATH). Every rank gets ``HERALD_RUN_ID`` = the torchx app id, so all ranks share one Hydra run
 dir ``outputs/<app id>``. ``--max-restarts 0``: a failing rank fails the whole job at once, and
 torchelastic's ``@record`` error file makes torchrun print that rank's traceback.
 """
@@ -54,7 +55,7 @@ def train(
     if nproc_per_node < 1 or nnodes < 1:
         raise ValueError(f"nproc_per_node and nnodes must be >= 1, got {nproc_per_node}, {nnodes}")
     launcher: List[str] = [
-        python, "-m", "torch.distributed.run",
+        python, "-m", "torchrec_herald.launch",
         "--nnodes", str(nnodes),
         "--nproc_per_node", str(nproc_per_node),
         "--max_restarts", str(max_restarts),

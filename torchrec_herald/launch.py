@@ -1,0 +1,77 @@
+"""The launcher the torchx component runs: ``torch.distributed.run`` (torchrun) whose failure is one line.
+
+torchrun reports a failed rank with an error log line, its own 20-line traceback and a summary that
+repeats the cause for every rank. This entry point runs the very same launcher (``torch.distributed.run.
+run``) and, when a rank fails, prints one line instead: the root cause (the first rank to fail, from
+torchelastic's error file, which ``torchrec_herald.train`` fills with ``<Type>: <message naming the key,
+file or line> (traceback: <the rank's log>)``), or the rank's exit code and log file where it died
+without one (a signal, an out-of-memory kill). The error file is handed up as torchrun's ``@record``
+does, so torchx's final status names the same cause.
+
+    python -m torchrec_herald.launch <torchrun arguments> -m torchrec_herald.train <overrides>
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+from pathlib import Path
+from typing import List, Optional
+
+__all__ = ["failure_line", "main"]
+
+#: torchelastic's own reports of a failure, which the one line below replaces
+_ELASTIC_FAILURE_LOGS = ("failed (exitcode", "Sending process")
+
+
+def _quiet_elastic_failure_logs() -> None:
+    class _DropFailureReports(logging.Filter):
+        def filter(self, record: logging.LogRecord) -> bool:
+            return not str(record.msg).startswith(_ELASTIC_FAILURE_LOGS)
+
+    logging.getLogger("torch.distributed.elastic.multiprocessing.api").addFilter(_DropFailureReports())
+
+
+def failure_line(rank: int, failure: object, run_id: Optional[str] = None) -> str:
+    """One line for a failed rank: its error file's message, else its exit code (or signal) and, when
+    the run's rank log exists, its path (``outputs/<run id>/logs/rank<r>.log``)."""
+    message = getattr(failure, "message", "")
+    if isinstance(message, dict):  # the structured form torchelastic's ErrorHandler writes
+        message = message.get("message", "")
+    if _has_error_file(failure) and isinstance(message, str) and message.strip():
+        return " ".join(message.split())
+    exitcode = getattr(failure, "exitcode", None)
+    how = f"exit code {exitcode}"
+    if isinstance(exitcode, int) and exitcode < 0:
+        how += f" ({failure.signal_name()})"  # type: ignore[attr-defined]
+    log = Path("outputs") / (run_id or "") / "logs" / f"rank{rank}.log"
+    where = f"; its log: {log}" if run_id and log.is_file() else ""
+    return f"rank {rank} died with {how} before reporting an error{where}"
+
+
+def _has_error_file(failure: object) -> bool:
+    path = getattr(failure, "error_file", None)
+    return isinstance(path, str) and os.path.isfile(path)
+
+
+def main(argv: Optional[List[str]] = None) -> None:
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, get_error_handler
+    from torch.distributed.run import parse_args, run
+
+    _quiet_elastic_failure_logs()
+    args = parse_args(argv)
+    try:
+        run(args)
+    except ChildFailedError as e:
+        rank, failure = e.get_first_failure()
+        if _has_error_file(failure):  # torchx's status reads the launcher's error file: the root cause's
+            get_error_handler().dump_error_file(failure.error_file, failure.exitcode)
+        sys.stderr.write(f"{e.name} failed on rank {rank}: "
+                         f"{failure_line(rank, failure, os.environ.get('HERALD_RUN_ID'))}\n")
+        sys.stderr.flush()
+        sys.exit(1)
+
+
+if __name__ == "__main__":
+    main()
