@@ -103,7 +103,7 @@ def worker(config: str, steps: int, segments: int, warmup: int, out: str, rate: 
     for _ in range(warmup):
         pipeline.progress(it)
     herald = isinstance(pipeline, HeraldTrainPipeline)
-    s0 = scheduler_seconds(pipeline)
+    s0 = scheduler_seconds(getattr(pipeline, "stats", None))
     dist.barrier()
     seg_s: List[float] = []
     per = steps // segments
@@ -115,7 +115,7 @@ def worker(config: str, steps: int, segments: int, warmup: int, out: str, rate: 
             out_[0].item()
             seg_s.append(time.perf_counter() - t0)
     n = per * segments
-    sched = [(after - before) / n for after, before in zip(scheduler_seconds(pipeline), s0)]
+    sched = [(after - before) / n for after, before in zip(scheduler_seconds(getattr(pipeline, "stats", None)), s0)]
     result = {
         "rank": rank, "config": config, "steps": n,
         "samples_per_s": statistics.median(world * cfg.batch_size * per / s for s in seg_s),

@@ -47,7 +47,7 @@ def test_single_node_launcher_argv_exact() -> None:
     role = app.roles[0]
     assert role.entrypoint == sys.executable
     assert role.args == [
-        "-m", "torch.distributed.run",
+        "-m", "torchrec_herald.launch",
         "--nnodes", "1",
         "--nproc_per_node", "2",
         "--max_restarts", "0",
@@ -63,7 +63,7 @@ def test_single_node_launcher_argv_exact() -> None:
 def test_single_node_args_structure() -> None:
     overrides = ["data=criteo_tsv", "data.paths=[a.tsv,b.tsv]", "batch_size=64", "+extra='x y'"]
     args = train(*overrides, nproc_per_node=3).roles[0].args
-    assert args[:2] == ["-m", "torch.distributed.run"]
+    assert args[:2] == ["-m", "torchrec_herald.launch"]
 
     def value(flag: str) -> str:
         assert args.count(flag) == 1, flag
@@ -126,7 +126,7 @@ def test_named_resource_h() -> None:
 def test_python_option() -> None:
     role = train(python="python3").roles[0]
     assert role.entrypoint == "python3"
-    assert role.args[:2] == ["-m", "torch.distributed.run"]
+    assert role.args[:2] == ["-m", "torchrec_herald.launch"]
 
 
 @pytest.mark.parametrize("kw", [{"nproc_per_node": 0}, {"nproc_per_node": -1}, {"nnodes": 0}])
@@ -164,7 +164,7 @@ def test_multi_node_bash_command() -> None:
 
     node = node_view(role, app_id="app-123")
     cmd = node.args[1]
-    assert cmd.startswith(f"{sys.executable} -m torch.distributed.run ")
+    assert cmd.startswith(f"{sys.executable} -m torchrec_herald.launch ")
     assert "--nnodes 2" in cmd
     assert "--nproc_per_node 2" in cmd
     assert "--max_restarts 0" in cmd
@@ -207,7 +207,7 @@ def test_multi_node_command_as_bash_runs_it(tmp_path: Path, rank0_host) -> None:
     )
     argv = out.stdout.splitlines()
     assert argv == [
-        "-m", "torch.distributed.run",
+        "-m", "torchrec_herald.launch",
         "--nnodes", "2",
         "--nproc_per_node", "2",
         "--max_restarts", "0",
@@ -299,14 +299,22 @@ def _last_lines(out: str, n: int = 10) -> str:
     (["planner=herald", "pipeline=herald", "compare_with=table_wise", "pipeline.staleness=-1"],
      "ValueError: pipeline.staleness must be null (exact) or an integer >= 0, got -1"),
     (["pipeline=herald"], "ValueError: pipeline=herald needs planner=herald"),
+    (["planner=herald", "pipeline=herald", "compare_with=table_wise", "checkpoint.dir=README.md"],
+     "ValueError: checkpoint.dir=README.md is a file, not a directory; give a directory"),
+    (["planner=herald", "pipeline=herald", "compare_with=table_wise", "checkpoint.dir=/proc/herald-ckpt",
+      "checkpoint.every_n_steps=5"],
+     "ValueError: checkpoint.dir=/proc/herald-ckpt is not writable: no file can be created in /proc"),
 ])
 def test_e2e_bad_setting_fails_before_training_with_one_line(run_id: str, overrides: List[str],
                                                              message: str) -> None:
-    """A bad herald setting fails before anything trains (with compare_with: before the baseline), and
-    its one-line message, naming the key, ends the launch's output."""
+    """A bad herald setting fails before anything trains (with compare_with: before the baseline). The
+    first failure line the launch prints names the cause, the launch prints no traceback, and the same
+    line, naming the key, ends its output (torchx's final status)."""
     proc, elapsed = _launch(run_id, *overrides, timeout=90)
     out = _combined(proc)
     assert proc.returncode != 0, out[-6000:]
+    assert message in _first_failure_line(out), out[-3000:]
+    assert "Traceback" not in out and len(out.splitlines()) < 30, out
     assert message in _last_lines(out), out[-3000:]
     assert f"traceback: {REPO / 'outputs' / run_id / 'logs' / 'rank'}" in _last_lines(out), out[-3000:]
     # the log of the rank that failed first (torchrun may stop the other before it writes its own)
@@ -316,6 +324,27 @@ def test_e2e_bad_setting_fails_before_training_with_one_line(run_id: str, overri
     assert not list((REPO / "outputs" / run_id).glob("**/metrics.json"))  # nothing trained, baseline included
     assert "train:" not in out  # no progress bar ever started
     print(f"{overrides[-1]} failed in {elapsed:.1f} s")
+
+
+def _first_failure_line(out: str) -> str:
+    """The first line of a launch's output that reports a failure (torchx's own INFO lines aside)."""
+    for line in out.splitlines():
+        if not line.startswith("torchx ") and re.search(r"(?i)error|failed|exception|traceback", line):
+            return " ".join(line.split())
+    return ""
+
+
+@pytest.mark.slow
+def test_e2e_window_larger_than_a_files_batches_fails_before_the_baseline(run_id: str, tmp_path: Path) -> None:
+    f = tmp_path / "day_0.tsv"
+    f.write_text(("1\t" + "\t".join(["1"] * 13) + "\t" + "\t".join(["a"] * 26) + "\n") * 300)
+    proc, _ = _launch(run_id, "planner=herald", "pipeline=herald", "compare_with=table_wise", "pipeline.window=5",
+                      "batch_size=32", "data=criteo_tsv", f"data.paths={f}", timeout=90)
+    out = _combined(proc)
+    assert proc.returncode != 0, out[-6000:]
+    assert ("ValueError: pipeline.window=5 is larger than the 4 global batch(es) of 2 × 32 samples that "
+            "CriteoTSV(day_0.tsv) holds (data.paths); lower pipeline.window") in _first_failure_line(out), out
+    assert not list((REPO / "outputs" / run_id).glob("**/metrics.json"))  # the baseline did not train
 
 
 @pytest.mark.slow
@@ -348,13 +377,12 @@ def test_e2e_compare_with_leaves_a_comparison_report(run_id: str) -> None:
     assert (run_dir / "training.png").stat().st_size > 0 and (run_dir / "baseline_table_wise" / "training.png").exists()
 
 
-def _final_weights(run_dir: Path, step: int) -> Dict[str, Any]:
+def _final_weights(checkpoint_dir: Path, step: int, out: Path) -> Dict[str, Any]:
     """The model of a run's checkpoint at ``step`` as full tensors (DCP's own converter)."""
     import torch
     from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
-    out = run_dir / f"final_{step}.pt"
-    dcp_to_torch_save(str(run_dir / "checkpoints" / f"step_{step:08d}"), str(out))
+    dcp_to_torch_save(str(checkpoint_dir / f"step_{step:08d}"), str(out))
     return torch.load(out, weights_only=False)["model"]
 
 
@@ -364,33 +392,83 @@ def _final_weights(run_dir: Path, step: int) -> Dict[str, Any]:
     ["planner=table_wise", "optimizer=sgd"],
     ["planner=herald", "pipeline=herald", "optimizer=rowwise_adagrad"],
 ])
-def test_e2e_a_killed_rank_resumes_and_trains_as_if_never_stopped(config: List[str]) -> None:
-    """2 ranks, checkpoints every 5 steps; rank 1 is SIGKILLed after step 12; torchx restarts the job
-    (``--max_restarts 1``), which resumes from step 10 and finishes: its per-step losses and final weights
-    equal an uninterrupted run of the same config, bit for bit."""
+def test_e2e_a_killed_run_resumes_when_the_same_command_is_run_again(config: List[str], tmp_path: Path) -> None:
+    """2 ranks, checkpoints every 5 steps; rank 1 is SIGKILLed after step 12 and the job ends. Running the
+    identical command again (a new torchx app id, hence a new run dir) finds the run's checkpoint folder,
+    which is named after its config, resumes from step 10, says so, and ends with the per-step losses
+    and final weights of an uninterrupted run, bit for bit. Its figures count this attempt: 10 steps,
+    bytes per step over those steps (equal to the uninterrupted run's where every step sends the same
+    bytes: TABLE_WISE), samples/s over this attempt's time."""
     import torch
 
     common = config + ["data.num_train_batches=20", "data.num_eval_batches=2", "batch_size=64",
                        "checkpoint.every_n_steps=5"]
     runs = {}
-    for kind, env, restarts in (("whole", {}, 0),
-                                ("killed", {"HERALD_FAULT_KILL_AT_STEP": "12", "HERALD_FAULT_KILL_RANK": "1"}, 1)):
-        rid = f"pytest-{uuid.uuid4().hex[:12]}"
-        try:
-            proc, _ = _launch(rid, *common, timeout=240, max_restarts=restarts, env_extra=env)
-            out = _combined(proc)
-            assert proc.returncode == 0, out[-6000:]
-            run_dir = REPO / "outputs" / rid
-            runs[kind] = (json.loads((run_dir / "losses.json").read_text()), _final_weights(run_dir, 20), out)
-        finally:
-            shutil.rmtree(REPO / "outputs" / rid, ignore_errors=True)
-    (l1, w1, _), (l2, w2, out2) = runs["whole"], runs["killed"]
-    # the first attempt died (rank 1 killed after step 12), the second resumed from the step-10 checkpoint
+    for kind, root in (("whole", tmp_path / "whole"), ("killed", tmp_path / "killed")):
+        command = common + [f"checkpoint.root={root}"]
+        attempts = [{"HERALD_FAULT_KILL_AT_STEP": "12", "HERALD_FAULT_KILL_RANK": "1"}, {}] if kind == "killed" else [{}]
+        for i, env in enumerate(attempts):
+            rid = f"pytest-{uuid.uuid4().hex[:12]}"
+            try:
+                proc, _ = _launch(rid, *command, timeout=240, env_extra=env)
+                out = _combined(proc)
+                if i + 1 < len(attempts):
+                    assert proc.returncode != 0, out[-3000:]  # the kill ended the job
+                    continue
+                assert proc.returncode == 0, out[-6000:]
+                run_dir = REPO / "outputs" / rid
+                metrics = json.loads((run_dir / "metrics.json").read_text())
+                weights = _final_weights(Path(metrics["checkpoint_dir"]), 20, tmp_path / f"{kind}.pt")
+                runs[kind] = (json.loads((run_dir / "losses.json").read_text()), weights, out, metrics)
+            finally:
+                shutil.rmtree(REPO / "outputs" / rid, ignore_errors=True)
+    (l1, w1, out1, m1), (l2, w2, out2, m2) = runs["whole"], runs["killed"]
     assert "resuming from checkpoint" in out2 and "step_00000010: step 10 (epoch 0, batch 10 of it)" in out2, \
         out2[-3000:]
-    assert "resuming from checkpoint" not in runs["whole"][2]
+    assert "resuming from checkpoint" not in out1
     assert len(l1) == len(l2) == 20 and l1 == l2
     assert set(w1) == set(w2) and all(torch.equal(w1[k], w2[k]) for k in w1)
+    assert (m1["steps"], m1["steps_this_attempt"], m1["resumed_from_step"]) == (20, 20, None)
+    assert (m2["steps"], m2["steps_this_attempt"], m2["resumed_from_step"]) == (20, 10, 10)
+    assert m2["resumed_from"].endswith("step_00000010")
+    b1, b2 = (m["summary"]["bytes_per_step_all_ranks"] for m in (m1, m2))
+    if "planner=table_wise" in config:
+        assert b2 == b1
+    else:  # herald's bytes vary from step to step; a count over 20 steps divided by 10 would be 2x
+        assert 0.75 <= b2 / b1 <= 1.25, (b1, b2)
+    assert m2["samples_per_s"] == pytest.approx(10 * 128 / m2["train_time_s"])
+
+
+@pytest.mark.slow
+def test_e2e_resume_false_starts_fresh_and_keeps_the_earlier_checkpoints(tmp_path: Path) -> None:
+    command = ["planner=table_wise", "data.num_train_batches=6", "data.num_eval_batches=1", "batch_size=32",
+               "checkpoint.every_n_steps=3", f"checkpoint.root={tmp_path}", "eval=false"]
+    outs = []
+    for extra in ([], ["checkpoint.resume=false"]):
+        rid = f"pytest-{uuid.uuid4().hex[:12]}"
+        try:
+            proc, _ = _launch(rid, *command, *extra, timeout=120)
+            outs.append(_combined(proc))
+            assert proc.returncode == 0, outs[-1][-3000:]
+            outs.append(json.loads((REPO / "outputs" / rid / "metrics.json").read_text()))
+        finally:
+            shutil.rmtree(REPO / "outputs" / rid, ignore_errors=True)
+    assert outs[3]["steps_this_attempt"] == 6 and outs[3]["resumed_from_step"] is None
+    # the same command once more: the run is complete, its figures are reported, nothing retrains
+    rid = f"pytest-{uuid.uuid4().hex[:12]}"
+    try:
+        proc, _ = _launch(rid, *command, timeout=120)
+        out = _combined(proc)
+        assert proc.returncode == 0, out[-3000:]
+        assert "the run already finished at step 6" in out
+        assert json.loads((REPO / "outputs" / rid / "metrics.json").read_text()) == outs[3]
+    finally:
+        shutil.rmtree(REPO / "outputs" / rid, ignore_errors=True)
+    assert "starting fresh; the earlier checkpoints of this run were moved to" in outs[2]
+    folders = sorted(p.name for p in tmp_path.iterdir())
+    name = Path(outs[1]["checkpoint_dir"]).name
+    assert folders[0] == name and len(folders) == 2 and folders[1].startswith(f"{name}.set-aside-")
+    assert (tmp_path / folders[1] / "step_00000006").is_dir()  # the first run's checkpoints, kept
 
 
 def test_max_restarts_reaches_torchrun() -> None:

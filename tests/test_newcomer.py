@@ -54,6 +54,47 @@ def test_bad_setting_fails_in_preflight_naming_its_key(overrides: List[str], mes
     assert _error(overrides).startswith(message), _error(overrides)
 
 
+def test_checkpoint_dir_that_is_a_file_fails_in_preflight_naming_the_key(tmp_path: Path) -> None:
+    f = tmp_path / "ckpt"
+    f.write_text("not a folder")
+    assert _error([f"checkpoint.dir={f}"]) == (f"ValueError: checkpoint.dir={f} is a file, not a directory; "
+                                               f"give a directory")
+    assert _error([f"checkpoint.dir={f}/run1", "checkpoint.every_n_steps=5"]) == (
+        f"ValueError: checkpoint.dir={f}/run1 lies under {f}, which is a file, not a directory; give a directory")
+    assert _error([f"checkpoint.root={f}"]).startswith(f"ValueError: checkpoint.root={f} is a file")
+
+
+def test_unwritable_checkpoint_dir_fails_in_preflight_naming_the_key() -> None:
+    """/proc refuses new files even to root (a chmod would not stop root)."""
+    d = "/proc/herald-checkpoints"
+    assert _error([f"checkpoint.dir={d}", "checkpoint.every_n_steps=5"]).startswith(
+        f"ValueError: checkpoint.dir={d} is not writable: no file can be created in /proc (")
+    assert _error([f"checkpoint.dir={d}"]) == "no error"  # no checkpoints saved: nothing is written there
+
+
+def test_bad_run_name_fails_in_preflight() -> None:
+    assert _error(["run_name=../x"]).startswith("ValueError: run_name='../x' must be a folder name")
+
+
+@pytest.mark.parametrize("records, holdout, ok", [(2 * 64 * 3, "10", True), (2 * 64 * 3 - 1, "10", False),
+                                                  (2 * 64 * 3, "3", False), (2 * 64 * 4, "3", True)])
+def test_window_is_checked_against_a_files_batches_before_training(tmp_path: Path, monkeypatch: Any,
+                                                                   records: int, holdout: str, ok: bool) -> None:
+    """A file source has no ``num_train_batches``: preflight parses the file's first records until the
+    window's global batches are found (every ``holdout_every``-th one held out), at 2 ranks × 64."""
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    f = tmp_path / "day_0.tsv"
+    f.write_text((GOOD_TSV_LINE + "\n") * records)
+    got = _error(["planner=herald", "pipeline=herald", "pipeline.window=3", "batch_size=64", "data=criteo_tsv",
+                  f"data.paths={f}", f"data.holdout_every={holdout}"])
+    if ok:
+        assert got == "no error"
+    else:
+        found = (records // 128) - (records // 128) // int(holdout)
+        assert got == (f"ValueError: pipeline.window=3 is larger than the {found} global batch(es) of 2 × 64 "
+                       f"samples that CriteoTSV(day_0.tsv) holds (data.paths); lower pipeline.window")
+
+
 def test_good_settings_pass_preflight() -> None:
     for overrides in ([], ["planner=herald", "pipeline=herald", "compare_with=table_wise"],
                       ["planner=herald", "planner.hot_memory_budget_bytes=1", "pipeline=herald"]):

@@ -10,13 +10,14 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import re
 from pathlib import Path
 from typing import Any, Dict
 
 from omegaconf import DictConfig, OmegaConf
 
-__all__ = ["NOT_TRAINING_KEYS", "checkpoint_dir", "run_name"]
+__all__ = ["NOT_TRAINING_KEYS", "check_checkpoint_location", "checkpoint_dir", "run_name"]
 
 #: top-level config keys that do not change the trained model (a re-run differing in them resumes)
 NOT_TRAINING_KEYS = ("checkpoint", "log_every", "eval", "compare_with", "run_name")
@@ -50,3 +51,30 @@ def checkpoint_dir(cfg: DictConfig, world_size: int) -> Path:
     if c.get("dir"):
         return Path(str(c.dir))
     return Path(str(c.get("root") or "outputs/checkpoints")) / run_name(cfg, world_size)
+
+
+def check_checkpoint_location(cfg: DictConfig, world_size: int, writing: bool) -> Path:
+    """Before anything trains: the checkpoint folder is a directory (or can be made one) and, when the
+    run will save checkpoints (``writing``), a file can be created in it. Raises ValueError naming
+    ``checkpoint.dir`` (or ``checkpoint.root``) and what is wrong; returns the folder."""
+    import tempfile
+
+    c = cfg.get("checkpoint") or {}
+    key = "checkpoint.dir" if c.get("dir") else "checkpoint.root"
+    given = Path(str(c.get("dir") or c.get("root") or "outputs/checkpoints"))
+    folder = checkpoint_dir(cfg, world_size)
+    for p in (given, *given.parents):
+        if p.exists() and not p.is_dir():
+            what = "is a file" if p == given else f"lies under {p}, which is a file"
+            raise ValueError(f"{key}={given} {what}, not a directory; give a directory")
+    if not writing:
+        return folder
+    existing = next(p for p in (folder, *folder.parents) if p.exists())
+    try:
+        fd, probe = tempfile.mkstemp(prefix=".herald-write-check-", dir=existing)
+        os.close(fd)
+        os.unlink(probe)
+    except OSError as e:
+        raise ValueError(f"{key}={given} is not writable: no file can be created in {existing} "
+                         f"({e.strerror or e}); give a writable directory") from None
+    return folder

@@ -8,10 +8,12 @@ stock and herald runs are comparable step by step.
 
 from __future__ import annotations
 
+import copy
 import json
 import logging
 import math
 import os
+import shutil
 import signal
 import sys
 import time
@@ -227,13 +229,18 @@ def herald_pipeline_config(cfg: DictConfig) -> HeraldPipelineConfig:
     return HeraldPipelineConfig.from_hydra(cfg.pipeline, None if total is None else int(total) * int(cfg.epochs))
 
 
-def preflight(cfg: DictConfig) -> DataSource:
+def preflight(cfg: DictConfig, world_size: Optional[int] = None) -> DataSource:
     """Every check of a run's config that needs no model, no process group and no training step: the
-    config groups, herald's pipeline options, the model's shapes, the data source and its files. Raises
-    ValueError (a data file: DataFormatError / FileNotFoundError) with one line naming the key or file;
-    ``python -m torchrec_herald.train`` runs it for the herald run and its baseline before either trains.
-    Returns the data source."""
+    config groups, herald's pipeline options, the model's shapes, the checkpoint folder, the data source
+    and its files, and the look-ahead window against the data's batches (a file's records are counted
+    up to the window; the rest of a file is checked as it is read). Raises ValueError (a data file:
+    DataFormatError / FileNotFoundError) with one line naming the key or file; ``python -m
+    torchrec_herald.train`` runs it for the herald run and its baseline before either trains.
+    ``world_size``: default ``$WORLD_SIZE`` (torchrun sets it), else 1. Returns the data source."""
     from torchrec_herald.planner.stock import STOCK_MODES
+    from torchrec_herald.run_identity import check_checkpoint_location, run_name
+
+    world = int(world_size if world_size is not None else os.environ.get("WORLD_SIZE", 1))
 
     if cfg.optimizer.name not in OPTIMIZERS:
         raise ValueError(f"unknown optimizer.name {cfg.optimizer.name!r}; expected one of {sorted(OPTIMIZERS)}")
@@ -255,15 +262,12 @@ def preflight(cfg: DictConfig) -> DataSource:
     else:
         raise ValueError(f"unknown planner.name {p.name!r}; expected 'stock' or 'herald'")
     name = cfg.pipeline.name
+    window = None
     if name == "herald":
-        pipe = herald_pipeline_config(cfg)
+        window = herald_pipeline_config(cfg).window
         if p.name != "herald":
             raise ValueError(f"pipeline=herald needs planner=herald (its embeddings must be herald-sharded); "
                              f"got planner.name={p.name!r}")
-        total = getattr(cfg.data, "num_train_batches", None)
-        if total is not None and pipe.window > int(total):
-            raise ValueError(f"pipeline.window={pipe.window} is larger than the {int(total)} batch(es) the data "
-                             f"loader has (data.num_train_batches); lower pipeline.window")
     elif name not in PIPELINES:
         raise ValueError(f"unknown pipeline.name {name!r}; expected one of {sorted(PIPELINES) + ['herald']}")
     m = cfg.model
@@ -281,9 +285,28 @@ def preflight(cfg: DictConfig) -> DataSource:
                              "(their state is not checkpointed); use the exact herald pipeline")
     if c.get("keep") is not None and int(c.keep) < 1:
         raise ValueError(f"checkpoint.keep must be >= 1, got {c.keep}")
+    run_name(cfg, world)  # run_name: a folder name
+    check_checkpoint_location(cfg, world, writing=c.get("every_n_steps") is not None)
     data = build_data_source(cfg.data)
     data.check()
+    if window is not None:
+        check_window(data, window, world, int(cfg.batch_size))
     return data
+
+
+def check_window(data: DataSource, window: int, world_size: int, batch_size: int) -> None:
+    """``pipeline.window`` fits in one pass over the data: ValueError naming the key otherwise (a source
+    that cannot count its batches, none here, is checked as it is read)."""
+    total = getattr(data, "num_train_batches", None)
+    if total is not None:
+        if window > int(total):
+            raise ValueError(f"pipeline.window={window} is larger than the {int(total)} batch(es) the data "
+                             f"loader has (data.num_train_batches); lower pipeline.window")
+        return
+    found = data.count_train_batches(world_size, batch_size, at_least=window)
+    if found is not None and found < window:
+        raise ValueError(f"pipeline.window={window} is larger than the {found} global batch(es) of {world_size} × "
+                         f"{batch_size} samples that {data.describe()} holds (data.paths); lower pipeline.window")
 
 
 def herald_traffic_report(dmp: nn.Module, plan: Any, steps: int, measured: bool = True) -> Dict[str, Any]:
@@ -397,37 +420,66 @@ def exact_reference_config(cfg: DictConfig) -> DictConfig:
 
 class Checkpointing:
     """The trainer's checkpoints (``checkpoint.*``): every ``every_n_steps`` steps a DCP save of the model,
-    the optimizers and the position (epoch, batch, every rank's losses, RNG, herald's pipeline counters);
-    at start, a resume from the latest complete one. A herald pipeline flushes and restarts its window
-    at a save, in an uninterrupted run as in a resumed one, so both train the same batches the same way."""
+    the optimizers and the position (epoch, batch, every rank's losses, RNG, herald's pipeline counters)
+    into the run's own folder (:func:`~torchrec_herald.run_identity.checkpoint_dir`: derived from the
+    config, so re-running the same command finds it); at start, a resume from its latest complete
+    checkpoint (``checkpoint.resume``). A herald pipeline flushes and restarts its window at a save, in an
+    uninterrupted run as in a resumed one, so both train the same batches the same way."""
 
-    def __init__(self, cfg: DictConfig, run_dir: Path, dmp: nn.Module, optimizer: Any, pipeline: Any) -> None:
+    def __init__(self, cfg: DictConfig, dmp: nn.Module, optimizer: Any, pipeline: Any, world_size: int) -> None:
+        from torchrec_herald.run_identity import checkpoint_dir
+
         c = cfg.get("checkpoint") or {}
         self.every = c.get("every_n_steps")
         self.keep = int(c.get("keep") if c.get("keep") is not None else 2)
-        self.dir = Path(c.get("dir") or Path(run_dir) / "checkpoints")
+        self.resume_enabled = bool(c.get("resume", True))
+        self.dir = checkpoint_dir(cfg, world_size)
         self.dmp, self.optimizer, self.pipeline = dmp, optimizer, pipeline
 
     def due(self, step: int) -> bool:
         return bool(self.every) and step % int(self.every) == 0
 
     def resume(self) -> Optional[Dict[str, Any]]:
-        """Load the latest complete checkpoint (collective; rank 0 picks it), if checkpointing is on."""
+        """Load the run's latest complete checkpoint (collective; rank 0 picks it) and say so in one line;
+        with ``checkpoint.resume=false`` move the folder's checkpoints aside (kept, renamed) and start
+        fresh. Returns the checkpoint's trainer state (with ``path``), or None."""
         from torchrec_herald.checkpoint import latest_checkpoint, load_checkpoint, set_rng_state
 
-        if not self.every:
-            return None
-        choice: List[Any] = [str(latest_checkpoint(self.dir) or "") if dist.get_rank() == 0 else None]
+        choice: List[Any] = [None]
+        if dist.get_rank() == 0:
+            latest = latest_checkpoint(self.dir)
+            if latest is not None and not self.resume_enabled:
+                aside = self.dir.with_name(f"{self.dir.name}.set-aside-{time.strftime('%Y%m%d-%H%M%S')}")
+                self.dir.rename(aside)
+                logger.warning("checkpoint.resume=false: starting fresh; the earlier checkpoints of this run were "
+                               "moved to %s", aside)
+                latest = None
+            choice[0] = str(latest or "")
         dist.broadcast_object_list(choice, src=0)
         if not choice[0]:
+            if self.every:
+                logger.info("checkpoints of this run: %s (every %d steps; re-running the same command resumes "
+                            "from the latest)", self.dir, int(self.every))
             return None
         state = load_checkpoint(Path(choice[0]), self.dmp, self.optimizer)
         set_rng_state(state["rng"])
         if isinstance(self.pipeline, HeraldTrainPipeline):
             self.pipeline.load_state_dict(state["pipeline"])
-        logger.info("resuming from checkpoint %s: step %d (epoch %d, batch %d of it)", choice[0], state["step"],
-                    state["epoch"], state["batch_in_epoch"])
-        return state
+        logger.warning("resuming from checkpoint %s: step %d (epoch %d, batch %d of it); checkpoint.resume=false "
+                       "starts fresh", choice[0], state["step"], state["epoch"], state["batch_in_epoch"])
+        return dict(state, path=choice[0])
+
+    def completed_metrics(self) -> Optional[Dict[str, Any]]:
+        """The metrics a run that already finished left in its checkpoint folder, or None."""
+        path = self.dir / "metrics.json"
+        return json.loads(path.read_text()) if path.is_file() else None
+
+    def record_completion(self, run_dir: Path) -> None:
+        """Rank 0: leave the finished run's ``metrics.json`` and ``losses.json`` beside its checkpoints (a
+        re-run reports them instead of training nothing)."""
+        if self.every and dist.get_rank() == 0 and self.dir.is_dir():
+            for name in ("metrics.json", "losses.json"):
+                shutil.copyfile(run_dir / name, self.dir / name)
 
     def save(self, step: int, epoch: int, batch_in_epoch: int, losses: List[float], it: Iterator[Any],
              restart: Any) -> Iterator[Any]:
@@ -481,12 +533,14 @@ def run_training(cfg: DictConfig, run_dir: Path, show_progress: bool = True) -> 
 
     losses: List[float] = []
     step_times: List[float] = []
-    ckpt = Checkpointing(cfg, run_dir, dmp, optimizer, pipeline)
+    ckpt = Checkpointing(cfg, dmp, optimizer, pipeline, world)
     start_epoch, start_batch = 0, 0
     resumed = ckpt.resume()
     if resumed is not None:
         losses = list(resumed["losses_by_rank"][rank])
         start_epoch, start_batch = int(resumed["epoch"]), int(resumed["batch_in_epoch"])
+    restored = len(losses)  # steps trained by earlier attempts: this attempt's figures leave them out
+    restored_stats = copy.deepcopy(pipeline.stats) if isinstance(pipeline, HeraldTrainPipeline) else None
     total_batches = getattr(data, "num_train_batches", None)
     bar = tqdm(total=(total_batches * cfg.epochs if total_batches else None), desc="train", unit="step",
                disable=not (show_progress and rank == 0), dynamic_ncols=True, file=sys.stderr, initial=len(losses))
@@ -520,21 +574,25 @@ def run_training(cfg: DictConfig, run_dir: Path, show_progress: bool = True) -> 
                 logger.info("step %d loss %.5f", len(losses), loss)
     train_time = time.perf_counter() - train_start
     bar.close()
-    steps = len(losses)
+    steps, attempt_steps = len(losses), len(losses) - restored
+    if attempt_steps == 0 and resumed is not None:
+        return _already_complete(ckpt, resumed, rank, run_dir)
     if steps == 0:
         raise RuntimeError(f"no training step ran: {data.describe()} yielded no full global batch of "
                            f"{world} × {cfg.batch_size} samples (data.*, batch_size)")
 
     if isinstance(pipeline, HeraldTrainPipeline) and pipeline.by_home:  # each rank counted its own rows
         pipeline.stats.counters = pipeline.plan_counters_all_ranks()
+    attempt_stats = (pipeline.stats.minus(restored_stats) if restored_stats is not None else None)
+    # the meter, the step timer and the clock saw this attempt's steps only
     traffic = reduce_summaries(meter.summary())
     traffic_tags = reduce_summaries(meter.tag_summary())
-    per_step = {k: {m: v / steps for m, v in s.items()} for k, s in traffic.items()}
+    per_step = {k: {m: v / attempt_steps for m, v in s.items()} for k, s in traffic.items()}
     loss_t = torch.tensor(losses, dtype=torch.float64)
     dist.all_reduce(loss_t)
     loss_t /= world
     plan_mode = isinstance(pipeline, HeraldTrainPipeline) and pipeline.sync == "lazy"
-    herald = herald_traffic_report(dmp, sharding_plan, steps, measured=not plan_mode)
+    herald = herald_traffic_report(dmp, sharding_plan, attempt_steps, measured=not plan_mode)
     if hasattr(pipeline, "detach"):
         pipeline.detach()  # restore the forwards TrainPipelineSparseDist rewrote / flush herald's caches
     eval_metrics = evaluate(dmp, data.eval_batches(rank, world, cfg.batch_size), device) if cfg.eval else {}
@@ -544,11 +602,15 @@ def run_training(cfg: DictConfig, run_dir: Path, show_progress: bool = True) -> 
         "local_batch_size": cfg.batch_size,
         "global_batch_size": world * cfg.batch_size,
         "steps": steps,
+        "steps_this_attempt": attempt_steps,
+        "resumed_from_step": restored if resumed is not None else None,
+        "resumed_from": resumed["path"] if resumed is not None else None,
+        "checkpoint_dir": str(ckpt.dir) if ckpt.every else None,
         "train_time_s": train_time,
-        "samples_per_s": steps * world * cfg.batch_size / train_time,
+        "samples_per_s": attempt_steps * world * cfg.batch_size / train_time,
         "step_time_s": _percentiles(step_times),
-        "step_time_breakdown_ms": step_time_breakdown(train_time / steps, meter.wait_s / steps,
-                                                      *(x / steps for x in scheduler_seconds(pipeline))),
+        "step_time_breakdown_ms": step_time_breakdown(train_time / attempt_steps, meter.wait_s / attempt_steps,
+                                                      *(x / attempt_steps for x in scheduler_seconds(attempt_stats))),
         "train_logloss": loss_t[-window:].mean().item(),
         "train_logloss_first": loss_t[:window].mean().item(),
         "eval": eval_metrics,
@@ -560,13 +622,13 @@ def run_training(cfg: DictConfig, run_dir: Path, show_progress: bool = True) -> 
         "link_decision": getattr(sharding_plan, "link_decision", None),
         "dense_sync": "forward_ordered" if getattr(dmp, "dense_sync", None) is not None else "ddp",
         "herald": herald,
-        "herald_pipeline": (pipeline.stats.summary(train_time / steps) | {"sync": pipeline.sync,
+        "herald_pipeline": (attempt_stats.summary(train_time / attempt_steps) | {"sync": pipeline.sync,
                             "allocator": pipeline.allocator, "window": pipeline.window,
                             "scheduling": pipeline.scheduling_report()}
                             if isinstance(pipeline, HeraldTrainPipeline) else {}),
         "data_stats": data.stats(),
         "peak_rss_mib_by_rank": peak_rss_mib_by_rank(),
-        "approximate": approximate_report(cfg, pipeline, eval_metrics, reference, steps),
+        "approximate": approximate_report(cfg, pipeline, eval_metrics, reference, attempt_steps),
         "config": OmegaConf.to_container(cfg, resolve=True),
     }
     metrics["summary"] = headline(metrics)
@@ -575,6 +637,24 @@ def run_training(cfg: DictConfig, run_dir: Path, show_progress: bool = True) -> 
         (run_dir / "losses.json").write_text(json.dumps(loss_t.tolist()))
         _plot(run_dir, loss_t.tolist(), metrics)
         logger.info("wrote %s", run_dir / "metrics.json")
+        ckpt.record_completion(run_dir)
+    dist.barrier()
+    return metrics
+
+
+def _already_complete(ckpt: Checkpointing, resumed: Dict[str, Any], rank: int, run_dir: Path) -> Dict[str, Any]:
+    """A re-run whose latest checkpoint is the run's end: report the finished run's metrics, left beside
+    its checkpoints (copied into this run dir), instead of figures over zero steps; without them, say
+    how to train it again."""
+    metrics = ckpt.completed_metrics()
+    if metrics is None:
+        raise ValueError(f"the run is already complete at step {resumed['step']} (checkpoint {resumed['path']}): "
+                         f"nothing to train; checkpoint.resume=false trains it again")
+    if rank == 0:
+        logger.warning("the run already finished at step %d (checkpoint %s); reporting its figures from %s",
+                       resumed["step"], resumed["path"], ckpt.dir / "metrics.json")
+        for name in ("metrics.json", "losses.json"):
+            shutil.copyfile(ckpt.dir / name, run_dir / name)
     dist.barrier()
     return metrics
 
@@ -627,12 +707,12 @@ def step_time_breakdown(step_s: float, wait_s: float, scheduler_critical_s: floa
             "scheduler_overlapped": 1e3 * scheduler_overlapped_s}
 
 
-def scheduler_seconds(pipeline: Any) -> tuple[float, float]:
-    """A pipeline's scheduling seconds so far: (on the critical path, its collectives excluded; done
-    ahead by the run-ahead thread). Zero for TorchRec's pipelines."""
-    if not isinstance(pipeline, HeraldTrainPipeline):
+def scheduler_seconds(stats: Any) -> tuple[float, float]:
+    """A herald pipeline's scheduling seconds in ``stats`` (its SchedulerStats): (on the critical path, its
+    collectives excluded; done ahead by the run-ahead thread). Zero for None (TorchRec's pipelines)."""
+    if stats is None:
         return 0.0, 0.0
-    return pipeline.stats.scheduler_s - pipeline.stats.comm_s, pipeline.stats.ahead_s
+    return stats.scheduler_s - stats.comm_s, stats.ahead_s
 
 
 def _breakdown_cell(m: Dict[str, Any]) -> str:

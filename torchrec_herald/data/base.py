@@ -109,6 +109,14 @@ class DataSource(abc.ABC):
         that parses); raises naming the file and line."""
         return None
 
+    def count_train_batches(self, world_size: int, batch_size: int, at_least: Optional[int] = None) -> Optional[int]:
+        """How many global batches of ``world_size × batch_size`` samples one pass over the training split
+        holds, or None when the source cannot tell without training. ``at_least``: the caller only needs
+        to know whether there are that many; a source may stop counting there (files are then read up to
+        that point only). This default knows ``num_train_batches`` when the source has it."""
+        n = getattr(self, "num_train_batches", None)
+        return None if n is None else int(n)
+
     def describe(self) -> str:
         """What the source reads, for messages (e.g. ``CriteoTSV(day_0.tsv)``)."""
         return type(self).__name__

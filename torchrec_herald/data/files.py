@@ -146,6 +146,22 @@ class FileSource(DataSource, Generic[Sample]):
             else:
                 raise DataFormatError(path, 1, "the file holds no records")
 
+    def count_train_batches(self, world_size: int, batch_size: int, at_least: Optional[int] = None) -> Optional[int]:
+        """Count the training stream's global batches by parsing its records (held-out batches and, with
+        ``on_error="skip"``, malformed records excluded), stopping once ``at_least`` are found: a check
+        of the first records only. A malformed record met on the way raises naming its file and line."""
+        size = int(world_size) * int(batch_size)
+        holdout, k = not self.eval_paths, self.holdout_every
+        in_block = index = trained = 0
+        for _ in self._samples(self.paths):
+            in_block += 1
+            if in_block == size:
+                trained += int(not holdout or index % k != k - 1)
+                in_block, index = 0, index + 1
+                if at_least is not None and trained >= at_least:
+                    break
+        return trained
+
     def describe(self) -> str:
         files = [os.path.basename(p) for p in self.paths]
         shown = ", ".join(files[:3]) + (f", … ({len(files)} files)" if len(files) > 3 else "")

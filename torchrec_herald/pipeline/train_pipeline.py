@@ -20,7 +20,7 @@ import logging
 import time
 from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from itertools import islice
 from typing import Any, Deque, Dict, Iterator, List, Optional, Tuple
 
@@ -87,6 +87,16 @@ class SchedulerStats:
     wait_ahead_s: float = 0.0  # of scheduler_s: the step waiting for the run-ahead thread
     comm_s: float = 0.0  # of which inside the scheduler's collectives (transfer + waiting for other ranks)
     planner_s: float = 0.0  # of which planning
+
+    def minus(self, earlier: "SchedulerStats") -> "SchedulerStats":
+        """What happened since ``earlier`` (a copy taken then): every total less ``earlier``'s, the largest
+        staleness kept (a resumed run's figures cover its own attempt)."""
+        out = SchedulerStats(**{f.name: getattr(self, f.name) - getattr(earlier, f.name)
+                                for f in fields(self) if f.name not in ("counters", "max_staleness")})
+        out.counters = SyncCounters(**{f.name: getattr(self.counters, f.name) - getattr(earlier.counters, f.name)
+                                       for f in fields(self.counters)})
+        out.max_staleness = self.max_staleness
+        return out
 
     def summary(self, step_time_s: float) -> Dict[str, float]:
         n = max(self.steps, 1)
