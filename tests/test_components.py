@@ -375,6 +375,10 @@ def test_e2e_compare_with_leaves_a_comparison_report(run_id: str) -> None:
     assert (run_dir / "comparison.md").read_text().startswith("| metric | table_wise (baseline) | herald + scheduling |")
     assert (run_dir / "comparison.png").stat().st_size > 20_000
     assert (run_dir / "training.png").stat().st_size > 0 and (run_dir / "baseline_table_wise" / "training.png").exists()
+    # no rank warns that fbgemm's dense lookup has no autograd kernel (ops/tbe.py registers one)
+    logs = list(run_dir.glob("**/logs/rank*.log"))
+    assert len(logs) == 4 and not [p for p in logs if "autograd kernel was not registered" in p.read_text()]
+    assert "autograd kernel was not registered" not in out
 
 
 def _final_weights(checkpoint_dir: Path, step: int, out: Path) -> Dict[str, Any]:
