@@ -1,4 +1,4 @@
-"""Speed under emulated bandwidth (DESIGN §6): samples/s of stock TorchRec and herald, side by side,
+"""Speed under emulated bandwidth (docs/design.md §6): samples/s of stock TorchRec and herald, side by side,
 with every rank's link rate-limited by ``tc tbf``.
 
     sudo .venv/bin/python benchmarks/bench_bandwidth.py [--world-sizes 2 4] [--rates 0 1000 200 50]

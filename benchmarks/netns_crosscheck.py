@@ -1,4 +1,4 @@
-"""Cross-check TrafficMeter against the kernel: every rank in its own network namespace (DESIGN §6).
+"""Cross-check TrafficMeter against the kernel: every rank in its own network namespace (docs/design.md §6).
 
     sudo .venv/bin/python benchmarks/netns_crosscheck.py [--world-sizes 2 4] [--steps 100] [--planners table_wise herald]
 

@@ -40,7 +40,7 @@ for route in ("owner", "direct"):
 run("eager, all rows replicated", EagerSyncPlanner(loc_all))
 for route in ("owner", "direct"):
     run(f"lazy {route} K=5, all rows replicated (floor)", LazySyncPlanner(loc_all, 0.01, "lru", 5, route))
-# extra: DESIGN's floor formula, herald sparse hot sync, K effect, steady state (steps 5..29)
+# extra: docs/design.md's floor formula, herald sparse hot sync, K effect, steady state (steps 5..29)
 from torchrec_herald.testing.reference_plans import _normalize, _readers
 floor = 0; sparse_hot = 0
 for st in trace:
@@ -50,7 +50,7 @@ for st in trace:
         for x, S in _readers(nm[n]).items():
             floor += 2 * (len(S) - 1)
             if x in hs: sparse_hot += len(S) * (W - 1)
-print(f"DESIGN floor sum 2(|S|-1): {floor/T:.0f} vec/step {100*floor/T/stock:.1f} %; herald sparse hot sync |S|(W-1): {sparse_hot/T:.0f}")
+print(f"exact floor (docs/design.md §3) sum 2(|S|-1): {floor/T:.0f} vec/step {100*floor/T/stock:.1f} %; herald sparse hot sync |S|(W-1): {sparse_hot/T:.0f}")
 for label, p in [("eager cm", EagerSyncPlanner(loc_cm)), ("lazy owner 0.05 lru K5", LazySyncPlanner(loc_cm, 0.05)),
                  ("lazy direct 0.2 belady K5", LazySyncPlanner(loc_cm, 0.2, "belady", 5, "direct")),
                  ("lazy direct 0.2 belady K1", LazySyncPlanner(loc_cm, 0.2, "belady", 1, "direct")),

@@ -46,7 +46,7 @@ def test_two_rank_training_loss_decreases_and_metrics_written(tmp_path: Path) ->
 
 @pytest.mark.parametrize("optimizer", ["sgd", "rowwise_adagrad"])
 def test_stock_row_wise_and_table_wise_are_bit_identical(tmp_path: Path, optimizer: str) -> None:
-    """The exactness reference (DESIGN §7): stock ROW_WISE and TABLE_WISE train the same model."""
+    """The exactness reference (docs/design.md §7): stock ROW_WISE and TABLE_WISE train the same model."""
     common = SMALL[:1] + ["data.num_train_batches=12", "eval=false", f"optimizer={optimizer}"]
     rw = run_multiprocess(_train, 2, common + ["planner=row_wise"], str(tmp_path / "rw"))
     tw = run_multiprocess(_train, 2, common + ["planner=table_wise"], str(tmp_path / "tw"))

@@ -1,5 +1,5 @@
 """A sorted-array map from int64 keys to int64 / bool columns: per-row state held only for the rows that
-have some (DESIGN §6: per-rank state grows with the rank's caches and window, never with all rows).
+have some (docs/design.md §6: per-rank state grows with the rank's caches and window, never with all rows).
 
 Hand-written because torch has no vectorised hash map and fbgemm's CPU hash tables are not exposed to
 Python; lookups are one ``searchsorted``, inserts one merge of two sorted arrays (no re-sort).

@@ -1,4 +1,4 @@
-"""Herald's communication plans (DESIGN §3, Herald (b); HET's bounded staleness): what one step moves
+"""Herald's communication plans (docs/design.md §3, Herald (b); HET's bounded staleness): what one step moves
 between the ranks' copies of each row, computed by a :class:`CommPlanner` from the reads of the coming
 steps, executed by ``sharding.plan_exec.PlanExecutor``. Every rank computes the same plan, so no ids
 travel with the transfers.

@@ -3,7 +3,7 @@
 A row's initial values depend only on ``(seed, table, row)``: rows are drawn in fixed blocks of
 :data:`ROWS_PER_DRAW` from a generator seeded by ``(seed, table name, block)``. Any sharding (TABLE_WISE,
 ROW_WISE, COLUMN_WISE, DATA_PARALLEL, herald's hot/cold layout) therefore materialises exactly the same
-model, and each rank draws only the rows it holds (DESIGN §6: per-rank cost grows with its own share).
+model, and each rank draws only the rows it holds (docs/design.md §6: per-rank cost grows with its own share).
 The values are uniform in ``±sqrt(1/num_embeddings)``, TorchRec's default ``EmbeddingBagConfig`` bound.
 """
 

@@ -17,7 +17,7 @@ alpha gives ~97 %). :func:`global_coverage` computes it analytically (``min_rows
 :func:`measured_coverage` measures it on generated KJTs (ranking rows by observed counts).
 ``DEFAULT_ZIPF_ALPHA`` = 1.22 makes the top 2 % of the large tables' rows cover ~90 % of their
 lookups at the default scale 0.01 (:func:`calibrate_zipf_alpha` gives 1.219 for exactly 0.90),
-close to the alpha = 1.2 per-table Zipf law DESIGN §3's trace model uses.
+close to the alpha = 1.2 per-table Zipf law docs/design.md §3's trace model uses.
 
 Labels: ``label ~ Bernoulli(sigmoid(w . (dense - c) + sum_f v_f[id_f] + b))`` with fixed seeded
 dense weights ``w ~ N(0, 0.25^2)``, per-row effects ``v_f ~ N(0, 0.22^2)`` (shifted per table to

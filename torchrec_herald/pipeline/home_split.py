@@ -1,4 +1,4 @@
-"""Herald's exact lazy plan split by row ownership (DESIGN §3, Herald (b); DESIGN §6): each rank plans only
+"""Herald's exact lazy plan split by row ownership (docs/design.md §3, Herald (b); docs/design.md §6): each rank plans only
 the rows it is home to, from the read keys the other ranks send it, so its scheduling work and metadata
 grow with its own reads and rows, not with every rank's samples (W·B).
 

@@ -1,4 +1,4 @@
-"""Herald's location-aware input allocator (DESIGN §3, Herald (a)): which rank trains which sample.
+"""Herald's location-aware input allocator (docs/design.md §3, Herald (a)): which rank trains which sample.
 
 Every rank knows every sample of the global batch (its ids, after an all-gather of ids or of a compact
 per-sample owner signature; that exchange and the sample shuffle that follows are *not* done here).
@@ -476,7 +476,7 @@ class GreedyLocalityAllocator(InputAllocator):
     :func:`greedy_assign` (exactly B per rank, ties rotating with the step).
 
     Args:
-        tie_break: ``"rotate"`` (default; DESIGN §3) or ``"home"`` (keep a tied sample on its home
+        tie_break: ``"rotate"`` (default; docs/design.md §3) or ``"home"`` (keep a tied sample on its home
             rank, fewer samples to exchange; see :func:`greedy_assign`).
         move_penalty: local lookups a move must gain (default 0; see :func:`greedy_assign`).
     """

@@ -1,4 +1,4 @@
-"""Herald's lazy, exact communication plan (DESIGN §3, Herald (b)) as tensor operations, fast enough to
+"""Herald's lazy, exact communication plan (docs/design.md §3, Herald (b)) as tensor operations, fast enough to
 run every step: the owner-route LRU plan of the readable reference ``LazySyncPlanner``.
 
 ``LazySyncPlanner`` (``torchrec_herald/testing/reference_plans.py``) is the reference (dicts, one row at a time);
@@ -8,7 +8,7 @@ produces the **same transfers** as the reference with ``route="owner", policy="l
 traces; ``torchrec_herald.testing.reference_plans`` holds the reference, the exactness checker and the
 conversion of a plan for it).
 
-State, only where it differs from the stock layout (DESIGN §6: nothing dense over all rows × ranks):
+State, only where it differs from the stock layout (docs/design.md §6: nothing dense over all rows × ranks):
 ``dirty`` maps each row whose latest version is not at its home to the rank holding it (its *master*);
 ``entries`` holds one entry per cached copy (remote cold row ``x`` on rank ``r``, keyed ``x·W + r``) with
 its LRU time and whether it is the latest; ``hot_valid [W, num_hot]`` says which hot replicas are the

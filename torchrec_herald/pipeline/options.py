@@ -47,7 +47,7 @@ class HeraldPipelineConfig:
         staleness: ``None``: the exact plan; an integer ``s >= 0``: HET's bounded staleness (``sync=lazy``).
         skip: ``None`` or a :class:`~torchrec_herald.pipeline.stale_skip.SkipConfig` (Slipstream).
         global_batches: the data loader yields whole global batches (``W·B`` samples, from a seekable
-            source): each rank schedules every batch alone (DESIGN §3: no collective agrees on the
+            source): each rank schedules every batch alone (docs/design.md §3: no collective agrees on the
             allocation or the plan, no sample bytes move) and trains the samples assigned to it.
         run_ahead: (with ``global_batches``) a background thread schedules the next batch entering the
             window (read, keys, allocation, reads) and plans the next step while the current step trains.

@@ -1,4 +1,4 @@
-"""Slipstream's stale-update skipping (DESIGN §3): hot rows whose values have saturated stop being trained.
+"""Slipstream's stale-update skipping (docs/design.md §3): hot rows whose values have saturated stop being trained.
 
 Three stages, repeated every ``every`` steps so rows that wake up are trained again: (1) *snapshot* the hot
 rows at the start and at the end of a measuring window of ``gap`` steps (nothing is skipped inside it,

@@ -1,4 +1,4 @@
-"""HET's per-row bounded staleness (DESIGN §3; HET, VLDB'22): an opt-in approximate plan for Herald's
+"""HET's per-row bounded staleness (docs/design.md §3; HET, VLDB'22): an opt-in approximate plan for Herald's
 worker caches and hot replicas, where a copy may lag its home by up to ``s`` updates, for reads and writes.
 
 Per row ``x``: ``hv[x]``, the updates merged at its home (the row's ROW_WISE owner, the "server"). Per
@@ -21,7 +21,7 @@ A push *replaces* the home's copy when the home has not changed since the pusher
 equal but for the pusher's updates), else it *adds* the accumulated update. With ``s = 0`` every read
 sees every earlier update and every push replaces: the exact mode's training, bit for bit.
 
-State is held only for the copies that exist (DESIGN §6): ``b`` and ``u`` of a hot replica in
+State is held only for the copies that exist (docs/design.md §6): ``b`` and ``u`` of a hot replica in
 ``[W, num_hot]`` tensors, of a cache entry as two more columns of the exact plan's entries; ``hv`` of a hot
 row in ``[num_hot]``, of a cold row only while some rank caches it (only differences ``hv − b`` matter, so
 a row that nobody caches may forget it).

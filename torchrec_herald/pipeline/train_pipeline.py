@@ -1,4 +1,4 @@
-"""HeraldTrainPipeline: Herald's embedding scheduling as a TorchRec train pipeline (DESIGN §3, Herald).
+"""HeraldTrainPipeline: Herald's embedding scheduling as a TorchRec train pipeline (docs/design.md §3, Herald).
 
 A look-ahead window of the next K global batches feeds (1) the location-aware input allocator, which
 moves samples to the rank that holds their rows, and (2) the lazy, exact communication plan over worker

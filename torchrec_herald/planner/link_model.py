@@ -1,4 +1,4 @@
-"""Price time, not only bytes: does herald's plan pay on this link (DESIGN §6, issue 10)?
+"""Price time, not only bytes: does herald's plan pay on this link (docs/design.md §6, issue 10)?
 
 Herald trades link time (fewer bytes) for collectives and CPU work per step. Given the per-rank link rate,
 a per-collective latency and herald's measured extra CPU per lookup, :func:`decide` compares the

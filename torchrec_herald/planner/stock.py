@@ -1,5 +1,5 @@
 """Stock TorchRec planning: the default ``EmbeddingShardingPlanner`` plan, or one sharding type forced
-on every table (the fair TABLE_WISE reference of DESIGN §2)."""
+on every table (the fair TABLE_WISE reference of docs/design.md §2)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Executes Herald's communication plan on one rank (DESIGN §3, Herald (b)): pulls of missing or outdated
+"""Executes Herald's communication plan on one rank (docs/design.md §3, Herald (b)): pulls of missing or outdated
 rows into the worker cache, gradient reduce at one reducer per row with the exact update there, lazy
 pushes home; with HET's bounded staleness, pushes that add an accumulated update.
 

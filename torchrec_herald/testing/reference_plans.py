@@ -1,4 +1,4 @@
-"""Test and benchmark support: the readable reference of Herald's communication plan (DESIGN §3, Herald
+"""Test and benchmark support: the readable reference of Herald's communication plan (docs/design.md §3, Herald
 (b)), its exactness checker and trace simulator. Live training runs the tensor planners of
 ``torchrec_herald/pipeline/lazy_sync.py`` (tested against these); nothing in training imports this module.
 
@@ -46,13 +46,13 @@ Planners (swappable; :class:`SyncPlanner`):
   same push is placed before step ``t+1``'s reads), or when the dirty row is evicted (``miss_push``).
   A reader pulls from the home only when its copy is missing (``miss_pull``) or outdated
   (``update_pull``); a rank that does not read the row again gets nothing (lazy). ``route="direct"``
-  (DESIGN's exact floor, peer to peer): the reducer is a reader — the one that reads the row again
+  (docs/design.md's exact floor, peer to peer): the reducer is a reader — the one that reads the row again
   soonest within the window (ties: the rank already holding the latest version, then the home, then the
   lowest rank) — and outdated readers pull straight from the latest holder, so a row read by the same
   ``S`` in consecutive steps costs ``2(|S|−1)`` transfers (``|S|−1`` reduce + ``|S|−1`` deliver); no
   ``update_push`` (the home only gets dirty evictions). With unbounded caches this is the exact minimum
   for a fixed placement of samples up to the reducer choice: a step needs ``|S|−1`` gradient messages, and
-  every read by a rank whose copy is older than the latest update needs one incoming message. DESIGN's
+  every read by a rank whose copy is older than the latest update needs one incoming message. docs/design.md's
   ``2(|S|−1)`` per touched row and step is below it (it charges nothing to a rank that reads a row
   another rank updated since, e.g. ``S = {0}`` then ``{1}``).
 * :class:`EagerSyncPlanner` — the baseline (herald's eager hot sync today): every reader other than the
@@ -394,7 +394,7 @@ class LazySyncPlanner(SyncPlanner):
             ``(0, 1]``; ``ceil(fraction · n)`` rows, at least 1).
         policy: ``"lru"`` (default) or ``"belady"`` (next use within the window).
         window: ``K >= 1``.
-        route: ``"owner"`` (default; via the home) or ``"direct"`` (peer to peer, DESIGN's floor).
+        route: ``"owner"`` (default; via the home) or ``"direct"`` (peer to peer, docs/design.md's floor).
         capacity_rows: optional per-table capacity in rows (``1 ≤ C ≤ n``), overriding the fraction.
     """
 
