@@ -497,7 +497,7 @@ def test_e2e_fail_fast_missing_file(run_id: str) -> None:
 @pytest.mark.slow
 @pytest.mark.parametrize(
     "override, message",
-    [("foo=1", "Key 'foo' is not in struct"), ("planner=bogus", "Could not find 'planner/bogus'")],
+    [("foo=1", "Key 'foo' not in 'TrainConfig'"), ("planner=bogus", "Could not find 'planner/bogus'")],
 )
 def test_e2e_bad_hydra_override(run_id: str, override: str, message: str) -> None:
     proc, elapsed = _launch(run_id, override, timeout=60)

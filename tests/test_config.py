@@ -27,14 +27,17 @@ def load(overrides: Optional[List[str]] = None) -> DictConfig:
         return compose(config_name="train", overrides=overrides or [])
 
 
-def test_group_options_on_disk_are_the_tested_ones() -> None:
-    """A new yaml in a group must be added to GROUPS (and so gets composed below)."""
-    from importlib import resources
+def test_group_options_registered_are_the_tested_ones() -> None:
+    """A new option registered in a group (``torchrec_herald.config.register_configs``) must be added to
+    GROUPS (and so gets composed below)."""
+    from hydra.core.config_store import ConfigStore
 
-    conf = resources.files(CONFIG_MODULE)
+    import torchrec_herald.config  # noqa: F401  (registers the groups)
+
+    repo = ConfigStore.instance().repo
     for group, options in GROUPS.items():
-        on_disk = sorted(p.name[:-5] for p in (conf / group).iterdir() if p.name.endswith(".yaml"))
-        assert on_disk == sorted(options), group
+        registered = sorted(name[:-5] for name in repo[group] if name.endswith(".yaml"))
+        assert registered == sorted(options), group
 
 
 @pytest.mark.parametrize(
@@ -100,7 +103,7 @@ def test_unknown_key_is_rejected(key: str) -> None:
 def test_unknown_top_key_message() -> None:
     with pytest.raises(ConfigCompositionException) as e:
         load(["foo=1"])
-    assert "Key 'foo' is not in struct" in str(e.value) + str(e.value.__cause__ or "")
+    assert "Key 'foo' not in 'TrainConfig'" in str(e.value) + str(e.value.__cause__ or "")
 
 
 def test_key_of_other_data_source_is_rejected() -> None:
@@ -130,3 +133,50 @@ def test_file_sources_need_paths() -> None:
         assert "data.paths" in OmegaConf.missing_keys(cfg)
         with pytest.raises(ValueError, match="mandatory value missing"):
             build_data_source(cfg.data)
+
+
+@pytest.mark.parametrize("group, option, build", [
+    ("pipeline", "herald", "torchrec_herald.pipeline.options:HeraldPipelineConfig"),
+    ("planner", "herald", "torchrec_herald.planner.config:HeraldPlannerConfig"),
+    ("planner", "stock", "torchrec_herald.planner.config:StockPlannerConfig"),
+    ("data", "synthetic", "torchrec_herald.data.config:SyntheticDataConfig"),
+    ("model", "dlrm", "torchrec_herald.config:ModelConfig"),
+    ("optimizer", "rowwise_adagrad", "torchrec_herald.config:OptimizerConfig"),
+])
+def test_the_python_api_and_the_command_line_start_from_the_same_defaults(group: str, option: str,
+                                                                         build: str) -> None:
+    """One source of defaults: the group's dataclass built in Python with no argument equals the option
+    the command line composes (and the data source / planner / pipeline built from either is the same)."""
+    import dataclasses
+    import importlib
+
+    module, name = build.split(":")
+    in_python = getattr(importlib.import_module(module), name)()
+    from_yaml = OmegaConf.to_object(load([f"{group}={option}"])[group])
+    assert dataclasses.asdict(from_yaml) == dataclasses.asdict(in_python)
+    assert type(from_yaml) is type(in_python)
+
+
+def test_herald_pipeline_defaults_resolve_alike_from_python_and_the_command_line() -> None:
+    """The pipeline's data-dependent defaults (``global_batches``, ``run_ahead``, ``scheduling=auto``)
+    are decided by the same rule for both: whole global batches, running ahead and the probe for the
+    trainer's seekable stream; per-rank batches and scheduling on for a loader of the rank's own batches
+    or with stale-update skipping; the plan stays on for bounded staleness."""
+    from torchrec_herald.pipeline.options import HeraldPipelineConfig
+    from torchrec_herald.pipeline.stale_skip import SkipConfig
+
+    def decided(c: HeraldPipelineConfig, whole: bool) -> tuple:
+        r, _ = c.resolve(whole_batches=whole)
+        return r.global_batches, r.run_ahead, r.scheduling
+
+    for python, cli in ((HeraldPipelineConfig(), []),
+                        (HeraldPipelineConfig(skip=SkipConfig("input")), ["pipeline.skip=input"]),
+                        (HeraldPipelineConfig(staleness=1), ["pipeline.staleness=1"])):
+        yaml = OmegaConf.to_object(load(["planner=herald", "pipeline=herald", *cli]).pipeline)
+        for whole in (True, False):
+            assert decided(python, whole) == decided(yaml, whole)
+    assert decided(HeraldPipelineConfig(), True) == (True, True, "auto")
+    assert decided(HeraldPipelineConfig(), False) == (False, False, "on")
+    assert decided(HeraldPipelineConfig(skip=SkipConfig("input")), True) == (False, False, "on")
+    assert decided(HeraldPipelineConfig(staleness=1), True) == (True, True, "on")
+    assert decided(HeraldPipelineConfig(global_batches=True), False) == (True, True, "auto")  # the caller says so

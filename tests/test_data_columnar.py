@@ -11,7 +11,7 @@ from omegaconf import OmegaConf
 
 from torchrec_herald.data import ColumnarSource, DataFormatError, build_data_source
 
-CONF = Path(__file__).resolve().parents[1] / "torchrec_herald" / "conf" / "data"
+from torchrec_herald.data.config import DATA_CONFIGS
 COLUMNS: Dict[str, Any] = {"label": "y", "dense": ["d0", "d1"], "sparse": {"item": 10, "tags": 7}}
 
 CSV_ROWS = [
@@ -167,7 +167,7 @@ def test_rank_slices_tail_and_holdout(tmp_path: Path) -> None:
 
 def test_config(tmp_path: Path) -> None:
     path = write_csv(tmp_path / "t.csv", CSV_ROWS)
-    cfg = OmegaConf.load(CONF / "columnar.yaml")
+    cfg = OmegaConf.structured(DATA_CONFIGS["columnar"])
     cfg.paths, cfg.label, cfg.dense, cfg.sparse = path, "y", ["d0", "d1"], {"item": 10, "tags": 7}
     cfg.eval_paths = path
     src = build_data_source(cfg)

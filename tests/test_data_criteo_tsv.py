@@ -13,7 +13,7 @@ from omegaconf import OmegaConf
 from torchrec_herald.data import CriteoTSV, DataFormatError, TrainStream, build_data_source, scaled_num_embeddings
 
 NUM_EMB = [10 + f for f in range(26)]  # a different modulus per table
-CONF = Path(__file__).resolve().parents[1] / "torchrec_herald" / "conf" / "data"
+from torchrec_herald.data.config import DATA_CONFIGS
 
 
 def line(label: str = "1", dense: Optional[Sequence[str]] = None, cats: Optional[Sequence[str]] = None) -> str:
@@ -149,7 +149,7 @@ def test_holdout_every(tmp_path: Path) -> None:
 
 def test_config(tmp_path: Path) -> None:
     path = write(tmp_path / "train.tsv", numbered(4))
-    cfg = OmegaConf.load(CONF / "criteo_tsv.yaml")
+    cfg = OmegaConf.structured(DATA_CONFIGS["criteo_tsv"])
     cfg.paths = path
     src = build_data_source(cfg)
     assert isinstance(src, CriteoTSV) and src.num_embeddings == scaled_num_embeddings(0.01)
@@ -159,7 +159,7 @@ def test_config(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match=r"missing config key\(s\) \['paths'\]"):
         build_data_source({"name": "criteo_tsv"})
     with pytest.raises(ValueError, match="mandatory value missing"):
-        build_data_source(OmegaConf.load(CONF / "criteo_tsv.yaml"))
+        build_data_source(OmegaConf.structured(DATA_CONFIGS["criteo_tsv"]))
     with pytest.raises(ValueError, match="on_error"):
         CriteoTSV(path, on_error="ignore")
     with pytest.raises(ValueError, match="num_embeddings"):

@@ -25,7 +25,6 @@ from torchrec_herald.data import (
     table_coverage,
 )
 
-CONF = Path(__file__).resolve().parents[1] / "torchrec_herald" / "conf" / "data"
 
 
 def same(a: Batch, b: Batch) -> bool:
@@ -157,8 +156,10 @@ def test_labels_are_learnable() -> None:
     assert binary_auroc(logits, labels.long()).item() > 0.75
 
 
-def test_build_from_hydra_yaml() -> None:
-    cfg = OmegaConf.load(CONF / "synthetic.yaml")
+def test_build_from_the_hydra_config() -> None:
+    from torchrec_herald.config import compose_config
+
+    cfg = compose_config(["data=synthetic"]).data
     src = build_data_source(cfg)
     assert isinstance(src, SyntheticCriteo)
     assert (src.seed, src.scale, src.zipf_alpha, src.num_train_batches, src.num_eval_batches) == (

@@ -422,8 +422,8 @@ def test_window_larger_than_data_is_rejected_on_every_rank() -> None:
 
 
 @pytest.mark.parametrize("name,expected", [
-    ("fraction_0", "pipeline.cache_fraction=0.0"),
-    ("fraction_1.5", "pipeline.cache_fraction=1.5"),
+    ("fraction_0", "pipeline.cache_fraction=0: a cache must hold at least one row"),
+    ("fraction_1.5", "pipeline.cache_fraction=1.5: a cache must hold at least one row"),
     ("allocator", "unknown pipeline.allocator 'nope'"),
     ("sync", "unknown pipeline.sync 'nope'"),
     ("cache", "unknown pipeline.cache 'belady'"),

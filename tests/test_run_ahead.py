@@ -89,14 +89,15 @@ def _worker(rank: int, world: int) -> Dict[str, Any]:
     herald = dict(COMMON, planner="herald")
     out: Dict[str, Any] = {
         "per_rank": _run(rank, world, herald, {}, False),
-        "global": _run(rank, world, herald, dict(global_batches=True), True),
-        "ahead": _run(rank, world, herald, dict(global_batches=True, run_ahead=True), True),
+        "global": _run(rank, world, herald, dict(global_batches=True, run_ahead=False, scheduling="on"), True),
+        "ahead": _run(rank, world, herald, dict(global_batches=True, run_ahead=True, scheduling="on"), True),
         "auto": _run(rank, world, herald, AUTO, True),
         "auto_on": _run(rank, world, herald, AUTO, True, decide="on"),
         "auto_off": _run(rank, world, herald, AUTO, True, decide="off"),
         "off": _run(rank, world, herald, dict(global_batches=True, run_ahead=True, scheduling="off"), True),
         "stock": _run(rank, world, dict(COMMON, planner="table_wise"), "plain", False),
-        "stopped": _run(rank, world, herald, dict(global_batches=True, run_ahead=True), True, stop_after=9),
+        "stopped": _run(rank, world, herald, dict(global_batches=True, run_ahead=True, scheduling="on"), True,
+                        stop_after=9),
         "stock_9": _run(rank, world, dict(COMMON, planner="table_wise", steps=9), "plain", False),
     }
     if world == 2:
@@ -122,7 +123,7 @@ def _worker(rank: int, world: int) -> Dict[str, Any]:
 
         data = MappedData(b["data"], poison)
         pipe = HeraldTrainPipeline(b["dmp"], b["optimizer"], b["device"], global_batches=True, run_ahead=True,
-                                   window=1)
+                                   scheduling="on", window=1)
         it = data.train_batches(0, 1, world * b["batch_size"])
         out["bad_id"] = error_of(lambda: [pipe.progress(it) for _ in range(4)])
         out["feature"] = feature
@@ -229,9 +230,11 @@ def test_options_of_the_run_ahead_path_are_checked() -> None:
     from torchrec_herald.pipeline.stale_skip import SkipConfig
 
     with pytest.raises(ValueError, match="pipeline.run_ahead needs pipeline.global_batches=true"):
-        HeraldPipelineConfig(run_ahead=True)
-    with pytest.raises(ValueError, match="pipeline.scheduling=auto needs pipeline.global_batches=true"):
-        HeraldPipelineConfig(scheduling="auto")
+        HeraldPipelineConfig(run_ahead=True, global_batches=False)
+    # scheduling=auto where the batches are per rank: the probe cannot run, scheduling stays on (said in one line)
+    config, why = HeraldPipelineConfig(scheduling="auto", global_batches=False).resolve(whole_batches=True)
+    assert config.scheduling == "on" and why == ["pipeline.scheduling=auto -> on: the probe needs whole global "
+                                                 "batches on every rank"]
     with pytest.raises(ValueError, match=r"unknown pipeline.scheduling 'maybe'; known: \['on', 'off', 'auto'\]"):
         HeraldPipelineConfig(scheduling="maybe", global_batches=True)
     with pytest.raises(ValueError, match="pipeline.probe_steps must be >= 2, got 1"):
@@ -241,15 +244,17 @@ def test_options_of_the_run_ahead_path_are_checked() -> None:
 
 
 def test_hydra_defaults_schedule_ahead_and_skip_falls_back_to_per_rank() -> None:
+    """The trainer's stream can read whole global batches: the defaults then schedule ahead and probe."""
     from torchrec_herald.config import compose_config
     from torchrec_herald.trainer import herald_pipeline_config
 
-    c = herald_pipeline_config(compose_config(["planner=herald", "pipeline=herald"]))
-    assert (c.global_batches, c.run_ahead, c.scheduling) == (True, True, "auto")
-    c = herald_pipeline_config(compose_config(["planner=herald", "pipeline=herald", "pipeline.skip=input"]))
-    assert (c.global_batches, c.run_ahead, c.scheduling) == (False, False, "on")
-    c = herald_pipeline_config(compose_config(["planner=herald", "pipeline=herald", "pipeline.staleness=1"]))
-    assert (c.global_batches, c.run_ahead, c.scheduling) == (True, True, "on")  # its plan stays on
+    def decided(overrides: List[str]) -> Tuple[Any, ...]:
+        c, _ = herald_pipeline_config(compose_config(["planner=herald", "pipeline=herald", *overrides])).resolve(True)
+        return c.global_batches, c.run_ahead, c.scheduling
+
+    assert decided([]) == (True, True, "auto")
+    assert decided(["pipeline.skip=input"]) == (False, False, "on")
+    assert decided(["pipeline.staleness=1"]) == (True, True, "on")  # its plan stays on
 
 
 def test_run_ahead_batches_are_consumed_in_order() -> None:

@@ -1,11 +1,174 @@
-"""Compose the training config outside ``@hydra.main`` (tests, benchmarks, notebooks)."""
+"""The training config, typed: one dataclass per config group, each validating itself, registered in
+Hydra's ``ConfigStore`` as the groups' options. The command line (``python -m torchrec_herald.train``,
+``conf/train.yaml``'s defaults list) and the Python API therefore start from the same defaults, the
+dataclasses'.
+
+Groups and their options:
+
+========== ============================================ ==============================================
+group      options                                      dataclass
+========== ============================================ ==============================================
+data       synthetic (default), criteo_tsv, columnar    ``torchrec_herald.data.config``
+model      dlrm                                         :class:`ModelConfig`
+planner    stock (default), table_wise, row_wise,       ``torchrec_herald.planner.config``
+           herald
+pipeline   sparse_dist (default), base, herald          :class:`TorchRecPipelineConfig`,
+                                                        ``HeraldPipelineConfig``
+optimizer  rowwise_adagrad (default), sgd               :class:`OptimizerConfig`
+========== ============================================ ==============================================
+
+:func:`validate` turns a composed config into these objects, which raises the first bad value's
+error naming its key; :func:`compose_config` composes one outside ``@hydra.main``.
+"""
 
 from __future__ import annotations
 
-from typing import Sequence
+from dataclasses import dataclass, field
+from typing import Any, List, Optional, Sequence
 
 from hydra import compose, initialize_config_module
-from omegaconf import DictConfig
+from hydra.core.config_store import ConfigStore
+from omegaconf import MISSING, DictConfig, OmegaConf
+
+from torchrec_herald.data.config import DATA_CONFIGS
+from torchrec_herald.pipeline.options import HeraldPipelineConfig
+from torchrec_herald.planner.config import HeraldPlannerConfig, StockPlannerConfig
+
+__all__ = ["CheckpointConfig", "ModelConfig", "OPTIMIZER_NAMES", "OptimizerConfig", "TORCHREC_PIPELINES",
+           "TorchRecPipelineConfig", "TrainConfig", "compose_config", "register_configs", "validate"]
+
+#: ``optimizer.name`` values: fused EXACT_ROWWISE_ADAGRAD + dense Adagrad, fused EXACT_SGD + SGD
+OPTIMIZER_NAMES = ("rowwise_adagrad", "sgd")
+#: ``pipeline=`` options that are TorchRec's own pipelines
+TORCHREC_PIPELINES = ("sparse_dist", "base")
+
+
+@dataclass
+class ModelConfig:
+    """TorchRec's DLRM over one EmbeddingBagCollection table per sparse feature."""
+
+    embedding_dim: int = 16
+    dense_arch: List[int] = field(default_factory=lambda: [64, 16])  # must end with embedding_dim
+    over_arch: List[int] = field(default_factory=lambda: [64, 32, 1])
+    pooling: str = "SUM"  # SUM | MEAN
+
+    def __post_init__(self) -> None:
+        if str(self.pooling).upper() not in ("SUM", "MEAN"):
+            raise ValueError(f"model.pooling must be SUM or MEAN, got {self.pooling!r}")
+        if int(self.embedding_dim) < 1 or list(self.dense_arch)[-1] != self.embedding_dim:
+            raise ValueError(f"model.dense_arch must end with model.embedding_dim={self.embedding_dim}, "
+                             f"got {list(self.dense_arch)}")
+
+
+@dataclass
+class OptimizerConfig:
+    """The embedding optimizer (fused into TorchRec's TBE backward by ``apply_optimizer_in_backward``) and
+    the dense one: ``rowwise_adagrad`` (RowWiseAdagrad + Adagrad) or ``sgd`` (SGD + SGD)."""
+
+    name: str = "rowwise_adagrad"
+    lr: float = 0.05
+    eps: float = 1.0e-08  # row-wise Adagrad's; unused by SGD
+    dense_lr: float = 0.05
+
+    def __post_init__(self) -> None:
+        if self.name not in OPTIMIZER_NAMES:
+            raise ValueError(f"unknown optimizer.name {self.name!r}; expected one of {sorted(OPTIMIZER_NAMES)}")
+
+
+@dataclass
+class TorchRecPipelineConfig:
+    """TorchRec's ``TrainPipelineSparseDist`` (``sparse_dist``: batch i+1's input dist overlaps step i) or
+    ``TrainPipelineBase`` (``base``: forward, backward, step)."""
+
+    name: str = "sparse_dist"
+
+    def __post_init__(self) -> None:
+        if self.name not in TORCHREC_PIPELINES:
+            raise ValueError(f"unknown pipeline.name {self.name!r}; expected one of "
+                             f"{sorted(TORCHREC_PIPELINES) + ['herald']}")
+
+
+@dataclass
+class CheckpointConfig:
+    """``torch.distributed.checkpoint`` saves; re-running the same command resumes from the latest
+    complete one (``torchrec_herald/run_identity.py`` names the run's folder)."""
+
+    every_n_steps: Optional[int] = None  # null: no checkpoints; n >= 1: save every n steps
+    dir: Optional[str] = None  # null: <root>/<run name>
+    root: str = "outputs/checkpoints"
+    resume: bool = True  # false: start fresh (the run's earlier checkpoints are moved aside, not deleted)
+    keep: int = 2  # newest checkpoints kept
+
+    def __post_init__(self) -> None:
+        if self.every_n_steps is not None and int(self.every_n_steps) < 1:
+            raise ValueError(f"checkpoint.every_n_steps must be >= 1 (or null: no checkpoints), got {self.every_n_steps}")
+        if int(self.keep) < 1:
+            raise ValueError(f"checkpoint.keep must be >= 1, got {self.keep}")
+
+
+@dataclass
+class TrainConfig:
+    """The whole run (``python -m torchrec_herald.train``): the groups and the top-level keys."""
+
+    data: Any = MISSING
+    model: ModelConfig = field(default_factory=ModelConfig)
+    planner: Any = MISSING
+    pipeline: Any = MISSING
+    optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
+    batch_size: int = 256  # local (per-rank) batch size
+    epochs: int = 1
+    seed: int = 0  # model init seed (data has its own data.seed)
+    eval: bool = True  # AUC/logloss on the held-out split after training
+    log_every: int = 50
+    compare_with: Optional[str] = None  # a planner option trained first on the same batches, printed beside
+    run_name: Optional[str] = None  # names the run's checkpoint folder; null: derived from the config
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+
+    def __post_init__(self) -> None:
+        for key in ("batch_size", "epochs", "log_every"):
+            if int(getattr(self, key)) < 1:
+                raise ValueError(f"{key} must be >= 1, got {getattr(self, key)}")
+        herald_pipeline = isinstance(self.pipeline, HeraldPipelineConfig)
+        if herald_pipeline and not isinstance(self.planner, HeraldPlannerConfig):
+            raise ValueError(f"pipeline=herald needs planner=herald (its embeddings must be herald-sharded); "
+                             f"got planner.name={getattr(self.planner, 'name', None)!r}")
+        if self.checkpoint.every_n_steps is not None and herald_pipeline and self.pipeline.approximate:
+            raise ValueError("checkpoint.every_n_steps with pipeline.staleness / pipeline.skip is not supported "
+                             "(their state is not checkpointed); use the exact herald pipeline")
+
+
+def register_configs() -> None:
+    """Put every group option into Hydra's ConfigStore (idempotent)."""
+    cs = ConfigStore.instance()
+    cs.store(name="train_schema", node=TrainConfig)
+    for name, cls in DATA_CONFIGS.items():
+        cs.store(group="data", name=name, node=cls)
+    cs.store(group="model", name="dlrm", node=ModelConfig)
+    cs.store(group="planner", name="stock", node=StockPlannerConfig(mode="default"))
+    cs.store(group="planner", name="table_wise", node=StockPlannerConfig(mode="table_wise"))
+    cs.store(group="planner", name="row_wise", node=StockPlannerConfig(mode="row_wise"))
+    cs.store(group="planner", name="herald", node=HeraldPlannerConfig)
+    for name in TORCHREC_PIPELINES:
+        cs.store(group="pipeline", name=name, node=TorchRecPipelineConfig(name=name))
+    cs.store(group="pipeline", name="herald", node=HeraldPipelineConfig)
+    cs.store(group="optimizer", name="rowwise_adagrad", node=OptimizerConfig())
+    cs.store(group="optimizer", name="sgd", node=OptimizerConfig(name="sgd", lr=0.1, dense_lr=0.1))
+
+
+register_configs()
+
+
+def validate(cfg: DictConfig) -> TrainConfig:
+    """The composed config as typed objects: every group's dataclass validates its values and the run
+    its cross-group rules; the first bad value raises ValueError naming its key."""
+    from omegaconf.errors import MissingMandatoryValue
+
+    try:
+        typed = OmegaConf.to_object(cfg)
+    except MissingMandatoryValue as e:
+        raise ValueError(f"mandatory value missing (???): {e.full_key} (set it on the command line)") from None
+    assert isinstance(typed, TrainConfig), type(typed)
+    return typed
 
 
 def compose_config(overrides: Sequence[str] = ()) -> DictConfig:

@@ -30,7 +30,7 @@ logger = logging.getLogger(__name__)
 
 def one_line(e: BaseException) -> str:
     """``"<Type>: <message>"`` on one line, with the first line of its cause when that adds something
-    (Hydra's "Could not override 'foo'" is caused by "Key 'foo' is not in struct")."""
+    (Hydra's "Could not override 'foo'" is caused by "Key 'foo' not in 'TrainConfig'")."""
     failures = getattr(e, "failures", None)  # DCP's CheckpointException: {rank: the exception there}
     if isinstance(failures, dict) and failures:
         rank, first = sorted(failures.items())[0]

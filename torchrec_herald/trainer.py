@@ -230,67 +230,27 @@ def herald_pipeline_config(cfg: DictConfig) -> HeraldPipelineConfig:
 
 
 def preflight(cfg: DictConfig, world_size: Optional[int] = None) -> DataSource:
-    """Every check of a run's config that needs no model, no process group and no training step: the
-    config groups, herald's pipeline options, the model's shapes, the checkpoint folder, the data source
-    and its files, and the look-ahead window against the data's batches (a file's records are counted
-    up to the window; the rest of a file is checked as it is read). Raises ValueError (a data file:
+    """Every check of a run's config that needs no model, no process group and no training step: every
+    group validates itself (``torchrec_herald.config.validate``), then what spans groups and the data:
+    the checkpoint folder, the data source and its files, the look-ahead window against the data's
+    batches (a file's records are counted up to the window; the rest of a file is checked as it is
+    read) and the skipping windows against the run's length. Raises ValueError (a data file:
     DataFormatError / FileNotFoundError) with one line naming the key or file; ``python -m
     torchrec_herald.train`` runs it for the herald run and its baseline before either trains.
     ``world_size``: default ``$WORLD_SIZE`` (torchrun sets it), else 1. Returns the data source."""
-    from torchrec_herald.planner.stock import STOCK_MODES
+    from torchrec_herald.config import validate
     from torchrec_herald.run_identity import check_checkpoint_location, run_name
 
     world = int(world_size if world_size is not None else os.environ.get("WORLD_SIZE", 1))
-
-    if cfg.optimizer.name not in OPTIMIZERS:
-        raise ValueError(f"unknown optimizer.name {cfg.optimizer.name!r}; expected one of {sorted(OPTIMIZERS)}")
-    for key in ("batch_size", "epochs", "log_every"):
-        if int(cfg[key]) < 1:
-            raise ValueError(f"{key} must be >= 1, got {cfg[key]}")
-    p = cfg.planner
-    if p.name == "stock":
-        if p.mode not in STOCK_MODES:
-            raise ValueError(f"unknown planner.mode {p.mode!r}; expected one of {sorted(STOCK_MODES)}")
-    elif p.name == "herald":
-        if p.selector not in HOT_SET_SELECTORS:
-            raise ValueError(f"unknown planner.selector {p.selector!r}; expected one of {sorted(HOT_SET_SELECTORS)}")
-        if p.hot_memory_budget_bytes is not None and int(p.hot_memory_budget_bytes) < 0:
-            raise ValueError(f"planner.hot_memory_budget_bytes must be >= 0, got {p.hot_memory_budget_bytes}")
-        if int(p.stats_batches) < 1:
-            raise ValueError(f"planner.stats_batches must be >= 1, got {p.stats_batches}")
-        link_model(cfg)  # planner.link_mbit / collective_latency_ms / cpu_us_per_lookup: one error naming the key
-    else:
-        raise ValueError(f"unknown planner.name {p.name!r}; expected 'stock' or 'herald'")
-    name = cfg.pipeline.name
-    window = None
-    if name == "herald":
-        window = herald_pipeline_config(cfg).window
-        if p.name != "herald":
-            raise ValueError(f"pipeline=herald needs planner=herald (its embeddings must be herald-sharded); "
-                             f"got planner.name={p.name!r}")
-    elif name not in PIPELINES:
-        raise ValueError(f"unknown pipeline.name {name!r}; expected one of {sorted(PIPELINES) + ['herald']}")
-    m = cfg.model
-    if str(m.pooling).upper() not in ("SUM", "MEAN"):
-        raise ValueError(f"model.pooling must be SUM or MEAN, got {m.pooling!r}")
-    if int(m.embedding_dim) < 1 or list(m.dense_arch)[-1] != m.embedding_dim:
-        raise ValueError(f"model.dense_arch must end with model.embedding_dim={m.embedding_dim}, "
-                         f"got {list(m.dense_arch)}")
-    c = cfg.get("checkpoint") or {}
-    if c.get("every_n_steps") is not None:
-        if int(c.every_n_steps) < 1:
-            raise ValueError(f"checkpoint.every_n_steps must be >= 1 (or null: no checkpoints), got {c.every_n_steps}")
-        if is_approximate(cfg):
-            raise ValueError("checkpoint.every_n_steps with pipeline.staleness / pipeline.skip is not supported "
-                             "(their state is not checkpointed); use the exact herald pipeline")
-    if c.get("keep") is not None and int(c.keep) < 1:
-        raise ValueError(f"checkpoint.keep must be >= 1, got {c.keep}")
+    typed = validate(cfg)
     run_name(cfg, world)  # run_name: a folder name
-    check_checkpoint_location(cfg, world, writing=c.get("every_n_steps") is not None)
+    check_checkpoint_location(cfg, world, writing=typed.checkpoint.every_n_steps is not None)
     data = build_data_source(cfg.data)
     data.check()
-    if window is not None:
-        check_window(data, window, world, int(cfg.batch_size))
+    if isinstance(typed.pipeline, HeraldPipelineConfig):
+        total = getattr(data, "num_train_batches", None)
+        typed.pipeline.check_run_length(None if total is None else int(total) * typed.epochs)
+        check_window(data, typed.pipeline.window, world, typed.batch_size)
     return data
 
 
@@ -411,7 +371,7 @@ def is_approximate(cfg: DictConfig) -> bool:
 
 def exact_reference_config(cfg: DictConfig) -> DictConfig:
     """The same run in herald's exact mode (no staleness, no skipping)."""
-    ref = OmegaConf.create(OmegaConf.to_container(cfg, resolve=True))
+    ref = copy.deepcopy(cfg)  # keeps the typed (structured) nodes
     ref.pipeline.staleness = None
     ref.pipeline.skip = None
     ref.pipeline.scheduling = "on"  # the approximate run keeps its plan on: so does its reference

@@ -142,7 +142,7 @@ class SyntheticCriteo(DataSource):
         seed: int = 0,
         scale: float = 0.01,
         zipf_alpha: float = DEFAULT_ZIPF_ALPHA,
-        num_train_batches: int = 200,
+        num_train_batches: int = 1000,
         num_eval_batches: int = 20,
         missing_rate: float = 0.0,
     ) -> None:

@@ -1,12 +1,19 @@
 """HeraldTrainPipeline's options (Herald's window, allocator and worker caches; HET's bounded staleness;
 Slipstream's stale-update skipping) as one dataclass, validated once, with one error per bad value
 naming its ``pipeline.*`` key.
+
+It is also the ``pipeline=herald`` option of the Hydra config (``torchrec_herald/config.py`` registers
+it), so the command line and the Python API start from the same defaults. Three of them depend on the
+data loader the pipeline is given, and are decided by :meth:`HeraldPipelineConfig.resolve` when it is:
+``global_batches`` and ``run_ahead`` (``None``: wherever possible) and ``scheduling=auto`` (probe where
+both modes can run, else ``on``).
 """
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any, List, Optional, Tuple
 
 from torchrec_herald.pipeline.stale_skip import SkipConfig
 
@@ -19,7 +26,7 @@ ALLOCATORS = ("greedy", "identity")
 SYNC_MODES = ("lazy", "eager")
 #: ``pipeline.scheduling`` values: ``on`` = the allocator and ``sync`` as configured; ``off`` = hot
 #: replication alone (samples stay where loaded, herald's per-step path); ``auto`` = time both on the
-#: first steps and keep the faster (needs ``global_batches``)
+#: first steps and keep the faster (where batches are global and the plan exact; else ``on``)
 SCHEDULING = ("on", "off", "auto")
 #: ``pipeline.planning`` values: ``global`` = every rank plans every row (the same plan everywhere);
 #: ``by_home`` = each rank plans the rows it is home to from the read keys sent to it
@@ -28,11 +35,14 @@ PLANNING = ("global", "by_home")
 #: ``pipeline.cache`` values executed for real (Belady exists at trace level:
 #: ``torchrec_herald.testing.reference_plans.LazySyncPlanner``)
 CACHE_POLICIES = ("lru",)
+_SKIP_FIELDS = {"target": "skip_target", "tolerance": "skip_tolerance", "start": "skip_start", "gap": "skip_gap",
+                "every": "skip_every", "t_max": "skip_t_max"}
+_SKIP_DEFAULTS = {f.name: f.default for f in dataclasses.fields(SkipConfig) if f.name in _SKIP_FIELDS}
 
 
-@dataclass(frozen=True)
+@dataclass
 class HeraldPipelineConfig:
-    """The ``pipeline=herald`` group (see ``conf/pipeline/herald.yaml``).
+    """The ``pipeline=herald`` group.
 
     Args:
         window: ``K >= 1``, global batches of look-ahead.
@@ -44,20 +54,29 @@ class HeraldPipelineConfig:
             state of the cached rows), shared among the tables in proportion to their rows; overrides
             ``cache_fraction``.
         move_penalty: local lookups a sample move must gain (``greedy_assign``'s ``move_penalty``), >= 0.
-        staleness: ``None``: the exact plan; an integer ``s >= 0``: HET's bounded staleness (``sync=lazy``).
-        skip: ``None`` or a :class:`~torchrec_herald.pipeline.stale_skip.SkipConfig` (Slipstream).
         global_batches: the data loader yields whole global batches (``W·B`` samples, from a seekable
             source): each rank schedules every batch alone (docs/design.md §3: no collective agrees on the
             allocation or the plan, no sample bytes move) and trains the samples assigned to it.
-        run_ahead: (with ``global_batches``) a background thread schedules the next batch entering the
-            window (read, keys, allocation, reads) and plans the next step while the current step trains.
-        scheduling: ``on``, ``off`` (hot replication alone) or ``auto`` (measure both, keep the faster).
+            ``None`` (default): when the loader is a :class:`~torchrec_herald.data.TrainStream` (it can
+            read whole batches) and nothing needs each rank's own batch (skipping, planning by home).
+        run_ahead: a background thread schedules the next batch entering the window (read, keys,
+            allocation, reads) and plans the next step while the current step trains; needs
+            ``global_batches``. ``None`` (default): whenever the batches are global.
+        scheduling: ``on``, ``off`` (hot replication alone) or ``auto`` (default: measure both, keep the
+            faster; ``on`` where the batches are per rank or the plan is approximate).
         probe_steps: ``auto``: steps timed in each mode (after ``probe_steps // 2`` unmeasured ones).
         planning: ``global`` (every rank plans every row) or ``by_home`` (each rank plans its own rows from
-            the keys the readers send it; needs ``allocator=identity``, ``global_batches=false``, the exact
-            plan and no skipping).
+            the keys the readers send it; needs ``allocator=identity``, per-rank batches, the exact plan
+            and no skipping).
+        staleness: ``None``: the exact plan; an integer ``s >= 0``: HET's bounded staleness (``sync=lazy``).
+        skip: ``None``, ``input`` or ``row`` (Slipstream's stale-update skipping; a
+            :class:`~torchrec_herald.pipeline.stale_skip.SkipConfig` is accepted too), tuned by the
+            ``skip_*`` options (:class:`SkipConfig`'s fields).
+        reference: approximate runs of the trainer first train the exact mode on the same batches and
+            record both.
     """
 
+    name: str = "herald"
     window: int = 5
     allocator: str = "greedy"
     sync: str = "lazy"
@@ -65,15 +84,29 @@ class HeraldPipelineConfig:
     cache_fraction: float = 0.05
     cache_bytes: Optional[int] = None
     move_penalty: int = 0
-    staleness: Optional[int] = None
-    skip: Optional[SkipConfig] = None
-    global_batches: bool = False
-    run_ahead: bool = False
-    scheduling: str = "on"
+    global_batches: Optional[bool] = None
+    run_ahead: Optional[bool] = None
+    scheduling: str = "auto"
     probe_steps: int = 10
     planning: str = "global"
+    staleness: Optional[int] = None
+    skip: Optional[str] = None
+    skip_target: float = _SKIP_DEFAULTS["target"]
+    skip_tolerance: float = _SKIP_DEFAULTS["tolerance"]
+    skip_start: int = _SKIP_DEFAULTS["start"]
+    skip_gap: int = _SKIP_DEFAULTS["gap"]
+    skip_every: int = _SKIP_DEFAULTS["every"]
+    skip_t_max: float = _SKIP_DEFAULTS["t_max"]
+    reference: bool = True
 
     def __post_init__(self) -> None:
+        if isinstance(self.skip, SkipConfig):  # the Python API's form: spread into the skip_* options
+            given = self.skip
+            self.skip = given.granularity
+            for attr, key in _SKIP_FIELDS.items():
+                setattr(self, key, getattr(given, attr))
+        if self.name != "herald":
+            raise ValueError(f"HeraldPipelineConfig is the pipeline=herald group, got pipeline.name={self.name!r}")
         if int(self.window) < 1:
             raise ValueError(f"pipeline.window must be >= 1, got {self.window}")
         if self.allocator not in ALLOCATORS:
@@ -84,7 +117,7 @@ class HeraldPipelineConfig:
             raise ValueError(f"unknown pipeline.cache {self.cache!r}; executed policies: {list(CACHE_POLICIES)} "
                              f"(belady is trace-level only: torchrec_herald.testing.reference_plans.LazySyncPlanner)")
         if not 0.0 < float(self.cache_fraction) <= 1.0:
-            raise ValueError(f"pipeline.cache_fraction={self.cache_fraction}: a cache must hold at least one row and "
+            raise ValueError(f"pipeline.cache_fraction={float(self.cache_fraction):g}: a cache must hold at least one row and "
                              f"at most all rows of a table; use a fraction in (0, 1]")
         if self.cache_bytes is not None and (isinstance(self.cache_bytes, bool) or int(self.cache_bytes) < 1):
             raise ValueError(f"pipeline.cache_bytes must be null or a positive number of bytes, got {self.cache_bytes}")
@@ -96,14 +129,12 @@ class HeraldPipelineConfig:
                 raise ValueError(f"pipeline.staleness must be null (exact) or an integer >= 0, got {s}")
             if self.sync != "lazy":
                 raise ValueError("pipeline.staleness needs pipeline.sync=lazy (it relaxes the caches' plan)")
+        self.skip_config  # validates the skip_* options  # noqa: B018
         if self.global_batches and self.skip is not None:
             raise ValueError("pipeline.global_batches needs pipeline.skip=null: stale-update skipping filters "
                              "each rank's batch by its own training state (set pipeline.global_batches=false)")
         if self.scheduling not in SCHEDULING:
             raise ValueError(f"unknown pipeline.scheduling {self.scheduling!r}; known: {list(SCHEDULING)}")
-        if self.scheduling == "auto" and not self.global_batches:
-            raise ValueError("pipeline.scheduling=auto needs pipeline.global_batches=true (both modes must "
-                             "keep every rank's reads at hand)")
         if self.planning not in PLANNING:
             raise ValueError(f"unknown pipeline.planning {self.planning!r}; known: {list(PLANNING)}")
         if self.planning == "by_home":
@@ -111,7 +142,7 @@ class HeraldPipelineConfig:
                 ("allocator", self.allocator, self.allocator == "identity"),
                 ("global_batches", self.global_batches, not self.global_batches),
                 ("sync", self.sync, self.sync == "lazy"), ("staleness", self.staleness, self.staleness is None),
-                ("skip", self.skip, self.skip is None), ("scheduling", self.scheduling, self.scheduling == "on"))
+                ("skip", self.skip, self.skip is None), ("scheduling", self.scheduling, self.scheduling != "off"))
                 if not ok]
             if clash:
                 raise ValueError(f"pipeline.planning=by_home keeps no global view of the caches: it needs "
@@ -119,36 +150,57 @@ class HeraldPipelineConfig:
                                  f"and scheduling=on; got pipeline.{', pipeline.'.join(clash)}")
         if int(self.probe_steps) < 2:
             raise ValueError(f"pipeline.probe_steps must be >= 2, got {self.probe_steps}")
-        if self.run_ahead and not self.global_batches:
+        if self.run_ahead and self.global_batches is False:
             raise ValueError("pipeline.run_ahead needs pipeline.global_batches=true (the per-rank path's "
                              "scheduling collectives must stay in step with training's)")
-        object.__setattr__(self, "probe_steps", int(self.probe_steps))
-        object.__setattr__(self, "window", int(self.window))
-        object.__setattr__(self, "cache_fraction", float(self.cache_fraction))
-        object.__setattr__(self, "move_penalty", int(self.move_penalty))
-        object.__setattr__(self, "staleness", None if s is None else int(s))
+        self.probe_steps, self.window = int(self.probe_steps), int(self.window)
+        self.cache_fraction, self.move_penalty = float(self.cache_fraction), int(self.move_penalty)
+        self.staleness = None if s is None else int(s)
+
+    @property
+    def skip_config(self) -> Optional[SkipConfig]:
+        """The ``skip*`` options as a :class:`SkipConfig` (None when skipping is off)."""
+        if self.skip is None:
+            return None
+        return SkipConfig(granularity=self.skip, **{attr: getattr(self, key) for attr, key in _SKIP_FIELDS.items()})
 
     @property
     def approximate(self) -> bool:
         """An opt-in approximate mode (bounded staleness or stale-update skipping) is on."""
         return self.staleness is not None or self.skip is not None
 
+    def resolve(self, whole_batches: bool) -> Tuple["HeraldPipelineConfig", List[str]]:
+        """The options with ``global_batches``, ``run_ahead`` and ``scheduling`` decided for a loader that
+        can (``whole_batches``: a TrainStream over a seekable source) or cannot give whole global batches,
+        and one line per decision that changed a setting. Explicit settings are kept (an explicit
+        ``global_batches=True`` means the loader yields whole global batches)."""
+        why: List[str] = []
+        gb = self.global_batches
+        if gb is None:
+            gb = whole_batches and self.skip is None and self.planning == "global"
+        ra = gb if self.run_ahead is None else self.run_ahead
+        scheduling = self.scheduling
+        if scheduling == "auto" and not (gb and self.staleness is None and self.skip is None):
+            scheduling = "on"
+            why.append("pipeline.scheduling=auto -> on: " + (
+                "an approximate mode is measured against the exact plan, which stays on" if self.approximate
+                else "the probe needs whole global batches on every rank"))
+        return dataclasses.replace(self, global_batches=gb, run_ahead=ra, scheduling=scheduling), why
+
+    def check_run_length(self, total_steps: Optional[int]) -> None:
+        """With ``total_steps`` (the run's steps, if known) the first skip measuring window must end inside
+        the run; raises ValueError naming the keys."""
+        skip = self.skip_config
+        if skip is not None:
+            skip.check_run_length(total_steps)
+
     @classmethod
     def from_hydra(cls, p: Any, total_steps: Optional[int] = None) -> "HeraldPipelineConfig":
-        """From the ``pipeline`` node of the Hydra config; with ``total_steps`` (the run's steps, if known)
-        the first skip measuring window must end inside the run."""
-        skip = None
-        if p.get("skip") is not None:
-            skip = SkipConfig(granularity=p.skip, target=p.skip_target, tolerance=p.skip_tolerance,
-                              start=p.skip_start, gap=p.skip_gap, every=p.skip_every, t_max=p.skip_t_max)
-            skip.check_run_length(total_steps)
-        # stale-update skipping schedules per rank (its filter reads the rank's own training state)
-        global_batches = bool(p.get("global_batches", False)) and skip is None
-        scheduling = p.get("scheduling", "on")
-        if scheduling == "auto" and (not global_batches or p.get("staleness") is not None):
-            scheduling = "on"  # an approximate mode is measured against the exact plan: keep its plan on
-        return cls(window=p.window, allocator=p.allocator, sync=p.sync, cache=p.cache,
-                   cache_fraction=p.cache_fraction, cache_bytes=p.get("cache_bytes"), move_penalty=p.move_penalty, staleness=p.get("staleness"),
-                   skip=skip, global_batches=global_batches,
-                   run_ahead=bool(p.get("run_ahead", False)) and global_batches, scheduling=scheduling,
-                   probe_steps=p.get("probe_steps", 10), planning=p.get("planning", "global"))
+        """From the ``pipeline`` node of the Hydra config (a structured config of this class); with
+        ``total_steps`` the first skip measuring window must end inside the run."""
+        from omegaconf import OmegaConf
+
+        config = OmegaConf.to_object(p) if OmegaConf.is_config(p) else cls(**dict(p))
+        assert isinstance(config, cls), type(config)
+        config.check_run_length(total_steps)
+        return config

@@ -220,7 +220,7 @@ class HeraldTrainPipeline(TrainPipeline[Batch, Any]):
         if c.skip is not None and self.layout.num_hot == 0:
             raise ValueError("pipeline.skip needs hot replication: this plan has no hot rows (use planner=herald "
                              "with a hot-set budget that holds some rows)")
-        self.skip_hook = StaleSkipHook(c.skip, self.layout.num_hot) if c.skip is not None else None
+        self.skip_hook = StaleSkipHook(c.skip_config, self.layout.num_hot) if c.skip is not None else None
         self._queue: Deque[HeraldBatchContext] = deque()
         self._exhausted = False
         self._started = False
@@ -229,9 +229,10 @@ class HeraldTrainPipeline(TrainPipeline[Batch, Any]):
         self._batch_index = 0
         self._refill = False  # the window restarts mid-data (a checkpoint): running dry is not an error
         self.stats = SchedulerStats()
-        self.global_batches, self.run_ahead = c.global_batches, c.run_ahead
-        # run-ahead: one worker thread; at most one batch in flight, handed over before the next plan_step
-        self._ahead: Optional[ThreadPoolExecutor] = ThreadPoolExecutor(1, "herald-ahead") if c.run_ahead else None
+        #: decided by :meth:`_resolve` from the first data loader (``config.resolve``)
+        self.global_batches: Optional[bool] = None
+        self.run_ahead: Optional[bool] = None
+        self._ahead: Optional[ThreadPoolExecutor] = None
         self._pending: Optional[Future] = None
         #: set before a :meth:`progress` after which :meth:`reset_window` is called (a checkpoint): that
         #: step's run-ahead job then plans nothing ahead (else the flush first runs that plan without
@@ -240,12 +241,10 @@ class HeraldTrainPipeline(TrainPipeline[Batch, Any]):
         # pipeline.scheduling: "on"/"off", or "auto" = time both modes on the first steps, keep the faster
         self._allocator_on = self.input_allocator
         self._allocator_off = build_allocator("identity")
-        self._reads_needed = c.sync == "lazy" and c.scheduling != "off"
         self.mode = "off" if c.scheduling == "off" else "on"
+        self._reads_needed = c.sync == "lazy" and c.scheduling != "off"
         self._apply_mode()
-        self.probe: Optional[Dict[str, Any]] = (
-            {"seconds": {"on": 0.0, "off": 0.0}, "steps": {"on": 0, "off": 0}, "decided": False}
-            if c.scheduling == "auto" else None)
+        self.probe: Optional[Dict[str, Any]] = None
         self._step_started: Optional[float] = None
         # scheduling off for good ("off", or "auto" decided off): hot replication alone runs under TorchRec's
         # own TrainPipelineSparseDist (its input dist overlapped with compute), fed this rank's samples
@@ -258,9 +257,26 @@ class HeraldTrainPipeline(TrainPipeline[Batch, Any]):
         """The stale-update skipper's per-run state (None when skipping is off)."""
         return self.skip_hook.skipper if self.skip_hook is not None else None
 
+    def _resolve(self, it: Iterator[Batch]) -> None:
+        """Decide ``global_batches``, ``run_ahead`` and ``scheduling`` for the first data loader (a
+        TrainStream can read whole global batches; another loader gives this rank's batches, unless
+        ``global_batches=True`` says they are whole), once."""
+        if self.global_batches is not None:
+            return
+        config, why = self.config.resolve(whole_batches=isinstance(it, TrainStream))
+        for line in why:
+            logger.info("%s", line)
+        self.config = config
+        self.global_batches, self.run_ahead = bool(config.global_batches), bool(config.run_ahead)
+        # run-ahead: one worker thread; at most one batch in flight, handed over before the next plan_step
+        self._ahead = ThreadPoolExecutor(1, "herald-ahead") if self.run_ahead else None
+        if config.scheduling == "auto" and self.probe is None:  # (a resumed run restored its probe)
+            self.probe = {"seconds": {"on": 0.0, "off": 0.0}, "steps": {"on": 0, "off": 0}, "decided": False}
+
     # ------------------------------------------------------------------ window
     def fill(self, it: Iterator[Batch]) -> None:
         """Read batches until the window holds ``window`` of them, running each through the stages."""
+        self._resolve(it)
         self._collect_ahead()
         while not self._exhausted and len(self._queue) < self.window:
             t0 = time.perf_counter()
@@ -519,6 +535,7 @@ class HeraldTrainPipeline(TrainPipeline[Batch, Any]):
             StopIteration: the loader and the window are empty (copies flushed first).
             ValueError: the first window cannot be filled (``window`` > batches left), bad ids (every rank).
         """
+        self._resolve(dataloader_iter)
         self._auto_schedule()
         if self.mode == "off":
             return self._delegate_progress(dataloader_iter)
