@@ -97,8 +97,8 @@ def worker(config: str, steps: int, segments: int, warmup: int, out: str, rate: 
     link = [f"planner.link_mbit={rate or UNLIMITED_DECLARED_MBIT}"] if config == "herald" else []
     cfg = compose_config(CONFIGS[config][1] + link + [f"data.num_train_batches={warmup + steps + window}", "eval=false"])
     data = build_data_source(cfg.data)
-    dmp, optimizer, sharding_plan = build_model_and_plan(cfg, data, world, device)
-    pipeline = build_pipeline(cfg, dmp, optimizer, device)
+    dmp, optimizer, decision = build_model_and_plan(cfg, data, world, device)
+    pipeline = build_pipeline(cfg, dmp, optimizer, device, decision)
     it = train_stream(data, pipeline, rank, world, cfg.batch_size)
     for _ in range(warmup):
         pipeline.progress(it)
@@ -121,7 +121,7 @@ def worker(config: str, steps: int, segments: int, warmup: int, out: str, rate: 
         "samples_per_s": statistics.median(world * cfg.batch_size * per / s for s in seg_s),
         "segment_samples_per_s": [world * cfg.batch_size * per / s for s in seg_s],
         "bytes_per_step": meter.total()["bytes"] / n,
-        "link_decision": getattr(sharding_plan, "link_decision", None),
+        "link_decision": decision.link_report(),
         "scheduling": pipeline.scheduling_report() if herald else None,
         "breakdown_ms": step_time_breakdown(sum(seg_s) / n, meter.wait_s / n, *sched),
         # per collective label: calls and bytes per step, and the ms per step waited for it

@@ -57,7 +57,7 @@ from torchrec_herald.pipeline.input_allocator import greedy_assign  # noqa: E402
 from torchrec_herald.pipeline.lazy_sync import TensorLazySyncPlanner  # noqa: E402
 from torchrec_herald.planner import AccessStats, CostModelHotSetSelector  # noqa: E402
 from torchrec_herald.planner.hot_set import stock_row_wise_bytes, stock_table_wise_bytes  # noqa: E402
-from torchrec_herald.planner.link_model import HERALD_COLLECTIVES, STOCK_TW_COLLECTIVES  # noqa: E402
+from torchrec_herald.planner.pricing import HERALD_COLLECTIVES, STOCK_TW_COLLECTIVES  # noqa: E402
 
 log = logging.getLogger("bench_scale")
 

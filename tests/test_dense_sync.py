@@ -135,14 +135,19 @@ def test_groups_follow_module_order_and_merge_only_small_neighbours() -> None:
 
 
 def test_unknown_dense_sync_is_refused_naming_the_key() -> None:
-    from torchrec_herald.config import compose_config
-    from torchrec_herald.trainer import dense_sync_wrapper
+    from torchrec_herald.config import compose_config, validate
+    from torchrec_herald.sharding.dense_sync import dense_sync_wrapper
+
+    def wrapper(overrides: List[str]) -> Any:
+        return dense_sync_wrapper(validate(compose_config(overrides)).planner.dense_sync)
 
     with pytest.raises(ValueError, match=r"unknown planner.dense_sync 'bogus'; expected one of "
                                          r"\['ddp', 'forward_ordered'\]"):
-        dense_sync_wrapper(compose_config(["planner=herald", "planner.dense_sync=bogus"]))
-    assert dense_sync_wrapper(compose_config(["planner=stock"])) is None
-    assert dense_sync_wrapper(compose_config(["planner=herald"])) is not None
+        wrapper(["planner=herald", "planner.dense_sync=bogus"])
+    with pytest.raises(ValueError, match=r"unknown planner.dense_sync 'bogus'"):
+        dense_sync_wrapper("bogus")
+    assert wrapper(["planner=stock"]) is None
+    assert wrapper(["planner=herald"]) is not None
 
 
 class _ReadsAnotherLayersWeight(nn.Module):

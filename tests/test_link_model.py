@@ -1,4 +1,4 @@
-"""The link model (torchrec_herald/planner/link_model.py): herald's plan is kept only where its predicted
+"""The link model (torchrec_herald/planner/pricing.py): herald's plan is kept only where its predicted
 per-rank cost on the given link is below stock TABLE_WISE's, with exact figures; bad keys are one error
 naming the key; through the driver a fast link trains TABLE_WISE and says so, a slow one keeps herald."""
 
@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from torchrec_herald.dist_utils import run_multiprocess
-from torchrec_herald.planner.link_model import LinkModel, decide
+from torchrec_herald.planner.pricing import LinkModel, decide
 
 EXPECTED = [{"lookups": 600.0, "stock_table_wise": 6e5, "herald_total": 1e5},
             {"lookups": 400.0, "stock_table_wise": 4e5, "herald_total": 1e5}]
@@ -86,3 +86,55 @@ def test_the_compared_run_is_named_after_what_it_trained(metrics: dict, label: s
     from torchrec_herald.train import run_label
 
     assert run_label(compose_config(["planner=herald", "pipeline=herald"]), metrics) == label
+
+
+def test_the_planner_decides_the_fallback_itself_with_a_typed_decision() -> None:
+    """``HeraldPlanner.decide``: herald's plan, sharders and forward-ordered dense sync on a slow link;
+    stock TABLE_WISE, TorchRec's sharder and DDP on a fast one; both with the predicted times."""
+    import torch
+
+    from torchrec_herald.data import SyntheticCriteo
+    from torchrec_herald.model import build_dlrm_train, build_tables
+    from torchrec_herald.planner import HeraldPlanner
+    from torchrec_herald.planner.topology import make_topology
+    from torchrec_herald.sharding import CpuEmbeddingBagCollectionSharder, HeraldEmbeddingBagCollectionSharder
+
+    data = SyntheticCriteo(scale=0.001)
+    tables = build_tables(data.feature_names, data.num_embeddings, 16)
+    model = build_dlrm_train(tables, data.num_dense, [64, 16], [64, 1], device="meta")
+    sample = [b.sparse_features for _, b in zip(range(5), data.train_batches(0, 1, 128))]
+    for mbit, herald in ((20, True), (100_000, False)):
+        planner = HeraldPlanner(topology=make_topology(2, "cpu"), batch_size=64, sample_batches=sample,
+                                link=LinkModel(link_mbit=mbit))
+        d = planner.decide(model, [HeraldEmbeddingBagCollectionSharder()])
+        assert d.herald is herald and d.link is not None and d.link.herald is herald
+        assert d.dense_sync == ("forward_ordered" if herald else "ddp")
+        assert isinstance(d.sharders[0], HeraldEmbeddingBagCollectionSharder if herald
+                          else CpuEmbeddingBagCollectionSharder)
+        kinds = {ps.sharding_type for plan in d.plan.plan.values() for ps in plan.values()}
+        assert kinds == ({"herald_hot_row_wise"} if herald else {"table_wise"})
+        assert d.link_report()["predicted_herald_ms"] == pytest.approx(d.link.herald_ms)
+        assert torch.is_tensor(next(iter(planner.last_choices.values())).hot_ids)
+
+
+def test_the_cost_model_prices_in_time_on_a_known_link_and_picks_the_rows_bytes_pick() -> None:
+    """The hot-set cost model prices rows through the planner's pricing (bytes, or ms on a link). Time
+    here is linear in bytes, so the hot sets are the same; the nets are in the pricing's unit."""
+    import torch
+
+    from torchrec_herald.data import SyntheticCriteo
+    from torchrec_herald.model import build_tables
+    from torchrec_herald.planner import AccessStats, CostModelHotSetSelector
+    from torchrec_herald.planner.pricing import ByteCount
+
+    data = SyntheticCriteo(scale=0.001)
+    tables = build_tables(data.feature_names, data.num_embeddings, 16)
+    stats = AccessStats.from_batches([b.sparse_features for _, b in zip(range(5), data.train_batches(0, 1, 128))],
+                                     tables)
+    in_bytes = CostModelHotSetSelector().select(stats, tables, 2, 64, 20_000)
+    in_time = CostModelHotSetSelector(pricing=LinkModel(link_mbit=20)).select(stats, tables, 2, 64, 20_000)
+    assert sum(c.num_hot for c in in_bytes.values()) > 0
+    for name, c in in_bytes.items():
+        assert torch.equal(c.hot_ids, in_time[name].hot_ids) and c.sync == in_time[name].sync
+    assert ByteCount().bytes(1000.0) == 1000.0 and LinkModel(link_mbit=8).bytes(1000.0) == pytest.approx(1.0)
+    assert LinkModel(link_mbit=8).collectives(3) == pytest.approx(3.0) and ByteCount().lookups(5) == 0.0

@@ -9,6 +9,7 @@ stock and herald runs are comparable step by step.
 from __future__ import annotations
 
 import copy
+import itertools
 import json
 import logging
 import math
@@ -38,10 +39,10 @@ from torchrec_herald.row_init import init_sharded_embeddings
 from torchrec_herald.pipeline import HeraldTrainPipeline
 from torchrec_herald.pipeline.options import HeraldPipelineConfig
 from torchrec_herald.report import embedding_bytes_per_step, headline  # noqa: F401  (re-exported)
-from torchrec_herald.planner.stock import describe_plan, stock_plan
-from torchrec_herald.planner.topology import make_topology
-from torchrec_herald.sharding import CpuEmbeddingBagCollectionSharder
-from torchrec_herald.sharding.dense_sync import ForwardOrderedDenseSync, dense_optimizer_for
+from torchrec_herald.planner.config import HeraldPlannerConfig
+from torchrec_herald.planner.decision import PlanDecision, plan_model
+from torchrec_herald.planner.stock import describe_plan
+from torchrec_herald.sharding.dense_sync import dense_optimizer_for, dense_sync_wrapper
 from torchrec_herald.traffic import MeteredDataParallelWrapper, TrafficMeter, reduce_summaries
 
 logger = logging.getLogger(__name__)
@@ -52,8 +53,6 @@ OPTIMIZERS: Dict[str, tuple[type, type]] = {
     "sgd": (torch.optim.SGD, torch.optim.SGD),  # fused: EXACT_SGD
 }
 PIPELINES = {"sparse_dist": TrainPipelineSparseDist, "base": TrainPipelineBase}
-#: ``planner.selector`` values
-HOT_SET_SELECTORS = ("cost_model", "top_fraction")
 
 
 def setup_logging(run_dir: Path, rank: int) -> None:
@@ -98,110 +97,36 @@ def embedding_optimizer_setup(model: nn.Module, cfg: DictConfig) -> type:
 
 
 def build_model_and_plan(cfg: DictConfig, data: DataSource, world_size: int, device: torch.device
-                         ) -> tuple[DistributedModelParallel, CombinedOptimizer, Any]:
-    """Seeded DLRM with its tables on ``meta`` → plan → DMP, which materialises only this rank's shards
-    (and herald's replicas and caches); the shards are then filled by the deterministic per-row
-    initialisation (:mod:`torchrec_herald.row_init`), so every plan starts from identical weights
-    without a full copy of the model on any rank."""
+                         ) -> tuple[DistributedModelParallel, CombinedOptimizer, PlanDecision]:
+    """Seeded DLRM with its tables on ``meta`` → the planner's decision (``planner/decision.py``) → DMP,
+    which materialises only this rank's shards (and herald's replicas and caches); the shards are then
+    filled by the deterministic per-row initialisation (:mod:`torchrec_herald.row_init`), so every plan
+    starts from identical weights without a full copy of the model on any rank."""
     tables = build_tables(data.feature_names, data.num_embeddings, cfg.model.embedding_dim, cfg.model.pooling)
     model = build_dlrm_train(tables, data.num_dense, cfg.model.dense_arch, cfg.model.over_arch,
                              seed=cfg.seed, device="meta")
     dense_cls = embedding_optimizer_setup(model, cfg.optimizer)
-    plan, sharders = build_plan(cfg, model, tables, data, world_size, device)
-    wrapper = dense_sync_wrapper(cfg, getattr(plan, "link_decision", None))
-    dmp = DistributedModelParallel(model, device=device, plan=plan, sharders=sharders,
+    planner_config = OmegaConf.to_object(cfg.planner)
+    sample = ([b.sparse_features for b in itertools.islice(data.train_batches(0, 1, world_size * cfg.batch_size),
+                                                           planner_config.stats_batches)]
+              if isinstance(planner_config, HeraldPlannerConfig) else [])
+    decision = plan_model(planner_config, model, tables, sample, world_size, cfg.batch_size, device, dist.group.WORLD)
+    wrapper = dense_sync_wrapper(decision.dense_sync)
+    dmp = DistributedModelParallel(model, device=device, plan=decision.plan, sharders=decision.sharders,
                                    data_parallel_wrapper=wrapper or MeteredDataParallelWrapper(cfg.model.embedding_dim))
     init_sharded_embeddings(dmp, {t.name: t.num_embeddings for t in tables}, cfg.seed)
 
     dense_opt = dense_optimizer_for(dmp, lambda ps: dense_cls(ps, lr=cfg.optimizer.dense_lr))
-    return dmp, CombinedOptimizer([dmp.fused_optimizer, dense_opt]), plan
+    return dmp, CombinedOptimizer([dmp.fused_optimizer, dense_opt]), decision
 
 
-#: ``planner.dense_sync`` values: how the dense layers' gradients are summed over ranks
-DENSE_SYNCS = ("ddp", "forward_ordered")
-
-
-def dense_sync_wrapper(cfg: DictConfig, link_decision: Optional[Dict[str, Any]] = None) -> Any:
-    """``planner.dense_sync``: ``ddp`` (None: TorchRec's DDP wrapper, metered) or ``forward_ordered``
-    (:class:`~torchrec_herald.sharding.dense_sync.ForwardOrderedDenseSync`: each layer's sum is waited for
-    at its next forward instead of at the end of backward). Where the link model fell back to stock
-    TABLE_WISE (``link_decision["herald"]`` false) the link is fast enough that the sums are not the
-    bottleneck and the extra collectives cost more than they hide: DDP then, as stock trains."""
-    mode = cfg.planner.get("dense_sync") or "ddp"
-    if mode not in DENSE_SYNCS:
-        raise ValueError(f"unknown planner.dense_sync {mode!r}; expected one of {list(DENSE_SYNCS)}")
-    if mode == "forward_ordered" and link_decision is not None and not link_decision["herald"]:
-        logger.info("planner.dense_sync: ddp (the link model chose stock TABLE_WISE for this link)")
-        return None
-    return ForwardOrderedDenseSync() if mode == "forward_ordered" else None
-
-
-def build_plan(cfg: DictConfig, model: nn.Module, tables: List[Any], data: DataSource, world_size: int,
-               device: torch.device) -> tuple[Any, List[Any]]:
-    """``planner.name``: ``stock`` (TorchRec's planner, optionally one forced sharding type) or
-    ``herald`` (HeraldPlanner with AccessStats of the first ``stats_batches`` global batches)."""
-    from torchrec_herald.planner import AccessStats, CostModelHotSetSelector, HeraldPlanner, TopFractionHotSetSelector
-    from torchrec_herald.sharding import HeraldEmbeddingBagCollectionSharder
-
-    if cfg.planner.name == "stock":
-        sharders = [CpuEmbeddingBagCollectionSharder()]
-        return stock_plan(model, tables, sharders, cfg.planner.mode, world_size, cfg.batch_size, device,
-                          dist.group.WORLD), sharders
-    if cfg.planner.name != "herald":
-        raise ValueError(f"unknown planner.name {cfg.planner.name!r}; expected 'stock' or 'herald'")
-    selectors = {"cost_model": CostModelHotSetSelector, "top_fraction":
-                 lambda: TopFractionHotSetSelector(cfg.planner.top_fraction)}
-    if cfg.planner.selector not in selectors:
-        raise ValueError(f"unknown planner.selector {cfg.planner.selector!r}; expected one of {sorted(selectors)}")
-    assert set(selectors) == set(HOT_SET_SELECTORS)
-    sample = []
-    for i, batch in enumerate(data.train_batches(0, 1, world_size * cfg.batch_size)):
-        if i == cfg.planner.stats_batches:
-            break
-        sample.append(batch.sparse_features)
-    stats = AccessStats.from_batches(sample, tables)
-    sharders = [HeraldEmbeddingBagCollectionSharder()]
-    planner = HeraldPlanner(topology=make_topology(world_size, device.type),
-                            batch_size=cfg.batch_size, stats=stats,
-                            hot_memory_budget_bytes=cfg.planner.hot_memory_budget_bytes,
-                            hot_set_selector=selectors[cfg.planner.selector]())
-    plan = planner.collective_plan(model, sharders, dist.group.WORLD)  # rank 0 logs describe()
-    link = link_model(cfg)
-    if link is not None:
-        from torchrec_herald.planner import herald_tables
-        from torchrec_herald.planner.link_model import decide
-
-        decision = decide([s.expected for s in herald_tables(plan).values()], world_size, link)
-        logger.info("planner.link_mbit: %s", decision.describe())
-        if not decision.herald:
-            stock_sharders = [CpuEmbeddingBagCollectionSharder()]
-            plan = stock_plan(model, tables, stock_sharders, "table_wise", world_size, cfg.batch_size, device,
-                              dist.group.WORLD)
-            sharders = stock_sharders
-        plan.link_decision = decision.as_dict()  # type: ignore[attr-defined]  # -> metrics.json "link_decision"
-    return plan, sharders
-
-
-def link_model(cfg: DictConfig) -> Any:
-    """The planner's :class:`~torchrec_herald.planner.link_model.LinkModel` (``planner.link_mbit`` etc.), or
-    None when the link rate is not given (herald's plan is then kept whatever the link)."""
-    from torchrec_herald.planner.link_model import LinkModel
-
-    p = cfg.planner
-    if p.get("link_mbit") is None:
-        return None
-    priced = {k: float(p[k]) for k in ("collective_latency_ms", "cpu_us_per_lookup") if p.get(k) is not None}
-    return LinkModel(link_mbit=float(p.link_mbit), **priced)
-
-
-def build_pipeline(cfg: DictConfig, dmp: nn.Module, optimizer: Any, device: torch.device) -> Any:
+def build_pipeline(cfg: DictConfig, dmp: nn.Module, optimizer: Any, device: torch.device,
+                   decision: Optional[PlanDecision] = None) -> Any:
     """``pipeline.name``: ``sparse_dist`` / ``base`` (TorchRec's) or ``herald`` (HeraldTrainPipeline with
     the group's options, see :func:`herald_pipeline_config`)."""
     name = cfg.pipeline.name
     if name == "herald":
-        from torchrec_herald.sharding.hot_replicated import ShardedHeraldEmbeddingBagCollection
-
-        if not any(isinstance(m, ShardedHeraldEmbeddingBagCollection) for m in dmp.modules()):
+        if decision is not None and not decision.herald:
             # planner.link_mbit chose stock TABLE_WISE: there is nothing for herald's pipeline to schedule
             logger.info("pipeline=herald: the plan is stock TABLE_WISE (planner.link_mbit), training with "
                         "TorchRec's TrainPipelineSparseDist")
@@ -486,10 +411,11 @@ def run_training(cfg: DictConfig, run_dir: Path, show_progress: bool = True) -> 
     run_dir = Path(run_dir)
     setup_logging(run_dir, rank)
     torch.manual_seed(cfg.seed)
-    dmp, optimizer, sharding_plan = build_model_and_plan(cfg, data, world, device)
+    dmp, optimizer, decision = build_model_and_plan(cfg, data, world, device)
+    sharding_plan = decision.plan
     plan = describe_plan(sharding_plan)
     logger.info("world_size=%d local_batch=%d plan=%s", world, cfg.batch_size, plan)
-    pipeline = build_pipeline(cfg, dmp, optimizer, device)
+    pipeline = build_pipeline(cfg, dmp, optimizer, device, decision)
 
     losses: List[float] = []
     step_times: List[float] = []
@@ -579,7 +505,7 @@ def run_training(cfg: DictConfig, run_dir: Path, show_progress: bool = True) -> 
                                    for m in ("calls", "bytes", "embedding_vectors")},
         "traffic_per_step_by_tag": {k: {m: v / steps for m, v in s.items()} for k, s in traffic_tags.items()},
         "plan": plan,
-        "link_decision": getattr(sharding_plan, "link_decision", None),
+        "link_decision": decision.link_report(),
         "dense_sync": "forward_ordered" if getattr(dmp, "dense_sync", None) is not None else "ddp",
         "herald": herald,
         "herald_pipeline": (attempt_stats.summary(train_time / attempt_steps) | {"sync": pipeline.sync,

@@ -7,7 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Dict, Optional
 
-from torchrec_herald.planner.link_model import LinkModel
+from torchrec_herald.planner.pricing import LinkModel
 from torchrec_herald.planner.planner import DEFAULT_HOT_MEMORY_BUDGET_BYTES
 from torchrec_herald.planner.stock import STOCK_MODES
 
@@ -89,6 +89,15 @@ class HeraldPlannerConfig:
             raise ValueError(f"planner.mode of planner=herald is its cold layout, row_wise; got {self.mode!r}")
         _check_dense_sync(self.dense_sync)
         self.link_model()  # planner.link_mbit / collective_latency_ms / cpu_us_per_lookup: one error naming the key
+
+    def hot_set_selector(self) -> Any:
+        """The configured :class:`~torchrec_herald.planner.hot_set.HotSetSelector`; the cost model prices
+        in time when the link is known (``link_mbit``), else in bytes."""
+        from torchrec_herald.planner.hot_set import CostModelHotSetSelector, TopFractionHotSetSelector
+
+        if self.selector == "top_fraction":
+            return TopFractionHotSetSelector(self.top_fraction)
+        return CostModelHotSetSelector(pricing=self.link_model())
 
     def link_model(self) -> Optional[LinkModel]:
         """The link the planner prices (None when ``link_mbit`` is not given)."""

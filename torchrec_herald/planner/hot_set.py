@@ -48,6 +48,7 @@ from torchrec_herald.comm import (  # noqa: F401  (re-exported: the cost model s
     STOCK_ID_BYTES,
     STOCK_LENGTH_BYTES,
 )
+from torchrec_herald.planner.pricing import ByteCount, Pricing
 from torchrec_herald.planner.stats import AccessStats
 
 logger = logging.getLogger(__name__)
@@ -458,7 +459,14 @@ class CostModelHotSetSelector(HotSetSelector):
     the candidate rows in descending net benefit per byte of replica until it is spent; finally each
     table re-picks the cheaper sync mode for the rows it kept (a no-op unless the budget cut rows).
     A budget smaller than one row leaves every table empty and logs a warning.
+
+    ``pricing`` (``planner/pricing.py``) turns the bytes into the unit the nets are compared in: bytes
+    (:class:`~torchrec_herald.planner.pricing.ByteCount`, the default) or milliseconds on a link
+    (:class:`~torchrec_herald.planner.pricing.LinkModel`).
     """
+
+    def __init__(self, pricing: Optional[Pricing] = None) -> None:
+        self.pricing: Pricing = pricing if pricing is not None else ByteCount()
 
     def select(self, stats: AccessStats, tables: Sequence[EmbeddingBagConfig], world_size: int,
                local_batch_size: int, memory_budget_bytes: Optional[int]) -> Dict[str, HotSetChoice]:
@@ -467,10 +475,11 @@ class CostModelHotSetSelector(HotSetSelector):
         scores: List[torch.Tensor] = []
         row_bytes: List[int] = []
         nets: List[Tuple[torch.Tensor, torch.Tensor]] = []
+        price = self.pricing.bytes
         for t in inputs:
-            saving = replication_saving(t.lam, world_size, t.dim)
-            net_dense = saving - dense_sync_row_cost(world_size, t.dim)
-            net_sparse = saving - sparse_sync_row_cost(t.touch, world_size, t.dim)
+            saving = price(replication_saving(t.lam, world_size, t.dim))
+            net_dense = saving - price(dense_sync_row_cost(world_size, t.dim))
+            net_sparse = saving - price(sparse_sync_row_cost(t.touch, world_size, t.dim))
             nets.append((net_dense, net_sparse))
             total_dense = float(net_dense.clamp(min=0).sum())
             total_sparse = float(net_sparse.clamp(min=0).sum())

@@ -10,9 +10,10 @@ from __future__ import annotations
 import copy
 import itertools
 import logging
-from typing import Any, Dict, Iterable, List, Optional, Sequence, Union
+from typing import TYPE_CHECKING, Any, Dict, Iterable, List, Optional, Sequence, Union
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torchrec.distributed.planner import EmbeddingShardingPlanner, ParameterConstraints
 from torchrec.distributed.planner.types import Stats
@@ -28,9 +29,13 @@ from torchrec_herald.planner.hot_set import (
     HotSetSelector,
     format_traffic_report,
 )
+from torchrec_herald.planner.pricing import LinkModel
 from torchrec_herald.planner.stats import AccessStats
 from torchrec_herald.planner.topology import default_storage_reservation, make_topology
 from torchrec_herald.sharding.types import HERALD_HOT_ROW_WISE, HotSpec
+
+if TYPE_CHECKING:
+    from torchrec_herald.planner.decision import PlanDecision
 
 logger = logging.getLogger(__name__)
 
@@ -62,7 +67,8 @@ class HeraldPlanner(EmbeddingShardingPlanner):
     def __init__(self, *args: Any, stats: Union[AccessStats, Stats, List[Stats], None] = None,
                  hot_memory_budget_bytes: Optional[int] = DEFAULT_HOT_MEMORY_BUDGET_BYTES,
                  hot_set_selector: Optional[HotSetSelector] = None,
-                 sample_batches: Optional[Sequence[Any]] = None, **kwargs: Any) -> None:
+                 sample_batches: Optional[Sequence[Any]] = None, link: Optional[LinkModel] = None,
+                 dense_sync: str = "forward_ordered", **kwargs: Any) -> None:
         access = stats if isinstance(stats, AccessStats) else None
         kwargs.setdefault("storage_reservation", default_storage_reservation())
         super().__init__(*args, stats=None if access is not None else stats, **kwargs)
@@ -73,8 +79,9 @@ class HeraldPlanner(EmbeddingShardingPlanner):
             raise ValueError(f"hot_memory_budget_bytes must be >= 0, got {hot_memory_budget_bytes}")
         self._access_stats = access
         self._sample_batches = list(sample_batches or [])
+        self.link, self.dense_sync = link, dense_sync
         self._budget = hot_memory_budget_bytes
-        self._selector = hot_set_selector or CostModelHotSetSelector()
+        self._selector = hot_set_selector or CostModelHotSetSelector(pricing=link)
         self.last_choices: Dict[str, HotSetChoice] = {}
         self._check_budget_fits()
 
@@ -151,6 +158,28 @@ class HeraldPlanner(EmbeddingShardingPlanner):
         plan = herald_plan_from_row_wise(row_wise, hot)
         logger.info("HeraldPlanner: %s tables\n%s", len(tables), self.describe())
         return plan
+
+    def decide(self, module: nn.Module, sharders: List[ModuleSharder[nn.Module]],
+               pg: Optional[dist.ProcessGroup] = None) -> "PlanDecision":
+        """Plan ``module`` (collectively when ``pg`` is given) and decide what trains it: herald's plan,
+        or, where the link model (``link``) predicts herald's plan slower than stock TABLE_WISE, stock
+        TABLE_WISE with DDP; the decision carries both predicted times and says why in one line."""
+        from torchrec_herald.planner.decision import PlanDecision
+        from torchrec_herald.planner.pricing import decide
+        from torchrec_herald.planner.stock import stock_plan
+
+        plan = self.collective_plan(module, sharders, pg) if pg is not None else self.plan(module, sharders)
+        if self.link is None:
+            return PlanDecision(plan=plan, sharders=sharders, dense_sync=self.dense_sync)
+        link = decide([s.expected for s in herald_tables(plan).values()], self._topology.world_size, self.link)
+        logger.info("planner.link_mbit: %s", link.describe())
+        if link.herald:
+            return PlanDecision(plan=plan, sharders=sharders, dense_sync=self.dense_sync, link=link)
+        stock_sharders = [_as_stock(s) for s in sharders]
+        device = torch.device("cuda" if self._topology.compute_device == "cuda" else "cpu")
+        table_wise = stock_plan(module, embedding_bag_configs(module), stock_sharders, "table_wise",
+                                self._topology.world_size, self._batch_size, device, pg)
+        return PlanDecision(plan=table_wise, sharders=stock_sharders, dense_sync="ddp", link=link)
 
     def access_stats(self, tables: List[EmbeddingBagConfig]) -> AccessStats:
         """The statistics the hot sets are chosen from: those given, or the counts of the sample batches

@@ -203,3 +203,11 @@ def dense_optimizer_for(dmp: Any, factory: OptimizerFactory) -> KeyedOptimizer:
     if sync is not None and sync.groups:
         return sync.dense_optimizer(factory)
     return KeyedOptimizerWrapper(dict(in_backward_optimizer_filter(dmp.named_parameters())), factory)
+
+
+def dense_sync_wrapper(mode: str) -> Optional["ForwardOrderedDenseSync"]:
+    """The DMP ``data_parallel_wrapper`` for ``planner.dense_sync``: ``forward_ordered`` (each layer's sum
+    waited for at its next forward) or ``ddp`` (None: TorchRec's DDP wrapper)."""
+    if mode not in ("ddp", "forward_ordered"):
+        raise ValueError(f"unknown planner.dense_sync {mode!r}; expected one of ['ddp', 'forward_ordered']")
+    return ForwardOrderedDenseSync() if mode == "forward_ordered" else None

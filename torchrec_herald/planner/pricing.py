@@ -1,9 +1,15 @@
-"""Price time, not only bytes: does herald's plan pay on this link (docs/design.md §6, issue 10)?
+"""The planner's one pricing module: turns bytes, collectives and per-lookup work into one unit.
 
-Herald trades link time (fewer bytes) for collectives and CPU work per step. Given the per-rank link rate,
-a per-collective latency and herald's measured extra CPU per lookup, :func:`decide` compares the
-predicted per-step cost of herald's plan with stock TABLE_WISE's (its exact reference) and keeps herald
-only where it is predicted faster; the trainer then trains the TABLE_WISE plan and says why.
+:class:`ByteCount` prices in bytes alone (the unit the hot-set cost model has always used, and what it
+uses when the link is unknown). :class:`LinkModel` prices in milliseconds for a given per-rank link rate,
+a per-collective latency and herald's extra CPU per lookup (``planner.link_mbit``,
+``planner.collective_latency_ms``, ``planner.cpu_us_per_lookup``). Both implement :class:`Pricing`, so
+the hot-set cost model (``planner/hot_set.py``) and the plan decision (:func:`decide`) price the same way.
+
+:func:`decide` answers "does herald's plan pay on this link" (docs/design.md §6): herald trades link time
+(fewer bytes) for collectives and CPU work per step. It compares the predicted per-step cost of
+herald's plan with stock TABLE_WISE's (its exact reference) and keeps herald only where it is
+predicted faster; the planner then plans TABLE_WISE and says why.
 
 Predicted cost per rank and step (the dense all-reduce and the model's compute are the same for both
 and cancel out):
@@ -17,10 +23,49 @@ the collectives per rank and step TrafficMeter counts besides the dense all-redu
 
 from __future__ import annotations
 
+import abc
 from dataclasses import dataclass
-from typing import Iterable, Mapping
+from typing import Iterable, Mapping, TypeVar
 
-__all__ = ["LinkModel", "LinkDecision", "decide", "STOCK_TW_COLLECTIVES", "HERALD_COLLECTIVES"]
+import torch
+
+__all__ = ["ByteCount", "HERALD_COLLECTIVES", "LinkDecision", "LinkModel", "Pricing", "STOCK_TW_COLLECTIVES",
+           "decide"]
+
+Amount = TypeVar("Amount", float, torch.Tensor)
+
+
+class Pricing(abc.ABC):
+    """A price for each kind of work a plan does per step, in :attr:`unit`."""
+
+    unit: str = ""
+
+    @abc.abstractmethod
+    def bytes(self, nbytes: Amount) -> Amount:
+        """The price of sending ``nbytes`` (a float or a tensor of per-row amounts) from one rank."""
+
+    @abc.abstractmethod
+    def collectives(self, n: float) -> float:
+        """The price of ``n`` collectives beyond their bytes."""
+
+    @abc.abstractmethod
+    def lookups(self, n: float) -> float:
+        """The price of herald's extra work on ``n`` lookups."""
+
+
+class ByteCount(Pricing):
+    """Bytes only: collectives and lookups cost nothing (the link is unknown)."""
+
+    unit = "B"
+
+    def bytes(self, nbytes: Amount) -> Amount:
+        return nbytes
+
+    def collectives(self, n: float) -> float:
+        return 0.0
+
+    def lookups(self, n: float) -> float:
+        return 0.0
 
 #: collectives per rank and step besides the dense all-reduce (TrafficMeter, 2 ranks, 200 steps):
 #: stock TABLE_WISE under TrainPipelineSparseDist: input dist (splits, ids) + pooled all-to-all + its gradient
@@ -30,8 +75,8 @@ HERALD_COLLECTIVES = 7
 
 
 @dataclass(frozen=True)
-class LinkModel:
-    """The link and herald's CPU price (``planner.link_mbit``, ``planner.collective_latency_ms``,
+class LinkModel(Pricing):
+    """Time, in milliseconds: the link and herald's CPU price (``planner.link_mbit``, ``planner.collective_latency_ms``,
     ``planner.cpu_us_per_lookup``).
 
     Args:
@@ -54,9 +99,20 @@ class LinkModel:
         if self.cpu_us_per_lookup < 0:
             raise ValueError(f"planner.cpu_us_per_lookup must be >= 0, got {self.cpu_us_per_lookup}")
 
+    unit = "ms"
+
     def transfer_ms(self, nbytes: float) -> float:
         """Milliseconds to send ``nbytes`` over the link."""
         return nbytes * 8 / (self.link_mbit * 1e3)
+
+    def bytes(self, nbytes: Amount) -> Amount:
+        return nbytes * (8 / (self.link_mbit * 1e3))
+
+    def collectives(self, n: float) -> float:
+        return n * self.collective_latency_ms
+
+    def lookups(self, n: float) -> float:
+        return n * self.cpu_us_per_lookup / 1e3
 
 
 @dataclass(frozen=True)
@@ -92,8 +148,7 @@ def decide(expected: Iterable[Mapping[str, float]], world_size: int, model: Link
     lookups = sum(e.get("lookups", 0.0) for e in expected) / world_size
     stock_bytes = sum(e.get("stock_table_wise", 0.0) for e in expected) / world_size
     herald_bytes = sum(e.get("herald_total", 0.0) for e in expected) / world_size
-    lat = model.collective_latency_ms
-    stock_ms = model.transfer_ms(stock_bytes) + STOCK_TW_COLLECTIVES * lat
-    herald_ms = (model.transfer_ms(herald_bytes) + HERALD_COLLECTIVES * lat
+    stock_ms = model.transfer_ms(stock_bytes) + STOCK_TW_COLLECTIVES * model.collective_latency_ms
+    herald_ms = (model.transfer_ms(herald_bytes) + HERALD_COLLECTIVES * model.collective_latency_ms
                  + model.cpu_us_per_lookup * lookups / 1e3)
     return LinkDecision(herald=herald_ms < stock_ms, stock_ms=stock_ms, herald_ms=herald_ms, link_mbit=model.link_mbit)

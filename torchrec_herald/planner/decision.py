@@ -1,0 +1,77 @@
+"""What the planner decides for a model, typed: the plan, the sharders that shard it, how the dense layers
+sync, and, when a link rate is known, herald's plan against stock TABLE_WISE with their predicted times.
+
+:func:`plan_model` is the one entry point from a ``planner`` config (``planner/config.py``): TorchRec's
+own planner for ``planner=stock|table_wise|row_wise``, :class:`~torchrec_herald.planner.HeraldPlanner`
+for ``planner=herald`` (which prices the link and falls back to stock TABLE_WISE itself).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Dict, List, Optional, Sequence, Union
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torchrec.distributed.types import ModuleSharder, ShardingPlan
+from torchrec.modules.embedding_configs import EmbeddingBagConfig
+
+from torchrec_herald.planner.config import HeraldPlannerConfig, StockPlannerConfig
+from torchrec_herald.planner.pricing import LinkDecision
+
+__all__ = ["PlanDecision", "plan_model"]
+
+
+@dataclass(frozen=True)
+class PlanDecision:
+    """The planner's decision for one model.
+
+    Attributes:
+        plan: the ``ShardingPlan`` for ``DistributedModelParallel``.
+        sharders: the sharders that shard it (herald's, or TorchRec's EBC sharder on any device).
+        dense_sync: ``ddp`` or ``forward_ordered`` (``sharding/dense_sync.py``).
+        link: herald's plan vs stock TABLE_WISE on the given link, with both predicted times (None when
+            no link rate was given, or for a stock planner).
+    """
+
+    plan: ShardingPlan
+    sharders: List[ModuleSharder[nn.Module]]
+    dense_sync: str
+    link: Optional[LinkDecision] = None
+
+    @property
+    def herald(self) -> bool:
+        """Some table is herald-sharded (False: stock TorchRec trains every table)."""
+        from torchrec_herald.planner.planner import herald_tables
+
+        return bool(herald_tables(self.plan))
+
+    def link_report(self) -> Optional[Dict[str, Any]]:
+        """``metrics.json`` ``link_decision``: the link decision's figures and its one-line reason."""
+        return None if self.link is None else self.link.as_dict()
+
+
+def plan_model(config: Union[StockPlannerConfig, HeraldPlannerConfig], module: nn.Module,
+               tables: Sequence[EmbeddingBagConfig], sample_batches: Sequence[Any], world_size: int,
+               local_batch_size: int, device: torch.device, pg: Optional[dist.ProcessGroup] = None) -> PlanDecision:
+    """Plan ``module`` as ``config`` says (collectively when ``pg`` is given: rank 0 plans).
+
+    Args:
+        sample_batches: KJTs or Batches whose accesses herald's hot sets are chosen from (unused by the
+            stock planner).
+    """
+    from torchrec_herald.planner.planner import HeraldPlanner
+    from torchrec_herald.planner.stock import stock_plan
+    from torchrec_herald.planner.topology import make_topology
+    from torchrec_herald.sharding import CpuEmbeddingBagCollectionSharder, HeraldEmbeddingBagCollectionSharder
+
+    if isinstance(config, StockPlannerConfig):
+        sharders: List[ModuleSharder[nn.Module]] = [CpuEmbeddingBagCollectionSharder()]
+        plan = stock_plan(module, list(tables), sharders, config.mode, world_size, local_batch_size, device, pg)
+        return PlanDecision(plan=plan, sharders=sharders, dense_sync=config.dense_sync)
+    planner = HeraldPlanner(topology=make_topology(world_size, device.type), batch_size=local_batch_size,
+                            sample_batches=list(sample_batches), hot_memory_budget_bytes=config.hot_memory_budget_bytes,
+                            hot_set_selector=config.hot_set_selector(), link=config.link_model(),
+                            dense_sync=config.dense_sync)
+    return planner.decide(module, [HeraldEmbeddingBagCollectionSharder()], pg)
