@@ -86,9 +86,8 @@ def worker(config: str, steps: int, segments: int, warmup: int, out: str, rate: 
     from torchrec_herald.config import compose_config
     from torchrec_herald.data import build_data_source
     from torchrec_herald.dist_utils import init_distributed
-    from torchrec_herald.pipeline import HeraldTrainPipeline
-    from torchrec_herald.trainer import (build_model_and_plan, build_pipeline, scheduler_seconds, step_time_breakdown,
-                                         train_stream)
+    from torchrec_herald.metrics import step_time_breakdown
+    from torchrec_herald.trainer import build_model_and_plan, build_pipeline, train_stream
     from torchrec_herald.traffic import TrafficMeter
 
     torch.set_num_threads(1)
@@ -99,11 +98,10 @@ def worker(config: str, steps: int, segments: int, warmup: int, out: str, rate: 
     data = build_data_source(cfg.data)
     dmp, optimizer, decision = build_model_and_plan(cfg, data, world, device)
     pipeline = build_pipeline(cfg, dmp, optimizer, device, decision)
-    it = train_stream(data, pipeline, rank, world, cfg.batch_size)
+    it = train_stream(data, rank, world, cfg.batch_size)
     for _ in range(warmup):
         pipeline.progress(it)
-    herald = isinstance(pipeline, HeraldTrainPipeline)
-    s0 = scheduler_seconds(getattr(pipeline, "stats", None))
+    s0 = pipeline.scheduler_seconds()
     dist.barrier()
     seg_s: List[float] = []
     per = steps // segments
@@ -115,14 +113,14 @@ def worker(config: str, steps: int, segments: int, warmup: int, out: str, rate: 
             out_[0].item()
             seg_s.append(time.perf_counter() - t0)
     n = per * segments
-    sched = [(after - before) / n for after, before in zip(scheduler_seconds(getattr(pipeline, "stats", None)), s0)]
+    sched = [(after - before) / n for after, before in zip(pipeline.scheduler_seconds(), s0)]
     result = {
         "rank": rank, "config": config, "steps": n,
         "samples_per_s": statistics.median(world * cfg.batch_size * per / s for s in seg_s),
         "segment_samples_per_s": [world * cfg.batch_size * per / s for s in seg_s],
         "bytes_per_step": meter.total()["bytes"] / n,
         "link_decision": decision.link_report(),
-        "scheduling": pipeline.scheduling_report() if herald else None,
+        "scheduling": pipeline.report().get("scheduling"),
         "breakdown_ms": step_time_breakdown(sum(seg_s) / n, meter.wait_s / n, *sched),
         # per collective label: calls and bytes per step, and the ms per step waited for it
         "by_label": {k: {"calls": v["calls"] / n, "bytes": v["bytes"] / n,

@@ -22,9 +22,9 @@ from typing import Any, Dict, List
 
 import torch
 import torch.distributed as dist
-from hydra import compose, initialize_config_module
 
 from machine_info import machine  # benchmarks/machine_info.py
+from torchrec_herald.config import compose_config
 from torchrec_herald.data import build_data_source
 from torchrec_herald.dist_utils import init_distributed
 from torchrec_herald.trainer import build_model_and_plan, build_pipeline
@@ -39,12 +39,11 @@ def _sync(device: torch.device) -> None:
 
 def measure(batch_size: int, overrides: List[str], warmup: int, steps: int) -> Dict[str, Any]:
     """Per-step seconds (median, mean, p90) of ``steps`` timed steps after ``warmup`` steps."""
-    with initialize_config_module(config_module="torchrec_herald.conf", version_base="1.3"):
-        cfg = compose(config_name="train", overrides=[f"batch_size={batch_size}", "eval=false"] + overrides)
+    cfg = compose_config([f"batch_size={batch_size}", "eval=false"] + overrides)
     rank, world, device = init_distributed()
     data = build_data_source(cfg.data)
-    dmp, optimizer, _ = build_model_and_plan(cfg, data, world, device)
-    pipeline = build_pipeline(cfg, dmp, optimizer, device)
+    dmp, optimizer, decision = build_model_and_plan(cfg, data, world, device)
+    pipeline = build_pipeline(cfg, dmp, optimizer, device, decision)
     n = warmup + steps + 2  # TrainPipelineSparseDist runs ahead by up to two batches
     # pre-generated on CPU, as a data loader yields them: each pipeline moves its batches to the device
     batches = [b for _, b in zip(range(n), data.train_batches(rank, world, batch_size))]

@@ -45,7 +45,9 @@ def _run(rank: int, world: int, cfg: Dict[str, Any], pipeline: Any, global_batch
     from torchrec_herald.traffic import TrafficMeter
 
     # ``decide``: the probe's decision forced (timings on 2 shared cores decide either way)
-    forced = (mock.patch.object(HeraldTrainPipeline, "_probe_decision", staticmethod(lambda on_ms, off_ms: decide))
+    from torchrec_herald.pipeline.auto_scheduling import SchedulingSwitch
+
+    forced = (mock.patch.object(SchedulingSwitch, "decide", staticmethod(lambda on_ms, off_ms: decide))
               if decide else contextlib.nullcontext())
     b = build(world, cfg)
     B = b["batch_size"]

@@ -7,10 +7,12 @@ samples/s), so the embedding saving, the product's point, shows at a glance.
 from __future__ import annotations
 
 import json
+from collections import Counter
 from pathlib import Path
 from typing import Any, Dict, List, Sequence, Tuple
 
-__all__ = ["TRAFFIC_GROUPS", "embedding_bytes_per_step", "headline", "traffic_groups", "write_comparison"]
+__all__ = ["TRAFFIC_GROUPS", "embedding_bytes_per_step", "format_comparison_table", "format_metrics_table", "headline",
+           "plot_training", "traffic_groups", "write_comparison"]
 
 #: TrafficMeter tags of the traffic that is not embedding traffic (everything else, TorchRec's own
 #: untagged all-to-alls included, is)
@@ -143,3 +145,93 @@ def write_comparison(run_dir: Path, runs: Dict[str, Dict[str, Any]], losses: Dic
     fig.savefig(paths["png"], dpi=110)
     plt.close(fig)
     return paths
+
+
+def plot_training(run_dir: Path, losses: List[float], metrics: Dict[str, Any]) -> None:
+    """training.png: the loss curve and this run's traffic per step in the report's four parts
+    (embedding vectors, ids and lengths, herald's scheduling, the dense all-reduce)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (a, b) = plt.subplots(1, 2, figsize=(10, 3.5))
+    k = max(1, len(losses) // 50)
+    smooth = [sum(losses[i:i + k]) / len(losses[i:i + k]) for i in range(0, len(losses), k)]
+    a.plot([i * k for i in range(len(smooth))], smooth)
+    a.set(xlabel="step", ylabel="train logloss (mean over ranks)", title="loss")
+    parts = traffic_groups(metrics)
+    names = list(parts)[::-1]
+    b.barh(names, [parts[n] / 1024 for n in names], color=["#d9d9d9", "#dd8452", "#9db4d8", "#4c72b0"])
+    for y, n in enumerate(names):
+        b.text(parts[n] / 1024, y, f" {parts[n] / 1024:.0f}", va="center", fontsize=8)
+    b.set(xlabel="KiB per step (all ranks, sent to other ranks)", title="traffic by kind")
+    fig.tight_layout()
+    fig.savefig(run_dir / "training.png", dpi=100)
+    plt.close(fig)
+
+
+def breakdown_cell(m: Dict[str, Any]) -> str:
+    b = m.get("step_time_breakdown_ms")
+    if not b:
+        return "–"
+    return (f"{b['step']:.1f} = {b['compute']:.1f} + {b['comm_wait']:.1f} + {b['scheduler_critical']:.1f} "
+            f"(ahead {b['scheduler_overlapped']:.1f})")
+
+
+def format_comparison_table(runs: Dict[str, Dict[str, Any]]) -> str:
+    """Markdown table, one column per run (e.g. stock baseline vs herald) and a last/first ratio."""
+    names = list(runs)
+    ms = [runs[n] for n in names]
+
+    def emb_kib(m: Dict[str, Any]) -> float:
+        return embedding_bytes_per_step(m) / 1024
+
+    rows = [
+        ("plan", [", ".join(f"{v}×{k}" for k, v in sorted(Counter(m["plan"].values()).items())) for m in ms], None),
+        ("steps", [m["steps"] for m in ms], None),
+        ("KiB sent per step (all ranks)", [m["traffic_per_step_total"]["bytes"] / 1024 for m in ms], "ratio"),
+        ("embedding KiB per step", [emb_kib(m) for m in ms], "ratio"),
+        ("embedding vectors per step", [m["traffic_per_step_total"]["embedding_vectors"] for m in ms], "ratio"),
+        ("samples/s", [m["samples_per_s"] for m in ms], "ratio"),
+        ("step ms = compute + comm wait + scheduler (ahead: off the path)", [breakdown_cell(m) for m in ms], None),
+        ("train logloss (last)", [m["train_logloss"] for m in ms], "diff"),
+        ("eval AUC", [m["eval"].get("auc", float("nan")) for m in ms], "diff"),
+        ("eval logloss", [m["eval"].get("logloss", float("nan")) for m in ms], "diff"),
+    ]
+    head = "| metric | " + " | ".join(names) + f" | {names[-1]} vs {names[0]} |"
+    lines = [head, "|" + "---|" * (len(names) + 2)]
+    for label, vals, kind in rows:
+        cells = [f"{v:.4f}" if isinstance(v, float) and abs(v) < 10 else
+                 (f"{v:.1f}" if isinstance(v, float) else str(v)) for v in vals]
+        if kind == "ratio" and vals[0]:
+            cmp = f"{vals[-1] / vals[0]:.3f}× ({100 * (vals[-1] / vals[0] - 1):+.1f} %)"
+        elif kind == "diff":
+            cmp = f"{vals[-1] - vals[0]:+.4f}"
+        else:
+            cmp = ""
+        lines.append(f"| {label} | " + " | ".join(cells) + f" | {cmp} |")
+    return "\n".join(lines)
+
+
+def format_metrics_table(metrics: Dict[str, Any]) -> str:
+    """Markdown table of the headline figures of one run."""
+    ev = metrics.get("eval", {})
+    tot = metrics["traffic_per_step_total"]
+    rows = [
+        ("ranks × local batch", f"{metrics['world_size']} × {metrics['local_batch_size']}"),
+        ("steps", metrics["steps"]),
+        ("samples/s", f"{metrics['samples_per_s']:.0f}"),
+        ("step time p50 / p90 (ms)", f"{metrics['step_time_s']['p50'] * 1e3:.1f} / "
+                                     f"{metrics['step_time_s']['p90'] * 1e3:.1f}"),
+        ("step ms = compute + comm wait + scheduler (ahead: off the path)", breakdown_cell(metrics)),
+        ("train logloss first → last", f"{metrics['train_logloss_first']:.4f} → {metrics['train_logloss']:.4f}"),
+        ("eval AUC", f"{ev.get('auc', float('nan')):.4f}"),
+        ("eval logloss", f"{ev.get('logloss', float('nan')):.4f}"),
+        ("KiB sent per step (all ranks)", f"{tot['bytes'] / 1024:.1f}"),
+        ("embedding vectors per step", f"{tot['embedding_vectors']:.0f}"),
+    ]
+    for kind, s in metrics["traffic_per_step"].items():
+        rows.append((f"  {kind} KiB/step", f"{s['bytes'] / 1024:.1f}"))
+    lines = ["| metric | value |", "|---|---|"] + [f"| {k} | {v} |" for k, v in rows]
+    return "\n".join(lines)

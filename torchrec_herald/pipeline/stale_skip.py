@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, field
-from typing import Any, List, Optional, Tuple
+from typing import Any, List, Optional, Protocol, Tuple
 
 import torch
 
@@ -147,11 +147,42 @@ class StaleSkipper:
                     int(self.stale.sum()), self.num_hot)
 
 
+class SkipHost(Protocol):
+    """What stale-update skipping may ask of the pipeline it is plugged into (and nothing more)."""
+
+    hot_keys: torch.Tensor  # global keys of the hot rows, ascending
+
+    def flush(self) -> None:
+        """Bring every replica up to date (collective)."""
+
+    def hot_values(self) -> torch.Tensor:
+        """The hot rows' current values ``[num_hot, D]``."""
+
+    def freeze_hot(self, stale: Optional[torch.Tensor], keys: torch.Tensor) -> None:
+        """Stop updating the hot rows ``stale`` (their global keys: ``keys``)."""
+
+    def unfreeze_hot(self) -> None:
+        """Train every hot row again."""
+
+    def count_skipped(self, candidates: int, skipped: int, inputs: int = 0) -> None:
+        """Add to the counters: updates considered, updates skipped, whole inputs skipped."""
+
+    def window_batches(self) -> List[Any]:
+        """This rank's upcoming batches, oldest first."""
+
+    def batch_keys(self, kjt: Any) -> torch.Tensor:
+        """Global row key of every id of ``kjt``."""
+
+    def gather_varlen(self, mine: torch.Tensor, label: str) -> List[torch.Tensor]:
+        """Every rank's ``mine`` (collective)."""
+
+
 class StaleSkipHook:
-    """Stale-update skipping plugged into ``HeraldTrainPipeline``: the pipeline calls :meth:`before_step`
-    at every step, :meth:`filter_inputs` on each batch entering the window (``input`` granularity),
-    :meth:`filter_reads` on the window's reads before planning and :meth:`count_reads` on the eager path
-    (``row`` granularity). ``frozen_keys``: global keys of the hot rows classified stale."""
+    """Stale-update skipping plugged into ``HeraldTrainPipeline`` through :class:`SkipHost`: the pipeline
+    calls :meth:`before_step` at every step, :meth:`filter_inputs` on each batch entering the window
+    (``input`` granularity), :meth:`filter_reads` on the window's reads before planning and
+    :meth:`count_reads` on the eager path (``row`` granularity). ``frozen_keys``: global keys of the hot
+    rows classified stale."""
 
     def __init__(self, config: SkipConfig, num_hot: int) -> None:
         self.skipper = StaleSkipper(config, num_hot)
@@ -162,25 +193,23 @@ class StaleSkipHook:
         return self.skipper.config.granularity
 
     # ------------------------------------------------------------------ hooks
-    def before_step(self, pipe: Any, step: int) -> None:
+    def before_step(self, host: SkipHost, step: int) -> None:
         """Snapshots at the ends of each measuring window (after a flush, so every rank sees the same
         hot rows), the threshold search at its end, and the (un)freezing of stale rows."""
         phase = self.skipper.phase(step)
         if phase not in ("snapshot_a", "snapshot_b"):
             return
-        pipe.flush()
+        host.flush()
         second = phase == "snapshot_b"
-        self.skipper.take_snapshot(pipe.ebc.hot_values(), second=second)
+        self.skipper.take_snapshot(host.hot_values(), second=second)
         if second:
-            self.skipper.set_threshold(step, self._sampled_scores(pipe))
+            self.skipper.set_threshold(step, self._sampled_scores(host))
         stale = self.skipper.stale if second else None
-        self.frozen_keys = pipe.layout.hot_keys[stale] if stale is not None else torch.empty(0, dtype=torch.int64)
+        self.frozen_keys = host.hot_keys[stale] if stale is not None else torch.empty(0, dtype=torch.int64)
         if self.granularity == "row":
-            if pipe.config.sync == "eager":
-                pipe.ebc.set_frozen_hot(stale)
-            pipe.ebc.set_frozen_keys(self.frozen_keys)
+            host.freeze_hot(stale, self.frozen_keys)
 
-    def filter_inputs(self, pipe: Any, batch: Any, train_step: int) -> Any:
+    def filter_inputs(self, host: SkipHost, batch: Any, train_step: int) -> Any:
         """Input granularity: drop the samples all of whose lookups are stale hot rows (at least one
         sample stays on every rank); counts skipped inputs and their lookups."""
         from torchrec.datasets.utils import Batch
@@ -189,11 +218,11 @@ class StaleSkipHook:
         kjt = batch.sparse_features
         B, F = kjt.stride(), len(kjt.keys())
         lengths = kjt.lengths().to(torch.int64)
-        pipe.stats.candidate_updates += int(lengths.sum())
+        host.count_skipped(int(lengths.sum()), 0)
         if self.skipper.phase(train_step) != "skip" or not self.frozen_keys.numel():
             return batch
         sample = torch.repeat_interleave(torch.arange(F * B) % B, lengths)
-        stale = torch.isin(pipe.batch_keys(kjt), self.frozen_keys)
+        stale = torch.isin(host.batch_keys(kjt), self.frozen_keys)
         n = torch.bincount(sample, minlength=B)
         drop = (torch.bincount(sample, weights=stale.double(), minlength=B) == n) & (n > 0)
         if bool(drop.all()):
@@ -201,15 +230,14 @@ class StaleSkipHook:
         if not bool(drop.any()):
             return batch
         keep = ~drop
-        pipe.stats.skipped_inputs += int(drop.sum())
-        pipe.stats.skipped_updates += int(n[drop].sum())
+        host.count_skipped(0, int(n[drop].sum()), int(drop.sum()))
         value_kept = keep[sample]
         new_lengths = lengths.view(F, B)[:, keep].flatten()
         new_kjt = KeyedJaggedTensor(keys=kjt.keys(), values=kjt.values()[value_kept],
                                     lengths=new_lengths.to(kjt.lengths().dtype))
         return Batch(dense_features=batch.dense_features[keep], sparse_features=new_kjt, labels=batch.labels[keep])
 
-    def filter_reads(self, pipe: Any, reads: List[List[torch.Tensor]]) -> List[List[torch.Tensor]]:
+    def filter_reads(self, host: SkipHost, reads: List[List[torch.Tensor]]) -> List[List[torch.Tensor]]:
         """Row granularity: frozen rows are read but never updated, so the plan leaves them out (their
         replicas were synchronised by the snapshot's flush and stay so); counts the skipped updates."""
         frozen = self.frozen_keys
@@ -220,43 +248,39 @@ class StaleSkipHook:
                 f = torch.isin(r, frozen) if frozen.numel() else torch.zeros_like(r, dtype=torch.bool)
                 kept.append(r[~f])
                 if k == 0:
-                    pipe.stats.candidate_updates += r.numel()
-                    pipe.stats.skipped_updates += int(f.sum())
+                    host.count_skipped(r.numel(), int(f.sum()))
             out.append(kept)
         return out
 
-    def count_reads(self, pipe: Any, rows: torch.Tensor) -> None:
+    def count_reads(self, host: SkipHost, rows: torch.Tensor) -> None:
         """Row granularity on the eager path: the step's rows read, and those frozen."""
-        pipe.stats.candidate_updates += rows.numel()
-        if self.frozen_keys.numel():
-            pipe.stats.skipped_updates += int(torch.isin(rows, self.frozen_keys).sum())
+        host.count_skipped(rows.numel(), int(torch.isin(rows, self.frozen_keys).sum()) if self.frozen_keys.numel() else 0)
 
-    def detach(self, pipe: Any) -> None:
+    def detach(self, host: SkipHost) -> None:
         """Train every row again (the herald EBC would otherwise keep the stale ones frozen)."""
         self.frozen_keys = torch.empty(0, dtype=torch.int64)
-        pipe.ebc.set_frozen_hot(None)
-        pipe.ebc.set_frozen_keys(self.frozen_keys)
+        host.unfreeze_hot()
 
     # ------------------------------------------------------------------ threshold sampling
-    def _movement_of(self, pipe: Any, keys: torch.Tensor) -> torch.Tensor:
+    def _movement_of(self, host: SkipHost, keys: torch.Tensor) -> torch.Tensor:
         """Movement (max |Δ| over the last measuring window) of the rows ``keys``; ``inf`` if not hot."""
         assert self.skipper.movement is not None
-        hot_keys = pipe.layout.hot_keys
+        hot_keys = host.hot_keys
         pos = torch.searchsorted(hot_keys, keys).clamp(max=max(hot_keys.numel() - 1, 0))
         hot = hot_keys[pos] == keys if hot_keys.numel() else torch.zeros_like(keys, dtype=torch.bool)
         out = torch.full((keys.numel(),), float("inf"))
         out[hot] = self.skipper.movement[pos[hot]]
         return out
 
-    def _sampled_scores(self, pipe: Any) -> torch.Tensor:
+    def _sampled_scores(self, host: SkipHost) -> torch.Tensor:
         """Every rank's scores on the window's upcoming batches (``row``: per lookup, its row's movement;
         ``input``: per sample, its largest), all-gathered so every rank searches the same threshold."""
         local = []
-        for batch in pipe.window_batches():
+        for batch in host.window_batches():
             kjt = batch.sparse_features
             B, F = kjt.stride(), len(kjt.keys())
             lengths = kjt.lengths().to(torch.int64)
-            mv = self._movement_of(pipe, pipe.batch_keys(kjt))
+            mv = self._movement_of(host, host.batch_keys(kjt))
             if self.granularity == "row":
                 local.append(mv)
             else:
@@ -265,4 +289,4 @@ class StaleSkipHook:
                 worst[torch.bincount(sample, minlength=B) == 0] = float("inf")  # no lookups: never skipped
                 local.append(worst)
         mine = torch.cat(local).float() if local else torch.empty(0)
-        return torch.cat(pipe.gather_varlen(mine, "herald_skip_meta"))
+        return torch.cat(host.gather_varlen(mine, "herald_skip_meta"))

@@ -8,48 +8,18 @@ for ``planner=herald`` (which prices the link and falls back to stock TABLE_WISE
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Any, Dict, List, Optional, Sequence, Union
+from typing import Any, List, Optional, Sequence, Union
 
 import torch
 import torch.distributed as dist
 from torch import nn
-from torchrec.distributed.types import ModuleSharder, ShardingPlan
+from torchrec.distributed.types import ModuleSharder
 from torchrec.modules.embedding_configs import EmbeddingBagConfig
 
 from torchrec_herald.planner.config import HeraldPlannerConfig, StockPlannerConfig
-from torchrec_herald.planner.pricing import LinkDecision
+from torchrec_herald.planner.types import PlanDecision
 
 __all__ = ["PlanDecision", "plan_model"]
-
-
-@dataclass(frozen=True)
-class PlanDecision:
-    """The planner's decision for one model.
-
-    Attributes:
-        plan: the ``ShardingPlan`` for ``DistributedModelParallel``.
-        sharders: the sharders that shard it (herald's, or TorchRec's EBC sharder on any device).
-        dense_sync: ``ddp`` or ``forward_ordered`` (``sharding/dense_sync.py``).
-        link: herald's plan vs stock TABLE_WISE on the given link, with both predicted times (None when
-            no link rate was given, or for a stock planner).
-    """
-
-    plan: ShardingPlan
-    sharders: List[ModuleSharder[nn.Module]]
-    dense_sync: str
-    link: Optional[LinkDecision] = None
-
-    @property
-    def herald(self) -> bool:
-        """Some table is herald-sharded (False: stock TorchRec trains every table)."""
-        from torchrec_herald.planner.planner import herald_tables
-
-        return bool(herald_tables(self.plan))
-
-    def link_report(self) -> Optional[Dict[str, Any]]:
-        """``metrics.json`` ``link_decision``: the link decision's figures and its one-line reason."""
-        return None if self.link is None else self.link.as_dict()
 
 
 def plan_model(config: Union[StockPlannerConfig, HeraldPlannerConfig], module: nn.Module,

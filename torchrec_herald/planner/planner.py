@@ -10,7 +10,7 @@ from __future__ import annotations
 import copy
 import itertools
 import logging
-from typing import TYPE_CHECKING, Any, Dict, Iterable, List, Optional, Sequence, Union
+from typing import Any, Dict, Iterable, List, Optional, Sequence, Union
 
 import torch
 import torch.distributed as dist
@@ -30,12 +30,10 @@ from torchrec_herald.planner.hot_set import (
     format_traffic_report,
 )
 from torchrec_herald.planner.pricing import LinkModel
+from torchrec_herald.planner.types import PlanDecision, herald_tables
 from torchrec_herald.planner.stats import AccessStats
 from torchrec_herald.planner.topology import default_storage_reservation, make_topology
 from torchrec_herald.sharding.types import HERALD_HOT_ROW_WISE, HotSpec
-
-if TYPE_CHECKING:
-    from torchrec_herald.planner.decision import PlanDecision
 
 logger = logging.getLogger(__name__)
 
@@ -160,11 +158,10 @@ class HeraldPlanner(EmbeddingShardingPlanner):
         return plan
 
     def decide(self, module: nn.Module, sharders: List[ModuleSharder[nn.Module]],
-               pg: Optional[dist.ProcessGroup] = None) -> "PlanDecision":
+               pg: Optional[dist.ProcessGroup] = None) -> PlanDecision:
         """Plan ``module`` (collectively when ``pg`` is given) and decide what trains it: herald's plan,
         or, where the link model (``link``) predicts herald's plan slower than stock TABLE_WISE, stock
         TABLE_WISE with DDP; the decision carries both predicted times and says why in one line."""
-        from torchrec_herald.planner.decision import PlanDecision
         from torchrec_herald.planner.pricing import decide
         from torchrec_herald.planner.stock import stock_plan
 
@@ -204,13 +201,3 @@ def _as_stock(sharder: ModuleSharder[nn.Module]) -> ModuleSharder[nn.Module]:
     if isinstance(sharder, HeraldEmbeddingBagCollectionSharder):
         return CpuEmbeddingBagCollectionSharder(fused_params=sharder.fused_params)
     return sharder
-
-
-def herald_tables(plan: ShardingPlan) -> Dict[str, HotSpec]:
-    """table -> HotSpec of every herald table in ``plan``."""
-    out: Dict[str, HotSpec] = {}
-    for module_plan in plan.plan.values():
-        for name, ps in module_plan.items():  # type: ignore[union-attr]
-            if ps.sharding_type == HERALD_HOT_ROW_WISE:
-                out[name] = ps.hot  # type: ignore[attr-defined]
-    return out

@@ -1,0 +1,194 @@
+"""``pipeline.scheduling=off|auto``: herald's scheduling only where it pays, in a room of its own.
+
+Off means hot replication alone, run as it then runs: under TorchRec's own ``TrainPipelineSparseDist``
+(its input dist overlapped with compute), fed this rank's samples. ``auto`` times ``probe_steps`` steps
+with scheduling on, then ``probe_steps`` with it off, each after ``probe_steps // 2`` unmeasured ones;
+the off phase's TorchRec pipeline is fed exactly the probe's batches and drained before the decision, so
+whichever mode wins, every batch trains once, in order. The slowest rank's mean decides, so every rank
+makes the same choice. :class:`SchedulingSwitch` owns the probe, the decision and TorchRec's pipeline;
+the herald pipeline asks it before each step which mode trains.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from itertools import islice
+from typing import Any, Callable, Dict, Iterator, List, Optional, Protocol, Tuple
+
+import torch
+import torch.distributed as dist
+from torchrec.datasets.utils import Batch
+from torchrec.distributed.train_pipeline import TrainPipelineSparseDist
+
+from torchrec_herald.data import TrainStream
+from torchrec_herald.pipeline.context import SchedulerStats, select_samples
+
+__all__ = ["SPARSE_DIST_AHEAD", "SchedulingSwitch", "SwitchHost"]
+
+logger = logging.getLogger(__name__)
+
+#: batches ``TrainPipelineSparseDist`` holds beyond the one it trains (input dist started, copied)
+SPARSE_DIST_AHEAD = 2
+
+
+class SwitchHost(Protocol):
+    """What the switch needs of the herald pipeline it switches."""
+
+    mode: str
+    stats: SchedulerStats
+    global_batches: Optional[bool]
+
+    def enter_mode(self, mode: str) -> None:
+        """Train in ``mode`` from the next step (``on``: the configured scheduling; ``off``: hot replication
+        alone); leaving the plan flushes it."""
+
+    def settle(self) -> None:
+        """Take the run-ahead thread's batch into the window and flush the plan (the model then is in
+        herald's stock layout)."""
+
+    def take_window_batches(self) -> List[Batch]:
+        """This rank's batches in the window, oldest first, the window emptied."""
+
+    def stop_collecting_reads(self) -> None:
+        """Scheduling is off for good: batches entering the window no longer need every rank's reads."""
+
+
+class SchedulingSwitch:
+    """``off`` or ``auto`` scheduling of one herald pipeline.
+
+    Args:
+        host: the herald pipeline (:class:`SwitchHost`).
+        setting: ``off`` or ``auto``.
+        probe_steps: ``auto``: timed steps per mode.
+        make_delegate: builds TorchRec's pipeline that trains hot replication alone.
+        pg, world, rank: the process group the decision is agreed on, and this rank's place in it.
+    """
+
+    def __init__(self, host: SwitchHost, setting: str, probe_steps: int,
+                 make_delegate: Callable[[], TrainPipelineSparseDist], pg: Optional[dist.ProcessGroup], world: int,
+                 rank: int) -> None:
+        if setting not in ("off", "auto"):
+            raise ValueError(f"SchedulingSwitch handles pipeline.scheduling=off|auto, got {setting!r}")
+        self.host, self.setting, self.probe_steps = host, setting, int(probe_steps)
+        self._make_delegate, self._pg, self._world, self._rank = make_delegate, pg, world, rank
+        self.probe: Optional[Dict[str, Any]] = (
+            {"seconds": {"on": 0.0, "off": 0.0}, "steps": {"on": 0, "off": 0}, "decided": False}
+            if setting == "auto" else None)
+        self._step_started: Optional[float] = None
+        self._delegate: Optional[TrainPipelineSparseDist] = None
+        self._delegate_src: Optional[Iterator[Batch]] = None
+        self._delegate_it: Optional[Iterator[Batch]] = None
+
+    # ------------------------------------------------------------------ the probe
+    def _phase(self, step: int) -> Tuple[str, bool]:
+        """(mode, timed) of ``step`` in the probe: ``w`` unmeasured then ``p`` timed steps with scheduling
+        on, then the same with it off under TorchRec's pipeline, plus the steps that drain the batches it
+        holds ahead (``p = probe_steps``, ``w = p // 2``). Both modes are timed as they would then run."""
+        w, p = self.probe_steps // 2, self.probe_steps
+        if step < w + p:
+            return "on", step >= w
+        return "off", w <= step - (w + p) < w + p
+
+    def probe_length(self) -> int:
+        """Steps the probe runs: ``2 · (w + p)`` and the off mode's drain."""
+        return 2 * (self.probe_steps // 2 + self.probe_steps) + SPARSE_DIST_AHEAD
+
+    def before_step(self) -> None:
+        """Time the previous step into its mode; switch modes on the probe's schedule; after the probe,
+        keep the faster mode (the slowest rank's mean step time decides, the same on every rank)."""
+        now = time.perf_counter()
+        probe, step = self.probe, self.host.stats.steps
+        if probe is None or probe["decided"]:
+            return
+        last, self._step_started = self._step_started, now
+        if last is not None and step >= 1:
+            mode, timed = self._phase(step - 1)
+            if timed:
+                probe["seconds"][mode] += now - last
+                probe["steps"][mode] += 1
+        if step < self.probe_length():
+            want = self._phase(step)[0]
+            if want != self.host.mode:
+                self._switch(want)
+            return
+        means = torch.tensor([probe["seconds"][m] / max(probe["steps"][m], 1) for m in ("on", "off")],
+                             dtype=torch.float64)
+        dist.all_reduce(means, op=dist.ReduceOp.MAX, group=self._pg)
+        on_ms, off_ms = (1000 * float(x) for x in means)
+        probe.update(decided=True, on_ms_per_step=on_ms, off_ms_per_step=off_ms)
+        self.drop_delegate()  # the probe's delegate trained exactly its share of batches: it is empty
+        best = self.decide(on_ms, off_ms)
+        logger.info("pipeline.scheduling=auto: %.1f ms/step with scheduling on, %.1f with it off (hot replication "
+                    "alone) -> %s%s", on_ms, off_ms, best,
+                    "" if best == "on" else ": scheduling costs more time than it saves on this link and machine")
+        if best != self.host.mode:
+            self._switch(best)
+        if best == "off":  # for good: the window's batches no longer need every rank's reads
+            self.host.stop_collecting_reads()
+
+    @staticmethod
+    def decide(on_ms: float, off_ms: float) -> str:
+        """The mode ``auto`` keeps: the one with the shorter mean step (scheduling on when equal)."""
+        return "on" if on_ms <= off_ms else "off"
+
+    def _switch(self, mode: str) -> None:
+        """Change mode between steps (every rank at the same step)."""
+        if mode == "on":
+            self.drop_delegate()
+        self.host.enter_mode(mode)
+
+    # ------------------------------------------------------------------ scheduling off
+    def progress_off(self, it: Iterator[Batch]) -> Any:
+        """One step of hot replication alone under TorchRec's ``TrainPipelineSparseDist``: first the
+        window's batches (this rank's share, already read), then this rank's slice of each global batch.
+        While ``auto`` probes, it is fed exactly the batches of the probe's remaining steps, so it is empty
+        when the probe decides (whichever mode wins, no batch is skipped or trained twice)."""
+        if self._delegate is None:
+            self.host.settle()
+            self._delegate = self._make_delegate()
+        if self._delegate_src is not it:
+            queued = self.host.take_window_batches()
+            probing = self.probe is not None and not self.probe["decided"]
+            limit = self.probe_length() - self.host.stats.steps if probing else None
+            self._delegate_src, self._delegate_it = it, islice(self._my_share(queued, it), limit)
+        try:
+            out = self._delegate.progress(self._delegate_it)
+        except StopIteration:
+            self._delegate_src = self._delegate_it = None
+            raise
+        self.host.stats.steps += 1
+        return out
+
+    def _my_share(self, queued: List[Any], it: Iterator[Batch]) -> Iterator[Batch]:
+        """The window's batches, then this rank's slice of each global batch ``it`` yields: a
+        :class:`~torchrec_herald.data.TrainStream` is switched to read only the slice (no other rank's
+        sample is generated or parsed into a batch); another iterator's whole batches are sliced here."""
+        yield from queued
+        if isinstance(it, TrainStream):
+            it.whole = False
+            yield from it
+            return
+        for batch in it:
+            if self.host.global_batches:
+                B = batch.sparse_features.stride() // self._world
+                batch = select_samples(batch, torch.arange(self._rank * B, (self._rank + 1) * B))
+            yield batch
+
+    def drop_delegate(self) -> None:
+        """Detach and forget TorchRec's pipeline (it holds no batch between phases of the probe)."""
+        if self._delegate is not None:
+            self._delegate.detach()
+            self._delegate = None
+        self._delegate_src = self._delegate_it = None
+
+    def restore(self, probe: Optional[Dict[str, Any]]) -> None:
+        """A checkpoint's probe (its clock restarts at the next step)."""
+        self.probe = probe
+        self._step_started = None
+
+    def report(self) -> Dict[str, Any]:
+        """``metrics.json`` ``herald_pipeline.scheduling``: the probe's figures (for ``auto``)."""
+        if self.probe is None:
+            return {}
+        return {k: v for k, v in self.probe.items() if k in ("decided", "on_ms_per_step", "off_ms_per_step")}

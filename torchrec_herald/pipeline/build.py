@@ -1,0 +1,121 @@
+"""The one interface the trainer drives a train pipeline through, whichever it is, and the factory that
+builds the configured one: TorchRec's ``TrainPipelineSparseDist`` / ``TrainPipelineBase``
+(``pipeline=sparse_dist|base``) behind :class:`TorchRecPipeline`, or herald's
+:class:`~torchrec_herald.pipeline.HeraldTrainPipeline` (``pipeline=herald``), which implements the
+interface itself. So the trainer needs no ``isinstance`` and writes no pipeline's attributes."""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, Dict, Iterator, Optional, Protocol, Tuple, Union
+
+import torch
+from torch import nn
+from torchrec.distributed.train_pipeline import TrainPipelineBase, TrainPipelineSparseDist
+
+from torchrec_herald.pipeline.options import HeraldPipelineConfig
+from torchrec_herald.pipeline.train_pipeline import HeraldTrainPipeline
+
+__all__ = ["PIPELINES", "TorchRecPipeline", "TrainingPipeline", "build_pipeline"]
+
+logger = logging.getLogger(__name__)
+
+#: ``pipeline.name`` of TorchRec's own pipelines -> class
+PIPELINES = {"sparse_dist": TrainPipelineSparseDist, "base": TrainPipelineBase}
+
+
+class TrainingPipeline(Protocol):
+    """What the trainer asks of a train pipeline."""
+
+    #: the pipeline plans herald's transfers (its EBC's per-table traffic counters do not see them)
+    plan_mode: bool
+
+    def progress(self, dataloader_iter: Iterator[Any]) -> Any:
+        """Train one batch; ``StopIteration`` when the loader and the pipeline are empty."""
+
+    def checkpoint_after_next_step(self) -> None:
+        """A checkpoint follows the next step."""
+
+    def prepare_checkpoint(self) -> bool:
+        """Before a save (collective): bring the model to a savable state; True when the data iterator must
+        restart at the saved position afterwards."""
+
+    def state_dict(self) -> Optional[Dict[str, Any]]:
+        """What a checkpoint keeps of the pipeline (JSON-able), or None."""
+
+    def load_state_dict(self, state: Optional[Dict[str, Any]]) -> None:
+        """Restore :meth:`state_dict`."""
+
+    def snapshot(self) -> Any:
+        """A mark from which :meth:`report` and :meth:`scheduler_seconds` count (a resumed run's attempt)."""
+
+    def report(self, since: Any = None, step_time_s: float = 0.0) -> Dict[str, Any]:
+        """``metrics.json`` ``herald_pipeline`` since ``since`` (collective for some modes); ``{}`` if none."""
+
+    def approximate_report(self, since: Any = None) -> Dict[str, Any]:
+        """An approximate mode's own figures (skipped and stale shares) since ``since``; ``{}`` if exact."""
+
+    def scheduler_seconds(self, since: Any = None) -> Tuple[float, float]:
+        """Scheduling seconds since ``since``: (on the critical path, done ahead)."""
+
+    def detach(self) -> nn.Module:
+        """Hand the model back in its plain sharded layout (flushing any caches)."""
+
+
+class TorchRecPipeline:
+    """A TorchRec pipeline behind :class:`TrainingPipeline`: no scheduling, nothing to checkpoint."""
+
+    plan_mode = False
+
+    def __init__(self, inner: Union[TrainPipelineSparseDist, TrainPipelineBase], model: nn.Module) -> None:
+        self.inner, self._model = inner, model
+
+    def progress(self, dataloader_iter: Iterator[Any]) -> Any:
+        return self.inner.progress(dataloader_iter)
+
+    def checkpoint_after_next_step(self) -> None:
+        return None
+
+    def prepare_checkpoint(self) -> bool:
+        return False
+
+    def state_dict(self) -> Optional[Dict[str, Any]]:
+        return None
+
+    def load_state_dict(self, state: Optional[Dict[str, Any]]) -> None:
+        return None
+
+    def snapshot(self) -> Any:
+        return None
+
+    def report(self, since: Any = None, step_time_s: float = 0.0) -> Dict[str, Any]:
+        return {}
+
+    def approximate_report(self, since: Any = None) -> Dict[str, Any]:
+        return {}
+
+    def scheduler_seconds(self, since: Any = None) -> Tuple[float, float]:
+        return 0.0, 0.0
+
+    def detach(self) -> nn.Module:
+        """TorchRec's ``TrainPipelineSparseDist`` rewrote the model's forwards: restore them."""
+        detach = getattr(self.inner, "detach", None)
+        return detach() if callable(detach) else self._model
+
+
+def build_pipeline(config: Any, model: nn.Module, optimizer: Any, device: torch.device,
+                   herald_sharded: bool = True) -> TrainingPipeline:
+    """The pipeline ``config`` (the ``pipeline`` group: a ``HeraldPipelineConfig`` or TorchRec's
+    pipeline's name) asks for. ``herald_sharded``: the planner sharded the model with herald's sharder
+    (False where the link model chose stock TABLE_WISE: herald's pipeline then has nothing to schedule,
+    and TorchRec's ``TrainPipelineSparseDist`` trains)."""
+    if isinstance(config, HeraldPipelineConfig):
+        if not herald_sharded:
+            logger.info("pipeline=herald: the plan is stock TABLE_WISE (planner.link_mbit), training with "
+                        "TorchRec's TrainPipelineSparseDist")
+            return TorchRecPipeline(TrainPipelineSparseDist(model, optimizer, device), model)
+        return HeraldTrainPipeline(model, optimizer, device, config=config)
+    name = getattr(config, "name", config)
+    if name not in PIPELINES:
+        raise ValueError(f"unknown pipeline.name {name!r}; expected one of {sorted(PIPELINES) + ['herald']}")
+    return TorchRecPipeline(PIPELINES[name](model, optimizer, device), model)

@@ -1,0 +1,57 @@
+"""The run-ahead worker: one thread that schedules the next batch entering herald's window (read, keys,
+allocation, reads) and plans the next step while the current step trains, as the released Herald runs
+its scheduler in a thread beside training (docs/design.md §3). At most one job is in flight; the step
+collects it before it plans, waiting only when the thread is late."""
+
+from __future__ import annotations
+
+import logging
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any, Callable, Optional, Tuple
+
+__all__ = ["RunAhead"]
+
+logger = logging.getLogger(__name__)
+
+
+class RunAhead:
+    """A one-thread worker with at most one job in flight."""
+
+    def __init__(self) -> None:
+        self._pool: Optional[ThreadPoolExecutor] = ThreadPoolExecutor(1, "herald-ahead")
+        self._pending: Optional[Future] = None
+
+    @property
+    def busy(self) -> bool:
+        """A job was submitted and not collected yet."""
+        return self._pending is not None
+
+    def submit(self, job: Callable[..., Any], *args: Any) -> None:
+        assert self._pool is not None and self._pending is None
+        self._pending = self._pool.submit(job, *args)
+
+    def collect(self) -> Tuple[Any, float]:
+        """The job's result (its errors are raised here) and the seconds waited for it; ``(None, 0.0)``
+        with no job in flight."""
+        if self._pending is None:
+            return None, 0.0
+        t0 = time.perf_counter()
+        pending, self._pending = self._pending, None
+        result = pending.result()
+        return result, time.perf_counter() - t0
+
+    def cancel(self) -> None:
+        """Wait for the job in flight and drop its result (and its error)."""
+        if self._pending is not None:
+            pending, self._pending = self._pending, None
+            try:
+                pending.result()
+            except Exception:  # noqa: BLE001 - the result is dropped; a restarted window re-reads the batch
+                logger.debug("dropped run-ahead job raised", exc_info=True)
+
+    def shutdown(self) -> None:
+        self.cancel()
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
+            self._pool = None

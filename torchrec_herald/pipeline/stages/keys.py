@@ -1,0 +1,39 @@
+"""Stage 1 of a batch entering the window: the batch on CPU in the EBC's feature order, its ids
+validated, their global row keys (``layout.feature_offsets[f] + id``) and each key's sample."""
+
+from __future__ import annotations
+
+import torch
+from torchrec.datasets.utils import Batch
+
+from torchrec_herald.ops.hot_cold import first_invalid_id
+from torchrec_herald.pipeline.context import HeraldBatchContext, SchedulingEnv
+
+__all__ = ["key_batch"]
+
+
+def key_batch(env: SchedulingEnv, ctx: HeraldBatchContext, raw: Batch, whole_batch: bool) -> None:
+    """Fill ``ctx.batch``, ``ctx.keys``, ``ctx.bad`` and ``ctx.sample_of_key`` from ``raw``.
+
+    ``whole_batch``: every rank holds the same global batch, so a bad id is raised here by every rank
+    alike, naming the rank whose share held it; otherwise it is recorded in ``ctx.bad`` for the
+    allocate stage's exchange (``ctx.keys`` is then None)."""
+    if raw.labels.device.type != "cpu":  # scheduling runs on CPU: a batch the loader put on the device comes back
+        raw = raw.to(torch.device("cpu"))
+    kjt = env.ebc.in_feature_order(raw.sparse_features)
+    B = kjt.stride()
+    values, lengths = kjt.values().to(torch.int64), kjt.lengths().to(torch.int64)
+    lay = env.layout
+    # the id check and the keys from one bag index per id (which also gives its sample)
+    bag = torch.repeat_interleave(lengths)
+    feature = bag // B
+    invalid = (values < 0) | (values >= lay.rows_per_feature.index_select(0, feature))
+    bad = first_invalid_id(values, lengths, lay.rows_per_feature, B) if bool(invalid.any()) else None
+    if bad and whole_batch:  # every rank sees the same global batch: all raise the same error
+        local_batch = B // env.world
+        ranks = torch.unique((bag % B)[invalid] // local_batch).tolist()
+        raise env.ebc.bad_id_error(ranks, bad[0], bad[1])
+    ctx.batch = Batch(dense_features=raw.dense_features, sparse_features=kjt, labels=raw.labels)
+    ctx.keys = None if bad else lay.feature_offsets.index_select(0, feature) + values
+    ctx.bad = (1, bad[0], bad[1]) if bad else (0, 0, 0)
+    ctx.sample_of_key = bag % B

@@ -1,0 +1,170 @@
+"""How a herald pipeline schedules a batch: one strategy object per planning mode, behind one interface,
+chosen by a registry (as ``input_allocator.build_allocator`` chooses the allocator).
+
+A :class:`SchedulingStrategy` says what kind of batch each rank reads (the whole global batch, or its
+own share), which planner plans the steps, and which bodies of the allocate and reads stages
+(``pipeline/stages/``) run. Registered strategies:
+
+* ``global_batches``: every rank reads the whole global batch from the seekable source and schedules it
+  alone: no collective agrees on the allocation or the plan, no sample moves; it can run ahead.
+* ``gathered``: each rank reads its own batch; scores and read keys are all-gathered, samples move in
+  all-to-alls; every rank plans every row.
+* ``by_home``: each rank reads its own batch and plans only the rows it is home to, from the read keys
+  sent to it (``HomeSplitLazyPlanner``).
+
+A new planning mode is one module with a :class:`SchedulingStrategy` subclass decorated with
+:func:`register_strategy`, and a line in :func:`strategy_name` (or ``pipeline.strategy``) that names it.
+"""
+
+from __future__ import annotations
+
+import abc
+from typing import Any, Callable, ClassVar, Dict, List, Optional, Type
+
+import torch
+
+from torchrec_herald.comm import all_to_all_rows
+from torchrec_herald.pipeline.context import CommTimer, HeraldBatchContext, SchedulingEnv
+from torchrec_herald.pipeline.options import HeraldPipelineConfig
+from torchrec_herald.pipeline.stages.allocate import allocate_own_batch, allocate_whole_batch
+from torchrec_herald.pipeline.stages.reads import gathered_reads, own_reads, reads_from_assignment
+from torchrec_herald.plans import CommPlanner, SyncCounters
+
+__all__ = ["STRATEGIES", "SchedulingStrategy", "build_planner", "build_strategy", "register_strategy", "strategy_name"]
+
+#: strategy name -> class (:func:`register_strategy`)
+STRATEGIES: Dict[str, Type["SchedulingStrategy"]] = {}
+
+
+def register_strategy(cls: Type["SchedulingStrategy"]) -> Type["SchedulingStrategy"]:
+    """Class decorator: make ``cls`` buildable by its ``name``."""
+    if cls.name in STRATEGIES:
+        raise ValueError(f"a scheduling strategy named {cls.name!r} is registered already")
+    STRATEGIES[cls.name] = cls
+    return cls
+
+
+class SchedulingStrategy(abc.ABC):
+    """One planning mode of the herald pipeline.
+
+    Attributes:
+        name: the registry key.
+        whole_batches: every rank reads the whole global batch (the loader must yield them).
+        can_run_ahead: its scheduling has no collective, so a worker thread may run it ahead of the step.
+    """
+
+    name: ClassVar[str]
+    whole_batches: ClassVar[bool] = False
+    can_run_ahead: ClassVar[bool] = False
+
+    def __init__(self, env: SchedulingEnv, config: HeraldPipelineConfig) -> None:
+        self.env, self.config = env, config
+
+    @abc.abstractmethod
+    def allocate(self, ctx: HeraldBatchContext) -> None:
+        """Stage 2: which rank trains which sample of the batch (``pipeline/stages/allocate.py``)."""
+
+    @abc.abstractmethod
+    def collect_reads(self, ctx: HeraldBatchContext, reads_needed: bool, lazy: bool) -> None:
+        """Stage 3: every rank's reads (``pipeline/stages/reads.py``); ``reads_needed``: the plan may be on
+        now or later, ``lazy``: it is on now."""
+
+    def plan_counters(self) -> SyncCounters:
+        """The plan's counters over all ranks (every rank plans every row: its own counters)."""
+        return self.env.stats.counters
+
+
+@register_strategy
+class GlobalBatchesStrategy(SchedulingStrategy):
+    """Whole global batches on every rank, scheduled alone (``pipeline.global_batches``)."""
+
+    name = "global_batches"
+    whole_batches = True
+    can_run_ahead = True
+
+    def allocate(self, ctx: HeraldBatchContext) -> None:
+        allocate_whole_batch(self.env, ctx)
+
+    def collect_reads(self, ctx: HeraldBatchContext, reads_needed: bool, lazy: bool) -> None:
+        reads_from_assignment(self.env, ctx, reads_needed)
+
+
+@register_strategy
+class GatheredStrategy(SchedulingStrategy):
+    """Each rank's own batch; scores, samples and reads exchanged by collectives; a global plan."""
+
+    name = "gathered"
+
+    def allocate(self, ctx: HeraldBatchContext) -> None:
+        allocate_own_batch(self.env, ctx)
+
+    def collect_reads(self, ctx: HeraldBatchContext, reads_needed: bool, lazy: bool) -> None:
+        if lazy:
+            gathered_reads(self.env, ctx)
+
+
+@register_strategy
+class ByHomeStrategy(SchedulingStrategy):
+    """Each rank's own batch; each rank plans the rows it is home to (``pipeline.planning=by_home``)."""
+
+    name = "by_home"
+
+    def allocate(self, ctx: HeraldBatchContext) -> None:
+        allocate_own_batch(self.env, ctx)
+
+    def collect_reads(self, ctx: HeraldBatchContext, reads_needed: bool, lazy: bool) -> None:
+        if lazy:  # the keys go to their homes when the step is planned
+            own_reads(self.env, ctx)
+
+    def plan_counters(self) -> SyncCounters:
+        """(collective) Each rank counted the rows it is home to: the sum over ranks."""
+        import torch.distributed as dist
+
+        parts: List[Any] = [None] * self.env.world
+        dist.all_gather_object(parts, self.env.stats.counters, group=self.env.pg)
+        total = SyncCounters()
+        for c in parts:
+            total = total + c
+        return total
+
+
+def strategy_name(config: HeraldPipelineConfig) -> str:
+    """The registered strategy a resolved config asks for."""
+    if config.planning == "by_home":
+        return "by_home"
+    return "global_batches" if config.global_batches else "gathered"
+
+
+def build_strategy(name: str, env: SchedulingEnv, config: HeraldPipelineConfig) -> SchedulingStrategy:
+    if name not in STRATEGIES:
+        raise ValueError(f"unknown scheduling strategy {name!r}; registered: {sorted(STRATEGIES)}")
+    return STRATEGIES[name](env, config)
+
+
+def exchange_words(env: SchedulingEnv) -> Callable[[List[torch.Tensor]], List[torch.Tensor]]:
+    """Planning by home's exchange: one int64 tensor to each rank, one from each (two all-to-alls: sizes,
+    words), timed as scheduler comm."""
+
+    def exchange(send: List[torch.Tensor]) -> List[torch.Tensor]:
+        with CommTimer(env.stats, "herald_schedule_meta"):
+            sizes = torch.tensor([t.numel() for t in send], dtype=torch.int64)
+            recv = all_to_all_rows(sizes, [1] * env.world, [1] * env.world, env.pg, "herald_schedule_meta")
+            out = all_to_all_rows(torch.cat(send), sizes.tolist(), recv.tolist(), env.pg, "herald_schedule_meta")
+        return list(out.split(recv.tolist()))
+
+    return exchange
+
+
+def build_planner(config: HeraldPipelineConfig, env: SchedulingEnv, capacity_rows: Optional[int]) -> CommPlanner:
+    """The communication planner of ``config``: by home (each rank its own rows, exchanging words through
+    ``env``), bounded staleness, or the exact lazy plan."""
+    from torchrec_herald.pipeline.home_split import HomeSplitLazyPlanner
+    from torchrec_herald.pipeline.lazy_sync import TensorLazySyncPlanner
+    from torchrec_herald.pipeline.staleness import StalenessPlanner
+
+    c, layout = config, env.layout
+    if c.planning == "by_home":
+        return HomeSplitLazyPlanner(layout, env.rank, exchange_words(env), c.cache_fraction, c.window, capacity_rows)
+    if c.staleness is None:
+        return TensorLazySyncPlanner(layout, c.cache_fraction, c.window, capacity_rows)
+    return StalenessPlanner(layout, c.staleness, c.cache_fraction, c.window, capacity_rows)
