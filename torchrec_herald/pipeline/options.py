@@ -40,6 +40,13 @@ _SKIP_FIELDS = {"target": "skip_target", "tolerance": "skip_tolerance", "start":
 _SKIP_DEFAULTS = {f.name: f.default for f in dataclasses.fields(SkipConfig) if f.name in _SKIP_FIELDS}
 
 
+def _strategy_module(planning: str) -> bool:
+    """A scheduling strategy module named ``planning`` exists (``pipeline/strategies/<planning>.py``)."""
+    from torchrec_herald.pipeline.strategies import strategy_exists
+
+    return planning not in ("global_batches", "gathered") and strategy_exists(planning)
+
+
 @dataclass
 class HeraldPipelineConfig:
     """The ``pipeline=herald`` group.
@@ -135,7 +142,7 @@ class HeraldPipelineConfig:
                              "each rank's batch by its own training state (set pipeline.global_batches=false)")
         if self.scheduling not in SCHEDULING:
             raise ValueError(f"unknown pipeline.scheduling {self.scheduling!r}; known: {list(SCHEDULING)}")
-        if self.planning not in PLANNING:
+        if self.planning not in PLANNING and not _strategy_module(self.planning):
             raise ValueError(f"unknown pipeline.planning {self.planning!r}; known: {list(PLANNING)}")
         if self.planning == "by_home":
             clash = [f"{k}={v}" for k, v, ok in (

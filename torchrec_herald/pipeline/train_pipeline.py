@@ -39,7 +39,7 @@ from torchrec_herald.pipeline.context import (HeraldBatchContext, SchedulerStats
 from torchrec_herald.pipeline.input_allocator import build_allocator
 from torchrec_herald.pipeline.options import ALLOCATORS, CACHE_POLICIES, SYNC_MODES, HeraldPipelineConfig
 from torchrec_herald.pipeline.run_ahead import RunAhead
-from torchrec_herald.pipeline.stages.keys import key_batch
+from torchrec_herald.pipeline.stages import batch_stages
 from torchrec_herald.pipeline.stages.plan import make_plan, plan_head
 from torchrec_herald.pipeline.stale_skip import StaleSkipHook
 from torchrec_herald.pipeline.strategies import SchedulingStrategy, build_planner, build_strategy, strategy_name
@@ -154,6 +154,22 @@ class HeraldTrainPipeline(TrainPipeline[Batch, Any]):
         """Every rank's ``mine``, timed as scheduler comm."""
         return self.env.gather_varlen(mine, label)
 
+    # ------------------------------------------------------------------ what the batch stages read (StageHost)
+    @property
+    def reads_needed(self) -> bool:
+        """Every rank's reads are needed for the batches entering the window (the plan is on, or the
+        scheduling probe may turn it on)."""
+        return self._reads_needed
+
+    @property
+    def lazy(self) -> bool:
+        """The plan is on now."""
+        return self.sync == "lazy"
+
+    def entering_step(self) -> int:
+        """The training step at which the batch entering the window will train."""
+        return self.stats.steps + len(self._queue)
+
     # ------------------------------------------------------------------ the loader decides three defaults
     def _resolve(self, it: Iterator[Batch]) -> None:
         """Decide ``global_batches``, ``run_ahead`` and ``scheduling`` for the first data loader (a
@@ -206,16 +222,10 @@ class HeraldTrainPipeline(TrainPipeline[Batch, Any]):
         except StopIteration:
             self._exhausted = True
             return None
-        ctx = HeraldBatchContext(index=self._batch_index)
+        ctx = HeraldBatchContext(index=self._batch_index, batch=raw)
         self._batch_index += 1
-        key_batch(self.env, ctx, raw, self.strategy.whole_batches)
-        self.strategy.allocate(ctx)
-        if self.skip_hook is not None and self.skip_hook.granularity == "input":
-            before = ctx.batch.labels.numel()
-            ctx.batch = self.skip_hook.filter_inputs(self, ctx.batch, self.stats.steps + len(self._queue))
-            if ctx.batch.labels.numel() != before:
-                ctx.keys = self.batch_keys(ctx.batch.sparse_features)
-        self.strategy.collect_reads(ctx, self._reads_needed, self.sync == "lazy")
+        for _, stage in batch_stages():
+            stage(self, ctx)
         return ctx
 
     def _schedule_ahead(self, it: Iterator[Batch], plan_ahead: bool) -> Optional[HeraldBatchContext]:
@@ -398,7 +408,7 @@ class HeraldTrainPipeline(TrainPipeline[Batch, Any]):
     @property
     def plan_mode(self) -> bool:
         """The lazy plan moves the rows (the EBC's per-table traffic counters do not see its transfers)."""
-        return self.sync == "lazy"
+        return self.lazy
 
     def snapshot(self) -> SchedulerStats:
         """A copy of the counters now (figures since then: ``report(since=...)``)."""

@@ -19,8 +19,15 @@ import torch.distributed as dist
 from torchrec_herald.comm import all_to_all_rows
 from torchrec_herald.pipeline.context import (CommTimer, HeraldBatchContext, SchedulingEnv, pack_int16,
                                               select_samples, unpack_int16)
+from torchrec_herald.pipeline.stages import StageHost, register_stage
 
-__all__ = ["allocate_own_batch", "allocate_whole_batch", "exchange_samples"]
+__all__ = ["allocate_own_batch", "allocate_stage", "allocate_whole_batch", "exchange_samples"]
+
+
+@register_stage("allocate", 20)
+def allocate_stage(host: StageHost, ctx: HeraldBatchContext) -> None:
+    """The strategy's allocate body (whole global batch, or this rank's own batch)."""
+    host.strategy.allocate(ctx)
 
 
 def allocate_whole_batch(env: SchedulingEnv, ctx: HeraldBatchContext) -> None:

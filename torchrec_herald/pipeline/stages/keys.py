@@ -8,8 +8,16 @@ from torchrec.datasets.utils import Batch
 
 from torchrec_herald.ops.hot_cold import first_invalid_id
 from torchrec_herald.pipeline.context import HeraldBatchContext, SchedulingEnv
+from torchrec_herald.pipeline.stages import StageHost, register_stage
 
-__all__ = ["key_batch"]
+__all__ = ["key_batch", "keys_stage"]
+
+
+@register_stage("keys", 10)
+def keys_stage(host: StageHost, ctx: HeraldBatchContext) -> None:
+    """The loader's batch in ``ctx.batch`` becomes the keyed batch (:func:`key_batch`)."""
+    assert ctx.batch is not None
+    key_batch(host.env, ctx, ctx.batch, host.strategy.whole_batches)
 
 
 def key_batch(env: SchedulingEnv, ctx: HeraldBatchContext, raw: Batch, whole_batch: bool) -> None:

@@ -14,8 +14,15 @@ import numpy as np
 import torch
 
 from torchrec_herald.pipeline.context import HeraldBatchContext, SchedulingEnv
+from torchrec_herald.pipeline.stages import StageHost, register_stage
 
-__all__ = ["gathered_reads", "own_reads", "reads_from_assignment"]
+__all__ = ["gathered_reads", "own_reads", "reads_from_assignment", "reads_stage"]
+
+
+@register_stage("reads", 40)
+def reads_stage(host: StageHost, ctx: HeraldBatchContext) -> None:
+    """The strategy's reads body (from the assignment, gathered, or this rank's own)."""
+    host.strategy.collect_reads(ctx, host.reads_needed, host.lazy)
 
 
 def _sorted_unique(keys: torch.Tensor) -> torch.Tensor:

@@ -1,5 +1,6 @@
 """How a herald pipeline schedules a batch: one strategy object per planning mode, behind one interface,
-chosen by a registry (as ``input_allocator.build_allocator`` chooses the allocator).
+chosen by a registry (as ``input_allocator.build_allocator`` chooses the allocator). Each strategy is a
+module of this package, found by its name.
 
 A :class:`SchedulingStrategy` says what kind of batch each rank reads (the whole global batch, or its
 own share), which planner plans the steps, and which bodies of the allocate and reads stages
@@ -12,8 +13,9 @@ own share), which planner plans the steps, and which bodies of the allocate and 
 * ``by_home``: each rank reads its own batch and plans only the rows it is home to, from the read keys
   sent to it (``HomeSplitLazyPlanner``).
 
-A new planning mode is one module with a :class:`SchedulingStrategy` subclass decorated with
-:func:`register_strategy`, and a line in :func:`strategy_name` (or ``pipeline.strategy``) that names it.
+A new planning mode is one module here, ``<name>.py``, holding a :class:`SchedulingStrategy` subclass
+decorated with :func:`register_strategy`; ``pipeline.planning=<name>`` picks it (``global`` is the
+planning mode of both ``global_batches`` and ``gathered``, by the kind of batch the loader gives).
 """
 
 from __future__ import annotations
@@ -25,12 +27,10 @@ import torch
 
 from torchrec_herald.comm import all_to_all_rows
 from torchrec_herald.pipeline.context import CommTimer, HeraldBatchContext, SchedulingEnv
-from torchrec_herald.pipeline.options import HeraldPipelineConfig
-from torchrec_herald.pipeline.stages.allocate import allocate_own_batch, allocate_whole_batch
-from torchrec_herald.pipeline.stages.reads import gathered_reads, own_reads, reads_from_assignment
 from torchrec_herald.plans import CommPlanner, SyncCounters
 
-__all__ = ["STRATEGIES", "SchedulingStrategy", "build_planner", "build_strategy", "register_strategy", "strategy_name"]
+__all__ = ["STRATEGIES", "SchedulingStrategy", "build_planner", "build_strategy", "register_strategy", "strategy_exists",
+           "strategy_name"]
 
 #: strategy name -> class (:func:`register_strategy`)
 STRATEGIES: Dict[str, Type["SchedulingStrategy"]] = {}
@@ -57,7 +57,7 @@ class SchedulingStrategy(abc.ABC):
     whole_batches: ClassVar[bool] = False
     can_run_ahead: ClassVar[bool] = False
 
-    def __init__(self, env: SchedulingEnv, config: HeraldPipelineConfig) -> None:
+    def __init__(self, env: SchedulingEnv, config: Any) -> None:  # config: the resolved HeraldPipelineConfig
         self.env, self.config = env, config
 
     @abc.abstractmethod
@@ -74,68 +74,27 @@ class SchedulingStrategy(abc.ABC):
         return self.env.stats.counters
 
 
-@register_strategy
-class GlobalBatchesStrategy(SchedulingStrategy):
-    """Whole global batches on every rank, scheduled alone (``pipeline.global_batches``)."""
-
-    name = "global_batches"
-    whole_batches = True
-    can_run_ahead = True
-
-    def allocate(self, ctx: HeraldBatchContext) -> None:
-        allocate_whole_batch(self.env, ctx)
-
-    def collect_reads(self, ctx: HeraldBatchContext, reads_needed: bool, lazy: bool) -> None:
-        reads_from_assignment(self.env, ctx, reads_needed)
+def strategy_name(config: Any) -> str:
+    """The strategy a resolved config asks for: ``pipeline.planning``, where ``global`` is
+    ``global_batches`` or ``gathered`` by the kind of batch the loader gives."""
+    if config.planning == "global":
+        return "global_batches" if config.global_batches else "gathered"
+    return config.planning
 
 
-@register_strategy
-class GatheredStrategy(SchedulingStrategy):
-    """Each rank's own batch; scores, samples and reads exchanged by collectives; a global plan."""
+def strategy_exists(name: str) -> bool:
+    """A module ``<name>.py`` of this package holds the strategy (it may not be imported yet)."""
+    import importlib.util
 
-    name = "gathered"
-
-    def allocate(self, ctx: HeraldBatchContext) -> None:
-        allocate_own_batch(self.env, ctx)
-
-    def collect_reads(self, ctx: HeraldBatchContext, reads_needed: bool, lazy: bool) -> None:
-        if lazy:
-            gathered_reads(self.env, ctx)
+    return name.isidentifier() and importlib.util.find_spec(f"{__name__}.{name}") is not None
 
 
-@register_strategy
-class ByHomeStrategy(SchedulingStrategy):
-    """Each rank's own batch; each rank plans the rows it is home to (``pipeline.planning=by_home``)."""
+def build_strategy(name: str, env: SchedulingEnv, config: Any) -> SchedulingStrategy:
+    """The strategy registered as ``name``, its module imported on first use."""
+    import importlib
 
-    name = "by_home"
-
-    def allocate(self, ctx: HeraldBatchContext) -> None:
-        allocate_own_batch(self.env, ctx)
-
-    def collect_reads(self, ctx: HeraldBatchContext, reads_needed: bool, lazy: bool) -> None:
-        if lazy:  # the keys go to their homes when the step is planned
-            own_reads(self.env, ctx)
-
-    def plan_counters(self) -> SyncCounters:
-        """(collective) Each rank counted the rows it is home to: the sum over ranks."""
-        import torch.distributed as dist
-
-        parts: List[Any] = [None] * self.env.world
-        dist.all_gather_object(parts, self.env.stats.counters, group=self.env.pg)
-        total = SyncCounters()
-        for c in parts:
-            total = total + c
-        return total
-
-
-def strategy_name(config: HeraldPipelineConfig) -> str:
-    """The registered strategy a resolved config asks for."""
-    if config.planning == "by_home":
-        return "by_home"
-    return "global_batches" if config.global_batches else "gathered"
-
-
-def build_strategy(name: str, env: SchedulingEnv, config: HeraldPipelineConfig) -> SchedulingStrategy:
+    if name not in STRATEGIES and strategy_exists(name):
+        importlib.import_module(f"{__name__}.{name}")
     if name not in STRATEGIES:
         raise ValueError(f"unknown scheduling strategy {name!r}; registered: {sorted(STRATEGIES)}")
     return STRATEGIES[name](env, config)
@@ -155,7 +114,7 @@ def exchange_words(env: SchedulingEnv) -> Callable[[List[torch.Tensor]], List[to
     return exchange
 
 
-def build_planner(config: HeraldPipelineConfig, env: SchedulingEnv, capacity_rows: Optional[int]) -> CommPlanner:
+def build_planner(config: Any, env: SchedulingEnv, capacity_rows: Optional[int]) -> CommPlanner:
     """The communication planner of ``config``: by home (each rank its own rows, exchanging words through
     ``env``), bounded staleness, or the exact lazy plan."""
     from torchrec_herald.pipeline.home_split import HomeSplitLazyPlanner
