@@ -52,7 +52,9 @@ def _worker(rank: int, world: int, overrides: List[str], run_dir: str) -> Dict[s
     from torchrec_herald.config import compose_config
     from torchrec_herald.trainer import run_training
 
-    return run_training(compose_config(overrides), Path(run_dir), show_progress=rank == 0)
+    metrics = run_training(compose_config(overrides), Path(run_dir), show_progress=rank == 0)
+    # the per-step losses (mean over ranks), so that two versions of the code can be compared step by step
+    return dict(metrics, losses=json.loads((Path(run_dir) / "losses.json").read_text()))
 
 
 def run(world_sizes: List[int], steps: int, extra: List[str]) -> List[Dict[str, Any]]:

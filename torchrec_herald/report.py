@@ -139,10 +139,10 @@ def write_comparison(run_dir: Path, runs: Dict[str, Dict[str, Any]], losses: Dic
     for i, v in enumerate(sps):
         c.text(i, v, f"{v:,.0f}", ha="center", va="bottom", fontsize=8)
     c.set_xticks(range(len(names)), [n.split(" (")[0] for n in names], fontsize=8)
-    c.set(ylabel="samples/s, all ranks", xlabel="on this machine's cores, unshaped link")
+    c.set(ylabel="samples/s, all ranks")
     c.set_title(f"speed: {sps[-1] / sps[0]:.2f}×" if sps[0] else "speed", fontsize=11)
     fig.tight_layout()
-    fig.savefig(paths["png"], dpi=110)
+    fig.savefig(paths["png"], dpi=110, bbox_inches="tight")
     plt.close(fig)
     return paths
 

@@ -58,31 +58,42 @@ OPTIMIZERS: Dict[str, tuple[type, type]] = {
 }
 
 
+class _ConsoleFilter(logging.Filter):
+    """The console shows this package's INFO on rank 0 and everyone's warnings (errors only from the other
+    ranks); libraries' INFO chatter goes to the rank's log file only."""
+
+    def __init__(self, rank: int) -> None:
+        super().__init__()
+        self.rank = rank
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return (record.levelno >= (logging.WARNING if self.rank == 0 else logging.ERROR)
+                or (self.rank == 0 and record.name.startswith("torchrec_herald")))
+
+
 def setup_logging(run_dir: Path, rank: int) -> None:
-    """Each rank logs to ``run_dir/logs/rank<r>.log``; rank 0 also logs INFO to stderr."""
+    """Each rank logs to ``run_dir/logs/rank<r>.log``; rank 0 also logs INFO to stderr; library
+    ``UserWarning`` s go to the rank's log file, not the console."""
+    import logging.config
+
     log_dir = run_dir / "logs"
     log_dir.mkdir(parents=True, exist_ok=True)
-    root = logging.getLogger()
-    root.setLevel(logging.INFO)
-    for h in list(root.handlers):
-        root.removeHandler(h)
-    fmt = logging.Formatter(f"%(asctime)s [rank{rank}] %(levelname)s %(name)s: %(message)s")
-    fh = logging.FileHandler(log_dir / f"rank{rank}.log")
-    fh.setFormatter(fmt)
-    root.addHandler(fh)
-    sh = logging.StreamHandler(sys.stderr)
-    sh.setFormatter(fmt)
-    # console: our INFO on rank 0, everyone's warnings; libraries' INFO chatter goes to the file only
-    sh.addFilter(lambda r: r.levelno >= (logging.WARNING if rank == 0 else logging.ERROR)
-                 or (rank == 0 and r.name.startswith("torchrec_herald")))
-    root.addHandler(sh)
-    logging.captureWarnings(True)  # library UserWarnings -> the rank's log file, not the console
-    warn_log = logging.getLogger("py.warnings")
-    warn_log.propagate = False
-    warn_log.handlers = [fh]
-    for noisy in ("torchrec.distributed.planner", "torchrec.distributed.utils",
-                  "torchrec.distributed.train_pipeline", "torchrec.distributed.embeddingbag"):
-        logging.getLogger(noisy).setLevel(logging.ERROR)
+    fmt = f"%(asctime)s [rank{rank}] %(levelname)s %(name)s: %(message)s"
+    quiet = ("torchrec.distributed.planner", "torchrec.distributed.utils", "torchrec.distributed.train_pipeline",
+             "torchrec.distributed.embeddingbag")
+    logging.config.dictConfig({
+        "version": 1, "disable_existing_loggers": False,
+        "formatters": {"rank": {"format": fmt}},
+        "filters": {"console": {"()": _ConsoleFilter, "rank": rank}},
+        "handlers": {"file": {"class": "logging.FileHandler", "filename": str(log_dir / f"rank{rank}.log"),
+                              "formatter": "rank"},
+                     "console": {"class": "logging.StreamHandler", "stream": "ext://sys.stderr", "formatter": "rank",
+                                 "filters": ["console"]}},
+        "root": {"level": "INFO", "handlers": ["file", "console"]},
+        "loggers": {"py.warnings": {"handlers": ["file"], "propagate": False},
+                    **{name: {"level": "ERROR"} for name in quiet}},
+    })
+    logging.captureWarnings(True)
 
 
 def embedding_optimizer_setup(model: nn.Module, cfg: DictConfig) -> type:
