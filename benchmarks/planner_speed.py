@@ -160,7 +160,7 @@ def child_plan(a: argparse.Namespace, work: Path, tag: str) -> Dict[str, Any]:
     def call() -> None:
         out.clear()
         planner = HeraldPlanner(topology=Topology(world_size=a.world_size, compute_device="cpu"),
-                                batch_size=local_batch, stats=stats)
+                                batch_size=local_batch, access_stats=stats)
         out["plan"] = planner.plan(model, [HeraldEmbeddingBagCollectionSharder()])
 
     timing = _timed(a.repeats, call)

@@ -170,7 +170,7 @@ def test_budget_below_one_row_gives_a_herald_plan_without_hot_rows(caplog: pytes
 
     _, _, model, stats = _model_and_stats()
     row_bytes = 8 * 4 + 4  # dim 8 fp32 weights + the row-wise Adagrad state
-    planner = _planner(stats=stats, hot_memory_budget_bytes=row_bytes - 1)
+    planner = _planner(access_stats=stats, hot_memory_budget_bytes=row_bytes - 1)
     with caplog.at_level(logging.WARNING, logger="torchrec_herald"):
         plan = planner.plan(model, [_herald_sharder()])
     specs = herald_tables(plan)
@@ -189,8 +189,8 @@ def test_budget_above_rank_memory_is_rejected_at_construction() -> None:
     _, _, _, stats = _model_and_stats()
     ddr = Topology(world_size=2, compute_device="cpu").devices[0].storage.ddr
     with pytest.raises(ValueError, match=rf"hot_memory_budget_bytes={ddr + 1} is more than a rank can hold"):
-        _planner(stats=stats, hot_memory_budget_bytes=ddr + 1)
-    _planner(stats=stats, hot_memory_budget_bytes=ddr)  # exactly a rank's DDR is allowed
+        _planner(access_stats=stats, hot_memory_budget_bytes=ddr + 1)
+    _planner(access_stats=stats, hot_memory_budget_bytes=ddr)  # exactly a rank's DDR is allowed
 
 
 def test_stats_of_other_tables_are_rejected_naming_the_table() -> None:
@@ -201,17 +201,22 @@ def test_stats_of_other_tables_are_rejected_naming_the_table() -> None:
     sizes = list(data.num_embeddings)
     sizes[9] += 1  # t_cat_9 one row larger than the model's
     with pytest.raises(ValueError, match=r"table 't_cat_9': the access stats have \d+ rows but the model's table"):
-        _planner(stats=AccessStats.empty(build_tables(data.feature_names, sizes, 8))).plan(model, [_herald_sharder()])
+        _planner(access_stats=AccessStats.empty(build_tables(data.feature_names, sizes, 8))).plan(model, [_herald_sharder()])
     with pytest.raises(ValueError, match=r"table 't_cat_25' of the model is not in the access stats"):
-        _planner(stats=AccessStats.empty(tables[:-1])).plan(model, [_herald_sharder()])
+        _planner(access_stats=AccessStats.empty(tables[:-1])).plan(model, [_herald_sharder()])
 
 
 def test_planner_without_access_stats() -> None:
-    needs = r"HeraldPlanner needs access statistics: HeraldPlanner.from_batches\(sample_batches, ...\) or stats="
+    needs = (r"HeraldPlanner needs access statistics: HeraldPlanner.from_batches\(sample_batches, ...\) or "
+             r"access_stats=")
     with pytest.raises(ValueError, match=needs):
         _planner()
     with pytest.raises(ValueError, match=needs):
         _planner(stats=[])  # TorchRec planner Stats reporters are not access statistics
+    with pytest.raises(TypeError, match="pass access statistics as access_stats="):
+        from torchrec_herald.planner import AccessStats
+
+        _planner(stats=AccessStats.empty([]))  # TorchRec's argument name is not reused for another type
 
 
 def test_planner_from_batches_rejects_what_it_cannot_count() -> None:

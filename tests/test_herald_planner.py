@@ -39,7 +39,7 @@ def _planned() -> Dict[str, Any]:
     B = cfg.batch_size
     sample = [b.sparse_features for _, b in zip(range(cfg.planner.stats_batches), data.train_batches(0, 1, W * B))]
     stats = AccessStats.from_batches(sample, tables)
-    planner = HeraldPlanner(topology=Topology(world_size=W, compute_device="cpu"), batch_size=B, stats=stats,
+    planner = HeraldPlanner(topology=Topology(world_size=W, compute_device="cpu"), batch_size=B, access_stats=stats,
                             hot_memory_budget_bytes=cfg.planner.hot_memory_budget_bytes)
     plan = planner.plan(model, [HeraldEmbeddingBagCollectionSharder()])
     return {"cfg": cfg, "tables": tables, "model": model, "stats": stats, "planner": planner, "plan": plan,

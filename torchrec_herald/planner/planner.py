@@ -47,9 +47,10 @@ def embedding_bag_configs(module: nn.Module) -> List[EmbeddingBagConfig]:
 
 
 class HeraldPlanner(EmbeddingShardingPlanner):
-    """Drop-in for ``EmbeddingShardingPlanner`` (same arguments) plus ``stats`` (an :class:`AccessStats`;
-    TorchRec's planner ``Stats`` reporters are still accepted there too), ``hot_memory_budget_bytes``
-    and ``hot_set_selector``.
+    """Drop-in for ``EmbeddingShardingPlanner`` (same arguments, ``stats`` still TorchRec's planner
+    ``Stats`` reporters) plus herald's: ``access_stats`` (an :class:`AccessStats`) or ``sample_batches``
+    to count them from (:meth:`from_batches`), ``hot_memory_budget_bytes``, ``hot_set_selector``, and
+    ``link`` / ``dense_sync`` for :meth:`decide`.
 
     ``plan()`` / ``collective_plan()`` return a ``ShardingPlan`` for
     ``DistributedModelParallel(module, plan=plan, sharders=[HeraldEmbeddingBagCollectionSharder()])``.
@@ -59,20 +60,25 @@ class HeraldPlanner(EmbeddingShardingPlanner):
     budget that would): still a herald plan, whose cold rows ``pipeline=herald`` caches and plans; a
     budget larger than a rank's memory is an error. ``last_choices`` /
     :meth:`describe` explain the plan: per table the hot rows, replica bytes per rank and the
-    expected traffic per step, stock vs herald.
+    expected traffic per step, stock vs herald. :meth:`decide` also prices the link and may choose
+    stock TABLE_WISE instead (a typed :class:`~torchrec_herald.planner.types.PlanDecision`).
     """
 
-    def __init__(self, *args: Any, stats: Union[AccessStats, Stats, List[Stats], None] = None,
+    def __init__(self, *args: Any, access_stats: Optional[AccessStats] = None,
+                 stats: Union[Stats, List[Stats], None] = None,
                  hot_memory_budget_bytes: Optional[int] = DEFAULT_HOT_MEMORY_BUDGET_BYTES,
                  hot_set_selector: Optional[HotSetSelector] = None,
                  sample_batches: Optional[Sequence[Any]] = None, link: Optional[LinkModel] = None,
                  dense_sync: str = "forward_ordered", **kwargs: Any) -> None:
-        access = stats if isinstance(stats, AccessStats) else None
+        if isinstance(stats, AccessStats):
+            raise TypeError("HeraldPlanner: pass access statistics as access_stats=...; stats= is TorchRec's "
+                            "planner Stats reporters")
+        access = access_stats
         kwargs.setdefault("storage_reservation", default_storage_reservation())
-        super().__init__(*args, stats=None if access is not None else stats, **kwargs)
+        super().__init__(*args, stats=stats, **kwargs)
         if access is None and not sample_batches:
             raise ValueError("HeraldPlanner needs access statistics: HeraldPlanner.from_batches(sample_batches, ...) "
-                             "or stats=AccessStats.from_batches(sample_batches, tables)")
+                             "or access_stats=AccessStats.from_batches(sample_batches, tables)")
         if hot_memory_budget_bytes is not None and hot_memory_budget_bytes < 0:
             raise ValueError(f"hot_memory_budget_bytes must be >= 0, got {hot_memory_budget_bytes}")
         self._access_stats = access

@@ -22,7 +22,7 @@ class HeraldEmbeddingBagCollectionSharder(CpuEmbeddingBagCollectionSharder):
 
     Usage::
 
-        plan = HeraldPlanner(topology=..., stats=stats).collective_plan(model, [sharder], pg)
+        plan = HeraldPlanner.from_batches(sample_batches).collective_plan(model, [sharder], pg)
         DistributedModelParallel(model, plan=plan, sharders=[HeraldEmbeddingBagCollectionSharder()])
     """
 
