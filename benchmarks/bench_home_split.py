@@ -32,20 +32,15 @@ from machine_info import machine  # noqa: E402
 from torchrec_herald.data import SyntheticCriteo, kjt_from_ids  # noqa: E402
 from torchrec_herald.layout import RowLayout, cache_rows_for_budget  # noqa: E402
 from torchrec_herald.model import build_tables  # noqa: E402
-from torchrec_herald.pipeline.home_split import HomeSplitLazyPlanner  # noqa: E402
+from torchrec_herald.pipeline.home_split import HomeSplitLazyPlanner, Messages, transpose_messages  # noqa: E402
 from torchrec_herald.planner import AccessStats, CostModelHotSetSelector  # noqa: E402
 
 log = logging.getLogger("bench_home_split")
 
 
-def _transpose(msgs: List[List[torch.Tensor]]) -> List[List[torch.Tensor]]:
-    return [[msgs[s][d] for s in range(len(msgs))] for d in range(len(msgs))]
-
-
-def _wire_bytes(msgs: List[List[torch.Tensor]]) -> torch.Tensor:
-    """Per sending rank: int64 bytes sent to the other ranks."""
-    return torch.tensor([sum(m.numel() * 8 for d, m in enumerate(row) if d != s) for s, row in enumerate(msgs)],
-                        dtype=torch.float64)
+def _wire_bytes(msgs: List[Messages]) -> torch.Tensor:
+    """Per sending rank: int64 bytes sent to the other ranks (counts and words)."""
+    return torch.tensor([8 * m.wire_words(s) for s, m in enumerate(msgs)], dtype=torch.float64)
 
 
 def measure(setting: str, W: int, a: argparse.Namespace) -> Dict[str, Any]:
@@ -80,12 +75,12 @@ def measure(setting: str, W: int, a: argparse.Namespace) -> Dict[str, Any]:
             msgs.append(p.reader_messages(queue))
             t_stage[r] += time.perf_counter() - t0
         replies = []
-        for r, (p, m) in enumerate(zip(planners, _transpose(msgs))):
+        for r, (p, m) in enumerate(zip(planners, transpose_messages(msgs))):
             t0 = time.perf_counter()
             replies.append(p.home_replies(m))
             t_stage[r] += time.perf_counter() - t0
         plans = []
-        for r, (p, m) in enumerate(zip(planners, _transpose(replies))):
+        for r, (p, m) in enumerate(zip(planners, transpose_messages(replies))):
             t0 = time.perf_counter()
             plans.append(p.assemble(m))
             t_stage[r] += time.perf_counter() - t0

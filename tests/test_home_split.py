@@ -9,7 +9,7 @@ from typing import List
 import pytest
 import torch
 
-from torchrec_herald.pipeline.home_split import HomeSplitLazyPlanner
+from torchrec_herald.pipeline.home_split import HomeSplitLazyPlanner, transpose_messages
 from torchrec_herald.pipeline.lazy_sync import TensorLazySyncPlanner
 from torchrec_herald.plans import ExecPlan, sort_transfers
 
@@ -18,19 +18,14 @@ from test_lazy_sync import CASES, STEPS, _keys, _locality, _trace
 TRANSFERS = ("push_before_read", "pull", "reduce", "update_push", "miss_push")
 
 
-def _transpose(msgs: List[List[torch.Tensor]]) -> List[List[torch.Tensor]]:
-    """``msgs[src][dst]`` → ``out[dst][src]``: an in-process all-to-all."""
-    return [[msgs[s][d] for s in range(len(msgs))] for d in range(len(msgs))]
-
-
 def _restricted(plan: ExecPlan, name: str, me: int) -> torch.Tensor:
     t = getattr(plan, name)
     return sort_transfers(t[(t[:, 1] == me) | (t[:, 2] == me)])
 
 
 def _split_step(planners: List[HomeSplitLazyPlanner], window: list) -> List[ExecPlan]:
-    replies = [p.home_replies(m) for p, m in zip(planners, _transpose([p.reader_messages(window) for p in planners]))]
-    return [p.assemble(m) for p, m in zip(planners, _transpose(replies))]
+    replies = [p.home_replies(m) for p, m in zip(planners, transpose_messages([p.reader_messages(window) for p in planners]))]
+    return [p.assemble(m) for p, m in zip(planners, transpose_messages(replies))]
 
 
 @pytest.mark.parametrize("world,window,seed,fraction", CASES)
@@ -64,7 +59,7 @@ def test_each_ranks_plan_is_the_global_plan_restricted_to_it(world: int, window:
     if fraction < 1.0:
         assert evicted > 0  # the small caches were exercised
     fg = glob.flush()
-    fs = [p.flush_assemble(m) for p, m in zip(split, _transpose([p.flush_messages() for p in split]))]
+    fs = [p.flush_assemble(m) for p, m in zip(split, transpose_messages([p.flush_messages() for p in split]))]
     for me, f in enumerate(fs):
         for name in ("push", "pull"):
             t = getattr(fg, name)
@@ -82,18 +77,20 @@ def test_reads_travel_once_and_only_to_their_home() -> None:
         for t in range(6):
             win = trace[t: t + window]
             msgs = [p.reader_messages(win) for p in split]
-            for r, per_home in enumerate(msgs):
-                for q, m in enumerate(per_home):
-                    has_now, n_now, n_next, n_vic = m[:4].tolist()
-                    keys = m[4:]
-                    assert bool((loc.layout.home_of(keys) == q).all())
-                    ahead = window > 1 and t > 0
-                    assert has_now == (0 if ahead else 1)
+            for r, m in enumerate(msgs):
+                flag, flag_to = m.section(0)
+                ahead = window > 1 and t > 0
+                assert flag_to.tolist() == [0, 1, 2] and flag.tolist() == [0 if ahead else 1] * 3
+                for s in (1, 2, 3):  # this step's reads, the next step's, the evictions: each to its home
+                    keys, to = m.section(s)
+                    assert torch.equal(loc.layout.home_of(keys), to)
+                for q in range(3):
+                    n_now, n_next = int(m.counts[q, 1]), int(m.counts[q, 2])
                     assert n_now == (0 if ahead else int((loc.layout.home_of(win[0][r]) == q).sum()))
                     if window > 1 and len(win) > 1:
                         assert n_next == int((loc.layout.home_of(win[1][r]) == q).sum())
-            replies = [p.home_replies(m) for p, m in zip(split, _transpose(msgs))]
-            for p, m in zip(split, _transpose(replies)):
+            replies = [p.home_replies(m) for p, m in zip(split, transpose_messages(msgs))]
+            for p, m in zip(split, transpose_messages(replies)):
                 p.assemble(m)
 
 

@@ -11,7 +11,8 @@ traces). A rank plays two roles:
 - **home**: for the rows of its block and the hot rows homed there, which rank holds the latest version,
   which ranks cache each row and whether that copy is the latest, and the hot replicas' flags.
 
-One step is two variable-size all-to-alls of int64 words (``exchange``):
+One step is two exchanges (``exchange``), each an all-to-all of per-peer counts and one of int64 words
+(:class:`Messages`, built and read without a loop over peers):
 
 1. reader → home: the keys it reads in the next step (look-ahead), its keys of this step unless they went
    ahead last step, and the rows it evicts after this step;
@@ -21,6 +22,7 @@ One step is two variable-size all-to-alls of int64 words (``exchange``):
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Callable, List, Mapping, Optional, Sequence, Tuple
 
 import torch
@@ -31,29 +33,101 @@ from torchrec_herald.pipeline.lazy_sync import lru_victims, readers_by_key, read
 from torchrec_herald.plans import (CommPlanner, ExecPlan, FlushPlan, SyncCounters, no_transfers, sort_transfers,
                                    transfer_order)
 
-__all__ = ["HomeSplitLazyPlanner", "Exchange"]
-
-#: sends one int64 tensor to each rank (list index = destination), returns the one from each rank
-Exchange = Callable[[List[torch.Tensor]], List[torch.Tensor]]
+__all__ = ["Exchange", "HomeSplitLazyPlanner", "Messages", "pack_messages", "transpose_messages"]
 
 _PULL, _REDUCE_HERE = 1, 2  # reply flag bits
 
 
-def _pack_bytes(flags: torch.Tensor) -> torch.Tensor:
-    """uint8 flags as int64 words (8 per word, zero padded)."""
-    pad = (-flags.numel()) % 8
-    return torch.cat([flags, torch.zeros(pad, dtype=torch.uint8)]).view(torch.int64)
+@dataclass
+class Messages:
+    """What one rank sends to every rank (or received from every rank) in one all-to-all: ``counts[peer, s]``
+    int64 words of section ``s`` for (from) ``peer``; ``data`` holds them peer by peer, section by section.
+    Built and read with tensor operations only: no loop over peers."""
+
+    counts: torch.Tensor  # int64 [W, S]
+    data: torch.Tensor  # int64 [counts.sum()]
+
+    def section(self, s: int) -> Tuple[torch.Tensor, torch.Tensor]:
+        """``(words, peer)`` of section ``s``, peer by peer (each peer's words in the order they were put)."""
+        flat = self.counts.reshape(-1)
+        base = (torch.cumsum(flat, 0) - flat).view(self.counts.shape)
+        pos, peer = expand_ranges(base[:, s], base[:, s] + self.counts[:, s])
+        return self.data.index_select(0, pos), peer
+
+    def wire_words(self, me: int) -> int:
+        """int64 words this message puts on the wire to other ranks (its counts row and its data)."""
+        c = self.counts.clone()
+        c[me] = 0
+        return int(c.sum()) + (self.counts.shape[0] - 1) * self.counts.shape[1]
 
 
-def _message(*parts: torch.Tensor, head: Sequence[int] = ()) -> torch.Tensor:
-    """``[*head, len(part) for each part, *parts]`` as one int64 tensor."""
-    return torch.cat([torch.tensor([*head, *(p.numel() for p in parts)], dtype=torch.int64), *parts])
+#: sends one :class:`Messages` (one all-to-all: counts, then data), returns the one received
+Exchange = Callable[[Messages], Messages]
 
 
-def _parse(msg: torch.Tensor, n_head: int, n_parts: int) -> Tuple[List[int], List[torch.Tensor]]:
-    head = msg[: n_head + n_parts].tolist()
-    sizes = head[n_head:]
-    return head[:n_head], list(msg[n_head + n_parts:].split(sizes))[:n_parts]
+def pack_messages(world_size: int, sections: Sequence[Tuple[torch.Tensor, torch.Tensor]]) -> Messages:
+    """One message per peer from ``sections``: ``(peer, words)`` each, every word going to its peer (the
+    words of a peer keep their order within a section)."""
+    W, S = world_size, len(sections)
+    counts = torch.zeros(W, S, dtype=torch.int64)
+    for s, (peer, _) in enumerate(sections):  # a loop over the few sections, not over peers
+        counts[:, s] = torch.bincount(peer, minlength=W)
+    flat = counts.reshape(-1)
+    base = (torch.cumsum(flat, 0) - flat).view(W, S)
+    data = torch.empty(int(flat.sum()), dtype=torch.int64)
+    for s, (peer, words) in enumerate(sections):
+        if not peer.numel():
+            continue
+        if not bool((peer[1:] >= peer[:-1]).all()):
+            order = torch.sort(peer, stable=True).indices
+            peer, words = peer.index_select(0, order), words.index_select(0, order)
+        start = torch.cumsum(counts[:, s], 0) - counts[:, s]
+        pos = base[:, s].index_select(0, peer) + torch.arange(peer.numel()) - start.index_select(0, peer)
+        data.index_copy_(0, pos, words.to(torch.int64))
+    return Messages(counts, data)
+
+
+def transpose_messages(sent: Sequence[Messages]) -> List[Messages]:
+    """An in-process all-to-all: every rank's :class:`Messages` as each rank receives them (tests and
+    benchmarks play all ranks in one process)."""
+    W = len(sent)
+    out = []
+    for dst in range(W):
+        counts = torch.stack([m.counts[dst] for m in sent])
+        parts = []
+        for m in sent:
+            flat = m.counts.reshape(-1)
+            lo = int(flat[: dst * m.counts.shape[1]].sum())
+            parts.append(m.data[lo: lo + int(m.counts[dst].sum())])
+        out.append(Messages(counts, torch.cat(parts)))
+    return out
+
+
+def _pack_flags(flags: torch.Tensor, owner: torch.Tensor, W: int) -> Tuple[torch.Tensor, torch.Tensor]:
+    """uint8 ``flags`` of each owner (``owner`` ascending) packed 8 to an int64 word per owner, zero padded:
+    ``(owner of each word, words)``."""
+    n = torch.bincount(owner, minlength=W)
+    words = (n + 7) // 8
+    base = torch.cumsum(words, 0) - words
+    pos = base.index_select(0, owner) * 8 + torch.arange(owner.numel()) - (torch.cumsum(n, 0) - n).index_select(0, owner)
+    buf = torch.zeros(int(words.sum()) * 8, dtype=torch.uint8).index_copy_(0, pos, flags)
+    return torch.repeat_interleave(torch.arange(W), words), buf.view(torch.int64)
+
+
+def _unpack_flags(words: torch.Tensor, owner: torch.Tensor, W: int) -> torch.Tensor:
+    """The inverse of :func:`_pack_flags` for ``owner`` (ascending): one uint8 flag per entry."""
+    n = torch.bincount(owner, minlength=W)
+    base = torch.cumsum((n + 7) // 8, 0) - (n + 7) // 8
+    pos = base.index_select(0, owner) * 8 + torch.arange(owner.numel()) - (torch.cumsum(n, 0) - n).index_select(0, owner)
+    return words.contiguous().view(torch.uint8).index_select(0, pos)
+
+
+def _sorted_member(q: torch.Tensor, sorted_keys: torch.Tensor) -> torch.Tensor:
+    """bool: each of ``q`` is in ``sorted_keys`` (ascending)."""
+    if not sorted_keys.numel() or not q.numel():
+        return torch.zeros(q.shape, dtype=torch.bool)
+    pos = torch.searchsorted(sorted_keys, q).clamp(max=sorted_keys.numel() - 1)
+    return sorted_keys.index_select(0, pos) == q
 
 
 class HomeSplitLazyPlanner(CommPlanner):
@@ -90,24 +164,26 @@ class HomeSplitLazyPlanner(CommPlanner):
         self.dirty = SortedKeyMap(master=torch.int64)
         self.copies = SortedKeyMap(valid=torch.bool)  # key x·W + r: rank r caches row x
         self.hot_valid = torch.ones(self.W, self.layout.num_hot, dtype=torch.bool)
-        self._next_reads: List[torch.Tensor] = [torch.empty(0, dtype=torch.int64)] * self.W
+        # the keys each reader sent ahead last step (flat, reader by reader) and their readers
+        self._next_reads: Tuple[torch.Tensor, torch.Tensor] = (torch.empty(0, dtype=torch.int64),
+                                                               torch.empty(0, dtype=torch.int64))
         self.step = 0
 
     def state_bytes(self) -> int:
         """Bytes of scheduler state on this rank."""
         return (self.cache.nbytes() + self.dirty.nbytes() + self.copies.nbytes() + self.hot_valid.numel()
-                + sum(k.numel() * 8 for k in self._next_reads))
+                + 16 * self._next_reads[0].numel())
 
     def local_on(self, keys: torch.Tensor) -> torch.Tensor:
         raise RuntimeError("planning by home keeps no global cache view: the input allocator must be "
                            "pipeline.allocator=identity")
 
     # ------------------------------------------------------------------ reader
-    def _by_home(self, keys: torch.Tensor) -> List[torch.Tensor]:
-        """``keys`` (sorted) grouped by home rank, each group sorted."""
+    def _by_home(self, keys: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+        """``(home, keys)`` grouped by home rank (stable: a sorted ``keys`` stays sorted within a home)."""
         h = self.layout.home_of(keys)
         order = torch.sort(h, stable=True).indices
-        return list(keys.index_select(0, order).split(torch.bincount(h, minlength=self.W).tolist()))
+        return h.index_select(0, order), keys.index_select(0, order)
 
     def _lru_victims(self) -> torch.Tensor:
         """Trim each table's cache to capacity, least recently used first (ties: lower key); sorted keys."""
@@ -121,9 +197,10 @@ class HomeSplitLazyPlanner(CommPlanner):
         self.cache.remove_at(victims)
         return vx
 
-    def reader_messages(self, window: Sequence[Sequence[torch.Tensor]]) -> List[torch.Tensor]:
+    def reader_messages(self, window: Sequence[Sequence[torch.Tensor]]) -> Messages:
         """Stage 1 (this rank as reader): admit this step's reads to the caches, trim them, and build the
-        message to each home."""
+        message to each home: section 0 whether this step's reads follow (one word), 1 this step's reads
+        (unless they went ahead last step), 2 the next step's reads, 3 the rows evicted after this step."""
         if len(window) < 1:
             raise ValueError("plan_step needs a window with at least the current step")
         me, lay = self.rank, self.layout
@@ -145,10 +222,16 @@ class HomeSplitLazyPlanner(CommPlanner):
         self._victims = self._lru_victims()
         has_now = not (self._sent_next is not None and torch.equal(self._sent_next, now))
         self._sent_next = nxt if len(window) > 1 and self.window > 1 else None
-        self._now, self._now_by_home = now, self._by_home(now)
+        self._now = now
+        self._now_home, self._now_by_home = self._by_home(now)
         empty = torch.empty(0, dtype=torch.int64)
-        return [_message(n if has_now else empty, x, v, head=[int(has_now)])
-                for n, x, v in zip(self._now_by_home, self._by_home(nxt), self._by_home(self._victims))]
+        peers = torch.arange(self.W)
+        return pack_messages(self.W, [
+            (peers, torch.full((self.W,), int(has_now), dtype=torch.int64)),
+            (self._now_home, self._now_by_home) if has_now else (empty, empty),
+            self._by_home(nxt),
+            self._by_home(self._victims),
+        ])
 
     # ------------------------------------------------------------------ home
     def _master(self, x: torch.Tensor) -> torch.Tensor:
@@ -165,19 +248,29 @@ class HomeSplitLazyPlanner(CommPlanner):
         self.dirty.remove(x)
         return torch.stack([x, m, torch.full_like(m, self.rank)], 1)
 
-    def home_replies(self, received: Sequence[torch.Tensor]) -> List[torch.Tensor]:
+    def home_replies(self, received: Messages) -> Messages:
         """Stage 2 (this rank as home): plan the step for the rows homed here from every reader's message;
-        returns the reply to each reader and keeps this rank's own share of the plan."""
+        returns the reply to each reader (section 0 one flag byte per key it reads, packed 8 to a word;
+        1-3 the rows it pushes home before the reads, after the step, on eviction) and keeps this rank's
+        own share of the plan."""
         me, W, lay = self.rank, self.W, self.layout
-        now, nxt, vic = [], [], []
-        for r, msg in enumerate(received):
-            (has_now,), (n, x, v) = _parse(msg, 1, 3)
-            now.append(n if has_now else self._next_reads[r])
-            nxt.append(x)
-            vic.append(v)
-        self._next_reads = nxt
-        R = torch.cat([torch.full((k.numel(),), r, dtype=torch.int64) for r, k in enumerate(now)])
-        R, X, perm, ux, inv, nS, starts, first = readers_by_key(R, torch.cat(now))
+        flag, flag_src = received.section(0)
+        has_now = torch.zeros(W, dtype=torch.bool).index_fill_(0, flag_src.masked_select(flag > 0), True)
+        sent_now, sent_now_src = received.section(1)
+        nxt, nxt_src = received.section(2)
+        vic, vic_src = received.section(3)
+        # a reader that sent no reads this step sent them ahead last step
+        ahead, ahead_src = self._next_reads
+        keep_ahead = ~has_now.index_select(0, ahead_src)
+        if bool(keep_ahead.any()):
+            X_in = torch.cat([ahead.masked_select(keep_ahead), sent_now])
+            R_in = torch.cat([ahead_src.masked_select(keep_ahead), sent_now_src])
+            order = torch.sort(R_in, stable=True).indices
+            X_in, R_in = X_in.index_select(0, order), R_in.index_select(0, order)
+        else:
+            X_in, R_in = sent_now, sent_now_src
+        self._next_reads = (nxt, nxt_src)
+        R, X, perm, ux, inv, nS, starts, first = readers_by_key(R_in, X_in)
         slot_X = lay.hot_slot(X)
         slot_u = slot_X.index_select(0, starts)
         m = self._master(ux)
@@ -218,14 +311,11 @@ class HomeSplitLazyPlanner(CommPlanner):
         valid.index_fill_(0, pos_r.masked_select(found_r), True)
         set_master(self.dirty, ux, reducer, torch.full_like(reducer, me))
         # look-ahead: a dirty row another rank reads in the next step goes home now
-        R1 = torch.cat([torch.full((k.numel(),), r, dtype=torch.int64) for r, k in enumerate(nxt)])
-        X1 = torch.cat(nxt)
-        m1 = self._master(X1)
-        post = self._push_home(torch.unique(X1.masked_select((m1 != me) & (R1 != m1))))
+        m1 = self._master(nxt)
+        post = self._push_home(torch.unique(nxt.masked_select((m1 != me) & (nxt_src != m1))))
         cnt.update_push = len(pre) + len(post)
         # evictions: a victim holding the only latest version goes home
-        Rv = torch.cat([torch.full((k.numel(),), r, dtype=torch.int64) for r, k in enumerate(vic)])
-        Xv = torch.cat(vic)
+        Rv, Xv = vic_src, vic
         d = self._master(Xv) == Rv
         miss = torch.stack([Xv[d], Rv[d], torch.full((int(d.sum()),), me, dtype=torch.int64)], 1)
         self.dirty.remove(torch.sort(Xv[d]).values)
@@ -239,51 +329,46 @@ class HomeSplitLazyPlanner(CommPlanner):
         flags |= (red_of == R).to(torch.uint8) * _REDUCE_HERE
         # back in each reader's key order: readers in rank order, keys in the order they were sent
         f_all = torch.empty(X.numel(), dtype=torch.uint8).index_copy_(0, perm, flags)
-        by_reader = f_all.split([k.numel() for k in now])
-        pushes = [self._by_source(t) for t in (pre, post, miss)]
-        return [_message(_pack_bytes(by_reader[r]), *(p[r] for p in pushes), head=[by_reader[r].numel()])
-                for r in range(W)]
-
-    def _by_source(self, t: torch.Tensor) -> List[torch.Tensor]:
-        """The keys of transfers ``t`` grouped by source rank (each group in ``t``'s order)."""
-        order = torch.sort(t[:, 1], stable=True).indices
-        return list(t[order, 0].split(torch.bincount(t[:, 1], minlength=self.W).tolist()))
+        return pack_messages(W, [_pack_flags(f_all, R_in, W)] + [(t[:, 1], t[:, 0]) for t in (pre, post, miss)])
 
     # ------------------------------------------------------------------ this rank's plan
-    def assemble(self, replies: Sequence[torch.Tensor]) -> ExecPlan:
+    def assemble(self, replies: Messages) -> ExecPlan:
         """Stage 3: this rank's :class:`ExecPlan` from the homes' replies and its own home share."""
         me, W = self.rank, self.W
         sh = self._share
-        pulls, miss_flags, reduces, updates = [sh["pull"]], [sh["pull_miss"]], [sh["reduce"]], [sh["update"]]
-        pre, post, miss = [sh["pre"]], [sh["post"]], [sh["miss"]]
-        for q, msg in enumerate(replies):
-            (n,), (packed, p_pre, p_post, p_miss) = _parse(msg, 1, 4)
-            if q == me:  # this rank's own rows: its home share holds every decision
-                continue
-            f = packed.view(torch.uint8)[:n]
-            keys = self._now_by_home[q]
-            xp = keys[(f & _PULL) > 0]
-            pulls.append(torch.stack([xp, torch.full_like(xp, q), torch.full_like(xp, me)], 1))
-            miss_flags.append(torch.isin(xp, self._new))
-            here = (f & _REDUCE_HERE) > 0
-            updates.append(keys[here])
-            xr = keys[~here]
-            reduces.append(torch.stack([xr, torch.full_like(xr, me), torch.full_like(xr, q)], 1))
-            for acc, k in ((pre, p_pre), (post, p_post), (miss, p_miss)):
-                acc.append(torch.stack([k, torch.full_like(k, me), torch.full_like(k, q)], 1))
-        pull = torch.cat(pulls)
+        words, _ = replies.section(0)
+        f = _unpack_flags(words, self._now_home, W)
+        keys, home = self._now_by_home, self._now_home
+        other = home != me  # this rank's own rows: its home share holds every decision
+        pull_here = other & ((f & _PULL) > 0)
+        xp, hp = keys.masked_select(pull_here), home.masked_select(pull_here)
+        here = (f & _REDUCE_HERE) > 0
+        xr, hr = keys.masked_select(other & ~here), home.masked_select(other & ~here)
+
+        def pushes(s: int) -> torch.Tensor:
+            """Section ``s``: the rows this rank pushes to each other home, as ``(key, me, home)``."""
+            k, q = replies.section(s)
+            sel = q != me
+            k, q = k.masked_select(sel), q.masked_select(sel)
+            return torch.stack([k, torch.full_like(k, me), q], 1)
+
+        pull = torch.cat([sh["pull"], torch.stack([xp, hp, torch.full_like(xp, me)], 1)])
+        pull_miss = torch.cat([sh["pull_miss"], _sorted_member(xp, self._new)])
         order = transfer_order(pull)
-        pull, pull_miss = pull[order], torch.cat(miss_flags)[order]
-        upd = torch.sort(torch.cat(updates)).values
+        pull, pull_miss = pull[order], pull_miss[order]
+        upd = torch.sort(torch.cat([sh["update"], keys.masked_select(other & here)])).values
+        reduce = torch.cat([sh["reduce"], torch.stack([xr, torch.full_like(xr, me), hr], 1)])
         reads = [torch.empty(0, dtype=torch.int64)] * W
         reads[me] = self._now
         evictions = [torch.empty(0, dtype=torch.int64)] * W
         evictions[me] = self._victims
-        plan = ExecPlan(step=self.step, reads=reads, push_before_read=sort_transfers(torch.cat(pre)), pull=pull,
-                        pull_miss=pull_miss, reduce=sort_transfers(torch.cat(reduces)), update_keys=upd,
-                        reducer=torch.full_like(upd, me), update_push=sort_transfers(torch.cat(post)),
-                        miss_push=sort_transfers(torch.cat(miss)), evictions=evictions, counters=sh["counters"],
-                        partial=True)
+        plan = ExecPlan(step=self.step, reads=reads,
+                        push_before_read=sort_transfers(torch.cat([sh["pre"], pushes(1)])), pull=pull,
+                        pull_miss=pull_miss, reduce=sort_transfers(reduce), update_keys=upd,
+                        reducer=torch.full_like(upd, me),
+                        update_push=sort_transfers(torch.cat([sh["post"], pushes(2)])),
+                        miss_push=sort_transfers(torch.cat([sh["miss"], pushes(3)])), evictions=evictions,
+                        counters=sh["counters"], partial=True)
         self.step += 1
         return plan
 
@@ -295,35 +380,32 @@ class HomeSplitLazyPlanner(CommPlanner):
         return self.assemble(self.exchange(replies))
 
     # ------------------------------------------------------------------ flush
-    def flush_messages(self) -> List[torch.Tensor]:
+    def flush_messages(self) -> Messages:
         """Flush, stage 1 (home): the dirty rows go home, outdated hot replicas of rows homed here pull;
-        tell each rank what it pushes and what it receives."""
+        tell each rank what it pushes (section 0) and what it receives (section 1)."""
         me = self.rank
         push = self._push_home(self.dirty.keys.clone())
         r, i = (~self.hot_valid & self._own_hot.unsqueeze(0)).nonzero(as_tuple=True)
         x = self.layout.hot_keys[i]
         pull = sort_transfers(torch.stack([x, torch.full_like(x, me), r], 1))
         self._flush_share = (push, pull)
-        pushes = self._by_source(push)
-        pulls = self._by_source(pull[:, [0, 2, 1]])  # grouped by receiver
-        return [_message(pushes[q], pulls[q]) for q in range(self.W)]
+        return pack_messages(self.W, [(push[:, 1], push[:, 0]), (pull[:, 2], pull[:, 0])])
 
-    def flush_assemble(self, received: Sequence[torch.Tensor]) -> FlushPlan:
+    def flush_assemble(self, received: Messages) -> FlushPlan:
         """Flush, stage 2: this rank's :class:`FlushPlan`; resets the state."""
         me = self.rank
         push, pull = self._flush_share
-        pushes, pulls = [push], [pull]
-        for q, msg in enumerate(received):
-            if q == me:
-                continue
-            _, (k_push, k_pull) = _parse(msg, 0, 2)
-            pushes.append(torch.stack([k_push, torch.full_like(k_push, me), torch.full_like(k_push, q)], 1))
-            pulls.append(torch.stack([k_pull, torch.full_like(k_pull, q), torch.full_like(k_pull, me)], 1))
+        k_push, q_push = received.section(0)
+        k_pull, q_pull = received.section(1)
+        sel_push, sel_pull = q_push != me, q_pull != me
+        k_push, q_push = k_push.masked_select(sel_push), q_push.masked_select(sel_push)
+        k_pull, q_pull = k_pull.masked_select(sel_pull), q_pull.masked_select(sel_pull)
+        pushes = torch.cat([push, torch.stack([k_push, torch.full_like(k_push, me), q_push], 1)])
+        pulls = torch.cat([pull, torch.stack([k_pull, q_pull, torch.full_like(k_pull, me)], 1)])
         dropped = [torch.empty(0, dtype=torch.int64)] * self.W
         dropped[me] = self.cache.keys.clone()
         self.reset()
-        return FlushPlan(push=sort_transfers(torch.cat(pushes)), pull=sort_transfers(torch.cat(pulls)),
-                         dropped=dropped, partial=True)
+        return FlushPlan(push=sort_transfers(pushes), pull=sort_transfers(pulls), dropped=dropped, partial=True)
 
     def flush(self) -> FlushPlan:
         """This rank's share of the flush (collective: one all-to-all through ``exchange``)."""

@@ -100,16 +100,18 @@ def build_strategy(name: str, env: SchedulingEnv, config: Any) -> SchedulingStra
     return STRATEGIES[name](env, config)
 
 
-def exchange_words(env: SchedulingEnv) -> Callable[[List[torch.Tensor]], List[torch.Tensor]]:
-    """Planning by home's exchange: one int64 tensor to each rank, one from each (two all-to-alls: sizes,
-    words), timed as scheduler comm."""
+def exchange_words(env: SchedulingEnv) -> Callable[[Any], Any]:
+    """Planning by home's exchange of :class:`~torchrec_herald.pipeline.home_split.Messages`: an all-to-all
+    of the per-peer section counts, then one of the words, timed as scheduler comm."""
+    from torchrec_herald.pipeline.home_split import Messages
 
-    def exchange(send: List[torch.Tensor]) -> List[torch.Tensor]:
+    def exchange(sent: Messages) -> Messages:
+        W, S = sent.counts.shape
         with CommTimer(env.stats, "herald_schedule_meta"):
-            sizes = torch.tensor([t.numel() for t in send], dtype=torch.int64)
-            recv = all_to_all_rows(sizes, [1] * env.world, [1] * env.world, env.pg, "herald_schedule_meta")
-            out = all_to_all_rows(torch.cat(send), sizes.tolist(), recv.tolist(), env.pg, "herald_schedule_meta")
-        return list(out.split(recv.tolist()))
+            counts = all_to_all_rows(sent.counts, [1] * W, [1] * W, env.pg, "herald_schedule_meta")
+            data = all_to_all_rows(sent.data, sent.counts.sum(1).tolist(), counts.sum(1).tolist(), env.pg,
+                                   "herald_schedule_meta")
+        return Messages(counts.view(W, S), data)
 
     return exchange
 
