@@ -60,7 +60,8 @@ RTOL = 1e-5
 #: case -> (world size, common harness cfg, pipeline runs)
 CASES: Dict[str, Tuple[int, Dict[str, Any], Tuple[str, ...]]] = {
     "w2_sgd": (2, dict(optimizer="sgd", via="apply", pooling="SUM"), ("greedy_lazy", "identity_lazy", "greedy_eager",
-                                                                       "greedy_lazy_k1_small_cache", "by_home_lazy")),
+                                                                       "greedy_lazy_k1_small_cache", "by_home_lazy",
+                                                                       "by_home_serial")),
     "w2_adagrad": (2, dict(optimizer="rowwise_adagrad", via="fused_params", pooling="SUM"), ("greedy_lazy",)),
     "w3_sgd_mean_multihot": (3, dict(optimizer="sgd", via="fused_params", pooling="MEAN", multi_hot=True),
                              ("greedy_lazy", "by_home_lazy_small_cache")),
@@ -72,8 +73,10 @@ PIPELINES: Dict[str, Dict[str, Any]] = {
     "identity_lazy": dict(allocator="identity"),
     "greedy_eager": dict(sync="eager"),
     "greedy_lazy_k1_small_cache": dict(window=1, cache_fraction=0.01),
-    # planning by home (each rank plans its own rows; samples stay where loaded)
+    # planning by home (each rank plans its own rows; samples stay where loaded): by default it runs ahead
+    # in a thread, its exchanges on a process group of their own; serial: on the step's critical path
     "by_home_lazy": dict(allocator="identity", planning="by_home"),
+    "by_home_serial": dict(allocator="identity", planning="by_home", run_ahead=False),
     "by_home_lazy_small_cache": dict(allocator="identity", planning="by_home", cache_fraction=0.01),
 }
 
@@ -122,6 +125,17 @@ def _bytes(tags: Dict[str, Dict[str, float]], tag: str) -> float:
 
 
 EXACT_RUNS = [(case, p) for case, (_, _, pipes) in CASES.items() for p in pipes]
+
+
+def test_planning_by_home_runs_ahead_with_the_serial_plans() -> None:
+    """Planning by home ahead of the step (a thread, its own process group) and on the critical path give
+    the same plans and bit-identical training."""
+    r = runs(2)
+    ahead, serial = r[("w2_sgd", "by_home_lazy")], r[("w2_sgd", "by_home_serial")]
+    for a, s in zip(ahead, serial):
+        assert a["losses"] == s["losses"] and a["stats"].counters == s["stats"].counters
+        assert all(torch.equal(a["state"][k], v) for k, v in s["state"].items())
+        assert a["stats"].ahead_s > 0 and s["stats"].ahead_s == 0  # the first ran ahead, the second did not
 
 
 @pytest.mark.parametrize("case,pipe", EXACT_RUNS, ids=[f"{c}-{p}" for c, p in EXACT_RUNS])

@@ -231,7 +231,7 @@ def test_options_of_the_run_ahead_path_are_checked() -> None:
     from torchrec_herald.pipeline.options import HeraldPipelineConfig
     from torchrec_herald.pipeline.stale_skip import SkipConfig
 
-    with pytest.raises(ValueError, match="pipeline.run_ahead needs pipeline.global_batches=true"):
+    with pytest.raises(ValueError, match="pipeline.run_ahead needs pipeline.global_batches=true or pipeline.planning=by_home"):
         HeraldPipelineConfig(run_ahead=True, global_batches=False)
     # scheduling=auto where the batches are per rank: the probe cannot run, scheduling stays on (said in one line)
     config, why = HeraldPipelineConfig(scheduling="auto", global_batches=False).resolve(whole_batches=True)

@@ -110,6 +110,8 @@ class SchedulingEnv:
     Attributes:
         ebc: the herald-sharded EBC (``ShardedHeraldEmbeddingBagCollection``).
         pg, world, rank: its process group, world size and rank.
+        sched_pg: a process group of the scheduler's own (gloo), when it runs ahead in a thread with
+            collectives of its own (they must never interleave with training's); None: ``pg``.
         stats: the scheduler's counters (replaced when a checkpoint is loaded).
         planner: the communication planner (a :class:`~torchrec_herald.plans.CommPlanner`).
         allocator: the input allocator in use (the configured one while scheduling is on, identity off).
@@ -124,10 +126,16 @@ class SchedulingEnv:
     planner: CommPlanner
     allocator: Any
     alloc_step: int = 0
+    sched_pg: Optional[dist.ProcessGroup] = None
 
     @property
     def layout(self) -> Any:
         return self.ebc.layout
+
+    @property
+    def scheduling_group(self) -> Optional[dist.ProcessGroup]:
+        """The group the scheduler's collectives run on: its own, or the training's."""
+        return self.sched_pg if self.sched_pg is not None else self.pg
 
     def batch_keys(self, kjt: KeyedJaggedTensor) -> torch.Tensor:
         """Global row key of every id of ``kjt``."""
@@ -137,7 +145,7 @@ class SchedulingEnv:
     def gather_varlen(self, mine: torch.Tensor, label: str) -> List[torch.Tensor]:
         """Every rank's ``mine`` (:func:`~torchrec_herald.comm.all_gather_varlen`), timed as scheduler comm."""
         with CommTimer(self.stats, label):
-            return all_gather_varlen(mine, self.pg, label)
+            return all_gather_varlen(mine, self.scheduling_group, label)
 
     def raise_on_bad(self, errs: torch.Tensor) -> None:
         """Raise the first rank's bad-id error (``errs``: per rank ``(flag, feature, id)``), every rank alike."""

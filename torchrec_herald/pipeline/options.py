@@ -68,7 +68,8 @@ class HeraldPipelineConfig:
             read whole batches) and nothing needs each rank's own batch (skipping, planning by home).
         run_ahead: a background thread schedules the next batch entering the window (read, keys,
             allocation, reads) and plans the next step while the current step trains; needs
-            ``global_batches``. ``None`` (default): whenever the batches are global.
+            ``global_batches`` or ``planning=by_home`` (whose exchanges then run on a process group of
+            their own). ``None`` (default): whenever one of the two holds.
         scheduling: ``on``, ``off`` (hot replication alone) or ``auto`` (default: measure both, keep the
             faster; ``on`` where the batches are per rank or the plan is approximate).
         probe_steps: ``auto``: steps timed in each mode (after ``probe_steps // 2`` unmeasured ones).
@@ -157,9 +158,10 @@ class HeraldPipelineConfig:
                                  f"and scheduling=on; got pipeline.{', pipeline.'.join(clash)}")
         if int(self.probe_steps) < 2:
             raise ValueError(f"pipeline.probe_steps must be >= 2, got {self.probe_steps}")
-        if self.run_ahead and self.global_batches is False:
-            raise ValueError("pipeline.run_ahead needs pipeline.global_batches=true (the per-rank path's "
-                             "scheduling collectives must stay in step with training's)")
+        if self.run_ahead and self.global_batches is False and self.planning == "global":
+            raise ValueError("pipeline.run_ahead needs pipeline.global_batches=true or pipeline.planning=by_home "
+                             "(the gathered per-rank path's scheduling collectives must stay in step with "
+                             "training's)")
         self.probe_steps, self.window = int(self.probe_steps), int(self.window)
         self.cache_fraction, self.move_penalty = float(self.cache_fraction), int(self.move_penalty)
         self.staleness = None if s is None else int(s)
@@ -185,7 +187,7 @@ class HeraldPipelineConfig:
         gb = self.global_batches
         if gb is None:
             gb = whole_batches and self.skip is None and self.planning == "global"
-        ra = gb if self.run_ahead is None else self.run_ahead
+        ra = (gb or self.planning == "by_home") if self.run_ahead is None else self.run_ahead
         scheduling = self.scheduling
         if scheduling == "auto" and not (gb and self.staleness is None and self.skip is None):
             scheduling = "on"

@@ -26,6 +26,7 @@ from dataclasses import asdict
 from typing import Any, Deque, Dict, Iterator, List, Optional
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torchrec.datasets.utils import Batch
 from torchrec.distributed.train_pipeline import TrainPipeline, TrainPipelineSparseDist
@@ -187,6 +188,10 @@ class HeraldTrainPipeline(TrainPipeline[Batch, Any]):
         if self.run_ahead and not self.strategy.can_run_ahead:
             raise ValueError(f"pipeline.run_ahead: the {self.strategy.name} scheduling strategy has collectives "
                              f"that must stay in step with training's; it cannot run ahead")
+        if self.run_ahead and self.strategy.scheduling_collectives and self.env.world > 1:
+            # the scheduler's collectives run in the worker thread: on a group of their own, so they never
+            # interleave with training's (collective: every rank resolves at its first step)
+            self.env.sched_pg = dist.new_group(backend="gloo")
         self._ahead = RunAhead() if self.run_ahead else None
         if config.scheduling in ("off", "auto"):
             self.switch = SchedulingSwitch(self, config.scheduling, config.probe_steps,

@@ -68,7 +68,7 @@ def allocate_own_batch(env: SchedulingEnv, ctx: HeraldBatchContext) -> None:
     meta = torch.cat([err, pack_int16(scores)]) if scored else err
     gathered = torch.empty(env.world * meta.numel(), dtype=torch.int64)
     with CommTimer(env.stats, "herald_schedule_meta"):
-        dist.all_gather_into_tensor(gathered, meta, group=env.pg)
+        dist.all_gather_into_tensor(gathered, meta, group=env.scheduling_group)
     gathered = gathered.view(env.world, -1)
     env.raise_on_bad(gathered[:, :3])
     nnz = int(gathered[:, 3].sum())
@@ -117,12 +117,12 @@ def exchange_samples(env: SchedulingEnv, batch: Batch, dest: torch.Tensor, incom
     ids_out = _regroup(kjt.values().to(torch.int32), lengths.flatten(), slot.view(-1))
     ids_send = torch.zeros(W, dtype=torch.int64).index_add_(0, dest, lengths.sum(0)).tolist()
     with CommTimer(env.stats, "herald_samples"):
-        fixed_in = all_to_all_rows(fixed[order], send_counts.tolist(), recv_counts.tolist(), env.pg,
+        fixed_in = all_to_all_rows(fixed[order], send_counts.tolist(), recv_counts.tolist(), env.scheduling_group,
                                    "herald_samples")
         lengths_in = fixed_in[:, -F:].to(torch.int64)  # [n_in, F], samples in ascending global order
         ids_recv = torch.zeros(W, dtype=torch.int64).index_add_(0, src_of_in, lengths_in.sum(1)).tolist()
         # ids < 2**31: int32 on the wire
-        ids_in = all_to_all_rows(ids_out, ids_send, ids_recv, env.pg, "herald_samples")
+        ids_in = all_to_all_rows(ids_out, ids_send, ids_recv, env.scheduling_group, "herald_samples")
     n_dense = batch.dense_features.shape[1]
     dense = fixed_in[:, :n_dense].view(torch.float32).to(batch.dense_features.dtype)
     labels = fixed_in[:, n_dense].view(torch.float32).to(batch.labels.dtype)

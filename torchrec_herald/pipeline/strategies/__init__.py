@@ -50,12 +50,15 @@ class SchedulingStrategy(abc.ABC):
     Attributes:
         name: the registry key.
         whole_batches: every rank reads the whole global batch (the loader must yield them).
-        can_run_ahead: its scheduling has no collective, so a worker thread may run it ahead of the step.
+        can_run_ahead: a worker thread may run its scheduling ahead of the step (its collectives, if any,
+            on a process group of their own: ``scheduling_collectives``).
     """
 
     name: ClassVar[str]
     whole_batches: ClassVar[bool] = False
     can_run_ahead: ClassVar[bool] = False
+    #: its scheduling has collectives: running ahead, it gets a process group of its own
+    scheduling_collectives: ClassVar[bool] = True
 
     def __init__(self, env: SchedulingEnv, config: Any) -> None:  # config: the resolved HeraldPipelineConfig
         self.env, self.config = env, config
@@ -108,8 +111,9 @@ def exchange_words(env: SchedulingEnv) -> Callable[[Any], Any]:
     def exchange(sent: Messages) -> Messages:
         W, S = sent.counts.shape
         with CommTimer(env.stats, "herald_schedule_meta"):
-            counts = all_to_all_rows(sent.counts, [1] * W, [1] * W, env.pg, "herald_schedule_meta")
-            data = all_to_all_rows(sent.data, sent.counts.sum(1).tolist(), counts.sum(1).tolist(), env.pg,
+            group = env.scheduling_group
+            counts = all_to_all_rows(sent.counts, [1] * W, [1] * W, group, "herald_schedule_meta")
+            data = all_to_all_rows(sent.data, sent.counts.sum(1).tolist(), counts.sum(1).tolist(), group,
                                    "herald_schedule_meta")
         return Messages(counts.view(W, S), data)
 

@@ -19,6 +19,7 @@ class GlobalBatchesStrategy(SchedulingStrategy):
     name = "global_batches"
     whole_batches = True
     can_run_ahead = True
+    scheduling_collectives = False
 
     def allocate(self, ctx: HeraldBatchContext) -> None:
         allocate_whole_batch(self.env, ctx)
