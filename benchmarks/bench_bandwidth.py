@@ -60,6 +60,15 @@ CONFIGS: Dict[str, tuple] = {
                                                            "planner.dense_sync=ddp"]),
     "sched": ("herald hot replication + scheduling (forced on)", ["planner=herald", "pipeline=herald",
                                                                   "pipeline.scheduling=on"]),
+    # herald with its defaults and no link key (the planner does not know the link)
+    "herald_defaults": ("herald full, defaults (no link key)", ["planner=herald", "pipeline=herald"]),
+    # the two planning strategies, scheduling forced on, no link key: every rank plans every row of the
+    # whole global batches (global), or each rank its own rows from its own batches, ahead (by_home)
+    "global_on": ("herald, global planning, scheduling on", ["planner=herald", "pipeline=herald",
+                                                            "pipeline.scheduling=on", "pipeline.planning=global"]),
+    "by_home_on": ("herald, planning by home, scheduling on", ["planner=herald", "pipeline=herald",
+                                                              "pipeline.scheduling=on", "pipeline.planning=by_home",
+                                                              "pipeline.allocator=identity"]),
 }
 #: herald full declares the link it runs on (planner.link_mbit); "unlimited" (veth without tc) as 10 Gbit/s
 UNLIMITED_DECLARED_MBIT = 10_000
@@ -129,8 +138,7 @@ def worker(config: str, steps: int, segments: int, warmup: int, out: str, rate: 
         "untagged_wait_ms": 1000 * meter.wait_by_tag.get("untagged", 0.0) / n,
     }
     Path(out).write_text(json.dumps(result))
-    if herald:
-        pipeline.detach()
+    pipeline.detach()
     dist.barrier()
     dist.destroy_process_group()
 

@@ -173,12 +173,21 @@ class TrafficMeter:
         self.embedding_dim = embedding_dim
         self._by_kind: Dict[str, CollectiveStats] = {}
         self._by_tag: Dict[str, CollectiveStats] = {}
-        self._tags: List[tuple[str, Optional[int]]] = []
-        self.wait_s = 0.0  # wall time blocked in collectives (sync calls + waits of async ones), all threads
+        self._tag_stacks: Dict[int, List[tuple[str, Optional[int]]]] = {}  # per thread: its tags, innermost last
+        self._owner = threading.get_ident()  # the training thread: its waits are the step's comm wait
+        self.wait_s = 0.0  # wall time the training thread blocked in collectives (sync calls + async waits)
         self.wait_by_tag: Dict[str, float] = {}  # the same, per tag label ("untagged" for the rest)
+        self.wait_other_threads_s = 0.0  # the same in other threads (herald's run-ahead scheduler): off the step
 
     # ------------------------------------------------------------------ activation
+    @property
+    def _tags(self) -> List[tuple[str, Optional[int]]]:
+        """This thread's tag stack (threads tag their own collectives: herald's run-ahead scheduler runs its
+        exchanges while the training thread runs its own)."""
+        return self._tag_stacks.setdefault(threading.get_ident(), [])
+
     def __enter__(self) -> "TrafficMeter":
+        self._owner = threading.get_ident()
         with TrafficMeter._lock:
             if not TrafficMeter._active:
                 TrafficMeter._install()
@@ -234,13 +243,18 @@ class TrafficMeter:
         self._by_tag.clear()
         self.wait_s = 0.0
         self.wait_by_tag.clear()
+        self.wait_other_threads_s = 0.0
 
     def _current_label(self) -> str:
         return self._tags[-1][0] if self._tags else "untagged"
 
     @classmethod
     def _add_wait(cls, seconds: float, labels: Dict[int, str]) -> None:
+        me = threading.get_ident()
         for meter in list(cls._active):
+            if me != meter._owner:
+                meter.wait_other_threads_s += seconds
+                continue
             meter.wait_s += seconds
             label = labels.get(id(meter), "untagged")
             meter.wait_by_tag[label] = meter.wait_by_tag.get(label, 0.0) + seconds

@@ -4,6 +4,7 @@ row layout and process group, the planner, the allocator, the counters)."""
 
 from __future__ import annotations
 
+import threading
 import time
 from dataclasses import dataclass, field, fields
 from typing import Any, List, Optional, Tuple
@@ -19,8 +20,11 @@ from torchrec_herald.comm import all_gather_varlen
 from torchrec_herald.plans import CommPlanner, SyncCounters
 from torchrec_herald.traffic import traffic_tag
 
-__all__ = ["CommTimer", "HeraldBatchContext", "SchedulerStats", "SchedulingEnv", "find_herald_ebc", "pack_int16",
-           "select_samples", "unpack_int16"]
+#: the name prefix of the run-ahead worker thread (``pipeline/run_ahead.py``)
+RUN_AHEAD_THREAD = "herald-ahead"
+
+__all__ = ["RUN_AHEAD_THREAD", "CommTimer", "HeraldBatchContext", "SchedulerStats", "SchedulingEnv", "find_herald_ebc",
+           "pack_int16", "select_samples", "unpack_int16"]
 
 
 @dataclass
@@ -56,6 +60,7 @@ class SchedulerStats:
     ahead_s: float = 0.0  # run-ahead thread: scheduling done while steps trained (off the critical path)
     wait_ahead_s: float = 0.0  # of scheduler_s: the step waiting for the run-ahead thread
     comm_s: float = 0.0  # of which inside the scheduler's collectives (transfer + waiting for other ranks)
+    comm_ahead_s: float = 0.0  # of ahead_s: inside the scheduler's collectives in the run-ahead thread
     planner_s: float = 0.0  # of which planning
 
     def minus(self, earlier: "SchedulerStats") -> "SchedulerStats":
@@ -77,6 +82,7 @@ class SchedulerStats:
                    local_lookup_share=self.local_lookups / max(self.lookups, 1),
                    scheduler_ms_per_step=1000 * self.scheduler_s / n, planner_ms_per_step=1000 * self.planner_s / n,
                    scheduler_comm_ms_per_step=1000 * self.comm_s / n,
+                   scheduler_comm_ahead_ms_per_step=1000 * self.comm_ahead_s / n,
                    scheduler_overlapped_ms_per_step=1000 * self.ahead_s / n,
                    scheduler_wait_ahead_ms_per_step=1000 * self.wait_ahead_s / n,
                    stale_reads_per_step=self.stale_reads / n, stale_read_share=self.stale_reads / max(c.reads, 1),
@@ -89,7 +95,8 @@ class SchedulerStats:
 
 
 class CommTimer:
-    """Adds the wall time of its block to ``stats.comm_s`` (and tags the collectives for TrafficMeter)."""
+    """Adds the wall time of its block to ``stats.comm_s`` (and tags the collectives for TrafficMeter); in
+    the run-ahead thread to ``stats.comm_ahead_s`` instead (that time is off the step's critical path)."""
 
     def __init__(self, stats: SchedulerStats, label: str) -> None:
         self.stats, self.tag = stats, traffic_tag(label)
@@ -100,7 +107,10 @@ class CommTimer:
 
     def __exit__(self, *exc: Any) -> None:
         self.tag.__exit__(*exc)
-        self.stats.comm_s += time.perf_counter() - self.t0
+        if threading.current_thread().name.startswith(RUN_AHEAD_THREAD):
+            self.stats.comm_ahead_s += time.perf_counter() - self.t0
+        else:
+            self.stats.comm_s += time.perf_counter() - self.t0
 
 
 @dataclass

@@ -10,6 +10,8 @@ import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Callable, Optional, Tuple
 
+from torchrec_herald.pipeline.context import RUN_AHEAD_THREAD
+
 __all__ = ["RunAhead"]
 
 logger = logging.getLogger(__name__)
@@ -19,7 +21,7 @@ class RunAhead:
     """A one-thread worker with at most one job in flight."""
 
     def __init__(self) -> None:
-        self._pool: Optional[ThreadPoolExecutor] = ThreadPoolExecutor(1, "herald-ahead")
+        self._pool: Optional[ThreadPoolExecutor] = ThreadPoolExecutor(1, RUN_AHEAD_THREAD)
         self._pending: Optional[Future] = None
 
     @property
