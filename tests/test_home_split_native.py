@@ -1,0 +1,139 @@
+"""The compiled planner by home (``CompiledHomeSplitPlanner``) against its Python reference
+(``HomeSplitLazyPlanner``): the same messages, the same plan and flush on random traces with hot rows,
+small caches (evictions), look-ahead and reads sent ahead; and the build's one-line errors."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+from typing import List
+
+import pytest
+import torch
+
+from torchrec_herald.native import NativeUnavailable
+from torchrec_herald.pipeline.home_split import HomeSplitLazyPlanner, transpose_messages
+from torchrec_herald.pipeline.home_split_native import CompiledHomeSplitPlanner
+from torchrec_herald.plans import ExecPlan
+
+from test_lazy_sync import CASES, STEPS, _keys, _locality, _trace
+
+PLAN_TENSORS = ("push_before_read", "pull", "pull_miss", "reduce", "update_keys", "reducer", "update_push",
+                "miss_push")
+
+
+def _step(planners: list, window: list) -> tuple:
+    sent = [p.reader_messages(window) for p in planners]
+    replies = [p.home_replies(m) for p, m in zip(planners, transpose_messages(sent))]
+    return sent, replies, [p.assemble(m) for p, m in zip(planners, transpose_messages(replies))]
+
+
+def _same_messages(a: list, b: list, where: tuple) -> None:
+    for r, (x, y) in enumerate(zip(a, b)):
+        assert torch.equal(x.counts, y.counts), (where, r)
+        assert torch.equal(x.data, y.data), (where, r)
+
+
+@pytest.mark.parametrize("world,window,seed,fraction", CASES + [(5, 3, 21, 0.02), (8, 2, 22, 0.1)])
+def test_compiled_planner_by_home_equals_the_python_reference(world: int, window: int, seed: int,
+                                                              fraction: float) -> None:
+    loc = _locality(world)
+    trace = [_keys(loc, s) for s in _trace(world, STEPS, seed)]
+    ref = [HomeSplitLazyPlanner(loc, r, capacity_fraction=fraction, window=window) for r in range(world)]
+    nat = [CompiledHomeSplitPlanner(loc, r, capacity_fraction=fraction, window=window) for r in range(world)]
+    evicted = ahead = 0
+    for t in range(STEPS):
+        win = trace[t: t + window]
+        sr, rr, pr = _step(ref, win)
+        sn, rn, pn = _step(nat, win)
+        _same_messages(sr, sn, (t, "reader"))
+        _same_messages(rr, rn, (t, "home"))
+        for me, (a, b) in enumerate(zip(pr, pn)):
+            assert isinstance(b, ExecPlan) and b.partial and b.step == a.step == t
+            for name in PLAN_TENSORS:
+                assert torch.equal(getattr(a, name), getattr(b, name)), (t, me, name)
+            for r in range(world):
+                assert torch.equal(a.reads[r], b.reads[r]) and torch.equal(a.evictions[r], b.evictions[r]), (t, me, r)
+            assert a.counters == b.counters, (t, me)
+            evicted += b.evictions[me].numel()
+        ahead += sum(int(m.section(0)[0].sum() == 0) for m in sn)
+    if fraction < 1.0:
+        assert evicted > 0  # the small caches were exercised
+    if window > 1:
+        assert ahead > 0  # reads went ahead, and the homes used them
+    fr = [p.flush_assemble(m) for p, m in zip(ref, transpose_messages([p.flush_messages() for p in ref]))]
+    fn = [p.flush_assemble(m) for p, m in zip(nat, transpose_messages([p.flush_messages() for p in nat]))]
+    for me, (a, b) in enumerate(zip(fr, fn)):
+        assert torch.equal(a.push, b.push) and torch.equal(a.pull, b.pull), me
+        assert torch.equal(a.dropped[me], b.dropped[me]), me
+    assert any(f.push.numel() for f in fn)  # something was dirty at the flush
+    # after the flush both start over: the next step is planned alike
+    _, _, pr = _step(ref, trace[:window])
+    _, _, pn = _step(nat, trace[:window])
+    for a, b in zip(pr, pn):
+        assert torch.equal(a.pull, b.pull) and torch.equal(a.reduce, b.reduce)
+
+
+def test_compiled_planner_names_bad_reads() -> None:
+    loc = _locality(2)
+    p = CompiledHomeSplitPlanner(loc, 0)
+    n = loc.layout.num_rows
+    with pytest.raises(ValueError, match=rf"read keys outside \[0, {n}\)"):
+        p.reader_messages([[torch.tensor([0, n]), torch.tensor([1])]])
+    with pytest.raises(ValueError, match="must be sorted and unique"):
+        p.reader_messages([[torch.tensor([3, 1]), torch.tensor([1])]])
+    with pytest.raises(RuntimeError, match="needs an exchange"):
+        p.plan_step([[torch.tensor([0]), torch.tensor([1])]])
+    with pytest.raises(RuntimeError, match="allocator=identity"):
+        p.local_on(torch.tensor([0]))
+
+
+def test_a_stale_build_is_refused_with_how_to_rebuild(monkeypatch: pytest.MonkeyPatch) -> None:
+    import torchrec_herald.native as native
+
+    monkeypatch.setattr(native, "source_sha", lambda: "0" * 16)
+    native._load.cache_clear()
+    try:
+        with pytest.raises(NativeUnavailable, match=r"built from another version of home_split\.cpp: run `make setup`"):
+            native.load()
+    finally:
+        monkeypatch.undo()
+        native._load.cache_clear()
+    native.load()
+
+
+def _run_build(env_extra: dict, tmp_path: Path) -> subprocess.CompletedProcess:
+    import os
+
+    env = dict(os.environ, **env_extra)
+    return subprocess.run([sys.executable, "-m", "torchrec_herald.native.build"], env=env, capture_output=True,
+                          text=True, cwd=tmp_path, timeout=300)
+
+
+def test_a_missing_compiler_is_named_in_one_line(tmp_path: Path) -> None:
+    out = _run_build({"CXX": "no-such-compiler-g++"}, tmp_path)
+    assert out.returncode == 1
+    lines = out.stderr.strip().splitlines()
+    assert lines == ["error: no C++ compiler: no-such-compiler-g++ is not on PATH; install one (e.g. apt-get install "
+                     "g++) or set CXX, then re-run `make setup` (or use pipeline.scheduler_impl=python)"]
+
+
+def test_a_failed_compile_names_the_first_error_and_the_log(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import torchrec_herald.native as native
+    from torchrec_herald.native import build as nb
+
+    bad = tmp_path / "home_split.cpp"
+    bad.write_text("#include <torch/extension.h>\nint f() { return undeclared_name; }\n")
+    monkeypatch.setattr(nb, "SOURCE", bad)
+    monkeypatch.setattr(nb, "BUILD_DIR", tmp_path / "_build")
+    monkeypatch.setattr(nb, "MODULE", "herald_native_broken")
+    monkeypatch.setattr(nb, "source_sha", lambda: "0" * 16)
+    with pytest.raises(nb.NativeBuildError) as e:
+        nb.build()
+    msg = str(e.value)
+    assert "\n" not in msg
+    assert "error:" in msg and "undeclared_name" in msg
+    assert msg.endswith(f"(full log: {tmp_path / '_build' / 'build.log'})")
+    assert "undeclared_name" in (tmp_path / "_build" / "build.log").read_text()
+    assert native.available()  # the real build is untouched

@@ -1,0 +1,756 @@
+// Herald's exact lazy plan split by row ownership, one rank's share, in compiled code.
+//
+// The same state and the same plan as the Python reference HomeSplitLazyPlanner
+// (torchrec_herald/pipeline/home_split.py; tests compare the two on random traces): a rank is a
+// *reader* (its LRU caches of remote rows) and a *home* (for the rows of its block: which rank holds
+// the latest version, which ranks cache each row and whether that copy is the latest, the flags of the
+// hot replicas homed here). Hand-written because every step is a few thousand hash-map operations whose
+// per-call cost in tensor code (dozens of torch ops per stage) outweighs the work itself.
+//
+// Messages are the Python ``Messages`` layout: ``counts[peer][section]`` int64 words, ``data`` peer by
+// peer, section by section. Transfers are int64 [n, 3] rows of (key, src, dst).
+
+#include <torch/extension.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <deque>
+#include <stdexcept>
+#include <string>
+#include <utility>
+#include <vector>
+
+#ifndef HERALD_NATIVE_SOURCE_SHA  // set by torchrec_herald/native/build.py: the loader refuses a stale build
+#define HERALD_NATIVE_SOURCE_SHA "unknown"
+#endif
+#ifndef HERALD_NATIVE_TORCH
+#define HERALD_NATIVE_TORCH "unknown"
+#endif
+
+namespace {
+
+using i64 = int64_t;
+constexpr i64 kEmpty = -1;  // keys are >= 0
+constexpr uint8_t kPull = 1, kReduceHere = 2;
+
+inline uint64_t mix(uint64_t x) {  // splitmix64 finaliser
+  x += 0x9e3779b97f4a7c15ULL;
+  x = (x ^ (x >> 30)) * 0xbf58476d1ce4e5b9ULL;
+  x = (x ^ (x >> 27)) * 0x94d049bb133111ebULL;
+  return x ^ (x >> 31);
+}
+
+// Open addressing, linear probing, backward-shift deletion (no tombstones); keys >= 0.
+template <class V>
+class FlatMap {
+ public:
+  FlatMap() { reset(16); }
+  size_t size() const { return n_; }
+  size_t bytes() const { return keys_.size() * (sizeof(i64) + sizeof(V)); }
+  void clear() { reset(16); }
+
+  V* find(i64 k) {
+    size_t i = mix(k) & mask_;
+    while (true) {
+      if (keys_[i] == k) return &vals_[i];
+      if (keys_[i] == kEmpty) return nullptr;
+      i = (i + 1) & mask_;
+    }
+  }
+  const V* find(i64 k) const { return const_cast<FlatMap*>(this)->find(k); }
+
+  // the value of k, inserted as v when absent
+  V& put(i64 k, const V& v) {
+    if ((n_ + 1) * 4 > keys_.size() * 3) grow();
+    size_t i = mix(k) & mask_;
+    while (keys_[i] != kEmpty && keys_[i] != k) i = (i + 1) & mask_;
+    if (keys_[i] == kEmpty) {
+      keys_[i] = k;
+      vals_[i] = v;
+      ++n_;
+    } else {
+      vals_[i] = v;
+    }
+    return vals_[i];
+  }
+
+  bool erase(i64 k) {
+    size_t i = mix(k) & mask_;
+    while (keys_[i] != k) {
+      if (keys_[i] == kEmpty) return false;
+      i = (i + 1) & mask_;
+    }
+    size_t j = i;
+    while (true) {  // shift back every later entry of the run that may move to the hole
+      j = (j + 1) & mask_;
+      if (keys_[j] == kEmpty) break;
+      size_t h = mix(keys_[j]) & mask_;
+      bool stays = (i <= j) ? (i < h && h <= j) : (i < h || h <= j);
+      if (!stays) {
+        keys_[i] = keys_[j];
+        vals_[i] = vals_[j];
+        i = j;
+      }
+    }
+    keys_[i] = kEmpty;
+    --n_;
+    return true;
+  }
+
+  template <class F>
+  void for_each(F f) const {
+    for (size_t i = 0; i < keys_.size(); ++i)
+      if (keys_[i] != kEmpty) f(keys_[i], vals_[i]);
+  }
+
+ private:
+  void reset(size_t cap) {
+    keys_.assign(cap, kEmpty);
+    vals_.assign(cap, V{});
+    mask_ = cap - 1;
+    n_ = 0;
+  }
+  void grow() {
+    std::vector<i64> ok = std::move(keys_);
+    std::vector<V> ov = std::move(vals_);
+    reset(ok.size() * 2);
+    for (size_t i = 0; i < ok.size(); ++i)
+      if (ok[i] != kEmpty) put(ok[i], ov[i]);
+  }
+  std::vector<i64> keys_;
+  std::vector<V> vals_;
+  size_t mask_ = 0, n_ = 0;
+};
+
+struct Transfer {
+  i64 key, src, dst;
+  bool operator<(const Transfer& o) const {
+    if (key != o.key) return key < o.key;
+    if (src != o.src) return src < o.src;
+    return dst < o.dst;
+  }
+};
+
+torch::Tensor vec_tensor(const std::vector<i64>& v) {
+  auto t = torch::empty({static_cast<i64>(v.size())}, torch::kInt64);
+  if (!v.empty()) std::memcpy(t.data_ptr<i64>(), v.data(), v.size() * sizeof(i64));
+  return t;
+}
+
+torch::Tensor transfer_tensor(const std::vector<Transfer>& v) {
+  auto t = torch::empty({static_cast<i64>(v.size()), 3}, torch::kInt64);
+  if (!v.empty()) std::memcpy(t.data_ptr<i64>(), v.data(), v.size() * sizeof(Transfer));
+  return t;
+}
+
+torch::Tensor sorted_transfers(std::vector<Transfer>& v) {
+  std::sort(v.begin(), v.end());
+  return transfer_tensor(v);
+}
+
+// One message to every peer: per section, (peer, word) pairs; a peer's words keep their order.
+class MessageBuilder {
+ public:
+  MessageBuilder(int W, int S) : W_(W), S_(S), peer_(S), word_(S) {}
+  void add(int s, i64 peer, i64 word) {
+    peer_[s].push_back(peer);
+    word_[s].push_back(word);
+  }
+  void reserve(int s, size_t n) {
+    peer_[s].reserve(n);
+    word_[s].reserve(n);
+  }
+  std::pair<torch::Tensor, torch::Tensor> build() const {
+    auto counts = torch::zeros({W_, S_}, torch::kInt64);
+    i64* c = counts.data_ptr<i64>();
+    for (int s = 0; s < S_; ++s)
+      for (i64 p : peer_[s]) ++c[p * S_ + s];
+    std::vector<i64> cursor(static_cast<size_t>(W_) * S_);
+    i64 total = 0;
+    for (int i = 0; i < W_ * S_; ++i) {
+      cursor[i] = total;
+      total += c[i];
+    }
+    auto data = torch::empty({total}, torch::kInt64);
+    i64* d = data.data_ptr<i64>();
+    for (int s = 0; s < S_; ++s)
+      for (size_t i = 0; i < peer_[s].size(); ++i) d[cursor[peer_[s][i] * S_ + s]++] = word_[s][i];
+    return {counts, data};
+  }
+
+ private:
+  int W_, S_;
+  std::vector<std::vector<i64>> peer_, word_;
+};
+
+// A received message: section s of peer q is words [begin(q, s), begin(q, s) + count(q, s)).
+class MessageView {
+ public:
+  MessageView(const torch::Tensor& counts, const torch::Tensor& data, int W, int S)
+      : counts_(counts.contiguous()), data_(data.contiguous()), W_(W), S_(S) {
+    TORCH_CHECK(counts_.scalar_type() == torch::kInt64 && data_.scalar_type() == torch::kInt64,
+                "herald_native: messages are int64");
+    TORCH_CHECK(counts_.numel() == static_cast<i64>(W) * S, "herald_native: a message has counts [", W, ", ", S,
+                "], got ", counts_.numel(), " words");
+    const i64* c = counts_.data_ptr<i64>();
+    base_.resize(static_cast<size_t>(W) * S + 1);
+    base_[0] = 0;
+    for (int i = 0; i < W * S; ++i) base_[i + 1] = base_[i] + c[i];
+    TORCH_CHECK(base_.back() == data_.numel(), "herald_native: a message's counts add up to ", base_.back(),
+                " words, its data has ", data_.numel());
+  }
+  i64 count(int q, int s) const { return counts_.data_ptr<i64>()[q * S_ + s]; }
+  const i64* words(int q, int s) const { return data_.data_ptr<i64>() + base_[q * S_ + s]; }
+
+ private:
+  torch::Tensor counts_, data_;
+  int W_, S_;
+  std::vector<i64> base_;
+};
+
+struct CacheEntry {
+  i64 last_use = 0;
+  i64 table = 0;
+};
+
+struct Bucket {  // the keys read at one step (ascending); an entry is live iff its last_use is still this step
+  i64 step;
+  std::vector<i64> keys;
+  size_t head = 0;  // keys before it were consumed
+};
+
+struct CopyGroup {  // the remote copies of one row homed here: a copy is the latest iff its version is this
+  i64 version = 0;
+  i64 count = 0;
+};
+
+enum Counter { kReads, kHits, kCacheReads, kCacheHits, kMissPull, kUpdatePull, kReduce, kUpdatePush, kMissPush, kNumCounters };
+
+class HomeSplitCore {
+ public:
+  HomeSplitCore(i64 world, i64 rank, torch::Tensor table_offsets, torch::Tensor blocks, torch::Tensor hot_keys,
+                torch::Tensor capacity, i64 num_rows, i64 window)
+      : W_(world), me_(rank), num_rows_(num_rows), window_(window) {
+    TORCH_CHECK(world >= 1 && rank >= 0 && rank < world, "herald_native: rank ", rank, " of ", world);
+    TORCH_CHECK(window >= 1, "window must be >= 1, got ", window);
+    off_ = to_vec(table_offsets);
+    block_ = to_vec(blocks);
+    cap_ = to_vec(capacity);
+    hot_keys_ = to_vec(hot_keys);
+    T_ = off_.size();
+    TORCH_CHECK(block_.size() == T_ && cap_.size() == T_, "herald_native: one block size and capacity per table");
+    own_index_.assign(hot_keys_.size(), -1);
+    for (size_t s = 0; s < hot_keys_.size(); ++s) {
+      hot_slot_.put(hot_keys_[s], static_cast<i64>(s));
+      if (home_of(hot_keys_[s]) == me_) {
+        own_index_[s] = static_cast<i64>(own_slots_.size());
+        own_slots_.push_back(static_cast<i64>(s));
+      }
+    }
+    reset();
+  }
+
+  void reset() {
+    cache_.clear();
+    count_.assign(T_, 0);
+    lru_.assign(T_, std::deque<Bucket>());
+    bucket_entries_ = 0;
+    sent_next_.clear();
+    has_sent_next_ = false;
+    dirty_.clear();
+    copies_.clear();
+    groups_.clear();
+    hot_valid_.assign(own_slots_.size() * W_, 1);
+    ahead_keys_.clear();
+    ahead_begin_.assign(W_ + 1, 0);
+    step_ = 0;
+  }
+
+  i64 step() const { return step_; }
+
+  i64 state_bytes() const {
+    return static_cast<i64>(cache_.bytes() + dirty_.bytes() + copies_.bytes() + groups_.bytes() + hot_valid_.size() +
+                            8 * (bucket_entries_ + ahead_keys_.size() + sent_next_.size()) + 8 * hot_slot_.size());
+  }
+
+  i64 cache_size() const { return static_cast<i64>(cache_.size()); }
+  i64 cache_capacity() const {
+    i64 c = 0;
+    for (i64 x : cap_) c += x;
+    return c;
+  }
+
+  // ---------------------------------------------------------------- reader
+  std::pair<torch::Tensor, torch::Tensor> reader(const torch::Tensor& now_t, const torch::Tensor& nxt_t, bool use_next) {
+    now_ = sorted_unique(now_t, "this step's");
+    std::vector<i64> nxt = use_next ? sorted_unique(nxt_t, "the next step's") : std::vector<i64>();
+    const size_t n = now_.size();
+    std::vector<i64> home(n);
+    std::vector<uint8_t> is_new(n, 0);
+    std::vector<std::vector<i64>> touched(T_);
+    for (size_t i = 0; i < n; ++i) {
+      i64 x = now_[i];
+      i64 t = table_of(x);
+      i64 h = (x - off_[t]) / block_[t];
+      home[i] = h;
+      if (h == me_ || hot_slot_.find(x)) continue;
+      CacheEntry* e = cache_.find(x);
+      if (e) {
+        e->last_use = step_;
+      } else {
+        cache_.put(x, CacheEntry{step_, t});
+        ++count_[t];
+        is_new[i] = 1;
+      }
+      touched[t].push_back(x);
+    }
+    for (size_t t = 0; t < T_; ++t) {
+      if (touched[t].empty()) continue;
+      bucket_entries_ += touched[t].size();
+      lru_[t].push_back(Bucket{step_, std::move(touched[t]), 0});
+    }
+    victims_ = evict();
+    const bool has_now = !(has_sent_next_ && sent_next_ == now_);
+    has_sent_next_ = use_next;
+    // this step's keys by home (stable), with their new flags
+    std::vector<i64> start(W_ + 1, 0);
+    for (size_t i = 0; i < n; ++i) ++start[home[i] + 1];
+    for (i64 q = 0; q < W_; ++q) start[q + 1] += start[q];
+    now_home_count_.assign(W_, 0);
+    for (i64 q = 0; q < W_; ++q) now_home_count_[q] = start[q + 1] - start[q];
+    now_by_home_.assign(n, 0);
+    now_home_.assign(n, 0);
+    now_new_.assign(n, 0);
+    for (size_t i = 0; i < n; ++i) {
+      i64 p = start[home[i]]++;
+      now_by_home_[p] = now_[i];
+      now_home_[p] = home[i];
+      now_new_[p] = is_new[i];
+    }
+    MessageBuilder msg(W_, 4);
+    for (i64 q = 0; q < W_; ++q) msg.add(0, q, has_now ? 1 : 0);
+    if (has_now) {
+      msg.reserve(1, n);
+      for (size_t p = 0; p < n; ++p) msg.add(1, now_home_[p], now_by_home_[p]);
+    }
+    add_by_home(msg, 2, nxt);
+    add_by_home(msg, 3, victims_);
+    sent_next_ = std::move(nxt);
+    return msg.build();
+  }
+
+  // ---------------------------------------------------------------- home
+  std::pair<torch::Tensor, torch::Tensor> home(const torch::Tensor& counts, const torch::Tensor& data) {
+    MessageView in(counts, data, W_, 4);
+    // each reader's reads: what it sent now, or what it sent ahead last step
+    std::vector<i64> X;
+    std::vector<i64> R;
+    std::vector<i64> reader_begin(W_ + 1, 0);
+    for (i64 q = 0; q < W_; ++q) {
+      TORCH_CHECK(in.count(q, 0) == 1, "herald_native: rank ", q, "'s message lacks its has-now word");
+      bool has_now = in.words(q, 0)[0] > 0;
+      const i64* k = has_now ? in.words(q, 1) : ahead_keys_.data() + ahead_begin_[q];
+      i64 m = has_now ? in.count(q, 1) : ahead_begin_[q + 1] - ahead_begin_[q];
+      X.insert(X.end(), k, k + m);
+      R.insert(R.end(), static_cast<size_t>(m), q);
+      reader_begin[q + 1] = static_cast<i64>(X.size());
+    }
+    // the keys each reader reads next step, kept for when they do not come again
+    std::vector<i64> next_keys, next_src, next_begin(W_ + 1, 0);
+    for (i64 q = 0; q < W_; ++q) {
+      const i64* k = in.words(q, 2);
+      i64 m = in.count(q, 2);
+      next_keys.insert(next_keys.end(), k, k + m);
+      next_src.insert(next_src.end(), static_cast<size_t>(m), q);
+      next_begin[q + 1] = static_cast<i64>(next_keys.size());
+    }
+    const size_t n = X.size();
+    // (key, reader) order: a key's readers adjacent, lowest rank first
+    std::vector<std::pair<i64, i64>> order(n);  // (key, position in reader order)
+    for (size_t i = 0; i < n; ++i) order[i] = {X[i], static_cast<i64>(i)};
+    std::sort(order.begin(), order.end());  // positions ascend with the reader within a key
+    std::vector<uint8_t> flags(n, 0);
+    pre_.clear(); pull_.clear(); pull_miss_.clear(); reduce_.clear(); post_.clear(); miss_.clear(); update_.clear();
+    std::fill(std::begin(counters_), std::end(counters_), 0);
+    std::vector<uint8_t> ok;
+    std::vector<uint8_t> found;
+    for (size_t a = 0; a < n;) {
+      size_t b = a + 1;
+      const i64 x = order[a].first;
+      while (b < n && order[b].first == x) ++b;
+      const size_t cnt = b - a;
+      const i64 first = R[order[a].second];
+      const i64 slot = hot_slot(x);
+      i64 own = -1;
+      if (slot >= 0) {
+        own = own_index_[slot];
+        TORCH_CHECK(own >= 0, "herald_native: rank ", me_, " received hot key ", x, " homed elsewhere");
+      } else {
+        TORCH_CHECK(home_of(x) == me_, "herald_native: rank ", me_, " received key ", x, " homed at ", home_of(x));
+      }
+      // a dirty row goes home before the reads, unless its master is its only reader
+      i64 m = master(x);
+      if (m != me_ && !(cnt == 1 && first == m)) push_home(x, m, own, pre_);
+      m = master(x);
+      CopyGroup* grp = slot < 0 ? groups_.find(x) : nullptr;
+      ok.assign(cnt, 0);
+      found.assign(cnt, 0);
+      for (size_t j = 0; j < cnt; ++j) {
+        const i64 r = R[order[a + j].second];
+        bool cold_remote = slot < 0 && r != me_;
+        if (slot >= 0) {
+          ok[j] = hot_valid_[own * W_ + r];
+        } else if (!cold_remote) {
+          ok[j] = dirty_.find(x) == nullptr;
+        } else {
+          const i64* v = copies_.find(x * W_ + r);
+          if (v) {
+            found[j] = 1;
+            ok[j] = (*v == grp->version);
+          }
+        }
+        counters_[kReads] += 1;
+        counters_[kHits] += ok[j];
+        counters_[kCacheReads] += cold_remote;
+        counters_[kCacheHits] += cold_remote && ok[j];
+        if (!ok[j]) {
+          TORCH_CHECK(m == me_, "home-split plan: a pull whose source is not the row's home");
+          const bool is_new = cold_remote && !found[j];
+          pull_.push_back(Transfer{x, m, r});
+          pull_miss_.push_back(is_new);
+          counters_[is_new ? kMissPull : kUpdatePull] += 1;
+          flags[order[a + j].second] |= kPull;
+        }
+      }
+      // after the reads every reader holds the latest version
+      for (size_t j = 0; j < cnt; ++j) {
+        const i64 r = R[order[a + j].second];
+        if (slot >= 0) {
+          hot_valid_[own * W_ + r] = 1;
+        } else if (r != me_) {
+          if (!grp) grp = &groups_.put(x, CopyGroup{});
+          copies_.put(x * W_ + r, grp->version);
+          if (!found[j]) ++grp->count;
+        }
+      }
+      // the update: one reader reduces it (the only reader, else the home)
+      const i64 reducer = cnt == 1 ? first : me_;
+      for (size_t j = 0; j < cnt; ++j) {
+        const i64 r = R[order[a + j].second];
+        if (r != reducer) {
+          reduce_.push_back(Transfer{x, r, reducer});
+          counters_[kReduce] += 1;
+        } else {
+          flags[order[a + j].second] |= kReduceHere;
+        }
+      }
+      if (slot >= 0) {
+        std::memset(&hot_valid_[own * W_], 0, W_);
+        hot_valid_[own * W_ + reducer] = 1;
+      } else if (grp) {
+        ++grp->version;  // every copy is outdated, the reducer's is the latest
+        if (reducer != me_) {
+          i64* v = copies_.find(x * W_ + reducer);
+          if (v) *v = grp->version;
+        }
+      }
+      if (reducer == me_) {
+        dirty_.erase(x);
+        update_.push_back(x);
+      } else {
+        dirty_.put(x, reducer);
+      }
+      a = b;
+    }
+    // look-ahead: a dirty row another rank reads next step goes home now
+    std::vector<i64> go;
+    for (size_t i = 0; i < next_keys.size(); ++i) {
+      i64 m1 = master(next_keys[i]);
+      if (m1 != me_ && next_src[i] != m1) go.push_back(next_keys[i]);
+    }
+    std::sort(go.begin(), go.end());
+    go.erase(std::unique(go.begin(), go.end()), go.end());
+    for (i64 x : go) {
+      i64 s = hot_slot(x);
+      push_home(x, master(x), s >= 0 ? own_index_[s] : -1, post_);
+    }
+    counters_[kUpdatePush] = static_cast<i64>(pre_.size() + post_.size());
+    // evictions: a victim holding the only latest version goes home; its copy is gone
+    std::vector<std::pair<i64, i64>> vict;  // (key, reader)
+    for (i64 q = 0; q < W_; ++q) {
+      const i64* k = in.words(q, 3);
+      for (i64 i = 0; i < in.count(q, 3); ++i) vict.push_back({k[i], q});
+    }
+    std::vector<uint8_t> goes(vict.size());
+    for (size_t i = 0; i < vict.size(); ++i) goes[i] = master(vict[i].first) == vict[i].second;
+    for (size_t i = 0; i < vict.size(); ++i) {
+      const i64 x = vict[i].first, r = vict[i].second;
+      if (goes[i]) {
+        miss_.push_back(Transfer{x, r, me_});
+        dirty_.erase(x);
+      }
+      if (copies_.erase(x * W_ + r)) {
+        CopyGroup* g = groups_.find(x);
+        if (--g->count == 0) groups_.erase(x);
+      }
+    }
+    counters_[kMissPush] = static_cast<i64>(miss_.size());
+    ahead_keys_ = std::move(next_keys);
+    ahead_begin_ = std::move(next_begin);
+    // replies: per reader its flags in its send order, 8 to a word; the rows it pushes home
+    MessageBuilder reply(W_, 4);
+    for (i64 q = 0; q < W_; ++q) {
+      const i64 lo = reader_begin[q], m = reader_begin[q + 1] - lo;
+      for (i64 w = 0; w < (m + 7) / 8; ++w) {
+        uint64_t word = 0;
+        for (i64 k = 0; k < 8 && w * 8 + k < m; ++k) word |= static_cast<uint64_t>(flags[lo + w * 8 + k]) << (8 * k);
+        reply.add(0, q, static_cast<i64>(word));
+      }
+    }
+    for (const Transfer& t : pre_) reply.add(1, t.src, t.key);
+    for (const Transfer& t : post_) reply.add(2, t.src, t.key);
+    for (const Transfer& t : miss_) reply.add(3, t.src, t.key);
+    return reply.build();
+  }
+
+  // ---------------------------------------------------------------- this rank's plan
+  // (push_before_read, pull, pull_miss, reduce, update_keys, update_push, miss_push, reads, evictions, counters)
+  std::vector<torch::Tensor> assemble(const torch::Tensor& counts, const torch::Tensor& data) {
+    MessageView in(counts, data, W_, 4);
+    std::vector<Transfer> pre = pre_, post = post_, miss = miss_, reduce = reduce_;
+    std::vector<std::pair<Transfer, uint8_t>> pull;
+    pull.reserve(pull_.size() + now_by_home_.size());
+    for (size_t i = 0; i < pull_.size(); ++i) pull.push_back({pull_[i], pull_miss_[i]});
+    std::vector<i64> update = update_;
+    size_t p = 0;
+    for (i64 h = 0; h < W_; ++h) {
+      const i64 m = now_home_count_[h];
+      TORCH_CHECK(in.count(h, 0) == (m + 7) / 8, "herald_native: rank ", h, " replied with ", in.count(h, 0),
+                  " flag words for ", m, " keys");
+      if (h == me_) {  // this rank's own rows: its home share holds every decision
+        p += m;
+        continue;
+      }
+      const uint8_t* f = reinterpret_cast<const uint8_t*>(in.words(h, 0));
+      for (i64 i = 0; i < m; ++i, ++p) {
+        const i64 x = now_by_home_[p];
+        if (f[i] & kPull) pull.push_back({Transfer{x, h, me_}, now_new_[p]});
+        if (f[i] & kReduceHere) {
+          update.push_back(x);
+        } else {
+          reduce.push_back(Transfer{x, me_, h});
+        }
+      }
+    }
+    for (i64 q = 0; q < W_; ++q) {
+      if (q == me_) continue;
+      std::vector<Transfer>* to[3] = {&pre, &post, &miss};
+      for (int s = 1; s <= 3; ++s) {
+        const i64* k = in.words(q, s);
+        for (i64 i = 0; i < in.count(q, s); ++i) to[s - 1]->push_back(Transfer{k[i], me_, q});
+      }
+    }
+    std::sort(pull.begin(), pull.end(), [](const auto& a, const auto& b) { return a.first < b.first; });
+    std::vector<Transfer> pull_t(pull.size());
+    auto miss_t = torch::empty({static_cast<i64>(pull.size())}, torch::kBool);
+    bool* mp = miss_t.data_ptr<bool>();
+    for (size_t i = 0; i < pull.size(); ++i) {
+      pull_t[i] = pull[i].first;
+      mp[i] = pull[i].second != 0;
+    }
+    std::sort(update.begin(), update.end());
+    auto ctr = torch::empty({kNumCounters}, torch::kInt64);
+    std::memcpy(ctr.data_ptr<i64>(), counters_, sizeof(counters_));
+    ++step_;
+    return {sorted_transfers(pre), transfer_tensor(pull_t), miss_t, sorted_transfers(reduce), vec_tensor(update),
+            sorted_transfers(post), sorted_transfers(miss), vec_tensor(now_), vec_tensor(victims_), ctr};
+  }
+
+  // ---------------------------------------------------------------- flush
+  std::pair<torch::Tensor, torch::Tensor> flush_messages() {
+    std::vector<i64> keys;
+    keys.reserve(dirty_.size());
+    dirty_.for_each([&](i64 k, i64) { keys.push_back(k); });
+    std::sort(keys.begin(), keys.end());
+    flush_push_.clear();
+    for (i64 x : keys) {
+      i64 s = hot_slot(x);
+      push_home(x, master(x), s >= 0 ? own_index_[s] : -1, flush_push_);
+    }
+    flush_pull_.clear();
+    for (size_t o = 0; o < own_slots_.size(); ++o)
+      for (i64 r = 0; r < W_; ++r)
+        if (!hot_valid_[o * W_ + r]) flush_pull_.push_back(Transfer{hot_keys_[own_slots_[o]], me_, r});
+    MessageBuilder msg(W_, 2);
+    for (const Transfer& t : flush_push_) msg.add(0, t.src, t.key);
+    for (const Transfer& t : flush_pull_) msg.add(1, t.dst, t.key);
+    return msg.build();
+  }
+
+  // (push, pull, dropped); resets the state
+  std::vector<torch::Tensor> flush_assemble(const torch::Tensor& counts, const torch::Tensor& data) {
+    MessageView in(counts, data, W_, 2);
+    std::vector<Transfer> push = flush_push_, pull = flush_pull_;
+    for (i64 q = 0; q < W_; ++q) {
+      if (q == me_) continue;
+      const i64* k = in.words(q, 0);
+      for (i64 i = 0; i < in.count(q, 0); ++i) push.push_back(Transfer{k[i], me_, q});
+      k = in.words(q, 1);
+      for (i64 i = 0; i < in.count(q, 1); ++i) pull.push_back(Transfer{k[i], q, me_});
+    }
+    std::vector<i64> dropped;
+    dropped.reserve(cache_.size());
+    cache_.for_each([&](i64 k, const CacheEntry&) { dropped.push_back(k); });
+    std::sort(dropped.begin(), dropped.end());
+    std::vector<torch::Tensor> out = {sorted_transfers(push), sorted_transfers(pull), vec_tensor(dropped)};
+    reset();
+    return out;
+  }
+
+ private:
+  static std::vector<i64> to_vec(const torch::Tensor& t) {
+    auto c = t.to(torch::kInt64).contiguous();
+    return std::vector<i64>(c.data_ptr<i64>(), c.data_ptr<i64>() + c.numel());
+  }
+
+  std::vector<i64> sorted_unique(const torch::Tensor& t, const char* what) const {
+    std::vector<i64> v = to_vec(t.reshape(-1));
+    for (size_t i = 0; i < v.size(); ++i) {
+      if (v[i] < 0 || v[i] >= num_rows_)
+        throw std::invalid_argument("read keys outside [0, " + std::to_string(num_rows_) + ")");
+      if (i && v[i] <= v[i - 1])
+        throw std::invalid_argument(std::string("planning by home: ") + what +
+                                    " read keys must be sorted and unique (torch.unique)");
+    }
+    return v;
+  }
+
+  i64 table_of(i64 x) const {
+    return static_cast<i64>(std::upper_bound(off_.begin(), off_.end(), x) - off_.begin()) - 1;
+  }
+  i64 home_of(i64 x) const {
+    i64 t = table_of(x);
+    return (x - off_[t]) / block_[t];
+  }
+  i64 hot_slot(i64 x) const {
+    const i64* s = hot_slot_.find(x);
+    return s ? *s : -1;
+  }
+  i64 master(i64 x) const {
+    const i64* m = dirty_.find(x);
+    return m ? *m : me_;
+  }
+  // dirty row x (master m) goes home: its home's hot replica is the latest again
+  void push_home(i64 x, i64 m, i64 own, std::vector<Transfer>& out) {
+    out.push_back(Transfer{x, m, me_});
+    if (own >= 0) hot_valid_[own * W_ + me_] = 1;
+    dirty_.erase(x);
+  }
+
+  void add_by_home(MessageBuilder& msg, int s, const std::vector<i64>& keys) const {
+    std::vector<i64> h(keys.size());
+    std::vector<i64> start(W_ + 1, 0);
+    for (size_t i = 0; i < keys.size(); ++i) ++start[(h[i] = home_of(keys[i])) + 1];
+    for (i64 q = 0; q < W_; ++q) start[q + 1] += start[q];
+    std::vector<i64> ordered(keys.size());
+    for (size_t i = 0; i < keys.size(); ++i) ordered[start[h[i]]++] = static_cast<i64>(i);
+    msg.reserve(s, keys.size());
+    for (i64 i : ordered) msg.add(s, h[i], keys[i]);
+  }
+
+  // trim each table's cache to capacity: least recently used first, ties to the lower key; sorted keys
+  std::vector<i64> evict() {
+    std::vector<i64> out;
+    for (size_t t = 0; t < T_; ++t) {
+      i64 excess = count_[t] - cap_[t];
+      auto& dq = lru_[t];
+      while (excess > 0) {
+        TORCH_CHECK(!dq.empty(), "herald_native: LRU of table ", t, " is empty with ", excess, " rows over capacity");
+        Bucket& b = dq.front();
+        while (b.head < b.keys.size() && excess > 0) {
+          const i64 x = b.keys[b.head++];
+          CacheEntry* e = cache_.find(x);
+          if (e && e->last_use == b.step) {
+            out.push_back(x);
+            cache_.erase(x);
+            --count_[t];
+            --excess;
+          }
+        }
+        if (b.head == b.keys.size()) {
+          bucket_entries_ -= b.keys.size();
+          dq.pop_front();
+        }
+      }
+    }
+    if (bucket_entries_ > 2 * cache_.size() + 4096) compact();
+    std::sort(out.begin(), out.end());
+    return out;
+  }
+
+  void compact() {  // drop the entries of rows read again later or evicted
+    bucket_entries_ = 0;
+    for (auto& dq : lru_) {
+      std::deque<Bucket> kept;
+      for (Bucket& b : dq) {
+        Bucket nb{b.step, {}, 0};
+        for (size_t i = b.head; i < b.keys.size(); ++i) {
+          const CacheEntry* e = cache_.find(b.keys[i]);
+          if (e && e->last_use == b.step) nb.keys.push_back(b.keys[i]);
+        }
+        if (!nb.keys.empty()) {
+          bucket_entries_ += nb.keys.size();
+          kept.push_back(std::move(nb));
+        }
+      }
+      dq.swap(kept);
+    }
+  }
+
+  // layout
+  i64 W_, me_, num_rows_, window_;
+  size_t T_ = 0;
+  std::vector<i64> off_, block_, cap_, hot_keys_, own_index_, own_slots_;
+  FlatMap<i64> hot_slot_;
+  // reader
+  FlatMap<CacheEntry> cache_;
+  std::vector<i64> count_;
+  std::vector<std::deque<Bucket>> lru_;
+  size_t bucket_entries_ = 0;
+  std::vector<i64> sent_next_;
+  bool has_sent_next_ = false;
+  std::vector<i64> now_, now_by_home_, now_home_, now_home_count_, victims_;
+  std::vector<uint8_t> now_new_;
+  // home
+  FlatMap<i64> dirty_;         // row -> master, for rows whose latest version is not here
+  FlatMap<i64> copies_;        // x*W + r -> version of rank r's copy of row x
+  FlatMap<CopyGroup> groups_;  // row -> the version of its latest copies, how many copies
+  std::vector<uint8_t> hot_valid_;  // [own hot slot][rank]
+  std::vector<i64> ahead_keys_, ahead_begin_;
+  std::vector<Transfer> pre_, pull_, reduce_, post_, miss_, flush_push_, flush_pull_;
+  std::vector<uint8_t> pull_miss_;
+  std::vector<i64> update_;
+  i64 counters_[kNumCounters] = {};
+  i64 step_ = 0;
+};
+
+}  // namespace
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.doc() = "Herald's per-rank lazy plan (planning by home) in compiled code";
+  m.attr("SOURCE_SHA") = HERALD_NATIVE_SOURCE_SHA;
+  m.attr("TORCH_VERSION") = HERALD_NATIVE_TORCH;
+  pybind11::class_<HomeSplitCore>(m, "HomeSplitCore")
+      .def(pybind11::init<i64, i64, torch::Tensor, torch::Tensor, torch::Tensor, torch::Tensor, i64, i64>())
+      .def("reset", &HomeSplitCore::reset)
+      .def("step", &HomeSplitCore::step)
+      .def("state_bytes", &HomeSplitCore::state_bytes)
+      .def("cache_size", &HomeSplitCore::cache_size)
+      .def("cache_capacity", &HomeSplitCore::cache_capacity)
+      .def("reader", &HomeSplitCore::reader)
+      .def("home", &HomeSplitCore::home)
+      .def("assemble", &HomeSplitCore::assemble)
+      .def("flush_messages", &HomeSplitCore::flush_messages)
+      .def("flush_assemble", &HomeSplitCore::flush_assemble);
+}
