@@ -33,6 +33,8 @@ namespace {
 using i64 = int64_t;
 constexpr i64 kEmpty = -1;  // keys are >= 0
 constexpr uint8_t kPull = 1, kReduceHere = 2;
+constexpr int kReaderBits = 16;  // (key, reader) pairs sort as key << 16 | reader
+constexpr i64 kReaderMask = (i64{1} << kReaderBits) - 1;
 
 inline uint64_t mix(uint64_t x) {  // splitmix64 finaliser
   x += 0x9e3779b97f4a7c15ULL;
@@ -41,85 +43,84 @@ inline uint64_t mix(uint64_t x) {  // splitmix64 finaliser
   return x ^ (x >> 31);
 }
 
-// Open addressing, linear probing, backward-shift deletion (no tombstones); keys >= 0.
+// Open addressing, linear probing, backward-shift deletion (no tombstones); keys >= 0; key and value
+// side by side (one cache line per lookup). Most lookups miss (clean rows, cold keys in the hot map), so
+// the load stays at most 1/2: a miss probes ~2.5 slots (at 3/4: ~8.5).
 template <class V>
 class FlatMap {
  public:
   FlatMap() { reset(16); }
   size_t size() const { return n_; }
-  size_t bytes() const { return keys_.size() * (sizeof(i64) + sizeof(V)); }
+  size_t bytes() const { return slots_.size() * sizeof(Slot); }
   void clear() { reset(16); }
+  void prefetch(i64 k) const { __builtin_prefetch(&slots_[mix(k) & mask_]); }
 
   V* find(i64 k) {
     size_t i = mix(k) & mask_;
     while (true) {
-      if (keys_[i] == k) return &vals_[i];
-      if (keys_[i] == kEmpty) return nullptr;
+      if (slots_[i].key == k) return &slots_[i].val;
+      if (slots_[i].key == kEmpty) return nullptr;
       i = (i + 1) & mask_;
     }
   }
   const V* find(i64 k) const { return const_cast<FlatMap*>(this)->find(k); }
 
-  // the value of k, inserted as v when absent
+  // the value of k, inserted as v when absent (pointers into the map are invalid after an insert)
   V& put(i64 k, const V& v) {
-    if ((n_ + 1) * 4 > keys_.size() * 3) grow();
+    if ((n_ + 1) * 2 > slots_.size()) grow();
     size_t i = mix(k) & mask_;
-    while (keys_[i] != kEmpty && keys_[i] != k) i = (i + 1) & mask_;
-    if (keys_[i] == kEmpty) {
-      keys_[i] = k;
-      vals_[i] = v;
-      ++n_;
-    } else {
-      vals_[i] = v;
-    }
-    return vals_[i];
+    while (slots_[i].key != kEmpty && slots_[i].key != k) i = (i + 1) & mask_;
+    if (slots_[i].key == kEmpty) ++n_;
+    slots_[i].key = k;
+    slots_[i].val = v;
+    return slots_[i].val;
   }
 
   bool erase(i64 k) {
     size_t i = mix(k) & mask_;
-    while (keys_[i] != k) {
-      if (keys_[i] == kEmpty) return false;
+    while (slots_[i].key != k) {
+      if (slots_[i].key == kEmpty) return false;
       i = (i + 1) & mask_;
     }
     size_t j = i;
     while (true) {  // shift back every later entry of the run that may move to the hole
       j = (j + 1) & mask_;
-      if (keys_[j] == kEmpty) break;
-      size_t h = mix(keys_[j]) & mask_;
+      if (slots_[j].key == kEmpty) break;
+      size_t h = mix(slots_[j].key) & mask_;
       bool stays = (i <= j) ? (i < h && h <= j) : (i < h || h <= j);
       if (!stays) {
-        keys_[i] = keys_[j];
-        vals_[i] = vals_[j];
+        slots_[i] = slots_[j];
         i = j;
       }
     }
-    keys_[i] = kEmpty;
+    slots_[i].key = kEmpty;
     --n_;
     return true;
   }
 
   template <class F>
   void for_each(F f) const {
-    for (size_t i = 0; i < keys_.size(); ++i)
-      if (keys_[i] != kEmpty) f(keys_[i], vals_[i]);
+    for (const Slot& sl : slots_)
+      if (sl.key != kEmpty) f(sl.key, sl.val);
   }
 
  private:
+  struct Slot {
+    i64 key = kEmpty;
+    V val{};
+  };
   void reset(size_t cap) {
-    keys_.assign(cap, kEmpty);
-    vals_.assign(cap, V{});
+    slots_.assign(cap, Slot{});
     mask_ = cap - 1;
     n_ = 0;
   }
   void grow() {
-    std::vector<i64> ok = std::move(keys_);
-    std::vector<V> ov = std::move(vals_);
-    reset(ok.size() * 2);
-    for (size_t i = 0; i < ok.size(); ++i)
-      if (ok[i] != kEmpty) put(ok[i], ov[i]);
+    std::vector<Slot> old = std::move(slots_);
+    reset(old.size() * 2);
+    for (const Slot& sl : old)
+      if (sl.key != kEmpty) put(sl.key, sl.val);
   }
-  std::vector<i64> keys_;
-  std::vector<V> vals_;
+  std::vector<Slot> slots_;
   size_t mask_ = 0, n_ = 0;
 };
 
@@ -142,6 +143,21 @@ torch::Tensor transfer_tensor(const std::vector<Transfer>& v) {
   auto t = torch::empty({static_cast<i64>(v.size()), 3}, torch::kInt64);
   if (!v.empty()) std::memcpy(t.data_ptr<i64>(), v.data(), v.size() * sizeof(Transfer));
   return t;
+}
+
+// the order merging two sorted lists (indices into a, then b offset by a.size()); ties: a first
+std::vector<size_t> merge_order(const std::vector<Transfer>& a, const std::vector<Transfer>& b) {
+  std::vector<size_t> out;
+  out.reserve(a.size() + b.size());
+  size_t i = 0, j = 0;
+  while (i < a.size() || j < b.size()) {
+    if (j == b.size() || (i < a.size() && !(b[j] < a[i]))) {
+      out.push_back(i++);
+    } else {
+      out.push_back(a.size() + j++);
+    }
+  }
+  return out;
 }
 
 torch::Tensor sorted_transfers(std::vector<Transfer>& v) {
@@ -209,6 +225,19 @@ class MessageView {
   std::vector<i64> base_;
 };
 
+// n / d for 0 <= n < 2^52 by a multiplication (a 64-bit division costs ~40 cycles, and every key needs its home)
+struct Divider {
+  explicit Divider(i64 d_) : d(d_), inv(1.0 / static_cast<double>(d_)) {}
+  i64 div(i64 n) const {
+    i64 q = static_cast<i64>(static_cast<double>(n) * inv);
+    if (q * d > n) --q;
+    else if ((q + 1) * d <= n) ++q;
+    return q;
+  }
+  i64 d;
+  double inv;
+};
+
 struct CacheEntry {
   i64 last_use = 0;
   i64 table = 0;
@@ -220,7 +249,10 @@ struct Bucket {  // the keys read at one step (ascending); an entry is live iff 
   size_t head = 0;  // keys before it were consumed
 };
 
-struct CopyGroup {  // the remote copies of one row homed here: a copy is the latest iff its version is this
+// A row homed here that is dirty (its latest version is on rank ``master``) or cached elsewhere
+// (``copies`` remote copies; a copy is the latest iff its version equals ``version``).
+struct RowState {
+  i64 master = 0;
   i64 version = 0;
   i64 count = 0;
 };
@@ -233,9 +265,14 @@ class HomeSplitCore {
                 torch::Tensor capacity, i64 num_rows, i64 window)
       : W_(world), me_(rank), num_rows_(num_rows), window_(window) {
     TORCH_CHECK(world >= 1 && rank >= 0 && rank < world, "herald_native: rank ", rank, " of ", world);
+    TORCH_CHECK(world <= kReaderMask + 1, "herald_native: at most ", kReaderMask + 1, " ranks, got ", world);
     TORCH_CHECK(window >= 1, "window must be >= 1, got ", window);
     off_ = to_vec(table_offsets);
     block_ = to_vec(blocks);
+    for (i64 b : block_) {
+      TORCH_CHECK(b >= 1, "herald_native: block sizes must be >= 1");
+      block_div_.push_back(Divider(b));
+    }
     cap_ = to_vec(capacity);
     hot_keys_ = to_vec(hot_keys);
     T_ = off_.size();
@@ -258,9 +295,8 @@ class HomeSplitCore {
     bucket_entries_ = 0;
     sent_next_.clear();
     has_sent_next_ = false;
-    dirty_.clear();
+    rows_.clear();
     copies_.clear();
-    groups_.clear();
     hot_valid_.assign(own_slots_.size() * W_, 1);
     ahead_keys_.clear();
     ahead_begin_.assign(W_ + 1, 0);
@@ -270,7 +306,7 @@ class HomeSplitCore {
   i64 step() const { return step_; }
 
   i64 state_bytes() const {
-    return static_cast<i64>(cache_.bytes() + dirty_.bytes() + copies_.bytes() + groups_.bytes() + hot_valid_.size() +
+    return static_cast<i64>(cache_.bytes() + rows_.bytes() + copies_.bytes() + hot_valid_.size() +
                             8 * (bucket_entries_ + ahead_keys_.size() + sent_next_.size()) + 8 * hot_slot_.size());
   }
 
@@ -289,12 +325,15 @@ class HomeSplitCore {
     std::vector<i64> home(n);
     std::vector<uint8_t> is_new(n, 0);
     std::vector<std::vector<i64>> touched(T_);
+    size_t t = 0, hp = 0;  // the keys ascend: walk the tables and the hot keys alongside
     for (size_t i = 0; i < n; ++i) {
-      i64 x = now_[i];
-      i64 t = table_of(x);
-      i64 h = (x - off_[t]) / block_[t];
+      if (i + 16 < n) cache_.prefetch(now_[i + 16]);
+      const i64 x = now_[i];
+      while (t + 1 < T_ && off_[t + 1] <= x) ++t;
+      while (hp < hot_keys_.size() && hot_keys_[hp] < x) ++hp;
+      const i64 h = block_div_[t].div(x - off_[t]);
       home[i] = h;
-      if (h == me_ || hot_slot_.find(x)) continue;
+      if (h == me_ || (hp < hot_keys_.size() && hot_keys_[hp] == x)) continue;
       CacheEntry* e = cache_.find(x);
       if (e) {
         e->last_use = step_;
@@ -305,10 +344,10 @@ class HomeSplitCore {
       }
       touched[t].push_back(x);
     }
-    for (size_t t = 0; t < T_; ++t) {
-      if (touched[t].empty()) continue;
-      bucket_entries_ += touched[t].size();
-      lru_[t].push_back(Bucket{step_, std::move(touched[t]), 0});
+    for (size_t k = 0; k < T_; ++k) {
+      if (touched[k].empty()) continue;
+      bucket_entries_ += touched[k].size();
+      lru_[k].push_back(Bucket{step_, std::move(touched[k]), 0});
     }
     victims_ = evict();
     const bool has_now = !(has_sent_next_ && sent_next_ == now_);
@@ -319,21 +358,16 @@ class HomeSplitCore {
     for (i64 q = 0; q < W_; ++q) start[q + 1] += start[q];
     now_home_count_.assign(W_, 0);
     for (i64 q = 0; q < W_; ++q) now_home_count_[q] = start[q + 1] - start[q];
-    now_by_home_.assign(n, 0);
-    now_home_.assign(n, 0);
-    now_new_.assign(n, 0);
-    for (size_t i = 0; i < n; ++i) {
-      i64 p = start[home[i]]++;
-      now_by_home_[p] = now_[i];
-      now_home_[p] = home[i];
-      now_new_[p] = is_new[i];
-    }
     MessageBuilder msg(W_, 4);
     for (i64 q = 0; q < W_; ++q) msg.add(0, q, has_now ? 1 : 0);
     if (has_now) {
+      std::vector<i64> by_home(n);
+      for (size_t i = 0; i < n; ++i) by_home[start[home[i]]++] = static_cast<i64>(i);
       msg.reserve(1, n);
-      for (size_t p = 0; p < n; ++p) msg.add(1, now_home_[p], now_by_home_[p]);
+      for (i64 i : by_home) msg.add(1, home[i], now_[i]);
     }
+    now_home_of_ = std::move(home);
+    now_is_new_ = std::move(is_new);
     add_by_home(msg, 2, nxt);
     add_by_home(msg, 3, victims_);
     sent_next_ = std::move(nxt);
@@ -366,115 +400,126 @@ class HomeSplitCore {
       next_begin[q + 1] = static_cast<i64>(next_keys.size());
     }
     const size_t n = X.size();
-    // (key, reader) order: a key's readers adjacent, lowest rank first
-    std::vector<std::pair<i64, i64>> order(n);  // (key, position in reader order)
-    for (size_t i = 0; i < n; ++i) order[i] = {X[i], static_cast<i64>(i)};
-    std::sort(order.begin(), order.end());  // positions ascend with the reader within a key
+    // (key, reader) order: a key's readers adjacent, lowest rank first. Each reader's keys ascend (its
+    // reads are sorted unique, grouped by home stably), so the k-th pair of reader r is its k-th key.
+    std::vector<i64> order(n);  // key << 16 | reader (W <= 65536)
+    for (size_t i = 0; i < n; ++i) order[i] = X[i] << kReaderBits | R[i];
+    std::sort(order.begin(), order.end());
+    std::vector<i64> cursor(reader_begin.begin(), reader_begin.end() - 1);
+    std::vector<i64> pos(n);  // position of each (key, reader) pair in reader order
+    for (size_t i = 0; i < n; ++i) {
+      const i64 r = order[i] & kReaderMask;
+      pos[i] = cursor[r]++;
+      TORCH_CHECK((X[pos[i]] << kReaderBits | r) == order[i], "herald_native: rank ", r, "'s keys for rank ", me_,
+                  " are not sorted and unique");
+    }
     std::vector<uint8_t> flags(n, 0);
     pre_.clear(); pull_.clear(); pull_miss_.clear(); reduce_.clear(); post_.clear(); miss_.clear(); update_.clear();
+    pull_.reserve(n);
+    pull_miss_.reserve(n);
+    reduce_.reserve(n);
+    update_.reserve(n);
     std::fill(std::begin(counters_), std::end(counters_), 0);
-    std::vector<uint8_t> ok;
-    std::vector<uint8_t> found;
+    constexpr size_t kAhead = 16;  // pairs whose hash slots are prefetched ahead of use
+    size_t fetched = 0;
     for (size_t a = 0; a < n;) {
+      for (; fetched < std::min(n, a + kAhead); ++fetched) {
+        rows_.prefetch(order[fetched] >> kReaderBits);
+        copies_.prefetch(order[fetched]);
+      }
+      const i64 x = order[a] >> kReaderBits;
       size_t b = a + 1;
-      const i64 x = order[a].first;
-      while (b < n && order[b].first == x) ++b;
+      while (b < n && (order[b] >> kReaderBits) == x) ++b;
       const size_t cnt = b - a;
-      const i64 first = R[order[a].second];
+      const i64 first = order[a] & kReaderMask;
       const i64 slot = hot_slot(x);
       i64 own = -1;
       if (slot >= 0) {
         own = own_index_[slot];
         TORCH_CHECK(own >= 0, "herald_native: rank ", me_, " received hot key ", x, " homed elsewhere");
-      } else {
-        TORCH_CHECK(home_of(x) == me_, "herald_native: rank ", me_, " received key ", x, " homed at ", home_of(x));
       }
       // a dirty row goes home before the reads, unless its master is its only reader
-      i64 m = master(x);
-      if (m != me_ && !(cnt == 1 && first == m)) push_home(x, m, own, pre_);
-      m = master(x);
-      CopyGroup* grp = slot < 0 ? groups_.find(x) : nullptr;
-      ok.assign(cnt, 0);
-      found.assign(cnt, 0);
-      for (size_t j = 0; j < cnt; ++j) {
-        const i64 r = R[order[a + j].second];
-        bool cold_remote = slot < 0 && r != me_;
+      RowState* st = rows_.find(x);  // valid until the next insert into rows_
+      i64 m = st ? st->master : me_;
+      if (m != me_ && !(cnt == 1 && first == m)) {
+        pre_.push_back(Transfer{x, m, me_});
+        if (own >= 0) hot_valid_[own * W_ + me_] = 1;
+        st->master = m = me_;
+      }
+      i64* reducer_copy = nullptr;  // the only reader's copy (valid while no other copy is inserted)
+      for (size_t j = a; j < b; ++j) {
+        const i64 r = order[j] & kReaderMask;
+        const bool cold_remote = slot < 0 && r != me_;
+        bool ok, is_new = false;
         if (slot >= 0) {
-          ok[j] = hot_valid_[own * W_ + r];
+          ok = hot_valid_[own * W_ + r];
+          hot_valid_[own * W_ + r] = 1;  // after the reads every reader holds the latest version
         } else if (!cold_remote) {
-          ok[j] = dirty_.find(x) == nullptr;
+          ok = m == me_;  // the home copy is the latest iff the row is not dirty
         } else {
-          const i64* v = copies_.find(x * W_ + r);
+          if (!st) st = &rows_.put(x, RowState{me_, 0, 0});
+          i64* v = copies_.find(order[j]);
           if (v) {
-            found[j] = 1;
-            ok[j] = (*v == grp->version);
+            ok = *v == st->version;
+            *v = st->version;
+          } else {
+            ok = false;
+            is_new = true;
+            v = &copies_.put(order[j], st->version);
+            ++st->count;
           }
+          reducer_copy = v;
         }
         counters_[kReads] += 1;
-        counters_[kHits] += ok[j];
+        counters_[kHits] += ok;
         counters_[kCacheReads] += cold_remote;
-        counters_[kCacheHits] += cold_remote && ok[j];
-        if (!ok[j]) {
+        counters_[kCacheHits] += cold_remote && ok;
+        if (!ok) {
           TORCH_CHECK(m == me_, "home-split plan: a pull whose source is not the row's home");
-          const bool is_new = cold_remote && !found[j];
           pull_.push_back(Transfer{x, m, r});
           pull_miss_.push_back(is_new);
           counters_[is_new ? kMissPull : kUpdatePull] += 1;
-          flags[order[a + j].second] |= kPull;
-        }
-      }
-      // after the reads every reader holds the latest version
-      for (size_t j = 0; j < cnt; ++j) {
-        const i64 r = R[order[a + j].second];
-        if (slot >= 0) {
-          hot_valid_[own * W_ + r] = 1;
-        } else if (r != me_) {
-          if (!grp) grp = &groups_.put(x, CopyGroup{});
-          copies_.put(x * W_ + r, grp->version);
-          if (!found[j]) ++grp->count;
+          flags[pos[j]] |= kPull;
         }
       }
       // the update: one reader reduces it (the only reader, else the home)
       const i64 reducer = cnt == 1 ? first : me_;
-      for (size_t j = 0; j < cnt; ++j) {
-        const i64 r = R[order[a + j].second];
+      for (size_t j = a; j < b; ++j) {
+        const i64 r = order[j] & kReaderMask;
         if (r != reducer) {
           reduce_.push_back(Transfer{x, r, reducer});
           counters_[kReduce] += 1;
         } else {
-          flags[order[a + j].second] |= kReduceHere;
+          flags[pos[j]] |= kReduceHere;
         }
       }
       if (slot >= 0) {
         std::memset(&hot_valid_[own * W_], 0, W_);
         hot_valid_[own * W_ + reducer] = 1;
-      } else if (grp) {
-        ++grp->version;  // every copy is outdated, the reducer's is the latest
-        if (reducer != me_) {
-          i64* v = copies_.find(x * W_ + reducer);
-          if (v) *v = grp->version;
-        }
+      } else if (st) {
+        ++st->version;  // every copy is outdated, the reducer's is the latest
+        if (reducer != me_) *reducer_copy = st->version;  // cnt == 1: the reducer is the only reader
       }
       if (reducer == me_) {
-        dirty_.erase(x);
         update_.push_back(x);
+        if (st) release(x, st);
+      } else if (st) {
+        st->master = reducer;
       } else {
-        dirty_.put(x, reducer);
+        rows_.put(x, RowState{reducer, 0, 0});
       }
       a = b;
     }
     // look-ahead: a dirty row another rank reads next step goes home now
     std::vector<i64> go;
     for (size_t i = 0; i < next_keys.size(); ++i) {
+      if (i + kAhead < next_keys.size()) rows_.prefetch(next_keys[i + kAhead]);
       i64 m1 = master(next_keys[i]);
       if (m1 != me_ && next_src[i] != m1) go.push_back(next_keys[i]);
     }
     std::sort(go.begin(), go.end());
     go.erase(std::unique(go.begin(), go.end()), go.end());
-    for (i64 x : go) {
-      i64 s = hot_slot(x);
-      push_home(x, master(x), s >= 0 ? own_index_[s] : -1, post_);
-    }
+    for (i64 x : go) push_home(x, post_);
     counters_[kUpdatePush] = static_cast<i64>(pre_.size() + post_.size());
     // evictions: a victim holding the only latest version goes home; its copy is gone
     std::vector<std::pair<i64, i64>> vict;  // (key, reader)
@@ -486,14 +531,13 @@ class HomeSplitCore {
     for (size_t i = 0; i < vict.size(); ++i) goes[i] = master(vict[i].first) == vict[i].second;
     for (size_t i = 0; i < vict.size(); ++i) {
       const i64 x = vict[i].first, r = vict[i].second;
+      RowState* st = rows_.find(x);
       if (goes[i]) {
         miss_.push_back(Transfer{x, r, me_});
-        dirty_.erase(x);
+        st->master = me_;
       }
-      if (copies_.erase(x * W_ + r)) {
-        CopyGroup* g = groups_.find(x);
-        if (--g->count == 0) groups_.erase(x);
-      }
+      if (copies_.erase(x << kReaderBits | r)) --st->count;
+      if (st) release(x, st);
     }
     counters_[kMissPush] = static_cast<i64>(miss_.size());
     ahead_keys_ = std::move(next_keys);
@@ -518,66 +562,73 @@ class HomeSplitCore {
   // (push_before_read, pull, pull_miss, reduce, update_keys, update_push, miss_push, reads, evictions, counters)
   std::vector<torch::Tensor> assemble(const torch::Tensor& counts, const torch::Tensor& data) {
     MessageView in(counts, data, W_, 4);
-    std::vector<Transfer> pre = pre_, post = post_, miss = miss_, reduce = reduce_;
-    std::vector<std::pair<Transfer, uint8_t>> pull;
-    pull.reserve(pull_.size() + now_by_home_.size());
-    for (size_t i = 0; i < pull_.size(); ++i) pull.push_back({pull_[i], pull_miss_[i]});
-    std::vector<i64> update = update_;
-    size_t p = 0;
+    std::vector<const uint8_t*> flag_of(W_);
     for (i64 h = 0; h < W_; ++h) {
       const i64 m = now_home_count_[h];
       TORCH_CHECK(in.count(h, 0) == (m + 7) / 8, "herald_native: rank ", h, " replied with ", in.count(h, 0),
                   " flag words for ", m, " keys");
-      if (h == me_) {  // this rank's own rows: its home share holds every decision
-        p += m;
-        continue;
+      flag_of[h] = reinterpret_cast<const uint8_t*>(in.words(h, 0));
+    }
+    // this rank's reads of other homes' rows, in key order (a home's flags follow its keys' order)
+    std::vector<Transfer> my_pull, my_reduce;
+    std::vector<uint8_t> my_miss;
+    std::vector<i64> my_update;
+    for (size_t i = 0; i < now_.size(); ++i) {
+      const i64 h = now_home_of_[i];
+      const uint8_t f = *flag_of[h]++;
+      if (h == me_) continue;  // this rank's own rows: its home share holds every decision
+      const i64 x = now_[i];
+      if (f & kPull) {
+        my_pull.push_back(Transfer{x, h, me_});
+        my_miss.push_back(now_is_new_[i]);
       }
-      const uint8_t* f = reinterpret_cast<const uint8_t*>(in.words(h, 0));
-      for (i64 i = 0; i < m; ++i, ++p) {
-        const i64 x = now_by_home_[p];
-        if (f[i] & kPull) pull.push_back({Transfer{x, h, me_}, now_new_[p]});
-        if (f[i] & kReduceHere) {
-          update.push_back(x);
-        } else {
-          reduce.push_back(Transfer{x, me_, h});
-        }
+      if (f & kReduceHere) {
+        my_update.push_back(x);
+      } else {
+        my_reduce.push_back(Transfer{x, me_, h});
       }
     }
+    // the home share and the reader share are each sorted: merge
+    std::vector<size_t> pull_order = merge_order(pull_, my_pull);
+    auto miss_t = torch::empty({static_cast<i64>(pull_order.size())}, torch::kBool);
+    auto pull_t = torch::empty({static_cast<i64>(pull_order.size()), 3}, torch::kInt64);
+    bool* mp = miss_t.data_ptr<bool>();
+    Transfer* pp = reinterpret_cast<Transfer*>(pull_t.data_ptr<i64>());
+    for (size_t i = 0; i < pull_order.size(); ++i) {
+      const size_t k = pull_order[i];
+      const bool home_share = k < pull_.size();
+      pp[i] = home_share ? pull_[k] : my_pull[k - pull_.size()];
+      mp[i] = (home_share ? pull_miss_[k] : my_miss[k - pull_.size()]) != 0;
+    }
+    std::vector<Transfer> reduce(reduce_.size() + my_reduce.size());
+    std::merge(reduce_.begin(), reduce_.end(), my_reduce.begin(), my_reduce.end(), reduce.begin());
+    std::vector<i64> update(update_.size() + my_update.size());
+    std::merge(update_.begin(), update_.end(), my_update.begin(), my_update.end(), update.begin());
+    std::vector<Transfer> pre = pre_, post = post_, miss = miss_;
+    std::vector<Transfer>* to[3] = {&pre, &post, &miss};
     for (i64 q = 0; q < W_; ++q) {
       if (q == me_) continue;
-      std::vector<Transfer>* to[3] = {&pre, &post, &miss};
       for (int s = 1; s <= 3; ++s) {
         const i64* k = in.words(q, s);
         for (i64 i = 0; i < in.count(q, s); ++i) to[s - 1]->push_back(Transfer{k[i], me_, q});
       }
     }
-    std::sort(pull.begin(), pull.end(), [](const auto& a, const auto& b) { return a.first < b.first; });
-    std::vector<Transfer> pull_t(pull.size());
-    auto miss_t = torch::empty({static_cast<i64>(pull.size())}, torch::kBool);
-    bool* mp = miss_t.data_ptr<bool>();
-    for (size_t i = 0; i < pull.size(); ++i) {
-      pull_t[i] = pull[i].first;
-      mp[i] = pull[i].second != 0;
-    }
-    std::sort(update.begin(), update.end());
     auto ctr = torch::empty({kNumCounters}, torch::kInt64);
     std::memcpy(ctr.data_ptr<i64>(), counters_, sizeof(counters_));
     ++step_;
-    return {sorted_transfers(pre), transfer_tensor(pull_t), miss_t, sorted_transfers(reduce), vec_tensor(update),
+    return {sorted_transfers(pre), pull_t, miss_t, transfer_tensor(reduce), vec_tensor(update),
             sorted_transfers(post), sorted_transfers(miss), vec_tensor(now_), vec_tensor(victims_), ctr};
   }
 
   // ---------------------------------------------------------------- flush
   std::pair<torch::Tensor, torch::Tensor> flush_messages() {
     std::vector<i64> keys;
-    keys.reserve(dirty_.size());
-    dirty_.for_each([&](i64 k, i64) { keys.push_back(k); });
+    rows_.for_each([&](i64 k, const RowState& st) {
+      if (st.master != me_) keys.push_back(k);
+    });
     std::sort(keys.begin(), keys.end());
     flush_push_.clear();
-    for (i64 x : keys) {
-      i64 s = hot_slot(x);
-      push_home(x, master(x), s >= 0 ? own_index_[s] : -1, flush_push_);
-    }
+    for (i64 x : keys) push_home(x, flush_push_);
     flush_pull_.clear();
     for (size_t o = 0; o < own_slots_.size(); ++o)
       for (i64 r = 0; r < W_; ++r)
@@ -631,21 +682,28 @@ class HomeSplitCore {
   }
   i64 home_of(i64 x) const {
     i64 t = table_of(x);
-    return (x - off_[t]) / block_[t];
+    return block_div_[t].div(x - off_[t]);
   }
   i64 hot_slot(i64 x) const {
     const i64* s = hot_slot_.find(x);
     return s ? *s : -1;
   }
   i64 master(i64 x) const {
-    const i64* m = dirty_.find(x);
-    return m ? *m : me_;
+    const RowState* st = rows_.find(x);
+    return st ? st->master : me_;
   }
-  // dirty row x (master m) goes home: its home's hot replica is the latest again
-  void push_home(i64 x, i64 m, i64 own, std::vector<Transfer>& out) {
-    out.push_back(Transfer{x, m, me_});
-    if (own >= 0) hot_valid_[own * W_ + me_] = 1;
-    dirty_.erase(x);
+  // forget a row that is clean and cached nowhere
+  void release(i64 x, RowState* st) {
+    if (st->count == 0 && st->master == me_) rows_.erase(x);
+  }
+  // dirty row x goes home (from its master): its home's hot replica is the latest again
+  void push_home(i64 x, std::vector<Transfer>& out) {
+    RowState* st = rows_.find(x);
+    out.push_back(Transfer{x, st->master, me_});
+    const i64 s = hot_slot(x);
+    if (s >= 0) hot_valid_[own_index_[s] * W_ + me_] = 1;
+    st->master = me_;
+    release(x, st);
   }
 
   void add_by_home(MessageBuilder& msg, int s, const std::vector<i64>& keys) const {
@@ -712,6 +770,7 @@ class HomeSplitCore {
   i64 W_, me_, num_rows_, window_;
   size_t T_ = 0;
   std::vector<i64> off_, block_, cap_, hot_keys_, own_index_, own_slots_;
+  std::vector<Divider> block_div_;
   FlatMap<i64> hot_slot_;
   // reader
   FlatMap<CacheEntry> cache_;
@@ -720,12 +779,11 @@ class HomeSplitCore {
   size_t bucket_entries_ = 0;
   std::vector<i64> sent_next_;
   bool has_sent_next_ = false;
-  std::vector<i64> now_, now_by_home_, now_home_, now_home_count_, victims_;
-  std::vector<uint8_t> now_new_;
+  std::vector<i64> now_, now_home_of_, now_home_count_, victims_;  // this step's reads, their homes
+  std::vector<uint8_t> now_is_new_;  // the read entered the cache this step
   // home
-  FlatMap<i64> dirty_;         // row -> master, for rows whose latest version is not here
-  FlatMap<i64> copies_;        // x*W + r -> version of rank r's copy of row x
-  FlatMap<CopyGroup> groups_;  // row -> the version of its latest copies, how many copies
+  FlatMap<RowState> rows_;  // rows homed here that are dirty or cached elsewhere
+  FlatMap<i64> copies_;     // x << 16 | r -> version of rank r's copy of row x
   std::vector<uint8_t> hot_valid_;  // [own hot slot][rank]
   std::vector<i64> ahead_keys_, ahead_begin_;
   std::vector<Transfer> pre_, pull_, reduce_, post_, miss_, flush_push_, flush_pull_;
