@@ -166,7 +166,7 @@ def test_herald_pipeline_defaults_resolve_alike_from_python_and_the_command_line
     from torchrec_herald.pipeline.stale_skip import SkipConfig
 
     def decided(c: HeraldPipelineConfig, whole: bool) -> tuple:
-        r, _ = c.resolve(whole_batches=whole)
+        r, _ = c.resolve(whole_batches=whole, world_size=2)
         return r.global_batches, r.run_ahead, r.scheduling
 
     for python, cli in ((HeraldPipelineConfig(), []),

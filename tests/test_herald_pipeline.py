@@ -64,12 +64,18 @@ CASES: Dict[str, Tuple[int, Dict[str, Any], Tuple[str, ...]]] = {
                                                                        "by_home_serial")),
     "w2_adagrad": (2, dict(optimizer="rowwise_adagrad", via="fused_params", pooling="SUM"), ("greedy_lazy",)),
     "w3_sgd_mean_multihot": (3, dict(optimizer="sgd", via="fused_params", pooling="MEAN", multi_hot=True),
-                             ("greedy_lazy", "by_home_lazy_small_cache")),
-    "w4_adagrad": (4, dict(optimizer="rowwise_adagrad", via="apply", pooling="SUM"), ("greedy_lazy", "by_home_lazy")),
+                             ("greedy_lazy", "by_home_lazy_small_cache", "defaults")),
+    "w3_adagrad": (3, dict(optimizer="rowwise_adagrad", via="fused_params", pooling="SUM"), ("defaults",)),
+    "w4_adagrad": (4, dict(optimizer="rowwise_adagrad", via="apply", pooling="SUM"), ("greedy_lazy", "by_home_lazy",
+                                                                                     "defaults")),
+    "w4_sgd": (4, dict(optimizer="sgd", via="apply", pooling="SUM"), ("defaults",)),
 }
 #: pipeline run -> HeraldTrainPipeline kwargs
 PIPELINES: Dict[str, Dict[str, Any]] = {
-    "greedy_lazy": {},  # the defaults: window 5, greedy, lazy, lru, 5 % cache
+    # the defaults: window 5, lazy, lru, 5 % cache; planning=auto: global with the greedy allocator at W=2 (the
+    # same run as greedy_lazy), by home with the compiled scheduler from W=3 (samples stay where loaded)
+    "defaults": {},
+    "greedy_lazy": dict(allocator="greedy"),  # global planning (the greedy allocator needs every rank's view)
     "identity_lazy": dict(allocator="identity"),
     "greedy_eager": dict(sync="eager"),
     "greedy_lazy_k1_small_cache": dict(window=1, cache_fraction=0.01),
@@ -89,7 +95,10 @@ def _train_runs(rank: int, world: int, cfgs: List[Dict[str, Any]]) -> List[Dict[
     for cfg in cfgs:
         res = train(rank, world, cfg)
         if isinstance(cfg.get("pipeline"), dict):
-            res["stats"] = run_steps.last_pipeline.stats  # type: ignore[attr-defined]
+            pipe = run_steps.last_pipeline  # type: ignore[attr-defined]
+            res["stats"] = pipe.stats
+            res["resolved"] = dict(planning=pipe.config.planning, allocator=pipe.allocator,
+                                   impl=getattr(pipe.planner, "impl", "global"))
         out.append(res)
     return out
 
@@ -167,10 +176,17 @@ def test_herald_pipeline_ran_its_configured_paths(case: str, pipe: str) -> None:
     herald = runs(world)[(case, pipe)]
     kwargs = PIPELINES[pipe]
     lazy = kwargs.get("sync", "lazy") == "lazy"
-    greedy = kwargs.get("allocator", "greedy") == "greedy"
+    resolved = herald[0]["resolved"]
+    greedy = resolved["allocator"] == "greedy"
     stats = herald[0]["stats"]
     assert stats.steps == STEPS
-    by_home = kwargs.get("planning") == "by_home"
+    by_home = resolved["planning"] == "by_home"
+    if pipe == "defaults":  # planning=auto: by home, compiled, samples where loaded (W >= 3 here)
+        assert world >= 3 and resolved == dict(planning="by_home", allocator="identity", impl="compiled"), resolved
+    elif by_home:
+        assert resolved["allocator"] == "identity" and resolved["impl"] == "compiled", resolved
+    else:
+        assert resolved["planning"] == "global" and resolved["impl"] == "global", resolved
     total = herald[0]["stats"].counters
     for res in herald[1:]:
         total = total + res["stats"].counters

@@ -106,9 +106,10 @@ def test_planning_by_home_config_names_each_clashing_key() -> None:
     from torchrec_herald.pipeline.options import HeraldPipelineConfig
 
     HeraldPipelineConfig(planning="by_home", allocator="identity")  # the supported combination
+    HeraldPipelineConfig(planning="by_home")  # allocator=auto: identity by home
     with pytest.raises(ValueError, match=r"needs allocator=identity.*got pipeline\.allocator=greedy$"):
-        HeraldPipelineConfig(planning="by_home")
+        HeraldPipelineConfig(planning="by_home", allocator="greedy")
     with pytest.raises(ValueError, match=r"got pipeline\.allocator=greedy, pipeline\.staleness=2$"):
-        HeraldPipelineConfig(planning="by_home", staleness=2)
-    with pytest.raises(ValueError, match=r"unknown pipeline.planning 'nope'; known: \['global', 'by_home'\]"):
+        HeraldPipelineConfig(planning="by_home", allocator="greedy", staleness=2)
+    with pytest.raises(ValueError, match=r"unknown pipeline.planning 'nope'; known: \['auto', 'global', 'by_home'\]"):
         HeraldPipelineConfig(planning="nope")

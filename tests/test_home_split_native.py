@@ -137,3 +137,44 @@ def test_a_failed_compile_names_the_first_error_and_the_log(tmp_path: Path, monk
     assert msg.endswith(f"(full log: {tmp_path / '_build' / 'build.log'})")
     assert "undeclared_name" in (tmp_path / "_build" / "build.log").read_text()
     assert native.available()  # the real build is untouched
+
+
+def test_planning_auto_plans_globally_at_two_ranks_and_by_home_beyond() -> None:
+    from torchrec_herald.pipeline.options import HeraldPipelineConfig
+
+    def planned(world: int, **kw: object) -> tuple:
+        c, why = HeraldPipelineConfig(**kw).resolve_planning(world)
+        return c.planning, c.allocator, why
+
+    assert planned(2)[:2] == ("global", "greedy")
+    assert planned(2)[2] == ("pipeline.planning=auto -> global at W=2 <= 2: planning every row with the input "
+                             "allocator measured faster there")
+    for world in (3, 4, 8, 128):
+        p, a, why = planned(world)
+        assert (p, a) == ("by_home", "identity") and why.startswith(f"pipeline.planning=auto -> by_home at W={world}:")
+        assert "the input allocator is off (identity)" in why
+    assert planned(8, allocator="greedy") == ("global", "greedy", "pipeline.planning=auto -> global: "
+                                              "pipeline.allocator=greedy needs every rank's view")
+    assert planned(8, staleness=1)[0] == "global" and planned(8, skip="input")[0] == "global"
+    assert planned(8, sync="eager")[0] == "global" and planned(8, scheduling="off")[0] == "global"
+    assert planned(8, planning="global") == ("global", "greedy", "pipeline.planning=global (set)")
+    assert planned(2, planning="by_home")[:2] == ("by_home", "identity")
+    # by home the loader gives each rank its batch, the scheduler runs ahead, compiled
+    c, why = HeraldPipelineConfig().resolve(whole_batches=True, world_size=4)
+    assert (c.planning, c.global_batches, c.run_ahead, c.scheduling) == ("by_home", False, True, "on")
+    with pytest.raises(ValueError, match=r"unknown pipeline.scheduler_impl 'fast'; known: \['auto', 'compiled', 'python'\]"):
+        HeraldPipelineConfig(scheduler_impl="fast")
+
+
+def test_a_missing_compiled_scheduler_fails_before_training_naming_the_key(monkeypatch: pytest.MonkeyPatch) -> None:
+    import torchrec_herald.native as native
+    from torchrec_herald.pipeline.options import HeraldPipelineConfig
+
+    monkeypatch.setattr(native, "unavailable_reason", lambda: "herald's compiled scheduler is not built (x.so is missing): "
+                        "run `make setup`")
+    with pytest.raises(ValueError, match=r"^pipeline.scheduler_impl=compiled: herald's compiled scheduler is not built"):
+        HeraldPipelineConfig(scheduler_impl="compiled").resolve(whole_batches=False, world_size=4)
+    c, why = HeraldPipelineConfig().resolve(whole_batches=False, world_size=4)  # auto: the reference, said once
+    assert why[-1].startswith("pipeline.scheduler_impl=auto -> python")
+    c, why = HeraldPipelineConfig(scheduler_impl="compiled").resolve(whole_batches=False, world_size=2)  # global there
+    assert c.planning == "global"

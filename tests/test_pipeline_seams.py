@@ -81,7 +81,7 @@ def test_the_built_in_stages_and_strategies_are_registered_in_order() -> None:
     assert [name for name, _ in batch_stages()][:4] == ["keys", "allocate", "skip_inputs", "reads"]
     for name in ("global_batches", "gathered", "by_home"):
         assert strategy_exists(name)
-    resolved = {strategy_name(HeraldPipelineConfig(**kw).resolve(whole)[0]) for kw, whole in (
+    resolved = {strategy_name(HeraldPipelineConfig(**kw).resolve(whole, 2)[0]) for kw, whole in (
         ({}, True), ({}, False), ({"planning": "by_home", "allocator": "identity"}, False))}
     assert resolved == {"global_batches", "gathered", "by_home"}
     for name in resolved:  # imported on first use, by name

@@ -35,6 +35,7 @@ STEPS = 24
 RTOL = 1e-5
 COMMON = dict(optimizer="rowwise_adagrad", via="apply", pooling="SUM", steps=STEPS, batch_size=32)
 AUTO = dict(global_batches=True, run_ahead=True, scheduling="auto", probe_steps=4)
+BY_HOME_AUTO = dict(planning="by_home", scheduling="auto", probe_steps=4)
 
 
 def _run(rank: int, world: int, cfg: Dict[str, Any], pipeline: Any, global_batches: bool,
@@ -90,12 +91,15 @@ class RecordedStream(TrainStream):
 def _worker(rank: int, world: int) -> Dict[str, Any]:
     herald = dict(COMMON, planner="herald")
     out: Dict[str, Any] = {
-        "per_rank": _run(rank, world, herald, {}, False),
+        "per_rank": _run(rank, world, herald, dict(planning="global"), False),  # gathered: every rank plans all
         "global": _run(rank, world, herald, dict(global_batches=True, run_ahead=False, scheduling="on"), True),
         "ahead": _run(rank, world, herald, dict(global_batches=True, run_ahead=True, scheduling="on"), True),
         "auto": _run(rank, world, herald, AUTO, True),
         "auto_on": _run(rank, world, herald, AUTO, True, decide="on"),
         "auto_off": _run(rank, world, herald, AUTO, True, decide="off"),
+        # planning by home probes too (per-rank batches, samples where loaded), either decision exact
+        "by_home_auto_on": _run(rank, world, herald, BY_HOME_AUTO, False, decide="on"),
+        "by_home_auto_off": _run(rank, world, herald, BY_HOME_AUTO, False, decide="off"),
         "off": _run(rank, world, herald, dict(global_batches=True, run_ahead=True, scheduling="off"), True),
         "stock": _run(rank, world, dict(COMMON, planner="table_wise"), "plain", False),
         "stopped": _run(rank, world, herald, dict(global_batches=True, run_ahead=True, scheduling="on"), True,
@@ -200,11 +204,27 @@ def test_either_probe_decision_trains_every_batch_once_like_stock(world: int, de
 
 
 @pytest.mark.parametrize("world", [2, 3])
+@pytest.mark.parametrize("decided", ["on", "off"])
+def test_planning_by_home_probes_and_either_decision_trains_like_stock(world: int, decided: str) -> None:
+    res = results(world)
+    for r in res:
+        run = r[f"by_home_auto_{decided}"]
+        rep = run["report"]
+        assert (rep["planning"], rep["setting"], rep["mode"], rep["decided"]) == ("by_home", "auto", decided, True), rep
+        assert len(run["losses"]) == STEPS and "herald_schedule_meta" in run["tags"]
+        _close(run["state"], r["stock"]["state"])
+    h = torch.tensor([r[f"by_home_auto_{decided}"]["losses"] for r in res], dtype=torch.float64).mean(0)
+    s = torch.tensor([r["stock"]["losses"] for r in res], dtype=torch.float64).mean(0)
+    assert float(((h - s).abs() / s.abs()).max()) <= RTOL
+
+
+@pytest.mark.parametrize("world", [2, 3])
 def test_scheduling_off_is_hot_replication_alone_under_torchrecs_pipeline(world: int) -> None:
     res = results(world)
     for r in res:
         off = r["off"]
-        assert len(off["losses"]) == STEPS and off["report"] == {"setting": "off", "mode": "off"}
+        assert len(off["losses"]) == STEPS and {k: off["report"][k] for k in ("setting", "mode", "planning")} == \
+            {"setting": "off", "mode": "off", "planning": "global"}
         assert "herald_pooled" in off["tags"] and "herald_pull" not in off["tags"] and off["moved"] == 0
         _close(off["state"], r["stock"]["state"])
     h = torch.tensor([r["off"]["losses"] for r in res], dtype=torch.float64).mean(0)
@@ -232,11 +252,12 @@ def test_options_of_the_run_ahead_path_are_checked() -> None:
     from torchrec_herald.pipeline.stale_skip import SkipConfig
 
     with pytest.raises(ValueError, match="pipeline.run_ahead needs pipeline.global_batches=true or pipeline.planning=by_home"):
-        HeraldPipelineConfig(run_ahead=True, global_batches=False)
+        HeraldPipelineConfig(run_ahead=True, global_batches=False, planning="global")
     # scheduling=auto where the batches are per rank: the probe cannot run, scheduling stays on (said in one line)
-    config, why = HeraldPipelineConfig(scheduling="auto", global_batches=False).resolve(whole_batches=True)
-    assert config.scheduling == "on" and why == ["pipeline.scheduling=auto -> on: the probe needs whole global "
-                                                 "batches on every rank"]
+    config, why = HeraldPipelineConfig(scheduling="auto", global_batches=False).resolve(whole_batches=True, world_size=2)
+    assert config.scheduling == "on" and why == [
+        "pipeline.planning=auto -> global at W=2 <= 2: planning every row with the input allocator measured faster there",
+        "pipeline.scheduling=auto -> on: the probe needs whole global batches on every rank, or planning by home"]
     with pytest.raises(ValueError, match=r"unknown pipeline.scheduling 'maybe'; known: \['on', 'off', 'auto'\]"):
         HeraldPipelineConfig(scheduling="maybe", global_batches=True)
     with pytest.raises(ValueError, match="pipeline.probe_steps must be >= 2, got 1"):
@@ -251,7 +272,7 @@ def test_hydra_defaults_schedule_ahead_and_skip_falls_back_to_per_rank() -> None
     from torchrec_herald.trainer import herald_pipeline_config
 
     def decided(overrides: List[str]) -> Tuple[Any, ...]:
-        c, _ = herald_pipeline_config(compose_config(["planner=herald", "pipeline=herald", *overrides])).resolve(True)
+        c, _ = herald_pipeline_config(compose_config(["planner=herald", "pipeline=herald", *overrides])).resolve(True, 2)
         return c.global_batches, c.run_ahead, c.scheduling
 
     assert decided([]) == (True, True, "auto")

@@ -177,6 +177,13 @@ def preflight(cfg: DictConfig, world_size: Optional[int] = None) -> DataSource:
         total = getattr(data, "num_train_batches", None)
         typed.pipeline.check_run_length(None if total is None else int(total) * typed.epochs)
         check_window(data, typed.pipeline.window, world, typed.batch_size)
+        planned, _ = typed.pipeline.resolve_planning(world)
+        if planned.planning == "by_home" and planned.scheduler_impl == "compiled":
+            from torchrec_herald.native import unavailable_reason
+
+            reason = unavailable_reason()
+            if reason is not None:
+                raise ValueError(f"pipeline.scheduler_impl=compiled: {reason}")
     return data
 
 

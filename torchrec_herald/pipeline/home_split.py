@@ -140,6 +140,9 @@ class HomeSplitLazyPlanner(CommPlanner):
         capacity_fraction, window, capacity_rows: as :class:`~torchrec_herald.pipeline.lazy_sync.TensorLazySyncPlanner`.
     """
 
+    #: ``pipeline.scheduler_impl`` of this planner
+    impl = "python"
+
     def __init__(self, locality: object, rank: int, exchange: Optional[Exchange] = None,
                  capacity_fraction: float = 0.05, window: int = 5,
                  capacity_rows: Optional[Mapping[str, int]] = None) -> None:

@@ -26,6 +26,9 @@ class CompiledHomeSplitPlanner(CommPlanner):
     :class:`~torchrec_herald.pipeline.home_split.HomeSplitLazyPlanner`). Raises
     :class:`~torchrec_herald.native.NativeUnavailable` when the extension is not built."""
 
+    #: ``pipeline.scheduler_impl`` of this planner
+    impl = "compiled"
+
     def __init__(self, locality: object, rank: int, exchange: Optional[Exchange] = None,
                  capacity_fraction: float = 0.05, window: int = 5,
                  capacity_rows: Optional[Mapping[str, int]] = None) -> None:

@@ -17,10 +17,11 @@ from typing import Any, List, Optional, Tuple
 
 from torchrec_herald.pipeline.stale_skip import SkipConfig
 
-__all__ = ["ALLOCATORS", "CACHE_POLICIES", "HeraldPipelineConfig", "PLANNING", "SCHEDULING", "SYNC_MODES"]
+__all__ = ["ALLOCATORS", "CACHE_POLICIES", "GLOBAL_PLANNING_MAX_WORLD", "HeraldPipelineConfig", "PLANNING",
+           "SCHEDULER_IMPLS", "SCHEDULING", "SYNC_MODES"]
 
-#: ``pipeline.allocator`` values
-ALLOCATORS = ("greedy", "identity")
+#: ``pipeline.allocator`` values: ``auto`` = ``identity`` by home, ``greedy`` otherwise
+ALLOCATORS = ("auto", "greedy", "identity")
 #: ``pipeline.sync`` values: ``lazy`` = worker caches + the exact plan; ``eager`` = herald's own
 #: per-step path (hot rows all-reduced every step, cold rows looked up at their owner)
 SYNC_MODES = ("lazy", "eager")
@@ -30,8 +31,17 @@ SYNC_MODES = ("lazy", "eager")
 SCHEDULING = ("on", "off", "auto")
 #: ``pipeline.planning`` values: ``global`` = every rank plans every row (the same plan everywhere);
 #: ``by_home`` = each rank plans the rows it is home to from the read keys sent to it
-#: (``HomeSplitLazyPlanner``: per-rank work and metadata grow with its own reads, not with W·B)
-PLANNING = ("global", "by_home")
+#: (``HomeSplitLazyPlanner``: per-rank work and metadata grow with its own reads, not with W·B);
+#: ``auto`` = global up to :data:`GLOBAL_PLANNING_MAX_WORLD` ranks, by home beyond (:meth:`resolve_planning`)
+PLANNING = ("auto", "global", "by_home")
+#: ``planning=auto`` plans globally up to this many ranks: at W=2 global planning (with the input
+#: allocator) trained 1.67-1.74x stock TABLE_WISE at 200 Mbit/s, planning by home 1.47-1.55x
+#: (benchmarks/RESULTS.md); its per-rank cost grows with W·B (0.33 s per rank-step at W=8), by home's
+#: with the rank's own reads
+GLOBAL_PLANNING_MAX_WORLD = 2
+#: ``pipeline.scheduler_impl`` values: the planner by home in ``compiled`` code (``make setup`` builds it)
+#: or the ``python`` reference; ``auto`` = compiled where built, else python with a warning
+SCHEDULER_IMPLS = ("auto", "compiled", "python")
 #: ``pipeline.cache`` values executed for real (Belady exists at trace level:
 #: ``torchrec_herald.testing.reference_plans.LazySyncPlanner``)
 CACHE_POLICIES = ("lru",)
@@ -53,7 +63,8 @@ class HeraldPipelineConfig:
 
     Args:
         window: ``K >= 1``, global batches of look-ahead.
-        allocator: ``greedy`` (location-aware) or ``identity`` (samples stay where loaded).
+        allocator: ``greedy`` (location-aware), ``identity`` (samples stay where loaded) or ``auto``
+            (default: greedy under global planning, identity by home).
         sync: ``lazy`` (caches + plan) or ``eager`` (herald's per-step path, e.g. to measure the allocator alone).
         cache: cache eviction policy (``lru``).
         cache_fraction: cache capacity per rank per table as a fraction of the table's rows, in (0, 1].
@@ -73,9 +84,11 @@ class HeraldPipelineConfig:
         scheduling: ``on``, ``off`` (hot replication alone) or ``auto`` (default: measure both, keep the
             faster; ``on`` where the batches are per rank or the plan is approximate).
         probe_steps: ``auto``: steps timed in each mode (after ``probe_steps // 2`` unmeasured ones).
-        planning: ``global`` (every rank plans every row) or ``by_home`` (each rank plans its own rows from
+        planning: ``global`` (every rank plans every row), ``by_home`` (each rank plans its own rows from
             the keys the readers send it; needs ``allocator=identity``, per-rank batches, the exact plan
-            and no skipping).
+            and no skipping) or ``auto`` (default: :meth:`resolve_planning`).
+        scheduler_impl: planning by home in ``compiled`` code, the ``python`` reference, or ``auto``
+            (default: compiled where ``make setup`` built it, else python with a warning).
         staleness: ``None``: the exact plan; an integer ``s >= 0``: HET's bounded staleness (``sync=lazy``).
         skip: ``None``, ``input`` or ``row`` (Slipstream's stale-update skipping; a
             :class:`~torchrec_herald.pipeline.stale_skip.SkipConfig` is accepted too), tuned by the
@@ -86,7 +99,7 @@ class HeraldPipelineConfig:
 
     name: str = "herald"
     window: int = 5
-    allocator: str = "greedy"
+    allocator: str = "auto"
     sync: str = "lazy"
     cache: str = "lru"
     cache_fraction: float = 0.05
@@ -96,7 +109,8 @@ class HeraldPipelineConfig:
     run_ahead: Optional[bool] = None
     scheduling: str = "auto"
     probe_steps: int = 10
-    planning: str = "global"
+    planning: str = "auto"
+    scheduler_impl: str = "auto"
     staleness: Optional[int] = None
     skip: Optional[str] = None
     skip_target: float = _SKIP_DEFAULTS["target"]
@@ -145,9 +159,11 @@ class HeraldPipelineConfig:
             raise ValueError(f"unknown pipeline.scheduling {self.scheduling!r}; known: {list(SCHEDULING)}")
         if self.planning not in PLANNING and not _strategy_module(self.planning):
             raise ValueError(f"unknown pipeline.planning {self.planning!r}; known: {list(PLANNING)}")
+        if self.scheduler_impl not in SCHEDULER_IMPLS:
+            raise ValueError(f"unknown pipeline.scheduler_impl {self.scheduler_impl!r}; known: {list(SCHEDULER_IMPLS)}")
         if self.planning == "by_home":
             clash = [f"{k}={v}" for k, v, ok in (
-                ("allocator", self.allocator, self.allocator == "identity"),
+                ("allocator", self.allocator, self.allocator in ("identity", "auto")),
                 ("global_batches", self.global_batches, not self.global_batches),
                 ("sync", self.sync, self.sync == "lazy"), ("staleness", self.staleness, self.staleness is None),
                 ("skip", self.skip, self.skip is None), ("scheduling", self.scheduling, self.scheduling != "off"))
@@ -178,23 +194,67 @@ class HeraldPipelineConfig:
         """An opt-in approximate mode (bounded staleness or stale-update skipping) is on."""
         return self.staleness is not None or self.skip is not None
 
-    def resolve(self, whole_batches: bool) -> Tuple["HeraldPipelineConfig", List[str]]:
-        """The options with ``global_batches``, ``run_ahead`` and ``scheduling`` decided for a loader that
-        can (``whole_batches``: a TrainStream over a seekable source) or cannot give whole global batches,
-        and one line per decision that changed a setting. Explicit settings are kept (an explicit
-        ``global_batches=True`` means the loader yields whole global batches)."""
-        why: List[str] = []
-        gb = self.global_batches
+    def planning_for(self, world_size: int) -> Tuple[str, str]:
+        """``(planning, reason)`` for ``planning=auto`` on ``world_size`` ranks (the setting itself otherwise):
+        global planning where a setting needs every rank's view (the greedy input allocator, an
+        approximate mode, eager sync, scheduling off, whole global batches asked for) or up to
+        :data:`GLOBAL_PLANNING_MAX_WORLD` ranks, where it measured faster; planning by home beyond. By
+        home the input allocator is off: at W >= 8 it bought 5.75 vs 5.55 MiB of saving per rank-step for
+        6.7 s of CPU per rank-step (benchmarks/RESULTS.md), and a rank planning its own rows has no view
+        of where the other ranks' samples read."""
+        if self.planning != "auto":
+            return self.planning, f"pipeline.planning={self.planning} (set)"
+        need_global = [f"pipeline.{k}={v}" for k, v, clash in (
+            ("allocator", self.allocator, self.allocator == "greedy"), ("staleness", self.staleness, self.staleness is not None),
+            ("skip", self.skip, self.skip is not None), ("sync", self.sync, self.sync != "lazy"),
+            ("scheduling", self.scheduling, self.scheduling == "off"),
+            ("global_batches", self.global_batches, self.global_batches is True)) if clash]
+        if need_global:
+            return "global", f"pipeline.planning=auto -> global: {', '.join(need_global)} needs every rank's view"
+        if world_size <= GLOBAL_PLANNING_MAX_WORLD:
+            return "global", (f"pipeline.planning=auto -> global at W={world_size} <= {GLOBAL_PLANNING_MAX_WORLD}: "
+                              f"planning every row with the input allocator measured faster there")
+        return "by_home", (f"pipeline.planning=auto -> by_home at W={world_size}: each rank plans the rows it is home "
+                           f"to, ahead of the step; the input allocator is off (identity): at W >= 8 it buys "
+                           f"little saving for a cost that grows with W·B")
+
+    def resolve_planning(self, world_size: int) -> Tuple["HeraldPipelineConfig", str]:
+        """The options with ``planning`` and ``allocator`` decided for ``world_size`` ranks (a copy), and
+        the reason (:meth:`planning_for`)."""
+        planning, why = self.planning_for(world_size)
+        allocator = self.allocator if self.allocator != "auto" else ("identity" if planning == "by_home" else "greedy")
+        return dataclasses.replace(self, planning=planning, allocator=allocator), why
+
+    def resolve(self, whole_batches: bool, world_size: int) -> Tuple["HeraldPipelineConfig", List[str]]:
+        """The options with ``planning`` and ``allocator`` decided for ``world_size`` ranks, then
+        ``global_batches``, ``run_ahead`` and ``scheduling`` for a loader that can (``whole_batches``: a
+        TrainStream over a seekable source) or cannot give whole global batches, and one line per
+        decision that changed a setting. Explicit settings are kept (an explicit ``global_batches=True``
+        means the loader yields whole global batches)."""
+        c, planned = self.resolve_planning(world_size)
+        why: List[str] = [] if planned.endswith("(set)") else [planned]
+        gb = c.global_batches
         if gb is None:
-            gb = whole_batches and self.skip is None and self.planning == "global"
-        ra = (gb or self.planning == "by_home") if self.run_ahead is None else self.run_ahead
-        scheduling = self.scheduling
-        if scheduling == "auto" and not (gb and self.staleness is None and self.skip is None):
+            gb = whole_batches and c.skip is None and c.planning == "global"
+        ra = (gb or c.planning == "by_home") if c.run_ahead is None else c.run_ahead
+        scheduling = c.scheduling
+        # the probe needs every rank to agree on each batch's samples: whole global batches, or planning by
+        # home (samples stay where loaded)
+        if scheduling == "auto" and not ((gb or c.planning == "by_home") and c.staleness is None and c.skip is None):
             scheduling = "on"
             why.append("pipeline.scheduling=auto -> on: " + (
-                "an approximate mode is measured against the exact plan, which stays on" if self.approximate
-                else "the probe needs whole global batches on every rank"))
-        return dataclasses.replace(self, global_batches=gb, run_ahead=ra, scheduling=scheduling), why
+                "an approximate mode is measured against the exact plan, which stays on" if c.approximate
+                else "the probe needs whole global batches on every rank, or planning by home"))
+        if c.planning == "by_home" and c.scheduler_impl != "python":
+            from torchrec_herald.native import unavailable_reason
+
+            reason = unavailable_reason()
+            if reason is not None and c.scheduler_impl == "compiled":
+                raise ValueError(f"pipeline.scheduler_impl=compiled: {reason}")
+            if reason is not None:
+                why.append(f"pipeline.scheduler_impl=auto -> python (the compiled scheduler is several times faster): "
+                           f"{reason}")
+        return dataclasses.replace(c, global_batches=gb, run_ahead=ra, scheduling=scheduling), why
 
     def check_run_length(self, total_steps: Optional[int]) -> None:
         """With ``total_steps`` (the run's steps, if known) the first skip measuring window must end inside

@@ -82,11 +82,14 @@ class HeraldTrainPipeline(TrainPipeline[Batch, Any]):
         if config is not None and options:
             raise ValueError(f"pass either config or keyword options, not both (got {sorted(options)})")
         super().__init__()
-        c = self.config
         self._model, self._optimizer, self._device = model, optimizer, device
+        self.ebc = find_herald_ebc(model)
+        # planning (global or by home) and the allocator follow from the world size
+        self.config, self.planning_reason = self.config.resolve_planning(self.ebc.world_size)
+        logger.info("%s", self.planning_reason)
+        c = self.config
         self.window, self.allocator, self.sync, self.move_penalty = c.window, c.allocator, c.sync, c.move_penalty
         self.staleness = c.staleness
-        self.ebc = find_herald_ebc(model)
         self.layout = self.ebc.layout
         capacity_rows = (None if c.cache_bytes is None else  # the store keeps a cached row's weights + state
                          cache_rows_for_budget(self.layout, c.cache_bytes, (self.ebc.embedding_dim + 1) * 4))
@@ -179,7 +182,7 @@ class HeraldTrainPipeline(TrainPipeline[Batch, Any]):
         the scheduling switch they call for."""
         if self.strategy is not None:
             return
-        config, why = self.config.resolve(whole_batches=isinstance(it, TrainStream))
+        config, why = self.config.resolve(whole_batches=isinstance(it, TrainStream), world_size=self.env.world)
         for line in why:
             logger.info("%s", line)
         self.config = config
@@ -394,7 +397,9 @@ class HeraldTrainPipeline(TrainPipeline[Batch, Any]):
 
     def scheduling_report(self) -> Dict[str, Any]:
         """``metrics.json`` ``herald_pipeline.scheduling``: the mode, and for ``auto`` the probe's figures."""
-        out: Dict[str, Any] = {"setting": self.config.scheduling, "mode": self.mode}
+        out: Dict[str, Any] = {"setting": self.config.scheduling, "mode": self.mode, "planning": self.config.planning,
+                               "planning_reason": self.planning_reason, "allocator": self.allocator,
+                               "scheduler_impl": getattr(self.env.planner, "impl", "global")}
         if self.switch is not None:
             out.update(self.switch.report())
         return out

@@ -21,6 +21,7 @@ planning mode of both ``global_batches`` and ``gathered``, by the kind of batch 
 from __future__ import annotations
 
 import abc
+import logging
 from typing import Any, Callable, ClassVar, Dict, List, Optional, Type
 
 import torch
@@ -28,6 +29,8 @@ import torch
 from torchrec_herald.comm import all_to_all_rows
 from torchrec_herald.pipeline.context import CommTimer, HeraldBatchContext, SchedulingEnv
 from torchrec_herald.plans import CommPlanner, SyncCounters
+
+logger = logging.getLogger(__name__)
 
 __all__ = ["STRATEGIES", "SchedulingStrategy", "build_planner", "build_strategy", "register_strategy", "strategy_exists",
            "strategy_name"]
@@ -122,14 +125,33 @@ def exchange_words(env: SchedulingEnv) -> Callable[[Any], Any]:
 
 def build_planner(config: Any, env: SchedulingEnv, capacity_rows: Optional[int]) -> CommPlanner:
     """The communication planner of ``config``: by home (each rank its own rows, exchanging words through
-    ``env``), bounded staleness, or the exact lazy plan."""
+    ``env``; compiled or the Python reference, by ``pipeline.scheduler_impl``), bounded staleness, or the
+    exact lazy plan."""
     from torchrec_herald.pipeline.home_split import HomeSplitLazyPlanner
     from torchrec_herald.pipeline.lazy_sync import TensorLazySyncPlanner
     from torchrec_herald.pipeline.staleness import StalenessPlanner
 
     c, layout = config, env.layout
     if c.planning == "by_home":
-        return HomeSplitLazyPlanner(layout, env.rank, exchange_words(env), c.cache_fraction, c.window, capacity_rows)
+        impl = c.scheduler_impl
+        if impl != "python":
+            from torchrec_herald.native import unavailable_reason
+
+            reason = unavailable_reason()
+            if reason is not None and impl == "compiled":
+                raise ValueError(f"pipeline.scheduler_impl=compiled: {reason}")
+            if reason is not None:
+                logger.warning("pipeline.scheduler_impl=auto -> python (several times slower): %s", reason)
+                impl = "python"
+        if impl == "python":
+            planner: CommPlanner = HomeSplitLazyPlanner(layout, env.rank, exchange_words(env), c.cache_fraction,
+                                                        c.window, capacity_rows)
+        else:
+            from torchrec_herald.pipeline.home_split_native import CompiledHomeSplitPlanner
+
+            planner = CompiledHomeSplitPlanner(layout, env.rank, exchange_words(env), c.cache_fraction, c.window,
+                                               capacity_rows)
+        return planner
     if c.staleness is None:
         return TensorLazySyncPlanner(layout, c.cache_fraction, c.window, capacity_rows)
     return StalenessPlanner(layout, c.staleness, c.cache_fraction, c.window, capacity_rows)
