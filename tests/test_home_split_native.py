@@ -159,9 +159,9 @@ def test_planning_auto_plans_globally_at_two_ranks_and_by_home_beyond() -> None:
     assert planned(8, sync="eager")[0] == "global" and planned(8, scheduling="off")[0] == "global"
     assert planned(8, planning="global") == ("global", "greedy", "pipeline.planning=global (set)")
     assert planned(2, planning="by_home")[:2] == ("by_home", "identity")
-    # by home the loader gives each rank its batch, the scheduler runs ahead, compiled
+    # by home the loader gives each rank its batch, the scheduler runs ahead, the probe decides
     c, why = HeraldPipelineConfig().resolve(whole_batches=True, world_size=4)
-    assert (c.planning, c.global_batches, c.run_ahead, c.scheduling) == ("by_home", False, True, "on")
+    assert (c.planning, c.global_batches, c.run_ahead, c.scheduling) == ("by_home", False, True, "auto")
     with pytest.raises(ValueError, match=r"unknown pipeline.scheduler_impl 'fast'; known: \['auto', 'compiled', 'python'\]"):
         HeraldPipelineConfig(scheduler_impl="fast")
 

@@ -404,7 +404,7 @@ class HomeSplitCore {
     // reads are sorted unique, grouped by home stably), so the k-th pair of reader r is its k-th key.
     std::vector<i64> order(n);  // key << 16 | reader (W <= 65536)
     for (size_t i = 0; i < n; ++i) order[i] = X[i] << kReaderBits | R[i];
-    std::sort(order.begin(), order.end());
+    merge_runs(order, reader_begin);
     std::vector<i64> cursor(reader_begin.begin(), reader_begin.end() - 1);
     std::vector<i64> pos(n);  // position of each (key, reader) pair in reader order
     for (size_t i = 0; i < n; ++i) {
@@ -715,6 +715,36 @@ class HomeSplitCore {
     for (size_t i = 0; i < keys.size(); ++i) ordered[start[h[i]]++] = static_cast<i64>(i);
     msg.reserve(s, keys.size());
     for (i64 i : ordered) msg.add(s, h[i], keys[i]);
+  }
+
+  // sort v, made of ascending runs [begin[q], begin[q + 1]): merge neighbouring runs, log2(runs) passes (a
+  // few times faster than sorting); an unsorted run is sorted first (the check below then names the reader)
+  static void merge_runs(std::vector<i64>& v, const std::vector<i64>& begin) {
+    std::vector<i64> bounds;
+    for (size_t q = 0; q + 1 < begin.size(); ++q) {
+      if (begin[q + 1] == begin[q]) continue;
+      if (!std::is_sorted(v.begin() + begin[q], v.begin() + begin[q + 1]))
+        std::sort(v.begin() + begin[q], v.begin() + begin[q + 1]);
+      bounds.push_back(begin[q]);
+    }
+    bounds.push_back(static_cast<i64>(v.size()));
+    std::vector<i64> buf(v.size());
+    while (bounds.size() > 2) {
+      std::vector<i64> next;
+      size_t k = 0;
+      for (; k + 2 < bounds.size(); k += 2) {
+        std::merge(v.begin() + bounds[k], v.begin() + bounds[k + 1], v.begin() + bounds[k + 1],
+                   v.begin() + bounds[k + 2], buf.begin() + bounds[k]);
+        next.push_back(bounds[k]);
+      }
+      if (k + 1 < bounds.size()) {  // an odd run out: copied as is
+        std::copy(v.begin() + bounds[k], v.begin() + bounds[k + 1], buf.begin() + bounds[k]);
+        next.push_back(bounds[k]);
+      }
+      next.push_back(static_cast<i64>(v.size()));
+      v.swap(buf);
+      bounds.swap(next);
+    }
   }
 
   // trim each table's cache to capacity: least recently used first, ties to the lower key; sorted keys
