@@ -66,6 +66,11 @@ CONFIGS: Dict[str, tuple] = {
     # whole global batches (global), or each rank its own rows from its own batches, ahead (by_home)
     "global_on": ("herald, global planning, scheduling on", ["planner=herald", "pipeline=herald",
                                                             "pipeline.scheduling=on", "pipeline.planning=global"]),
+    # one planning strategy forced, every other key at its default (no link key; scheduling=auto probes)
+    "global": ("herald, global planning, defaults otherwise", ["planner=herald", "pipeline=herald",
+                                                               "pipeline.planning=global"]),
+    "by_home": ("herald, planning by home, defaults otherwise", ["planner=herald", "pipeline=herald",
+                                                                 "pipeline.planning=by_home"]),
     "by_home_on": ("herald, planning by home, scheduling on", ["planner=herald", "pipeline=herald",
                                                               "pipeline.scheduling=on", "pipeline.planning=by_home",
                                                               "pipeline.allocator=identity"]),

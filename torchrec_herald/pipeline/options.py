@@ -34,10 +34,10 @@ SCHEDULING = ("on", "off", "auto")
 #: (``HomeSplitLazyPlanner``: per-rank work and metadata grow with its own reads, not with W·B);
 #: ``auto`` = global up to :data:`GLOBAL_PLANNING_MAX_WORLD` ranks, by home beyond (:meth:`resolve_planning`)
 PLANNING = ("auto", "global", "by_home")
-#: ``planning=auto`` plans globally up to this many ranks: at W=2 global planning (with the input
-#: allocator) trained 1.67-1.74x stock TABLE_WISE at 200 Mbit/s, planning by home 1.47-1.55x
-#: (benchmarks/RESULTS.md); its per-rank cost grows with W·B (0.33 s per rank-step at W=8), by home's
-#: with the rank's own reads
+#: ``planning=auto`` plans globally up to this many ranks: at W=2 and 50 Mbit/s, with every other key at
+#: its default, global planning (with the input allocator) trained 3.96x stock TABLE_WISE, planning by
+#: home 3.73x (medians of 5, benchmarks/RESULTS.md); global planning's per-rank cost grows with W·B
+#: (0.33 s per rank-step at W=8), by home's with the rank's own reads
 GLOBAL_PLANNING_MAX_WORLD = 2
 #: ``pipeline.scheduler_impl`` values: the planner by home in ``compiled`` code (``make setup`` builds it)
 #: or the ``python`` reference; ``auto`` = compiled where built, else python with a warning
