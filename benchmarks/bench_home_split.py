@@ -25,6 +25,7 @@ CPU the step itself spends (0 when run ahead), ``off_critical_path`` the schedul
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import logging
 import sys
@@ -138,13 +139,17 @@ def measure(setting: str, W: int, B: int, a: argparse.Namespace) -> List[Dict[st
     sample = [kjt_from_ids(names, src.global_batch("train", -1 - i, G)[1][:, :min(G, 65536)])
               for i in range(a.stats_batches)]
     runs = []
+    stats = None
     for dim in a.dims:
         tables = build_tables(names, sizes, dim, "SUM")
-        stats = AccessStats.from_batches(sample, tables)
+        if stats is None:  # access counts per row: the same for every dim (one copy: 10x Kaggle has 338M rows)
+            stats = AccessStats.from_batches(sample, tables)
         for impl in a.impls:
             if impl == "python" and W not in a.python_at:
                 continue
             runs.append(Run(impl, dim, tables, stats, W, B, G, a))
+    del stats, sample  # 10x Kaggle: gigabytes of per-row counts, not needed while stepping
+    gc.collect()
     offsets = runs[0].offsets
     queue: List[List[torch.Tensor]] = []
     out_extra: Dict[str, Any] = {}
