@@ -220,6 +220,14 @@ def plot(runs: List[Dict[str, Any]], scale_json: Path, path: Path) -> None:
         axes[0].plot(W, [1e3 * r["scheduler_cpu_s_per_rank_step"]["max"] for r in rs], style, label=label)
         axes[1].plot(W, [100 * r["metadata_share_of_saving"]["max"] for r in rs], style, label=label)
         axes[2].plot(W, [r["state_bytes_per_rank"]["max"] / 2**20 for r in rs], style, label=label)
+    fill_json = path.with_name("home_split_fill.json")
+    if fill_json.exists():  # the --fill run: state and CPU once every cache is full
+        for r in json.loads(fill_json.read_text())["runs"]:
+            label = f"full caches ({r['caches_filled_at_step']} steps): {LABELS[r['setting']]}, B={r['local_batch']}"
+            axes[0].plot([r["world_size"]], [1e3 * r["scheduler_cpu_s_per_rank_step"]["max"]], "kD", mfc="none", ms=9,
+                         label=label)
+            axes[2].plot([r["world_size"]], [r["state_bytes_per_rank"]["max"] / 2**20], "kD", mfc="none", ms=9,
+                         label=label)
     if glob:
         Wg = [r["world_size"] for r in glob]
         axes[0].plot(Wg, [1e3 * r["scheduler_cpu_s_total"] for r in glob], "s--", color="tab:red",

@@ -422,6 +422,7 @@ class HomeSplitCore {
     std::fill(std::begin(counters_), std::end(counters_), 0);
     constexpr size_t kAhead = 16;  // pairs whose hash slots are prefetched ahead of use
     size_t fetched = 0;
+    size_t hp = 0;
     for (size_t a = 0; a < n;) {
       for (; fetched < std::min(n, a + kAhead); ++fetched) {
         rows_.prefetch(order[fetched] >> kReaderBits);
@@ -432,7 +433,8 @@ class HomeSplitCore {
       while (b < n && (order[b] >> kReaderBits) == x) ++b;
       const size_t cnt = b - a;
       const i64 first = order[a] & kReaderMask;
-      const i64 slot = hot_slot(x);
+      while (hp < hot_keys_.size() && hot_keys_[hp] < x) ++hp;  // the keys ascend: walk the hot keys
+      const i64 slot = hp < hot_keys_.size() && hot_keys_[hp] == x ? static_cast<i64>(hp) : -1;
       i64 own = -1;
       if (slot >= 0) {
         own = own_index_[slot];
@@ -709,7 +711,12 @@ class HomeSplitCore {
   void add_by_home(MessageBuilder& msg, int s, const std::vector<i64>& keys) const {
     std::vector<i64> h(keys.size());
     std::vector<i64> start(W_ + 1, 0);
-    for (size_t i = 0; i < keys.size(); ++i) ++start[(h[i] = home_of(keys[i])) + 1];
+    size_t t = 0;  // the keys ascend (victims, look-ahead reads): walk the tables alongside
+    for (size_t i = 0; i < keys.size(); ++i) {
+      while (t + 1 < T_ && off_[t + 1] <= keys[i]) ++t;
+      h[i] = block_div_[t].div(keys[i] - off_[t]);
+      ++start[h[i] + 1];
+    }
     for (i64 q = 0; q < W_; ++q) start[q + 1] += start[q];
     std::vector<i64> ordered(keys.size());
     for (size_t i = 0; i < keys.size(); ++i) ordered[start[h[i]]++] = static_cast<i64>(i);
