@@ -18,7 +18,9 @@ wait, ``scheduler_critical_ms_per_step``). Each run records both splits: ``on_cr
 CPU the step itself spends (0 when run ahead), ``off_critical_path`` the scheduler thread's.
 
     python benchmarks/bench_home_split.py --world-sizes 8 16 32 64 128 --batches 2048 8192 \
-        --settings kaggle terabyte --dims 16 128 --out benchmarks/results/home_split.json
+        --settings kaggle --dims 16 128 --out benchmarks/results/home_split.json
+    python benchmarks/bench_home_split.py --settings terabyte --batches 2048 8192 --out ...  # 10x rows:
+        # ~20 GB of per-row access counts and ids; one dim at a time on a 23 GB machine
     python benchmarks/bench_home_split.py --world-sizes 128 --fill --out benchmarks/results/home_split_fill.json
 """
 
