@@ -81,9 +81,10 @@ PIPELINES: Dict[str, Dict[str, Any]] = {
     "greedy_lazy_k1_small_cache": dict(window=1, cache_fraction=0.01),
     # planning by home (each rank plans its own rows; samples stay where loaded): by default it runs ahead
     # in a thread, its exchanges on a process group of their own; serial: on the step's critical path
-    "by_home_lazy": dict(allocator="identity", planning="by_home"),
-    "by_home_serial": dict(allocator="identity", planning="by_home", run_ahead=False),
-    "by_home_lazy_small_cache": dict(allocator="identity", planning="by_home", cache_fraction=0.01),
+    # (scheduling on: the probe of scheduling=auto may turn it off, and these runs pin down its paths)
+    "by_home_lazy": dict(allocator="identity", planning="by_home", scheduling="on"),
+    "by_home_serial": dict(allocator="identity", planning="by_home", run_ahead=False, scheduling="on"),
+    "by_home_lazy_small_cache": dict(allocator="identity", planning="by_home", cache_fraction=0.01, scheduling="on"),
 }
 
 
@@ -99,6 +100,7 @@ def _train_runs(rank: int, world: int, cfgs: List[Dict[str, Any]]) -> List[Dict[
             res["stats"] = pipe.stats
             res["resolved"] = dict(planning=pipe.config.planning, allocator=pipe.allocator,
                                    impl=getattr(pipe.planner, "impl", "global"))
+            res["scheduling"] = pipe.scheduling_report()
         out.append(res)
     return out
 
@@ -183,6 +185,13 @@ def test_herald_pipeline_ran_its_configured_paths(case: str, pipe: str) -> None:
     by_home = resolved["planning"] == "by_home"
     if pipe == "defaults":  # planning=auto: by home, compiled, samples where loaded (W >= 3 here)
         assert world >= 3 and resolved == dict(planning="by_home", allocator="identity", impl="compiled"), resolved
+        # scheduling=auto: the probe timed both modes and every rank kept the same one (which one depends on
+        # the timings of these shared cores; the by_home_* runs pin down the paths with scheduling on)
+        reports = [res["scheduling"] for res in herald]
+        assert reports[0]["setting"] == "auto" and reports[0]["decided"] is True
+        assert all(r == reports[0] for r in reports)
+        assert all(res["stats"].steps == STEPS for res in herald)
+        return
     elif by_home:
         assert resolved["allocator"] == "identity" and resolved["impl"] == "compiled", resolved
     else:

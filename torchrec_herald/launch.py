@@ -55,6 +55,25 @@ def _has_error_file(failure: object) -> bool:
     return isinstance(path, str) and os.path.isfile(path)
 
 
+def _dump_error_file_atomically(handler: object, child_file: str, exitcode: int) -> None:
+    """The root cause's error file as the launcher's (``$TORCHELASTIC_ERROR_FILE``), as torch's
+    ``ErrorHandler.dump_error_file`` writes it but replaced in one rename: torchx's status poll may read
+    the file while it is being written (a torn read fails its JSON parse with a traceback)."""
+    import json
+
+    target = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if not target:
+        return
+    with open(child_file) as fp:
+        data = json.load(fp)
+    if exitcode:  # a child killed by a signal cannot record its own exit code
+        handler.override_error_code_in_rootcause_data(child_file, data, exitcode)  # type: ignore[attr-defined]
+    tmp = f"{target}.{os.getpid()}.tmp"
+    with open(tmp, "w") as fp:
+        json.dump(data, fp)
+    os.replace(tmp, target)
+
+
 def main(argv: Optional[List[str]] = None) -> None:
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, get_error_handler
     from torch.distributed.run import parse_args, run
@@ -66,7 +85,7 @@ def main(argv: Optional[List[str]] = None) -> None:
     except ChildFailedError as e:
         rank, failure = e.get_first_failure()
         if _has_error_file(failure):  # torchx's status reads the launcher's error file: the root cause's
-            get_error_handler().dump_error_file(failure.error_file, failure.exitcode)
+            _dump_error_file_atomically(get_error_handler(), failure.error_file, failure.exitcode)
         sys.stderr.write(f"{e.name} failed on rank {rank}: "
                          f"{failure_line(rank, failure, os.environ.get('HERALD_RUN_ID'))}\n")
         sys.stderr.flush()
