@@ -178,12 +178,8 @@ def preflight(cfg: DictConfig, world_size: Optional[int] = None) -> DataSource:
         typed.pipeline.check_run_length(None if total is None else int(total) * typed.epochs)
         check_window(data, typed.pipeline.window, world, typed.batch_size)
         planned, _ = typed.pipeline.resolve_planning(world)
-        if planned.planning == "by_home" and planned.scheduler_impl == "compiled":
-            from torchrec_herald.native import unavailable_reason
-
-            reason = unavailable_reason()
-            if reason is not None:
-                raise ValueError(f"pipeline.scheduler_impl=compiled: {reason}")
+        if planned.planning == "by_home":
+            planned.scheduler_impl_choice()  # scheduler_impl=compiled without a build: one line naming the key
     return data
 
 

@@ -262,11 +262,10 @@ enum Counter { kReads, kHits, kCacheReads, kCacheHits, kMissPull, kUpdatePull, k
 class HomeSplitCore {
  public:
   HomeSplitCore(i64 world, i64 rank, torch::Tensor table_offsets, torch::Tensor blocks, torch::Tensor hot_keys,
-                torch::Tensor capacity, i64 num_rows, i64 window)
-      : W_(world), me_(rank), num_rows_(num_rows), window_(window) {
+                torch::Tensor capacity, i64 num_rows)
+      : W_(world), me_(rank), num_rows_(num_rows) {
     TORCH_CHECK(world >= 1 && rank >= 0 && rank < world, "herald_native: rank ", rank, " of ", world);
     TORCH_CHECK(world <= kReaderMask + 1, "herald_native: at most ", kReaderMask + 1, " ranks, got ", world);
-    TORCH_CHECK(window >= 1, "window must be >= 1, got ", window);
     off_ = to_vec(table_offsets);
     block_ = to_vec(blocks);
     for (i64 b : block_) {
@@ -804,7 +803,7 @@ class HomeSplitCore {
   }
 
   // layout
-  i64 W_, me_, num_rows_, window_;
+  i64 W_, me_, num_rows_;
   size_t T_ = 0;
   std::vector<i64> off_, block_, cap_, hot_keys_, own_index_, own_slots_;
   std::vector<Divider> block_div_;
@@ -837,7 +836,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.attr("SOURCE_SHA") = HERALD_NATIVE_SOURCE_SHA;
   m.attr("TORCH_VERSION") = HERALD_NATIVE_TORCH;
   pybind11::class_<HomeSplitCore>(m, "HomeSplitCore")
-      .def(pybind11::init<i64, i64, torch::Tensor, torch::Tensor, torch::Tensor, torch::Tensor, i64, i64>())
+      .def(pybind11::init<i64, i64, torch::Tensor, torch::Tensor, torch::Tensor, torch::Tensor, i64>())
       .def("reset", &HomeSplitCore::reset)
       .def("step", &HomeSplitCore::step)
       .def("state_bytes", &HomeSplitCore::state_bytes)

@@ -22,6 +22,7 @@ One step is two exchanges (``exchange``), each an all-to-all of per-peer counts 
 
 from __future__ import annotations
 
+import abc
 from dataclasses import dataclass
 from typing import Callable, List, Mapping, Optional, Sequence, Tuple
 
@@ -33,7 +34,7 @@ from torchrec_herald.pipeline.lazy_sync import lru_victims, readers_by_key, read
 from torchrec_herald.plans import (CommPlanner, ExecPlan, FlushPlan, SyncCounters, no_transfers, sort_transfers,
                                    transfer_order)
 
-__all__ = ["Exchange", "HomeSplitLazyPlanner", "Messages", "pack_messages", "transpose_messages"]
+__all__ = ["Exchange", "HomeSplitLazyPlanner", "HomeSplitPlanner", "Messages", "pack_messages", "transpose_messages"]
 
 _PULL, _REDUCE_HERE = 1, 2  # reply flag bits
 
@@ -130,8 +131,11 @@ def _sorted_member(q: torch.Tensor, sorted_keys: torch.Tensor) -> torch.Tensor:
     return sorted_keys.index_select(0, pos) == q
 
 
-class HomeSplitLazyPlanner(CommPlanner):
-    """The owner-route LRU lazy plan, computed by row ownership on rank ``rank`` (module docstring).
+class HomeSplitPlanner(CommPlanner):
+    """The owner-route LRU lazy plan, computed by row ownership on rank ``rank`` (module docstring): the
+    arguments, the step and the flush as two and one exchanges; a subclass implements the stages
+    (:meth:`reader_messages`, :meth:`home_replies`, :meth:`assemble`, :meth:`flush_messages`,
+    :meth:`flush_assemble`).
 
     Args:
         locality: the layout (hot rows, ROW_WISE blocks).
@@ -141,7 +145,7 @@ class HomeSplitLazyPlanner(CommPlanner):
     """
 
     #: ``pipeline.scheduler_impl`` of this planner
-    impl = "python"
+    impl: str
 
     def __init__(self, locality: object, rank: int, exchange: Optional[Exchange] = None,
                  capacity_fraction: float = 0.05, window: int = 5,
@@ -153,6 +157,56 @@ class HomeSplitLazyPlanner(CommPlanner):
         self.exchange = exchange
         caps = cache_capacities(lay, capacity_fraction, capacity_rows)
         self.capacity = torch.tensor([caps[t] for t in lay.tables], dtype=torch.int64)
+
+    def local_on(self, keys: torch.Tensor) -> torch.Tensor:
+        raise RuntimeError("planning by home keeps no global cache view: the input allocator must be "
+                           "pipeline.allocator=identity")
+
+    @abc.abstractmethod
+    def reader_messages(self, window: Sequence[Sequence[torch.Tensor]]) -> Messages:
+        """Stage 1 (this rank as reader): the message to each home."""
+
+    @abc.abstractmethod
+    def home_replies(self, received: Messages) -> Messages:
+        """Stage 2 (this rank as home): plan its own rows; the reply to each reader."""
+
+    @abc.abstractmethod
+    def assemble(self, replies: Messages) -> ExecPlan:
+        """Stage 3: this rank's :class:`ExecPlan` from the homes' replies."""
+
+    @abc.abstractmethod
+    def flush_messages(self) -> Messages:
+        """Flush, stage 1 (home): what each rank pushes and receives."""
+
+    @abc.abstractmethod
+    def flush_assemble(self, received: Messages) -> FlushPlan:
+        """Flush, stage 2: this rank's :class:`FlushPlan`; resets the state."""
+
+    def plan_step(self, window: Sequence[Sequence[torch.Tensor]]) -> ExecPlan:
+        """This rank's share of the step's plan (collective: two all-to-alls through ``exchange``)."""
+        if self.exchange is None:
+            raise RuntimeError(f"{type(self).__name__}.plan_step needs an exchange (an all-to-all)")
+        replies = self.home_replies(self.exchange(self.reader_messages(window)))
+        return self.assemble(self.exchange(replies))
+
+    def flush(self) -> FlushPlan:
+        """This rank's share of the flush (collective: one all-to-all through ``exchange``)."""
+        if self.exchange is None:
+            raise RuntimeError(f"{type(self).__name__}.flush needs an exchange (an all-to-all)")
+        return self.flush_assemble(self.exchange(self.flush_messages()))
+
+
+class HomeSplitLazyPlanner(HomeSplitPlanner):
+    """:class:`HomeSplitPlanner` in tensor code: the readable reference of the compiled planner
+    (``pipeline/home_split_native.py``). Arguments as :class:`HomeSplitPlanner`."""
+
+    impl = "python"
+
+    def __init__(self, locality: object, rank: int, exchange: Optional[Exchange] = None,
+                 capacity_fraction: float = 0.05, window: int = 5,
+                 capacity_rows: Optional[Mapping[str, int]] = None) -> None:
+        super().__init__(locality, rank, exchange, capacity_fraction, window, capacity_rows)
+        lay = self.layout
         self.num_rows = lay.num_rows
         self._own_hot = lay.home_of(lay.hot_keys) == self.rank  # the hot slots homed here
         self.reset()
@@ -176,10 +230,6 @@ class HomeSplitLazyPlanner(CommPlanner):
         """Bytes of scheduler state on this rank."""
         return (self.cache.nbytes() + self.dirty.nbytes() + self.copies.nbytes() + self.hot_valid.numel()
                 + 16 * self._next_reads[0].numel())
-
-    def local_on(self, keys: torch.Tensor) -> torch.Tensor:
-        raise RuntimeError("planning by home keeps no global cache view: the input allocator must be "
-                           "pipeline.allocator=identity")
 
     # ------------------------------------------------------------------ reader
     def _by_home(self, keys: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
@@ -375,13 +425,6 @@ class HomeSplitLazyPlanner(CommPlanner):
         self.step += 1
         return plan
 
-    def plan_step(self, window: Sequence[Sequence[torch.Tensor]]) -> ExecPlan:
-        """This rank's share of the step's plan (collective: two all-to-alls through ``exchange``)."""
-        if self.exchange is None:
-            raise RuntimeError("HomeSplitLazyPlanner.plan_step needs an exchange (an all-to-all)")
-        replies = self.home_replies(self.exchange(self.reader_messages(window)))
-        return self.assemble(self.exchange(replies))
-
     # ------------------------------------------------------------------ flush
     def flush_messages(self) -> Messages:
         """Flush, stage 1 (home): the dirty rows go home, outdated hot replicas of rows homed here pull;
@@ -409,9 +452,3 @@ class HomeSplitLazyPlanner(CommPlanner):
         dropped[me] = self.cache.keys.clone()
         self.reset()
         return FlushPlan(push=sort_transfers(pushes), pull=sort_transfers(pulls), dropped=dropped, partial=True)
-
-    def flush(self) -> FlushPlan:
-        """This rank's share of the flush (collective: one all-to-all through ``exchange``)."""
-        if self.exchange is None:
-            raise RuntimeError("HomeSplitLazyPlanner.flush needs an exchange (an all-to-all)")
-        return self.flush_assemble(self.exchange(self.flush_messages()))

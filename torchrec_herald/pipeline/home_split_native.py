@@ -11,9 +11,8 @@ from typing import Mapping, Optional, Sequence
 
 import torch
 
-from torchrec_herald.layout import RowLayout, cache_capacities, layout_of
-from torchrec_herald.pipeline.home_split import Exchange, Messages
-from torchrec_herald.plans import CommPlanner, ExecPlan, FlushPlan, SyncCounters
+from torchrec_herald.pipeline.home_split import Exchange, HomeSplitPlanner, Messages
+from torchrec_herald.plans import ExecPlan, FlushPlan, SyncCounters
 
 __all__ = ["CompiledHomeSplitPlanner"]
 
@@ -21,7 +20,7 @@ _COUNTERS = ("reads", "hits", "cache_reads", "cache_hits", "miss_pull", "update_
              "miss_push")
 
 
-class CompiledHomeSplitPlanner(CommPlanner):
+class CompiledHomeSplitPlanner(HomeSplitPlanner):
     """The owner-route LRU lazy plan by row ownership on rank ``rank``, in compiled code (arguments as
     :class:`~torchrec_herald.pipeline.home_split.HomeSplitLazyPlanner`). Raises
     :class:`~torchrec_herald.native.NativeUnavailable` when the extension is not built."""
@@ -34,15 +33,10 @@ class CompiledHomeSplitPlanner(CommPlanner):
                  capacity_rows: Optional[Mapping[str, int]] = None) -> None:
         from torchrec_herald.native import load
 
-        if int(window) < 1:
-            raise ValueError(f"window must be >= 1, got {window}")
-        lay: RowLayout = layout_of(locality)
-        self.layout, self.window, self.W, self.rank = lay, int(window), lay.world_size, int(rank)
-        self.exchange = exchange
-        caps = cache_capacities(lay, capacity_fraction, capacity_rows)
-        self.capacity = torch.tensor([caps[t] for t in lay.tables], dtype=torch.int64)
+        super().__init__(locality, rank, exchange, capacity_fraction, window, capacity_rows)
+        lay = self.layout
         self._core = load().HomeSplitCore(self.W, self.rank, lay.table_offsets, lay.blocks, lay.hot_keys,
-                                          self.capacity, lay.num_rows, self.window)
+                                          self.capacity, lay.num_rows)
         self._empty = torch.empty(0, dtype=torch.int64)
 
     @property
@@ -61,10 +55,6 @@ class CompiledHomeSplitPlanner(CommPlanner):
         """Cached remote rows over the caches' capacity (1.0: every cache is full)."""
         cap = int(self._core.cache_capacity())
         return int(self._core.cache_size()) / cap if cap else 1.0
-
-    def local_on(self, keys: torch.Tensor) -> torch.Tensor:
-        raise RuntimeError("planning by home keeps no global cache view: the input allocator must be "
-                           "pipeline.allocator=identity")
 
     def reader_messages(self, window: Sequence[Sequence[torch.Tensor]]) -> Messages:
         """Stage 1 (reader): as :meth:`HomeSplitLazyPlanner.reader_messages`."""
@@ -95,13 +85,6 @@ class CompiledHomeSplitPlanner(CommPlanner):
                         update_keys=upd, reducer=torch.full_like(upd, me), update_push=post, miss_push=miss,
                         evictions=evictions, counters=counters, partial=True)
 
-    def plan_step(self, window: Sequence[Sequence[torch.Tensor]]) -> ExecPlan:
-        """This rank's share of the step's plan (collective: two all-to-alls through ``exchange``)."""
-        if self.exchange is None:
-            raise RuntimeError("CompiledHomeSplitPlanner.plan_step needs an exchange (an all-to-all)")
-        replies = self.home_replies(self.exchange(self.reader_messages(window)))
-        return self.assemble(self.exchange(replies))
-
     def flush_messages(self) -> Messages:
         """Flush, stage 1 (home): as :meth:`HomeSplitLazyPlanner.flush_messages`."""
         counts, data = self._core.flush_messages()
@@ -113,9 +96,3 @@ class CompiledHomeSplitPlanner(CommPlanner):
         dropped = [self._empty] * self.W
         dropped[self.rank] = dropped_me
         return FlushPlan(push=push, pull=pull, dropped=dropped, partial=True)
-
-    def flush(self) -> FlushPlan:
-        """This rank's share of the flush (collective: one all-to-all through ``exchange``)."""
-        if self.exchange is None:
-            raise RuntimeError("CompiledHomeSplitPlanner.flush needs an exchange (an all-to-all)")
-        return self.flush_assemble(self.exchange(self.flush_messages()))

@@ -225,6 +225,21 @@ class HeraldPipelineConfig:
         allocator = self.allocator if self.allocator != "auto" else ("identity" if planning == "by_home" else "greedy")
         return dataclasses.replace(self, planning=planning, allocator=allocator), why
 
+    def scheduler_impl_choice(self) -> Tuple[str, Optional[str]]:
+        """``(impl, why)`` of planning by home: ``compiled`` where ``make setup`` built it; with
+        ``scheduler_impl=compiled`` and no usable build a ValueError naming the key; with ``auto`` the
+        ``python`` reference and one line saying why."""
+        if self.scheduler_impl == "python":
+            return "python", None
+        from torchrec_herald.native import unavailable_reason
+
+        reason = unavailable_reason()
+        if reason is None:
+            return "compiled", None
+        if self.scheduler_impl == "compiled":
+            raise ValueError(f"pipeline.scheduler_impl=compiled: {reason}")
+        return "python", f"pipeline.scheduler_impl=auto -> python (the compiled scheduler is several times faster): {reason}"
+
     def resolve(self, whole_batches: bool, world_size: int) -> Tuple["HeraldPipelineConfig", List[str]]:
         """The options with ``planning`` and ``allocator`` decided for ``world_size`` ranks, then
         ``global_batches``, ``run_ahead`` and ``scheduling`` for a loader that can (``whole_batches``: a
@@ -245,15 +260,10 @@ class HeraldPipelineConfig:
             why.append("pipeline.scheduling=auto -> on: " + (
                 "an approximate mode is measured against the exact plan, which stays on" if c.approximate
                 else "the probe needs whole global batches on every rank, or planning by home"))
-        if c.planning == "by_home" and c.scheduler_impl != "python":
-            from torchrec_herald.native import unavailable_reason
-
-            reason = unavailable_reason()
-            if reason is not None and c.scheduler_impl == "compiled":
-                raise ValueError(f"pipeline.scheduler_impl=compiled: {reason}")
-            if reason is not None:
-                why.append(f"pipeline.scheduler_impl=auto -> python (the compiled scheduler is several times faster): "
-                           f"{reason}")
+        if c.planning == "by_home":
+            _, fallback = c.scheduler_impl_choice()
+            if fallback is not None:
+                why.append(fallback)
         return dataclasses.replace(c, global_batches=gb, run_ahead=ra, scheduling=scheduling), why
 
     def check_run_length(self, total_steps: Optional[int]) -> None:

@@ -133,16 +133,9 @@ def build_planner(config: Any, env: SchedulingEnv, capacity_rows: Optional[int])
 
     c, layout = config, env.layout
     if c.planning == "by_home":
-        impl = c.scheduler_impl
-        if impl != "python":
-            from torchrec_herald.native import unavailable_reason
-
-            reason = unavailable_reason()
-            if reason is not None and impl == "compiled":
-                raise ValueError(f"pipeline.scheduler_impl=compiled: {reason}")
-            if reason is not None:
-                logger.warning("pipeline.scheduler_impl=auto -> python (several times slower): %s", reason)
-                impl = "python"
+        impl, fallback = c.scheduler_impl_choice()
+        if fallback is not None:
+            logger.warning("%s", fallback)
         if impl == "python":
             planner: CommPlanner = HomeSplitLazyPlanner(layout, env.rank, exchange_words(env), c.cache_fraction,
                                                         c.window, capacity_rows)
