@@ -35,6 +35,7 @@ constexpr i64 kEmpty = -1;  // keys are >= 0
 constexpr uint8_t kPull = 1, kReduceHere = 2;
 constexpr int kReaderBits = 16;  // (key, reader) pairs sort as key << 16 | reader
 constexpr i64 kReaderMask = (i64{1} << kReaderBits) - 1;
+constexpr i64 kInitialEntries = i64{1} << 17;  // per map: 16 MiB for the three, 1/4 of the 64 MiB budget
 
 inline uint64_t mix(uint64_t x) {  // splitmix64 finaliser
   x += 0x9e3779b97f4a7c15ULL;
@@ -52,7 +53,12 @@ class FlatMap {
   FlatMap() { reset(16); }
   size_t size() const { return n_; }
   size_t bytes() const { return slots_.size() * sizeof(Slot); }
-  void clear() { reset(16); }
+  // empty, with room for n entries before it grows (growing rehashes every entry)
+  void clear(size_t n = 8) {
+    size_t cap = 16;
+    while (cap < 2 * n) cap *= 2;
+    reset(cap);
+  }
   void prefetch(i64 k) const { __builtin_prefetch(&slots_[mix(k) & mask_]); }
 
   V* find(i64 k) {
@@ -165,23 +171,18 @@ torch::Tensor sorted_transfers(std::vector<Transfer>& v) {
   return transfer_tensor(v);
 }
 
-// One message to every peer: per section, (peer, word) pairs; a peer's words keep their order.
+// One message to every peer: per section, (peer, word) pairs in any peer order; build() groups them by
+// peer stably (a counting sort), so a peer's words keep the order they were added in.
 class MessageBuilder {
  public:
-  MessageBuilder(int W, int S) : W_(W), S_(S), peer_(S), word_(S) {}
-  void add(int s, i64 peer, i64 word) {
-    peer_[s].push_back(peer);
-    word_[s].push_back(word);
-  }
-  void reserve(int s, size_t n) {
-    peer_[s].reserve(n);
-    word_[s].reserve(n);
-  }
+  MessageBuilder(int W, int S) : W_(W), S_(S), words_(S) {}
+  void add(int s, i64 peer, i64 word) { words_[s].push_back({peer, word}); }
+  void reserve(int s, size_t n) { words_[s].reserve(n); }
   std::pair<torch::Tensor, torch::Tensor> build() const {
     auto counts = torch::zeros({W_, S_}, torch::kInt64);
     i64* c = counts.data_ptr<i64>();
     for (int s = 0; s < S_; ++s)
-      for (i64 p : peer_[s]) ++c[p * S_ + s];
+      for (const auto& pw : words_[s]) ++c[pw.first * S_ + s];
     std::vector<i64> cursor(static_cast<size_t>(W_) * S_);
     i64 total = 0;
     for (int i = 0; i < W_ * S_; ++i) {
@@ -191,13 +192,13 @@ class MessageBuilder {
     auto data = torch::empty({total}, torch::kInt64);
     i64* d = data.data_ptr<i64>();
     for (int s = 0; s < S_; ++s)
-      for (size_t i = 0; i < peer_[s].size(); ++i) d[cursor[peer_[s][i] * S_ + s]++] = word_[s][i];
+      for (const auto& pw : words_[s]) d[cursor[pw.first * S_ + s]++] = pw.second;
     return {counts, data};
   }
 
  private:
   int W_, S_;
-  std::vector<std::vector<i64>> peer_, word_;
+  std::vector<std::vector<std::pair<i64, i64>>> words_;
 };
 
 // A received message: section s of peer q is words [begin(q, s), begin(q, s) + count(q, s)).
@@ -236,11 +237,6 @@ struct Divider {
   }
   i64 d;
   double inv;
-};
-
-struct CacheEntry {
-  i64 last_use = 0;
-  i64 table = 0;
 };
 
 struct Bucket {  // the keys read at one step (ascending); an entry is live iff its last_use is still this step
@@ -288,14 +284,17 @@ class HomeSplitCore {
   }
 
   void reset() {
-    cache_.clear();
+    // sized for the caches' first steps up front: in the first ~10 steps of a run, doubling from empty
+    // spent a quarter of the planner's CPU rehashing
+    const size_t room = static_cast<size_t>(std::min<i64>(cache_capacity(), kInitialEntries));
+    cache_.clear(room);
     count_.assign(T_, 0);
     lru_.assign(T_, std::deque<Bucket>());
     bucket_entries_ = 0;
     sent_next_.clear();
     has_sent_next_ = false;
-    rows_.clear();
-    copies_.clear();
+    rows_.clear(room);
+    copies_.clear(room);
     hot_valid_.assign(own_slots_.size() * W_, 1);
     ahead_keys_.clear();
     ahead_begin_.assign(W_ + 1, 0);
@@ -333,11 +332,11 @@ class HomeSplitCore {
       const i64 h = block_div_[t].div(x - off_[t]);
       home[i] = h;
       if (h == me_ || (hp < hot_keys_.size() && hot_keys_[hp] == x)) continue;
-      CacheEntry* e = cache_.find(x);
-      if (e) {
-        e->last_use = step_;
+      i64* last_use = cache_.find(x);
+      if (last_use) {
+        *last_use = step_;
       } else {
-        cache_.put(x, CacheEntry{step_, t});
+        cache_.put(x, step_);
         ++count_[t];
         is_new[i] = 1;
       }
@@ -351,19 +350,14 @@ class HomeSplitCore {
     victims_ = evict();
     const bool has_now = !(has_sent_next_ && sent_next_ == now_);
     has_sent_next_ = use_next;
-    // this step's keys by home (stable), with their new flags
-    std::vector<i64> start(W_ + 1, 0);
-    for (size_t i = 0; i < n; ++i) ++start[home[i] + 1];
-    for (i64 q = 0; q < W_; ++q) start[q + 1] += start[q];
+    // this step's keys to their homes (each home's in ascending order), with their new flags
     now_home_count_.assign(W_, 0);
-    for (i64 q = 0; q < W_; ++q) now_home_count_[q] = start[q + 1] - start[q];
+    for (size_t i = 0; i < n; ++i) ++now_home_count_[home[i]];
     MessageBuilder msg(W_, 4);
     for (i64 q = 0; q < W_; ++q) msg.add(0, q, has_now ? 1 : 0);
     if (has_now) {
-      std::vector<i64> by_home(n);
-      for (size_t i = 0; i < n; ++i) by_home[start[home[i]]++] = static_cast<i64>(i);
       msg.reserve(1, n);
-      for (i64 i : by_home) msg.add(1, home[i], now_[i]);
+      for (size_t i = 0; i < n; ++i) msg.add(1, home[i], now_[i]);
     }
     now_home_of_ = std::move(home);
     now_is_new_ = std::move(is_new);
@@ -574,6 +568,10 @@ class HomeSplitCore {
     std::vector<Transfer> my_pull, my_reduce;
     std::vector<uint8_t> my_miss;
     std::vector<i64> my_update;
+    my_pull.reserve(now_.size());
+    my_miss.reserve(now_.size());
+    my_reduce.reserve(now_.size());
+    my_update.reserve(now_.size());
     for (size_t i = 0; i < now_.size(); ++i) {
       const i64 h = now_home_of_[i];
       const uint8_t f = *flag_of[h]++;
@@ -653,7 +651,7 @@ class HomeSplitCore {
     }
     std::vector<i64> dropped;
     dropped.reserve(cache_.size());
-    cache_.for_each([&](i64 k, const CacheEntry&) { dropped.push_back(k); });
+    cache_.for_each([&](i64 k, i64) { dropped.push_back(k); });
     std::sort(dropped.begin(), dropped.end());
     std::vector<torch::Tensor> out = {sorted_transfers(push), sorted_transfers(pull), vec_tensor(dropped)};
     reset();
@@ -707,20 +705,14 @@ class HomeSplitCore {
     release(x, st);
   }
 
+  // each key to its home, each home's in ascending order (build() groups them stably)
   void add_by_home(MessageBuilder& msg, int s, const std::vector<i64>& keys) const {
-    std::vector<i64> h(keys.size());
-    std::vector<i64> start(W_ + 1, 0);
-    size_t t = 0;  // the keys ascend (victims, look-ahead reads): walk the tables alongside
-    for (size_t i = 0; i < keys.size(); ++i) {
-      while (t + 1 < T_ && off_[t + 1] <= keys[i]) ++t;
-      h[i] = block_div_[t].div(keys[i] - off_[t]);
-      ++start[h[i] + 1];
-    }
-    for (i64 q = 0; q < W_; ++q) start[q + 1] += start[q];
-    std::vector<i64> ordered(keys.size());
-    for (size_t i = 0; i < keys.size(); ++i) ordered[start[h[i]]++] = static_cast<i64>(i);
     msg.reserve(s, keys.size());
-    for (i64 i : ordered) msg.add(s, h[i], keys[i]);
+    size_t t = 0;  // the keys ascend (victims, look-ahead reads): walk the tables alongside
+    for (i64 x : keys) {
+      while (t + 1 < T_ && off_[t + 1] <= x) ++t;
+      msg.add(s, block_div_[t].div(x - off_[t]), x);
+    }
   }
 
   // sort v, made of ascending runs [begin[q], begin[q + 1]): merge neighbouring runs, log2(runs) passes (a
@@ -764,8 +756,8 @@ class HomeSplitCore {
         Bucket& b = dq.front();
         while (b.head < b.keys.size() && excess > 0) {
           const i64 x = b.keys[b.head++];
-          CacheEntry* e = cache_.find(x);
-          if (e && e->last_use == b.step) {
+          const i64* last_use = cache_.find(x);
+          if (last_use && *last_use == b.step) {
             out.push_back(x);
             cache_.erase(x);
             --count_[t];
@@ -790,8 +782,8 @@ class HomeSplitCore {
       for (Bucket& b : dq) {
         Bucket nb{b.step, {}, 0};
         for (size_t i = b.head; i < b.keys.size(); ++i) {
-          const CacheEntry* e = cache_.find(b.keys[i]);
-          if (e && e->last_use == b.step) nb.keys.push_back(b.keys[i]);
+          const i64* last_use = cache_.find(b.keys[i]);
+          if (last_use && *last_use == b.step) nb.keys.push_back(b.keys[i]);
         }
         if (!nb.keys.empty()) {
           bucket_entries_ += nb.keys.size();
@@ -809,7 +801,7 @@ class HomeSplitCore {
   std::vector<Divider> block_div_;
   FlatMap<i64> hot_slot_;
   // reader
-  FlatMap<CacheEntry> cache_;
+  FlatMap<i64> cache_;  // cached remote row -> the step it was last read at
   std::vector<i64> count_;
   std::vector<std::deque<Bucket>> lru_;
   size_t bucket_entries_ = 0;
@@ -831,20 +823,24 @@ class HomeSplitCore {
 
 }  // namespace
 
+using nogil = pybind11::call_guard<pybind11::gil_scoped_release>;
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "Herald's per-rank lazy plan (planning by home) in compiled code";
   m.attr("SOURCE_SHA") = HERALD_NATIVE_SOURCE_SHA;
   m.attr("TORCH_VERSION") = HERALD_NATIVE_TORCH;
   pybind11::class_<HomeSplitCore>(m, "HomeSplitCore")
       .def(pybind11::init<i64, i64, torch::Tensor, torch::Tensor, torch::Tensor, torch::Tensor, i64>())
-      .def("reset", &HomeSplitCore::reset)
       .def("step", &HomeSplitCore::step)
       .def("state_bytes", &HomeSplitCore::state_bytes)
       .def("cache_size", &HomeSplitCore::cache_size)
       .def("cache_capacity", &HomeSplitCore::cache_capacity)
-      .def("reader", &HomeSplitCore::reader)
-      .def("home", &HomeSplitCore::home)
-      .def("assemble", &HomeSplitCore::assemble)
-      .def("flush_messages", &HomeSplitCore::flush_messages)
-      .def("flush_assemble", &HomeSplitCore::flush_assemble);
+      // the stages run in the scheduler thread beside training: they let go of the GIL, so the training
+      // thread's Python goes on meanwhile (an instance is used by one thread at a time)
+      .def("reset", &HomeSplitCore::reset, nogil())
+      .def("reader", &HomeSplitCore::reader, nogil())
+      .def("home", &HomeSplitCore::home, nogil())
+      .def("assemble", &HomeSplitCore::assemble, nogil())
+      .def("flush_messages", &HomeSplitCore::flush_messages, nogil())
+      .def("flush_assemble", &HomeSplitCore::flush_assemble, nogil());
 }
