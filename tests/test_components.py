@@ -338,7 +338,8 @@ def _first_failure_line(out: str) -> str:
 def test_e2e_window_larger_than_a_files_batches_fails_before_the_baseline(run_id: str, tmp_path: Path) -> None:
     f = tmp_path / "day_0.tsv"
     f.write_text(("1\t" + "\t".join(["1"] * 13) + "\t" + "\t".join(["a"] * 26) + "\n") * 300)
-    proc, _ = _launch(run_id, "planner=herald", "pipeline=herald", "compare_with=table_wise", "pipeline.window=5",
+    proc, _ = _launch(run_id, "planner=herald", "planner.link_mbit=null", "pipeline=herald", "compare_with=table_wise",
+                      "pipeline.window=5",
                       "batch_size=32", "data=criteo_tsv", f"data.paths={f}", timeout=90)
     out = _combined(proc)
     assert proc.returncode != 0, out[-6000:]
@@ -360,7 +361,8 @@ def test_e2e_empty_data_file_is_named(run_id: str, tmp_path: Path) -> None:
 @pytest.mark.slow
 def test_e2e_compare_with_leaves_a_comparison_report(run_id: str) -> None:
     """``make run``'s command (herald vs its stock baseline) leaves comparison.md/json/png in the run dir."""
-    proc, _ = _launch(run_id, "planner=herald", "pipeline=herald", "compare_with=table_wise", "pipeline.window=3",
+    proc, _ = _launch(run_id, "planner=herald", "planner.link_mbit=null", "pipeline=herald", "compare_with=table_wise",
+                      "pipeline.window=3",
                       "data.num_train_batches=8", "data.num_eval_batches=2", "batch_size=64", timeout=180)
     out = _combined(proc)
     assert proc.returncode == 0, out[-6000:]
@@ -392,9 +394,9 @@ def _final_weights(checkpoint_dir: Path, step: int, out: Path) -> Dict[str, Any]
 
 @pytest.mark.slow
 @pytest.mark.parametrize("config", [
-    ["planner=herald", "pipeline=herald", "optimizer=sgd"],
+    ["planner=herald", "planner.link_mbit=null", "pipeline=herald", "optimizer=sgd"],
     ["planner=table_wise", "optimizer=sgd"],
-    ["planner=herald", "pipeline=herald", "optimizer=rowwise_adagrad"],
+    ["planner=herald", "planner.link_mbit=null", "pipeline=herald", "optimizer=rowwise_adagrad"],
 ])
 def test_e2e_a_killed_run_resumes_when_the_same_command_is_run_again(config: List[str], tmp_path: Path) -> None:
     """2 ranks, checkpoints every 5 steps; rank 1 is SIGKILLed after step 12 and the job ends. Running the

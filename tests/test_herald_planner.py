@@ -158,7 +158,7 @@ def _drive(rank: int, world: int, runs: Dict[str, list], base: str) -> Dict[str,
 
 @pytest.fixture(scope="module")
 def driver(tmp_path_factory: pytest.TempPathFactory) -> list:
-    runs = {"herald": ["planner=herald"] + DRIVER, "table_wise": ["planner=table_wise"] + DRIVER}
+    runs = {"herald": ["planner=herald", "planner.link_mbit=null"] + DRIVER, "table_wise": ["planner=table_wise"] + DRIVER}
     return run_multiprocess(_drive, W, runs, str(tmp_path_factory.mktemp("driver")), timeout_s=300)
 
 

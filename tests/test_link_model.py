@@ -138,3 +138,94 @@ def test_the_cost_model_prices_in_time_on_a_known_link_and_picks_the_rows_bytes_
         assert torch.equal(c.hot_ids, in_time[name].hot_ids) and c.sync == in_time[name].sync
     assert ByteCount().bytes(1000.0) == 1000.0 and LinkModel(link_mbit=8).bytes(1000.0) == pytest.approx(1.0)
     assert LinkModel(link_mbit=8).collectives(3) == pytest.approx(3.0) and ByteCount().lookups(5) == 0.0
+
+
+# ------------------------------------------------------------------------------------------ link probe
+
+@pytest.mark.parametrize("override, message", [
+    ("planner.link_mbit=0", "planner.link_mbit must be > 0 Mbit/s, auto (measured at start) or null (unknown), got 0"),
+    ("planner.link_mbit=fast", "planner.link_mbit must be > 0 Mbit/s, auto (measured at start) or null (unknown), "
+                               "got 'fast'"),
+    ("planner.collective_latency_ms=0", "planner.collective_latency_ms must be > 0 ms or auto (measured at start), "
+                                        "got 0"),
+    ("planner.collective_latency_ms=-2", "planner.collective_latency_ms must be > 0 ms or auto (measured at start), "
+                                         "got -2"),
+])
+def test_a_zero_or_negative_link_value_fails_in_preflight_naming_the_key(override: str, message: str) -> None:
+    from torchrec_herald.config import compose_config
+    from torchrec_herald.trainer import preflight
+
+    with pytest.raises(ValueError) as e:
+        preflight(compose_config(["planner=herald", override]))
+    assert str(e.value) == message
+
+
+def test_measured_values_replace_only_the_auto_keys() -> None:
+    from torchrec_herald.planner.config import HeraldPlannerConfig
+    from torchrec_herald.planner.link_probe import LinkProbe
+
+    probe = LinkProbe(link_mbit=180.0, latency_ms=0.4, bytes_per_rank=1 << 20, seconds=0.3)
+    assert HeraldPlannerConfig().wants_probe and not HeraldPlannerConfig(link_mbit=50, collective_latency_ms=2).wants_probe
+    c = HeraldPlannerConfig().with_measured(probe)
+    assert (c.link_mbit, c.collective_latency_ms) == (180.0, 0.4)
+    c = HeraldPlannerConfig(link_mbit=50).with_measured(probe)
+    assert (c.link_mbit, c.collective_latency_ms) == (50, 0.4)
+    c = HeraldPlannerConfig().with_measured(None)  # no probe: rate unknown, the latency's default
+    assert (c.link_mbit, c.collective_latency_ms, c.link_model()) == (None, 1.0, None)
+
+
+def _probe(rank: int, world: int) -> tuple:
+    import torch.distributed as dist
+
+    from torchrec_herald.planner.link_probe import probe_link
+
+    p = probe_link(dist.group.WORLD, max_bytes=1 << 20)
+    return p.link_mbit, p.latency_ms, p.bytes_per_rank
+
+
+def test_the_probe_gives_every_rank_the_same_positive_figures() -> None:
+    a, b = run_multiprocess(_probe, 2)
+    assert a == b  # every rank decides alike
+    rate, latency, sent = a
+    assert rate > 0 and latency > 0
+    # the last all-to-all's bytes over one rank's link: n / (4 W) floats to each of the W - 1 peers
+    assert sent in {(n // 8) * 4 for n in (256 << 10, 512 << 10, 1 << 20)}
+
+
+def _train_probe_failing(rank: int, world: int, overrides: list, run_dir: str) -> tuple:
+    import logging
+
+    import torchrec_herald.planner.link_probe as link_probe
+
+    def broken(*args: object, **kwargs: object) -> None:
+        raise RuntimeError("Timed out waiting 30000ms for send operation to complete")
+
+    link_probe.probe_link = broken
+    seen: list = []
+    handler = logging.Handler()
+    handler.emit = lambda record: seen.append(record.getMessage())  # type: ignore[method-assign]
+    logging.getLogger("torchrec_herald.planner.decision").addHandler(handler)
+    return _train(rank, world, overrides, run_dir), seen
+
+
+DEFAULTS = ["planner=herald", "pipeline=herald", "data.num_train_batches=6", "data.num_eval_batches=2",
+            "batch_size=64", "pipeline.window=3"]
+
+
+def test_with_no_link_key_the_driver_measures_the_link_and_decides_on_it(tmp_path: Path) -> None:
+    m = run_multiprocess(_train, 2, DEFAULTS, str(tmp_path))[0]
+    d = m["link_decision"]
+    measured = d["measured"]
+    assert measured["link_mbit"] > 0 and measured["collective_latency_ms"] > 0
+    assert d["link_mbit"] == measured["link_mbit"] and measured["text"].startswith("measured link: ")
+    assert d["herald"] is (d["predicted_herald_ms"] < d["predicted_stock_ms"])
+    assert set(m["plan"].values()) == ({"herald_hot_row_wise"} if d["herald"] else {"table_wise"})
+
+
+def test_a_failed_probe_warns_once_and_keeps_the_configured_values(tmp_path: Path) -> None:
+    (m, seen), _ = run_multiprocess(_train_probe_failing, 2, DEFAULTS, str(tmp_path))
+    warnings = [s for s in seen if "link probe failed" in s]
+    assert warnings == ["planner: the link probe failed (Timed out waiting 30000ms for send operation to complete); "
+                        "planning with the configured link values (planner.link_mbit / "
+                        "planner.collective_latency_ms)"]
+    assert m["link_decision"] is None and set(m["plan"].values()) == {"herald_hot_row_wise"}  # rate unknown

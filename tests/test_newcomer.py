@@ -85,7 +85,8 @@ def test_window_is_checked_against_a_files_batches_before_training(tmp_path: Pat
     monkeypatch.setenv("WORLD_SIZE", "2")
     f = tmp_path / "day_0.tsv"
     f.write_text((GOOD_TSV_LINE + "\n") * records)
-    got = _error(["planner=herald", "pipeline=herald", "pipeline.window=3", "batch_size=64", "data=criteo_tsv",
+    got = _error(["planner=herald", "planner.link_mbit=null", "pipeline=herald", "pipeline.window=3", "batch_size=64",
+                  "data=criteo_tsv",
                   f"data.paths={f}", f"data.holdout_every={holdout}"])
     if ok:
         assert got == "no error"

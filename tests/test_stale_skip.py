@@ -365,7 +365,7 @@ def test_skipping_needs_hot_rows() -> None:
 
 # ------------------------------------------------------------------------------------------ driver
 
-SMALL = ["planner=herald", "pipeline=herald", "data.num_train_batches=12", "data.num_eval_batches=2",
+SMALL = ["planner=herald", "planner.link_mbit=null", "pipeline=herald", "data.num_train_batches=12", "data.num_eval_batches=2",
          "batch_size=64", "log_every=4", "data.scale=0.001", "pipeline.skip_start=2", "pipeline.skip_gap=3",
          "pipeline.window=2"]
 BAD = {

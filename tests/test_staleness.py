@@ -512,7 +512,7 @@ def test_staleness_moves_fewer_vectors_on_the_same_batches() -> None:
 
 # ------------------------------------------------------------------------------------------ driver
 
-SMALL = ["planner=herald", "pipeline=herald", "data.num_train_batches=12", "data.num_eval_batches=2",
+SMALL = ["planner=herald", "planner.link_mbit=null", "pipeline=herald", "data.num_train_batches=12", "data.num_eval_batches=2",
          "batch_size=64", "log_every=4", "data.scale=0.001"]
 
 

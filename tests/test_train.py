@@ -72,7 +72,8 @@ def test_herald_pipeline_trains_every_epoch_and_reports_scheduler(tmp_path: Path
     """pipeline=herald through the driver: every epoch is trained (the window restarts on each epoch's
     iterator), and metrics.json carries the scheduler's counters, consistent with TrafficMeter's tags."""
     res = run_multiprocess(_train, 2, ["data.num_train_batches=6", "data.num_eval_batches=2", "batch_size=64",
-                                       "epochs=2", "planner=herald", "pipeline=herald", "pipeline.window=3"],
+                                       "epochs=2", "planner=herald", "planner.link_mbit=null", "pipeline=herald",
+                                       "pipeline.window=3"],
                            str(tmp_path))
     m = res[0]["metrics"]
     assert m["steps"] == 12

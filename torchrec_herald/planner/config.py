@@ -4,12 +4,15 @@ each validating itself with one error naming the bad key."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Any, Dict, Optional
+from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING, Any, Dict, Optional
 
 from torchrec_herald.planner.pricing import LinkModel
 from torchrec_herald.planner.planner import DEFAULT_HOT_MEMORY_BUDGET_BYTES
 from torchrec_herald.planner.stock import STOCK_MODES
+
+if TYPE_CHECKING:
+    from torchrec_herald.planner.link_probe import LinkProbe
 
 __all__ = ["DENSE_SYNCS", "HOT_SET_SELECTORS", "HeraldPlannerConfig", "StockPlannerConfig"]
 
@@ -60,9 +63,12 @@ class HeraldPlannerConfig:
         mode: the cold layout, stock ROW_WISE blocks (kept for a common planner schema).
         dense_sync: ``forward_ordered`` (each dense layer's gradient sum waited for at its next forward,
             ``sharding/dense_sync.py``) or ``ddp``; DDP where the link model falls back to stock TABLE_WISE.
-        link_mbit: each rank's link rate in Mbit/s; null: unknown (herald's plan is kept). With it the
-            planner keeps herald's plan only where it is predicted faster than stock TABLE_WISE.
-        collective_latency_ms: time a collective costs beyond its bytes (gloo on 2 shared cores: 1 ms).
+        link_mbit: each rank's link rate in Mbit/s; ``auto`` (the default): measured at start by a timed
+            collective on the job's process group (``planner/link_probe.py``); null: unknown (herald's plan
+            is kept). With a rate the planner keeps herald's plan only where it is predicted faster than
+            stock TABLE_WISE.
+        collective_latency_ms: time a collective costs beyond its bytes; ``auto`` (the default): measured
+            at start with the rate (1 ms, gloo on 2 shared cores, when it cannot be).
         cpu_us_per_lookup: herald's extra CPU per lookup over stock's fused kernels (measured here).
     """
 
@@ -73,8 +79,8 @@ class HeraldPlannerConfig:
     top_fraction: float = 0.02
     mode: str = "row_wise"
     dense_sync: str = "forward_ordered"
-    link_mbit: Optional[float] = None
-    collective_latency_ms: float = _LINK_DEFAULTS["collective_latency_ms"]
+    link_mbit: Any = "auto"  # float | "auto" | None (OmegaConf has no Union)
+    collective_latency_ms: Any = "auto"  # float | "auto"
     cpu_us_per_lookup: float = _LINK_DEFAULTS["cpu_us_per_lookup"]
 
     def __post_init__(self) -> None:
@@ -88,7 +94,29 @@ class HeraldPlannerConfig:
         if self.mode != "row_wise":
             raise ValueError(f"planner.mode of planner=herald is its cold layout, row_wise; got {self.mode!r}")
         _check_dense_sync(self.dense_sync)
-        self.link_model()  # planner.link_mbit / collective_latency_ms / cpu_us_per_lookup: one error naming the key
+        if self.link_mbit is not None and self.link_mbit != "auto" and (
+                isinstance(self.link_mbit, (str, bool)) or not self.link_mbit > 0):
+            raise ValueError(f"planner.link_mbit must be > 0 Mbit/s, auto (measured at start) or null (unknown), "
+                             f"got {self.link_mbit!r}")
+        if self.collective_latency_ms != "auto" and (
+                isinstance(self.collective_latency_ms, (str, bool)) or self.collective_latency_ms is None
+                or not self.collective_latency_ms > 0):
+            raise ValueError(f"planner.collective_latency_ms must be > 0 ms or auto (measured at start), "
+                             f"got {self.collective_latency_ms!r}")
+        self.link_model()  # planner.cpu_us_per_lookup: one error naming the key
+
+    @property
+    def wants_probe(self) -> bool:
+        """The link rate or the collective latency is to be measured at start (``auto``)."""
+        return self.link_mbit == "auto" or self.collective_latency_ms == "auto"
+
+    def with_measured(self, probe: Optional["LinkProbe"]) -> "HeraldPlannerConfig":
+        """This config with each ``auto`` link value replaced by what ``probe`` measured; with no probe
+        (one rank, or it failed) the rate is unknown and the latency its configured default."""
+        rate = self.link_mbit if self.link_mbit != "auto" else (probe.link_mbit if probe else None)
+        latency = (self.collective_latency_ms if self.collective_latency_ms != "auto" else
+                   (probe.latency_ms if probe else _LINK_DEFAULTS["collective_latency_ms"]))
+        return replace(self, link_mbit=rate, collective_latency_ms=latency)
 
     def hot_set_selector(self) -> Any:
         """The configured :class:`~torchrec_herald.planner.hot_set.HotSetSelector`; the cost model prices
@@ -101,7 +129,9 @@ class HeraldPlannerConfig:
 
     def link_model(self) -> Optional[LinkModel]:
         """The link the planner prices (None when ``link_mbit`` is not given)."""
-        if self.link_mbit is None:
-            return None
-        return LinkModel(link_mbit=float(self.link_mbit), collective_latency_ms=float(self.collective_latency_ms),
+        if self.link_mbit is None or self.link_mbit == "auto":
+            return None  # unknown, or measured at start (``with_measured``)
+        latency = self.collective_latency_ms
+        latency = _LINK_DEFAULTS["collective_latency_ms"] if latency == "auto" else latency
+        return LinkModel(link_mbit=float(self.link_mbit), collective_latency_ms=float(latency),
                          cpu_us_per_lookup=float(self.cpu_us_per_lookup))

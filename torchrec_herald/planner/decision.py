@@ -8,6 +8,8 @@ for ``planner=herald`` (which prices the link and falls back to stock TABLE_WISE
 
 from __future__ import annotations
 
+import dataclasses
+import logging
 from typing import Any, List, Optional, Sequence, Union
 
 import torch
@@ -20,6 +22,8 @@ from torchrec_herald.planner.config import HeraldPlannerConfig, StockPlannerConf
 from torchrec_herald.planner.types import PlanDecision
 
 __all__ = ["PlanDecision", "plan_model"]
+
+logger = logging.getLogger(__name__)
 
 
 def plan_model(config: Union[StockPlannerConfig, HeraldPlannerConfig], module: nn.Module,
@@ -40,8 +44,20 @@ def plan_model(config: Union[StockPlannerConfig, HeraldPlannerConfig], module: n
         sharders: List[ModuleSharder[nn.Module]] = [CpuEmbeddingBagCollectionSharder()]
         plan = stock_plan(module, list(tables), sharders, config.mode, world_size, local_batch_size, device, pg)
         return PlanDecision(plan=plan, sharders=sharders, dense_sync=config.dense_sync)
+    probe = None
+    if config.wants_probe and pg is not None and world_size > 1:
+        from torchrec_herald.planner.link_probe import probe_link
+
+        try:
+            probe = probe_link(pg)
+            logger.info("planner: %s", probe.describe())
+        except Exception as e:  # noqa: BLE001 - a failed probe must not stop training: the configured values
+            logger.warning("planner: the link probe failed (%s); planning with the configured link values "
+                           "(planner.link_mbit / planner.collective_latency_ms)", e)
+    config = config.with_measured(probe)
     planner = HeraldPlanner(topology=make_topology(world_size, device.type), batch_size=local_batch_size,
                             sample_batches=list(sample_batches), hot_memory_budget_bytes=config.hot_memory_budget_bytes,
                             hot_set_selector=config.hot_set_selector(), link=config.link_model(),
                             dense_sync=config.dense_sync)
-    return planner.decide(module, [HeraldEmbeddingBagCollectionSharder()], pg)
+    decision = planner.decide(module, [HeraldEmbeddingBagCollectionSharder()], pg)
+    return dataclasses.replace(decision, probe=probe)

@@ -33,14 +33,16 @@ class PlanDecision:
         plan: the ``ShardingPlan`` for ``DistributedModelParallel``.
         sharders: the sharders that shard it (herald's, or TorchRec's EBC sharder on any device).
         dense_sync: ``ddp`` or ``forward_ordered`` (``sharding/dense_sync.py``).
-        link: herald's plan vs stock TABLE_WISE on the given link, with both predicted times (None when
-            no link rate was given, or for a stock planner).
+        link: herald's plan vs stock TABLE_WISE on the link, with both predicted times (None when the
+            rate is unknown, or for a stock planner).
+        probe: what the start-up link probe measured (None when nothing was measured).
     """
 
     plan: ShardingPlan
     sharders: List[ModuleSharder[nn.Module]]
     dense_sync: str
     link: Optional[LinkDecision] = None
+    probe: Optional[Any] = None  # planner.link_probe.LinkProbe
 
     @property
     def herald(self) -> bool:
@@ -49,4 +51,9 @@ class PlanDecision:
 
     def link_report(self) -> Optional[Dict[str, Any]]:
         """``metrics.json`` ``link_decision``: the link decision's figures and its one-line reason."""
-        return None if self.link is None else self.link.as_dict()
+        if self.link is None and self.probe is None:
+            return None
+        out = {} if self.link is None else self.link.as_dict()
+        if self.probe is not None:
+            out["measured"] = self.probe.as_dict()
+        return out

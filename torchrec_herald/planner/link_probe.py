@@ -1,0 +1,92 @@
+"""Measure the link the job runs on, once at start: its per-rank rate and its per-collective latency, from
+timed collectives on the job's own process group (``planner.link_mbit=auto`` and
+``planner.collective_latency_ms=auto``, the defaults). The planner's link model (``planner/pricing.py``)
+then decides herald's plan against stock TABLE_WISE without the user knowing their link.
+
+Hand-written because no library times a process group's links; it costs well under a second and a few
+MB per rank, and every rank ends with the same figures (the times are all-reduced), so every rank makes
+the same decision.
+"""
+
+from __future__ import annotations
+
+import logging
+import statistics
+import time
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any, Dict, Optional
+
+import torch
+import torch.distributed as dist
+
+__all__ = ["LinkProbe", "probe_link"]
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class LinkProbe:
+    """What the start-up probe measured (every rank the same figures)."""
+
+    link_mbit: float
+    latency_ms: float
+    bytes_per_rank: int
+    seconds: float
+
+    def describe(self) -> str:
+        return (f"measured link: {self.link_mbit:,.0f} Mbit/s per rank, {self.latency_ms:.2f} ms per collective "
+                f"({self.bytes_per_rank / 2**20:.1f} MiB per rank in {self.seconds:.2f} s)")
+
+    def as_dict(self) -> Dict[str, Any]:
+        return {"link_mbit": self.link_mbit, "collective_latency_ms": self.latency_ms,
+                "bytes_per_rank": self.bytes_per_rank, "seconds": self.seconds, "text": self.describe()}
+
+
+def _timed(op: Any, timeout: timedelta) -> float:
+    t0 = time.perf_counter()
+    op(True).wait(timeout)
+    return time.perf_counter() - t0
+
+
+def _slowest(seconds: float, pg: Optional[dist.ProcessGroup], timeout: timedelta) -> float:
+    """The largest of every rank's ``seconds`` (so every rank decides alike)."""
+    t = torch.tensor([seconds], dtype=torch.float64)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=pg, async_op=True).wait(timeout)
+    return float(t.item())
+
+
+def probe_link(pg: Optional[dist.ProcessGroup], *, budget_s: float = 1.0, timeout_s: float = 30.0,
+               min_bytes: int = 256 << 10, max_bytes: int = 16 << 20, target_s: float = 0.15) -> LinkProbe:
+    """Time the link of ``pg`` (collective: every rank calls it).
+
+    Latency: the median of 10 one-element all-reduces (after 2 warm-ups), slowest rank. Rate: an
+    all-to-all of ``n`` bytes per rank (split evenly over the ranks), doubling ``n`` from ``min_bytes``
+    until one takes ``target_s``, reaches ``max_bytes`` or the probe spends ``budget_s``; the rate is the
+    bytes that cross this rank's link, ``n·(W−1)/W``, over the slowest rank's time less one latency.
+
+    Raises:
+        RuntimeError: a collective failed or took longer than ``timeout_s`` (the caller falls back to the
+            configured values).
+    """
+    W = dist.get_world_size(pg)
+    if W < 2:
+        raise RuntimeError("one rank: no link to measure")
+    timeout = timedelta(seconds=timeout_s)
+    start = time.perf_counter()
+    one = torch.zeros(1)
+    lat = [_timed(lambda a: dist.all_reduce(one, group=pg, async_op=a), timeout) for _ in range(12)][2:]
+    latency = _slowest(statistics.median(lat), pg, timeout)
+    n = min_bytes
+    while True:
+        per_peer = max(n // (4 * W), 1)  # float32 elements to each rank
+        send, recv = torch.ones(per_peer * W), torch.empty(per_peer * W)
+        t = _slowest(_timed(lambda a: dist.all_to_all_single(recv, send, group=pg, async_op=a), timeout), pg, timeout)
+        sent = per_peer * 4 * (W - 1)  # bytes over this rank's link, each way
+        spent = time.perf_counter() - start
+        if t >= target_s or 2 * n > max_bytes or spent + 2 * t > budget_s:
+            break
+        n *= 2
+    rate_mbit = sent * 8 / max(t - latency, 1e-6) / 1e6
+    return LinkProbe(link_mbit=rate_mbit, latency_ms=latency * 1e3, bytes_per_rank=sent,
+                     seconds=time.perf_counter() - start)
