@@ -114,9 +114,13 @@ class HeraldPlannerConfig:
         """This config with each ``auto`` link value replaced by what ``probe`` measured; with no probe
         (one rank, or it failed) the rate is unknown and the latency its configured default."""
         rate = self.link_mbit if self.link_mbit != "auto" else (probe.link_mbit if probe else None)
-        latency = (self.collective_latency_ms if self.collective_latency_ms != "auto" else
-                   (probe.latency_ms if probe else _LINK_DEFAULTS["collective_latency_ms"]))
-        return replace(self, link_mbit=rate, collective_latency_ms=latency)
+        return replace(self, link_mbit=rate, collective_latency_ms=self._latency_ms(probe))
+
+    def _latency_ms(self, probe: Optional["LinkProbe"] = None) -> float:
+        """``collective_latency_ms`` as given; for ``auto`` what ``probe`` measured, else the default."""
+        if self.collective_latency_ms != "auto":
+            return float(self.collective_latency_ms)
+        return probe.latency_ms if probe else _LINK_DEFAULTS["collective_latency_ms"]
 
     def hot_set_selector(self) -> Any:
         """The configured :class:`~torchrec_herald.planner.hot_set.HotSetSelector`; the cost model prices
@@ -131,7 +135,5 @@ class HeraldPlannerConfig:
         """The link the planner prices (None when ``link_mbit`` is not given)."""
         if self.link_mbit is None or self.link_mbit == "auto":
             return None  # unknown, or measured at start (``with_measured``)
-        latency = self.collective_latency_ms
-        latency = _LINK_DEFAULTS["collective_latency_ms"] if latency == "auto" else latency
-        return LinkModel(link_mbit=float(self.link_mbit), collective_latency_ms=float(latency),
+        return LinkModel(link_mbit=float(self.link_mbit), collective_latency_ms=self._latency_ms(),
                          cpu_us_per_lookup=float(self.cpu_us_per_lookup))

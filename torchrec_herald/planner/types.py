@@ -9,6 +9,7 @@ from typing import Any, Dict, List, Optional
 from torch import nn
 from torchrec.distributed.types import ModuleSharder, ShardingPlan
 
+from torchrec_herald.planner.link_probe import LinkProbe
 from torchrec_herald.planner.pricing import LinkDecision
 from torchrec_herald.sharding.types import HERALD_HOT_ROW_WISE, HotSpec
 
@@ -42,7 +43,7 @@ class PlanDecision:
     sharders: List[ModuleSharder[nn.Module]]
     dense_sync: str
     link: Optional[LinkDecision] = None
-    probe: Optional[Any] = None  # planner.link_probe.LinkProbe
+    probe: Optional[LinkProbe] = None
 
     @property
     def herald(self) -> bool:
