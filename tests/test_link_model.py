@@ -19,8 +19,47 @@ def test_slow_link_keeps_herald_with_the_predicted_costs() -> None:
     d = decide(EXPECTED, 2, LinkModel(link_mbit=200, collective_latency_ms=1.0, cpu_us_per_lookup=0.6))
     # stock: 5e5 B / 25 MB/s = 20 ms + 5 collectives; herald: 1e5 B = 4 ms + 7 collectives + 0.6 us x 500 lookups
     assert d.herald and d.stock_ms == pytest.approx(25.0) and d.herald_ms == pytest.approx(11.3)
-    assert d.describe() == ("link 200 Mbit/s: predicted embedding cost per rank and step 11.3 ms with herald vs "
-                            "25.0 ms stock TABLE_WISE -> herald's plan")
+    assert d.describe() == ("link 200 Mbit/s: predicted step cost per rank (link, collectives, herald's extra work) "
+                            "herald's plan 11.3 ms, stock TABLE_WISE 25.0 ms -> herald's plan")
+    assert d.chosen == "herald" and d.as_dict()["predicted"]["table_wise"]["comm_ms"] == pytest.approx(25.0)
+
+
+def test_dense_all_reduce_counts_on_tw_path_but_overlaps_herald_forward_ordered_sync() -> None:
+    # 2e5 dense bytes per rank at 200 Mbit/s = 8 ms: on TABLE_WISE's path (DDP), hidden under herald's
+    # 11.3 ms (its link is busy 4 + 8 = 12 ms, so the link bounds herald's step)
+    d = decide(EXPECTED, 2, LinkModel(link_mbit=200, collective_latency_ms=1.0, cpu_us_per_lookup=0.6),
+               dense_bytes=2e5)
+    assert d.stock_ms == pytest.approx(33.0) and d.herald_ms == pytest.approx(12.0)
+    assert d.predictions["herald"].link_busy_ms == pytest.approx(12.0)
+    ddp = decide(EXPECTED, 2, LinkModel(link_mbit=200, collective_latency_ms=1.0, cpu_us_per_lookup=0.6),
+                 dense_bytes=2e5, dense_sync="ddp")
+    assert ddp.herald_ms == pytest.approx(19.3)
+
+
+def test_default_plan_is_chosen_where_it_is_predicted_fastest() -> None:
+    from torchrec_herald.planner.pricing import default_plan_load
+
+    expected = {"a": EXPECTED[0], "b": {**EXPECTED[1], "stock_row_wise": 2e5}}
+    # a: TABLE_WISE 6e5; b: ROW_WISE 2e5; c: DATA_PARALLEL, 1e4 B of table -> 2·(1/2)·1e4·2 = 2e4 all ranks
+    load = default_plan_load({"a": "table_wise", "b": "row_wise", "c": "data_parallel"}, expected,
+                             {"c": 1e4}, 2, dense_bytes=0.0)
+    assert load.critical_bytes == pytest.approx((6e5 + 2e5 + 2e4) / 2) and load.collectives == 5 + 5 + 1
+    cheap = default_plan_load({"a": "data_parallel"}, expected, {"a": 1e3}, 2, dense_bytes=0.0)
+    d = decide(EXPECTED, 2, LinkModel(link_mbit=10_000), default_plan=cheap)
+    assert d.chosen == "default" and not d.herald
+    assert d.predictions["default"].step_ms == pytest.approx(1e3 * 8 / 1e7 + 1.0)
+    assert "-> TorchRec's default plan with DDP" in d.describe()
+
+
+def test_step_time_model_takes_the_longest_of_path_link_and_host() -> None:
+    from torchrec_herald.planner.time_model import PlanLoad, StepTimeModel
+
+    m = StepTimeModel(link_mbit=80, collective_latency_ms=0.5, compute_ms=10.0, cpu_us_per_lookup=1.0)
+    # 1e5 B at 80 Mbit/s = 10 ms; path = 10 + 2 (2000 lookups) + 1 (scheduler) + 10 + 2·0.5 = 24
+    p = m.predict(PlanLoad("x", 1e5, 0.0, 2, lookups=2000, scheduler_ms=1.0))
+    assert (p.compute_ms, p.extra_ms, p.comm_ms, p.step_ms) == pytest.approx((10.0, 3.0, 11.0, 24.0))
+    assert m.predict(PlanLoad("y", 1e5, 3e5, 2)).step_ms == pytest.approx(40.0)  # the link: 4e5 B = 40 ms
+    assert m.predict(PlanLoad("z", 0.0, host_bound_ms=50.0)).step_ms == 50.0
 
 
 def test_fast_link_chooses_stock_table_wise_and_says_why() -> None:
@@ -114,7 +153,39 @@ def test_the_planner_decides_the_fallback_itself_with_a_typed_decision() -> None
         kinds = {ps.sharding_type for plan in d.plan.plan.values() for ps in plan.values()}
         assert kinds == ({"herald_hot_row_wise"} if herald else {"table_wise"})
         assert d.link_report()["predicted_herald_ms"] == pytest.approx(d.link.herald_ms)
+        assert set(d.link.predictions) == {"herald", "table_wise", "default"}
+        assert d.link.chosen == min(d.link.predictions, key=lambda n: d.link.predictions[n].step_ms)
         assert torch.is_tensor(next(iter(planner.last_choices.values())).hot_ids)
+
+
+def test_the_bandwidth_stated_in_torchrecs_topology_is_the_link() -> None:
+    """``Topology(inter_host_bw=...)`` (TorchRec's unit, bytes per ms) across hosts, ``intra_host_bw``
+    within one; TorchRec's defaults state nothing."""
+    import warnings
+
+    from torchrec.distributed.planner.types import Topology
+
+    from torchrec_herald.data import SyntheticCriteo
+    from torchrec_herald.planner import HeraldPlanner
+    from torchrec_herald.planner.topology import make_topology
+
+    def topology(world: int, local: int, **bw: float) -> Topology:
+        with warnings.catch_warnings():  # TorchRec 1.9 prefers TopologyFactory; users still state bandwidths here
+            warnings.simplefilter("ignore")
+            return Topology(world_size=world, compute_device="cpu", local_world_size=local, **bw)
+
+    data = SyntheticCriteo(scale=0.001)
+    sample = [b.sparse_features for _, b in zip(range(2), data.train_batches(0, 1, 64))]
+    across = HeraldPlanner(topology=topology(4, 2, inter_host_bw=25_000.0, intra_host_bw=1e6), batch_size=64,
+                           sample_batches=sample)
+    assert across.link is not None and across.link.link_mbit == pytest.approx(200.0)  # 25 MB/s
+    within = HeraldPlanner(topology=topology(2, 2, inter_host_bw=25_000.0, intra_host_bw=1e6), batch_size=64,
+                           sample_batches=sample)
+    assert within.link.link_mbit == pytest.approx(8000.0)
+    assert HeraldPlanner(topology=make_topology(2, "cpu"), batch_size=64, sample_batches=sample).link is None
+    given = HeraldPlanner(topology=topology(4, 2, inter_host_bw=25_000.0), batch_size=64, sample_batches=sample,
+                          link=LinkModel(link_mbit=50))
+    assert given.link.link_mbit == 50  # an explicit link wins
 
 
 def test_the_cost_model_prices_in_time_on_a_known_link_and_picks_the_rows_bytes_pick() -> None:
@@ -188,8 +259,10 @@ def test_the_probe_gives_every_rank_the_same_positive_figures() -> None:
     assert a == b  # every rank decides alike
     rate, latency, sent = a
     assert rate > 0 and latency > 0
-    # the last all-to-all's bytes over one rank's link: n / (4 W) floats to each of the W - 1 peers
-    assert sent in {(n // 8) * 4 for n in (256 << 10, 512 << 10, 1 << 20)}
+    # the last size's all-to-alls (1 or 2 of them) over one rank's link: n / (4 W) floats to each of the
+    # W - 1 peers
+    assert sent in {k * (n // 8) * 4 for n in (256 << 10, 512 << 10, 1 << 20, 2 << 20, 4 << 20, 8 << 20, 16 << 20)
+                    for k in (1, 2)}
 
 
 def _train_probe_failing(rank: int, world: int, overrides: list, run_dir: str) -> tuple:

@@ -179,6 +179,30 @@ def breakdown_cell(m: Dict[str, Any]) -> str:
             f"(ahead {b['scheduler_overlapped']:.1f})")
 
 
+def decision_cell(m: Dict[str, Any]) -> str:
+    """What the model of time picked and why: each candidate's predicted ms per rank and step (link,
+    collectives, herald's extra work), the link it priced, and the pick."""
+    d = m.get("link_decision") or {}
+    preds = d.get("predicted")
+    if not preds:
+        return "–"
+    names = {"herald": "herald", "table_wise": "TW", "default": "default plan"}
+    cands = ", ".join(f"{names.get(n, n)} {p['step_ms']:.1f}" for n, p in preds.items())
+    link = (d.get("measured") or {}).get("link_mbit", d.get("link_mbit"))
+    src = "measured" if d.get("measured") else "given"
+    return f"{cands} -> {names.get(d.get('chosen'), d.get('chosen'))} ({src} link {link:,.0f} Mbit/s)"
+
+
+def predicted_step_cell(m: Dict[str, Any]) -> str:
+    """This run's compute plus the model's link part of the plan it trained, next to the measured step."""
+    d, b = m.get("link_decision") or {}, m.get("step_time_breakdown_ms")
+    p = (d.get("predicted") or {}).get(d.get("chosen"))
+    if not p or not b:
+        return "–"
+    step = max(b["compute"] + p["extra_ms"] + p["comm_ms"], p["link_busy_ms"])
+    return f"{step:.1f} (measured {b['step']:.1f}, {100 * (step / b['step'] - 1):+.0f} %)"
+
+
 def format_comparison_table(runs: Dict[str, Dict[str, Any]]) -> str:
     """Markdown table, one column per run (e.g. stock baseline vs herald) and a last/first ratio."""
     names = list(runs)
@@ -195,6 +219,9 @@ def format_comparison_table(runs: Dict[str, Dict[str, Any]]) -> str:
         ("embedding vectors per step", [m["traffic_per_step_total"]["embedding_vectors"] for m in ms], "ratio"),
         ("samples/s", [m["samples_per_s"] for m in ms], "ratio"),
         ("step ms = compute + comm wait + scheduler (ahead: off the path)", [breakdown_cell(m) for m in ms], None),
+        ("plan picked by the model of time (predicted ms per rank: link + collectives + herald's extra work)",
+         [decision_cell(m) for m in ms], None),
+        ("predicted step ms (this run's compute + the model's link part)", [predicted_step_cell(m) for m in ms], None),
         ("train logloss (last)", [m["train_logloss"] for m in ms], "diff"),
         ("eval AUC", [m["eval"].get("auc", float("nan")) for m in ms], "diff"),
         ("eval logloss", [m["eval"].get("logloss", float("nan")) for m in ms], "diff"),

@@ -57,13 +57,15 @@ def _slowest(seconds: float, pg: Optional[dist.ProcessGroup], timeout: timedelta
 
 
 def probe_link(pg: Optional[dist.ProcessGroup], *, budget_s: float = 1.0, timeout_s: float = 30.0,
-               min_bytes: int = 256 << 10, max_bytes: int = 16 << 20, target_s: float = 0.15) -> LinkProbe:
+               min_bytes: int = 256 << 10, max_bytes: int = 16 << 20, target_s: float = 0.1,
+               repeats: int = 2) -> LinkProbe:
     """Time the link of ``pg`` (collective: every rank calls it).
 
-    Latency: the median of 10 one-element all-reduces (after 2 warm-ups), slowest rank. Rate: an
+    Latency: the lower quartile of 20 one-element all-reduces (after 2 warm-ups), slowest rank. Rate: an
     all-to-all of ``n`` bytes per rank (split evenly over the ranks), doubling ``n`` from ``min_bytes``
-    until one takes ``target_s``, reaches ``max_bytes`` or the probe spends ``budget_s``; the rate is the
-    bytes that cross this rank's link, ``n·(W−1)/W``, over the slowest rank's time less one latency.
+    until one takes ``target_s``, reaches ``max_bytes`` or the probe spends ``budget_s``, then repeated
+    at that size (``repeats`` in all, within the budget); the rate is the bytes that cross this rank's
+    link, ``n·(W−1)/W`` per transfer, over the slowest rank's times less one latency each.
 
     Raises:
         RuntimeError: a collective failed or took longer than ``timeout_s`` (the caller falls back to the
@@ -75,18 +77,29 @@ def probe_link(pg: Optional[dist.ProcessGroup], *, budget_s: float = 1.0, timeou
     timeout = timedelta(seconds=timeout_s)
     start = time.perf_counter()
     one = torch.zeros(1)
-    lat = [_timed(lambda a: dist.all_reduce(one, group=pg, async_op=a), timeout) for _ in range(12)][2:]
-    latency = _slowest(statistics.median(lat), pg, timeout)
+    # the lower quartile of 20: a rank's background work at start (data, logging) delays some of them
+    lat = [_timed(lambda a: dist.all_reduce(one, group=pg, async_op=a), timeout) for _ in range(22)][2:]
+    latency = _slowest(statistics.quantiles(lat, n=4)[0], pg, timeout)
+    # every stop below is decided on the slowest rank's times, the same on every rank (a rank deciding
+    # on its own clock could leave the others waiting in a collective)
+    spent = 22 * latency
     n = min_bytes
     while True:
         per_peer = max(n // (4 * W), 1)  # float32 elements to each rank
         send, recv = torch.ones(per_peer * W), torch.empty(per_peer * W)
         t = _slowest(_timed(lambda a: dist.all_to_all_single(recv, send, group=pg, async_op=a), timeout), pg, timeout)
         sent = per_peer * 4 * (W - 1)  # bytes over this rank's link, each way
-        spent = time.perf_counter() - start
+        spent += t
         if t >= target_s or 2 * n > max_bytes or spent + 2 * t > budget_s:
             break
         n *= 2
-    rate_mbit = sent * 8 / max(t - latency, 1e-6) / 1e6
-    return LinkProbe(link_mbit=rate_mbit, latency_ms=latency * 1e3, bytes_per_rank=sent,
+    # TCP over a rate-limited link alternates between fast and slow transfers of one size: the rate is
+    # the mean over repeats of the last size (every rank stops alike: the times are the slowest rank's)
+    times = [t]
+    while len(times) < repeats and spent + t <= budget_s:
+        times.append(_slowest(_timed(lambda a: dist.all_to_all_single(recv, send, group=pg, async_op=a), timeout),
+                              pg, timeout))
+        spent += times[-1]
+    rate_mbit = sent * len(times) * 8 / max(sum(times) - len(times) * latency, 1e-6) / 1e6
+    return LinkProbe(link_mbit=rate_mbit, latency_ms=latency * 1e3, bytes_per_rank=sent * len(times),
                      seconds=time.perf_counter() - start)

@@ -83,9 +83,10 @@ class HeraldPlanner(EmbeddingShardingPlanner):
             raise ValueError(f"hot_memory_budget_bytes must be >= 0, got {hot_memory_budget_bytes}")
         self._access_stats = access
         self._sample_batches = list(sample_batches or [])
-        self.link, self.dense_sync = link, dense_sync
+        # a rate stated in TorchRec's Topology (intra_host_bw / inter_host_bw) is the link when none is given
+        self.link, self.dense_sync = link or link_from_topology(self._topology), dense_sync
         self._budget = hot_memory_budget_bytes
-        self._selector = hot_set_selector or CostModelHotSetSelector(pricing=link)
+        self._selector = hot_set_selector or CostModelHotSetSelector(pricing=self.link)
         self.last_choices: Dict[str, HotSetChoice] = {}
         self._check_budget_fits()
 
@@ -165,23 +166,34 @@ class HeraldPlanner(EmbeddingShardingPlanner):
 
     def decide(self, module: nn.Module, sharders: List[ModuleSharder[nn.Module]],
                pg: Optional[dist.ProcessGroup] = None) -> PlanDecision:
-        """Plan ``module`` (collectively when ``pg`` is given) and decide what trains it: herald's plan,
-        or, where the link model (``link``) predicts herald's plan slower than stock TABLE_WISE, stock
-        TABLE_WISE with DDP; the decision carries both predicted times and says why in one line."""
-        from torchrec_herald.planner.pricing import decide
-        from torchrec_herald.planner.stock import stock_plan
+        """Plan ``module`` (collectively when ``pg`` is given) and decide what trains it by the model of
+        time (``planner/time_model.py``): herald's plan, stock TABLE_WISE or TorchRec's default plan, the
+        one with the shortest predicted step on the link (``link``, or the bandwidth stated in the
+        planner's TorchRec ``Topology``); the decision carries every candidate's predicted step and says
+        why in one line."""
+        from torchrec_herald.planner.pricing import decide, default_plan_load
+        from torchrec_herald.planner.stock import describe_plan, stock_plan
 
         plan = self.collective_plan(module, sharders, pg) if pg is not None else self.plan(module, sharders)
         if self.link is None:
             return PlanDecision(plan=plan, sharders=sharders, dense_sync=self.dense_sync)
-        link = decide([s.expected for s in herald_tables(plan).values()], self._topology.world_size, self.link)
-        logger.info("planner.link_mbit: %s", link.describe())
-        if link.herald:
-            return PlanDecision(plan=plan, sharders=sharders, dense_sync=self.dense_sync, link=link)
+        W = self._topology.world_size
+        tables = embedding_bag_configs(module)
+        expected = {name: s.expected for name, s in herald_tables(plan).items()}
+        dense = dense_allreduce_bytes(module, W)
         stock_sharders = [_as_stock(s) for s in sharders]
         device = torch.device("cuda" if self._topology.compute_device == "cuda" else "cpu")
-        table_wise = stock_plan(module, embedding_bag_configs(module), stock_sharders, "table_wise",
-                                self._topology.world_size, self._batch_size, device, pg)
+        default = stock_plan(module, tables, stock_sharders, "default", W, self._batch_size, device, pg)
+        load = default_plan_load(describe_plan(default), expected,
+                                 {t.name: 4.0 * t.num_embeddings * t.embedding_dim for t in tables}, W, dense)
+        link = decide(expected.values(), W, self.link, dense_bytes=dense, dense_sync=self.dense_sync,
+                      default_plan=load)
+        logger.info("planner: %s", link.describe())
+        if link.herald:
+            return PlanDecision(plan=plan, sharders=sharders, dense_sync=self.dense_sync, link=link)
+        if link.chosen == "default":
+            return PlanDecision(plan=default, sharders=stock_sharders, dense_sync="ddp", link=link)
+        table_wise = stock_plan(module, tables, stock_sharders, "table_wise", W, self._batch_size, device, pg)
         return PlanDecision(plan=table_wise, sharders=stock_sharders, dense_sync="ddp", link=link)
 
     def access_stats(self, tables: List[EmbeddingBagConfig]) -> AccessStats:
@@ -199,6 +211,29 @@ class HeraldPlanner(EmbeddingShardingPlanner):
         return (f"sharding type of every table: {HERALD_HOT_ROW_WISE} (hot rows replicated on all "
                 f"{self._topology.world_size} ranks, cold rows in stock ROW_WISE blocks); bytes per step, all ranks\n"
                 + format_traffic_report(self.last_choices))
+
+
+def dense_allreduce_bytes(module: nn.Module, world_size: int) -> float:
+    """Bytes each rank sends per step to all-reduce ``module``'s dense parameters (everything outside its
+    EBCs; a ring all-reduce sends 2·(W−1)/W of the payload), as TrafficMeter counts them."""
+    tables = {id(p) for m in module.modules() if isinstance(m, EmbeddingBagCollection) for p in m.parameters()}
+    payload = sum(p.numel() * p.element_size() for p in module.parameters() if id(p) not in tables)
+    return 2.0 * (world_size - 1) / world_size * payload
+
+
+def link_from_topology(topology: Any, cpu_us_per_lookup: float = 0.6) -> Optional[LinkModel]:
+    """The link a user stated in TorchRec's ``Topology``: ``inter_host_bw`` when the ranks span hosts,
+    else ``intra_host_bw`` (TorchRec's unit, bytes per ms); None when both are TorchRec's defaults (not
+    stated)."""
+    from torchrec.distributed.planner.constants import CROSS_NODE_BANDWIDTH, INTRA_NODE_BANDWIDTH
+
+    intra, inter = float(topology.intra_host_bw), float(topology.inter_host_bw)
+    if intra == INTRA_NODE_BANDWIDTH and inter == CROSS_NODE_BANDWIDTH:
+        return None
+    spans_hosts = topology.world_size > (topology.local_world_size or topology.world_size)
+    bw = inter if spans_hosts else intra
+    return LinkModel(link_mbit=bw * 1000 * 8 / 1e6, collective_latency_ms=LinkModel.collective_latency_ms,
+                     cpu_us_per_lookup=cpu_us_per_lookup)
 
 
 def _as_stock(sharder: ModuleSharder[nn.Module]) -> ModuleSharder[nn.Module]:

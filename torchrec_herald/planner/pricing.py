@@ -24,13 +24,16 @@ the collectives per rank and step TrafficMeter counts besides the dense all-redu
 from __future__ import annotations
 
 import abc
-from dataclasses import dataclass
-from typing import Iterable, Mapping, TypeVar
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Dict, Iterable, Mapping, Optional, TypeVar
 
 import torch
 
-__all__ = ["ByteCount", "HERALD_COLLECTIVES", "LinkDecision", "LinkModel", "Pricing", "STOCK_TW_COLLECTIVES",
-           "decide"]
+if TYPE_CHECKING:
+    from torchrec_herald.planner.time_model import PlanLoad
+
+__all__ = ["ByteCount", "HERALD_COLLECTIVES", "LinkDecision", "LinkModel", "PLAN_LABELS", "Pricing",
+           "STOCK_TW_COLLECTIVES", "decide", "default_plan_load"]
 
 Amount = TypeVar("Amount", float, torch.Tensor)
 
@@ -115,40 +118,103 @@ class LinkModel(Pricing):
         return n * self.cpu_us_per_lookup / 1e3
 
 
+#: what each candidate plan is called in the decision, the printed table and ``metrics.json``
+PLAN_LABELS = {"herald": "herald's plan", "table_wise": "stock TABLE_WISE", "default": "TorchRec's default plan"}
+
+
 @dataclass(frozen=True)
 class LinkDecision:
-    """Herald's plan or stock TABLE_WISE, with the predicted per-rank step costs behind the choice."""
+    """The plan the model of time chose (herald's, stock TABLE_WISE or TorchRec's default plan), with each
+    candidate's predicted per-rank step (``planner/time_model.py``).
+
+    Attributes:
+        herald: herald's plan was chosen.
+        stock_ms / herald_ms: the predicted steps of stock TABLE_WISE and herald's plan.
+        chosen: ``herald``, ``table_wise`` or ``default``.
+        predictions: every candidate's :class:`~torchrec_herald.planner.time_model.StepPrediction`.
+    """
 
     herald: bool
     stock_ms: float
     herald_ms: float
     link_mbit: float
+    chosen: str = ""
+    predictions: Dict[str, Any] = field(default_factory=dict)
 
     def describe(self) -> str:
-        verdict = ("herald's plan" if self.herald else
-                   "stock TABLE_WISE with DDP (herald's replication, scheduling and forward-ordered dense "
-                   "sync cannot pay on this link)")
-        return (f"link {self.link_mbit:g} Mbit/s: predicted embedding cost per rank and step {self.herald_ms:.1f} ms "
-                f"with herald vs {self.stock_ms:.1f} ms stock TABLE_WISE -> {verdict}")
+        chosen = self.chosen or ("herald" if self.herald else "table_wise")
+        preds = self.predictions or {"herald": None, "table_wise": None}
+        ms = {"herald": self.herald_ms, "table_wise": self.stock_ms}
+        parts = ", ".join(f"{PLAN_LABELS.get(n, n)} {(p.step_ms if p is not None else ms[n]):.1f} ms"
+                          for n, p in preds.items())
+        why = ("" if chosen == "herald" else
+               " (herald's replication, scheduling and forward-ordered dense sync cannot pay on this link)")
+        return (f"link {self.link_mbit:g} Mbit/s: predicted step cost per rank (link, collectives, herald's extra "
+                f"work) {parts} -> {PLAN_LABELS.get(chosen, chosen)}{'' if chosen == 'herald' else ' with DDP'}{why}")
 
     def as_dict(self) -> dict:
-        return {"herald": self.herald, "predicted_stock_ms": self.stock_ms, "predicted_herald_ms": self.herald_ms,
-                "link_mbit": self.link_mbit, "text": self.describe()}
+        out = {"herald": self.herald, "chosen": self.chosen or ("herald" if self.herald else "table_wise"),
+               "predicted_stock_ms": self.stock_ms, "predicted_herald_ms": self.herald_ms,
+               "link_mbit": self.link_mbit, "text": self.describe()}
+        if self.predictions:
+            out["predicted"] = {n: p.as_dict() for n, p in self.predictions.items()}
+        return out
 
 
-def decide(expected: Iterable[Mapping[str, float]], world_size: int, model: LinkModel) -> LinkDecision:
-    """Compare herald's plan with stock TABLE_WISE on ``model``'s link.
+def decide(expected: Iterable[Mapping[str, float]], world_size: int, model: LinkModel, *,
+           dense_bytes: float = 0.0, dense_sync: str = "forward_ordered",
+           default_plan: Optional["PlanLoad"] = None) -> LinkDecision:
+    """Choose among herald's plan, stock TABLE_WISE and (when given) TorchRec's default plan on
+    ``model``'s link, by predicted step time (``planner/time_model.py``).
 
     Args:
         expected: per herald table, the planner's expected traffic (``HotSpec.expected``: ``lookups``,
             ``stock_table_wise`` and ``herald_total`` bytes per step, all ranks).
         world_size: W.
+        dense_bytes: bytes each rank sends per step to all-reduce the dense layers (the same for every
+            plan; on the critical path under DDP, overlapped under herald's forward-ordered sync).
+        dense_sync: herald's dense sync (``forward_ordered`` or ``ddp``).
+        default_plan: TorchRec's default plan's load, a third candidate.
     """
+    from torchrec_herald.planner.time_model import PlanLoad, StepTimeModel, choose_plan
+
     expected = list(expected)
     lookups = sum(e.get("lookups", 0.0) for e in expected) / world_size
     stock_bytes = sum(e.get("stock_table_wise", 0.0) for e in expected) / world_size
     herald_bytes = sum(e.get("herald_total", 0.0) for e in expected) / world_size
-    stock_ms = model.transfer_ms(stock_bytes) + STOCK_TW_COLLECTIVES * model.collective_latency_ms
-    herald_ms = (model.transfer_ms(herald_bytes) + HERALD_COLLECTIVES * model.collective_latency_ms
-                 + model.cpu_us_per_lookup * lookups / 1e3)
-    return LinkDecision(herald=herald_ms < stock_ms, stock_ms=stock_ms, herald_ms=herald_ms, link_mbit=model.link_mbit)
+    overlapped = dense_bytes if dense_sync == "forward_ordered" else 0.0
+    loads = [PlanLoad("herald", herald_bytes + dense_bytes - overlapped, overlapped, HERALD_COLLECTIVES, lookups),
+             PlanLoad("table_wise", stock_bytes + dense_bytes, 0.0, STOCK_TW_COLLECTIVES)]
+    if default_plan is not None:
+        loads.append(default_plan)
+    time_model = StepTimeModel(model.link_mbit, model.collective_latency_ms, 0.0, model.cpu_us_per_lookup)
+    choice = choose_plan(loads, time_model)
+    return LinkDecision(herald=choice.herald, stock_ms=choice.predicted_ms("table_wise"),
+                        herald_ms=choice.predicted_ms("herald"), link_mbit=model.link_mbit,
+                        chosen=choice.chosen, predictions=choice.predictions)
+
+
+def default_plan_load(sharding_types: Mapping[str, str], expected: Mapping[str, Mapping[str, float]],
+                      table_bytes: Mapping[str, float], world_size: int, dense_bytes: float) -> "PlanLoad":
+    """TorchRec's default plan as a :class:`~torchrec_herald.planner.time_model.PlanLoad`: per table the
+    bytes of its sharding type (TABLE_WISE and its variants as TABLE_WISE, ROW_WISE as ROW_WISE, a
+    DATA_PARALLEL table's gradient all-reduce), every rank's share, plus the dense all-reduce under DDP;
+    the input and output all-to-alls of each sharded type and one all-reduce for the data-parallel tables.
+    """
+    from torchrec_herald.planner.time_model import PlanLoad
+
+    W = world_size
+    total, kinds = 0.0, set()
+    for name, st in sharding_types.items():
+        e = expected.get(name, {})
+        if st == "data_parallel":
+            total += 2 * (W - 1) / W * table_bytes.get(name, 0.0) * W  # all ranks, ring all-reduce
+            kinds.add("data_parallel")
+        elif st == "row_wise":
+            total += e.get("stock_row_wise", 0.0)
+            kinds.add(st)
+        else:
+            total += e.get("stock_table_wise", 0.0)
+            kinds.add("table_wise" if st in ("table_wise", "column_wise", "table_row_wise") else st)
+    collectives = sum(1 if k == "data_parallel" else STOCK_TW_COLLECTIVES for k in kinds)
+    return PlanLoad("default", total / W + dense_bytes, 0.0, collectives)
