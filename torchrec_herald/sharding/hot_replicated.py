@@ -85,7 +85,8 @@ class HeraldContext(Multistreamable):
     # are synced sparsely (their count rides on the input dist's counts exchange)
     hot_unique: torch.Tensor = field(default_factory=lambda: torch.empty(0, dtype=torch.int64))
     hot_inverse: torch.Tensor = field(default_factory=lambda: torch.empty(0, dtype=torch.int64))
-    sparse_sel: torch.Tensor = field(default_factory=lambda: torch.empty(0, dtype=torch.bool))
+    # (positions among hot_unique, found in the input dist so that backward sizes nothing by the data)
+    sparse_idx: torch.Tensor = field(default_factory=lambda: torch.empty(0, dtype=torch.int64))
     sparse_from: List[int] = field(default_factory=list)  # touched sparse-sync hot rows of each rank
     bag_lengths: torch.Tensor = field(default_factory=lambda: torch.empty(0, dtype=torch.int64))
     # plan mode: every lookup local, into the step's working set of rows (sorted keys)
@@ -348,8 +349,9 @@ class ShardedHeraldEmbeddingBagCollection(
         # the hot rows this batch reads: the lookup and its gradient cover only these; the count of those
         # synced sparsely rides on this exchange
         ctx.hot_unique, ctx.hot_inverse = torch.unique(split.hot_rows, return_inverse=True)
-        ctx.sparse_sel = self._sparse_row[ctx.hot_unique] & ~self._frozen_hot[ctx.hot_unique]
-        k = torch.full((W, 1), int(ctx.sparse_sel.sum()), dtype=torch.int64)
+        sparse = self._sparse_row[ctx.hot_unique] & ~self._frozen_hot[ctx.hot_unique]
+        ctx.sparse_idx = sparse.nonzero().squeeze(1)
+        k = torch.full((W, 1), ctx.sparse_idx.numel(), dtype=torch.int64)
         counts = torch.cat([bags_to[:, None], ids_to[:, None], err.expand(W, 2), k], 1)
         ctx.split = split
         self._count_cold_traffic(sub, B)
@@ -435,7 +437,7 @@ class ShardedHeraldEmbeddingBagCollection(
         # (``[rows read, D]``, not the whole hot buffer's), which the hook starts summing over ranks
         rows = self.store.hot_weights()[dist_input.hot_unique.to(dev)].requires_grad_()
         rows.register_post_accumulate_grad_hook(functools.partial(
-            self._sync_and_update_hot, dist_input.hot_unique, dist_input.sparse_sel, dist_input.sparse_from))
+            self._sync_and_update_hot, dist_input.hot_unique, dist_input.sparse_idx, dist_input.sparse_from))
         hot = dense_lookup(rows, dist_input.hot_inverse, split.hot_offsets)
         return partial, flight, hot
 
@@ -538,14 +540,16 @@ class ShardedHeraldEmbeddingBagCollection(
         per_table = torch.bincount(self.layout.hot_slot_table[rows], minlength=len(self._tables)).double()
         self._dense_sync_bytes = per_table * (2 * (self._world - 1) * FLOAT_BYTES * self._dim / self._world)
 
-    def _sync_and_update_hot(self, unique: torch.Tensor, sparse_sel: torch.Tensor, sparse_from: List[int],
+    def _sync_and_update_hot(self, unique: torch.Tensor, sparse_idx: torch.Tensor, sparse_from: List[int],
                              rows: torch.Tensor) -> None:
         """Backward hook of the hot rows a batch read (``unique``; ``rows`` their leaf): start summing
         their gradients over ranks (async), so the exchange overlaps the rest of the step and the start of
         the next; :meth:`settle_hot_sync` (at the next use of the rows or of the optimizer state) waits and
         applies the fused kernel's update rule (EXACT_SGD or EXACT_ROWWISE_ADAGRAD) identically on every
         replica. Densely synced tables all-reduce all their hot rows (zeros where this rank read none);
-        sparsely synced ones exchange the rows each rank read."""
+        sparsely synced ones exchange the rows each rank read. Nothing here is sized by the data (no
+        boolean masks, no ``bincount``): the sparse rows' positions came from the input dist, so on a GPU
+        backward never waits for the host."""
         grad = rows.grad
         rows.grad = None
         if grad is None or self._num_hot == 0:
@@ -556,15 +560,18 @@ class ShardedHeraldEmbeddingBagCollection(
         pending = _PendingHotSync()
         with traffic_tag("herald_hot_sync", self._dim):
             if self._dense_rows.numel():  # tables synced densely: one ring all-reduce of their rows
-                dense = torch.zeros(self._dense_rows.numel(), self._dim, device=dev)
+                n = self._dense_rows.numel()
                 pos = self._dense_pos[unique]
-                read = pos >= 0
-                dense[pos[read].to(dev)] = grad[read.to(dev)]
+                # rows read but not synced densely land in a spare last row, dropped before the sum
+                scratch = torch.zeros(n + 1, self._dim, device=dev)
+                scratch.index_copy_(0, torch.where(pos >= 0, pos, n).to(dev), grad)
+                dense = scratch[:n]
                 pending.dense = (self._dense_rows.to(dev), dense, dist.all_reduce(dense, group=self._pg, async_op=True))
             if self._any_sparse:  # tables synced sparsely: exchange touched rows only
-                touched = unique[sparse_sel]
-                pending.sparse = self._start_sparse_sum(touched, grad[sparse_sel.to(dev)], sparse_from)
-                sent_sparse = torch.bincount(self.layout.hot_slot_table[touched], minlength=len(self._tables)).double()
+                touched = unique.index_select(0, sparse_idx)
+                pending.sparse = self._start_sparse_sum(touched, grad.index_select(0, sparse_idx.to(dev)), sparse_from)
+                sent_sparse = torch.zeros(len(self._tables), dtype=torch.float64).index_add_(
+                    0, self.layout.hot_slot_table[touched], torch.ones(touched.numel(), dtype=torch.float64))
                 self._traffic[:, 3] += sent_sparse * ((W - 1) * (INDEX_BYTES + row_bytes))
         self._traffic[:, 3] += self._dense_sync_bytes
         self._pending_hot = pending

@@ -1,0 +1,278 @@
+"""The model of time (``torchrec_herald/planner/time_model.py``): validated on this machine's measured runs,
+then projected to 8–128 GPUs with measured inputs.
+
+    python benchmarks/time_model.py [--out benchmarks/results/time_model.json]
+
+**Validate.** Every W=2/4 point of ``bench_bandwidth`` with herald's defaults and no link key
+(``results/bandwidth_w{2,4}_probe*.json``: stock and herald, unlimited, 200 and 50 Mbit/s) is predicted
+by :class:`StepTimeModel` from:
+
+* compute: each plan's measured compute at the unlimited link and the same W. At W=4 the 4 ranks share
+  2 cores: a rank's own compute is half its unlimited step, and that step is the host floor;
+* rate: the ``tc`` rate times one link efficiency (gloo's TCP over a ``tbf`` veth link), calibrated on one
+  point, stock TABLE_WISE at W=2 and 200 Mbit/s, and marked so; unlimited links: the probe's rate;
+* bytes and collectives: TrafficMeter's per step; herald's forward-ordered dense sync is overlapped,
+  DDP's dense all-reduce is on the path; latency: the probe's.
+
+It reports each point's predicted step and herald/stock ratio beside the measured ones, with the error.
+
+**Project.** W = 8…128, 12.5 / 50 / 400 Gbit/s per GPU, dims 16 and 128, from:
+
+* the H100 step at 1 rank, B=2048 (``results/gpu_step_time*.json``): stock 8.2 ms, herald 17.5 ms (the
+  id bookkeeping on the CPU; the device-resident step would cut it);
+* bytes per rank from the plans at each W (``results/scale.json``, Kaggle rows, dim 16; dim 128 scales
+  the embedding vectors by 8 and keeps the ids);
+* the scheduler's CPU per rank-step (``results/home_split_maps_reserved.json``), off the critical path;
+* a fabric's 0.02 ms per collective.
+
+The model picks herald, stock TABLE_WISE or TorchRec's default plan per point; the speedup is the pick's
+over the default plan. Writes JSON, a plot and the TIME_MODEL section of RESULTS.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import Any, Dict, List, Optional, Tuple
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE.parent))
+from torchrec_herald.planner.pricing import HERALD_COLLECTIVES, STOCK_TW_COLLECTIVES  # noqa: E402
+from torchrec_herald.planner.time_model import PlanLoad, StepTimeModel, choose_plan  # noqa: E402
+
+RESULTS = HERE / "results"
+CORES = 2
+#: the measured runs validated (herald's defaults, no link key, each rank in its own namespace)
+VALIDATED = ["bandwidth_w2_probe", "bandwidth_w2_probe_limited", "bandwidth_w4_probe", "bandwidth_w4_probe_limited"]
+#: each plan's compute at the unlimited link (file, config, W): herald's hot replication trained at W=2
+#: and W=4 with no rate limit in these runs
+UNLIMITED = {("table_wise", 2): ("bandwidth_w2_probe", "tw"), ("hot", 2): ("bandwidth_w2_confirm5", "hot"),
+             ("default", 4): ("bandwidth_w4_probe", "stock"), ("table_wise", 4): ("bandwidth_w4_probe", "herald_defaults"),
+             ("hot", 4): ("bandwidth", "hot")}
+FABRIC_LATENCY_MS = 0.02
+
+
+def _rows(name: str) -> List[Dict[str, Any]]:
+    return json.loads((RESULTS / f"{name}.json").read_text())["rows"]
+
+
+def _row(name: str, config: str, world: int, rate: int) -> Dict[str, Any]:
+    return next(r for r in _rows(name) if r["config"] == config and r["world_size"] == world and r["rate_mbit"] == rate)
+
+
+def trained(row: Dict[str, Any]) -> str:
+    """What a row trained: ``table_wise``, ``default``, ``hot`` (herald's hot replication) or
+    ``scheduling`` (herald's hot replication + scheduling)."""
+    if row["config"] in ("tw", "stock"):
+        return {"tw": "table_wise", "stock": "default"}[row["config"]]
+    if not (row.get("link_decision") or {}).get("herald", True):
+        return "table_wise"
+    return "scheduling" if "herald_pull" in row["by_label"] else "hot"
+
+
+def load_of(row: Dict[str, Any], kind: str) -> Tuple[PlanLoad, float]:
+    """The row's plan as a PlanLoad (measured bytes and collectives per rank and step, measured compute at
+    the unlimited link), and that unlimited step."""
+    W = row["world_size"]
+    base = "hot" if kind == "scheduling" else kind
+    unl = _row(UNLIMITED[(base, W)][0], UNLIMITED[(base, W)][1], W, 0)["breakdown_ms"]
+    dense = row["by_label"].get("dense_allreduce", {}).get("bytes", 0.0)
+    herald = kind in ("hot", "scheduling")
+    if herald:
+        collectives = sum(v["calls"] for k, v in row["by_label"].items() if k != "dense_allreduce")
+    else:
+        collectives = STOCK_TW_COLLECTIVES + 1 + ("data_parallel_table_allreduce" in row["by_label"])
+    critical = row["bytes_per_step"] - (dense if herald else 0.0)
+    if W > CORES:  # ranks share the host's cores: own compute, and the host floor
+        compute, floor = unl["step"] * CORES / W, unl["step"]
+    else:
+        compute, floor = unl["compute"], 0.0
+    return PlanLoad(kind, critical, dense if herald else 0.0, collectives, compute_ms=compute,
+                    host_bound_ms=floor), unl["step"]
+
+
+def validate() -> Dict[str, Any]:
+    probe = {(r["world_size"], r["rate_mbit"]): r["link_decision"]["measured"]
+             for n in VALIDATED for r in _rows(n) if r["config"] == "herald_defaults"}
+    latency = probe[(2, 0)]["collective_latency_ms"]
+
+    def model(W: int, rate: int, efficiency: float) -> StepTimeModel:
+        mbit = probe[(W, 0)]["link_mbit"] if rate == 0 else rate * efficiency
+        return StepTimeModel(link_mbit=mbit, collective_latency_ms=latency)
+
+    # calibration: the link efficiency that puts stock TABLE_WISE at W=2, 200 Mbit/s on its measured step
+    cal = _row("bandwidth_w2_probe_limited", "tw", 2, 200)
+    cal_load, _ = load_of(cal, "table_wise")
+    path_ms = cal["breakdown_ms"]["step"] - cal_load.compute_ms - cal_load.collectives * latency
+    efficiency = cal_load.critical_bytes * 8 / (path_ms * 1e3) / 200
+    points = []
+    for n in VALIDATED:
+        rows = _rows(n)
+        for r in rows:
+            if r["config"] == "herald_defaults":
+                continue
+            h = next(x for x in rows if x["config"] == "herald_defaults" and x["rate_mbit"] == r["rate_mbit"])
+            W, rate = r["world_size"], r["rate_mbit"]
+            m = model(W, rate, efficiency)
+            (sl, _), (hl, _) = load_of(r, trained(r)), load_of(h, trained(h))
+            ps, ph = m.predict(sl).step_ms, m.predict(hl).step_ms
+            ms, mh = r["breakdown_ms"]["step"], h["breakdown_ms"]["step"]
+            points.append({
+                "world_size": W, "rate_mbit": rate, "baseline": trained(r), "herald_trained": trained(h),
+                "link_mbit_used": m.link_mbit, "calibration_point": r is cal,
+                "stock_step_ms": {"measured": ms, "predicted": ps, "error": ps / ms - 1},
+                "herald_step_ms": {"measured": mh, "predicted": ph, "error": ph / mh - 1},
+                # samples/s ratio herald / stock: the measured one is bench_bandwidth's (median runs)
+                "ratio": {"measured": h["samples_per_s"] / r["samples_per_s"], "predicted": ps / ph,
+                          "measured_from_steps": ms / mh},
+            })
+            points[-1]["ratio"]["error"] = points[-1]["ratio"]["predicted"] / points[-1]["ratio"]["measured"] - 1
+    return {"link_efficiency": efficiency, "collective_latency_ms": latency, "points": points}
+
+
+def project(worlds: List[int], links_gbit: List[float], dims: List[int]) -> Dict[str, Any]:
+    gpu = {name: json.loads((RESULTS / f"{name}.json").read_text())["runs"] for name in
+           ("gpu_step_time", "gpu_step_time_herald")}
+    stock_ms = next(r["step_s_median"] for r in gpu["gpu_step_time"] if r["local_batch"] == 2048) * 1e3
+    herald_ms = next(r["step_s_median"] for r in gpu["gpu_step_time_herald"] if r["local_batch"] == 2048) * 1e3
+    scale = {r["world_size"]: r for r in json.loads((RESULTS / "scale.json").read_text())["runs"]
+             if r["setting"] == "kaggle" and r["local_batch"] == 2048}
+    sched = {r["world_size"]: r["scheduler_cpu_s_per_rank_step"]["mean"] * 1e3 for r in
+             json.loads((RESULTS / "home_split_maps_reserved.json").read_text())["runs"] if r["local_batch"] == 2048}
+    out = []
+    for W in worlds:
+        s = scale[W]
+        B, lookups = s["local_batch"], s["lookups_per_rank_step"]
+        ids_bytes = lookups * 8.0 * (W - 1) / W  # int64 ids to other ranks, per rank (TW/default/herald cold)
+        for dim in dims:
+            def per_rank(key: str) -> float:
+                b = s["embedding_bytes_per_step"][key] / W
+                return ids_bytes + (b - ids_bytes) * dim / 16 if b > ids_bytes else b * dim / 16
+            for gbit in links_gbit:
+                m = StepTimeModel(link_mbit=gbit * 1e3, collective_latency_ms=FABRIC_LATENCY_MS, compute_ms=stock_ms)
+                loads = [PlanLoad("herald", per_rank("herald_hot_only"), 0.0, HERALD_COLLECTIVES,
+                                  compute_ms=herald_ms),
+                         PlanLoad("table_wise", per_rank("stock_table_wise"), 0.0, STOCK_TW_COLLECTIVES),
+                         PlanLoad("default", per_rank("stock_default_plan"), 0.0, STOCK_TW_COLLECTIVES + 1)]
+                choice = choose_plan(loads, m)
+                p = choice.predictions
+                # what herald would give with the device-resident step's target (herald ≤ 1.1× stock's step),
+                # not measured: the id bookkeeping still runs on the CPU
+                target = m.predict(PlanLoad("herald", loads[0].critical_bytes, 0.0, HERALD_COLLECTIVES,
+                                            compute_ms=1.1 * stock_ms)).step_ms
+                out.append({"world_size": W, "dim": dim, "link_gbit": gbit, "local_batch": B,
+                            "bytes_per_rank": {ld.name: ld.critical_bytes for ld in loads},
+                            "predicted_step_ms": {n: v.step_ms for n, v in p.items()},
+                            "chosen": choice.chosen,
+                            "herald_vs_default": p["default"].step_ms / p["herald"].step_ms,
+                            "chosen_vs_default": p["default"].step_ms / p[choice.chosen].step_ms,
+                            "herald_vs_default_if_gpu_step_1_1x": p["default"].step_ms / target,
+                            "scheduler_cpu_ms_off_path": sched.get(W)})
+    return {"inputs": {"gpu_stock_step_ms": stock_ms, "gpu_herald_step_ms": herald_ms,
+                       "fabric_latency_ms": FABRIC_LATENCY_MS, "bytes": "results/scale.json (kaggle, B=2048, dim 16)",
+                       "gpu": "results/gpu_step_time.json, gpu_step_time_herald.json (H100, 1 rank, B=2048)"},
+            "points": out}
+
+
+def markdown(result: Dict[str, Any], command: str) -> str:
+    v = result["validation"]
+    lines = [f"Command: `{command}`", "",
+             f"Validation: link efficiency {v['link_efficiency']:.2f} of the tc rate (calibrated on stock "
+             f"TABLE_WISE, W=2, 200 Mbit/s), latency {v['collective_latency_ms']:.2f} ms per collective.", "",
+             "| ranks | link | stock trained | herald trained | stock step measured / predicted (err) | "
+             "herald step measured / predicted (err) | ratio measured / predicted (err) |", "|---|---|---|---|---|---|---|"]
+    for p in v["points"]:
+        link = "unlimited" if p["rate_mbit"] == 0 else f"{p['rate_mbit']} Mbit/s"
+        s, h, r = p["stock_step_ms"], p["herald_step_ms"], p["ratio"]
+        mark = " (calibration)" if p["calibration_point"] else ""
+        lines.append(f"| {p['world_size']} | {link} | {p['baseline']} | {p['herald_trained']} | "
+                     f"{s['measured']:.1f} / {s['predicted']:.1f} ({100 * s['error']:+.0f} %){mark} | "
+                     f"{h['measured']:.1f} / {h['predicted']:.1f} ({100 * h['error']:+.0f} %) | "
+                     f"{r['measured']:.2f}× / {r['predicted']:.2f}× ({100 * r['error']:+.0f} %) |")
+    pr = result["projection"]
+    lines += ["", f"Projection (H100 step {pr['inputs']['gpu_stock_step_ms']:.1f} ms stock, "
+              f"{pr['inputs']['gpu_herald_step_ms']:.1f} ms herald, B=2048 per GPU; the model's pick vs TorchRec's "
+              "default plan; herald alone in brackets):", "",
+              "| dim | link per GPU | " + " | ".join(f"W={w}" for w in sorted({p['world_size'] for p in pr['points']}))
+              + " |", "|---|---|" + "---|" * len({p['world_size'] for p in pr['points']})]
+    for dim in sorted({p["dim"] for p in pr["points"]}):
+        for gbit in sorted({p["link_gbit"] for p in pr["points"]}):
+            cells = [f"{p['chosen_vs_default']:.2f}× {p['chosen']} ({p['herald_vs_default']:.2f}×)"
+                     for p in sorted(pr["points"], key=lambda p: p["world_size"])
+                     if p["dim"] == dim and p["link_gbit"] == gbit]
+            lines.append(f"| {dim} | {gbit:g} Gbit/s | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def plot(result: Dict[str, Any], out: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    pts = result["projection"]["points"]
+    dims = sorted({p["dim"] for p in pts})
+    fig, axes = plt.subplots(1, len(dims) + 1, figsize=(5 * (len(dims) + 1), 4))
+    v = result["validation"]["points"]
+    ax = axes[0]
+    for p in v:
+        ax.scatter(p["ratio"]["measured"], p["ratio"]["predicted"], color=f"C{p['world_size'] // 2 - 1}",
+                   label=f"W={p['world_size']}")
+    lim = [0.5, max(max(p["ratio"]["measured"], p["ratio"]["predicted"]) for p in v) * 1.1]
+    ax.plot(lim, lim, "k--", lw=1)
+    ax.fill_between(lim, [x * 0.85 for x in lim], [x * 1.15 for x in lim], color="0.9")
+    h, lab = ax.get_legend_handles_labels()
+    ax.legend(dict(zip(lab, h)).values(), dict(zip(lab, h)).keys())
+    ax.set_xlabel("measured herald / stock (samples/s)")
+    ax.set_ylabel("predicted")
+    ax.set_title("validation (grey: ±15 %)")
+    for ax, dim in zip(axes[1:], dims):
+        for i, gbit in enumerate(sorted({p["link_gbit"] for p in pts})):
+            sel = sorted((p for p in pts if p["dim"] == dim and p["link_gbit"] == gbit), key=lambda p: p["world_size"])
+            ax.plot([p["world_size"] for p in sel], [p["chosen_vs_default"] for p in sel], "o-", color=f"C{i}",
+                    label=f"{gbit:g} Gbit/s: model's pick")
+            ax.plot([p["world_size"] for p in sel], [p["herald_vs_default"] for p in sel], ":", color=f"C{i}",
+                    label=f"{gbit:g} Gbit/s: herald alone")
+        ax.axhline(1.0, color="k", lw=0.8)
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("GPUs (W)")
+        ax.set_ylabel("speedup vs TorchRec's default plan")
+        ax.set_title(f"projection, dim {dim}")
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(out, dpi=120)
+
+
+def update_results_md(section: str) -> None:
+    path = HERE / "RESULTS.md"
+    text = path.read_text()
+    start, end = "<!-- TIME_MODEL:START -->", "<!-- TIME_MODEL:END -->"
+    block = f"{start}\n{section}\n{end}"
+    if start in text:
+        text = text[:text.index(start)] + block + text[text.index(end) + len(end):]
+    else:
+        text = text.rstrip("\n") + "\n\n## The model of time: validated, and projected to 8–128 GPUs\n\n" + block + "\n"
+    path.write_text(text)
+
+
+def main(argv: Optional[List[str]] = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--world-sizes", type=int, nargs="+", default=[8, 16, 32, 64, 128])
+    ap.add_argument("--links-gbit", type=float, nargs="+", default=[12.5, 50, 400])
+    ap.add_argument("--dims", type=int, nargs="+", default=[16, 128])
+    ap.add_argument("--out", default=str(RESULTS / "time_model.json"))
+    a = ap.parse_args(argv)
+    command = "python benchmarks/time_model.py" + (" " + " ".join(argv) if argv else "")
+    result = {"command": command, "validation": validate(), "projection": project(a.world_sizes, a.links_gbit, a.dims)}
+    out = Path(a.out)
+    out.write_text(json.dumps(result, indent=1))
+    plot(result, out.with_suffix(".png"))
+    md = markdown(result, command)
+    update_results_md(md)
+    print(md)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
