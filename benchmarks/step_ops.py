@@ -57,6 +57,7 @@ def _mark_host_reads() -> None:
 def _sync_sites(pipeline: Any, it: Any, steps: int, in_forward: List[bool]) -> Dict[str, int]:
     """Run ``steps`` more steps under a dispatch mode that records, for every sync op inside forward or
     backward, its innermost caller in herald's or TorchRec's code (``file:line``)."""
+    import threading
     import traceback
 
     import torch
@@ -65,7 +66,11 @@ def _sync_sites(pipeline: Any, it: Any, steps: int, in_forward: List[bool]) -> D
     sites: Dict[str, int] = collections.Counter()
     names = {n.split("::")[1] for n in SYNC_OPS if n.startswith("aten::")}
 
+    main = threading.main_thread()
+
     def record(op: str) -> None:
+        if threading.current_thread() is not main:  # the scheduler thread works ahead, off the step
+            return
         region = "backward" if torch._C._current_graph_task_id() != -1 else ("forward" if in_forward[0] else None)
         if region is None:
             return

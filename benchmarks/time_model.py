@@ -217,12 +217,14 @@ def plot(result: Dict[str, Any], out: Path) -> None:
     fig, axes = plt.subplots(1, len(dims) + 1, figsize=(5 * (len(dims) + 1), 4))
     v = result["validation"]["points"]
     ax = axes[0]
+    lim = [0.5, max(max(p["ratio"]["measured"], p["ratio"]["predicted"]) for p in v) * 1.1]
+    ax.fill_between(lim, [x * 0.85 for x in lim], [x * 1.15 for x in lim], color="0.9", zorder=1)
+    ax.plot(lim, lim, "k--", lw=1, zorder=2)
     for p in v:
         ax.scatter(p["ratio"]["measured"], p["ratio"]["predicted"], color=f"C{p['world_size'] // 2 - 1}",
-                   label=f"W={p['world_size']}")
-    lim = [0.5, max(max(p["ratio"]["measured"], p["ratio"]["predicted"]) for p in v) * 1.1]
-    ax.plot(lim, lim, "k--", lw=1)
-    ax.fill_between(lim, [x * 0.85 for x in lim], [x * 1.15 for x in lim], color="0.9")
+                   label=f"W={p['world_size']}", zorder=3, marker="o" if p["rate_mbit"] else "s")
+        ax.annotate("unl." if not p["rate_mbit"] else f"{p['rate_mbit']}", (p["ratio"]["measured"], p["ratio"]["predicted"]),
+                    fontsize=7, xytext=(4, -8), textcoords="offset points")
     h, lab = ax.get_legend_handles_labels()
     ax.legend(dict(zip(lab, h)).values(), dict(zip(lab, h)).keys())
     ax.set_xlabel("measured herald / stock (samples/s)")
@@ -235,12 +237,15 @@ def plot(result: Dict[str, Any], out: Path) -> None:
                     label=f"{gbit:g} Gbit/s: model's pick")
             ax.plot([p["world_size"] for p in sel], [p["herald_vs_default"] for p in sel], ":", color=f"C{i}",
                     label=f"{gbit:g} Gbit/s: herald alone")
+            if gbit == min(p["link_gbit"] for p in pts):
+                ax.plot([p["world_size"] for p in sel], [p["herald_vs_default_if_gpu_step_1_1x"] for p in sel], "-.",
+                        color=f"C{i}", label=f"{gbit:g} Gbit/s: herald if its GPU step were 1.1x stock's")
         ax.axhline(1.0, color="k", lw=0.8)
         ax.set_xscale("log", base=2)
         ax.set_xlabel("GPUs (W)")
         ax.set_ylabel("speedup vs TorchRec's default plan")
         ax.set_title(f"projection, dim {dim}")
-        ax.legend(fontsize=7)
+        ax.legend(fontsize=6, loc="center right")
     fig.tight_layout()
     fig.savefig(out, dpi=120)
 
