@@ -74,16 +74,20 @@ def _sync_sites(pipeline: Any, it: Any, steps: int, in_forward: List[bool]) -> D
         region = "backward" if torch._C._current_graph_task_id() != -1 else ("forward" if in_forward[0] else None)
         if region is None:
             return
-        frames = [f for f in traceback.extract_stack()[:-2] if "torchrec_herald" in f.filename or "/torchrec/" in f.filename]
-        f = frames[-1] if frames else None
+        frames = [f for f in traceback.extract_stack()[:-2]
+                  if any(p in f.filename for p in ("torchrec_herald", "/torchrec/", "/fbgemm_gpu/"))]
+        f = frames[-1] if frames else None  # the innermost of herald, TorchRec and fbgemm
         where = "?" if f is None else f"{f.filename.split('site-packages/')[-1].split('/work/main/')[-1]}:{f.lineno}"
-        owner = "herald" if f is not None and "torchrec_herald" in f.filename else "torchrec/torch"
+        owner = ("torch" if f is None else "herald" if "torchrec_herald" in f.filename else
+                 "fbgemm" if "/fbgemm_gpu/" in f.filename else "torchrec")
         sites[f"{region} | {owner} | {op} | {where}"] += 1
 
     class Syncs(TorchDispatchMode):
         def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-            if func.__name__.split(".")[0] in names:
-                record(func.__name__.split(".")[0])
+            name = func.__name__.split(".")[0]
+            # repeat_interleave waits for the device only when it must find its output size
+            if name in names and not (name == "repeat_interleave" and (kwargs or {}).get("output_size") is not None):
+                record(name)
             return func(*args, **(kwargs or {}))
 
     tolist = torch.Tensor.tolist
@@ -168,25 +172,25 @@ def worker(rank: int, world: int, config: str, steps: int, warmup: int) -> Dict[
 
 
 def markdown(rows: List[Dict[str, Any]], command: str) -> str:
-    lines = [f"Command: `{command}` (rank 0, per step; forward: inside the model's forward; backward: "
-             "autograd; rest: input distribution, scheduling, optimizer)", "",
-             "| configuration | aten ops forward / backward / rest | host syncs forward / backward / rest | "
-             "syncs inside forward + backward, by op | of which herald's own code calls (forward / backward) |",
-             "|---|---|---|---|---|"]
+    lines = [f"Command: `{command}` (rank 0, per step. Ops: torch.profiler; forward: inside the model's forward, "
+             "backward: autograd, rest: input distribution, scheduling, optimizer. Syncs inside forward and backward: "
+             "a dispatch mode on the training thread, each named by its innermost caller among herald, TorchRec "
+             "and fbgemm)", "",
+             "| configuration | aten ops forward / backward / rest | host syncs in forward / backward | "
+             "by caller | herald's own, where |", "|---|---|---|---|---|"]
     for r in rows:
-        o, s = r["aten_ops_per_step"], r["host_syncs_per_step"]
-        by = collections.Counter()
-        for region in ("forward", "backward"):
-            by.update(r["host_syncs_by_op_per_step"].get(region, {}))
-        detail = ", ".join(f"{k.split('::')[1]} {v:g}" for k, v in by.most_common()) or "none"
-        own = collections.Counter()
+        o = r["aten_ops_per_step"]
+        region, owner, own = collections.Counter(), collections.Counter(), collections.Counter()
         for k, v in r["fwd_bwd_syncs_by_caller_per_step"].items():
-            region, owner, op, where = k.split(" | ")
-            if owner == "herald":
-                own[region] += v
+            reg, who, op, where = k.split(" | ")
+            region[reg] += v
+            owner[who] += v
+            if who == "herald":
+                own[f"{reg}: {op} ({where.split('/')[-1]})"] += v
+        by = ", ".join(f"{w} {v:g}" for w, v in owner.most_common()) or "none"
+        mine = "; ".join(f"{k} {v:g}" for k, v in own.most_common()) or "none"
         lines.append(f"| {r['label']} | {o.get('forward', 0):.0f} / {o.get('backward', 0):.0f} / {o.get('rest', 0):.0f} | "
-                     f"{s.get('forward', 0):g} / {s.get('backward', 0):g} / {s.get('rest', 0):g} | {detail} | "
-                     f"{own.get('forward', 0):g} / {own.get('backward', 0):g} |")
+                     f"{region.get('forward', 0):g} / {region.get('backward', 0):g} | {by} | {mine} |")
     return "\n".join(lines)
 
 

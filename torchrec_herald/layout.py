@@ -143,7 +143,8 @@ class RowLayout:
         """Key of every id of a KJT in this layout's feature order (values feature-major: ``lengths`` has
         ``F * batch_size`` entries)."""
         per_feature = lengths.to(torch.int64).view(len(self.features), batch_size).sum(1)
-        return values.to(torch.int64) + torch.repeat_interleave(self.feature_offsets, per_feature)
+        return values.to(torch.int64) + torch.repeat_interleave(self.feature_offsets, per_feature,
+                                                                output_size=values.numel())  # (no host sync)
 
     # ------------------------------------------------------------------ per key (nothing dense over all rows)
     def table_of(self, keys: torch.Tensor) -> torch.Tensor:

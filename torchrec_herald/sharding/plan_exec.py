@@ -45,8 +45,11 @@ class PlanExecutor:
         # a plan whose pulls are in flight (prefetch): (plan, work, received rows, positions per source, keys)
         self._prefetched: Optional[Tuple[ExecPlan, Any, Any, List[torch.Tensor], torch.Tensor]] = None
         # the step's gradient reduce, started by the working set's gradient hook inside backward:
-        # (per source, the positions received; the buffer; the work)
+        # (per source, the positions received; the buffer; the work), and its route, found in begin()
         self._reduce: Optional[Tuple[List[torch.Tensor], torch.Tensor, Any]] = None
+        self._reduce_route: Optional[Tuple[torch.Tensor, List[int], List[torch.Tensor], List[int]]] = None
+        # plan mode: whether the forward's keys differ from the plan's reads (a 0-d flag checked at finish)
+        self._check: Optional[torch.Tensor] = None
 
     # ------------------------------------------------------------------ one step
     @property
@@ -55,24 +58,38 @@ class PlanExecutor:
         return self.plan is not None
 
     def begin(self, plan: ExecPlan) -> None:
-        """Run the plan's pre-read transfers (collective); the next forward reads in its working set."""
+        """Run the plan's pre-read transfers (collective) and, before the forward, everything of the step
+        that reads sizes or values on the host: the working set's rows (each key's slot) and the route
+        of the gradient reduce. Forward and backward then size nothing by the data (on a GPU the host
+        never waits for the device inside them)."""
         self.before_forward(plan)
         self.plan = plan
+        self._reduce_route = self._route(plan.reduce) if plan.reduce.numel() or plan.partial else None
+        self._check, self.ws = None, None
+        if not self.frozen_keys.numel():  # the working set is the plan's reads
+            planned = plan.reads[self.rank]
+            self._set_working_set(self.store.read(planned)[0], planned)
 
     def working_set(self, keys: torch.Tensor) -> torch.Tensor:
         """The forward's lookups ``keys``: load the step's working set (the plan's reads, plus frozen
         rows it leaves out) as a leaf :attr:`ws` and return each key's position in it."""
         assert self.plan is not None
         planned = self.plan.reads[self.rank]
-        if not self.frozen_keys.numel():  # the working set is the plan's reads: check, then index into it
-            pos = torch.searchsorted(planned, keys)
-            ok = bool((pos < planned.numel()).all())
-            if ok and keys.numel():
-                ok = torch.equal(planned[pos], keys)
-            if not ok or not bool(torch.zeros(planned.numel(), dtype=torch.bool).index_fill_(0, pos, True).all()):
+        if not self.frozen_keys.numel():  # the plan's reads, loaded by begin(); checked at finish()
+            if self.ws is None or self.ws_keys is not planned:  # (rows unfrozen after begin: load them now)
+                self._set_working_set(self.store.read(planned)[0], planned)
+            n = planned.numel()
+            if not n and keys.numel():  # (sizes the host knows: no sync)
                 raise RuntimeError(f"rank {self.rank}: the batch's rows differ from the ones the plan was made for")
-            w, _ = self.store.read(planned)
-            self._set_working_set(w, planned)
+            if not keys.numel():
+                self._check = torch.tensor(n > 0)
+                return keys
+            pos = torch.searchsorted(planned, keys)
+            at = pos.clamp(max=n - 1)
+            wrong = (pos >= n) | (planned[at] != keys)
+            unread = ~torch.zeros(n, dtype=torch.bool).index_fill_(0, at, True)
+            # a 0-d flag the host reads only after backward (finish): nothing waits inside forward
+            self._check = wrong.any() | unread.any()
             return pos
         ws_keys = torch.unique(keys)
         extra = ws_keys[~torch.isin(ws_keys, planned)]
@@ -97,13 +114,16 @@ class PlanExecutor:
             return
         grad, keys, red_keys, dev = ws.grad.detach(), self.ws_keys, plan.reduce[:, 0], self.store.device
         self._reduce = self._start_exchange(plan.reduce, lambda i: grad[torch.searchsorted(keys, red_keys[i]).to(dev)],
-                                            "herald_reduce", self.D)
+                                            "herald_reduce", self.D, route=self._reduce_route)
 
     def finish(self) -> None:
         """After backward: reduce, exact update, pushes and evictions of the plan (collective)."""
         plan, ws = self.plan, self.ws
         if plan is None or ws is None:
             raise RuntimeError("finish_plan_step without a planned forward (call begin_plan_step first)")
+        if self._check is not None and bool(self._check):
+            self.plan, self.ws, self._reduce, self._check = None, None, None, None
+            raise RuntimeError(f"rank {self.rank}: the batch's rows differ from the ones the plan was made for")
         grad = ws.grad if ws.grad is not None else torch.zeros_like(ws)
         self.plan, self.ws = None, None
         started, self._reduce = self._reduce, None
@@ -138,12 +158,13 @@ class PlanExecutor:
         return send_pos, send_counts, list(recv_pos.split(recv_counts)), recv_counts
 
     def _start_exchange(self, transfers: torch.Tensor, payload: Callable[[torch.Tensor], torch.Tensor], label: str,
-                        width: int) -> Tuple[List[torch.Tensor], torch.Tensor, Any]:
+                        width: int, route: Optional[Tuple[torch.Tensor, List[int], List[torch.Tensor], List[int]]] = None
+                        ) -> Tuple[List[torch.Tensor], torch.Tensor, Any]:
         """Start one all-to-all of the rows of ``transfers`` (``(key, src, dst)``, known to every rank): for
         each destination this rank sends ``payload(i)``, ``i`` the positions in ``transfers`` of its rows
         to it; returns (per source, the positions of the rows received from it; the buffer they arrive
-        in; the collective's work, to wait for)."""
-        send_pos, send_counts, recv_pos, recv_counts = self._route(transfers)
+        in; the collective's work, to wait for). ``route``: :meth:`_route` of ``transfers``, found earlier."""
+        send_pos, send_counts, recv_pos, recv_counts = route if route is not None else self._route(transfers)
         send = payload(send_pos) if send_pos.numel() else torch.zeros(0, width, device=self.store.device)
         out, work = all_to_all_rows_async(send, send_counts, recv_counts, self.pg, label, width)
         return recv_pos, out, work
