@@ -61,7 +61,7 @@ def probe_link(pg: Optional[dist.ProcessGroup], *, budget_s: float = 1.0, timeou
                repeats: int = 2) -> LinkProbe:
     """Time the link of ``pg`` (collective: every rank calls it).
 
-    Latency: the lower quartile of 20 one-element all-reduces (after 2 warm-ups), slowest rank. Rate: an
+    Latency: the median of 20 one-element all-reduces (after 2 warm-ups), slowest rank. Rate: an
     all-to-all of ``n`` bytes per rank (split evenly over the ranks), doubling ``n`` from ``min_bytes``
     until one takes ``target_s``, reaches ``max_bytes`` or the probe spends ``budget_s``, then repeated
     at that size (``repeats`` in all, within the budget); the rate is the bytes that cross this rank's
@@ -77,9 +77,10 @@ def probe_link(pg: Optional[dist.ProcessGroup], *, budget_s: float = 1.0, timeou
     timeout = timedelta(seconds=timeout_s)
     start = time.perf_counter()
     one = torch.zeros(1)
-    # the lower quartile of 20: a rank's background work at start (data, logging) delays some of them
+    # the median of 20: robust to a rank's passing background work at start, yet it keeps the cost of
+    # ranks that share cores (which every collective of the training pays too)
     lat = [_timed(lambda a: dist.all_reduce(one, group=pg, async_op=a), timeout) for _ in range(22)][2:]
-    latency = _slowest(statistics.quantiles(lat, n=4)[0], pg, timeout)
+    latency = _slowest(statistics.median(lat), pg, timeout)
     # every stop below is decided on the slowest rank's times, the same on every rank (a rank deciding
     # on its own clock could leave the others waiting in a collective)
     spent = 22 * latency
