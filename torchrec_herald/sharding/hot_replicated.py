@@ -316,7 +316,12 @@ class ShardedHeraldEmbeddingBagCollection(
     def input_dist(self, ctx: HeraldContext, features: KeyedJaggedTensor) -> Awaitable[Awaitable[HeraldContext]]:
         """Split ids hot/cold, validate them, and send the remote cold ids to their owners: an awaitable
         of an awaitable, as a stock input dist (first wait: the counts arrived, the ids are sent; second:
-        the ids arrived). An id outside its table is raised by every rank at the first wait."""
+        the ids arrived). An id outside its table is raised by every rank at the first wait.
+
+        The previous step's hot-row gradient sum is applied here first: a pipelined input dist runs
+        before the next forward, so the merge of the rows it received (``torch.unique``, sized by the
+        data) happens outside forward and backward."""
+        self.settle_hot_sync()
         features = self.in_feature_order(features)
         if features.weights_or_none() is not None:
             raise ValueError("herald_hot_row_wise does not support per-sample weights (weighted KJT); "
