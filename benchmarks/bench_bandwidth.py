@@ -74,6 +74,14 @@ CONFIGS: Dict[str, tuple] = {
     "by_home_on": ("herald, planning by home, scheduling on", ["planner=herald", "pipeline=herald",
                                                               "pipeline.scheduling=on", "pipeline.planning=by_home",
                                                               "pipeline.allocator=identity"]),
+    # what each technique buys (no link key): scheduling forced on, then HET's bounded staleness on top,
+    # and Slipstream's input skipping (each approximate mode without its exact reference run)
+    "het": ("herald + scheduling + HET staleness 3", ["planner=herald", "pipeline=herald", "pipeline.scheduling=on",
+                                                     "pipeline.staleness=3", "pipeline.reference=false"]),
+    "het1": ("herald + scheduling + HET staleness 1", ["planner=herald", "pipeline=herald", "pipeline.scheduling=on",
+                                                      "pipeline.staleness=1", "pipeline.reference=false"]),
+    "skip": ("herald + Slipstream skip=input", ["planner=herald", "pipeline=herald", "pipeline.skip=input",
+                                                "pipeline.reference=false"]),
 }
 #: herald full declares the link it runs on (planner.link_mbit); "unlimited" (veth without tc) as 10 Gbit/s
 UNLIMITED_DECLARED_MBIT = 10_000
@@ -260,7 +268,8 @@ def plot(rows: List[Dict[str, Any]], out: Path) -> None:
     ax = axes[1]
     parts = [("compute", "#4c72b0"), ("comm_wait", "#c44e52"), ("scheduler_critical", "#dd8452")]
     labels, bottoms = [], []
-    sel = [r for r in rows if r["config"] in ("herald", "tw" if r["world_size"] == 2 else "stock")]
+    sel = ([r for r in rows if r["config"] in ("herald", "tw" if r["world_size"] == 2 else "stock")]
+           or list(rows))  # (a run without herald full or its baseline: every row)
     sel.sort(key=lambda r: (r["world_size"], (r["rate_mbit"] == 0, r["rate_mbit"]), r["config"] != "herald"))
     x = range(len(sel))
     bottom = [0.0] * len(sel)
@@ -269,7 +278,8 @@ def plot(rows: List[Dict[str, Any]], out: Path) -> None:
         ax.bar(x, vals, bottom=bottom, color=color, label=part.replace("_", " "))
         bottom = [b + v for b, v in zip(bottom, vals)]
     short = {"herald": "herald", "tw": "TW", "stock": "default"}
-    ax.set_xticks(list(x), [f"W={r['world_size']} {rate_name(r['rate_mbit']).replace(' Mbit/s', 'M')}: {short[r['config']]}"
+    ax.set_xticks(list(x), [f"W={r['world_size']} {rate_name(r['rate_mbit']).replace(' Mbit/s', 'M')}: "
+                            f"{short.get(r['config'], r['config'])}"
                             for r in sel], fontsize=7, rotation=60, ha="right")
     ax.set_ylim(0, 1.08 * max(bottom))
     ax.set_ylabel("ms per step (rank 0)")
