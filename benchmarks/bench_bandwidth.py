@@ -274,7 +274,7 @@ def plot(rows: List[Dict[str, Any]], out: Path) -> None:
     parts = [("compute", "#4c72b0"), ("comm_wait", "#c44e52"), ("scheduler_critical", "#dd8452")]
     labels, bottoms = [], []
     sel = ([r for r in rows if r["config"] in ("herald", "tw" if r["world_size"] == 2 else "stock")]
-           or list(rows))  # (a run without herald full or its baseline: every row)
+           if "herald" in present else list(rows))  # (a run without herald full: every row)
     sel.sort(key=lambda r: (r["world_size"], (r["rate_mbit"] == 0, r["rate_mbit"]), r["config"] != "herald"))
     x = range(len(sel))
     bottom = [0.0] * len(sel)
