@@ -194,20 +194,8 @@ def markdown(rows: List[Dict[str, Any]], command: str) -> str:
     return "\n".join(lines)
 
 
-def update_results_md(section: str) -> None:
-    path = HERE / "RESULTS.md"
-    text = path.read_text()
-    start, end = "<!-- STEP_OPS:START -->", "<!-- STEP_OPS:END -->"
-    block = f"{start}\n{section}\n{end}"
-    if start in text:
-        text = text[:text.index(start)] + block + text[text.index(end) + len(end):]
-    else:
-        text = (text.rstrip("\n") + "\n\n## Ops and host syncs per step (torch.profiler, CPU, 2 ranks)\n\n"
-                + block + "\n")
-    path.write_text(text)
-
-
 def main(argv: Optional[List[str]] = None) -> None:
+    from bench_traffic import write_results_md  # RESULTS.md's marked sections, one writer for every benchmark
     from torchrec_herald.dist_utils import run_multiprocess
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -220,7 +208,7 @@ def main(argv: Optional[List[str]] = None) -> None:
     rows = [run_multiprocess(worker, 2, c, a.steps, a.warmup)[0] for c in a.configs]
     Path(a.out).write_text(json.dumps({"command": command, "rows": rows}, indent=1))
     md = markdown(rows, command)
-    update_results_md(md)
+    write_results_md({"STEP_OPS": md})
     print(md)
 
 

@@ -250,19 +250,8 @@ def plot(result: Dict[str, Any], out: Path) -> None:
     fig.savefig(out, dpi=120)
 
 
-def update_results_md(section: str) -> None:
-    path = HERE / "RESULTS.md"
-    text = path.read_text()
-    start, end = "<!-- TIME_MODEL:START -->", "<!-- TIME_MODEL:END -->"
-    block = f"{start}\n{section}\n{end}"
-    if start in text:
-        text = text[:text.index(start)] + block + text[text.index(end) + len(end):]
-    else:
-        text = text.rstrip("\n") + "\n\n## The model of time: validated, and projected to 8–128 GPUs\n\n" + block + "\n"
-    path.write_text(text)
-
-
 def main(argv: Optional[List[str]] = None) -> None:
+    from bench_traffic import write_results_md  # RESULTS.md's marked sections, one writer for every benchmark
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--world-sizes", type=int, nargs="+", default=[8, 16, 32, 64, 128])
     ap.add_argument("--links-gbit", type=float, nargs="+", default=[12.5, 50, 400])
@@ -275,7 +264,7 @@ def main(argv: Optional[List[str]] = None) -> None:
     out.write_text(json.dumps(result, indent=1))
     plot(result, out.with_suffix(".png"))
     md = markdown(result, command)
-    update_results_md(md)
+    write_results_md({"TIME_MODEL": md})
     print(md)
 
 

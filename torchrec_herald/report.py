@@ -199,7 +199,9 @@ def predicted_step_cell(m: Dict[str, Any]) -> str:
     p = (d.get("predicted") or {}).get(d.get("chosen"))
     if not p or not b:
         return "–"
-    step = max(b["compute"] + p["extra_ms"] + p["comm_ms"], p["link_busy_ms"])
+    from torchrec_herald.planner.time_model import step_ms
+
+    step = step_ms(b["compute"], p["extra_ms"], p["comm_ms"], p["link_busy_ms"])
     return f"{step:.1f} (measured {b['step']:.1f}, {100 * (step / b['step'] - 1):+.0f} %)"
 
 

@@ -24,16 +24,16 @@ the collectives per rank and step TrafficMeter counts besides the dense all-redu
 from __future__ import annotations
 
 import abc
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Dict, Iterable, Mapping, Optional, TypeVar
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Iterable, Mapping, Optional, TypeVar
 
 import torch
 
 if TYPE_CHECKING:
-    from torchrec_herald.planner.time_model import PlanLoad
+    from torchrec_herald.planner.time_model import LinkDecision, PlanLoad
 
-__all__ = ["ByteCount", "HERALD_COLLECTIVES", "LinkDecision", "LinkModel", "PLAN_LABELS", "Pricing",
-           "STOCK_TW_COLLECTIVES", "decide", "default_plan_load"]
+__all__ = ["ByteCount", "HERALD_COLLECTIVES", "LinkModel", "Pricing", "STOCK_TW_COLLECTIVES", "decide",
+           "default_plan_load"]
 
 Amount = TypeVar("Amount", float, torch.Tensor)
 
@@ -118,52 +118,9 @@ class LinkModel(Pricing):
         return n * self.cpu_us_per_lookup / 1e3
 
 
-#: what each candidate plan is called in the decision, the printed table and ``metrics.json``
-PLAN_LABELS = {"herald": "herald's plan", "table_wise": "stock TABLE_WISE", "default": "TorchRec's default plan"}
-
-
-@dataclass(frozen=True)
-class LinkDecision:
-    """The plan the model of time chose (herald's, stock TABLE_WISE or TorchRec's default plan), with each
-    candidate's predicted per-rank step (``planner/time_model.py``).
-
-    Attributes:
-        herald: herald's plan was chosen.
-        stock_ms / herald_ms: the predicted steps of stock TABLE_WISE and herald's plan.
-        chosen: ``herald``, ``table_wise`` or ``default``.
-        predictions: every candidate's :class:`~torchrec_herald.planner.time_model.StepPrediction`.
-    """
-
-    herald: bool
-    stock_ms: float
-    herald_ms: float
-    link_mbit: float
-    chosen: str = ""
-    predictions: Dict[str, Any] = field(default_factory=dict)
-
-    def describe(self) -> str:
-        chosen = self.chosen or ("herald" if self.herald else "table_wise")
-        preds = self.predictions or {"herald": None, "table_wise": None}
-        ms = {"herald": self.herald_ms, "table_wise": self.stock_ms}
-        parts = ", ".join(f"{PLAN_LABELS.get(n, n)} {(p.step_ms if p is not None else ms[n]):.1f} ms"
-                          for n, p in preds.items())
-        why = ("" if chosen == "herald" else
-               " (herald's replication, scheduling and forward-ordered dense sync cannot pay on this link)")
-        return (f"link {self.link_mbit:g} Mbit/s: predicted step cost per rank (link, collectives, herald's extra "
-                f"work) {parts} -> {PLAN_LABELS.get(chosen, chosen)}{'' if chosen == 'herald' else ' with DDP'}{why}")
-
-    def as_dict(self) -> dict:
-        out = {"herald": self.herald, "chosen": self.chosen or ("herald" if self.herald else "table_wise"),
-               "predicted_stock_ms": self.stock_ms, "predicted_herald_ms": self.herald_ms,
-               "link_mbit": self.link_mbit, "text": self.describe()}
-        if self.predictions:
-            out["predicted"] = {n: p.as_dict() for n, p in self.predictions.items()}
-        return out
-
-
 def decide(expected: Iterable[Mapping[str, float]], world_size: int, model: LinkModel, *,
            dense_bytes: float = 0.0, dense_sync: str = "forward_ordered",
-           default_plan: Optional["PlanLoad"] = None) -> LinkDecision:
+           default_plan: Optional["PlanLoad"] = None) -> "LinkDecision":
     """Choose among herald's plan, stock TABLE_WISE and (when given) TorchRec's default plan on
     ``model``'s link, by predicted step time (``planner/time_model.py``).
 
@@ -187,11 +144,8 @@ def decide(expected: Iterable[Mapping[str, float]], world_size: int, model: Link
              PlanLoad("table_wise", stock_bytes + dense_bytes, 0.0, STOCK_TW_COLLECTIVES)]
     if default_plan is not None:
         loads.append(default_plan)
-    time_model = StepTimeModel(model.link_mbit, model.collective_latency_ms, 0.0, model.cpu_us_per_lookup)
-    choice = choose_plan(loads, time_model)
-    return LinkDecision(herald=choice.herald, stock_ms=choice.predicted_ms("table_wise"),
-                        herald_ms=choice.predicted_ms("herald"), link_mbit=model.link_mbit,
-                        chosen=choice.chosen, predictions=choice.predictions)
+    return choose_plan(loads, StepTimeModel(link_mbit=model.link_mbit, collective_latency_ms=model.collective_latency_ms,
+                                            cpu_us_per_lookup=model.cpu_us_per_lookup))
 
 
 def default_plan_load(sharding_types: Mapping[str, str], expected: Mapping[str, Mapping[str, float]],

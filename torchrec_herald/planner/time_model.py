@@ -18,10 +18,12 @@ GPU cluster).
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
-from typing import Dict, Iterable, List, Mapping, Optional
+from dataclasses import asdict, dataclass
+from typing import Any, Dict, Iterable, List, Optional
 
-__all__ = ["PlanChoice", "PlanLoad", "StepPrediction", "StepTimeModel", "choose_plan"]
+from torchrec_herald.planner.pricing import LinkModel
+
+__all__ = ["LinkDecision", "PLAN_LABELS", "PlanLoad", "StepPrediction", "StepTimeModel", "choose_plan", "step_ms"]
 
 
 @dataclass(frozen=True)
@@ -64,59 +66,78 @@ class StepPrediction:
         return {k: v for k, v in asdict(self).items() if k != "name"}
 
 
+def step_ms(compute_ms: float, extra_ms: float, comm_ms: float, link_busy_ms: float, host_bound_ms: float = 0.0
+            ) -> float:
+    """The model's step: the critical path, or the link's occupancy, or the host floor, whichever is longest."""
+    return max(compute_ms + extra_ms + comm_ms, link_busy_ms, host_bound_ms)
+
+
 @dataclass(frozen=True)
-class StepTimeModel:
-    """Milliseconds per step for a rank's link and device.
+class StepTimeModel(LinkModel):
+    """Milliseconds per step for a rank's link and device: the link's prices (:class:`LinkModel`: rate,
+    per-collective latency, herald's extra work per lookup) plus the step's compute.
 
     Args:
-        link_mbit: the rate a collective gets over this rank's link, Mbit/s (> 0).
-        collective_latency_ms: time a collective costs beyond its bytes (>= 0).
         compute_ms: the step's compute on this device with the stock plan (0: unknown).
-        cpu_us_per_lookup: herald's extra work per lookup over stock's fused kernels.
     """
 
-    link_mbit: float
-    collective_latency_ms: float
     compute_ms: float = 0.0
-    cpu_us_per_lookup: float = 0.6
 
     def __post_init__(self) -> None:
-        if not self.link_mbit > 0:
-            raise ValueError(f"link_mbit must be > 0, got {self.link_mbit}")
-        if self.collective_latency_ms < 0 or self.compute_ms < 0 or self.cpu_us_per_lookup < 0:
-            raise ValueError("collective_latency_ms, compute_ms and cpu_us_per_lookup must be >= 0")
-
-    def transfer_ms(self, nbytes: float) -> float:
-        return nbytes * 8 / (self.link_mbit * 1e3)
+        super().__post_init__()
+        if self.compute_ms < 0:
+            raise ValueError(f"compute_ms must be >= 0, got {self.compute_ms}")
 
     def predict(self, load: PlanLoad) -> StepPrediction:
         compute = self.compute_ms if load.compute_ms is None else load.compute_ms
-        extra = load.lookups * self.cpu_us_per_lookup / 1e3 + load.scheduler_ms
-        comm = self.transfer_ms(load.critical_bytes) + load.collectives * self.collective_latency_ms
+        extra = self.lookups(load.lookups) + load.scheduler_ms
+        comm = self.transfer_ms(load.critical_bytes) + self.collectives(load.collectives)
         busy = self.transfer_ms(load.critical_bytes + load.overlapped_bytes)
-        step = max(compute + extra + comm, busy, load.host_bound_ms)
-        return StepPrediction(load.name, compute, extra, comm, busy, step)
+        return StepPrediction(load.name, compute, extra, comm, busy, step_ms(compute, extra, comm, busy, load.host_bound_ms))
+
+
+#: what each candidate plan is called in the decision, the printed table and ``metrics.json``
+PLAN_LABELS = {"herald": "herald's plan", "table_wise": "stock TABLE_WISE", "default": "TorchRec's default plan"}
 
 
 @dataclass(frozen=True)
-class PlanChoice:
-    """The candidate with the shortest predicted step, and every candidate's prediction."""
+class LinkDecision:
+    """The plan the model of time chose (``herald``, ``table_wise`` or ``default``: TorchRec's default
+    plan), with every candidate's predicted per-rank step."""
 
     chosen: str
     predictions: Dict[str, StepPrediction]
     link_mbit: float
-    reasons: Dict[str, str] = field(default_factory=dict)
 
     @property
     def herald(self) -> bool:
+        """Herald's plan was chosen."""
         return self.chosen == "herald"
 
-    def predicted_ms(self, name: Optional[str] = None) -> float:
-        return self.predictions[name or self.chosen].step_ms
+    @property
+    def stock_ms(self) -> float:
+        """Stock TABLE_WISE's predicted step."""
+        return self.predictions["table_wise"].step_ms
+
+    @property
+    def herald_ms(self) -> float:
+        """Herald's plan's predicted step."""
+        return self.predictions["herald"].step_ms
+
+    def describe(self) -> str:
+        parts = ", ".join(f"{PLAN_LABELS.get(n, n)} {p.step_ms:.1f} ms" for n, p in self.predictions.items())
+        verdict = PLAN_LABELS.get(self.chosen, self.chosen) + ("" if self.herald else (
+            " with DDP (herald's replication, scheduling and forward-ordered dense sync cannot pay on this link)"))
+        return (f"link {self.link_mbit:g} Mbit/s: predicted step cost per rank (link, collectives, herald's extra "
+                f"work) {parts} -> {verdict}")
+
+    def as_dict(self) -> Dict[str, Any]:
+        return {"herald": self.herald, "chosen": self.chosen, "predicted_stock_ms": self.stock_ms,
+                "predicted_herald_ms": self.herald_ms, "link_mbit": self.link_mbit, "text": self.describe(),
+                "predicted": {n: p.as_dict() for n, p in self.predictions.items()}}
 
 
-def choose_plan(loads: Iterable[PlanLoad], model: StepTimeModel,
-                reasons: Optional[Mapping[str, str]] = None) -> PlanChoice:
+def choose_plan(loads: Iterable[PlanLoad], model: StepTimeModel) -> LinkDecision:
     """The load with the shortest predicted step (ties: the earlier one)."""
     loads = list(loads)
     if not loads:
@@ -124,4 +145,4 @@ def choose_plan(loads: Iterable[PlanLoad], model: StepTimeModel,
     preds: Dict[str, StepPrediction] = {ld.name: model.predict(ld) for ld in loads}
     order: List[str] = [ld.name for ld in loads]
     best = min(order, key=lambda n: (preds[n].step_ms, order.index(n)))
-    return PlanChoice(best, preds, model.link_mbit, dict(reasons or {}))
+    return LinkDecision(best, preds, model.link_mbit)

@@ -10,7 +10,7 @@ from torch import nn
 from torchrec.distributed.types import ModuleSharder, ShardingPlan
 
 from torchrec_herald.planner.link_probe import LinkProbe
-from torchrec_herald.planner.pricing import LinkDecision
+from torchrec_herald.planner.time_model import LinkDecision
 from torchrec_herald.sharding.types import HERALD_HOT_ROW_WISE, HotSpec
 
 __all__ = ["PlanDecision", "herald_tables"]
