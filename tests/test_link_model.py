@@ -1,5 +1,5 @@
-"""The link model (torchrec_herald/planner/pricing.py): herald's plan is kept only where its predicted
-per-rank cost on the given link is below stock TABLE_WISE's, with exact figures; bad keys are one error
+"""The link model (torchrec_herald/planner/pricing.py) and the model of time (planner/time_model.py):
+the plan with the shortest predicted per-rank step on the given link is chosen, with exact figures; bad keys are one error
 naming the key; through the driver a fast link trains TABLE_WISE and says so, a slow one keeps herald."""
 
 from __future__ import annotations
@@ -9,7 +9,8 @@ from pathlib import Path
 import pytest
 
 from torchrec_herald.dist_utils import run_multiprocess
-from torchrec_herald.planner.pricing import LinkModel, decide
+from torchrec_herald.planner.pricing import LinkModel
+from torchrec_herald.planner.time_model import decide
 
 EXPECTED = [{"lookups": 600.0, "stock_table_wise": 6e5, "herald_total": 1e5},
             {"lookups": 400.0, "stock_table_wise": 4e5, "herald_total": 1e5}]
@@ -37,7 +38,7 @@ def test_dense_all_reduce_counts_on_tw_path_but_overlaps_herald_forward_ordered_
 
 
 def test_default_plan_is_chosen_where_it_is_predicted_fastest() -> None:
-    from torchrec_herald.planner.pricing import default_plan_load
+    from torchrec_herald.planner.time_model import default_plan_load
 
     expected = {"a": EXPECTED[0], "b": {**EXPECTED[1], "stock_row_wise": 2e5}}
     # a: TABLE_WISE 6e5; b: ROW_WISE 2e5; c: DATA_PARALLEL, 1e4 B of table -> 2·(1/2)·1e4·2 = 2e4 all ranks

@@ -1,7 +1,8 @@
 """Measure the link the job runs on, once at start: its per-rank rate and its per-collective latency, from
 timed collectives on the job's own process group (``planner.link_mbit=auto`` and
-``planner.collective_latency_ms=auto``, the defaults). The planner's link model (``planner/pricing.py``)
-then decides herald's plan against stock TABLE_WISE without the user knowing their link.
+``planner.collective_latency_ms=auto``, the defaults). The planner's model of time
+(``planner/time_model.py``) then picks herald's plan, stock TABLE_WISE or TorchRec's default plan
+without the user knowing their link.
 
 Hand-written because no library times a process group's links; it costs well under a second and a few
 MB per rank, and every rank ends with the same figures (the times are all-reduced), so every rank makes

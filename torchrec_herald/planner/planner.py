@@ -171,7 +171,7 @@ class HeraldPlanner(EmbeddingShardingPlanner):
         one with the shortest predicted step on the link (``link``, or the bandwidth stated in the
         planner's TorchRec ``Topology``); the decision carries every candidate's predicted step and says
         why in one line."""
-        from torchrec_herald.planner.pricing import decide, default_plan_load
+        from torchrec_herald.planner.time_model import decide, default_plan_load
         from torchrec_herald.planner.stock import describe_plan, stock_plan
 
         plan = self.collective_plan(module, sharders, pg) if pg is not None else self.plan(module, sharders)

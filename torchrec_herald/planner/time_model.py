@@ -19,11 +19,12 @@ GPU cluster).
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
-from typing import Any, Dict, Iterable, List, Optional
+from typing import Any, Dict, Iterable, List, Mapping, Optional
 
-from torchrec_herald.planner.pricing import LinkModel
+from torchrec_herald.planner.pricing import HERALD_COLLECTIVES, STOCK_TW_COLLECTIVES, LinkModel
 
-__all__ = ["LinkDecision", "PLAN_LABELS", "PlanLoad", "StepPrediction", "StepTimeModel", "choose_plan", "step_ms"]
+__all__ = ["LinkDecision", "PLAN_LABELS", "PlanLoad", "StepPrediction", "StepTimeModel", "choose_plan", "decide",
+           "default_plan_load", "step_ms"]
 
 
 @dataclass(frozen=True)
@@ -146,3 +147,55 @@ def choose_plan(loads: Iterable[PlanLoad], model: StepTimeModel) -> LinkDecision
     order: List[str] = [ld.name for ld in loads]
     best = min(order, key=lambda n: (preds[n].step_ms, order.index(n)))
     return LinkDecision(best, preds, model.link_mbit)
+
+
+def decide(expected: Iterable[Mapping[str, float]], world_size: int, model: LinkModel, *,
+           dense_bytes: float = 0.0, dense_sync: str = "forward_ordered",
+           default_plan: Optional[PlanLoad] = None) -> LinkDecision:
+    """Choose among herald's plan, stock TABLE_WISE and (when given) TorchRec's default plan on
+    ``model``'s link, by predicted step time (``planner/time_model.py``).
+
+    Args:
+        expected: per herald table, the planner's expected traffic (``HotSpec.expected``: ``lookups``,
+            ``stock_table_wise`` and ``herald_total`` bytes per step, all ranks).
+        world_size: W.
+        dense_bytes: bytes each rank sends per step to all-reduce the dense layers (the same for every
+            plan; on the critical path under DDP, overlapped under herald's forward-ordered sync).
+        dense_sync: herald's dense sync (``forward_ordered`` or ``ddp``).
+        default_plan: TorchRec's default plan's load, a third candidate.
+    """
+    expected = list(expected)
+    lookups = sum(e.get("lookups", 0.0) for e in expected) / world_size
+    stock_bytes = sum(e.get("stock_table_wise", 0.0) for e in expected) / world_size
+    herald_bytes = sum(e.get("herald_total", 0.0) for e in expected) / world_size
+    overlapped = dense_bytes if dense_sync == "forward_ordered" else 0.0
+    loads = [PlanLoad("herald", herald_bytes + dense_bytes - overlapped, overlapped, HERALD_COLLECTIVES, lookups),
+             PlanLoad("table_wise", stock_bytes + dense_bytes, 0.0, STOCK_TW_COLLECTIVES)]
+    if default_plan is not None:
+        loads.append(default_plan)
+    return choose_plan(loads, StepTimeModel(link_mbit=model.link_mbit, collective_latency_ms=model.collective_latency_ms,
+                                            cpu_us_per_lookup=model.cpu_us_per_lookup))
+
+
+def default_plan_load(sharding_types: Mapping[str, str], expected: Mapping[str, Mapping[str, float]],
+                      table_bytes: Mapping[str, float], world_size: int, dense_bytes: float) -> PlanLoad:
+    """TorchRec's default plan as a :class:`~torchrec_herald.planner.time_model.PlanLoad`: per table the
+    bytes of its sharding type (TABLE_WISE and its variants as TABLE_WISE, ROW_WISE as ROW_WISE, a
+    DATA_PARALLEL table's gradient all-reduce), every rank's share, plus the dense all-reduce under DDP;
+    the input and output all-to-alls of each sharded type and one all-reduce for the data-parallel tables.
+    """
+    W = world_size
+    total, kinds = 0.0, set()
+    for name, st in sharding_types.items():
+        e = expected.get(name, {})
+        if st == "data_parallel":
+            total += 2 * (W - 1) / W * table_bytes.get(name, 0.0) * W  # all ranks, ring all-reduce
+            kinds.add("data_parallel")
+        elif st == "row_wise":
+            total += e.get("stock_row_wise", 0.0)
+            kinds.add(st)
+        else:
+            total += e.get("stock_table_wise", 0.0)
+            kinds.add("table_wise" if st in ("table_wise", "column_wise", "table_row_wise") else st)
+    collectives = sum(1 if k == "data_parallel" else STOCK_TW_COLLECTIVES for k in kinds)
+    return PlanLoad("default", total / W + dense_bytes, 0.0, collectives)
