@@ -75,7 +75,8 @@ CONFIGS: Dict[str, tuple] = {
                                                               "pipeline.scheduling=on", "pipeline.planning=by_home",
                                                               "pipeline.allocator=identity"]),
     # what each technique buys (no link key): scheduling forced on, then HET's bounded staleness on top,
-    # and Slipstream's input skipping (each approximate mode without its exact reference run)
+    # and Slipstream's input skipping on herald's defaults (each approximate mode without its exact
+    # reference run; skipping's counterpart without it is herald_defaults)
     "het": ("herald + scheduling + HET staleness 3", ["planner=herald", "pipeline=herald", "pipeline.scheduling=on",
                                                      "pipeline.staleness=3", "pipeline.reference=false"]),
     "het1": ("herald + scheduling + HET staleness 1", ["planner=herald", "pipeline=herald", "pipeline.scheduling=on",
@@ -143,6 +144,7 @@ def worker(config: str, steps: int, segments: int, warmup: int, out: str, rate: 
         "bytes_per_step": meter.total()["bytes"] / n,
         "link_decision": decision.link_report(),
         "scheduling": pipeline.report().get("scheduling"),
+        "approximate": pipeline.approximate_report() if hasattr(pipeline, "approximate_report") else {},
         "breakdown_ms": step_time_breakdown(sum(seg_s) / n, meter.wait_s / n, *sched),
         # per collective label: calls and bytes per step, and the ms per step waited for it
         "by_label": {k: {"calls": v["calls"] / n, "bytes": v["bytes"] / n,

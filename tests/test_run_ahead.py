@@ -262,11 +262,12 @@ def test_options_of_the_run_ahead_path_are_checked() -> None:
         HeraldPipelineConfig(scheduling="maybe", global_batches=True)
     with pytest.raises(ValueError, match="pipeline.probe_steps must be >= 2, got 1"):
         HeraldPipelineConfig(probe_steps=1)
-    with pytest.raises(ValueError, match="pipeline.global_batches needs pipeline.skip=null"):
-        HeraldPipelineConfig(global_batches=True, skip=SkipConfig(granularity="input"))
+    # skipping runs on whole global batches and ahead, like the exact plan
+    config, _ = HeraldPipelineConfig(global_batches=True, skip=SkipConfig(granularity="input")).resolve(True, 2)
+    assert (config.global_batches, config.run_ahead, config.scheduling) == (True, True, "auto")
 
 
-def test_hydra_defaults_schedule_ahead_and_skip_falls_back_to_per_rank() -> None:
+def test_hydra_defaults_schedule_ahead_with_skipping_too_and_staleness_keeps_the_plan_on() -> None:
     """The trainer's stream can read whole global batches: the defaults then schedule ahead and probe."""
     from torchrec_herald.config import compose_config
     from torchrec_herald.trainer import herald_pipeline_config
@@ -276,7 +277,8 @@ def test_hydra_defaults_schedule_ahead_and_skip_falls_back_to_per_rank() -> None
         return c.global_batches, c.run_ahead, c.scheduling
 
     assert decided([]) == (True, True, "auto")
-    assert decided(["pipeline.skip=input"]) == (False, False, "on")
+    assert decided(["pipeline.skip=input"]) == (True, True, "auto")
+    assert decided(["pipeline.skip=row"]) == (True, True, "auto")
     assert decided(["pipeline.staleness=1"]) == (True, True, "on")  # its plan stays on
 
 

@@ -39,6 +39,7 @@ anything is trained.
 from __future__ import annotations
 
 import contextlib
+import copy
 import functools
 import json
 import math
@@ -176,10 +177,20 @@ RUNS: Dict[str, Dict[str, Any]] = {  # name -> harness cfg + pipeline sync + ski
     "eager_no_skip": dict(ADAGRAD, pipe_sync="eager", skip=None),
     "input_lazy": dict(optimizer="sgd", via="apply", pipe_sync="lazy", skip=("input", 1.0, 0.1), hot_min_count=1),
 }
+# input skipping with samples where loaded: per-rank batches (scores and reads gathered), whole global
+# batches scheduled ahead, and scheduling off (hot replication alone under TorchRec's pipeline)
+_INPUT_ID = dict(RUNS["input_lazy"], pipe=dict(allocator="identity", scheduling="on"))
+RUNS.update({
+    "input_identity": _INPUT_ID,
+    "input_whole_ahead": dict(_INPUT_ID, whole=True, pipe=dict(allocator="identity", scheduling="on",
+                                                                global_batches=True, run_ahead=True)),
+    "input_off": dict(_INPUT_ID, whole=True, pipe=dict(scheduling="off", global_batches=True)),
+})
 
 
 def _one_run(rank: int, world: int, cfg: Dict[str, Any]) -> Dict[str, Any]:
     from herald_harness import build, full_state
+    from torchrec_herald.data import TrainStream
     from torchrec_herald.pipeline import HeraldTrainPipeline
     from torchrec_herald.traffic import TrafficMeter
 
@@ -187,7 +198,7 @@ def _one_run(rank: int, world: int, cfg: Dict[str, Any]) -> Dict[str, Any]:
     skip = None if cfg["skip"] is None else SkipConfig(cfg["skip"][0], start=START, gap=GAP, every=100,
                                                        t_max=cfg["skip"][1], target=cfg["skip"][2], tolerance=0.05)
     pipe = HeraldTrainPipeline(b["dmp"], b["optimizer"], torch.device("cpu"), sync=cfg["pipe_sync"], window=WINDOW,
-                               skip=skip)
+                               skip=skip, **cfg.get("pipe", {}))
     ebc = pipe.ebc
     n = ebc.layout.num_rows
     out: Dict[str, Any] = {"hot_keys": ebc.layout.hot_keys.clone(), "B": b["batch_size"]}
@@ -219,9 +230,11 @@ def _one_run(rank: int, world: int, cfg: Dict[str, Any]) -> Dict[str, Any]:
 
         hook.filter_inputs = drop  # type: ignore[method-assign]
         out["dropped"] = dropped
-    it = b["data"].train_batches(rank, world, b["batch_size"])
+    it: Any = (TrainStream(b["data"], rank, world, b["batch_size"], whole=True) if cfg.get("whole")
+               else b["data"].train_batches(rank, world, b["batch_size"]))
     trained_keys: List[torch.Tensor] = []  # per step: the rows this rank's trained batch reads
     sizes: List[int] = []
+    losses: List[float] = []
     meter = TrafficMeter(embedding_dim=8)
     pipe.fill(it)
     step = 0
@@ -232,11 +245,12 @@ def _one_run(rank: int, world: int, cfg: Dict[str, Any]) -> Dict[str, Any]:
             sizes.append(int(trained.labels.numel()))
         try:
             with meter if step >= SNAP_B else contextlib.nullcontext():
-                pipe.progress(it)
+                losses.append(float(pipe.progress(it)[0].sum()))
         except StopIteration:
             break
         step += 1
-    out.update(final=snapshot(), steps=step, trained_keys=trained_keys, sizes=sizes, stats=pipe.stats,
+    out.update(final=snapshot(), steps=step, trained_keys=trained_keys, sizes=sizes, stats=copy.copy(pipe.stats),
+               losses=losses, mode=pipe.mode, ahead_s=pipe.stats.ahead_s,
                skip_tags=meter.tag_summary(), state=full_state(b["dmp"]),
                history=list(pipe.skipper.history) if pipe.skipper else [],
                movement=pipe.skipper.movement if pipe.skipper else None)
@@ -355,6 +369,29 @@ def test_input_skipping_drops_samples_and_leaves_their_rows_untouched() -> None:
         assert not torch.equal(f, a)  # the trained samples' rows did move
         for k, v in r[name]["state"].items():
             assert torch.equal(v, res[0][name]["state"][k]), k
+
+
+def test_input_skipping_runs_ahead_on_whole_global_batches_and_with_scheduling_off() -> None:
+    """The run-ahead path (whole global batches, every rank dropping the same samples of each, plans made
+    ahead) trains bit for bit what the per-rank path trains with the same skipping; scheduling off (hot
+    replication alone under TorchRec's pipeline) classifies the same rows stale from the same sampled
+    batches and skips the same samples, training within the exactness tolerance of both."""
+    res = _runs()
+    ref = [r["input_identity"] for r in res]
+    assert sum(r["stats"].skipped_inputs for r in ref) > 0
+    for name in ("input_whole_ahead", "input_off"):
+        for r, x in zip(ref, (r[name] for r in res)):
+            assert x["steps"] == STEPS and x["history"] == r["history"], name
+            for k in ("skipped_inputs", "skipped_updates", "candidate_updates"):
+                assert getattr(x["stats"], k) == getattr(r["stats"], k), (name, k)
+    for r, x in zip(ref, (r["input_whole_ahead"] for r in res)):
+        assert x["ahead_s"] > 0 and x["sizes"] == r["sizes"] and x["losses"] == r["losses"]
+        assert torch.equal(x["final"]["w"], r["final"]["w"])
+        assert all(torch.equal(x["state"][k], v) for k, v in r["state"].items())
+    for r, x in zip(ref, (r["input_off"] for r in res)):
+        assert x["mode"] == "off"
+        assert x["losses"] == pytest.approx(r["losses"], rel=1e-5)
+        assert float((x["final"]["w"] - r["final"]["w"]).abs().max()) <= 1e-5 * float(r["final"]["w"].abs().max())
 
 
 def test_skipping_needs_hot_rows() -> None:

@@ -209,7 +209,8 @@ def exact_reference_config(cfg: DictConfig) -> DictConfig:
     ref = copy.deepcopy(cfg)  # keeps the typed (structured) nodes
     ref.pipeline.staleness = None
     ref.pipeline.skip = None
-    ref.pipeline.scheduling = "on"  # the approximate run keeps its plan on: so does its reference
+    if cfg.pipeline.get("staleness") is not None:  # HET's run keeps its plan on: so does its reference
+        ref.pipeline.scheduling = "on"
     return ref
 
 

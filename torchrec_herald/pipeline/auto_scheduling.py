@@ -53,6 +53,10 @@ class SwitchHost(Protocol):
     def stop_collecting_reads(self) -> None:
         """Scheduling is off for good: batches entering the window no longer need every rank's reads."""
 
+    def off_batch(self, batch: Batch, train_step: int) -> Batch:
+        """A batch of this rank's on its way into TorchRec's pipeline, which trains it at ``train_step``
+        (stale-update skipping filters or counts it there)."""
+
 
 class SchedulingSwitch:
     """``off`` or ``auto`` scheduling of one herald pipeline.
@@ -151,7 +155,8 @@ class SchedulingSwitch:
             queued = self.host.take_window_batches()
             probing = self.probe is not None and not self.probe["decided"]
             limit = self.probe_length() - self.host.stats.steps if probing else None
-            self._delegate_src, self._delegate_it = it, islice(self._my_share(queued, it), limit)
+            share = self._my_share(queued, it, self.host.stats.steps)
+            self._delegate_src, self._delegate_it = it, islice(share, limit)
         try:
             out = self._delegate.progress(self._delegate_it)
         except StopIteration:
@@ -160,20 +165,21 @@ class SchedulingSwitch:
         self.host.stats.steps += 1
         return out
 
-    def _my_share(self, queued: List[Any], it: Iterator[Batch]) -> Iterator[Batch]:
-        """The window's batches, then this rank's slice of each global batch ``it`` yields: a
+    def _my_share(self, queued: List[Any], it: Iterator[Batch], first_step: int) -> Iterator[Batch]:
+        """The window's batches, then this rank's slice of each global batch ``it`` yields (the first
+        yielded trains at ``first_step``; the loader's batches pass :meth:`SwitchHost.off_batch`): a
         :class:`~torchrec_herald.data.TrainStream` is switched to read only the slice (no other rank's
         sample is generated or parsed into a batch); another iterator's whole batches are sliced here."""
         yield from queued
+        step = first_step + len(queued)
         if isinstance(it, TrainStream):
             it.whole = False
-            yield from it
-            return
         for batch in it:
-            if self.host.global_batches:
+            if self.host.global_batches and not isinstance(it, TrainStream):
                 B = batch.sparse_features.stride() // self._world
                 batch = select_samples(batch, torch.arange(self._rank * B, (self._rank + 1) * B))
-            yield batch
+            yield self.host.off_batch(batch, step)
+            step += 1
 
     def drop_delegate(self) -> None:
         """Detach and forget TorchRec's pipeline (it holds no batch between phases of the probe)."""

@@ -39,6 +39,7 @@ class HeraldBatchContext(TrainPipelineContext):
     sample_of_key: Optional[torch.Tensor] = None  # sample of each key, before allocation
     rank_of: Optional[torch.Tensor] = None  # global batches: the rank each sample was assigned to
     plan: Any = None  # run-ahead: this batch's plan, made while the previous step trained
+    train_step: int = 0  # the training step at which this batch trains (fixed when it enters the window)
 
 
 @dataclass

@@ -76,13 +76,13 @@ class HeraldPipelineConfig:
             source): each rank schedules every batch alone (docs/design.md §3: no collective agrees on the
             allocation or the plan, no sample bytes move) and trains the samples assigned to it.
             ``None`` (default): when the loader is a :class:`~torchrec_herald.data.TrainStream` (it can
-            read whole batches) and nothing needs each rank's own batch (skipping, planning by home).
+            read whole batches) and the planning is global (planning by home needs each rank's own batch).
         run_ahead: a background thread schedules the next batch entering the window (read, keys,
             allocation, reads) and plans the next step while the current step trains; needs
             ``global_batches`` or ``planning=by_home`` (whose exchanges then run on a process group of
             their own). ``None`` (default): whenever one of the two holds.
         scheduling: ``on``, ``off`` (hot replication alone) or ``auto`` (default: measure both, keep the
-            faster; ``on`` where the batches are per rank or the plan is approximate).
+            faster; ``on`` where the batches are per rank, or with ``staleness``, which relaxes the plan).
         probe_steps: ``auto``: steps timed in each mode (after ``probe_steps // 2`` unmeasured ones).
         planning: ``global`` (every rank plans every row), ``by_home`` (each rank plans its own rows from
             the keys the readers send it; needs ``allocator=identity``, per-rank batches, the exact plan
@@ -92,7 +92,8 @@ class HeraldPipelineConfig:
         staleness: ``None``: the exact plan; an integer ``s >= 0``: HET's bounded staleness (``sync=lazy``).
         skip: ``None``, ``input`` or ``row`` (Slipstream's stale-update skipping; a
             :class:`~torchrec_herald.pipeline.stale_skip.SkipConfig` is accepted too), tuned by the
-            ``skip_*`` options (:class:`SkipConfig`'s fields).
+            ``skip_*`` options (:class:`SkipConfig`'s fields). Works with either scheduling mode, on
+            whole global batches and ahead like the exact plan.
         reference: approximate runs of the trainer first train the exact mode on the same batches and
             record both.
     """
@@ -152,9 +153,6 @@ class HeraldPipelineConfig:
             if self.sync != "lazy":
                 raise ValueError("pipeline.staleness needs pipeline.sync=lazy (it relaxes the caches' plan)")
         self.skip_config  # validates the skip_* options  # noqa: B018
-        if self.global_batches and self.skip is not None:
-            raise ValueError("pipeline.global_batches needs pipeline.skip=null: stale-update skipping filters "
-                             "each rank's batch by its own training state (set pipeline.global_batches=false)")
         if self.scheduling not in SCHEDULING:
             raise ValueError(f"unknown pipeline.scheduling {self.scheduling!r}; known: {list(SCHEDULING)}")
         if self.planning not in PLANNING and not _strategy_module(self.planning):
@@ -250,16 +248,17 @@ class HeraldPipelineConfig:
         why: List[str] = [] if planned.endswith("(set)") else [planned]
         gb = c.global_batches
         if gb is None:
-            gb = whole_batches and c.skip is None and c.planning == "global"
+            gb = whole_batches and c.planning == "global"
         ra = (gb or c.planning == "by_home") if c.run_ahead is None else c.run_ahead
         scheduling = c.scheduling
         # the probe needs every rank to agree on each batch's samples: whole global batches, or planning by
         # home (samples stay where loaded)
-        if scheduling == "auto" and not ((gb or c.planning == "by_home") and c.staleness is None and c.skip is None):
+        if scheduling == "auto" and not ((gb or c.planning == "by_home") and c.staleness is None):
             scheduling = "on"
             why.append("pipeline.scheduling=auto -> on: " + (
-                "an approximate mode is measured against the exact plan, which stays on" if c.approximate
-                else "the probe needs whole global batches on every rank, or planning by home"))
+                "HET's bounded staleness relaxes the plan's caches, which need scheduling on"
+                if c.staleness is not None else
+                "the probe needs whole global batches on every rank, or planning by home"))
         if c.planning == "by_home":
             _, fallback = c.scheduler_impl_choice()
             if fallback is not None:

@@ -19,6 +19,8 @@ from typing import Any, List, Optional, Protocol, Tuple
 
 import torch
 
+from torchrec_herald.pipeline.context import select_samples
+
 logger = logging.getLogger(__name__)
 
 __all__ = ["GRANULARITIES", "SkipConfig", "StaleSkipHook", "StaleSkipper", "search_threshold"]
@@ -209,9 +211,25 @@ class StaleSkipHook:
         if self.granularity == "row":
             host.freeze_hot(stale, self.frozen_keys)
 
+    def flushes_at(self, step: int) -> bool:
+        """Step ``step`` starts with a flush (a snapshot): its plan cannot be made ahead."""
+        return self.skipper.phase(step) in ("snapshot_a", "snapshot_b")
+
+    def _skipping(self, train_step: int) -> bool:
+        """Input granularity: a classification is active for a batch that trains at ``train_step``."""
+        return (self.granularity == "input" and self.skipper.phase(train_step) == "skip"
+                and bool(self.frozen_keys.numel()))
+
+    def _drop(self, keys: torch.Tensor, sample: torch.Tensor, n: int) -> torch.Tensor:
+        """bool ``[n]``: the samples (of ``n``; ``sample[i]`` is key ``i``'s) all of whose lookups are stale."""
+        lookups = torch.bincount(sample, minlength=n)
+        stale = torch.bincount(sample, weights=torch.isin(keys, self.frozen_keys).double(), minlength=n)
+        return (stale == lookups) & (lookups > 0)
+
     def filter_inputs(self, host: SkipHost, batch: Any, train_step: int) -> Any:
-        """Input granularity: drop the samples all of whose lookups are stale hot rows (at least one
-        sample stays on every rank); counts skipped inputs and their lookups."""
+        """Input granularity, this rank's own batch (in the EBC's feature order) that trains at
+        ``train_step``: drop the samples all of whose lookups are stale hot rows (at least one sample
+        stays); counts skipped inputs and their lookups."""
         from torchrec.datasets.utils import Batch
         from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
@@ -219,23 +237,46 @@ class StaleSkipHook:
         B, F = kjt.stride(), len(kjt.keys())
         lengths = kjt.lengths().to(torch.int64)
         host.count_skipped(int(lengths.sum()), 0)
-        if self.skipper.phase(train_step) != "skip" or not self.frozen_keys.numel():
+        if not self._skipping(train_step):
             return batch
         sample = torch.repeat_interleave(torch.arange(F * B) % B, lengths)
-        stale = torch.isin(host.batch_keys(kjt), self.frozen_keys)
-        n = torch.bincount(sample, minlength=B)
-        drop = (torch.bincount(sample, weights=stale.double(), minlength=B) == n) & (n > 0)
+        drop = self._drop(host.batch_keys(kjt), sample, B)
         if bool(drop.all()):
             drop[0] = False
         if not bool(drop.any()):
             return batch
         keep = ~drop
-        host.count_skipped(0, int(n[drop].sum()), int(drop.sum()))
+        host.count_skipped(0, int(torch.bincount(sample, minlength=B)[drop].sum()), int(drop.sum()))
         value_kept = keep[sample]
         new_lengths = lengths.view(F, B)[:, keep].flatten()
         new_kjt = KeyedJaggedTensor(keys=kjt.keys(), values=kjt.values()[value_kept],
                                     lengths=new_lengths.to(kjt.lengths().dtype))
         return Batch(dense_features=batch.dense_features[keep], sparse_features=new_kjt, labels=batch.labels[keep])
+
+    def filter_assigned(self, host: SkipHost, ctx: Any, rank: int, world: int) -> None:
+        """Input granularity on a whole global batch after allocation (``ctx.keys``, ``ctx.sample_of_key``
+        and ``ctx.rank_of`` cover the global batch, ``ctx.batch`` is this rank's share): every rank drops
+        the same samples, since the classification is the same everywhere (at least one stays on each
+        rank that was assigned some); they are marked unassigned (``rank_of`` -1) so no rank reads their
+        rows, and this rank keeps its remaining share. Counts this rank's skipped inputs and lookups."""
+        rank_of, sample = ctx.rank_of, ctx.sample_of_key
+        G = rank_of.numel()
+        mine = rank_of == rank
+        host.count_skipped(int(mine.index_select(0, sample).sum()), 0)
+        if not self._skipping(ctx.train_step):
+            return
+        drop = self._drop(ctx.keys, sample, G)
+        assigned = torch.bincount(rank_of, minlength=world)
+        emptied = (torch.bincount(rank_of[drop], minlength=world) == assigned) & (assigned > 0)
+        if bool(emptied.any()):  # each such rank keeps its first sample
+            first = torch.full((world,), G, dtype=torch.int64).scatter_reduce(0, rank_of, torch.arange(G), "amin")
+            drop[first[emptied]] = False
+        if not bool(drop.any()):
+            return
+        mine_dropped = drop & mine
+        host.count_skipped(0, int(mine_dropped.index_select(0, sample).sum()), int(mine_dropped.sum()))
+        ctx.batch = select_samples(ctx.batch, (~drop[mine.nonzero().flatten()]).nonzero().flatten())
+        ctx.rank_of = torch.where(drop, torch.full_like(rank_of, -1), rank_of)
 
     def filter_reads(self, host: SkipHost, reads: List[List[torch.Tensor]]) -> List[List[torch.Tensor]]:
         """Row granularity: frozen rows are read but never updated, so the plan leaves them out (their

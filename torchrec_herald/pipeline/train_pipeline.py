@@ -106,6 +106,7 @@ class HeraldTrainPipeline(TrainPipeline[Batch, Any]):
                              "with a hot-set budget that holds some rows)")
         self.skip_hook = StaleSkipHook(c.skip_config, self.layout.num_hot) if c.skip is not None else None
         self._queue: Deque[HeraldBatchContext] = deque()
+        self._fed_off: Deque[Batch] = deque(maxlen=c.window)  # scheduling off: the last batches fed (skip's sample)
         self._exhausted = False
         self._started = False
         self._flushed = True
@@ -147,7 +148,10 @@ class HeraldTrainPipeline(TrainPipeline[Batch, Any]):
         return self.skip_hook.skipper if self.skip_hook is not None else None
 
     def window_batches(self) -> List[Batch]:
-        """This rank's batches in the window (after allocation), oldest first."""
+        """This rank's batches in the window (after allocation), oldest first; with scheduling off (no
+        window), the last batches fed to TorchRec's pipeline."""
+        if not self._queue and self.mode == "off":
+            return list(self._fed_off)
         return [ctx.batch for ctx in self._queue]
 
     def batch_keys(self, kjt: KeyedJaggedTensor) -> torch.Tensor:
@@ -169,10 +173,6 @@ class HeraldTrainPipeline(TrainPipeline[Batch, Any]):
     def lazy(self) -> bool:
         """The plan is on now."""
         return self.sync == "lazy"
-
-    def entering_step(self) -> int:
-        """The training step at which the batch entering the window will train."""
-        return self.stats.steps + len(self._queue)
 
     # ------------------------------------------------------------------ the loader decides three defaults
     def _resolve(self, it: Iterator[Batch]) -> None:
@@ -210,7 +210,7 @@ class HeraldTrainPipeline(TrainPipeline[Batch, Any]):
         self._collect_ahead()
         while not self._exhausted and len(self._queue) < self.window:
             t0 = time.perf_counter()
-            ctx = self.schedule_next(it)
+            ctx = self.schedule_next(it, self.stats.steps + len(self._queue))
             self.stats.scheduler_s += time.perf_counter() - t0
             if ctx is None:
                 if not self._started and not self._refill:
@@ -221,28 +221,28 @@ class HeraldTrainPipeline(TrainPipeline[Batch, Any]):
         self._started = True
         self._refill = False
 
-    def schedule_next(self, it: Iterator[Batch]) -> Optional[HeraldBatchContext]:
-        """Read the next batch and run it through the stages (keys, allocate, reads); None (and the
-        window marked exhausted) when the loader is dry."""
+    def schedule_next(self, it: Iterator[Batch], train_step: int) -> Optional[HeraldBatchContext]:
+        """Read the next batch, which trains at step ``train_step``, and run it through the stages (keys,
+        allocate, skip_inputs, reads); None (and the window marked exhausted) when the loader is dry."""
         assert self.strategy is not None
         try:
             raw = next(it)
         except StopIteration:
             self._exhausted = True
             return None
-        ctx = HeraldBatchContext(index=self._batch_index, batch=raw)
+        ctx = HeraldBatchContext(index=self._batch_index, batch=raw, train_step=train_step)
         self._batch_index += 1
         for _, stage in batch_stages():
             stage(self, ctx)
         return ctx
 
-    def _schedule_ahead(self, it: Iterator[Batch], plan_ahead: bool) -> Optional[HeraldBatchContext]:
-        """The run-ahead job, while step t trains: batch t+K enters the window (allocated under the
-        planner's state after plan t, as in the serial order), then plan t+1 is made from the window.
-        It only reads the window; the step takes its batch in :meth:`_collect_ahead`."""
+    def _schedule_ahead(self, it: Iterator[Batch], train_step: int, plan_ahead: bool) -> Optional[HeraldBatchContext]:
+        """The run-ahead job, while step t trains: batch t+K (``train_step``) enters the window (allocated
+        under the planner's state after plan t, as in the serial order), then plan t+1 is made from the
+        window. It only reads the window; the step takes its batch in :meth:`_collect_ahead`."""
         t0 = time.perf_counter()
         try:
-            ctx = self.schedule_next(it)
+            ctx = self.schedule_next(it, train_step)
             window = list(self._queue) + ([ctx] if ctx is not None else [])
             if plan_ahead and window and self.sync == "lazy":
                 window[0].plan = make_plan(self.env, window, self.skip_hook, self)
@@ -278,6 +278,8 @@ class HeraldTrainPipeline(TrainPipeline[Batch, Any]):
         if self.switch is not None:
             self.switch.before_step()
             if self.mode == "off":
+                if self.skip_hook is not None:
+                    self.skip_hook.before_step(self, self.stats.steps)
                 return self.switch.progress_off(dataloader_iter)
         if isinstance(dataloader_iter, TrainStream):  # scheduling on (again): every rank reads whole batches
             dataloader_iter.whole = self.global_batches
@@ -292,8 +294,10 @@ class HeraldTrainPipeline(TrainPipeline[Batch, Any]):
         head = self._queue.popleft()
         if self._ahead is not None and not self._exhausted:
             # the next batch enters the window (allocated under the state after this plan) while this step trains
-            self._ahead.submit(self._schedule_ahead, dataloader_iter,
-                               self.skip_hook is None and not self._checkpoint_next)
+            # (plan t+1 is not made ahead where step t+1 flushes first: a skip snapshot, a checkpoint)
+            nxt = self.stats.steps + 1
+            plan_ahead = not self._checkpoint_next and (self.skip_hook is None or not self.skip_hook.flushes_at(nxt))
+            self._ahead.submit(self._schedule_ahead, dataloader_iter, nxt + len(self._queue), plan_ahead)
         self._checkpoint_next = False
         return self.train_step(head)
 
@@ -360,6 +364,21 @@ class HeraldTrainPipeline(TrainPipeline[Batch, Any]):
 
     def stop_collecting_reads(self) -> None:
         self._reads_needed = False
+
+    def off_batch(self, batch: Batch, train_step: int) -> Batch:
+        """Scheduling off: stale-update skipping filters (``input``) or counts (``row``) this rank's batch
+        on its way into TorchRec's pipeline, which trains it at ``train_step``; the last ``window`` of
+        them are the threshold search's sample."""
+        if self.skip_hook is None:
+            return batch
+        batch = Batch(dense_features=batch.dense_features, labels=batch.labels,
+                      sparse_features=self.ebc.in_feature_order(batch.sparse_features))
+        if self.skip_hook.granularity == "input":
+            batch = self.skip_hook.filter_inputs(self, batch, train_step)
+        else:
+            self.skip_hook.count_reads(self, torch.unique(self.batch_keys(batch.sparse_features)))
+        self._fed_off.append(batch)
+        return batch
 
     # ------------------------------------------------------------------ stale-update skipping's host
     @property

@@ -30,9 +30,6 @@ class StageHost(Protocol):
     reads_needed: bool  # every rank's reads are needed (the plan is on now, or may be later)
     lazy: bool  # the plan is on now
 
-    def entering_step(self) -> int:
-        """The training step at which the entering batch will train."""
-
 
 BatchStage = Callable[[StageHost, HeraldBatchContext], None]
 _STAGES: Dict[str, Tuple[int, BatchStage]] = {}
