@@ -117,7 +117,10 @@ def worker(config: str, steps: int, segments: int, warmup: int, out: str, rate: 
     rank, world, device = init_distributed()
     window = 5
     link = [f"planner.link_mbit={rate or UNLIMITED_DECLARED_MBIT}"] if config == "herald" else []
-    cfg = compose_config(CONFIGS[config][1] + link + [f"data.num_train_batches={warmup + steps + window}", "eval=false"])
+    overrides = CONFIGS[config][1]
+    # input skipping refills each global batch with live samples: a step reads more than one batch
+    batches = (warmup + steps + window) * (2 if "pipeline.skip=input" in overrides else 1)
+    cfg = compose_config(overrides + link + [f"data.num_train_batches={batches}", "eval=false"])
     data = build_data_source(cfg.data)
     dmp, optimizer, decision = build_model_and_plan(cfg, data, world, device)
     pipeline = build_pipeline(cfg, dmp, optimizer, device, decision)
@@ -127,20 +130,25 @@ def worker(config: str, steps: int, segments: int, warmup: int, out: str, rate: 
     s0 = pipeline.scheduler_seconds()
     dist.barrier()
     seg_s: List[float] = []
+    seg_read: List[int] = []  # global batches the loader gave per segment (more than steps with input skipping)
     per = steps // segments
     with TrafficMeter(embedding_dim=cfg.model.embedding_dim) as meter:
         for _ in range(segments):
-            t0 = time.perf_counter()
+            t0, p0 = time.perf_counter(), it.position
             for _ in range(per):
                 out_ = pipeline.progress(it)
             out_[0].item()
             seg_s.append(time.perf_counter() - t0)
+            seg_read.append(it.position - p0)
     n = per * segments
     sched = [(after - before) / n for after, before in zip(pipeline.scheduler_seconds(), s0)]
     result = {
         "rank": rank, "config": config, "steps": n,
-        "samples_per_s": statistics.median(world * cfg.batch_size * per / s for s in seg_s),
-        "segment_samples_per_s": [world * cfg.batch_size * per / s for s in seg_s],
+        # samples of the data consumed per second (trained or, with input skipping, skipped)
+        "samples_per_s": statistics.median(world * cfg.batch_size * r / s for r, s in zip(seg_read, seg_s)),
+        "segment_samples_per_s": [world * cfg.batch_size * r / s for r, s in zip(seg_read, seg_s)],
+        "trained_samples_per_s": statistics.median(world * cfg.batch_size * per / s for s in seg_s),
+        "batches_read_per_step": sum(seg_read) / n,
         "bytes_per_step": meter.total()["bytes"] / n,
         "link_decision": decision.link_report(),
         "scheduling": pipeline.report().get("scheduling"),

@@ -177,14 +177,15 @@ RUNS: Dict[str, Dict[str, Any]] = {  # name -> harness cfg + pipeline sync + ski
     "eager_no_skip": dict(ADAGRAD, pipe_sync="eager", skip=None),
     "input_lazy": dict(optimizer="sgd", via="apply", pipe_sync="lazy", skip=("input", 1.0, 0.1), hot_min_count=1),
 }
-# input skipping with samples where loaded: per-rank batches (scores and reads gathered), whole global
-# batches scheduled ahead, and scheduling off (hot replication alone under TorchRec's pipeline)
-_INPUT_ID = dict(RUNS["input_lazy"], pipe=dict(allocator="identity", scheduling="on"))
+# input skipping on whole global batches (stale inputs dropped, each batch refilled with live samples),
+# samples where loaded: scheduled serially, scheduled ahead, and with scheduling off (hot replication
+# alone under TorchRec's pipeline)
+_WHOLE = dict(RUNS["input_lazy"], whole=True, pipe=dict(allocator="identity", scheduling="on", global_batches=True,
+                                                         run_ahead=False))
 RUNS.update({
-    "input_identity": _INPUT_ID,
-    "input_whole_ahead": dict(_INPUT_ID, whole=True, pipe=dict(allocator="identity", scheduling="on",
-                                                                global_batches=True, run_ahead=True)),
-    "input_off": dict(_INPUT_ID, whole=True, pipe=dict(scheduling="off", global_batches=True)),
+    "input_whole": _WHOLE,
+    "input_whole_ahead": dict(_WHOLE, pipe=dict(_WHOLE["pipe"], run_ahead=True)),
+    "input_off": dict(_WHOLE, pipe=dict(scheduling="off", global_batches=True)),
 })
 
 
@@ -371,17 +372,26 @@ def test_input_skipping_drops_samples_and_leaves_their_rows_untouched() -> None:
             assert torch.equal(v, res[0][name]["state"][k]), k
 
 
-def test_input_skipping_runs_ahead_on_whole_global_batches_and_with_scheduling_off() -> None:
-    """The run-ahead path (whole global batches, every rank dropping the same samples of each, plans made
-    ahead) trains bit for bit what the per-rank path trains with the same skipping; scheduling off (hot
-    replication alone under TorchRec's pipeline) classifies the same rows stale from the same sampled
-    batches and skips the same samples, training within the exactness tolerance of both."""
+def test_input_skipping_on_whole_global_batches_refills_them_runs_ahead_and_runs_with_scheduling_off() -> None:
+    """On whole global batches the stale inputs are dropped before the batch enters and it is refilled
+    from the next ones: every step but the last trains a full global batch, an epoch takes fewer steps,
+    and every loader sample is trained or skipped (but for a tail of fewer than W). Scheduling ahead
+    trains bit for bit what scheduling serially trains; scheduling off (hot replication alone under
+    TorchRec's pipeline) samples the threshold from the same batches, skips the same samples and trains
+    within the exactness tolerance."""
     res = _runs()
-    ref = [r["input_identity"] for r in res]
-    assert sum(r["stats"].skipped_inputs for r in ref) > 0
+    ref = [r["input_whole"] for r in res]
+    B = ref[0]["B"]
+    per_step = torch.tensor([r["sizes"] for r in ref]).sum(0)  # samples trained per step, both ranks
+    steps = ref[0]["steps"]
+    skipped = ref[0]["stats"].skipped_inputs  # (counted on the global batches: every rank the same)
+    assert skipped > 0 and all(r["stats"].skipped_inputs == skipped for r in ref)
+    assert steps < STEPS and len(per_step) == steps
+    assert bool((per_step[:-1] == 2 * B).all()) and 0 < int(per_step[-1]) <= 2 * B
+    assert 0 <= STEPS * 2 * B - int(per_step.sum()) - skipped < 2
     for name in ("input_whole_ahead", "input_off"):
         for r, x in zip(ref, (r[name] for r in res)):
-            assert x["steps"] == STEPS and x["history"] == r["history"], name
+            assert x["steps"] == steps and x["history"] == r["history"], name
             for k in ("skipped_inputs", "skipped_updates", "candidate_updates"):
                 assert getattr(x["stats"], k) == getattr(r["stats"], k), (name, k)
     for r, x in zip(ref, (r["input_whole_ahead"] for r in res)):

@@ -21,8 +21,7 @@ import torch.distributed as dist
 from torchrec.datasets.utils import Batch
 from torchrec.distributed.train_pipeline import TrainPipelineSparseDist
 
-from torchrec_herald.data import TrainStream
-from torchrec_herald.pipeline.context import SchedulerStats, select_samples
+from torchrec_herald.pipeline.context import SchedulerStats
 
 __all__ = ["SPARSE_DIST_AHEAD", "SchedulingSwitch", "SwitchHost"]
 
@@ -53,9 +52,8 @@ class SwitchHost(Protocol):
     def stop_collecting_reads(self) -> None:
         """Scheduling is off for good: batches entering the window no longer need every rank's reads."""
 
-    def off_batch(self, batch: Batch, train_step: int) -> Batch:
-        """A batch of this rank's on its way into TorchRec's pipeline, which trains it at ``train_step``
-        (stale-update skipping filters or counts it there)."""
+    def off_stream(self, it: Iterator[Batch], first_step: int) -> Iterator[Batch]:
+        """This rank's batches from ``it`` for TorchRec's pipeline, the first training at ``first_step``."""
 
 
 class SchedulingSwitch:
@@ -166,20 +164,10 @@ class SchedulingSwitch:
         return out
 
     def _my_share(self, queued: List[Any], it: Iterator[Batch], first_step: int) -> Iterator[Batch]:
-        """The window's batches, then this rank's slice of each global batch ``it`` yields (the first
-        yielded trains at ``first_step``; the loader's batches pass :meth:`SwitchHost.off_batch`): a
-        :class:`~torchrec_herald.data.TrainStream` is switched to read only the slice (no other rank's
-        sample is generated or parsed into a batch); another iterator's whole batches are sliced here."""
+        """The window's batches, then this rank's batches from ``it`` (:meth:`SwitchHost.off_stream`);
+        the first yielded trains at ``first_step``."""
         yield from queued
-        step = first_step + len(queued)
-        if isinstance(it, TrainStream):
-            it.whole = False
-        for batch in it:
-            if self.host.global_batches and not isinstance(it, TrainStream):
-                B = batch.sparse_features.stride() // self._world
-                batch = select_samples(batch, torch.arange(self._rank * B, (self._rank + 1) * B))
-            yield self.host.off_batch(batch, step)
-            step += 1
+        yield from self.host.off_stream(it, first_step + len(queued))
 
     def drop_delegate(self) -> None:
         """Detach and forget TorchRec's pipeline (it holds no batch between phases of the probe)."""

@@ -24,7 +24,7 @@ from torchrec_herald.traffic import traffic_tag
 RUN_AHEAD_THREAD = "herald-ahead"
 
 __all__ = ["RUN_AHEAD_THREAD", "CommTimer", "HeraldBatchContext", "SchedulerStats", "SchedulingEnv", "find_herald_ebc",
-           "pack_int16", "select_samples", "unpack_int16"]
+           "concat_samples", "pack_int16", "select_samples", "unpack_int16"]
 
 
 @dataclass
@@ -174,6 +174,20 @@ def pack_int16(scores: torch.Tensor) -> torch.Tensor:
 
 def unpack_int16(packed: torch.Tensor, n: int) -> torch.Tensor:
     return packed.contiguous().view(torch.int16)[:n].to(torch.int64)
+
+
+def concat_samples(batches: List[Batch]) -> Batch:
+    """The samples of ``batches`` (the same features, in the same order), one after the other."""
+    if len(batches) == 1:
+        return batches[0]
+    kjts = [b.sparse_features for b in batches]
+    F = len(kjts[0].keys())
+    lengths = torch.cat([k.lengths().view(F, -1) for k in kjts], 1)
+    parts = [k.values().split(k.length_per_key()) for k in kjts]  # per batch, per feature
+    values = torch.cat([p[f] for f in range(F) for p in parts])
+    return Batch(dense_features=torch.cat([b.dense_features for b in batches]),
+                 sparse_features=KeyedJaggedTensor(keys=kjts[0].keys(), values=values, lengths=lengths.reshape(-1)),
+                 labels=torch.cat([b.labels for b in batches]))
 
 
 def select_samples(batch: Batch, index: torch.Tensor) -> Batch:

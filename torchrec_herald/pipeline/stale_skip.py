@@ -15,15 +15,15 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, field
-from typing import Any, List, Optional, Protocol, Tuple
+from typing import Any, Callable, Iterator, List, Optional, Protocol, Tuple
 
 import torch
 
-from torchrec_herald.pipeline.context import select_samples
+from torchrec_herald.pipeline.context import concat_samples, select_samples
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["GRANULARITIES", "SkipConfig", "StaleSkipHook", "StaleSkipper", "search_threshold"]
+__all__ = ["GRANULARITIES", "LiveInputStream", "SkipConfig", "StaleSkipHook", "StaleSkipper", "search_threshold"]
 
 #: ``pipeline.skip`` values (``None``: off)
 GRANULARITIES = ("input", "row")
@@ -253,31 +253,6 @@ class StaleSkipHook:
                                     lengths=new_lengths.to(kjt.lengths().dtype))
         return Batch(dense_features=batch.dense_features[keep], sparse_features=new_kjt, labels=batch.labels[keep])
 
-    def filter_assigned(self, host: SkipHost, ctx: Any, rank: int, world: int) -> None:
-        """Input granularity on a whole global batch after allocation (``ctx.keys``, ``ctx.sample_of_key``
-        and ``ctx.rank_of`` cover the global batch, ``ctx.batch`` is this rank's share): every rank drops
-        the same samples, since the classification is the same everywhere (at least one stays on each
-        rank that was assigned some); they are marked unassigned (``rank_of`` -1) so no rank reads their
-        rows, and this rank keeps its remaining share. Counts this rank's skipped inputs and lookups."""
-        rank_of, sample = ctx.rank_of, ctx.sample_of_key
-        G = rank_of.numel()
-        mine = rank_of == rank
-        host.count_skipped(int(mine.index_select(0, sample).sum()), 0)
-        if not self._skipping(ctx.train_step):
-            return
-        drop = self._drop(ctx.keys, sample, G)
-        assigned = torch.bincount(rank_of, minlength=world)
-        emptied = (torch.bincount(rank_of[drop], minlength=world) == assigned) & (assigned > 0)
-        if bool(emptied.any()):  # each such rank keeps its first sample
-            first = torch.full((world,), G, dtype=torch.int64).scatter_reduce(0, rank_of, torch.arange(G), "amin")
-            drop[first[emptied]] = False
-        if not bool(drop.any()):
-            return
-        mine_dropped = drop & mine
-        host.count_skipped(0, int(mine_dropped.index_select(0, sample).sum()), int(mine_dropped.sum()))
-        ctx.batch = select_samples(ctx.batch, (~drop[mine.nonzero().flatten()]).nonzero().flatten())
-        ctx.rank_of = torch.where(drop, torch.full_like(rank_of, -1), rank_of)
-
     def filter_reads(self, host: SkipHost, reads: List[List[torch.Tensor]]) -> List[List[torch.Tensor]]:
         """Row granularity: frozen rows are read but never updated, so the plan leaves them out (their
         replicas were synchronised by the snapshot's flush and stay so); counts the skipped updates."""
@@ -331,3 +306,52 @@ class StaleSkipHook:
                 local.append(worst)
         mine = torch.cat(local).float() if local else torch.empty(0)
         return torch.cat(host.gather_varlen(mine, "herald_skip_meta"))
+
+
+class LiveInputStream:
+    """Slipstream's input classifier on a stream of whole global batches: the samples all of whose
+    lookups are stale are dropped and each global batch is refilled from the next ones, so every step
+    trains ``size`` live samples and an epoch takes fewer steps (the skipped share of them). Every rank
+    reads the same global batches and holds the same classification: all drop the same samples, with
+    no collective, so the stream runs ahead with the rest of the scheduling.
+
+    Args:
+        hook: the skipping hook (its classification, and the counters through ``host``).
+        host: the pipeline (:class:`SkipHost`).
+        world: ranks the global batch is split over. Every global batch trained has the loader's
+            global batch size (``W·B``, read off its first batch), but the last of the data, which is cut
+            to a multiple of ``world`` (at most ``world - 1`` samples of an epoch's tail go untrained).
+        feature_order: puts a loader batch in the EBC's feature order.
+    """
+
+    def __init__(self, hook: "StaleSkipHook", host: SkipHost, world: int, feature_order: Callable[[Any], Any]) -> None:
+        self.hook, self.host, self.world, self.feature_order = hook, host, world, feature_order
+        self.size = 0  # the loader's global batch size, from its first batch
+        self._left: Optional[Any] = None  # live samples read but not trained yet
+        self._src: Optional[Iterator[Any]] = None
+
+    def next(self, it: Iterator[Any], train_step: int) -> Any:
+        """The global batch that trains at ``train_step``: ``size`` live samples read from ``it`` (fewer at
+        the end of the data); StopIteration when none is left."""
+        if it is not self._src:  # a new pass over the data: nothing carried over
+            self._src, self._left = it, None
+        parts, n = ([self._left], self._left.labels.numel()) if self._left is not None else ([], 0)
+        self._left = None
+        while n < self.size or not self.size:
+            try:
+                batch = self.feature_order(next(it))
+            except StopIteration:
+                break
+            self.size = self.size or batch.labels.numel()
+            batch = self.hook.filter_inputs(self.host, batch, train_step)
+            parts.append(batch)
+            n += batch.labels.numel()
+        take = self.size if n >= self.size else n - n % self.world
+        if take == 0:
+            raise StopIteration
+        batch = concat_samples(parts)
+        if n > take:
+            if n > self.size:
+                self._left = select_samples(batch, torch.arange(take, n))
+            batch = select_samples(batch, torch.arange(take))
+        return batch

@@ -42,7 +42,7 @@ from torchrec_herald.pipeline.options import ALLOCATORS, CACHE_POLICIES, SYNC_MO
 from torchrec_herald.pipeline.run_ahead import RunAhead
 from torchrec_herald.pipeline.stages import batch_stages
 from torchrec_herald.pipeline.stages.plan import make_plan, plan_head
-from torchrec_herald.pipeline.stale_skip import StaleSkipHook
+from torchrec_herald.pipeline.stale_skip import LiveInputStream, StaleSkipHook
 from torchrec_herald.pipeline.strategies import SchedulingStrategy, build_planner, build_strategy, strategy_name
 from torchrec_herald.plans import CommPlanner, SyncCounters
 
@@ -105,6 +105,8 @@ class HeraldTrainPipeline(TrainPipeline[Batch, Any]):
             raise ValueError("pipeline.skip needs hot replication: this plan has no hot rows (use planner=herald "
                              "with a hot-set budget that holds some rows)")
         self.skip_hook = StaleSkipHook(c.skip_config, self.layout.num_hot) if c.skip is not None else None
+        #: input skipping on whole global batches (decided with them, in :meth:`_resolve`)
+        self.live_inputs: Optional[LiveInputStream] = None
         self._queue: Deque[HeraldBatchContext] = deque()
         self._fed_off: Deque[Batch] = deque(maxlen=c.window)  # scheduling off: the last batches fed (skip's sample)
         self._exhausted = False
@@ -196,6 +198,8 @@ class HeraldTrainPipeline(TrainPipeline[Batch, Any]):
             # interleave with training's (collective: every rank resolves at its first step)
             self.env.sched_pg = dist.new_group(backend="gloo")
         self._ahead = RunAhead() if self.run_ahead else None
+        if self.skip_hook is not None and self.skip_hook.granularity == "input" and self.global_batches:
+            self.live_inputs = LiveInputStream(self.skip_hook, self, self.env.world, self._feature_order)
         if config.scheduling in ("off", "auto"):
             self.switch = SchedulingSwitch(self, config.scheduling, config.probe_steps,
                                            lambda: TrainPipelineSparseDist(self._model, self._optimizer, self._device),
@@ -226,7 +230,7 @@ class HeraldTrainPipeline(TrainPipeline[Batch, Any]):
         allocate, skip_inputs, reads); None (and the window marked exhausted) when the loader is dry."""
         assert self.strategy is not None
         try:
-            raw = next(it)
+            raw = self.live_inputs.next(it, train_step) if self.live_inputs is not None else next(it)
         except StopIteration:
             self._exhausted = True
             return None
@@ -365,20 +369,49 @@ class HeraldTrainPipeline(TrainPipeline[Batch, Any]):
     def stop_collecting_reads(self) -> None:
         self._reads_needed = False
 
-    def off_batch(self, batch: Batch, train_step: int) -> Batch:
-        """Scheduling off: stale-update skipping filters (``input``) or counts (``row``) this rank's batch
-        on its way into TorchRec's pipeline, which trains it at ``train_step``; the last ``window`` of
-        them are the threshold search's sample."""
-        if self.skip_hook is None:
-            return batch
-        batch = Batch(dense_features=batch.dense_features, labels=batch.labels,
-                      sparse_features=self.ebc.in_feature_order(batch.sparse_features))
-        if self.skip_hook.granularity == "input":
-            batch = self.skip_hook.filter_inputs(self, batch, train_step)
-        else:
-            self.skip_hook.count_reads(self, torch.unique(self.batch_keys(batch.sparse_features)))
-        self._fed_off.append(batch)
-        return batch
+    def off_stream(self, it: Iterator[Batch], first_step: int) -> Iterator[Batch]:
+        """Scheduling off: this rank's batches from ``it`` for TorchRec's pipeline, the first training at
+        ``first_step``. A :class:`~torchrec_herald.data.TrainStream` is switched to read only this rank's
+        slice (no other rank's sample is generated or parsed), another loader's whole global batches
+        are sliced here; with input skipping on whole global batches every rank reads them whole, drops
+        the stale inputs and refills them (:class:`LiveInputStream`), then takes its slice. Stale-update
+        skipping filters (``input``) or counts (``row``) each batch; the last ``window`` of them are the
+        threshold search's sample."""
+        W, rank = self.env.world, self.env.rank
+        if isinstance(it, TrainStream):
+            it.whole = self.live_inputs is not None
+        step = first_step
+        while True:
+            if self.live_inputs is not None:
+                try:
+                    batch = self.live_inputs.next(it, step)
+                except StopIteration:
+                    return
+                B = batch.labels.numel() // W
+                batch = select_samples(batch, torch.arange(rank * B, (rank + 1) * B))
+            else:
+                try:
+                    batch = next(it)
+                except StopIteration:
+                    return
+                if self.global_batches and not isinstance(it, TrainStream):
+                    B = batch.labels.numel() // W
+                    batch = select_samples(batch, torch.arange(rank * B, (rank + 1) * B))
+                if self.skip_hook is not None:
+                    batch = self._feature_order(batch)
+                    if self.skip_hook.granularity == "input":
+                        batch = self.skip_hook.filter_inputs(self, batch, step)
+                    else:
+                        self.skip_hook.count_reads(self, torch.unique(self.batch_keys(batch.sparse_features)))
+            if self.skip_hook is not None:
+                self._fed_off.append(batch)
+            yield batch
+            step += 1
+
+    def _feature_order(self, batch: Batch) -> Batch:
+        """``batch`` with its features in the EBC's order."""
+        return Batch(dense_features=batch.dense_features, labels=batch.labels,
+                     sparse_features=self.ebc.in_feature_order(batch.sparse_features))
 
     # ------------------------------------------------------------------ stale-update skipping's host
     @property

@@ -27,6 +27,7 @@ class StageHost(Protocol):
     env: SchedulingEnv
     strategy: Any  # the SchedulingStrategy: which allocate / reads bodies run
     skip_hook: Optional[Any]  # stale-update skipping (None when off)
+    live_inputs: Optional[Any]  # input skipping on whole global batches: the stream that drops and refills
     reads_needed: bool  # every rank's reads are needed (the plan is on now, or may be later)
     lazy: bool  # the plan is on now
 

@@ -34,12 +34,11 @@ def reads_from_assignment(env: SchedulingEnv, ctx: HeraldBatchContext, reads_nee
     """Every rank's reads from the assignment (``ctx.rank_of``), when ``reads_needed``; ``ctx.keys``
     becomes this rank's samples' keys, in its batch's order."""
     assert ctx.keys is not None and ctx.rank_of is not None and ctx.sample_of_key is not None
-    key_rank = ctx.rank_of.index_select(0, ctx.sample_of_key)  # -1: a sample input skipping dropped
+    key_rank = ctx.rank_of.index_select(0, ctx.sample_of_key)
     mine = key_rank == env.rank
     if reads_needed:  # also while scheduling is off: "auto" may turn it back on
         n = env.layout.num_rows
-        trained = key_rank >= 0
-        both = torch.from_numpy(np.unique((key_rank[trained] * n + ctx.keys[trained]).numpy()))  # by rank then key
+        both = torch.from_numpy(np.unique((key_rank * n + ctx.keys).numpy()))  # sorted, by rank then key
         per_rank = torch.bincount(both // n, minlength=env.world).tolist()
         ctx.reads = [part - r * n for r, part in enumerate(both.split(per_rank))]
     ctx.keys = ctx.keys[mine]  # this rank's samples' keys, in its batch's order
