@@ -85,18 +85,23 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--world-size", type=int, default=4)
     p.add_argument("--steps", type=int, default=300)
-    p.add_argument("--from-json", action="store_true", help="re-render RESULTS.md from results/approx.json")
+    p.add_argument("--modes", nargs="+", choices=list(MODES), default=list(MODES), help="the modes to run")
+    p.add_argument("--data", nargs="+", choices=list(DATA), default=list(DATA), help="the data settings to run")
+    p.add_argument("--name", default="approx",
+                   help="results/<name>.json and the RESULTS.md section <NAME> (default: approx, APPROX)")
+    p.add_argument("--from-json", action="store_true", help="re-render RESULTS.md from results/<name>.json")
     p.add_argument("overrides", nargs="*")
     a = p.parse_args()
     out = HERE / "results"
     out.mkdir(exist_ok=True)
     if a.from_json:
-        saved = json.loads((out / "approx.json").read_text())
+        saved = json.loads((out / f"{a.name}.json").read_text())
         rows, command = saved["rows"], saved["command"]
     else:
         rows = []
-        for data, dov in DATA.items():
-            for mode, mov in MODES.items():
+        for data in a.data:
+            for mode in a.modes:
+                dov, mov = DATA[data], MODES[mode]
                 ov = (["planner=herald", "pipeline=herald", "pipeline.reference=false", "pipeline.scheduling=on",
                        f"data.num_train_batches={a.steps}"] + dov + mov + a.overrides)
                 logger.info("%s / %s: %s", data, mode, ov)
@@ -104,12 +109,12 @@ def main() -> None:
                     m = run_multiprocess(_worker, a.world_size, ov, tmp)[0]
                 rows.append({"data": data, "mode": mode, "overrides": ov, "world_size": a.world_size, "metrics": m})
         command = "python benchmarks/bench_approx.py " + " ".join(sys.argv[1:])
-        (out / "approx.json").write_text(json.dumps({"command": command.strip(), "rows": rows}, indent=2))
+        (out / f"{a.name}.json").write_text(json.dumps({"command": command.strip(), "rows": rows}, indent=2))
     body = "\n".join([f"Command: `{command.strip()}` ({rows[0]['world_size']} ranks, "
                       f"{rows[0]['metrics']['steps']} steps)", ""] + table(rows))
     from bench_traffic import write_results_md
 
-    write_results_md({"APPROX": body})
+    write_results_md({a.name.upper(): body})
     sys.stdout.write(body + "\n")
 
 

@@ -371,11 +371,15 @@ RUNS: Dict[str, Dict[str, Any]] = {
     "id_s0": dict(SGD, pipeline=dict(staleness=0, allocator="identity"), record=True),
     "id_s1": dict(SGD, pipeline=dict(staleness=1, allocator="identity"), record=True),
     "id_s3": dict(SGD, pipeline=dict(staleness=3, allocator="identity"), record=True),
+    # whole global batches scheduled ahead: the next step's pulls are prefetched while this one ends
+    "sgd_s3_ahead": dict(SGD, pipeline=dict(staleness=3, global_batches=True, run_ahead=True), whole=True),
+    "adagrad_s1_ahead": dict(ADAGRAD, pipeline=dict(staleness=1, global_batches=True, run_ahead=True), whole=True),
 }
 
 
 def _one_run(rank: int, world: int, cfg: Dict[str, Any]) -> Dict[str, Any]:
     from herald_harness import build, full_state, gather_state, train
+    from torchrec_herald.data import TrainStream
     from torchrec_herald.pipeline import HeraldTrainPipeline
     from torchrec_herald.traffic import TrafficMeter
 
@@ -396,7 +400,17 @@ def _one_run(rank: int, world: int, cfg: Dict[str, Any]) -> Dict[str, Any]:
             orig(plan, ws_keys, ws_grad, *started)
 
         ex.after_backward = after_backward
-    it = b["data"].train_batches(rank, world, b["batch_size"])
+    prefetched = [0]
+    ex = ebc.plan_executor
+    prefetch = ex.prefetch
+
+    def counted(plan: Any) -> None:
+        prefetch(plan)
+        prefetched[0] += ex._prefetched is not None
+
+    ex.prefetch = counted
+    it: Any = (TrainStream(b["data"], rank, world, b["batch_size"], whole=True) if cfg.get("whole")
+               else b["data"].train_batches(rank, world, b["batch_size"]))
     losses = []
     with TrafficMeter(embedding_dim=8) as meter:
         while True:
@@ -407,7 +421,7 @@ def _one_run(rank: int, world: int, cfg: Dict[str, Any]) -> Dict[str, Any]:
     state = full_state(dmp)
     return {"losses": losses, "state": state, "raw_state": dict(gather_state(dmp.state_dict()), hot=ebc.hot_values()),
             "initial": b["initial"], "tags": meter.tag_summary(), "stats": pipe.stats, "grad_sum": grad_sum,
-            "tables": list(ebc.layout.tables), "offsets": ebc.layout.table_offsets.clone()}
+            "tables": list(ebc.layout.tables), "offsets": ebc.layout.table_offsets.clone(), "prefetched": prefetched[0]}
 
 
 def _worker(rank: int, world: int, names: List[str]) -> Dict[str, Dict[str, Any]]:
@@ -493,6 +507,19 @@ def test_sgd_tables_are_initial_minus_lr_times_all_gradients(name: str) -> None:
 def _plan_vectors(r: Dict[str, Any]) -> float:
     return sum(r["tags"].get(t, {}).get("embedding_vectors", 0.0) for t in ("herald_pull", "herald_reduce",
                                                                             "herald_update_push"))
+
+
+@pytest.mark.parametrize("name,ref", [("sgd_s3_ahead", "sgd_s3"), ("adagrad_s1_ahead", "adagrad_s1")])
+def test_staleness_scheduled_ahead_prefetches_and_trains_bit_for_bit_like_the_per_rank_path(name: str, ref: str) -> None:
+    """Run ahead on whole global batches, each step's pulls start while the previous step ends (its
+    pushes before the reads included); the training is the per-rank path's, bit for bit."""
+    for r in _runs():
+        got, want = r[name], r[ref]
+        # every step but the first and the window's last ones (no next plan made ahead)
+        assert got["prefetched"] >= TRAIN_STEPS - 5 and want["prefetched"] == 0
+        assert got["losses"] == want["losses"]
+        assert all(torch.equal(got["state"][k], v) for k, v in want["state"].items())
+        assert got["stats"].stale_reads == want["stats"].stale_reads > 0
 
 
 def test_staleness_moves_fewer_vectors_on_the_same_batches() -> None:

@@ -25,6 +25,11 @@ logger = logging.getLogger(__name__)
 __all__ = ["PlanExecutor"]
 
 
+def _flags(add: Optional[torch.Tensor], transfers: torch.Tensor) -> torch.Tensor:
+    """The per-transfer add flags of ``transfers`` (all False when the plan gives none)."""
+    return add if add is not None and add.numel() == len(transfers) else torch.zeros(len(transfers), dtype=torch.bool)
+
+
 class PlanExecutor:
     """The transfers of each step's :class:`~torchrec_herald.plans.ExecPlan` on one rank's rows.
 
@@ -226,10 +231,11 @@ class PlanExecutor:
         """Start ``plan``'s pre-read transfers now, while the current step ends (collective): the pushes
         planned before the reads at once, the pulls as an async all-to-all that :meth:`begin` waits for
         (Herald's step order: push the planned rows, then pull the next batch's rows asynchronously). The
-        rows sent are read now: nothing changes an embedding row between here and the next forward. Exact
-        plans only (bounded staleness keeps its synchronous path)."""
-        if self.plan is not None or self._prefetched is not None or plan.additive or self.store.track_base:
+        rows sent are read now: nothing changes an embedding row between here and the next forward. A
+        bounded-staleness plan's pushes before the reads may add (its pulls never do)."""
+        if self.plan is not None or self._prefetched is not None:
             return
+        self._start_tracking_base(plan)
         self.move_rows(plan.push_before_read, "herald_update_push", plan.push_before_read_add, plan.partial)
         keys = plan.pull[:, 0]
         no_add = torch.zeros(len(keys), dtype=torch.bool)
@@ -250,11 +256,16 @@ class PlanExecutor:
                 work.wait()
                 self._store_received(keys, torch.zeros(len(keys), dtype=torch.bool), recv_pos, out)
             return
-        if plan.additive and not self.store.track_base:
-            self.store.track_base = True
-            self.store.rebase_hot()  # every replica is in sync with its home when a staleness run starts
+        self._start_tracking_base(plan)
         self.move_rows(plan.push_before_read, "herald_update_push", plan.push_before_read_add, plan.partial)
         self.move_rows(plan.pull, "herald_pull", partial=plan.partial)
+
+    def _start_tracking_base(self, plan: ExecPlan) -> None:
+        """The first bounded-staleness plan: each copy's base (what its home had when it was read) is kept
+        from now on; every replica is in sync with its home when a staleness run starts."""
+        if plan.additive and not self.store.track_base:
+            self.store.track_base = True
+            self.store.rebase_hot()
 
     def after_backward(self, plan: ExecPlan, ws_keys: torch.Tensor, ws_grad: torch.Tensor,
                        started: Optional[Tuple[List[torch.Tensor], torch.Tensor, Any]] = None) -> None:
@@ -289,9 +300,14 @@ class PlanExecutor:
         if upd.numel():
             w, s = store.read(upd)
             store.write(upd, *exact_update(w, s, total, store.optimizer, store.lr, store.eps))
-        if plan.additive:  # additive pushes: in the planner's order (update pushes, then evictions)
-            self.move_rows(plan.update_push, "herald_update_push", plan.update_push_add)
-            self.move_rows(plan.miss_push, "herald_update_push", plan.miss_push_add)
+        if plan.additive:  # additive pushes: in the planner's order (update pushes, then evictions) ...
+            up, mp = plan.update_push, plan.miss_push
+            if not bool(torch.isin(up[:, 0], mp[:, 0]).any()):  # ... one all-to-all where no row is in both
+                self.move_rows(torch.cat([up, mp]), "herald_update_push",
+                               torch.cat([_flags(plan.update_push_add, up), _flags(plan.miss_push_add, mp)]))
+            else:
+                self.move_rows(up, "herald_update_push", plan.update_push_add)
+                self.move_rows(mp, "herald_update_push", plan.miss_push_add)
         else:  # exact plan: every push replaces, disjoint rows: one all-to-all
             self.move_rows(torch.cat([plan.update_push, plan.miss_push]), "herald_update_push", partial=plan.partial)
         store.drop(plan.evictions[me])
