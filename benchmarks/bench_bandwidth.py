@@ -262,8 +262,8 @@ def plot(rows: List[Dict[str, Any]], out: Path) -> None:
     present = {r["config"] for r in rows}
     for w, ls in zip(worlds, ("-", "--", ":")):
         base = "tw" if w == 2 else "stock"
-        if base not in present:  # (a run of herald's techniques alone: relative to hot replication)
-            base = "hot"
+        if base not in present:  # (a run of herald's techniques alone: relative to the first of these present)
+            base = next((c for c in ("hot", "sched", "herald_defaults") if c in present), base)
         for cfg, (color, marker) in styles.items():
             ys = []
             for rate in rates:
