@@ -389,6 +389,8 @@ def test_input_skipping_on_whole_global_batches_refills_them_runs_ahead_and_runs
     assert steps < STEPS and len(per_step) == steps
     assert bool((per_step[:-1] == 2 * B).all()) and 0 < int(per_step[-1]) <= 2 * B
     assert 0 <= STEPS * 2 * B - int(per_step.sum()) - skipped < 2
+    assert all(r["stats"].inputs_read == STEPS * 2 * B for r in ref)  # every loader sample read once
+    assert all(r["input_lazy"]["stats"].inputs_read == 0 for r in res)  # (per-rank batches: nothing refilled)
     for name in ("input_whole_ahead", "input_off"):
         for r, x in zip(ref, (r[name] for r in res)):
             assert x["steps"] == steps and x["history"] == r["history"], name

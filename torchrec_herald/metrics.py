@@ -108,12 +108,16 @@ def peak_rss_mib_by_rank() -> List[float]:
 
 
 def _approximate(own: Dict[str, Any], eval_metrics: Dict[str, float],
-                 reference: Optional[Dict[str, Any]]) -> Dict[str, Any]:
+                 reference: Optional[Dict[str, Any]], steps_per_s: float) -> Dict[str, Any]:
     """An approximate run's figures (its pipeline's ``own``) and, with its exact reference (same batches,
-    same held-out split), the reference's figures and the AUC/logloss deltas."""
+    same held-out split), the reference's figures and the AUC/logloss deltas. Input skipping that
+    refills its batches also gets ``data_samples_per_s``: the data's samples read per second (trained or
+    skipped), the rate an epoch's time follows (``samples_per_s`` counts the trained ones)."""
     if not own:
         return {}
     out = dict(own)
+    if own.get("data_samples_per_step"):
+        out["data_samples_per_s"] = own["data_samples_per_step"] * steps_per_s
     if reference is not None:
         ref_eval = reference["eval"]
         out["reference"] = {"eval": ref_eval, "train_logloss": reference["train_logloss"],
@@ -169,7 +173,7 @@ def collect_metrics(cfg: DictConfig, *, world: int, steps: int, attempt_steps: i
         "herald_pipeline": pipeline_report,
         "data_stats": data_stats,
         "peak_rss_mib_by_rank": peak_rss_mib_by_rank(),
-        "approximate": _approximate(approximate_own, eval_metrics, reference),
+        "approximate": _approximate(approximate_own, eval_metrics, reference, attempt_steps / train_time),
         "config": OmegaConf.to_container(cfg, resolve=True),
     }
     metrics["summary"] = headline(metrics)

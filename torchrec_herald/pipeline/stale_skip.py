@@ -169,6 +169,9 @@ class SkipHost(Protocol):
     def count_skipped(self, candidates: int, skipped: int, inputs: int = 0) -> None:
         """Add to the counters: updates considered, updates skipped, whole inputs skipped."""
 
+    def count_read(self, samples: int) -> None:
+        """Add to the loader's samples read (input skipping on whole global batches)."""
+
     def window_batches(self) -> List[Any]:
         """This rank's upcoming batches, oldest first."""
 
@@ -343,6 +346,7 @@ class LiveInputStream:
             except StopIteration:
                 break
             self.size = self.size or batch.labels.numel()
+            self.host.count_read(batch.labels.numel())
             batch = self.hook.filter_inputs(self.host, batch, train_step)
             parts.append(batch)
             n += batch.labels.numel()

@@ -433,6 +433,10 @@ class HeraldTrainPipeline(TrainPipeline[Batch, Any]):
         self.ebc.set_frozen_hot(None)
         self.ebc.set_frozen_keys(torch.empty(0, dtype=torch.int64))
 
+    def count_read(self, samples: int) -> None:
+        """Input skipping on whole global batches: the loader's samples read."""
+        self.stats.inputs_read += samples
+
     def count_skipped(self, candidates: int, skipped: int, inputs: int = 0) -> None:
         """Stale-update skipping's counters: updates considered, skipped, and whole inputs skipped."""
         self.stats.candidate_updates += candidates
@@ -488,6 +492,8 @@ class HeraldTrainPipeline(TrainPipeline[Batch, Any]):
                 "stale_reads_per_step": st.stale_reads / steps, "max_staleness": st.max_staleness,
                 "skipped_update_share": st.skipped_updates / max(st.candidate_updates, 1),
                 "skipped_inputs_per_step": st.skipped_inputs / steps,
+                # input skipping on whole global batches: the data's samples read per step (trained or skipped)
+                "data_samples_per_step": st.inputs_read / steps if st.inputs_read else None,
                 "skip_thresholds": [list(h) for h in (self.skipper.history if self.skipper else [])]}
 
     def prepare_checkpoint(self) -> bool:
