@@ -223,11 +223,11 @@ class StaleSkipHook:
         return (self.granularity == "input" and self.skipper.phase(train_step) == "skip"
                 and bool(self.frozen_keys.numel()))
 
-    def _drop(self, keys: torch.Tensor, sample: torch.Tensor, n: int) -> torch.Tensor:
-        """bool ``[n]``: the samples (of ``n``; ``sample[i]`` is key ``i``'s) all of whose lookups are stale."""
+    def _drop(self, keys: torch.Tensor, sample: torch.Tensor, n: int) -> Tuple[torch.Tensor, torch.Tensor]:
+        """Of ``n`` samples (``sample[i]`` is key ``i``'s): bool, all of its lookups are stale; its lookups."""
         lookups = torch.bincount(sample, minlength=n)
         stale = torch.bincount(sample, weights=torch.isin(keys, self.frozen_keys).double(), minlength=n)
-        return (stale == lookups) & (lookups > 0)
+        return (stale == lookups) & (lookups > 0), lookups
 
     def filter_inputs(self, host: SkipHost, batch: Any, train_step: int) -> Any:
         """Input granularity, this rank's own batch (in the EBC's feature order) that trains at
@@ -243,13 +243,13 @@ class StaleSkipHook:
         if not self._skipping(train_step):
             return batch
         sample = torch.repeat_interleave(torch.arange(F * B) % B, lengths)
-        drop = self._drop(host.batch_keys(kjt), sample, B)
+        drop, lookups = self._drop(host.batch_keys(kjt), sample, B)
         if bool(drop.all()):
             drop[0] = False
         if not bool(drop.any()):
             return batch
         keep = ~drop
-        host.count_skipped(0, int(torch.bincount(sample, minlength=B)[drop].sum()), int(drop.sum()))
+        host.count_skipped(0, int(lookups[drop].sum()), int(drop.sum()))
         value_kept = keep[sample]
         new_lengths = lengths.view(F, B)[:, keep].flatten()
         new_kjt = KeyedJaggedTensor(keys=kjt.keys(), values=kjt.values()[value_kept],

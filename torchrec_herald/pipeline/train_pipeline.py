@@ -377,26 +377,22 @@ class HeraldTrainPipeline(TrainPipeline[Batch, Any]):
         the stale inputs and refills them (:class:`LiveInputStream`), then takes its slice. Stale-update
         skipping filters (``input``) or counts (``row``) each batch; the last ``window`` of them are the
         threshold search's sample."""
-        W, rank = self.env.world, self.env.rank
         if isinstance(it, TrainStream):
             it.whole = self.live_inputs is not None
         step = first_step
         while True:
             if self.live_inputs is not None:
                 try:
-                    batch = self.live_inputs.next(it, step)
+                    batch = self._my_slice(self.live_inputs.next(it, step))
                 except StopIteration:
                     return
-                B = batch.labels.numel() // W
-                batch = select_samples(batch, torch.arange(rank * B, (rank + 1) * B))
             else:
                 try:
                     batch = next(it)
                 except StopIteration:
                     return
                 if self.global_batches and not isinstance(it, TrainStream):
-                    B = batch.labels.numel() // W
-                    batch = select_samples(batch, torch.arange(rank * B, (rank + 1) * B))
+                    batch = self._my_slice(batch)
                 if self.skip_hook is not None:
                     batch = self._feature_order(batch)
                     if self.skip_hook.granularity == "input":
@@ -407,6 +403,11 @@ class HeraldTrainPipeline(TrainPipeline[Batch, Any]):
                 self._fed_off.append(batch)
             yield batch
             step += 1
+
+    def _my_slice(self, batch: Batch) -> Batch:
+        """This rank's contiguous share of a whole global batch (stock's split)."""
+        B = batch.labels.numel() // self.env.world
+        return select_samples(batch, torch.arange(self.env.rank * B, (self.env.rank + 1) * B))
 
     def _feature_order(self, batch: Batch) -> Batch:
         """``batch`` with its features in the EBC's order."""

@@ -27,7 +27,7 @@ __all__ = ["PlanExecutor"]
 
 def _flags(add: Optional[torch.Tensor], transfers: torch.Tensor) -> torch.Tensor:
     """The per-transfer add flags of ``transfers`` (all False when the plan gives none)."""
-    return add if add is not None and add.numel() == len(transfers) else torch.zeros(len(transfers), dtype=torch.bool)
+    return add if add is not None and add.numel() else torch.zeros(len(transfers), dtype=torch.bool)
 
 
 class PlanExecutor:
@@ -200,7 +200,7 @@ class PlanExecutor:
             return
         store = self.store
         keys = transfers[:, 0]
-        add = add if add is not None and add.numel() else torch.zeros(len(transfers), dtype=torch.bool)
+        add = _flags(add, transfers)
         recv_pos, out = self._exchange(transfers, lambda i: self._row_payload(keys[i], add[i]), label, self.width)
         if store.track_base:  # what this rank pushed is now part of the home's copy
             sent = keys[transfers[:, 1] == self.rank]
