@@ -169,6 +169,7 @@ def test_snapshots_beyond_the_run_are_rejected() -> None:
 # ------------------------------------------------------------------------------------------ 2 ranks
 
 STEPS, WINDOW, START, GAP = 16, 2, 2, 3
+OFF_STEPS = 48  # input skipping with scheduling off: long enough for the refill rate to read extra slices
 SNAP_B = START + GAP  # the step whose progress() takes the second snapshot and classifies
 ADAGRAD = dict(optimizer="rowwise_adagrad", via="fused_params")
 RUNS: Dict[str, Dict[str, Any]] = {  # name -> harness cfg + pipeline sync + skip (granularity, t_max, target) or None
@@ -178,24 +179,27 @@ RUNS: Dict[str, Dict[str, Any]] = {  # name -> harness cfg + pipeline sync + ski
     "input_lazy": dict(optimizer="sgd", via="apply", pipe_sync="lazy", skip=("input", 1.0, 0.1), hot_min_count=1),
 }
 # input skipping on whole global batches (stale inputs dropped, each batch refilled with live samples),
-# samples where loaded: scheduled serially, scheduled ahead, and with scheduling off (hot replication
-# alone under TorchRec's pipeline)
-_WHOLE = dict(RUNS["input_lazy"], whole=True, pipe=dict(allocator="identity", scheduling="on", global_batches=True,
+# samples where loaded: scheduled serially and scheduled ahead; with scheduling off (hot replication
+# alone under TorchRec's pipeline) each rank refills from its own slices, and a run without skipping
+# replays the batches it fed
+_WHOLE = dict(RUNS["input_lazy"], skip=("input", 100.0, 0.3), whole=True, pipe=dict(allocator="identity", scheduling="on", global_batches=True,
                                                          run_ahead=False))
 RUNS.update({
     "input_whole": _WHOLE,
     "input_whole_ahead": dict(_WHOLE, pipe=dict(_WHOLE["pipe"], run_ahead=True)),
-    "input_off": dict(_WHOLE, pipe=dict(scheduling="off", global_batches=True)),
+    "input_off": dict(_WHOLE, steps=OFF_STEPS, pipe=dict(scheduling="off", global_batches=True)),
+    "input_off_replay": dict(_WHOLE, steps=OFF_STEPS, whole=False, skip=None, replay="input_off",
+                             pipe=dict(scheduling="off")),
 })
 
 
-def _one_run(rank: int, world: int, cfg: Dict[str, Any]) -> Dict[str, Any]:
+def _one_run(rank: int, world: int, cfg: Dict[str, Any], earlier: Dict[str, Any]) -> Dict[str, Any]:
     from herald_harness import build, full_state
     from torchrec_herald.data import TrainStream
     from torchrec_herald.pipeline import HeraldTrainPipeline
     from torchrec_herald.traffic import TrafficMeter
 
-    b = build(world, dict(cfg, planner="herald", steps=STEPS))
+    b = build(world, dict({"steps": STEPS}, **cfg, planner="herald"))
     skip = None if cfg["skip"] is None else SkipConfig(cfg["skip"][0], start=START, gap=GAP, every=100,
                                                        t_max=cfg["skip"][1], target=cfg["skip"][2], tolerance=0.05)
     pipe = HeraldTrainPipeline(b["dmp"], b["optimizer"], torch.device("cpu"), sync=cfg["pipe_sync"], window=WINDOW,
@@ -232,12 +236,24 @@ def _one_run(rank: int, world: int, cfg: Dict[str, Any]) -> Dict[str, Any]:
         hook.filter_inputs = drop  # type: ignore[method-assign]
         out["dropped"] = dropped
     it: Any = (TrainStream(b["data"], rank, world, b["batch_size"], whole=True) if cfg.get("whole")
+               else iter(earlier[cfg["replay"]]["fed"]) if cfg.get("replay")
                else b["data"].train_batches(rank, world, b["batch_size"]))
+    fed: List[Any] = []  # scheduling off with input skipping: the batches this rank's refilled stream fed
+    orig_next: Any = None
+
+    def record_fed(*a: Any) -> Any:
+        batch = orig_next(*a)  # type: ignore[misc]
+        fed.append(batch)
+        return batch
     trained_keys: List[torch.Tensor] = []  # per step: the rows this rank's trained batch reads
     sizes: List[int] = []
     losses: List[float] = []
     meter = TrafficMeter(embedding_dim=8)
     pipe.fill(it)
+    if pipe.rank_inputs is not None:
+        fed.extend(pipe.window_batches())  # the first window, read before TorchRec's pipeline takes over
+        orig_next = pipe.rank_inputs.next
+        pipe.rank_inputs.next = record_fed  # type: ignore[method-assign]
     step = 0
     while True:
         if pipe.window_batches():  # the head of the window is the batch progress() trains (after input skipping)
@@ -254,7 +270,8 @@ def _one_run(rank: int, world: int, cfg: Dict[str, Any]) -> Dict[str, Any]:
                losses=losses, mode=pipe.mode, ahead_s=pipe.stats.ahead_s,
                skip_tags=meter.tag_summary(), state=full_state(b["dmp"]),
                history=list(pipe.skipper.history) if pipe.skipper else [],
-               movement=pipe.skipper.movement if pipe.skipper else None)
+               movement=pipe.skipper.movement if pipe.skipper else None, fed=fed,
+               untrained=pipe.rank_inputs.untrained_total if pipe.rank_inputs is not None else 0)
     # the detached model trains every row again (herald's own per-step path, a second pass over the data)
     model = pipe.detach()
     after_keys = []
@@ -272,7 +289,9 @@ def _worker(rank: int, world: int) -> Dict[str, Any]:
     from herald_harness import build
     from torchrec_herald.pipeline import HeraldTrainPipeline
 
-    out: Dict[str, Any] = {n: _one_run(rank, world, cfg) for n, cfg in RUNS.items()}
+    out: Dict[str, Any] = {}
+    for n, cfg in RUNS.items():
+        out[n] = _one_run(rank, world, cfg, out)
     nohot = build(world, dict(planner="herald", steps=3, hot_min_count=10 ** 9))
     out["nohot"] = error_of(lambda: HeraldTrainPipeline(nohot["dmp"], nohot["optimizer"], torch.device("cpu"),
                                                         skip=SkipConfig("row")))
@@ -372,13 +391,11 @@ def test_input_skipping_drops_samples_and_leaves_their_rows_untouched() -> None:
             assert torch.equal(v, res[0][name]["state"][k]), k
 
 
-def test_input_skipping_on_whole_global_batches_refills_them_runs_ahead_and_runs_with_scheduling_off() -> None:
+def test_input_skipping_on_whole_global_batches_refills_them_and_runs_ahead() -> None:
     """On whole global batches the stale inputs are dropped before the batch enters and it is refilled
     from the next ones: every step but the last trains a full global batch, an epoch takes fewer steps,
     and every loader sample is trained or skipped (but for a tail of fewer than W). Scheduling ahead
-    trains bit for bit what scheduling serially trains; scheduling off (hot replication alone under
-    TorchRec's pipeline) samples the threshold from the same batches, skips the same samples and trains
-    within the exactness tolerance."""
+    trains bit for bit what scheduling serially trains."""
     res = _runs()
     ref = [r["input_whole"] for r in res]
     B = ref[0]["B"]
@@ -391,19 +408,36 @@ def test_input_skipping_on_whole_global_batches_refills_them_runs_ahead_and_runs
     assert 0 <= STEPS * 2 * B - int(per_step.sum()) - skipped < 2
     assert all(r["stats"].inputs_read == STEPS * 2 * B for r in ref)  # every loader sample read once
     assert all(r["input_lazy"]["stats"].inputs_read == 0 for r in res)  # (per-rank batches: nothing refilled)
-    for name in ("input_whole_ahead", "input_off"):
-        for r, x in zip(ref, (r[name] for r in res)):
-            assert x["steps"] == steps and x["history"] == r["history"], name
-            for k in ("skipped_inputs", "skipped_updates", "candidate_updates"):
-                assert getattr(x["stats"], k) == getattr(r["stats"], k), (name, k)
     for r, x in zip(ref, (r["input_whole_ahead"] for r in res)):
+        assert x["steps"] == steps and x["history"] == r["history"]
+        for k in ("skipped_inputs", "skipped_updates", "candidate_updates"):
+            assert getattr(x["stats"], k) == getattr(r["stats"], k), k
         assert x["ahead_s"] > 0 and x["sizes"] == r["sizes"] and x["losses"] == r["losses"]
         assert torch.equal(x["final"]["w"], r["final"]["w"])
         assert all(torch.equal(x["state"][k], v) for k, v in r["state"].items())
-    for r, x in zip(ref, (r["input_off"] for r in res)):
-        assert x["mode"] == "off"
-        assert x["losses"] == pytest.approx(r["losses"], rel=1e-5)
-        assert float((x["final"]["w"] - r["final"]["w"]).abs().max()) <= 1e-5 * float(r["final"]["w"].abs().max())
+
+
+def test_input_skipping_with_scheduling_off_refills_each_ranks_own_slices_and_trains_what_it_feeds() -> None:
+    """Scheduling off (hot replication alone under TorchRec's pipeline): each rank classifies and
+    refills from its own slices only, reading the same number of slices per step as every other rank,
+    so all ranks end at the same step. The classification is the one scheduling on makes; every slice
+    sample is trained, skipped or (the carry at the end) counted untrained; the batches are full but
+    the last; and the model trains exactly as a run without skipping fed the same batches."""
+    res = _runs()
+    runs = [r["input_off"] for r in res]
+    B, steps = runs[0]["B"], runs[0]["steps"]
+    assert all(x["mode"] == "off" and x["steps"] == steps for x in runs) and steps < OFF_STEPS
+    for r, x in zip(res, runs):
+        st = x["stats"]
+        assert x["history"] == r["input_whole"]["history"]  # the same threshold sample and classification
+        sizes = [int(b.labels.numel()) for b in x["fed"]]
+        assert len(sizes) == steps and all(n >= B for n in sizes[:-1]) and 0 < sizes[-1]
+        assert sum(sizes) + st.skipped_inputs + x["untrained"] == OFF_STEPS * B  # every slice sample accounted
+        assert st.skipped_inputs > 0 and x["untrained"] < B
+        replay = r["input_off_replay"]
+        assert replay["steps"] == steps and replay["losses"] == x["losses"]
+        assert torch.equal(replay["final"]["w"], x["final"]["w"])
+        assert all(torch.equal(replay["state"][k], v) for k, v in x["state"].items())
 
 
 def test_skipping_needs_hot_rows() -> None:

@@ -23,10 +23,15 @@ from torchrec_herald.pipeline.context import concat_samples, select_samples
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["GRANULARITIES", "LiveInputStream", "SkipConfig", "StaleSkipHook", "StaleSkipper", "search_threshold"]
+__all__ = ["GRANULARITIES", "LiveInputStream", "RankInputStream", "SkipConfig", "StaleSkipHook", "StaleSkipper",
+           "search_threshold"]
 
 #: ``pipeline.skip`` values (``None``: off)
 GRANULARITIES = ("input", "row")
+#: :class:`RankInputStream` reads this share fewer slices than the sampled skip share would call for
+REFILL_SLACK = 0.03
+#: :class:`RankInputStream` reads at most this many slices per step (a skip share of 75 % or more)
+MAX_REFILL_RATE = 4.0
 
 
 @dataclass
@@ -218,7 +223,7 @@ class StaleSkipHook:
         """Step ``step`` starts with a flush (a snapshot): its plan cannot be made ahead."""
         return self.skipper.phase(step) in ("snapshot_a", "snapshot_b")
 
-    def _skipping(self, train_step: int) -> bool:
+    def skipping(self, train_step: int) -> bool:
         """Input granularity: a classification is active for a batch that trains at ``train_step``."""
         return (self.granularity == "input" and self.skipper.phase(train_step) == "skip"
                 and bool(self.frozen_keys.numel()))
@@ -229,32 +234,47 @@ class StaleSkipHook:
         stale = torch.bincount(sample, weights=torch.isin(keys, self.frozen_keys).double(), minlength=n)
         return (stale == lookups) & (lookups > 0), lookups
 
-    def filter_inputs(self, host: SkipHost, batch: Any, train_step: int) -> Any:
-        """Input granularity, this rank's own batch (in the EBC's feature order) that trains at
-        ``train_step``: drop the samples all of whose lookups are stale hot rows (at least one sample
-        stays); counts skipped inputs and their lookups."""
-        from torchrec.datasets.utils import Batch
-        from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
-
+    def classify_inputs(self, host: SkipHost, batch: Any, train_step: int) -> Optional[Tuple[torch.Tensor, torch.Tensor]]:
+        """Input granularity, a batch (in the EBC's feature order) that trains at ``train_step``: counts its
+        lookups as candidates; None when no classification is active for it, else per sample (bool, all
+        of its lookups are stale; its lookups). The caller counts what it drops (:meth:`count_dropped`)."""
         kjt = batch.sparse_features
         B, F = kjt.stride(), len(kjt.keys())
         lengths = kjt.lengths().to(torch.int64)
         host.count_skipped(int(lengths.sum()), 0)
-        if not self._skipping(train_step):
-            return batch
+        if not self.skipping(train_step):
+            return None
         sample = torch.repeat_interleave(torch.arange(F * B) % B, lengths)
-        drop, lookups = self._drop(host.batch_keys(kjt), sample, B)
+        return self._drop(host.batch_keys(kjt), sample, B)
+
+    @staticmethod
+    def count_dropped(host: SkipHost, lookups: torch.Tensor) -> None:
+        """Count the skipped inputs whose lookups are ``lookups`` (one entry per input)."""
+        if lookups.numel():
+            host.count_skipped(0, int(lookups.sum()), int(lookups.numel()))
+
+    def refill_rate(self) -> float:
+        """Slices a rank reads per step to train a full batch of live inputs while a classification is
+        active: ``(1 - REFILL_SLACK) / (1 - s)`` for the sampled skip share ``s`` (the same on every rank),
+        at most :data:`MAX_REFILL_RATE`. The slack keeps the carried surplus near zero (a short step is
+        topped up with stale inputs, which then train: a little less is skipped, nothing is lost)."""
+        s = self.skipper.achieved_share
+        return min(MAX_REFILL_RATE, max(1.0, (1.0 - REFILL_SLACK) / max(1.0 - s, 1e-9)))
+
+    def filter_inputs(self, host: SkipHost, batch: Any, train_step: int) -> Any:
+        """Input granularity, this rank's own batch (in the EBC's feature order) that trains at
+        ``train_step``: drop the samples all of whose lookups are stale hot rows (at least one sample
+        stays); counts skipped inputs and their lookups."""
+        verdict = self.classify_inputs(host, batch, train_step)
+        if verdict is None:
+            return batch
+        drop, lookups = verdict
         if bool(drop.all()):
             drop[0] = False
         if not bool(drop.any()):
             return batch
-        keep = ~drop
-        host.count_skipped(0, int(lookups[drop].sum()), int(drop.sum()))
-        value_kept = keep[sample]
-        new_lengths = lengths.view(F, B)[:, keep].flatten()
-        new_kjt = KeyedJaggedTensor(keys=kjt.keys(), values=kjt.values()[value_kept],
-                                    lengths=new_lengths.to(kjt.lengths().dtype))
-        return Batch(dense_features=batch.dense_features[keep], sparse_features=new_kjt, labels=batch.labels[keep])
+        self.count_dropped(host, lookups[drop])
+        return select_samples(batch, (~drop).nonzero().flatten())
 
     def filter_reads(self, host: SkipHost, reads: List[List[torch.Tensor]]) -> List[List[torch.Tensor]]:
         """Row granularity: frozen rows are read but never updated, so the plan leaves them out (their
@@ -359,3 +379,101 @@ class LiveInputStream:
                 self._left = select_samples(batch, torch.arange(take, n))
             batch = select_samples(batch, torch.arange(take))
         return batch
+
+    def take_left(self, it: Iterator[Any]) -> Optional[Any]:
+        """The live samples read from ``it`` but not trained yet (None if none); forgotten here."""
+        left = self._left if it is self._src else None
+        self._left = None
+        return left
+
+
+class RankInputStream:
+    """Slipstream's input classifier on this rank's own slices (scheduling off: no rank reads another's
+    samples). Each step reads ``k`` slices, the same ``k`` on every rank: ``k = 1`` while no
+    classification is active, else the running sum of :meth:`StaleSkipHook.refill_rate` decides it (no
+    collective). The live samples of those slices, after those carried from earlier steps, fill a batch
+    of the slice size ``B``; a surplus is carried to the next step (beyond ``B`` carried, the step trains
+    it too), a shortfall is topped up with this step's stale samples, which then train. Every rank
+    reads the same slices in the same steps, so every rank runs out of data at the same step; the live
+    samples still carried then go untrained (logged), as a ``drop_last`` loader's tail does.
+
+    Args:
+        hook: the skipping hook (its classification and refill rate, the counters through ``host``).
+        host: the pipeline (:class:`SkipHost`).
+        feature_order: puts a loader batch in the EBC's feature order.
+    """
+
+    def __init__(self, hook: "StaleSkipHook", host: SkipHost, feature_order: Callable[[Any], Any]) -> None:
+        self.hook, self.host, self.feature_order = hook, host, feature_order
+        self.size = 0  # the slice size, from the first slice
+        self.source: Optional[Any] = None  # the loader of the pass being read
+        self._carry: Optional[Any] = None  # live samples read, not trained yet
+        self._credit = 0.0  # slices owed by the refill rate, below one
+        self.untrained_total = 0  # live samples read but never trained (the carry when a pass ended)
+
+    def start(self, source: Any, carry: Optional[Any] = None) -> None:
+        """A (new) pass over ``source``, with ``carry`` (live samples already read) trained first."""
+        self.untrained()
+        self.source, self._carry, self._credit = source, carry, 0.0
+
+    def untrained(self) -> int:
+        """Forget the carried live samples (the pass ended or the stream stops); returns (and logs) them."""
+        n = 0 if self._carry is None else int(self._carry.labels.numel())
+        if n:
+            logger.info("input skipping: %d live sample(s) carried on this rank go untrained (the data pass or "
+                        "scheduling off ended)", n)
+        self._carry = None
+        self.untrained_total += n
+        return n
+
+    def next(self, it: Iterator[Any], train_step: int) -> Any:
+        """This rank's batch that trains at ``train_step``, read from ``it`` (this rank's slices);
+        StopIteration when ``it`` is dry."""
+        k = 1
+        if self.hook.skipping(train_step):
+            self._credit += self.hook.refill_rate()
+            k = int(self._credit)
+            self._credit -= k
+        live = [self._carry] if self._carry is not None else []
+        stale: List[Any] = []
+        stale_lookups: List[torch.Tensor] = []
+        read = 0
+        for _ in range(k):
+            try:
+                batch = self.feature_order(next(it))
+            except StopIteration:
+                break
+            read += 1
+            self.size = self.size or int(batch.labels.numel())
+            self.host.count_read(int(batch.labels.numel()))
+            verdict = self.hook.classify_inputs(self.host, batch, train_step)
+            if verdict is None:
+                live.append(batch)
+                continue
+            drop, lookups = verdict
+            keep = ~drop
+            if bool(keep.any()):
+                live.append(select_samples(batch, keep.nonzero().flatten()))
+            if bool(drop.any()):
+                stale.append(select_samples(batch, drop.nonzero().flatten()))
+                stale_lookups.append(lookups[drop])
+        if read == 0:
+            self.untrained()
+            raise StopIteration
+        self._carry = None
+        pool = concat_samples(live) if live else None
+        n = 0 if pool is None else int(pool.labels.numel())
+        if n < self.size and stale:  # top up with stale samples (they train)
+            spare = concat_samples(stale)
+            extra = min(self.size - n, int(spare.labels.numel()))
+            pool = concat_samples(([pool] if pool is not None else []) + [select_samples(spare, torch.arange(extra))])
+            self.hook.count_dropped(self.host, torch.cat(stale_lookups)[extra:])
+        elif stale:
+            self.hook.count_dropped(self.host, torch.cat(stale_lookups))
+        assert pool is not None
+        n = int(pool.labels.numel())
+        take = max(self.size, n - self.size)  # carry at most one slice
+        if n > take:
+            self._carry = select_samples(pool, torch.arange(take, n))
+            pool = select_samples(pool, torch.arange(take))
+        return pool

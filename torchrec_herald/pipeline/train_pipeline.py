@@ -42,7 +42,7 @@ from torchrec_herald.pipeline.options import ALLOCATORS, CACHE_POLICIES, SYNC_MO
 from torchrec_herald.pipeline.run_ahead import RunAhead
 from torchrec_herald.pipeline.stages import batch_stages
 from torchrec_herald.pipeline.stages.plan import make_plan, plan_head
-from torchrec_herald.pipeline.stale_skip import LiveInputStream, StaleSkipHook
+from torchrec_herald.pipeline.stale_skip import LiveInputStream, RankInputStream, StaleSkipHook
 from torchrec_herald.pipeline.strategies import SchedulingStrategy, build_planner, build_strategy, strategy_name
 from torchrec_herald.plans import CommPlanner, SyncCounters
 
@@ -107,6 +107,8 @@ class HeraldTrainPipeline(TrainPipeline[Batch, Any]):
         self.skip_hook = StaleSkipHook(c.skip_config, self.layout.num_hot) if c.skip is not None else None
         #: input skipping on whole global batches (decided with them, in :meth:`_resolve`)
         self.live_inputs: Optional[LiveInputStream] = None
+        #: input skipping with scheduling off: this rank's slices, refilled at the shared rate
+        self.rank_inputs: Optional[RankInputStream] = None
         self._queue: Deque[HeraldBatchContext] = deque()
         self._fed_off: Deque[Batch] = deque(maxlen=c.window)  # scheduling off: the last batches fed (skip's sample)
         self._exhausted = False
@@ -201,6 +203,8 @@ class HeraldTrainPipeline(TrainPipeline[Batch, Any]):
         if self.skip_hook is not None and self.skip_hook.granularity == "input" and self.global_batches:
             self.live_inputs = LiveInputStream(self.skip_hook, self, self.env.world, self._feature_order)
         if config.scheduling in ("off", "auto"):
+            if self.skip_hook is not None and self.skip_hook.granularity == "input":
+                self.rank_inputs = RankInputStream(self.skip_hook, self, self._feature_order)
             self.switch = SchedulingSwitch(self, config.scheduling, config.probe_steps,
                                            lambda: TrainPipelineSparseDist(self._model, self._optimizer, self._device),
                                            self.env.pg, self.env.world, self.env.rank)
@@ -352,6 +356,8 @@ class HeraldTrainPipeline(TrainPipeline[Batch, Any]):
         self._collect_ahead()
         if self.mode == "on" and self.sync == "lazy":
             self.flush()
+        if mode == "on" and self.rank_inputs is not None:
+            self.rank_inputs.start(None)  # its carried live samples do not cross into whole global batches
         self.mode = mode
         self._apply_mode()
 
@@ -373,32 +379,30 @@ class HeraldTrainPipeline(TrainPipeline[Batch, Any]):
         """Scheduling off: this rank's batches from ``it`` for TorchRec's pipeline, the first training at
         ``first_step``. A :class:`~torchrec_herald.data.TrainStream` is switched to read only this rank's
         slice (no other rank's sample is generated or parsed), another loader's whole global batches
-        are sliced here; with input skipping on whole global batches every rank reads them whole, drops
-        the stale inputs and refills them (:class:`LiveInputStream`), then takes its slice. Stale-update
-        skipping filters (``input``) or counts (``row``) each batch; the last ``window`` of them are the
-        threshold search's sample."""
+        are sliced here. Input skipping drops the stale inputs of this rank's slices and refills its
+        batches at a rate every rank shares (:class:`RankInputStream`: the live samples scheduling on
+        had read ahead are carried over); row skipping counts each batch's stale reads. The last
+        ``window`` batches fed are the threshold search's sample."""
         if isinstance(it, TrainStream):
-            it.whole = self.live_inputs is not None
+            it.whole = False
+        mine: Iterator[Batch] = it
+        if self.global_batches and not isinstance(it, TrainStream):
+            mine = (self._my_slice(b) for b in it)
+        if self.rank_inputs is not None and self.rank_inputs.source is not it:
+            left = self.live_inputs.take_left(it) if self.live_inputs is not None else None
+            self.rank_inputs.start(it, self._my_part(left) if left is not None else None)
         step = first_step
         while True:
-            if self.live_inputs is not None:
-                try:
-                    batch = self._my_slice(self.live_inputs.next(it, step))
-                except StopIteration:
-                    return
-            else:
-                try:
-                    batch = next(it)
-                except StopIteration:
-                    return
-                if self.global_batches and not isinstance(it, TrainStream):
-                    batch = self._my_slice(batch)
-                if self.skip_hook is not None:
-                    batch = self._feature_order(batch)
-                    if self.skip_hook.granularity == "input":
-                        batch = self.skip_hook.filter_inputs(self, batch, step)
-                    else:
-                        self.skip_hook.count_reads(self, torch.unique(self.batch_keys(batch.sparse_features)))
+            try:
+                if self.rank_inputs is not None:
+                    batch = self.rank_inputs.next(mine, step)
+                else:
+                    batch = next(mine)
+            except StopIteration:
+                return
+            if self.skip_hook is not None and self.rank_inputs is None:
+                batch = self._feature_order(batch)
+                self.skip_hook.count_reads(self, torch.unique(self.batch_keys(batch.sparse_features)))
             if self.skip_hook is not None:
                 self._fed_off.append(batch)
             yield batch
@@ -408,6 +412,13 @@ class HeraldTrainPipeline(TrainPipeline[Batch, Any]):
         """This rank's contiguous share of a whole global batch (stock's split)."""
         B = batch.labels.numel() // self.env.world
         return select_samples(batch, torch.arange(self.env.rank * B, (self.env.rank + 1) * B))
+
+    def _my_part(self, batch: Batch) -> Optional[Batch]:
+        """This rank's contiguous part of ``batch``'s samples, split as evenly as whole samples allow
+        (None if empty)."""
+        n, W, r = batch.labels.numel(), self.env.world, self.env.rank
+        lo, hi = r * n // W, (r + 1) * n // W
+        return select_samples(batch, torch.arange(lo, hi)) if hi > lo else None
 
     def _feature_order(self, batch: Batch) -> Batch:
         """``batch`` with its features in the EBC's order."""
