@@ -434,6 +434,7 @@ def test_input_skipping_with_scheduling_off_refills_each_ranks_own_slices_and_tr
         assert len(sizes) == steps and all(n >= B for n in sizes[:-1]) and 0 < sizes[-1]
         assert sum(sizes) + st.skipped_inputs + x["untrained"] == OFF_STEPS * B  # every slice sample accounted
         assert st.skipped_inputs > 0 and x["untrained"] < B
+        assert st.inputs_read == OFF_STEPS * 2 * B  # every global batch read once (its slices, by both ranks)
         replay = r["input_off_replay"]
         assert replay["steps"] == steps and replay["losses"] == x["losses"]
         assert torch.equal(replay["final"]["w"], x["final"]["w"])

@@ -52,7 +52,7 @@ class SchedulerStats:
     local_lookups: int = 0
     lookups: int = 0
     skipped_inputs: int = 0  # stale-update skipping, input granularity: samples not trained
-    inputs_read: int = 0  # input skipping on whole global batches: the loader's samples read (global batches)
+    inputs_read: int = 0  # input skipping that refills its batches: the data's samples read (all ranks)
     skipped_updates: int = 0  # (sample lookups | row reads) whose update was skipped
     candidate_updates: int = 0  # the same, all of them (while a classification was active or not)
     stale_reads: int = 0  # bounded staleness: reads served by a copy 1..s versions behind

@@ -28,8 +28,8 @@ __all__ = ["GRANULARITIES", "LiveInputStream", "RankInputStream", "SkipConfig", 
 
 #: ``pipeline.skip`` values (``None``: off)
 GRANULARITIES = ("input", "row")
-#: :class:`RankInputStream` reads this share fewer slices than the sampled skip share would call for
-REFILL_SLACK = 0.03
+#: :class:`RankInputStream` leaves this share of the surplus the sampled skip share promises unread
+REFILL_SLACK = 0.1
 #: :class:`RankInputStream` reads at most this many slices per step (a skip share of 75 % or more)
 MAX_REFILL_RATE = 4.0
 
@@ -255,11 +255,12 @@ class StaleSkipHook:
 
     def refill_rate(self) -> float:
         """Slices a rank reads per step to train a full batch of live inputs while a classification is
-        active: ``(1 - REFILL_SLACK) / (1 - s)`` for the sampled skip share ``s`` (the same on every rank),
-        at most :data:`MAX_REFILL_RATE`. The slack keeps the carried surplus near zero (a short step is
-        topped up with stale inputs, which then train: a little less is skipped, nothing is lost)."""
-        s = self.skipper.achieved_share
-        return min(MAX_REFILL_RATE, max(1.0, (1.0 - REFILL_SLACK) / max(1.0 - s, 1e-9)))
+        active: ``(1 - REFILL_SLACK · s) / (1 - s)`` for the sampled skip share ``s`` (the same on every
+        rank), at most :data:`MAX_REFILL_RATE`. The slack, a share of the expected surplus, keeps the
+        carried surplus near zero however small ``s`` is (a short step is topped up with stale inputs,
+        which then train: a little less is skipped, nothing is lost)."""
+        s = min(max(self.skipper.achieved_share, 0.0), 1.0 - 1e-9)
+        return min(MAX_REFILL_RATE, (1.0 - REFILL_SLACK * s) / (1.0 - s))
 
     def filter_inputs(self, host: SkipHost, batch: Any, train_step: int) -> Any:
         """Input granularity, this rank's own batch (in the EBC's feature order) that trains at
@@ -400,11 +401,13 @@ class RankInputStream:
     Args:
         hook: the skipping hook (its classification and refill rate, the counters through ``host``).
         host: the pipeline (:class:`SkipHost`).
+        world: ranks a global batch is sliced over: a slice read counts its global batch's samples as
+            read (every rank reads its slice of the same global batches).
         feature_order: puts a loader batch in the EBC's feature order.
     """
 
-    def __init__(self, hook: "StaleSkipHook", host: SkipHost, feature_order: Callable[[Any], Any]) -> None:
-        self.hook, self.host, self.feature_order = hook, host, feature_order
+    def __init__(self, hook: "StaleSkipHook", host: SkipHost, world: int, feature_order: Callable[[Any], Any]) -> None:
+        self.hook, self.host, self.world, self.feature_order = hook, host, world, feature_order
         self.size = 0  # the slice size, from the first slice
         self.source: Optional[Any] = None  # the loader of the pass being read
         self._carry: Optional[Any] = None  # live samples read, not trained yet
@@ -445,7 +448,7 @@ class RankInputStream:
                 break
             read += 1
             self.size = self.size or int(batch.labels.numel())
-            self.host.count_read(int(batch.labels.numel()))
+            self.host.count_read(self.world * int(batch.labels.numel()))
             verdict = self.hook.classify_inputs(self.host, batch, train_step)
             if verdict is None:
                 live.append(batch)

@@ -204,7 +204,7 @@ class HeraldTrainPipeline(TrainPipeline[Batch, Any]):
             self.live_inputs = LiveInputStream(self.skip_hook, self, self.env.world, self._feature_order)
         if config.scheduling in ("off", "auto"):
             if self.skip_hook is not None and self.skip_hook.granularity == "input":
-                self.rank_inputs = RankInputStream(self.skip_hook, self, self._feature_order)
+                self.rank_inputs = RankInputStream(self.skip_hook, self, self.env.world, self._feature_order)
             self.switch = SchedulingSwitch(self, config.scheduling, config.probe_steps,
                                            lambda: TrainPipelineSparseDist(self._model, self._optimizer, self._device),
                                            self.env.pg, self.env.world, self.env.rank)
@@ -446,7 +446,7 @@ class HeraldTrainPipeline(TrainPipeline[Batch, Any]):
         self.ebc.set_frozen_keys(torch.empty(0, dtype=torch.int64))
 
     def count_read(self, samples: int) -> None:
-        """Input skipping on whole global batches: the loader's samples read."""
+        """Input skipping that refills its batches: the data's samples read (of whole global batches)."""
         self.stats.inputs_read += samples
 
     def count_skipped(self, candidates: int, skipped: int, inputs: int = 0) -> None:
@@ -504,7 +504,8 @@ class HeraldTrainPipeline(TrainPipeline[Batch, Any]):
                 "stale_reads_per_step": st.stale_reads / steps, "max_staleness": st.max_staleness,
                 "skipped_update_share": st.skipped_updates / max(st.candidate_updates, 1),
                 "skipped_inputs_per_step": st.skipped_inputs / steps,
-                # input skipping on whole global batches: the data's samples read per step (trained or skipped)
+                # input skipping that refills its batches: the data's samples read per step (all ranks; trained
+                # or skipped)
                 "data_samples_per_step": st.inputs_read / steps if st.inputs_read else None,
                 "skip_thresholds": [list(h) for h in (self.skipper.history if self.skipper else [])]}
 
