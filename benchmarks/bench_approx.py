@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import shlex
 import sys
 import tempfile
 from pathlib import Path
@@ -109,7 +110,7 @@ def main() -> None:
                 with tempfile.TemporaryDirectory() as tmp:
                     m = run_multiprocess(_worker, a.world_size, ov, tmp)[0]
                 rows.append({"data": data, "mode": mode, "overrides": ov, "world_size": a.world_size, "metrics": m})
-        command = "python benchmarks/bench_approx.py " + " ".join(sys.argv[1:])
+        command = "python benchmarks/bench_approx.py " + shlex.join(sys.argv[1:])  # quoted: copy-pastable
         (out / f"{a.name}.json").write_text(json.dumps({"command": command.strip(), "rows": rows}, indent=2))
     body = "\n".join([f"Command: `{command.strip()}` ({rows[0]['world_size']} ranks, "
                       f"{rows[0]['metrics']['steps']} steps)", ""] + table(rows))

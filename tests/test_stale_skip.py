@@ -191,6 +191,10 @@ RUNS.update({
     "input_off_replay": dict(_WHOLE, steps=OFF_STEPS, whole=False, skip=None, replay="input_off",
                              pipe=dict(scheduling="off")),
 })
+# scheduling=auto with input skipping active while it probes (on -> off -> the decision, forced here)
+RUNS.update({f"input_auto_{m}": dict(_WHOLE, steps=OFF_STEPS, decide=m,
+                                     pipe=dict(scheduling="auto", probe_steps=4, global_batches=True))
+             for m in ("on", "off")})
 
 
 def _one_run(rank: int, world: int, cfg: Dict[str, Any], earlier: Dict[str, Any]) -> Dict[str, Any]:
@@ -250,6 +254,8 @@ def _one_run(rank: int, world: int, cfg: Dict[str, Any], earlier: Dict[str, Any]
     losses: List[float] = []
     meter = TrafficMeter(embedding_dim=8)
     pipe.fill(it)
+    if cfg.get("decide"):
+        pipe.switch.decide = lambda on_ms, off_ms: cfg["decide"]  # type: ignore[union-attr,method-assign]
     if pipe.rank_inputs is not None:
         fed.extend(pipe.window_batches())  # the first window, read before TorchRec's pipeline takes over
         orig_next = pipe.rank_inputs.next
@@ -439,6 +445,22 @@ def test_input_skipping_with_scheduling_off_refills_each_ranks_own_slices_and_tr
         assert replay["steps"] == steps and replay["losses"] == x["losses"]
         assert torch.equal(replay["final"]["w"], x["final"]["w"])
         assert all(torch.equal(replay["state"][k], v) for k, v in x["state"].items())
+
+
+def test_input_skipping_across_the_auto_probes_switches_reads_every_global_batch_once() -> None:
+    """``scheduling=auto`` switching on -> off -> on (or staying off) while input skipping refills: the
+    whole global batches' leftover live samples pass to the per-rank streams, the per-rank carry is
+    dropped (counted) when scheduling comes back on, every rank trains the same number of steps and every
+    global batch is read exactly once."""
+    res = _runs()
+    for m in ("on", "off"):
+        runs = [r[f"input_auto_{m}"] for r in res]
+        B = runs[0]["B"]
+        assert all(x["mode"] == m and x["steps"] == runs[0]["steps"] < OFF_STEPS for x in runs), m
+        assert all(x["stats"].inputs_read == OFF_STEPS * 2 * B for x in runs), m
+        assert all(x["stats"].skipped_inputs > 0 and x["history"] == runs[0]["history"] for x in runs), m
+        assert all(math.isfinite(loss) for x in runs for loss in x["losses"]), m
+        assert torch.equal(runs[0]["final"]["w"], runs[1]["final"]["w"]), m  # the replicas agree
 
 
 def test_skipping_needs_hot_rows() -> None:
