@@ -257,7 +257,13 @@ def test_options_of_the_run_ahead_path_are_checked() -> None:
     config, why = HeraldPipelineConfig(scheduling="auto", global_batches=False).resolve(whole_batches=True, world_size=2)
     assert config.scheduling == "on" and why == [
         "pipeline.planning=auto -> global at W=2 <= 2: planning every row with the input allocator measured faster there",
+        "pipeline.run_ahead=auto -> off: global planning needs every rank's whole global batch and "
+        "pipeline.global_batches=false says the loader gives this rank's batches: each step plans on the critical path",
         "pipeline.scheduling=auto -> on: the probe needs whole global batches on every rank, or planning by home"]
+    # a loader that is not a TrainStream: the same, said of the loader
+    _, why = HeraldPipelineConfig().resolve(whole_batches=False, world_size=2)
+    assert "pipeline.run_ahead=auto -> off: global planning needs every rank's whole global batch and this loader " \
+           "gives this rank's batches (not a TrainStream): each step plans on the critical path" in why, why
     with pytest.raises(ValueError, match=r"unknown pipeline.scheduling 'maybe'; known: \['on', 'off', 'auto'\]"):
         HeraldPipelineConfig(scheduling="maybe", global_batches=True)
     with pytest.raises(ValueError, match="pipeline.probe_steps must be >= 2, got 1"):

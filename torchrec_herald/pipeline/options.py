@@ -250,6 +250,11 @@ class HeraldPipelineConfig:
         if gb is None:
             gb = whole_batches and c.planning == "global"
         ra = (gb or c.planning == "by_home") if c.run_ahead is None else c.run_ahead
+        if c.run_ahead is None and not ra:
+            why.append("pipeline.run_ahead=auto -> off: global planning needs every rank's whole global batch and "
+                       + ("pipeline.global_batches=false says the loader gives this rank's batches"
+                          if c.global_batches is False else "this loader gives this rank's batches (not a TrainStream)")
+                       + ": each step plans on the critical path")
         scheduling = c.scheduling
         # the probe needs every rank to agree on each batch's samples: whole global batches, or planning by
         # home (samples stay where loaded)
