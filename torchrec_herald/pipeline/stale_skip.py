@@ -437,46 +437,40 @@ class RankInputStream:
             self._credit += self.hook.refill_rate()
             k = int(self._credit)
             self._credit -= k
-        live = [self._carry] if self._carry is not None else []
-        stale: List[Any] = []
-        stale_lookups: List[torch.Tensor] = []
-        read = 0
+        slices: List[Any] = []
         for _ in range(k):
             try:
                 batch = self.feature_order(next(it))
             except StopIteration:
                 break
-            read += 1
             self.size = self.size or int(batch.labels.numel())
             self.host.count_read(self.world * int(batch.labels.numel()))
-            verdict = self.hook.classify_inputs(self.host, batch, train_step)
-            if verdict is None:
-                live.append(batch)
-                continue
-            drop, lookups = verdict
-            keep = ~drop
-            if bool(keep.any()):
-                live.append(select_samples(batch, keep.nonzero().flatten()))
-            if bool(drop.any()):
-                stale.append(select_samples(batch, drop.nonzero().flatten()))
-                stale_lookups.append(lookups[drop])
-        if read == 0:
+            slices.append(batch)
+        if not slices:
             self.untrained()
             raise StopIteration
-        self._carry = None
-        pool = concat_samples(live) if live else None
-        n = 0 if pool is None else int(pool.labels.numel())
-        if n < self.size and stale:  # top up with stale samples (they train)
-            spare = concat_samples(stale)
-            extra = min(self.size - n, int(spare.labels.numel()))
-            pool = concat_samples(([pool] if pool is not None else []) + [select_samples(spare, torch.arange(extra))])
-            self.hook.count_dropped(self.host, torch.cat(stale_lookups)[extra:])
-        elif stale:
-            self.hook.count_dropped(self.host, torch.cat(stale_lookups))
-        assert pool is not None
-        n = int(pool.labels.numel())
-        take = max(self.size, n - self.size)  # carry at most one slice
-        if n > take:
-            self._carry = select_samples(pool, torch.arange(take, n))
-            pool = select_samples(pool, torch.arange(take))
-        return pool
+        carry, self._carry = self._carry, None
+        parts = ([carry] if carry is not None else []) + slices
+        # per sample of the carry then the slices: stale (dropped), and its lookups
+        drop, lookups = [], []
+        for b in parts:
+            n_b = int(b.labels.numel())
+            verdict = self.hook.classify_inputs(self.host, b, train_step) if b is not carry else None
+            drop.append(verdict[0] if verdict is not None else torch.zeros(n_b, dtype=torch.bool))
+            lookups.append(verdict[1] if verdict is not None else torch.zeros(n_b, dtype=torch.int64))
+        stale = torch.cat(drop)
+        live_idx, stale_idx = (~stale).nonzero().flatten(), stale.nonzero().flatten()
+        n = live_idx.numel()
+        if n < self.size:  # top up with stale samples (they train)
+            extra = min(self.size - n, stale_idx.numel())
+            take, keep_idx, skipped = torch.cat([live_idx, stale_idx[:extra]]), live_idx[:0], stale_idx[extra:]
+        else:
+            cut = max(self.size, n - self.size)  # carry at most one slice
+            take, keep_idx, skipped = live_idx[:cut], live_idx[cut:], stale_idx
+        self.hook.count_dropped(self.host, torch.cat(lookups)[skipped])
+        pool = concat_samples(parts)
+        if keep_idx.numel():
+            self._carry = select_samples(pool, keep_idx)
+        if not stale_idx.numel() and not keep_idx.numel():  # every sample trains, in order
+            return pool
+        return select_samples(pool, take)
