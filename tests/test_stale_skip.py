@@ -191,6 +191,10 @@ RUNS.update({
     "input_off_replay": dict(_WHOLE, steps=OFF_STEPS, whole=False, skip=None, replay="input_off",
                              pipe=dict(scheduling="off")),
 })
+# input skipping that pays, and one whose classifier costs more than it saves (its measured time fixed)
+RUNS.update({f"input_off_{name}": dict(_WHOLE, steps=OFF_STEPS, every=20, cost_s=cost,
+                                       pipe=dict(scheduling="off", global_batches=True))
+             for name, cost in (("cheap", 1e-9), ("costly", 1.0))})
 # scheduling=auto with input skipping active while it probes (on -> off -> the decision, forced here)
 RUNS.update({f"input_auto_{m}": dict(_WHOLE, steps=OFF_STEPS, decide=m,
                                      pipe=dict(scheduling="auto", probe_steps=4, global_batches=True))
@@ -204,7 +208,7 @@ def _one_run(rank: int, world: int, cfg: Dict[str, Any], earlier: Dict[str, Any]
     from torchrec_herald.traffic import TrafficMeter
 
     b = build(world, dict({"steps": STEPS}, **cfg, planner="herald"))
-    skip = None if cfg["skip"] is None else SkipConfig(cfg["skip"][0], start=START, gap=GAP, every=100,
+    skip = None if cfg["skip"] is None else SkipConfig(cfg["skip"][0], start=START, gap=GAP, every=cfg.get("every", 100),
                                                        t_max=cfg["skip"][1], target=cfg["skip"][2], tolerance=0.05)
     pipe = HeraldTrainPipeline(b["dmp"], b["optimizer"], torch.device("cpu"), sync=cfg["pipe_sync"], window=WINDOW,
                                skip=skip, **cfg.get("pipe", {}))
@@ -250,10 +254,14 @@ def _one_run(rank: int, world: int, cfg: Dict[str, Any], earlier: Dict[str, Any]
         fed.append(batch)
         return batch
     trained_keys: List[torch.Tensor] = []  # per step: the rows this rank's trained batch reads
+    skipped_by_step: List[int] = []  # inputs skipped so far, after each step
     sizes: List[int] = []
     losses: List[float] = []
     meter = TrafficMeter(embedding_dim=8)
     pipe.fill(it)
+    if "cost_s" in cfg:  # the classifier's measured time per step, fixed
+        real_count_cost = pipe.skip_hook.count_cost  # type: ignore[union-attr]
+        pipe.skip_hook.count_cost = lambda seconds: real_count_cost(cfg["cost_s"])  # type: ignore[union-attr,method-assign]
     if cfg.get("decide"):
         pipe.switch.decide = lambda on_ms, off_ms: cfg["decide"]  # type: ignore[union-attr,method-assign]
     if pipe.rank_inputs is not None:
@@ -271,13 +279,15 @@ def _one_run(rank: int, world: int, cfg: Dict[str, Any], earlier: Dict[str, Any]
                 losses.append(float(pipe.progress(it)[0].sum()))
         except StopIteration:
             break
+        skipped_by_step.append(pipe.stats.skipped_inputs)
         step += 1
     out.update(final=snapshot(), steps=step, trained_keys=trained_keys, sizes=sizes, stats=copy.copy(pipe.stats),
                losses=losses, mode=pipe.mode, ahead_s=pipe.stats.ahead_s,
                skip_tags=meter.tag_summary(), state=full_state(b["dmp"]),
                history=list(pipe.skipper.history) if pipe.skipper else [],
                movement=pipe.skipper.movement if pipe.skipper else None, fed=fed,
-               untrained=pipe.rank_inputs.untrained_total if pipe.rank_inputs is not None else 0)
+               untrained=pipe.rank_inputs.untrained_total if pipe.rank_inputs is not None else 0,
+               skipped_by_step=skipped_by_step, verdicts=list(hook.verdicts) if hook is not None else [])
     # the detached model trains every row again (herald's own per-step path, a second pass over the data)
     model = pipe.detach()
     after_keys = []
@@ -461,6 +471,27 @@ def test_input_skipping_across_the_auto_probes_switches_reads_every_global_batch
         assert all(x["stats"].skipped_inputs > 0 and x["history"] == runs[0]["history"] for x in runs), m
         assert all(math.isfinite(loss) for x in runs for loss in x["losses"]), m
         assert torch.equal(runs[0]["final"]["w"], runs[1]["final"]["w"]), m  # the replicas agree
+
+
+def test_input_skipping_pauses_where_its_classifier_costs_more_time_than_it_saves() -> None:
+    """Each threshold search judges the classifier's measured time per step (the slowest rank's) against
+    the time the skipped share saves: a costly classifier pauses skipping until a later search finds it
+    pays (none here: its cost stays), a cheap one keeps skipping; every rank judges alike."""
+    res = _runs()
+    for name, paused in (("cheap", False), ("costly", True)):
+        runs = [r[f"input_off_{name}"] for r in res]
+        verdicts = runs[0]["verdicts"]  # (a third search, at step 45, only where the run is still going)
+        assert [v[0] for v in verdicts] == [SNAP_B, SNAP_B + 20, SNAP_B + 40][:len(verdicts)] and len(verdicts) >= 2
+        assert [v[1] for v in verdicts] == [False] + [paused] * (len(verdicts) - 1), name
+        assert all(x["verdicts"] == verdicts for x in runs), name
+        assert verdicts[0][2] == 0.0 and verdicts[1][2] == pytest.approx(1e-6 if name == "cheap" else 1000.0), name
+        for x in runs:
+            by_step = x["skipped_by_step"]
+            assert by_step[START + 20 - 1] > 0, name  # the first classification (steps 6-19) skipped inputs
+            if name == "costly":
+                assert by_step[-1] == by_step[START + 20 - 1], name  # nothing skipped after the pause
+            else:
+                assert by_step[START + 40 - 1] > by_step[START + 20 - 1], name  # skipping again after step 25
 
 
 def test_skipping_needs_hot_rows() -> None:

@@ -14,6 +14,7 @@ sync bytes. Opt-in and approximate: the run records its accuracy against the exa
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator, List, Optional, Protocol, Tuple
 
@@ -197,6 +198,16 @@ class StaleSkipHook:
     def __init__(self, config: SkipConfig, num_hot: int) -> None:
         self.skipper = StaleSkipper(config, num_hot)
         self.frozen_keys = torch.empty(0, dtype=torch.int64)
+        #: input skipping that refills its batches pauses while it costs more time than it saves
+        self.paused = False
+        #: each threshold search's verdict: (step, paused, classifier ms per step, step ms, skip share)
+        self.verdicts: List[Tuple[int, bool, float, float, float]] = []
+        self._cost_s = 0.0  # refilling streams' classification time since the last search ...
+        self._cost_steps = 0  # ... over this many steps that classified
+        self._cost_ms = 0.0  # the last classifier ms per step measured (kept while paused)
+        self._step_s = 0.0  # wall time between before_step calls since the last search ...
+        self._steps = 0
+        self._t_last: Optional[float] = None
 
     @property
     def granularity(self) -> str:
@@ -206,6 +217,10 @@ class StaleSkipHook:
     def before_step(self, host: SkipHost, step: int) -> None:
         """Snapshots at the ends of each measuring window (after a flush, so every rank sees the same
         hot rows), the threshold search at its end, and the (un)freezing of stale rows."""
+        now = time.perf_counter()
+        if self._t_last is not None:
+            self._step_s, self._steps = self._step_s + now - self._t_last, self._steps + 1
+        self._t_last = now
         phase = self.skipper.phase(step)
         if phase not in ("snapshot_a", "snapshot_b"):
             return
@@ -213,11 +228,34 @@ class StaleSkipHook:
         second = phase == "snapshot_b"
         self.skipper.take_snapshot(host.hot_values(), second=second)
         if second:
-            self.skipper.set_threshold(step, self._sampled_scores(host))
+            scores, cost_ms, step_ms = self._sampled_scores(host)
+            self.skipper.set_threshold(step, scores)
+            self._judge(step, cost_ms, step_ms)
         stale = self.skipper.stale if second else None
         self.frozen_keys = host.hot_keys[stale] if stale is not None else torch.empty(0, dtype=torch.int64)
         if self.granularity == "row":
             host.freeze_hot(stale, self.frozen_keys)
+
+    def count_cost(self, seconds: float) -> None:
+        """A refilling stream spent ``seconds`` classifying and assembling one step's batch."""
+        self._cost_s += seconds
+        self._cost_steps += 1
+
+    def _judge(self, step: int, cost_ms: float, step_ms: float) -> None:
+        """Input skipping that refills: pause until the next search where the classifier's time per step
+        (``cost_ms``, the slowest rank's, measured while it last ran) exceeds what the skipped share ``s``
+        saves, i.e. where ``(step + cost) · (1 - s) >= step`` (a step trains ``1 / (1 - s)`` times the
+        data's samples for ``cost`` more time). Every rank judges the same gathered figures alike.
+        Nothing measured yet (the first search, or no classifier ran): skipping runs."""
+        if self.granularity != "input":
+            return
+        s = self.skipper.achieved_share
+        if cost_ms > 0.0 and step_ms > 0.0:
+            self.paused = (step_ms + cost_ms) * (1.0 - s) >= step_ms
+            logger.info("input skipping at step %d: the classifier costs %.2f ms per step, skipping %.1f %% of a "
+                        "%.1f ms step's inputs saves %.2f -> %s", step, cost_ms, 100 * s, step_ms,
+                        s * step_ms / max(1.0 - s, 1e-9), "paused until the next search" if self.paused else "on")
+        self.verdicts.append((step, self.paused, float(cost_ms), float(step_ms), float(s)))
 
     def flushes_at(self, step: int) -> bool:
         """Step ``step`` starts with a flush (a snapshot): its plan cannot be made ahead."""
@@ -226,7 +264,7 @@ class StaleSkipHook:
     def skipping(self, train_step: int) -> bool:
         """Input granularity: a classification is active for a batch that trains at ``train_step``."""
         return (self.granularity == "input" and self.skipper.phase(train_step) == "skip"
-                and bool(self.frozen_keys.numel()))
+                and bool(self.frozen_keys.numel()) and not self.paused)
 
     def _drop(self, keys: torch.Tensor, sample: torch.Tensor, n: int) -> Tuple[torch.Tensor, torch.Tensor]:
         """Of ``n`` samples (``sample[i]`` is key ``i``'s): bool, all of its lookups are stale; its lookups."""
@@ -312,9 +350,10 @@ class StaleSkipHook:
         out[hot] = self.skipper.movement[pos[hot]]
         return out
 
-    def _sampled_scores(self, host: SkipHost) -> torch.Tensor:
+    def _sampled_scores(self, host: SkipHost) -> Tuple[torch.Tensor, float, float]:
         """Every rank's scores on the window's upcoming batches (``row``: per lookup, its row's movement;
-        ``input``: per sample, its largest), all-gathered so every rank searches the same threshold."""
+        ``input``: per sample, its largest), all-gathered so every rank searches the same threshold; and
+        the slowest rank's classifier ms per step and ms per step (for :meth:`_judge`)."""
         local = []
         for batch in host.window_batches():
             kjt = batch.sparse_features
@@ -329,7 +368,16 @@ class StaleSkipHook:
                 worst[torch.bincount(sample, minlength=B) == 0] = float("inf")  # no lookups: never skipped
                 local.append(worst)
         mine = torch.cat(local).float() if local else torch.empty(0)
-        return torch.cat(host.gather_varlen(mine, "herald_skip_meta"))
+        # and, as two trailing entries, this rank's classifier ms per step (while it ran; 0: unknown, the
+        # last figure is kept while paused) and its ms per step, since the last search
+        if self._cost_steps:
+            self._cost_ms = 1000.0 * self._cost_s / self._cost_steps
+        cost_ms = self._cost_ms
+        step_ms = 1000.0 * self._step_s / self._steps if self._steps else 0.0
+        self._cost_s, self._cost_steps, self._step_s, self._steps = 0.0, 0, 0.0, 0
+        parts = host.gather_varlen(torch.cat([mine, torch.tensor([cost_ms, step_ms])]), "herald_skip_meta")
+        return (torch.cat([p[:-2] for p in parts]), max(float(p[-2]) for p in parts),
+                max(float(p[-1]) for p in parts))
 
 
 class LiveInputStream:
@@ -359,13 +407,17 @@ class LiveInputStream:
         the end of the data); StopIteration when none is left."""
         if it is not self._src:  # a new pass over the data: nothing carried over
             self._src, self._left = it, None
+        t0, reading, active = time.perf_counter(), 0.0, self.hook.skipping(train_step)
         parts, n = ([self._left], self._left.labels.numel()) if self._left is not None else ([], 0)
         self._left = None
         while n < self.size or not self.size:
+            t_read = time.perf_counter()
             try:
                 batch = self.feature_order(next(it))
             except StopIteration:
                 break
+            finally:
+                reading += time.perf_counter() - t_read
             self.size = self.size or batch.labels.numel()
             self.host.count_read(batch.labels.numel())
             batch = self.hook.filter_inputs(self.host, batch, train_step)
@@ -379,6 +431,8 @@ class LiveInputStream:
             if n > self.size:
                 self._left = select_samples(batch, torch.arange(take, n))
             batch = select_samples(batch, torch.arange(take))
+        if active:  # the classifier ran: its time (reading excluded)
+            self.hook.count_cost(time.perf_counter() - t0 - reading)
         return batch
 
     def take_left(self, it: Iterator[Any]) -> Optional[Any]:
@@ -432,8 +486,8 @@ class RankInputStream:
     def next(self, it: Iterator[Any], train_step: int) -> Any:
         """This rank's batch that trains at ``train_step``, read from ``it`` (this rank's slices);
         StopIteration when ``it`` is dry."""
-        k = 1
-        if self.hook.skipping(train_step):
+        k, active = 1, self.hook.skipping(train_step)
+        if active:
             self._credit += self.hook.refill_rate()
             k = int(self._credit)
             self._credit -= k
@@ -449,6 +503,15 @@ class RankInputStream:
         if not slices:
             self.untrained()
             raise StopIteration
+        t0 = time.perf_counter()
+        batch = self._assemble(slices, train_step)
+        if active:  # the classifier ran: its time (reading excluded)
+            self.hook.count_cost(time.perf_counter() - t0)
+        return batch
+
+    def _assemble(self, slices: List[Any], train_step: int) -> Any:
+        """The step's batch from the carry and ``slices``: live samples first, topped up with stale ones;
+        a surplus carried."""
         carry, self._carry = self._carry, None
         parts = ([carry] if carry is not None else []) + slices
         # per sample of the carry then the slices: stale (dropped), and its lookups

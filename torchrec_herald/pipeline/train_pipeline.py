@@ -507,7 +507,10 @@ class HeraldTrainPipeline(TrainPipeline[Batch, Any]):
                 # input skipping that refills its batches: the data's samples read per step (all ranks; trained
                 # or skipped)
                 "data_samples_per_step": st.inputs_read / steps if st.inputs_read else None,
-                "skip_thresholds": [list(h) for h in (self.skipper.history if self.skipper else [])]}
+                "skip_thresholds": [list(h) for h in (self.skipper.history if self.skipper else [])],
+                # input skipping that refills: each search's verdict, [step, paused, classifier ms per step,
+                # step ms, skip share] (paused: it cost more time than it saved)
+                "skip_verdicts": [list(v) for v in (self.skip_hook.verdicts if self.skip_hook else [])]}
 
     def prepare_checkpoint(self) -> bool:
         """Before a save: flush and forget the window (:meth:`reset_window`); the data iterator restarts at
