@@ -176,7 +176,7 @@ class SkipHost(Protocol):
         """Add to the counters: updates considered, updates skipped, whole inputs skipped."""
 
     def count_read(self, samples: int) -> None:
-        """Add to the loader's samples read (input skipping on whole global batches)."""
+        """Add to the data's samples read, all ranks (input skipping that refills its batches)."""
 
     def window_batches(self) -> List[Any]:
         """This rank's upcoming batches, oldest first."""
@@ -350,6 +350,15 @@ class StaleSkipHook:
         out[hot] = self.skipper.movement[pos[hot]]
         return out
 
+    def _timings_since_search(self) -> Tuple[float, float]:
+        """This rank's classifier ms per step while it ran (0: never measured; the last figure is kept
+        while paused) and its ms per step, since the last search; the accumulators restart."""
+        if self._cost_steps:
+            self._cost_ms = 1000.0 * self._cost_s / self._cost_steps
+        step_ms = 1000.0 * self._step_s / self._steps if self._steps else 0.0
+        self._cost_s, self._cost_steps, self._step_s, self._steps = 0.0, 0, 0.0, 0
+        return self._cost_ms, step_ms
+
     def _sampled_scores(self, host: SkipHost) -> Tuple[torch.Tensor, float, float]:
         """Every rank's scores on the window's upcoming batches (``row``: per lookup, its row's movement;
         ``input``: per sample, its largest), all-gathered so every rank searches the same threshold; and
@@ -368,14 +377,8 @@ class StaleSkipHook:
                 worst[torch.bincount(sample, minlength=B) == 0] = float("inf")  # no lookups: never skipped
                 local.append(worst)
         mine = torch.cat(local).float() if local else torch.empty(0)
-        # and, as two trailing entries, this rank's classifier ms per step (while it ran; 0: unknown, the
-        # last figure is kept while paused) and its ms per step, since the last search
-        if self._cost_steps:
-            self._cost_ms = 1000.0 * self._cost_s / self._cost_steps
-        cost_ms = self._cost_ms
-        step_ms = 1000.0 * self._step_s / self._steps if self._steps else 0.0
-        self._cost_s, self._cost_steps, self._step_s, self._steps = 0.0, 0, 0.0, 0
-        parts = host.gather_varlen(torch.cat([mine, torch.tensor([cost_ms, step_ms])]), "herald_skip_meta")
+        # this rank's timings ride on the same gather, as two trailing entries
+        parts = host.gather_varlen(torch.cat([mine, torch.tensor(self._timings_since_search())]), "herald_skip_meta")
         return (torch.cat([p[:-2] for p in parts]), max(float(p[-2]) for p in parts),
                 max(float(p[-1]) for p in parts))
 
