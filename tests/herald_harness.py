@@ -151,6 +151,7 @@ def build(world: int, cfg: Dict[str, Any], data: Optional[Any] = None) -> Dict[s
     cfg: planner (table_wise|row_wise|herald), optimizer (sgd|rowwise_adagrad), via (apply|fused_params),
     dense_sync (ddp|forward_ordered: TorchRec's DDP or :class:`ForwardOrderedDenseSync`),
     pooling (SUM|MEAN), batch_size, hot_min_count, sync (herald: dense|sparse|mixed), lr, multi_hot, steps,
+    stock_tables (herald: ``(stock mode, k)``: every k-th table keeps that stock plan's sharding, one EBC mixed),
     device (cpu|cuda: where every rank keeps its rows; the GPU check runs two gloo ranks on one GPU)."""
     from torchrec.distributed import DistributedModelParallel
     from torchrec.optim import RowWiseAdagrad, apply_optimizer_in_backward
@@ -184,6 +185,13 @@ def build(world: int, cfg: Dict[str, Any], data: Optional[Any] = None) -> Dict[s
     if cfg["planner"] == "herald":
         plan = herald_plan_from_row_wise(plan, hot_specs_from_data(data, tables, cfg.get("hot_min_count", 2),
                                                                    cfg.get("sync", "dense")))
+        if cfg.get("stock_tables"):  # per-table: these tables keep a stock sharding beside herald's
+            kind, every = cfg["stock_tables"]
+            stock = stock_plan(model, tables, [sharder], kind, world, B, device, dist.group.WORLD)
+            for path, module_plan in plan.plan.items():
+                for i, t in enumerate(tables):
+                    if i % every == every - 1:
+                        module_plan[t.name] = stock.plan[path][t.name]
     sync = ForwardOrderedDenseSync() if cfg.get("dense_sync", "ddp") == "forward_ordered" else None
     dmp = DistributedModelParallel(model, device=device, plan=plan, sharders=[sharder], data_parallel_wrapper=sync)
     dmp.load_state_dict(dict(initial))  # a copy: TorchRec's DMP.load_state_dict renames the DDP keys in place

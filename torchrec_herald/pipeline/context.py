@@ -215,3 +215,10 @@ def find_herald_ebc(model: nn.Module) -> Any:
         raise ValueError(f"HeraldTrainPipeline needs a model with exactly one EmbeddingBagCollection sharded by "
                          f"HeraldEmbeddingBagCollectionSharder (planner=herald); found {len(found)}")
     return found[0]
+
+
+def stock_tables_beside(model: nn.Module) -> List[str]:
+    """The tables a mixed EBC inside ``model`` keeps stock-sharded beside herald's (none: every table is herald's)."""
+    from torchrec_herald.sharding.mixed import ShardedMixedEmbeddingBagCollection
+
+    return [t for m in model.modules() if isinstance(m, ShardedMixedEmbeddingBagCollection) for t in m.stock_tables]

@@ -36,7 +36,7 @@ from torchrec_herald.data import TrainStream
 from torchrec_herald.layout import cache_rows_for_budget
 from torchrec_herald.pipeline.auto_scheduling import SchedulingSwitch
 from torchrec_herald.pipeline.context import (HeraldBatchContext, SchedulerStats, SchedulingEnv, find_herald_ebc,
-                                              select_samples)
+                                              select_samples, stock_tables_beside)
 from torchrec_herald.pipeline.input_allocator import build_allocator
 from torchrec_herald.pipeline.options import ALLOCATORS, CACHE_POLICIES, SYNC_MODES, HeraldPipelineConfig
 from torchrec_herald.pipeline.run_ahead import RunAhead
@@ -101,6 +101,11 @@ class HeraldTrainPipeline(TrainPipeline[Batch, Any]):
                                  rank=self.ebc.rank, stats=SchedulerStats(), planner=None,  # type: ignore[arg-type]
                                  allocator=self._allocator_on)
         self.env.planner = build_planner(c, self.env, capacity_rows)
+        stock_tables = stock_tables_beside(model)
+        if stock_tables and (c.skip is not None or c.staleness):
+            raise ValueError(f"pipeline.skip and pipeline.staleness need every table of the EBC herald-sharded; the plan "
+                             f"keeps tables {stock_tables} stock-sharded beside herald's (per-table decisions): train "
+                             f"them exactly (pipeline.skip=null pipeline.staleness=0) or plan every table with herald")
         if c.skip is not None and self.layout.num_hot == 0:
             raise ValueError("pipeline.skip needs hot replication: this plan has no hot rows (use planner=herald "
                              "with a hot-set budget that holds some rows)")

@@ -478,6 +478,18 @@ class ShardedHeraldEmbeddingBagCollection(
             raise ValueError(f"features {missing} of the herald EBC are missing from the input KJT")
         return kjt.permute([kjt.keys().index(f) for f in self._feature_names])
 
+    def batch_feature_order(self, kjt: KeyedJaggedTensor) -> KeyedJaggedTensor:
+        """``kjt`` with this module's features first, in its order, then any others as they came (the
+        stock tables' features of a mixed EBC, which the pipeline carries along with each sample)."""
+        keys, F = kjt.keys(), len(self._feature_names)
+        if keys[:F] == self._feature_names:
+            return kjt
+        mine = set(self._feature_names)
+        missing = [f for f in self._feature_names if f not in keys]
+        if missing:
+            raise ValueError(f"features {missing} of the herald EBC are missing from the input KJT")
+        return kjt.permute([keys.index(f) for f in self._feature_names] + [i for i, k in enumerate(keys) if k not in mine])
+
     def global_keys(self, values: torch.Tensor, lengths: torch.Tensor, batch_size: int) -> torch.Tensor:
         """Global row key of every id of a KJT in this module's feature order (see ``RowLayout.feature_keys``)."""
         return self.layout.feature_keys(values, lengths, batch_size)

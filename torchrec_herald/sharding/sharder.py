@@ -10,6 +10,7 @@ from torchrec.distributed.types import ParameterSharding, ShardedModule, Shardin
 from torchrec.modules.embedding_modules import EmbeddingBagCollection
 
 from torchrec_herald.sharding.hot_replicated import ShardedHeraldEmbeddingBagCollection
+from torchrec_herald.sharding.mixed import ShardedMixedEmbeddingBagCollection
 from torchrec_herald.sharding.stock import CpuEmbeddingBagCollectionSharder
 from torchrec_herald.sharding.types import HERALD_HOT_ROW_WISE
 
@@ -17,7 +18,8 @@ from torchrec_herald.sharding.types import HERALD_HOT_ROW_WISE
 class HeraldEmbeddingBagCollectionSharder(CpuEmbeddingBagCollectionSharder):
     """Shards an EBC whose plan uses :data:`HERALD_HOT_ROW_WISE` into a
     :class:`ShardedHeraldEmbeddingBagCollection`; any other plan is sharded by stock TorchRec (also
-    ROW_WISE on cpu). The embedding optimizer comes from ``apply_optimizer_in_backward`` or
+    ROW_WISE on cpu); a plan that gives only some of the EBC's tables the herald type, the others a
+    stock type, into a :class:`~torchrec_herald.sharding.mixed.ShardedMixedEmbeddingBagCollection`. The embedding optimizer comes from ``apply_optimizer_in_backward`` or
     ``fused_params`` exactly as for the stock sharder.
 
     Usage::
@@ -39,8 +41,10 @@ class HeraldEmbeddingBagCollectionSharder(CpuEmbeddingBagCollectionSharder):
         herald = [name for name, ps in params.items() if ps.sharding_type == HERALD_HOT_ROW_WISE]
         if not herald:
             return super().shard(module, params, env, device, module_fqn)
-        if len(herald) != len(params):
-            stock = sorted(set(params) - set(herald))
-            raise ValueError(f"an EBC is either all {HERALD_HOT_ROW_WISE} or all stock; stock tables {stock} "
-                             f"mixed with herald tables {sorted(herald)} (HeraldPlanner never plans that)")
+        if len(herald) != len(params):  # per-table decisions: herald tables beside stock-sharded ones
+            return ShardedMixedEmbeddingBagCollection(
+                module, params, env, device,
+                make_herald=lambda m, p, e, d: ShardedHeraldEmbeddingBagCollection(m, p, e, d, self.fused_params),
+                make_stock=lambda m, p, e, d, fqn: super(HeraldEmbeddingBagCollectionSharder, self).shard(m, p, e, d, fqn),
+                module_fqn=module_fqn)
         return ShardedHeraldEmbeddingBagCollection(module, params, env, device, self.fused_params)

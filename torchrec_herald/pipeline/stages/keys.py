@@ -28,7 +28,9 @@ def key_batch(env: SchedulingEnv, ctx: HeraldBatchContext, raw: Batch, whole_bat
     allocate stage's exchange (``ctx.keys`` is then None)."""
     if raw.labels.device.type != "cpu":  # scheduling runs on CPU: a batch the loader put on the device comes back
         raw = raw.to(torch.device("cpu"))
-    kjt = env.ebc.in_feature_order(raw.sparse_features)
+    full = env.ebc.batch_feature_order(raw.sparse_features)  # herald's features first, any others after
+    F = len(env.ebc.layout.features)
+    kjt = full if len(full.keys()) == F else full.split([F, len(full.keys()) - F])[0]
     B = kjt.stride()
     values, lengths = kjt.values().to(torch.int64), kjt.lengths().to(torch.int64)
     lay = env.layout
@@ -41,7 +43,7 @@ def key_batch(env: SchedulingEnv, ctx: HeraldBatchContext, raw: Batch, whole_bat
         local_batch = B // env.world
         ranks = torch.unique((bag % B)[invalid] // local_batch).tolist()
         raise env.ebc.bad_id_error(ranks, bad[0], bad[1])
-    ctx.batch = Batch(dense_features=raw.dense_features, sparse_features=kjt, labels=raw.labels)
+    ctx.batch = Batch(dense_features=raw.dense_features, sparse_features=full, labels=raw.labels)
     ctx.keys = None if bad else lay.feature_offsets.index_select(0, feature) + values
     ctx.bad = (1, bad[0], bad[1]) if bad else (0, 0, 0)
     ctx.sample_of_key = bag % B
