@@ -154,9 +154,69 @@ def test_the_planner_decides_the_fallback_itself_with_a_typed_decision() -> None
         kinds = {ps.sharding_type for plan in d.plan.plan.values() for ps in plan.values()}
         assert kinds == ({"herald_hot_row_wise"} if herald else {"table_wise"})
         assert d.link_report()["predicted_herald_ms"] == pytest.approx(d.link.herald_ms)
-        assert set(d.link.predictions) == {"herald", "table_wise", "default"}
+        assert {"herald", "table_wise", "default"} <= set(d.link.predictions) <= {"herald", "table_wise", "default",
+                                                                                   "mixed"}
         assert d.link.chosen == min(d.link.predictions, key=lambda n: d.link.predictions[n].step_ms)
         assert torch.is_tensor(next(iter(planner.last_choices.values())).hot_ids)
+
+
+def test_each_table_goes_where_it_costs_less_time_and_the_mix_pays_its_collectives() -> None:
+    """Per table: herald where it saves bytes for its extra work per lookup (a: 1e5 + 600 lookups vs 6e5),
+    the cheaper stock type otherwise (b: ROW_WISE's 3e5 < TABLE_WISE's 4e5 < herald's 4e5 + 4000 lookups;
+    c, DATA_PARALLEL in the default plan, offered as TABLE_WISE: herald's 5e4 bytes vs 1e3). The per-table
+    candidate pays both parts' collectives: chosen at a fabric's latency, not at gloo's 1 ms on this
+    machine."""
+    from torchrec_herald.planner.time_model import mixed_plan_load, per_table_choice
+
+    expected = {"a": {"lookups": 600.0, "stock_table_wise": 6e5, "herald_total": 1e5},
+                "b": {"lookups": 4000.0, "stock_table_wise": 4e5, "stock_row_wise": 3e5, "herald_total": 4e5},
+                "c": {"lookups": 10.0, "stock_table_wise": 1e3, "herald_total": 5e4}}
+    fast = LinkModel(link_mbit=100, collective_latency_ms=0.02, cpu_us_per_lookup=0.6)
+    pick = per_table_choice(expected, {"a": "table_wise", "b": "row_wise", "c": "data_parallel"}, 2, fast)
+    assert pick == {"a": "herald", "b": "row_wise", "c": "table_wise"}
+    load = mixed_plan_load(expected, pick, 2, dense_bytes=0.0)
+    # herald's a, stock b (row-wise bytes) and c (table-wise); herald's 7 + two stock types' 5 collectives each
+    assert (load.critical_bytes, load.collectives, load.lookups) == ((1e5 + 3e5 + 1e3) / 2, 7 + 5 + 5, 300.0)
+    whole = [expected["a"], expected["b"], expected["c"]]
+    d = decide(whole, 2, fast, mixed=(load, pick))
+    assert d.chosen == "mixed" and d.herald and d.per_table == pick
+    assert d.predictions["mixed"].step_ms < min(p.step_ms for n, p in d.predictions.items() if n != "mixed")
+    assert "(1 herald tables, stock row_wise: b; table_wise: c)" in d.describe()
+    gloo = LinkModel(link_mbit=100, collective_latency_ms=1.0, cpu_us_per_lookup=0.6)
+    assert decide(whole, 2, gloo, mixed=(load, pick)).chosen == "herald"
+
+
+def test_the_planner_trains_a_per_table_pick_in_one_ebc() -> None:
+    """``HeraldPlanner.decide`` at 1.5 Gbit/s and a fabric's 0.02 ms per collective, where herald saves
+    33–67 bytes per lookup on these tables against 0.6 µs of extra work per lookup (break-even 440–890
+    Mbit/s table by table, but the step overlaps work with the link): the tables split both ways, into one
+    plan with herald tables (their hot sets) beside the stock tables' shardings, herald's sharder and
+    dense sync, predicted faster than herald's, TABLE_WISE and the default plan."""
+    import torch
+
+    from torchrec_herald.data import SyntheticCriteo
+    from torchrec_herald.model import build_dlrm_train, build_tables
+    from torchrec_herald.planner import HeraldPlanner
+    from torchrec_herald.planner.topology import make_topology
+    from torchrec_herald.sharding import HeraldEmbeddingBagCollectionSharder
+
+    data = SyntheticCriteo(scale=0.001)
+    tables = build_tables(data.feature_names, data.num_embeddings, 16)
+    model = build_dlrm_train(tables, data.num_dense, [64, 16], [64, 1], device="meta")
+    sample = [b.sparse_features for _, b in zip(range(5), data.train_batches(0, 1, 128))]
+    planner = HeraldPlanner(topology=make_topology(2, "cpu"), batch_size=64, sample_batches=sample,
+                            link=LinkModel(link_mbit=1_500, collective_latency_ms=0.02, cpu_us_per_lookup=0.6))
+    d = planner.decide(model, [HeraldEmbeddingBagCollectionSharder()])
+    assert d.link is not None and d.link.chosen == "mixed", d.link.describe()
+    p = d.link.predictions
+    assert p["mixed"].step_ms < min(p["herald"].step_ms, p["table_wise"].step_ms, p["default"].step_ms)
+    kinds = {name: ps.sharding_type for plan in d.plan.plan.values() for name, ps in plan.items()}
+    assert kinds == {t: ("herald_hot_row_wise" if k == "herald" else k) for t, k in d.link.per_table.items()}
+    assert set(kinds.values()) - {"herald_hot_row_wise"} and "herald_hot_row_wise" in kinds.values()
+    assert d.herald and d.dense_sync == "forward_ordered"
+    assert isinstance(d.sharders[0], HeraldEmbeddingBagCollectionSharder)
+    assert d.link_report()["per_table"] == d.link.per_table
+    assert torch.is_tensor(next(iter(planner.last_choices.values())).hot_ids)
 
 
 def test_the_bandwidth_stated_in_torchrecs_topology_is_the_link() -> None:

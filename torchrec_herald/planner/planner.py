@@ -171,8 +171,8 @@ class HeraldPlanner(EmbeddingShardingPlanner):
         one with the shortest predicted step on the link (``link``, or the bandwidth stated in the
         planner's TorchRec ``Topology``); the decision carries every candidate's predicted step and says
         why in one line."""
-        from torchrec_herald.planner.time_model import decide, default_plan_load
         from torchrec_herald.planner.stock import describe_plan, stock_plan
+        from torchrec_herald.planner.time_model import decide, default_plan_load, mixed_plan_load, per_table_choice
 
         plan = self.collective_plan(module, sharders, pg) if pg is not None else self.plan(module, sharders)
         if self.link is None:
@@ -184,13 +184,22 @@ class HeraldPlanner(EmbeddingShardingPlanner):
         stock_sharders = [_as_stock(s) for s in sharders]
         device = torch.device("cuda" if self._topology.compute_device == "cuda" else "cpu")
         default = stock_plan(module, tables, stock_sharders, "default", W, self._batch_size, device, pg)
-        load = default_plan_load(describe_plan(default), expected,
+        default_types = describe_plan(default)
+        load = default_plan_load(default_types, expected,
                                  {t.name: 4.0 * t.num_embeddings * t.embedding_dim for t in tables}, W, dense)
+        pick = per_table_choice(expected, default_types, W, self.link, dense, self.dense_sync)
+        mixed = None  # per table: only where some tables go each way (else it is one of the whole plans)
+        if len({k == "herald" for k in pick.values()}) == 2:
+            mixed = (mixed_plan_load(expected, pick, W, dense, self.dense_sync), pick)
         link = decide(expected.values(), W, self.link, dense_bytes=dense, dense_sync=self.dense_sync,
-                      default_plan=load)
+                      default_plan=load, mixed=mixed)
         logger.info("planner: %s", link.describe())
-        if link.herald:
+        if link.chosen == "herald":
             return PlanDecision(plan=plan, sharders=sharders, dense_sync=self.dense_sync, link=link)
+        if link.chosen == "mixed":
+            table_wise = stock_plan(module, tables, stock_sharders, "table_wise", W, self._batch_size, device, pg)
+            return PlanDecision(plan=mixed_plan(plan, pick, default, table_wise), sharders=sharders,
+                                dense_sync=self.dense_sync, link=link)
         if link.chosen == "default":
             return PlanDecision(plan=default, sharders=stock_sharders, dense_sync="ddp", link=link)
         table_wise = stock_plan(module, tables, stock_sharders, "table_wise", W, self._batch_size, device, pg)
@@ -211,6 +220,20 @@ class HeraldPlanner(EmbeddingShardingPlanner):
         return (f"sharding type of every table: {HERALD_HOT_ROW_WISE} (hot rows replicated on all "
                 f"{self._topology.world_size} ranks, cold rows in stock ROW_WISE blocks); bytes per step, all ranks\n"
                 + format_traffic_report(self.last_choices))
+
+
+def mixed_plan(herald: ShardingPlan, pick: Dict[str, str], default: ShardingPlan, table_wise: ShardingPlan
+               ) -> ShardingPlan:
+    """``herald``'s plan with each table ``pick`` gives a stock type sharded as TorchRec's default plan
+    shards it, where that is the type, else as ``table_wise`` shards it."""
+    out = copy.deepcopy(herald)
+    for path, module_plan in out.plan.items():
+        for name, kind in pick.items():
+            if kind == "herald" or name not in module_plan:
+                continue
+            source = default if default.plan[path][name].sharding_type == kind else table_wise
+            module_plan[name] = copy.deepcopy(source.plan[path][name])
+    return out
 
 
 def dense_allreduce_bytes(module: nn.Module, world_size: int) -> float:

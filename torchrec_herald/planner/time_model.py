@@ -18,13 +18,13 @@ GPU cluster).
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
-from typing import Any, Dict, Iterable, List, Mapping, Optional
+from dataclasses import asdict, dataclass, field
+from typing import Any, Dict, Iterable, List, Mapping, Optional, Tuple
 
 from torchrec_herald.planner.pricing import HERALD_COLLECTIVES, STOCK_TW_COLLECTIVES, LinkModel
 
-__all__ = ["LinkDecision", "PLAN_LABELS", "PlanLoad", "StepPrediction", "StepTimeModel", "choose_plan", "decide",
-           "default_plan_load", "step_ms"]
+__all__ = ["LinkDecision", "MIXABLE_STOCK", "PLAN_LABELS", "PlanLoad", "StepPrediction", "StepTimeModel", "choose_plan",
+           "decide", "default_plan_load", "mixed_plan_load", "per_table_choice", "step_ms"]
 
 
 @dataclass(frozen=True)
@@ -98,7 +98,8 @@ class StepTimeModel(LinkModel):
 
 
 #: what each candidate plan is called in the decision, the printed table and ``metrics.json``
-PLAN_LABELS = {"herald": "herald's plan", "table_wise": "stock TABLE_WISE", "default": "TorchRec's default plan"}
+PLAN_LABELS = {"herald": "herald's plan", "table_wise": "stock TABLE_WISE", "default": "TorchRec's default plan",
+               "mixed": "herald's tables beside stock ones (per table)"}
 
 
 @dataclass(frozen=True)
@@ -109,11 +110,13 @@ class LinkDecision:
     chosen: str
     predictions: Dict[str, StepPrediction]
     link_mbit: float
+    #: the per-table candidate's pick: table -> ``herald`` or the stock sharding type it keeps
+    per_table: Dict[str, str] = field(default_factory=dict)
 
     @property
     def herald(self) -> bool:
-        """Herald's plan was chosen."""
-        return self.chosen == "herald"
+        """Herald's sharding trains (all tables, or those the per-table candidate gave it)."""
+        return self.chosen in ("herald", "mixed")
 
     @property
     def stock_ms(self) -> float:
@@ -125,33 +128,49 @@ class LinkDecision:
         """Herald's plan's predicted step."""
         return self.predictions["herald"].step_ms
 
+    def describe_per_table(self) -> str:
+        """``N herald tables, M stock (type: tables, ...)`` for the per-table candidate ('' without one)."""
+        if not self.per_table:
+            return ""
+        stock: Dict[str, List[str]] = {}
+        for t, kind in self.per_table.items():
+            if kind != "herald":
+                stock.setdefault(kind, []).append(t)
+        n = sum(k == "herald" for k in self.per_table.values())
+        return f"{n} herald tables, stock " + "; ".join(f"{k}: {', '.join(ts)}" for k, ts in sorted(stock.items()))
+
     def describe(self) -> str:
         parts = ", ".join(f"{PLAN_LABELS.get(n, n)} {p.step_ms:.1f} ms" for n, p in self.predictions.items())
         verdict = PLAN_LABELS.get(self.chosen, self.chosen) + ("" if self.herald else (
             " with DDP (herald's replication, scheduling and forward-ordered dense sync cannot pay on this link)"))
+        if self.chosen == "mixed":
+            verdict += f" ({self.describe_per_table()})"
         return (f"link {self.link_mbit:g} Mbit/s: predicted step cost per rank (link, collectives, herald's extra "
                 f"work) {parts} -> {verdict}")
 
     def as_dict(self) -> Dict[str, Any]:
         return {"herald": self.herald, "chosen": self.chosen, "predicted_stock_ms": self.stock_ms,
                 "predicted_herald_ms": self.herald_ms, "link_mbit": self.link_mbit, "text": self.describe(),
-                "predicted": {n: p.as_dict() for n, p in self.predictions.items()}}
+                "predicted": {n: p.as_dict() for n, p in self.predictions.items()}, "per_table": dict(self.per_table)}
 
 
-def choose_plan(loads: Iterable[PlanLoad], model: StepTimeModel) -> LinkDecision:
-    """The load with the shortest predicted step (ties: the earlier one)."""
+def choose_plan(loads: Iterable[PlanLoad], model: StepTimeModel, per_table: Optional[Mapping[str, str]] = None
+                ) -> LinkDecision:
+    """The load with the shortest predicted step (ties: the earlier one); ``per_table``: the ``mixed``
+    candidate's pick per table, carried into the decision."""
     loads = list(loads)
     if not loads:
         raise ValueError("choose_plan needs at least one candidate")
     preds: Dict[str, StepPrediction] = {ld.name: model.predict(ld) for ld in loads}
     order: List[str] = [ld.name for ld in loads]
     best = min(order, key=lambda n: (preds[n].step_ms, order.index(n)))
-    return LinkDecision(best, preds, model.link_mbit)
+    return LinkDecision(best, preds, model.link_mbit, dict(per_table or {}) if "mixed" in preds else {})
 
 
 def decide(expected: Iterable[Mapping[str, float]], world_size: int, model: LinkModel, *,
            dense_bytes: float = 0.0, dense_sync: str = "forward_ordered",
-           default_plan: Optional[PlanLoad] = None) -> LinkDecision:
+           default_plan: Optional[PlanLoad] = None, mixed: Optional[Tuple[PlanLoad, Mapping[str, str]]] = None
+           ) -> LinkDecision:
     """Choose among herald's plan, stock TABLE_WISE and (when given) TorchRec's default plan on
     ``model``'s link, by predicted step time (``planner/time_model.py``).
 
@@ -163,6 +182,8 @@ def decide(expected: Iterable[Mapping[str, float]], world_size: int, model: Link
             plan; on the critical path under DDP, overlapped under herald's forward-ordered sync).
         dense_sync: herald's dense sync (``forward_ordered`` or ``ddp``).
         default_plan: TorchRec's default plan's load, a third candidate.
+        mixed: the per-table candidate (:func:`mixed_plan_load`) and its pick per table, a fourth: chosen
+            only where it is predicted faster than all three (ties go to the whole plans).
     """
     expected = list(expected)
     lookups = sum(e.get("lookups", 0.0) for e in expected) / world_size
@@ -173,8 +194,11 @@ def decide(expected: Iterable[Mapping[str, float]], world_size: int, model: Link
              PlanLoad("table_wise", stock_bytes + dense_bytes, 0.0, STOCK_TW_COLLECTIVES)]
     if default_plan is not None:
         loads.append(default_plan)
+    if mixed is not None:
+        loads.append(mixed[0])
     return choose_plan(loads, StepTimeModel(link_mbit=model.link_mbit, collective_latency_ms=model.collective_latency_ms,
-                                            cpu_us_per_lookup=model.cpu_us_per_lookup))
+                                            cpu_us_per_lookup=model.cpu_us_per_lookup),
+                       mixed[1] if mixed is not None else None)
 
 
 def default_plan_load(sharding_types: Mapping[str, str], expected: Mapping[str, Mapping[str, float]],
@@ -199,3 +223,60 @@ def default_plan_load(sharding_types: Mapping[str, str], expected: Mapping[str, 
             kinds.add("table_wise" if st in ("table_wise", "column_wise", "table_row_wise") else st)
     collectives = sum(1 if k == "data_parallel" else STOCK_TW_COLLECTIVES for k in kinds)
     return PlanLoad("default", total / W + dense_bytes, 0.0, collectives)
+
+
+#: stock sharding types a table may keep beside herald's tables in one EBC (sharding/mixed.py); a table the
+#: default plan makes DATA_PARALLEL is offered as TABLE_WISE (a fully hot herald table is its replication)
+MIXABLE_STOCK = ("table_wise", "row_wise", "column_wise", "table_row_wise", "table_column_wise")
+
+
+def _stock_kind(sharding_type: str) -> str:
+    return sharding_type if sharding_type in MIXABLE_STOCK else "table_wise"
+
+
+def _stock_bytes(kind: str, e: Mapping[str, float]) -> float:
+    return e.get("stock_row_wise", 0.0) if kind == "row_wise" else e.get("stock_table_wise", 0.0)
+
+
+def per_table_choice(expected: Mapping[str, Mapping[str, float]], stock_types: Mapping[str, str], world_size: int,
+                     model: LinkModel, dense_bytes: float = 0.0, dense_sync: str = "forward_ordered") -> Dict[str, str]:
+    """Per table, ``herald`` or the stock sharding type it keeps (the fewer bytes of its type in TorchRec's
+    default plan and TABLE_WISE; TABLE_WISE for DATA_PARALLEL).
+
+    The tables are ranked by the bytes herald saves per lookup (what each unit of its extra work buys);
+    herald takes the first k of them, for the k whose whole candidate (:func:`mixed_plan_load`: bytes,
+    both parts' collectives, herald's extra work, the link's occupancy) has the shortest predicted step
+    on ``model``'s link. A table-by-table comparison would not do: where the link is busy all the step,
+    herald's extra work hides under it."""
+    W = world_size
+    kinds = {n: min(("table_wise", _stock_kind(stock_types.get(n, "table_wise"))), key=lambda k: _stock_bytes(k, e))
+             for n, e in expected.items()}
+    saving = {n: (_stock_bytes(kinds[n], e) - e.get("herald_total", 0.0)) / max(e.get("lookups", 0.0), 1.0)
+              for n, e in expected.items()}
+    ranked = sorted(expected, key=lambda n: -saving[n])
+    timer = StepTimeModel(link_mbit=model.link_mbit, collective_latency_ms=model.collective_latency_ms,
+                          cpu_us_per_lookup=model.cpu_us_per_lookup)
+    best: Dict[str, str] = {}
+    best_ms = float("inf")
+    for k in range(len(ranked) + 1):
+        pick = {n: ("herald" if i < k else kinds[n]) for i, n in enumerate(ranked)}
+        ms = timer.predict(mixed_plan_load(expected, pick, W, dense_bytes, dense_sync)).step_ms
+        if ms < best_ms:
+            best, best_ms = pick, ms
+    return {n: best[n] for n in expected}
+
+
+def mixed_plan_load(expected: Mapping[str, Mapping[str, float]], pick: Mapping[str, str], world_size: int,
+                    dense_bytes: float, dense_sync: str = "forward_ordered") -> PlanLoad:
+    """The per-table candidate (``mixed``) as a :class:`PlanLoad`: the herald tables' bytes and lookups,
+    the stock tables' bytes by their type, herald's collectives plus each stock type's input and output
+    all-to-alls, and the dense sync as herald runs it."""
+    W = world_size
+    herald = [n for n, k in pick.items() if k == "herald"]
+    crit = sum(expected[n].get("herald_total", 0.0) for n in herald)
+    crit += sum(_stock_bytes(k, expected[n]) for n, k in pick.items() if k != "herald")
+    kinds = {k for k in pick.values() if k != "herald"}
+    overlapped = dense_bytes if dense_sync == "forward_ordered" else 0.0
+    collectives = (HERALD_COLLECTIVES if herald else 0) + STOCK_TW_COLLECTIVES * len(kinds)
+    return PlanLoad("mixed", crit / W + dense_bytes - overlapped, overlapped, collectives,
+                    sum(expected[n].get("lookups", 0.0) for n in herald) / W)
