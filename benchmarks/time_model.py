@@ -26,7 +26,9 @@ It reports each point's predicted step and herald/stock ratio beside the measure
 * a fabric's 0.02 ms per collective.
 
 The model picks herald, stock TABLE_WISE or TorchRec's default plan per point; the speedup is the pick's
-over the default plan. Writes JSON, a plot and the TIME_MODEL section of RESULTS.md.
+over the default plan. **Per table** (:func:`project_per_table`): the same points with every candidate,
+and the per-table one, priced from the planner's per-table bytes at each W and dim. Writes JSON, a plot
+and the TIME_MODEL section of RESULTS.md.
 """
 
 from __future__ import annotations
@@ -176,6 +178,79 @@ def project(worlds: List[int], links_gbit: List[float], dims: List[int]) -> Dict
             "points": out}
 
 
+def table_traffic_at(W: int, B: int, dim: int, stats_batches: int = 4, budget: int = 64 << 20
+                     ) -> Tuple[Dict[str, Dict[str, float]], Dict[str, str]]:
+    """Per table of full Kaggle (synthetic ids, as ``bench_scale``): the planner's expected bytes per step
+    (all ranks: ``lookups``, ``stock_table_wise``, ``stock_row_wise``, ``herald_total``) with the hot sets the
+    cost model picks at W ranks, B per rank and this dim; and each table's type in TorchRec's default plan."""
+    from torchrec_herald.data import SyntheticCriteo, kjt_from_ids
+    from torchrec_herald.model import build_dlrm_train, build_tables
+    from torchrec_herald.planner import AccessStats, CostModelHotSetSelector
+    from torchrec_herald.planner.stock import describe_plan, stock_plan
+    from torchrec_herald.sharding import CpuEmbeddingBagCollectionSharder
+    import torch
+
+    src = SyntheticCriteo(scale=1.0, seed=0)
+    tables = build_tables(src.feature_names, src.num_embeddings, dim, "SUM")
+    G = W * B
+    stats = AccessStats.from_batches([kjt_from_ids(src.feature_names, src.global_batch("train", -1 - i, G)[1][:, :min(G, 65536)])
+                                      for i in range(stats_batches)], tables)
+    choice = CostModelHotSetSelector().select(stats, tables, W, B, budget)
+    model = build_dlrm_train(tables, 13, [64, dim], [64, 1], device="meta")
+    types = describe_plan(stock_plan(model, tables, [CpuEmbeddingBagCollectionSharder()], "default", W, B,
+                                     torch.device("cpu")))
+    return {n: c.expected.as_dict() for n, c in choice.items()}, types
+
+
+def project_per_table(worlds: List[int], links_gbit: List[float], dims: List[int], B: int = 2048) -> Dict[str, Any]:
+    """The projection with the per-table candidate: every candidate priced from the same per-table bytes
+    (:func:`table_traffic_at`); herald's extra GPU time spread over its lookups (the H100 herald − stock step
+    per lookup), so a table given back to stock takes its share of that time with it."""
+    from torchrec_herald.planner.pricing import LinkModel
+    from torchrec_herald.planner.time_model import decide, default_plan_load, mixed_plan_load, per_table_choice
+
+    gpu = {name: json.loads((RESULTS / f"{name}.json").read_text())["runs"] for name in
+           ("gpu_step_time", "gpu_step_time_herald")}
+    stock_ms = next(r["step_s_median"] for r in gpu["gpu_step_time"] if r["local_batch"] == B) * 1e3
+    herald_ms = next(r["step_s_median"] for r in gpu["gpu_step_time_herald"] if r["local_batch"] == B) * 1e3
+    out = []
+    for W in worlds:
+        for dim in dims:
+            expected, types = table_traffic_at(W, B, dim)
+            lookups = sum(e["lookups"] for e in expected.values()) / W
+            us_per_lookup = (herald_ms - stock_ms) * 1e3 / lookups
+            sizes = dict(zip(*_kaggle_sizes()))
+            table_bytes = {n: 4.0 * sizes[n] * dim for n in expected}  # a DATA_PARALLEL table's all-reduce
+            for gbit in links_gbit:
+                link = LinkModel(link_mbit=gbit * 1e3, collective_latency_ms=FABRIC_LATENCY_MS,
+                                 cpu_us_per_lookup=us_per_lookup)
+                pick = per_table_choice(expected, types, W, link)
+                mixed = (mixed_plan_load(expected, pick, W, 0.0), pick) if len({k == "herald" for k in pick.values()}) == 2 else None
+                default = default_plan_load(types, expected, table_bytes, W, 0.0)
+                d = decide(expected.values(), W, link, default_plan=default, mixed=mixed)
+                p = {n: v.step_ms + stock_ms for n, v in d.predictions.items()}  # + the stock step's compute
+                out.append({"world_size": W, "dim": dim, "link_gbit": gbit, "local_batch": B,
+                            "herald_us_per_lookup": us_per_lookup, "predicted_step_ms": p, "chosen": d.chosen,
+                            "herald_tables": sum(k == "herald" for k in pick.values()),
+                            "chosen_vs_default": p["default"] / p[d.chosen],
+                            "herald_vs_default": p["default"] / p["herald"],
+                            "mixed_vs_default": p["default"] / p["mixed"] if "mixed" in p else None,
+                            "per_table": pick})
+                print(f"W={W} dim={dim} {gbit:g} Gbit/s: {d.chosen} {out[-1]['chosen_vs_default']:.2f}x "
+                      f"(herald {out[-1]['herald_vs_default']:.2f}x, {out[-1]['herald_tables']} herald tables)", flush=True)
+    return {"inputs": {"gpu_stock_step_ms": stock_ms, "gpu_herald_step_ms": herald_ms, "local_batch": B,
+                       "bytes": "planner's expected bytes per table, full Kaggle (synthetic ids), hot sets at W and dim"},
+            "points": out}
+
+
+def _kaggle_sizes() -> Tuple[List[str], List[int]]:
+    from torchrec_herald.data import SyntheticCriteo
+    from torchrec_herald.model import table_name
+
+    src = SyntheticCriteo(scale=1.0, seed=0)
+    return [table_name(f) for f in src.feature_names], list(src.num_embeddings)
+
+
 def markdown(result: Dict[str, Any], command: str) -> str:
     v = result["validation"]
     lines = [f"Command: `{command}`", "",
@@ -201,6 +276,24 @@ def markdown(result: Dict[str, Any], command: str) -> str:
         for gbit in sorted({p["link_gbit"] for p in pr["points"]}):
             cells = [f"{p['chosen_vs_default']:.2f}× {p['chosen']} ({p['herald_vs_default']:.2f}×)"
                      for p in sorted(pr["points"], key=lambda p: p["world_size"])
+                     if p["dim"] == dim and p["link_gbit"] == gbit]
+            lines.append(f"| {dim} | {gbit:g} Gbit/s | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def markdown_per_table(pt: Dict[str, Any]) -> str:
+    """The per-table projection: the pick vs TorchRec's default plan, the herald tables in the per-table
+    candidate's best split, herald alone in brackets."""
+    worlds = sorted({p["world_size"] for p in pt["points"]})
+    lines = [f"Per-table decisions (every candidate from the planner's per-table bytes, full Kaggle, B={pt['inputs']['local_batch']} "
+             f"per GPU; herald's extra H100 time {pt['inputs']['gpu_herald_step_ms'] - pt['inputs']['gpu_stock_step_ms']:.1f} ms "
+             "spread over its lookups; cell: the model's pick vs the default plan, herald tables in the best "
+             "per-table split of 26, herald alone in brackets):", "",
+             "| dim | link per GPU | " + " | ".join(f"W={w}" for w in worlds) + " |", "|---|---|" + "---|" * len(worlds)]
+    for dim in sorted({p["dim"] for p in pt["points"]}):
+        for gbit in sorted({p["link_gbit"] for p in pt["points"]}):
+            cells = [f"{p['chosen_vs_default']:.2f}× {p['chosen']}, {p['herald_tables']} h ({p['herald_vs_default']:.2f}×)"
+                     for p in sorted(pt["points"], key=lambda p: p["world_size"])
                      if p["dim"] == dim and p["link_gbit"] == gbit]
             lines.append(f"| {dim} | {gbit:g} Gbit/s | " + " | ".join(cells) + " |")
     return "\n".join(lines)
@@ -259,11 +352,12 @@ def main(argv: Optional[List[str]] = None) -> None:
     ap.add_argument("--out", default=str(RESULTS / "time_model.json"))
     a = ap.parse_args(argv)
     command = "python benchmarks/time_model.py" + (" " + " ".join(argv) if argv else "")
-    result = {"command": command, "validation": validate(), "projection": project(a.world_sizes, a.links_gbit, a.dims)}
+    result = {"command": command, "validation": validate(), "projection": project(a.world_sizes, a.links_gbit, a.dims),
+              "per_table": project_per_table(a.world_sizes, a.links_gbit, a.dims)}
     out = Path(a.out)
     out.write_text(json.dumps(result, indent=1))
     plot(result, out.with_suffix(".png"))
-    md = markdown(result, command)
+    md = markdown(result, command) + "\n\n" + markdown_per_table(result["per_table"])
     write_results_md({"TIME_MODEL": md})
     print(md)
 
