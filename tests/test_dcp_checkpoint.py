@@ -1,6 +1,6 @@
 """Checkpoints through ``torch.distributed.checkpoint`` (torchrec_herald/checkpoint.py), 2 ranks:
-a herald checkpoint loads into stock ROW_WISE and TABLE_WISE DMPs and back with identical weights and
-row-wise Adagrad state (DCP reshards; no rank gathers a table); a checkpoint of other shapes is refused
+a herald checkpoint loads into stock ROW_WISE and TABLE_WISE DMPs, into an EBC mixing herald and stock
+TABLE_WISE tables, and back with identical weights and row-wise Adagrad state (DCP reshards; no rank gathers a table); a checkpoint of other shapes is refused
 naming the table and both shapes; interrupted saves are skipped with a warning naming them."""
 
 from __future__ import annotations
@@ -50,13 +50,25 @@ def _worker(rank: int, world: int, root: str) -> Dict[str, Any]:
     run_steps(h["dmp"], h["optimizer"], h["data"].train_batches(rank, world, h["batch_size"]))
     ref_w, ref_m = full_state(h["dmp"]), _momentum(h["dmp"])
     path = save_checkpoint(Path(root) / "h", 4, h["dmp"], h["optimizer"], {"note": "herald"})
-    for target in ("row_wise", "table_wise", "herald"):
-        t = build(world, dict(CFG, planner=target, hot_min_count=3) if target == "herald" else dict(CFG, planner=target))
+    targets = {"row_wise": dict(CFG, planner="row_wise"), "table_wise": dict(CFG, planner="table_wise"),
+               "herald": dict(CFG, planner="herald", hot_min_count=3),
+               "mixed": dict(CFG, planner="herald", stock_tables=("table_wise", 2))}  # herald + stock in one EBC
+    for target, cfg in targets.items():
+        t = build(world, cfg)
         state = load_checkpoint(path, t["dmp"], t["optimizer"])
         out[f"{target}_state"] = state
         w, m = full_state(t["dmp"]), _momentum(t["dmp"])
         out[f"{target}_w"] = all(torch.equal(w[k], ref_w[k]) for k in ref_w)
         out[f"{target}_m"] = sorted(m) == sorted(ref_m) and all(torch.equal(m[k], ref_m[k]) for k in ref_m)
+    # a mixed EBC's own checkpoint (the EBC's keys) loads into stock TABLE_WISE
+    mixed = build(world, targets["mixed"])
+    run_steps(mixed["dmp"], mixed["optimizer"], mixed["data"].train_batches(rank, world, mixed["batch_size"]))
+    mixed_path = save_checkpoint(Path(root) / "mixed", 4, mixed["dmp"], mixed["optimizer"], {})
+    into = build(world, targets["table_wise"])
+    load_checkpoint(mixed_path, into["dmp"], into["optimizer"])
+    mw, mm, iw, im = full_state(mixed["dmp"]), _momentum(mixed["dmp"]), full_state(into["dmp"]), _momentum(into["dmp"])
+    out["mixed_to_tw"] = (all(torch.equal(iw[k], mw[k]) for k in mw) and sorted(im) == sorted(mm)
+                          and all(torch.equal(im[k], mm[k]) for k in mm))
     # and back: stock TABLE_WISE trained -> DCP -> herald
     tw = build(world, dict(CFG, planner="table_wise"))
     run_steps(tw["dmp"], tw["optimizer"], tw["data"].train_batches(rank, world, tw["batch_size"]))
@@ -99,12 +111,17 @@ def results(tmp_path_factory: pytest.TempPathFactory) -> tuple:
     return _results(str(tmp_path_factory.mktemp("dcp")))
 
 
-def test_herald_checkpoint_loads_into_stock_row_wise_table_wise_and_herald(results: tuple) -> None:
+def test_herald_checkpoint_loads_into_stock_row_wise_table_wise_herald_and_mixed(results: tuple) -> None:
     for r in results:
-        for target in ("row_wise", "table_wise", "herald"):
+        for target in ("row_wise", "table_wise", "herald", "mixed"):
             assert r[f"{target}_state"]["note"] == "herald" and r[f"{target}_state"]["step"] == 4
             assert r[f"{target}_w"], target
             assert r[f"{target}_m"], target
+
+
+def test_a_mixed_ebc_checkpoint_loads_into_stock_table_wise(results: tuple) -> None:
+    for r in results:
+        assert r["mixed_to_tw"]
 
 
 def test_stock_table_wise_checkpoint_loads_into_herald(results: tuple) -> None:
