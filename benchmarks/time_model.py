@@ -269,33 +269,32 @@ def markdown(result: Dict[str, Any], command: str) -> str:
     pr = result["projection"]
     lines += ["", f"Projection (H100 step {pr['inputs']['gpu_stock_step_ms']:.1f} ms stock, "
               f"{pr['inputs']['gpu_herald_step_ms']:.1f} ms herald, B=2048 per GPU; the model's pick vs TorchRec's "
-              "default plan; herald alone in brackets):", "",
-              "| dim | link per GPU | " + " | ".join(f"W={w}" for w in sorted({p['world_size'] for p in pr['points']}))
-              + " |", "|---|---|" + "---|" * len({p['world_size'] for p in pr['points']})]
-    for dim in sorted({p["dim"] for p in pr["points"]}):
-        for gbit in sorted({p["link_gbit"] for p in pr["points"]}):
-            cells = [f"{p['chosen_vs_default']:.2f}× {p['chosen']} ({p['herald_vs_default']:.2f}×)"
-                     for p in sorted(pr["points"], key=lambda p: p["world_size"])
+              "default plan; herald alone in brackets):", ""]
+    lines += _grid(pr["points"], lambda p: f"{p['chosen_vs_default']:.2f}× {p['chosen']} ({p['herald_vs_default']:.2f}×)")
+    return "\n".join(lines)
+
+
+def _grid(points: List[Dict[str, Any]], cell: Any) -> List[str]:
+    """A markdown table of ``points``: a row per (dim, link), a column per W, ``cell(point)`` in each."""
+    worlds = sorted({p["world_size"] for p in points})
+    lines = ["| dim | link per GPU | " + " | ".join(f"W={w}" for w in worlds) + " |", "|---|---|" + "---|" * len(worlds)]
+    for dim in sorted({p["dim"] for p in points}):
+        for gbit in sorted({p["link_gbit"] for p in points}):
+            cells = [cell(p) for p in sorted(points, key=lambda p: p["world_size"])
                      if p["dim"] == dim and p["link_gbit"] == gbit]
             lines.append(f"| {dim} | {gbit:g} Gbit/s | " + " | ".join(cells) + " |")
-    return "\n".join(lines)
+    return lines
 
 
 def markdown_per_table(pt: Dict[str, Any]) -> str:
     """The per-table projection: the pick vs TorchRec's default plan, the herald tables in the per-table
     candidate's best split, herald alone in brackets."""
-    worlds = sorted({p["world_size"] for p in pt["points"]})
     lines = [f"Per-table decisions (every candidate from the planner's per-table bytes, full Kaggle, B={pt['inputs']['local_batch']} "
              f"per GPU; herald's extra H100 time {pt['inputs']['gpu_herald_step_ms'] - pt['inputs']['gpu_stock_step_ms']:.1f} ms "
              "spread over its lookups; cell: the model's pick vs the default plan, herald tables in the best "
-             "per-table split of 26, herald alone in brackets):", "",
-             "| dim | link per GPU | " + " | ".join(f"W={w}" for w in worlds) + " |", "|---|---|" + "---|" * len(worlds)]
-    for dim in sorted({p["dim"] for p in pt["points"]}):
-        for gbit in sorted({p["link_gbit"] for p in pt["points"]}):
-            cells = [f"{p['chosen_vs_default']:.2f}× {p['chosen']}, {p['herald_tables']} h ({p['herald_vs_default']:.2f}×)"
-                     for p in sorted(pt["points"], key=lambda p: p["world_size"])
-                     if p["dim"] == dim and p["link_gbit"] == gbit]
-            lines.append(f"| {dim} | {gbit:g} Gbit/s | " + " | ".join(cells) + " |")
+             "per-table split of 26, herald alone in brackets):", ""]
+    lines += _grid(pt["points"], lambda p: f"{p['chosen_vs_default']:.2f}× {p['chosen']}, {p['herald_tables']} h "
+                                           f"({p['herald_vs_default']:.2f}×)")
     return "\n".join(lines)
 
 
