@@ -133,3 +133,10 @@ def test_approximate_modes_with_a_mixed_ebc_are_one_error_naming_the_stock_table
         msg = errors[mode]
         assert msg.startswith("ValueError: pipeline.skip and pipeline.staleness need every table of the EBC "
                               "herald-sharded; the plan keeps tables ['t_cat_1', 't_cat_3'"), msg
+
+
+def test_the_planner_offers_only_the_stock_types_the_mixed_ebc_accepts() -> None:
+    from torchrec_herald.planner.time_model import MIXABLE_STOCK
+    from torchrec_herald.sharding.mixed import MIXABLE_STOCK_TYPES
+
+    assert set(MIXABLE_STOCK) == set(MIXABLE_STOCK_TYPES)

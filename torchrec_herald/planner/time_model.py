@@ -225,8 +225,9 @@ def default_plan_load(sharding_types: Mapping[str, str], expected: Mapping[str, 
     return PlanLoad("default", total / W + dense_bytes, 0.0, collectives)
 
 
-#: stock sharding types a table may keep beside herald's tables in one EBC (sharding/mixed.py); a table the
-#: default plan makes DATA_PARALLEL is offered as TABLE_WISE (a fully hot herald table is its replication)
+#: stock sharding types a table may keep beside herald's tables in one EBC (sharding/mixed.py's
+#: MIXABLE_STOCK_TYPES, tested equal); a table the default plan makes DATA_PARALLEL is offered as
+#: TABLE_WISE (a fully hot herald table is its replication)
 MIXABLE_STOCK = ("table_wise", "row_wise", "column_wise", "table_row_wise", "table_column_wise")
 
 
