@@ -83,6 +83,12 @@ CONFIGS: Dict[str, tuple] = {
                                                       "pipeline.staleness=1", "pipeline.reference=false"]),
     "skip": ("herald + Slipstream skip=input", ["planner=herald", "pipeline=herald", "pipeline.skip=input",
                                                 "pipeline.reference=false"]),
+    # per-table decisions: herald's hot replication kept whatever the link, and a per-table split forced by a
+    # declared link where the model splits the tables (5 herald, 21 TABLE_WISE on the default data)
+    "hot_kept": ("herald hot replication, kept (planner.link_mbit=null)", ["planner=herald", "planner.link_mbit=null",
+                                                                         "pipeline=sparse_dist"]),
+    "split": ("herald tables beside TABLE_WISE ones (split forced: declared 1200 Mbit/s, 0.001 ms)",
+              ["planner=herald", "planner.link_mbit=1200", "planner.collective_latency_ms=0.001", "pipeline=sparse_dist"]),
 }
 #: herald full declares the link it runs on (planner.link_mbit); "unlimited" (veth without tc) as 10 Gbit/s
 UNLIMITED_DECLARED_MBIT = 10_000

@@ -204,8 +204,8 @@ def table_traffic_at(W: int, B: int, dim: int, stats_batches: int = 4, budget: i
 
 def project_per_table(worlds: List[int], links_gbit: List[float], dims: List[int], B: int = 2048) -> Dict[str, Any]:
     """The projection with the per-table candidate: every candidate priced from the same per-table bytes
-    (:func:`table_traffic_at`); herald's extra GPU time spread over its lookups (the H100 herald − stock step
-    per lookup), so a table given back to stock takes its share of that time with it."""
+    (:func:`table_traffic_at`); herald's extra GPU time (the H100 herald − stock step) as the model
+    prices it, per lookup of the whole EBC, which a split pays in full."""
     from torchrec_herald.planner.pricing import LinkModel
     from torchrec_herald.planner.time_model import decide, default_plan_load, mixed_plan_load, per_table_choice
 
@@ -291,7 +291,7 @@ def markdown_per_table(pt: Dict[str, Any]) -> str:
     candidate's best split, herald alone in brackets."""
     lines = [f"Per-table decisions (every candidate from the planner's per-table bytes, full Kaggle, B={pt['inputs']['local_batch']} "
              f"per GPU; herald's extra H100 time {pt['inputs']['gpu_herald_step_ms'] - pt['inputs']['gpu_stock_step_ms']:.1f} ms "
-             "spread over its lookups; cell: the model's pick vs the default plan, herald tables in the best "
+             "per step, paid by a split too; cell: the model's pick vs the default plan, herald tables in the best "
              "per-table split of 26, herald alone in brackets):", ""]
     lines += _grid(pt["points"], lambda p: f"{p['chosen_vs_default']:.2f}× {p['chosen']}, {p['herald_tables']} h "
                                            f"({p['herald_vs_default']:.2f}×)")

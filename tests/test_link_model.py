@@ -176,7 +176,7 @@ def test_each_table_goes_where_it_costs_less_time_and_the_mix_pays_its_collectiv
     assert pick == {"a": "herald", "b": "row_wise", "c": "table_wise"}
     load = mixed_plan_load(expected, pick, 2, dense_bytes=0.0)
     # herald's a, stock b (row-wise bytes) and c (table-wise); herald's 7 + two stock types' 5 collectives each
-    assert (load.critical_bytes, load.collectives, load.lookups) == ((1e5 + 3e5 + 1e3) / 2, 7 + 5 + 5, 300.0)
+    assert (load.critical_bytes, load.collectives, load.lookups) == ((1e5 + 3e5 + 1e3) / 2, 7 + 5 + 5, 2305.0)
     whole = [expected["a"], expected["b"], expected["c"]]
     d = decide(whole, 2, fast, mixed=(load, pick))
     assert d.chosen == "mixed" and d.herald and d.per_table == pick
@@ -187,16 +187,17 @@ def test_each_table_goes_where_it_costs_less_time_and_the_mix_pays_its_collectiv
 
 
 def test_the_planner_trains_a_per_table_pick_in_one_ebc() -> None:
-    """``HeraldPlanner.decide`` at 1.5 Gbit/s and a fabric's 0.02 ms per collective, where herald saves
-    33–67 bytes per lookup on these tables against 0.6 µs of extra work per lookup (break-even 440–890
-    Mbit/s table by table, but the step overlaps work with the link): the tables split both ways, into one
-    plan with herald tables (their hot sets) beside the stock tables' shardings, herald's sharder and
-    dense sync, predicted faster than herald's, TABLE_WISE and the default plan."""
+    """``HeraldPlanner.decide`` with a fixed top-5 % hot set synced densely (what it costs is not weighed
+    against what it saves), 200 Mbit/s and a fabric's 0.02 ms per collective: the tables whose hot sync
+    costs herald more bytes than TABLE_WISE sends for them go stock, the others stay herald, in one plan
+    with herald's sharder and dense sync, predicted faster than herald's, TABLE_WISE and the default plan.
+    Herald's extra work is charged on every lookup either way (it is per step)."""
     import torch
 
     from torchrec_herald.data import SyntheticCriteo
     from torchrec_herald.model import build_dlrm_train, build_tables
     from torchrec_herald.planner import HeraldPlanner
+    from torchrec_herald.planner.hot_set import TopFractionHotSetSelector
     from torchrec_herald.planner.topology import make_topology
     from torchrec_herald.sharding import HeraldEmbeddingBagCollectionSharder
 
@@ -205,7 +206,8 @@ def test_the_planner_trains_a_per_table_pick_in_one_ebc() -> None:
     model = build_dlrm_train(tables, data.num_dense, [64, 16], [64, 1], device="meta")
     sample = [b.sparse_features for _, b in zip(range(5), data.train_batches(0, 1, 128))]
     planner = HeraldPlanner(topology=make_topology(2, "cpu"), batch_size=64, sample_batches=sample,
-                            link=LinkModel(link_mbit=1_500, collective_latency_ms=0.02, cpu_us_per_lookup=0.6))
+                            hot_set_selector=TopFractionHotSetSelector(0.05),
+                            link=LinkModel(link_mbit=200, collective_latency_ms=0.02, cpu_us_per_lookup=0.6))
     d = planner.decide(model, [HeraldEmbeddingBagCollectionSharder()])
     assert d.link is not None and d.link.chosen == "mixed", d.link.describe()
     p = d.link.predictions
@@ -213,6 +215,9 @@ def test_the_planner_trains_a_per_table_pick_in_one_ebc() -> None:
     kinds = {name: ps.sharding_type for plan in d.plan.plan.values() for name, ps in plan.items()}
     assert kinds == {t: ("herald_hot_row_wise" if k == "herald" else k) for t, k in d.link.per_table.items()}
     assert set(kinds.values()) - {"herald_hot_row_wise"} and "herald_hot_row_wise" in kinds.values()
+    for name, kind in d.link.per_table.items():  # stock exactly where herald would send more bytes
+        e = planner.last_choices[name].expected.as_dict()
+        assert (kind != "herald") == (e["herald_total"] > e["stock_table_wise"]), (name, kind, e)
     assert d.herald and d.dense_sync == "forward_ordered"
     assert isinstance(d.sharders[0], HeraldEmbeddingBagCollectionSharder)
     assert d.link_report()["per_table"] == d.link.per_table

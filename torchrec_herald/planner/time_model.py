@@ -244,11 +244,11 @@ def per_table_choice(expected: Mapping[str, Mapping[str, float]], stock_types: M
     """Per table, ``herald`` or the stock sharding type it keeps (the fewer bytes of its type in TorchRec's
     default plan and TABLE_WISE; TABLE_WISE for DATA_PARALLEL).
 
-    The tables are ranked by the bytes herald saves per lookup (what each unit of its extra work buys);
-    herald takes the first k of them, for the k whose whole candidate (:func:`mixed_plan_load`: bytes,
-    both parts' collectives, herald's extra work, the link's occupancy) has the shortest predicted step
-    on ``model``'s link. A table-by-table comparison would not do: where the link is busy all the step,
-    herald's extra work hides under it."""
+    The tables are ranked by the bytes herald saves per lookup; herald takes the first k of them, for the
+    k whose whole candidate (:func:`mixed_plan_load`: bytes, both parts' collectives, herald's extra work
+    per step, the link's occupancy) has the shortest predicted step on ``model``'s link. A table-by-table
+    comparison would not do: herald's extra work is paid once per step, and where the link is busy all
+    the step it hides under it."""
     W = world_size
     kinds = {n: min(("table_wise", _stock_kind(stock_types.get(n, "table_wise"))), key=lambda k: _stock_bytes(k, e))
              for n, e in expected.items()}
@@ -269,9 +269,13 @@ def per_table_choice(expected: Mapping[str, Mapping[str, float]], stock_types: M
 
 def mixed_plan_load(expected: Mapping[str, Mapping[str, float]], pick: Mapping[str, str], world_size: int,
                     dense_bytes: float, dense_sync: str = "forward_ordered") -> PlanLoad:
-    """The per-table candidate (``mixed``) as a :class:`PlanLoad`: the herald tables' bytes and lookups,
-    the stock tables' bytes by their type, herald's collectives plus each stock type's input and output
-    all-to-alls, and the dense sync as herald runs it."""
+    """The per-table candidate (``mixed``) as a :class:`PlanLoad`: the herald tables' bytes, the stock
+    tables' bytes by their type, herald's collectives plus each stock type's input and output all-to-alls,
+    the dense sync as herald runs it, and herald's extra work on **every** lookup of the EBC, as if all
+    its tables were herald's: measured, that work is per step, not per table (W=2, 1000 Mbit/s, 2 cores:
+    herald hot replication of all 26 tables computes 1.4 ms more per step than TABLE_WISE, a split of 5
+    herald tables beside 21 TABLE_WISE ones 3.6 ms more; RESULTS.md "Per-table decisions, measured"). So
+    a split pays only where its stock tables send fewer bytes than herald would for them."""
     W = world_size
     herald = [n for n, k in pick.items() if k == "herald"]
     crit = sum(expected[n].get("herald_total", 0.0) for n in herald)
@@ -280,4 +284,4 @@ def mixed_plan_load(expected: Mapping[str, Mapping[str, float]], pick: Mapping[s
     overlapped = dense_bytes if dense_sync == "forward_ordered" else 0.0
     collectives = (HERALD_COLLECTIVES if herald else 0) + STOCK_TW_COLLECTIVES * len(kinds)
     return PlanLoad("mixed", crit / W + dense_bytes - overlapped, overlapped, collectives,
-                    sum(expected[n].get("lookups", 0.0) for n in herald) / W)
+                    sum(e.get("lookups", 0.0) for e in expected.values()) / W if herald else 0.0)
