@@ -84,7 +84,8 @@ CONFIGS: Dict[str, tuple] = {
     "skip": ("herald + Slipstream skip=input", ["planner=herald", "pipeline=herald", "pipeline.skip=input",
                                                 "pipeline.reference=false"]),
     # per-table decisions: herald's hot replication kept whatever the link, and a per-table split forced by a
-    # declared link where the model splits the tables (5 herald, 21 TABLE_WISE on the default data)
+    # declared link where the model of commit 3cde93a split the tables (5 herald, 21 TABLE_WISE on the default
+    # data); the current model, which charges a split herald's extra work per step, picks the default plan there
     "hot_kept": ("herald hot replication, kept (planner.link_mbit=null)", ["planner=herald", "planner.link_mbit=null",
                                                                          "pipeline=sparse_dist"]),
     "split": ("herald tables beside TABLE_WISE ones (split forced: declared 1200 Mbit/s, 0.001 ms)",
