@@ -191,3 +191,27 @@ def test_driver_ranks_agree_on_the_broadcast_plan(driver: list) -> None:
     assert a["hot_rows"] == b["hot_rows"] and a["sync"] == b["sync"]
     assert a["predicted_bytes_per_step"] == b["predicted_bytes_per_step"]
     assert driver[0]["herald"]["traffic_per_step_by_tag"] == driver[1]["herald"]["traffic_per_step_by_tag"]
+
+
+def test_the_default_plans_data_parallel_tables_are_one_info_line_not_a_warning_each(
+        caplog: pytest.LogCaptureFixture) -> None:
+    """TorchRec's planner warns once per table without a sharding spec, which every DATA_PARALLEL table
+    is by design; ``stock_plan`` folds those warnings into one info line naming the tables."""
+    import logging
+
+    from torchrec_herald.data import SyntheticCriteo
+    from torchrec_herald.model import build_dlrm_train, build_tables
+    from torchrec_herald.planner.stock import describe_plan, stock_plan
+    from torchrec_herald.sharding import CpuEmbeddingBagCollectionSharder
+
+    data = SyntheticCriteo(scale=0.001)
+    tables = build_tables(data.feature_names, data.num_embeddings, 16)
+    model = build_dlrm_train(tables, data.num_dense, [64, 16], [64, 1], device="meta")
+    with caplog.at_level(logging.INFO):
+        plan = stock_plan(model, tables, [CpuEmbeddingBagCollectionSharder()], "default", 2, 64, torch.device("cpu"))
+    dp = [t for t, kind in describe_plan(plan).items() if kind == "data_parallel"]
+    assert dp  # the default plan at W=2 replicates the small tables
+    assert not [r for r in caplog.records if "Sharding spec not found" in r.getMessage()]
+    [line] = [r.getMessage() for r in caplog.records if "DATA_PARALLEL table(s)" in r.getMessage()]
+    assert line.startswith(f"TorchRec's default plan: {len(dp)} DATA_PARALLEL table(s) ({', '.join(dp)})")
+    assert not logging.getLogger().filters  # the fold is scoped to the planning

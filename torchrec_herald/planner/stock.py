@@ -45,8 +45,39 @@ def stock_plan(module: nn.Module, tables: List[EmbeddingBagConfig], sharders: Li
         storage_reservation=default_storage_reservation(),
         constraints=stock_constraints(tables, mode),
     )
-    plan = planner.collective_plan(module, sharders, pg) if pg is not None else planner.plan(module, sharders)
+    with _DataParallelSpecNotice() as notice:
+        plan = planner.collective_plan(module, sharders, pg) if pg is not None else planner.plan(module, sharders)
+    if notice.tables:
+        logger.info("TorchRec's %s plan: %d DATA_PARALLEL table(s) (%s) carry no sharding spec, as TorchRec "
+                    "plans them (its planner warns once per table; folded here)", mode, len(notice.tables),
+                    ", ".join(notice.tables))
     return plan
+
+
+class _DataParallelSpecNotice(logging.Filter):
+    """Folds the warning TorchRec's planner logs (root logger) for every table without a sharding spec,
+    which every DATA_PARALLEL table is by design, into one info line naming them; any other record
+    passes. By hand: TorchRec has no switch for it."""
+
+    PREFIX = "Sharding spec not found for "
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.tables: List[str] = []
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        msg = record.getMessage()
+        if record.levelno == logging.WARNING and msg.startswith(self.PREFIX):
+            self.tables.append(msg[len(self.PREFIX):].rsplit(".", 1)[-1])
+            return False
+        return True
+
+    def __enter__(self) -> "_DataParallelSpecNotice":
+        logging.getLogger().addFilter(self)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        logging.getLogger().removeFilter(self)
 
 
 def describe_plan(plan: ShardingPlan) -> Dict[str, str]:
