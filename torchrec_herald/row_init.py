@@ -62,15 +62,15 @@ def init_sharded_embeddings(dmp: nn.Module, tables: Mapping[str, int], seed: int
     from torch.distributed._shard.sharded_tensor import ShardedTensor
 
     from torchrec_herald.sharding.hot_replicated import ShardedHeraldEmbeddingBagCollection
+    from torchrec_herald.sharding.types import table_of_state_key
 
     written = 0
     seen: Set[str] = set()
     with torch.no_grad():
         for key, value in dmp.state_dict().items():
-            parts = key.split(".")
-            if len(parts) < 3 or parts[-1] != "weight" or parts[-3] != "embedding_bags":
+            name = table_of_state_key(key)
+            if name is None:
                 continue
-            name = parts[-2]
             if name not in tables:
                 raise ValueError(f"{key}: table {name!r} is not among the model's tables {sorted(tables)}")
             n = int(tables[name])

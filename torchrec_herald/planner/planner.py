@@ -196,8 +196,10 @@ class HeraldPlanner(EmbeddingShardingPlanner):
         logger.info("planner: %s", link.describe())
         if link.chosen == "herald":
             return PlanDecision(plan=plan, sharders=sharders, dense_sync=self.dense_sync, link=link)
-        if link.chosen == "mixed":
-            table_wise = stock_plan(module, tables, stock_sharders, "table_wise", W, self._batch_size, device, pg)
+        if link.chosen == "mixed":  # TABLE_WISE planned only for tables whose default-plan type is another
+            needs_tw = any(k not in ("herald", default_types[n]) for n, k in pick.items())
+            table_wise = (stock_plan(module, tables, stock_sharders, "table_wise", W, self._batch_size, device, pg)
+                          if needs_tw else None)
             return PlanDecision(plan=mixed_plan(plan, pick, default, table_wise), sharders=sharders,
                                 dense_sync=self.dense_sync, link=link)
         if link.chosen == "default":
@@ -222,16 +224,17 @@ class HeraldPlanner(EmbeddingShardingPlanner):
                 + format_traffic_report(self.last_choices))
 
 
-def mixed_plan(herald: ShardingPlan, pick: Dict[str, str], default: ShardingPlan, table_wise: ShardingPlan
-               ) -> ShardingPlan:
+def mixed_plan(herald: ShardingPlan, pick: Dict[str, str], default: ShardingPlan,
+               table_wise: Optional[ShardingPlan]) -> ShardingPlan:
     """``herald``'s plan with each table ``pick`` gives a stock type sharded as TorchRec's default plan
-    shards it, where that is the type, else as ``table_wise`` shards it."""
+    shards it, where that is the type, else as ``table_wise`` shards it (needed only then)."""
     out = copy.deepcopy(herald)
     for path, module_plan in out.plan.items():
         for name, kind in pick.items():
             if kind == "herald" or name not in module_plan:
                 continue
             source = default if default.plan[path][name].sharding_type == kind else table_wise
+            assert source is not None, f"table {name}: {kind} is not its default-plan type; pass the TABLE_WISE plan"
             module_plan[name] = copy.deepcopy(source.plan[path][name])
     return out
 

@@ -89,6 +89,13 @@ class StepTimeModel(LinkModel):
         if self.compute_ms < 0:
             raise ValueError(f"compute_ms must be >= 0, got {self.compute_ms}")
 
+    @classmethod
+    def on(cls, link: LinkModel) -> "StepTimeModel":
+        """The model for ``link``'s prices with no compute measured (the candidates then differ only in
+        their link and extra work)."""
+        return cls(link_mbit=link.link_mbit, collective_latency_ms=link.collective_latency_ms,
+                   cpu_us_per_lookup=link.cpu_us_per_lookup)
+
     def predict(self, load: PlanLoad) -> StepPrediction:
         compute = self.compute_ms if load.compute_ms is None else load.compute_ms
         extra = self.lookups(load.lookups) + load.scheduler_ms
@@ -196,9 +203,7 @@ def decide(expected: Iterable[Mapping[str, float]], world_size: int, model: Link
         loads.append(default_plan)
     if mixed is not None:
         loads.append(mixed[0])
-    return choose_plan(loads, StepTimeModel(link_mbit=model.link_mbit, collective_latency_ms=model.collective_latency_ms,
-                                            cpu_us_per_lookup=model.cpu_us_per_lookup),
-                       mixed[1] if mixed is not None else None)
+    return choose_plan(loads, StepTimeModel.on(model), mixed[1] if mixed is not None else None)
 
 
 def default_plan_load(sharding_types: Mapping[str, str], expected: Mapping[str, Mapping[str, float]],
@@ -255,8 +260,7 @@ def per_table_choice(expected: Mapping[str, Mapping[str, float]], stock_types: M
     saving = {n: (_stock_bytes(kinds[n], e) - e.get("herald_total", 0.0)) / max(e.get("lookups", 0.0), 1.0)
               for n, e in expected.items()}
     ranked = sorted(expected, key=lambda n: -saving[n])
-    timer = StepTimeModel(link_mbit=model.link_mbit, collective_latency_ms=model.collective_latency_ms,
-                          cpu_us_per_lookup=model.cpu_us_per_lookup)
+    timer = StepTimeModel.on(model)
     best: Dict[str, str] = {}
     best_ms = float("inf")
     for k in range(len(ranked) + 1):

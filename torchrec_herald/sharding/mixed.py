@@ -29,7 +29,7 @@ from torchrec.optim.keyed import CombinedOptimizer, KeyedOptimizer
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor, KeyedTensor
 from torchrec.streamable import Multistreamable
 
-from torchrec_herald.sharding.types import HERALD_HOT_ROW_WISE
+from torchrec_herald.sharding.types import HERALD_HOT_ROW_WISE, table_of_state_key
 
 __all__ = ["MIXABLE_STOCK_TYPES", "ShardedMixedEmbeddingBagCollection", "sub_collection"]
 
@@ -184,13 +184,13 @@ class ShardedMixedEmbeddingBagCollection(
         from torch.nn.modules.module import _IncompatibleKeys
 
         def owned(tables: List[str]) -> Dict[str, Any]:
-            return {k: v for k, v in state_dict.items() if _table_of(k) in tables}
+            return {k: v for k, v in state_dict.items() if table_of_state_key(k) in tables}
 
         missing: List[str] = []
         for part, tables in ((self.herald, self.herald_tables), (self.stock, self.stock_tables)):
             got = part.load_state_dict(owned(tables), strict=False)
             missing += list(getattr(got, "missing_keys", []))
-        unexpected = sorted(k for k in state_dict if _table_of(k) not in self.herald_tables + self.stock_tables)
+        unexpected = sorted(k for k in state_dict if table_of_state_key(k) not in self.herald_tables + self.stock_tables)
         if strict and (missing or unexpected):
             raise RuntimeError(f"mixed EBC load_state_dict: missing {sorted(missing)}, unexpected {unexpected}")
         return _IncompatibleKeys(sorted(missing), unexpected)
@@ -207,8 +207,3 @@ class ShardedMixedEmbeddingBagCollection(
     def unsharded_module_type(self) -> type:
         return EmbeddingBagCollection
 
-
-def _table_of(key: str) -> str:
-    """``embedding_bags.<table>.weight`` → ``<table>`` (else the key itself)."""
-    parts = key.split(".")
-    return parts[-2] if len(parts) >= 3 and parts[-3] == "embedding_bags" else key

@@ -19,6 +19,14 @@ HERALD_HOT_ROW_WISE = "herald_hot_row_wise"
 SYNC_MODES = ("dense", "sparse", "none")
 
 
+def table_of_state_key(key: str) -> Optional[str]:
+    """The table of an EBC ``state_dict`` key ``[...].embedding_bags.<table>.weight`` (None: another key)."""
+    parts = key.split(".")
+    if len(parts) < 3 or parts[-1] != "weight" or parts[-3] != "embedding_bags":
+        return None
+    return parts[-2]
+
+
 @dataclass
 class HotSpec:
     """The replicated (hot) rows of one table and how their gradients are synchronised.
