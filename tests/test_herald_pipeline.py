@@ -45,6 +45,7 @@ herald's own path.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 from typing import Any, Dict, Iterator, List, Tuple
 
@@ -53,6 +54,7 @@ import torch
 
 from herald_harness import MappedData, error_of, weight_rtol
 from torchrec_herald.dist_utils import run_multiprocess
+from torchrec_herald.pipeline.input_allocator import greedy_assign
 
 STEPS = 50
 RTOL = 1e-5
@@ -72,13 +74,16 @@ CASES: Dict[str, Tuple[int, Dict[str, Any], Tuple[str, ...]]] = {
 }
 #: pipeline run -> HeraldTrainPipeline kwargs
 PIPELINES: Dict[str, Dict[str, Any]] = {
-    # the defaults: window 5, lazy, lru, 5 % cache; planning=auto: global with the greedy allocator at W=2 (the
-    # same run as greedy_lazy), by home with the compiled scheduler from W=3 (samples stay where loaded)
+    # the defaults: window 5, lazy, lru, 5 % cache; planning=auto: global at W=2 (on these per-rank batches the
+    # greedy allocator moves a sample only where one lookup made local pays for it), by home with the compiled
+    # scheduler from W=3 (samples stay where loaded)
     "defaults": {},
-    "greedy_lazy": dict(allocator="greedy"),  # global planning (the greedy allocator needs every rank's view)
+    # global planning (the greedy allocator needs every rank's view); move_penalty=0: any gain moves a
+    # sample, so the sample exchange runs (the default prices a move in bytes and moves few samples here)
+    "greedy_lazy": dict(allocator="greedy", move_penalty=0),
     "identity_lazy": dict(allocator="identity"),
-    "greedy_eager": dict(sync="eager"),
-    "greedy_lazy_k1_small_cache": dict(window=1, cache_fraction=0.01),
+    "greedy_eager": dict(allocator="greedy", sync="eager", move_penalty=0),
+    "greedy_lazy_k1_small_cache": dict(allocator="greedy", window=1, cache_fraction=0.01, move_penalty=0),
     # planning by home (each rank plans its own rows; samples stay where loaded): by default it runs ahead
     # in a thread, its exchanges on a process group of their own; serial: on the step's critical path
     # (scheduling on: the probe of scheduling=auto may turn it off, and these runs pin down its paths)
@@ -297,6 +302,48 @@ def _samples(batch: Any) -> List[Tuple]:
 _error = error_of
 
 
+def test_a_sample_moves_only_where_its_local_lookups_save_more_bytes_than_it_sends() -> None:
+    """``move_penalty=null`` (the default) on per-rank batches: each batch's penalty is the least number of
+    local lookups (``8 + 8D`` bytes each) whose bytes exceed one sample's on the exchange, every moved
+    sample gains at least that many, and a zero penalty would have moved samples that do not pay."""
+    res = behaviour()
+    B = res[0]["B"]
+    lookup = 8 + 8 * res[0]["embedding_dim"]
+    assert [d["priced"] for d in res[0]["priced"]] == [d["priced"] for d in res[1]["priced"]]
+    unpaid_at_zero = 0
+    for r in res:
+        assert len(r["priced"]) == 3
+        for d, sample in zip(r["priced"], r["sample_bytes"]):
+            assert d["priced"] == int(sample // lookup) + 1 >= 2, (d["priced"], sample, lookup)
+            scores, rank_of = d["scores"], d["rank_of"]
+            home = torch.arange(scores.shape[0]) // B
+            gain = scores.gather(1, rank_of[:, None]).flatten() - scores.gather(1, home[:, None]).flatten()
+            moved = rank_of != home
+            assert bool((gain[moved] * lookup > sample).all()), (gain[moved], sample)
+            assert torch.equal(rank_of, greedy_assign(scores, d["step"], "rotate", d["priced"]))
+            free = greedy_assign(scores, d["step"], "rotate", 0)
+            free_gain = scores.gather(1, free[:, None]).flatten() - scores.gather(1, home[:, None]).flatten()
+            unpaid_at_zero += int(((free != home) & (free_gain * lookup <= sample)).sum())
+        assert r["priced_report"] == {"set": None, "priced": r["priced"][-1]["priced"]}
+        assert r["priced_moved"] == [int((d["rank_of"] != torch.arange(2 * B) // B).sum()) for d in r["priced"]]
+    assert unpaid_at_zero > 0  # the rule changed the assignment: penalty 0 moves samples that cost more than they save
+
+
+def test_auto_allocator_on_per_rank_batches_moves_samples_only_where_one_lookup_pays_for_one() -> None:
+    """``allocator=auto`` where each rank loads its own batch: the greedy allocator, moving samples only in
+    a batch priced at a penalty of 1 (one remote lookup's ``8 + 8D`` bytes exceed the sample's). At this
+    harness's dim 8 the price is higher: nothing moves, and after the first batch no scores are gathered.
+    With a lookup priced above any sample every batch is scored and samples move."""
+    for r in behaviour():
+        auto, pays = r["auto"], r["auto_one_lookup_pays"]
+        assert auto["allocator"] == pays["allocator"] == \
+            "GreedyLocalityAllocator(tie_break='rotate', move_penalty=None, max_priced=1)"
+        assert auto["moved"] == [0, 0, 0] and auto["scored"] == 1, auto
+        assert auto["report"]["max_priced"] == 1 and auto["report"]["priced"] >= 2, auto
+        assert pays["scored"] == 3 and sum(pays["moved"]) > 0, pays
+        assert pays["report"] == {"set": None, "priced": 1, "max_priced": 1}
+
+
 def _drain(pipe: Any, it: Iterator[Any]) -> List[float]:
     losses = []
     while True:
@@ -329,7 +376,7 @@ def _behaviour(rank: int, world: int) -> Dict[str, Any]:
     data = TaggedData(MultiHotData(make_data({"steps": 7})))
     h = build(world, dict(planner="herald", steps=7, multi_hot=True), data=data)
     B = out["B"] = h["batch_size"]
-    pipe = HeraldTrainPipeline(h["dmp"], h["optimizer"], cpu, window=5)
+    pipe = HeraldTrainPipeline(h["dmp"], h["optimizer"], cpu, window=5, allocator="greedy", move_penalty=0)
     it = data.train_batches(rank, world, B)
     pipe.fill(it)
     out["queued"] = [_samples(e.batch) for e in pipe._queue]
@@ -338,6 +385,42 @@ def _behaviour(rank: int, world: int) -> Dict[str, Any]:
     out["global"] = [sorted(s for b in step for s in _samples(b)) for _, step in zip(range(5), zip(*shards))]
     out["partial_losses"] = _drain(pipe, it)
     out["partial_steps"] = pipe.stats.steps
+
+    # -- the default move penalty is priced per batch: record what the allocator was given and did
+    pipe = HeraldTrainPipeline(h["dmp"], h["optimizer"], cpu, window=3, allocator="greedy")
+    seen: List[Dict[str, Any]] = []
+    assign = pipe.env.allocator.assign_scores
+
+    def recording(scores: torch.Tensor, step: int, priced: int = 0) -> torch.Tensor:
+        rank_of = assign(scores, step, priced)
+        seen.append(dict(scores=scores.clone(), step=step, priced=priced, rank_of=rank_of.clone()))
+        return rank_of
+
+    pipe.env.allocator.assign_scores = recording
+    pipe.fill(data.train_batches(rank, world, B))
+    out["priced"] = seen
+    out["priced_report"] = pipe.move_penalty_report()
+    out["priced_moved"] = [e.moved for e in pipe._queue]
+    out["embedding_dim"] = pipe.ebc.embedding_dim
+    out["sample_bytes"] = [4 * (step[0].dense_features.shape[1] + 1 + len(step[0].sparse_features.keys()))
+                           + 4 * sum(b.sparse_features.values().numel() for b in step) / (world * B)
+                           for _, step in zip(range(3), zip(*[data.train_batches(r, world, B) for r in range(world)]))]
+
+    # -- allocator=auto on per-rank batches: samples move only in batches where one lookup made local saves
+    # more bytes than the sample sends; the scores are gathered only while moves may pay
+    from unittest import mock
+
+    for name, lookup_bytes in (("auto", None), ("auto_one_lookup_pays", 10**6)):
+        patch = (mock.patch("torchrec_herald.pipeline.stages.allocate.cold_lookup_bytes", lambda dim: lookup_bytes)
+                 if lookup_bytes else contextlib.nullcontext())
+        with patch:
+            pipe = HeraldTrainPipeline(h["dmp"], h["optimizer"], cpu, window=3)
+            scored = []
+            local_scores = pipe.env.planner.local_scores
+            pipe.env.planner.local_scores = lambda *a: scored.append(1) or local_scores(*a)
+            pipe.fill(data.train_batches(rank, world, B))
+        out[name] = dict(moved=[e.moved for e in pipe._queue], scored=len(scored), report=pipe.move_penalty_report(),
+                         allocator=repr(pipe.input_allocator))
 
     # -- a window larger than the data; a window as large as the data trains it all
     h = build(world, dict(planner="herald", steps=3))
@@ -467,7 +550,7 @@ def test_window_larger_than_data_is_rejected_on_every_rank() -> None:
     ("sync", "unknown pipeline.sync 'nope'"),
     ("cache", "unknown pipeline.cache 'belady'"),
     ("window_0", "pipeline.window must be >= 1"),
-    ("move_penalty", "pipeline.move_penalty must be >= 0"),
+    ("move_penalty", "pipeline.move_penalty must be null (priced per batch) or an integer >= 0"),
 ])
 def test_bad_pipeline_arguments_are_value_errors(name: str, expected: str) -> None:
     for r in behaviour():

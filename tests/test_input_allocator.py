@@ -31,6 +31,7 @@ from torchrec_herald.pipeline.input_allocator import (
     greedy_assign,
     local_lookup_share,
     moved_samples,
+    priced_move_penalty,
     remote_cold_lookups,
     score,
     top_cold_tables,
@@ -97,6 +98,34 @@ def test_move_penalty_keeps_samples_home() -> None:
     assert greedy_assign(s, 0, "home", move_penalty=2).tolist() == [0, 0, 1, 1]
     with pytest.raises(ValueError, match="move_penalty"):
         greedy_assign(s, 0, move_penalty=-1)
+
+
+def test_priced_move_penalty_is_the_least_gain_whose_bytes_exceed_the_sample() -> None:
+    assert priced_move_penalty(264, 136) == 2  # 2 lookups save 272 B > 264 B; 1 saves 136 B
+    assert priced_move_penalty(272, 136) == 3  # saving exactly the sample's bytes does not pay
+    assert priced_move_penalty(100, 136) == 1
+    assert priced_move_penalty(0, 136) == 0  # whole global batches: a move sends nothing
+    with pytest.raises(ValueError, match="lookup_bytes must be > 0"):
+        priced_move_penalty(264, 0)
+    with pytest.raises(ValueError, match="sample_bytes must be >= 0"):
+        priced_move_penalty(-1, 136)
+
+
+def test_an_allocator_without_a_penalty_of_its_own_uses_the_priced_one() -> None:
+    s = torch.tensor(HAND_SCORE)
+    priced = GreedyLocalityAllocator("home", move_penalty=None)
+    assert priced.assign_scores(s, 0, priced=2).tolist() == greedy_assign(s, 0, "home", 2).tolist() == [0, 0, 1, 1]
+    assert priced.assign_scores(s, 0).tolist() == [0, 1, 1, 0]  # nothing priced: every gain moves
+    pinned = GreedyLocalityAllocator("home", move_penalty=0)  # a set penalty wins over the priced one
+    assert pinned.assign_scores(s, 0, priced=2).tolist() == [0, 1, 1, 0]
+
+
+def test_an_allocator_with_max_priced_moves_only_in_batches_priced_at_most_that() -> None:
+    a = GreedyLocalityAllocator(move_penalty=None, max_priced=1)
+    assert [a.moves_at(p) for p in (None, 0, 1, 2, 5)] == [True, True, True, False, False]
+    assert all(GreedyLocalityAllocator().moves_at(p) for p in (None, 1, 9))  # no limit by default
+    with pytest.raises(ValueError, match="max_priced must be >= 0, got -1"):
+        GreedyLocalityAllocator(max_priced=-1)
 
 
 def test_cache_entries_count_as_local() -> None:

@@ -91,7 +91,9 @@ class RecordedStream(TrainStream):
 def _worker(rank: int, world: int) -> Dict[str, Any]:
     herald = dict(COMMON, planner="herald")
     out: Dict[str, Any] = {
-        "per_rank": _run(rank, world, herald, dict(planning="global"), False),  # gathered: every rank plans all
+        # gathered: every rank plans all; the greedy allocator with a free move, as on whole global batches
+        # (on per-rank batches allocator=auto moves a sample only where one lookup made local pays for it)
+        "per_rank": _run(rank, world, herald, dict(planning="global", allocator="greedy", move_penalty=0), False),
         "global": _run(rank, world, herald, dict(global_batches=True, run_ahead=False, scheduling="on"), True),
         "ahead": _run(rank, world, herald, dict(global_batches=True, run_ahead=True, scheduling="on"), True),
         "auto": _run(rank, world, herald, AUTO, True),

@@ -128,6 +128,8 @@ class SchedulingEnv:
         planner: the communication planner (a :class:`~torchrec_herald.plans.CommPlanner`).
         allocator: the input allocator in use (the configured one while scheduling is on, identity off).
         alloc_step: the allocator's step (its tie rotation), the index of the next global batch allocated.
+        move_penalty: the move penalty the last per-rank batch was priced at (None: none priced yet;
+            whole global batches price nothing: a move sends no bytes there).
     """
 
     ebc: Any
@@ -138,6 +140,7 @@ class SchedulingEnv:
     planner: CommPlanner
     allocator: Any
     alloc_step: int = 0
+    move_penalty: Optional[int] = None
     sched_pg: Optional[dist.ProcessGroup] = None
 
     @property

@@ -61,6 +61,7 @@ __all__ = [
     "local_batch_size",
     "local_lookup_share",
     "moved_samples",
+    "priced_move_penalty",
     "remote_cold_lookups",
     "score",
     "top_cold_tables",
@@ -424,11 +425,34 @@ def greedy_assign(scores: torch.Tensor, step: int, tie_break: str = "rotate", mo
     return torch.empty(g, dtype=torch.int64).index_copy_(0, sample_order, placed)
 
 
+def priced_move_penalty(sample_bytes: float, lookup_bytes: float) -> int:
+    """The ``move_penalty`` at which a move pays in time: a sample leaves home only where the local lookups it
+    gains save more link time than its own bytes take on the same link (the rate cancels, so bytes decide).
+    ``greedy_assign`` may move a sample that gains exactly ``move_penalty`` lookups (ties rotate), so the
+    penalty is the least whole number of lookups whose bytes exceed the sample's: ``floor(s / l) + 1``
+    (0 where a move sends nothing: whole global batches, every rank already holds every sample).
+
+    Args:
+        sample_bytes: bytes one moved sample sends (dense features, label, per-feature lengths, ids).
+        lookup_bytes: bytes one lookup made local saves (a remote cold lookup: ``8 + 8D``,
+            :func:`~torchrec_herald.planner.hot_set.cold_lookup_bytes`).
+    """
+    if lookup_bytes <= 0:
+        raise ValueError(f"lookup_bytes must be > 0, got {lookup_bytes}")
+    if sample_bytes < 0:
+        raise ValueError(f"sample_bytes must be >= 0, got {sample_bytes}")
+    return 0 if sample_bytes == 0 else int(sample_bytes // lookup_bytes) + 1
+
+
 class InputAllocator(abc.ABC):
     """Decides which rank trains which sample of a global batch (a pure function of its inputs)."""
 
     #: whether the assignment uses the samples' local-lookup scores (HeraldTrainPipeline gathers them)
     needs_scores: bool = True
+
+    def moves_at(self, priced: Optional[int]) -> bool:
+        """Whether samples may move in a batch whose move penalty is priced at ``priced`` (None: not priced)."""
+        return True
 
     @staticmethod
     def local_scores(keys: torch.Tensor, sample: torch.Tensor, num_samples: int,
@@ -478,16 +502,28 @@ class GreedyLocalityAllocator(InputAllocator):
     Args:
         tie_break: ``"rotate"`` (default; docs/design.md §3) or ``"home"`` (keep a tied sample on its home
             rank, fewer samples to exchange; see :func:`greedy_assign`).
-        move_penalty: local lookups a move must gain (default 0; see :func:`greedy_assign`).
+        move_penalty: local lookups a move must gain (default 0; see :func:`greedy_assign`); ``None``: the
+            caller prices it per batch (:meth:`assign_scores`'s ``priced``, e.g. :func:`priced_move_penalty`).
+        max_priced: ``None`` (default), or move samples only in batches whose priced penalty is at most this
+            (:meth:`moves_at`; ``pipeline.allocator=auto`` on per-rank batches: 1, a move only where one
+            lookup made local saves more bytes than the sample sends).
     """
 
-    def __init__(self, tie_break: str = "rotate", move_penalty: int = 0) -> None:
+    def __init__(self, tie_break: str = "rotate", move_penalty: Optional[int] = 0,
+                 max_priced: Optional[int] = None) -> None:
         if tie_break not in TIE_BREAKS:
             raise ValueError(f"tie_break must be one of {TIE_BREAKS}, got {tie_break!r}")
-        if int(move_penalty) < 0:
+        if move_penalty is not None and int(move_penalty) < 0:
             raise ValueError(f"move_penalty must be >= 0, got {move_penalty}")
+        if max_priced is not None and int(max_priced) < 0:
+            raise ValueError(f"max_priced must be >= 0, got {max_priced}")
         self.tie_break = tie_break
-        self.move_penalty = int(move_penalty)
+        self.move_penalty = None if move_penalty is None else int(move_penalty)
+        self.max_priced = None if max_priced is None else int(max_priced)
+
+    def moves_at(self, priced: Optional[int]) -> bool:
+        """Whether samples may move in a batch priced at ``priced`` (None: not priced yet, they may)."""
+        return self.max_priced is None or priced is None or priced <= self.max_priced
 
     def _tables(self, global_kjt: KeyedJaggedTensor, locality: Locality, world_size: int) -> Optional[List[str]]:
         return None
@@ -499,13 +535,19 @@ class GreedyLocalityAllocator(InputAllocator):
         tables = self._tables(global_kjt, locality, world_size)
         return self.assign_scores(score(global_kjt, locality, world_size, tables), step)
 
-    def assign_scores(self, scores: torch.Tensor, step: int) -> torch.Tensor:
+    def assign_scores(self, scores: torch.Tensor, step: int, priced: int = 0) -> torch.Tensor:
         """The assignment from the ``[G, W]`` local-lookup scores (every rank the same): what
-        HeraldTrainPipeline runs on the all-gathered scores of the ranks' own samples."""
-        return greedy_assign(scores, step, self.tie_break, self.move_penalty)
+        HeraldTrainPipeline runs on the all-gathered scores of the ranks' own samples. ``priced``: the
+        move penalty used when this allocator's own ``move_penalty`` is ``None`` (priced by the caller)."""
+        return greedy_assign(scores, step, self.tie_break, self.penalty(priced))
+
+    def penalty(self, priced: int = 0) -> int:
+        """The move penalty in force: the allocator's own, else the caller's ``priced`` one."""
+        return priced if self.move_penalty is None else self.move_penalty
 
     def __repr__(self) -> str:
-        return f"GreedyLocalityAllocator(tie_break={self.tie_break!r}, move_penalty={self.move_penalty})"
+        return (f"GreedyLocalityAllocator(tie_break={self.tie_break!r}, move_penalty={self.move_penalty}"
+                + (f", max_priced={self.max_priced})" if self.max_priced is not None else ")"))
 
 
 class TopKTablesAllocator(GreedyLocalityAllocator):
@@ -523,7 +565,7 @@ class TopKTablesAllocator(GreedyLocalityAllocator):
     """
 
     def __init__(self, k: int, tables: Optional[Sequence[str]] = None, tie_break: str = "rotate",
-                 move_penalty: int = 0) -> None:
+                 move_penalty: Optional[int] = 0) -> None:
         super().__init__(tie_break, move_penalty)
         if int(k) < 1:
             raise ValueError(f"topk_tables needs k >= 1, got {k}")

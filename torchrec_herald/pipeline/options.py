@@ -39,6 +39,14 @@ PLANNING = ("auto", "global", "by_home")
 #: home 3.73x (medians of 5, benchmarks/RESULTS.md); global planning's per-rank cost grows with W·B
 #: (0.33 s per rank-step at W=8), by home's with the rank's own reads
 GLOBAL_PLANNING_MAX_WORLD = 2
+#: ``allocator=auto`` where each rank loads its own batch (a moved sample is sent): samples move only in a
+#: batch whose priced move penalty is at most this, i.e. where one lookup made local saves more bytes than
+#: the sample sends (benchmarks/allocator_sweep.py: at dim 16, penalty 2, no penalty paid and keeping samples
+#: home sent the fewest bytes; at dim 128, penalty 1, the priced allocator sent the fewest)
+AUTO_MAX_PRICED_PENALTY = 1
+PER_RANK_ALLOCATOR_REASON = (
+    "pipeline.allocator=auto -> greedy on this rank's own batches, moving samples only in batches where one "
+    "lookup made local saves more bytes than the sample sends (else they stay where loaded, no scores gathered)")
 #: ``pipeline.scheduler_impl`` values: the planner by home in ``compiled`` code (``make setup`` builds it)
 #: or the ``python`` reference; ``auto`` = compiled where built, else python with a warning
 SCHEDULER_IMPLS = ("auto", "compiled", "python")
@@ -64,14 +72,22 @@ class HeraldPipelineConfig:
     Args:
         window: ``K >= 1``, global batches of look-ahead.
         allocator: ``greedy`` (location-aware), ``identity`` (samples stay where loaded) or ``auto``
-            (default: greedy under global planning, identity by home).
+            (default: greedy under global planning, identity by home; on per-rank batches, where a move
+            sends the sample, the greedy allocator moves samples only in batches whose priced penalty is at
+            most :data:`AUTO_MAX_PRICED_PENALTY`: one lookup made local must save more bytes than the
+            sample sends, ``benchmarks/allocator_sweep.py``).
         sync: ``lazy`` (caches + plan) or ``eager`` (herald's per-step path, e.g. to measure the allocator alone).
         cache: cache eviction policy (``lru``).
         cache_fraction: cache capacity per rank per table as a fraction of the table's rows, in (0, 1].
         cache_bytes: ``None``, or the cache capacity per rank as a bytes budget (weights + optimizer
             state of the cached rows), shared among the tables in proportion to their rows; overrides
             ``cache_fraction``.
-        move_penalty: local lookups a sample move must gain (``greedy_assign``'s ``move_penalty``), >= 0.
+        move_penalty: local lookups a sample move must gain (``greedy_assign``'s ``move_penalty``), >= 0;
+            ``None`` (default): priced per batch so that a move pays in time
+            (:func:`~torchrec_herald.pipeline.input_allocator.priced_move_penalty`): 0 on whole global
+            batches (every rank already holds every sample), else the least number of local lookups
+            (``8 + 8D`` bytes each) whose bytes exceed one sample's on the exchange (dense, label,
+            lengths, ids).
         global_batches: the data loader yields whole global batches (``W·B`` samples, from a seekable
             source): each rank schedules every batch alone (docs/design.md §3: no collective agrees on the
             allocation or the plan, no sample bytes move) and trains the samples assigned to it.
@@ -105,7 +121,7 @@ class HeraldPipelineConfig:
     cache: str = "lru"
     cache_fraction: float = 0.05
     cache_bytes: Optional[int] = None
-    move_penalty: int = 0
+    move_penalty: Optional[int] = None
     global_batches: Optional[bool] = None
     run_ahead: Optional[bool] = None
     scheduling: str = "auto"
@@ -144,8 +160,9 @@ class HeraldPipelineConfig:
                              f"at most all rows of a table; use a fraction in (0, 1]")
         if self.cache_bytes is not None and (isinstance(self.cache_bytes, bool) or int(self.cache_bytes) < 1):
             raise ValueError(f"pipeline.cache_bytes must be null or a positive number of bytes, got {self.cache_bytes}")
-        if int(self.move_penalty) < 0:
-            raise ValueError(f"pipeline.move_penalty must be >= 0, got {self.move_penalty}")
+        if self.move_penalty is not None and (isinstance(self.move_penalty, bool) or int(self.move_penalty) < 0):
+            raise ValueError(f"pipeline.move_penalty must be null (priced per batch) or an integer >= 0, "
+                             f"got {self.move_penalty}")
         s = self.staleness
         if s is not None:
             if isinstance(s, bool) or not isinstance(s, (int, float)) or int(s) != s or int(s) < 0:
@@ -177,7 +194,8 @@ class HeraldPipelineConfig:
                              "(the gathered per-rank path's scheduling collectives must stay in step with "
                              "training's)")
         self.probe_steps, self.window = int(self.probe_steps), int(self.window)
-        self.cache_fraction, self.move_penalty = float(self.cache_fraction), int(self.move_penalty)
+        self.cache_fraction = float(self.cache_fraction)
+        self.move_penalty = None if self.move_penalty is None else int(self.move_penalty)
         self.staleness = None if s is None else int(s)
 
     @property

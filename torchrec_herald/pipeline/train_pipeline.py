@@ -38,7 +38,8 @@ from torchrec_herald.pipeline.auto_scheduling import SchedulingSwitch
 from torchrec_herald.pipeline.context import (HeraldBatchContext, SchedulerStats, SchedulingEnv, find_herald_ebc,
                                               select_samples, stock_tables_beside)
 from torchrec_herald.pipeline.input_allocator import build_allocator
-from torchrec_herald.pipeline.options import ALLOCATORS, CACHE_POLICIES, SYNC_MODES, HeraldPipelineConfig
+from torchrec_herald.pipeline.options import (ALLOCATORS, AUTO_MAX_PRICED_PENALTY, CACHE_POLICIES,
+                                              PER_RANK_ALLOCATOR_REASON, SYNC_MODES, HeraldPipelineConfig)
 from torchrec_herald.pipeline.run_ahead import RunAhead
 from torchrec_herald.pipeline.stages import batch_stages
 from torchrec_herald.pipeline.stages.plan import make_plan, plan_head
@@ -84,7 +85,9 @@ class HeraldTrainPipeline(TrainPipeline[Batch, Any]):
         super().__init__()
         self._model, self._optimizer, self._device = model, optimizer, device
         self.ebc = find_herald_ebc(model)
-        # planning (global or by home) and the allocator follow from the world size
+        # planning (global or by home) and the allocator follow from the world size (and, at the first
+        # loader, from whether it gives whole global batches: _resolve, from the settings as given)
+        self._config_set = self.config
         self.config, self.planning_reason = self.config.resolve_planning(self.ebc.world_size)
         logger.info("%s", self.planning_reason)
         c = self.config
@@ -191,9 +194,17 @@ class HeraldTrainPipeline(TrainPipeline[Batch, Any]):
         the scheduling switch they call for."""
         if self.strategy is not None:
             return
-        config, why = self.config.resolve(whole_batches=isinstance(it, TrainStream), world_size=self.env.world)
+        config, why = self._config_set.resolve(whole_batches=isinstance(it, TrainStream), world_size=self.env.world)
         for line in why:
-            logger.info("%s", line)
+            if line != self.planning_reason:  # (logged when the pipeline was built)
+                logger.info("%s", line)
+        if self._config_set.allocator == "auto" and config.allocator == "greedy" and not config.global_batches:
+            # a move sends the sample: it must pay for itself with one lookup made local
+            logger.info("%s", PER_RANK_ALLOCATOR_REASON)
+            self._allocator_on = build_allocator("greedy", move_penalty=config.move_penalty,
+                                                 max_priced=AUTO_MAX_PRICED_PENALTY)
+            if self.env.allocator is not self._allocator_off:
+                self.env.allocator = self._allocator_on
         self.config = config
         self.global_batches, self.run_ahead = bool(config.global_batches), bool(config.run_ahead)
         self.strategy = build_strategy(strategy_name(config), self.env, config)
@@ -486,7 +497,16 @@ class HeraldTrainPipeline(TrainPipeline[Batch, Any]):
         if since is not None:
             stats = stats.minus(since)
         return stats.summary(step_time_s) | {"sync": self.sync, "allocator": self.allocator, "window": self.window,
+                                             "move_penalty": self.move_penalty_report(),
                                              "scheduling": self.scheduling_report()}
+
+    def move_penalty_report(self) -> Dict[str, Any]:
+        """The allocator's move penalty: ``set`` (the configured one, None: priced per batch), where priced
+        the one the last per-rank batch was priced at (``priced``), and where moves must pay with one
+        lookup (``allocator=auto`` on per-rank batches) the most they may be priced at (``max_priced``)."""
+        report = {"set": self.move_penalty, "priced": self.env.move_penalty if self.move_penalty is None else None}
+        max_priced = getattr(self._allocator_on, "max_priced", None)
+        return report if max_priced is None else report | {"max_priced": max_priced}
 
     @property
     def plan_mode(self) -> bool:

@@ -5,7 +5,8 @@ allocator, docs/design.md §3). Two bodies, one per kind of batch:
   (the planner's state is the same everywhere), and keeps the samples assigned to it: no collective;
 * :func:`allocate_own_batch`: each rank holds its own batch; the id errors and, for a scoring allocator,
   the int16 local-lookup scores of every sample are all-gathered, every rank runs the same assignment,
-  and the samples move in two all-to-alls (:func:`exchange_samples`).
+  and the samples move in two all-to-alls (:func:`exchange_samples`). A sample moves only where that
+  pays in time: the lookups it makes local must save more bytes than it sends (``move_penalty=null``).
 """
 
 from __future__ import annotations
@@ -17,11 +18,13 @@ from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 import torch.distributed as dist
 
 from torchrec_herald.comm import all_to_all_rows
+from torchrec_herald.pipeline.input_allocator import priced_move_penalty
 from torchrec_herald.pipeline.context import (CommTimer, HeraldBatchContext, SchedulingEnv, pack_int16,
                                               select_samples, unpack_int16)
 from torchrec_herald.pipeline.stages import StageHost, register_stage
+from torchrec_herald.planner.hot_set import cold_lookup_bytes
 
-__all__ = ["allocate_own_batch", "allocate_stage", "allocate_whole_batch", "exchange_samples"]
+__all__ = ["allocate_own_batch", "allocate_stage", "allocate_whole_batch", "exchange_samples", "sample_wire_bytes"]
 
 
 @register_stage("allocate", 20)
@@ -58,7 +61,8 @@ def allocate_own_batch(env: SchedulingEnv, ctx: HeraldBatchContext) -> None:
     assert ctx.batch is not None
     kjt = ctx.batch.sparse_features
     B = kjt.stride()
-    scored = env.allocator.needs_scores
+    # scores are gathered unless the last batch's price says no sample may move (the same on every rank)
+    scored = env.allocator.needs_scores and env.allocator.moves_at(env.move_penalty)
     err = torch.tensor([*ctx.bad, kjt.values().numel()], dtype=torch.int64)
     if scored and ctx.keys is not None:
         # local: a hot replica, this rank's block or a valid cache entry under the planner's state
@@ -72,10 +76,17 @@ def allocate_own_batch(env: SchedulingEnv, ctx: HeraldBatchContext) -> None:
     gathered = gathered.view(env.world, -1)
     env.raise_on_bad(gathered[:, :3])
     nnz = int(gathered[:, 3].sum())
-    if not scored:
+    if not env.allocator.needs_scores:
         return
+    # a move pays only where the lookups it makes local save more bytes than the sample sends (the same
+    # figures on every rank: the batch's shape and the gathered id count)
+    env.move_penalty = priced_move_penalty(
+        sample_wire_bytes(ctx.batch.dense_features.shape[1], len(kjt.keys()), nnz / (env.world * B)),
+        cold_lookup_bytes(env.ebc.embedding_dim))
+    if not scored or not env.allocator.moves_at(env.move_penalty):
+        return  # no move can pay in this batch: samples stay where loaded
     all_scores = torch.cat([unpack_int16(g, B * env.world) for g in gathered[:, 4:]]).view(env.world * B, env.world)
-    rank_of = env.allocator.assign_scores(all_scores, env.alloc_step)
+    rank_of = env.allocator.assign_scores(all_scores, env.alloc_step, env.move_penalty)
     env.alloc_step += 1
     ctx.moved = int((rank_of != torch.arange(env.world * B) // B).sum())
     env.stats.local_lookups += int(all_scores.gather(1, rank_of[:, None]).sum())
@@ -84,6 +95,12 @@ def allocate_own_batch(env: SchedulingEnv, ctx: HeraldBatchContext) -> None:
         ctx.batch = exchange_samples(env, ctx.batch, rank_of[env.rank * B:(env.rank + 1) * B],
                                      (rank_of == env.rank).nonzero().flatten())
         ctx.keys = env.batch_keys(ctx.batch.sparse_features)
+
+
+def sample_wire_bytes(num_dense: int, num_features: int, ids_per_sample: float) -> float:
+    """Bytes one sample sends in :func:`exchange_samples`: dense features, label and per-feature lengths as
+    32-bit words, then its ids (int32 on the wire)."""
+    return 4.0 * (num_dense + 1 + num_features) + 4.0 * ids_per_sample
 
 
 def _regroup(ids: torch.Tensor, bag_len: torch.Tensor, slot: torch.Tensor) -> torch.Tensor:
