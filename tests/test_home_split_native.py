@@ -95,7 +95,7 @@ def test_a_stale_build_is_refused_with_how_to_rebuild(monkeypatch: pytest.Monkey
     monkeypatch.setattr(native, "source_sha", lambda: "0" * 16)
     native._load.cache_clear()
     try:
-        with pytest.raises(NativeUnavailable, match=r"built from another version of home_split\.cpp: run `make setup`"):
+        with pytest.raises(NativeUnavailable, match=r"built from another version of home_split\.cpp, row_store\.cpp: run `make setup`"):
             native.load()
     finally:
         monkeypatch.undo()
@@ -125,7 +125,7 @@ def test_a_failed_compile_names_the_first_error_and_the_log(tmp_path: Path, monk
 
     bad = tmp_path / "home_split.cpp"
     bad.write_text("#include <torch/extension.h>\nint f() { return undeclared_name; }\n")
-    monkeypatch.setattr(nb, "SOURCE", bad)
+    monkeypatch.setattr(nb, "SOURCES", (bad,))
     monkeypatch.setattr(nb, "BUILD_DIR", tmp_path / "_build")
     monkeypatch.setattr(nb, "MODULE", "herald_native_broken")
     monkeypatch.setattr(nb, "source_sha", lambda: "0" * 16)

@@ -43,3 +43,63 @@ def test_rows_with_zero_gradient_are_not_updated() -> None:
     store.update_hot_rows(torch.tensor([0, 1]), torch.zeros(2, 4))
     assert torch.equal(store.hot_weights()[:2], w0) and float(store.hot_state[:2].abs().sum()) == 0.0
     assert store._mirror_pending == []
+
+
+def _random_store(seed: int, optimizer: EmbOptimType, native: bool) -> RowStore:
+    """Rank 1 of 3, three tables with hot rows; its own block and the hot replicas filled with distinct values."""
+    g = torch.Generator().manual_seed(seed)
+    rows = {"a": 50, "b": 7, "c": 200}
+    hot = {t: torch.randperm(n, generator=g)[: n // 5].sort().values for t, n in rows.items()}
+    layout = RowLayout.build(3, rows, hot)
+    store = RowStore(layout, 1, 4, {"optimizer": optimizer, "learning_rate": LR, "eps": 1e-8}, torch.device("cpu"))
+    if not native:
+        store.native = None
+    with torch.no_grad():
+        store.cold_weights().copy_(torch.randn(store.cold_weights().shape, generator=g))
+        store.hot_weights().copy_(torch.randn(store.hot_weights().shape, generator=g))
+        if store.adagrad:
+            store.cold_state().copy_(torch.rand(store.cold_state().shape, generator=g))
+            store.hot_state.copy_(torch.rand(store.hot_state.shape, generator=g))
+    return store
+
+
+def test_compiled_row_access_reads_and_writes_like_the_torch_reference() -> None:
+    """On the same random stores and keys (hot, own-block and remote rows; the remote ones cached by a write,
+    some dropped, the cache grown), the compiled gather/scatter leaves the same rows, states, cache slots and
+    reads as the torch ops, and a row the rank does not hold is the same error."""
+    import pytest
+
+    from torchrec_herald.native import available
+
+    assert available(), "make setup builds the extension"
+    for seed, optimizer in ((0, EmbOptimType.EXACT_ROWWISE_ADAGRAD), (1, EmbOptimType.EXACT_SGD)):
+        stores = [_random_store(seed, optimizer, native) for native in (True, False)]
+        assert stores[0].native is not None and stores[1].native is None
+        g = torch.Generator().manual_seed(seed + 10)
+        n = stores[0].layout.num_rows
+        for step in range(6):
+            keys = torch.randperm(n, generator=g)[: 40 + 20 * step].sort().values
+            w = torch.randn(keys.numel(), 4, generator=g)
+            s = torch.rand(keys.numel(), generator=g)
+            for store in stores:
+                store.write(keys, w, s)
+                store.drop(keys[::7])  # frees cache slots (the next writes reuse them)
+            held = torch.cat([keys[torch.arange(keys.numel()) % 7 != 0], stores[0].layout.hot_keys[:5]])
+            reads = [store.read(held) for store in stores]
+            assert torch.equal(reads[0][0], reads[1][0]) and torch.equal(reads[0][1], reads[1][1])
+            assert torch.equal(stores[0].cache_map.keys, stores[1].cache_map.keys)
+            assert torch.equal(stores[0].cache_map.col("slot"), stores[1].cache_map.col("slot"))
+        for a, b in zip((stores[0].hot_weights(), stores[0].cold_weights(), stores[0].cache_w, stores[0].hot_state,
+                         stores[0].cache_s),
+                        (stores[1].hot_weights(), stores[1].cold_weights(), stores[1].cache_w, stores[1].hot_state,
+                         stores[1].cache_s)):
+            assert torch.equal(a, b)
+        remote = torch.tensor([int(k) for k in range(n) if int(stores[0].layout.hot_slot(torch.tensor([k]))) < 0
+                               and int(stores[0].own_slot(torch.tensor([k]))) < 0
+                               and not bool(stores[0].cache_map.contains(torch.tensor([k])))][:2])
+        errors = []
+        for store in stores:
+            with pytest.raises(RuntimeError) as e:
+                store.read(torch.cat([stores[0].layout.hot_keys[:1], remote]))
+            errors.append(str(e.value))
+        assert errors[0] == errors[1] == f"rank 1: plan reads rows it does not hold: keys {remote.tolist()}"

@@ -12,9 +12,11 @@ from pathlib import Path
 from types import ModuleType
 from typing import Optional
 
-__all__ = ["BUILD_DIR", "SOURCE", "NativeUnavailable", "available", "load", "source_sha", "unavailable_reason"]
+__all__ = ["BUILD_DIR", "SOURCE", "SOURCES", "NativeUnavailable", "available", "load", "source_sha", "unavailable_reason"]
 
-SOURCE = Path(__file__).with_name("home_split.cpp")
+SOURCE = Path(__file__).with_name("home_split.cpp")  # the module's entry point (its pybind11 module)
+#: every source compiled into the module: the planner by home, the plan executor's row access
+SOURCES = (SOURCE, Path(__file__).with_name("row_store.cpp"))
 BUILD_DIR = Path(__file__).with_name("_build")
 MODULE = "herald_native"
 HOW_TO_FIX = "run `make setup` (or `python -m torchrec_herald.native.build`), or set pipeline.scheduler_impl=python"
@@ -26,7 +28,10 @@ class NativeUnavailable(RuntimeError):
 
 def source_sha() -> str:
     """The first 16 hex digits of the source's sha256 (compiled into the module)."""
-    return hashlib.sha256(SOURCE.read_bytes()).hexdigest()[:16]
+    h = hashlib.sha256()
+    for source in SOURCES:
+        h.update(source.read_bytes())
+    return h.hexdigest()[:16]
 
 
 def built_path() -> Optional[Path]:
@@ -50,7 +55,8 @@ def _load() -> ModuleType:
     except ImportError as e:
         raise NativeUnavailable(f"herald's compiled scheduler {path} does not load ({e}): {HOW_TO_FIX}") from None
     if mod.SOURCE_SHA != source_sha():
-        raise NativeUnavailable(f"herald's compiled scheduler {path} was built from another version of {SOURCE.name}: "
+        raise NativeUnavailable(f"herald's compiled scheduler {path} was built from another version of "
+                                f"{', '.join(p.name for p in SOURCES)}: "
                                 f"{HOW_TO_FIX}")
     if mod.TORCH_VERSION != torch.__version__:
         raise NativeUnavailable(f"herald's compiled scheduler {path} was built against torch {mod.TORCH_VERSION}, "

@@ -1,6 +1,6 @@
 """Build herald's compiled scheduler (``make setup`` runs it): ``python -m torchrec_herald.native.build``.
 
-Compiles ``home_split.cpp`` against the installed torch with ``torch.utils.cpp_extension`` (ninja and a
+Compiles ``home_split.cpp`` and ``row_store.cpp`` against the installed torch with ``torch.utils.cpp_extension`` (ninja and a
 C++ compiler) into ``torchrec_herald/native/_build``. A missing tool or a failed compile prints one line
 naming it (and the log's path) and exits 1; nothing is compiled at run time.
 """
@@ -14,7 +14,7 @@ import sys
 from pathlib import Path
 from typing import Optional
 
-from torchrec_herald.native import BUILD_DIR, MODULE, SOURCE, source_sha
+from torchrec_herald.native import BUILD_DIR, MODULE, SOURCES, source_sha
 
 __all__ = ["NativeBuildError", "build", "find_compiler"]
 
@@ -49,7 +49,7 @@ def build(verbose: bool = False) -> Path:
     log = BUILD_DIR / "build.log"
     flags = ["-O3", f'-DHERALD_NATIVE_SOURCE_SHA=\\"{source_sha()}\\"', f'-DHERALD_NATIVE_TORCH=\\"{torch.__version__}\\"']
     try:
-        cpp_extension.load(name=MODULE, sources=[str(SOURCE)], build_directory=str(BUILD_DIR), extra_cflags=flags,
+        cpp_extension.load(name=MODULE, sources=[str(s) for s in SOURCES], build_directory=str(BUILD_DIR), extra_cflags=flags,
                            verbose=verbose, is_python_module=True)
     except (RuntimeError, OSError) as e:
         log.write_text(str(e))

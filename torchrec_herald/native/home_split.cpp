@@ -825,8 +825,11 @@ class HomeSplitCore {
 
 using nogil = pybind11::call_guard<pybind11::gil_scoped_release>;
 
+void register_row_store(pybind11::module& m);  // row_store.cpp: the plan executor's by-key row access
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.doc() = "Herald's per-rank lazy plan (planning by home) in compiled code";
+  m.doc() = "Herald's per-rank lazy plan (planning by home) and the plan executor's row access in compiled code";
+  register_row_store(m);
   m.attr("SOURCE_SHA") = HERALD_NATIVE_SOURCE_SHA;
   m.attr("TORCH_VERSION") = HERALD_NATIVE_TORCH;
   pybind11::class_<HomeSplitCore>(m, "HomeSplitCore")

@@ -3,7 +3,8 @@ row-wise Adagrad state), this rank's ROW_WISE cold block (fbgemm's fused TBE) an
 remote rows; with the one exact update rule (EXACT_SGD / EXACT_ROWWISE_ADAGRAD, as the fused kernel).
 
 Rows live on the training device; keys, slots and masks stay on CPU, and each access moves only its
-slot indices over.
+slot indices over. On a CPU device, where ``make setup`` built herald's compiled extension, by-key reads
+and writes run in one compiled pass (``native/row_store.cpp``); the torch ops here are the reference.
 """
 
 from __future__ import annotations
@@ -30,6 +31,16 @@ def exact_update(w: torch.Tensor, state: torch.Tensor, grad: torch.Tensor, optim
         return w - lr * grad, state
     state = state + grad.pow(2).mean(1)
     return w - grad * (lr / (state.sqrt() + eps))[:, None], state
+
+
+def _native_row_ops() -> Optional[Any]:
+    """The compiled row access (herald's extension), or None where it is not built (the torch ops run)."""
+    from torchrec_herald.native import NativeUnavailable, load
+
+    try:
+        return load()
+    except NativeUnavailable:
+        return None
 
 
 class RowStore(nn.Module):
@@ -72,6 +83,8 @@ class RowStore(nn.Module):
         self.track_base = False
         self.base_hot = torch.zeros(layout.num_hot, dim + 1, device=device)
         self.base_cache = torch.zeros(0, dim + 1, device=device)
+        # by-key reads and writes in one compiled pass (CPU rows, the extension built), else torch ops
+        self.native: Optional[Any] = _native_row_ops() if torch.device(device).type == "cpu" else None
 
     # ------------------------------------------------------------------ views
     def hot_weights(self) -> torch.Tensor:
@@ -183,8 +196,30 @@ class RowStore(nn.Module):
         return (d(hot.nonzero().flatten()), d(own.nonzero().flatten()), d(cache.nonzero().flatten()),
                 d(hot_slot[hot]), d(own_slot[own]), d(cache_slot[cache]))
 
+    def _native_args(self) -> Tuple[Any, ...]:
+        """Where rows live, for the compiled access: hot keys, table offsets, block sizes, this rank's block
+        offsets, the rank, the cache's keys and slots."""
+        L = self.layout
+        return (L.hot_keys, L.table_offsets, L.blocks, L.block_offsets[self.rank].contiguous(), self.rank,
+                self.cache_map.keys, self.cache_map.col("slot"))
+
+    def _native_buffers(self) -> Tuple[List[torch.Tensor], List[torch.Tensor]]:
+        """The hot, own-block and cache rows, and their row-wise Adagrad states (none for SGD)."""
+        w = [self.hot_weights(), self.cold_weights(), self.cache_w]
+        cold_s = self.cold_state()
+        return w, ([] if cold_s is None else [self.hot_state, cold_s, self.cache_s])
+
+    def _not_held(self, keys: torch.Tensor, missing: torch.Tensor) -> RuntimeError:
+        return RuntimeError(f"rank {self.rank}: plan reads rows it does not hold: keys {keys[missing][:5].tolist()}")
+
     def read(self, keys: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
         """``(weights [n, D], row-wise Adagrad state [n])`` of rows this rank holds."""
+        if self.native is not None:
+            keys = keys.to(torch.int64).contiguous()
+            w, s, missing = self.native.row_store_gather(keys, *self._native_args(), *self._native_buffers(), self.dim)
+            if missing.numel():
+                raise self._not_held(keys, missing)
+            return w, s
         at_hot, at_own, at_cache, hot_i, own_i, cache_i = self._slots(keys)
         w = torch.empty(keys.numel(), self.dim, device=self.device)
         s = torch.zeros(keys.numel(), device=self.device)
@@ -200,6 +235,16 @@ class RowStore(nn.Module):
 
     def write(self, keys: torch.Tensor, w: torch.Tensor, s: torch.Tensor) -> None:
         """Store rows (a remote row gets a cache slot)."""
+        if self.native is not None:
+            keys, w, s = keys.to(torch.int64).contiguous(), w.contiguous(), s.contiguous()
+            missing = self.native.row_store_scatter(keys, *self._native_args(), w, s, *self._native_buffers(), self.dim)
+            if missing.numel():  # remote rows not cached yet: give them slots, then write them
+                new = keys[missing]
+                self._give_slots(new)
+                missing = self.native.row_store_scatter(new, *self._native_args(), w[missing], s[missing],
+                                                        *self._native_buffers(), self.dim)
+                assert not missing.numel(), "every key has a slot after _give_slots"
+            return
         self._allocate(keys)
         at_hot, at_own, at_cache, hot_i, own_i, cache_i = self._slots(keys)
         self.hot_weights()[hot_i] = w[at_hot]
@@ -213,7 +258,10 @@ class RowStore(nn.Module):
 
     def _allocate(self, keys: torch.Tensor) -> None:
         """Give remote keys without a cache slot one (growing the cache when no slot is free)."""
-        new = keys[(self.layout.hot_slot(keys) < 0) & (self.own_slot(keys) < 0) & ~self.cache_map.contains(keys)]
+        self._give_slots(keys[(self.layout.hot_slot(keys) < 0) & (self.own_slot(keys) < 0) & ~self.cache_map.contains(keys)])
+
+    def _give_slots(self, new: torch.Tensor) -> None:
+        """Give the remote keys ``new`` (unique, none cached) cache slots, growing the cache when none is free."""
         if not new.numel():
             return
         short = new.numel() - len(self.free)

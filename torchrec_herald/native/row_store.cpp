@@ -1,0 +1,198 @@
+// The plan executor's by-key row access in compiled code: one pass over the keys that finds where each
+// global key's row lives on this rank (a hot replica, a row of its own ROW_WISE block, or a cache slot)
+// and copies the row, and its row-wise Adagrad state, out of or into that buffer.
+//
+// The torch reference is RowStore._where / read / write (torchrec_herald/sharding/row_store.py; tests
+// compare the two). Hand-written because the reference runs about thirty small tensor ops per call and
+// the executor calls it several times a step on the training thread. CPU rows only: a store on a GPU
+// keeps the torch path.
+
+#include <torch/extension.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <tuple>
+#include <vector>
+
+namespace {
+
+using i64 = int64_t;
+constexpr int kHot = 0, kOwn = 1, kCache = 2, kNotHeld = -1;
+
+// Where a rank holds a key's row: the layout's sorted hot keys, its tables' first keys, block sizes and this
+// rank's block offsets, and the cache's sorted keys with their slots.
+struct Where {
+  const i64* hot;
+  i64 num_hot;
+  const i64* table_offsets;
+  i64 num_tables;
+  const i64* blocks;
+  const i64* block_offsets;
+  i64 rank;
+  const i64* cache_keys;
+  const i64* cache_slots;
+  i64 num_cached;
+
+  // kHot / kOwn / kCache with the row's slot in that buffer, or kNotHeld (the order of RowStore._where:
+  // a hot replica first, then this rank's block, then the cache)
+  int find(i64 key, i64* slot) const {
+    if (num_hot) {
+      const i64* p = std::lower_bound(hot, hot + num_hot, key);
+      if (p != hot + num_hot && *p == key) {
+        *slot = p - hot;
+        return kHot;
+      }
+    }
+    const i64 t = (std::upper_bound(table_offsets, table_offsets + num_tables, key) - table_offsets) - 1;
+    if (t >= 0) {
+      const i64 local = key - table_offsets[t], block = blocks[t];
+      if (block > 0 && local / block == rank) {
+        *slot = block_offsets[t] + local - rank * block;
+        return kOwn;
+      }
+    }
+    if (num_cached) {
+      const i64* p = std::lower_bound(cache_keys, cache_keys + num_cached, key);
+      if (p != cache_keys + num_cached && *p == key) {
+        *slot = cache_slots[p - cache_keys];
+        return kCache;
+      }
+    }
+    return kNotHeld;
+  }
+};
+
+Where where_of(const torch::Tensor& hot_keys, const torch::Tensor& table_offsets, const torch::Tensor& blocks,
+               const torch::Tensor& block_offsets, i64 rank, const torch::Tensor& cache_keys,
+               const torch::Tensor& cache_slots) {
+  for (const auto* t : {&hot_keys, &table_offsets, &blocks, &block_offsets, &cache_keys, &cache_slots}) {
+    TORCH_CHECK(t->scalar_type() == torch::kInt64 && t->is_contiguous() && t->device().is_cpu(),
+                "row store: index tensors must be contiguous int64 on the CPU");
+  }
+  TORCH_CHECK(table_offsets.numel() == blocks.numel() && blocks.numel() == block_offsets.numel(),
+              "row store: one offset, block size and block offset per table");
+  TORCH_CHECK(cache_keys.numel() == cache_slots.numel(), "row store: one slot per cached key");
+  return Where{hot_keys.data_ptr<i64>(), hot_keys.numel(), table_offsets.data_ptr<i64>(), table_offsets.numel(),
+               blocks.data_ptr<i64>(), block_offsets.data_ptr<i64>(), rank, cache_keys.data_ptr<i64>(),
+               cache_slots.data_ptr<i64>(), cache_keys.numel()};
+}
+
+// The three row buffers ([rows, D] float32, rows contiguous) and, with row-wise Adagrad, their states.
+struct Buffers {
+  float* w[3];
+  i64 w_stride[3];
+  i64 w_rows[3];
+  float* s[3];
+  i64 s_stride[3];
+  bool state;
+};
+
+Buffers buffers_of(const std::vector<torch::Tensor>& w, const std::vector<torch::Tensor>& s, i64 dim) {
+  TORCH_CHECK(w.size() == 3 && (s.empty() || s.size() == 3), "row store: hot, own and cache buffers");
+  Buffers b{};
+  b.state = !s.empty();
+  for (int k = 0; k < 3; ++k) {
+    TORCH_CHECK(w[k].scalar_type() == torch::kFloat32 && w[k].dim() == 2 && w[k].size(1) == dim &&
+                    (w[k].size(0) == 0 || w[k].stride(1) == 1) && w[k].device().is_cpu(),
+                "row store: row buffers must be float32 [rows, D] CPU tensors with contiguous rows");
+    b.w[k] = w[k].data_ptr<float>();
+    b.w_stride[k] = w[k].stride(0);
+    b.w_rows[k] = w[k].size(0);
+    if (b.state) {
+      TORCH_CHECK(s[k].scalar_type() == torch::kFloat32 && s[k].dim() == 1 && s[k].size(0) >= w[k].size(0) &&
+                      s[k].device().is_cpu(),
+                  "row store: state buffers must be float32 [rows] CPU tensors");
+      b.s[k] = s[k].data_ptr<float>();
+      b.s_stride[k] = s[k].stride(0);
+    }
+  }
+  return b;
+}
+
+torch::Tensor positions(const std::vector<i64>& v) {
+  auto out = torch::empty({static_cast<i64>(v.size())}, torch::kInt64);
+  if (!v.empty()) std::memcpy(out.data_ptr<i64>(), v.data(), v.size() * sizeof(i64));
+  return out;
+}
+
+// (weights [n, D], states [n] (zeros without them), positions of the keys this rank does not hold)
+std::tuple<torch::Tensor, torch::Tensor, torch::Tensor> row_store_gather(
+    torch::Tensor keys, torch::Tensor hot_keys, torch::Tensor table_offsets, torch::Tensor blocks,
+    torch::Tensor block_offsets, i64 rank, torch::Tensor cache_keys, torch::Tensor cache_slots,
+    std::vector<torch::Tensor> w, std::vector<torch::Tensor> s, i64 dim) {
+  TORCH_CHECK(keys.scalar_type() == torch::kInt64 && keys.is_contiguous() && keys.dim() == 1,
+              "row store: keys must be a contiguous int64 vector");
+  const Where where = where_of(hot_keys, table_offsets, blocks, block_offsets, rank, cache_keys, cache_slots);
+  const Buffers b = buffers_of(w, s, dim);
+  const i64 n = keys.numel();
+  auto out_w = torch::empty({n, dim}, torch::kFloat32);
+  auto out_s = torch::zeros({n}, torch::kFloat32);
+  const i64* k = keys.data_ptr<i64>();
+  float* ow = out_w.data_ptr<float>();
+  float* os = out_s.data_ptr<float>();
+  std::vector<i64> missing;
+  {
+    pybind11::gil_scoped_release no_gil;
+    for (i64 i = 0; i < n; ++i) {
+      i64 slot = 0;
+      const int kind = where.find(k[i], &slot);
+      if (kind == kNotHeld || slot < 0 || slot >= b.w_rows[kind]) {
+        missing.push_back(i);
+        std::memset(ow + i * dim, 0, dim * sizeof(float));
+        continue;
+      }
+      std::memcpy(ow + i * dim, b.w[kind] + slot * b.w_stride[kind], dim * sizeof(float));
+      if (b.state) os[i] = b.s[kind][slot * b.s_stride[kind]];
+    }
+  }
+  return {out_w, out_s, positions(missing)};
+}
+
+// Writes row i of ``rows`` (and ``states[i]`` with them) where this rank holds keys[i]; returns the
+// positions of the keys it does not hold (not written: the caller gives them cache slots first).
+torch::Tensor row_store_scatter(torch::Tensor keys, torch::Tensor hot_keys, torch::Tensor table_offsets,
+                                torch::Tensor blocks, torch::Tensor block_offsets, i64 rank, torch::Tensor cache_keys,
+                                torch::Tensor cache_slots, torch::Tensor rows, torch::Tensor states,
+                                std::vector<torch::Tensor> w, std::vector<torch::Tensor> s, i64 dim) {
+  TORCH_CHECK(keys.scalar_type() == torch::kInt64 && keys.is_contiguous() && keys.dim() == 1,
+              "row store: keys must be a contiguous int64 vector");
+  const i64 n = keys.numel();
+  TORCH_CHECK(rows.scalar_type() == torch::kFloat32 && rows.is_contiguous() && rows.dim() == 2 && rows.size(0) == n &&
+                  rows.size(1) == dim && rows.device().is_cpu(),
+              "row store: rows must be contiguous float32 [len(keys), D] on the CPU");
+  const Where where = where_of(hot_keys, table_offsets, blocks, block_offsets, rank, cache_keys, cache_slots);
+  const Buffers b = buffers_of(w, s, dim);
+  if (b.state) {
+    TORCH_CHECK(states.scalar_type() == torch::kFloat32 && states.is_contiguous() && states.numel() == n &&
+                    states.device().is_cpu(),
+                "row store: states must be contiguous float32 [len(keys)] on the CPU");
+  }
+  const i64* k = keys.data_ptr<i64>();
+  const float* rw = rows.data_ptr<float>();
+  const float* rs = b.state ? states.data_ptr<float>() : nullptr;
+  std::vector<i64> missing;
+  {
+    pybind11::gil_scoped_release no_gil;
+    for (i64 i = 0; i < n; ++i) {
+      i64 slot = 0;
+      const int kind = where.find(k[i], &slot);
+      if (kind == kNotHeld || slot < 0 || slot >= b.w_rows[kind]) {
+        missing.push_back(i);
+        continue;
+      }
+      std::memcpy(b.w[kind] + slot * b.w_stride[kind], rw + i * dim, dim * sizeof(float));
+      if (b.state) b.s[kind][slot * b.s_stride[kind]] = rs[i];
+    }
+  }
+  return positions(missing);
+}
+
+}  // namespace
+
+void register_row_store(pybind11::module& m) {
+  m.def("row_store_gather", &row_store_gather,
+        "(weights, states, positions not held) of global keys' rows: hot replica, own block row or cache slot");
+  m.def("row_store_scatter", &row_store_scatter,
+        "write global keys' rows (and states) where this rank holds them; returns the positions it does not hold");
+}
