@@ -94,12 +94,26 @@ def test_compiled_row_access_reads_and_writes_like_the_torch_reference() -> None
                         (stores[1].hot_weights(), stores[1].cold_weights(), stores[1].cache_w, stores[1].hot_state,
                          stores[1].cache_s)):
             assert torch.equal(a, b)
+        # where each key lives (masks; hot, own and cache slots where they apply), and the bounded-staleness
+        # bases of the hot and cached rows, which use it
+        where = [store._where(held) for store in stores]
+        hot, own, cache = where[0][:3]
+        assert all(torch.equal(a, b) for a, b in zip(where[0][:3], where[1][:3]))
+        for i, mask in ((3, hot), (4, own), (5, cache)):
+            assert torch.equal(where[0][i][mask], where[1][i][mask]) and bool((where[0][i][mask] >= 0).all())
+        shared = held[hot | cache]
+        for store in stores:
+            store.track_base = True
+            store.rebase(shared)
+        assert torch.equal(stores[0].base(shared), stores[1].base(shared))
+        assert torch.equal(stores[0].base_hot, stores[1].base_hot) and torch.equal(stores[0].base_cache, stores[1].base_cache)
         remote = torch.tensor([int(k) for k in range(n) if int(stores[0].layout.hot_slot(torch.tensor([k]))) < 0
                                and int(stores[0].own_slot(torch.tensor([k]))) < 0
                                and not bool(stores[0].cache_map.contains(torch.tensor([k])))][:2])
         errors = []
         for store in stores:
-            with pytest.raises(RuntimeError) as e:
-                store.read(torch.cat([stores[0].layout.hot_keys[:1], remote]))
-            errors.append(str(e.value))
-        assert errors[0] == errors[1] == f"rank 1: plan reads rows it does not hold: keys {remote.tolist()}"
+            for access in (store.read, store._where):
+                with pytest.raises(RuntimeError) as e:
+                    access(torch.cat([stores[0].layout.hot_keys[:1], remote]))
+                errors.append(str(e.value))
+        assert errors == [f"rank 1: plan reads rows it does not hold: keys {remote.tolist()}"] * 4

@@ -188,9 +188,36 @@ torch::Tensor row_store_scatter(torch::Tensor keys, torch::Tensor hot_keys, torc
   return positions(missing);
 }
 
+// (kind: 0 hot replica, 1 own block row, 2 cache slot, -1 not held; the row's slot there, -1 if not held)
+std::tuple<torch::Tensor, torch::Tensor> row_store_locate(torch::Tensor keys, torch::Tensor hot_keys,
+                                                          torch::Tensor table_offsets, torch::Tensor blocks,
+                                                          torch::Tensor block_offsets, i64 rank,
+                                                          torch::Tensor cache_keys, torch::Tensor cache_slots) {
+  TORCH_CHECK(keys.scalar_type() == torch::kInt64 && keys.is_contiguous() && keys.dim() == 1,
+              "row store: keys must be a contiguous int64 vector");
+  const Where where = where_of(hot_keys, table_offsets, blocks, block_offsets, rank, cache_keys, cache_slots);
+  const i64 n = keys.numel();
+  auto kind = torch::empty({n}, torch::kInt64);
+  auto slot = torch::empty({n}, torch::kInt64);
+  const i64* k = keys.data_ptr<i64>();
+  i64* ok = kind.data_ptr<i64>();
+  i64* os = slot.data_ptr<i64>();
+  {
+    pybind11::gil_scoped_release no_gil;
+    for (i64 i = 0; i < n; ++i) {
+      i64 at = -1;
+      ok[i] = where.find(k[i], &at);
+      os[i] = ok[i] == kNotHeld ? -1 : at;
+    }
+  }
+  return {kind, slot};
+}
+
 }  // namespace
 
 void register_row_store(pybind11::module& m) {
+  m.def("row_store_locate", &row_store_locate,
+        "(kind: 0 hot, 1 own block, 2 cache, -1 not held; slot) of global keys on this rank");
   m.def("row_store_gather", &row_store_gather,
         "(weights, states, positions not held) of global keys' rows: hot replica, own block row or cache slot");
   m.def("row_store_scatter", &row_store_scatter,

@@ -169,7 +169,16 @@ class RowStore(nn.Module):
 
     def _where(self, keys: torch.Tensor) -> Tuple[torch.Tensor, ...]:
         """Masks of ``keys`` held as hot replica / own block row / cache entry (a key must be one), and
-        each key's hot slot, own block row and cache slot (-1 where not)."""
+        each key's hot slot, own block row and cache slot (-1 where not; with the compiled access, -1 also
+        for the block row of a hot key, which no caller reads)."""
+        if self.native is not None:
+            kind, slot = self.native.row_store_locate(keys.to(torch.int64).contiguous(), *self._native_args())
+            not_held = kind < 0
+            if bool(not_held.any()):
+                raise self._not_held(keys, not_held.nonzero().flatten())
+            hot, own, cache = kind == 0, kind == 1, kind == 2
+            none = torch.full_like(slot, -1)
+            return hot, own, cache, torch.where(hot, slot, none), torch.where(own, slot, none), torch.where(cache, slot, none)
         hot_slot = self.layout.hot_slot(keys)
         own_slot = self.own_slot(keys)
         cache_slot = self.cache_slot(keys)
@@ -177,8 +186,7 @@ class RowStore(nn.Module):
         own = ~hot & (own_slot >= 0)
         cache = ~hot & ~own
         if bool(cache.any()) and bool((cache_slot[cache] < 0).any()):
-            missing = keys[cache][cache_slot[cache] < 0][:5].tolist()
-            raise RuntimeError(f"rank {self.rank}: plan reads rows it does not hold: keys {missing}")
+            raise self._not_held(keys, (cache & (cache_slot < 0)).nonzero().flatten())
         return hot, own, cache, hot_slot, own_slot, cache_slot
 
     def own_slot(self, keys: torch.Tensor) -> torch.Tensor:
