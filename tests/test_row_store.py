@@ -83,7 +83,7 @@ def test_compiled_row_access_reads_and_writes_like_the_torch_reference() -> None
             s = torch.rand(keys.numel(), generator=g)
             for store in stores:
                 store.write(keys, w, s)
-                store.drop(keys[::7])  # frees cache slots (the next writes reuse them)
+                store.drop(keys[::7].contiguous())  # frees cache slots (the next writes reuse them)
             held = torch.cat([keys[torch.arange(keys.numel()) % 7 != 0], stores[0].layout.hot_keys[:5]])
             reads = [store.read(held) for store in stores]
             assert torch.equal(reads[0][0], reads[1][0]) and torch.equal(reads[0][1], reads[1][1])
