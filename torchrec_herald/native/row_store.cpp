@@ -110,6 +110,31 @@ Buffers buffers_of(const std::vector<torch::Tensor>& w, const std::vector<torch:
   return b;
 }
 
+void check_keys(const torch::Tensor& keys) {
+  TORCH_CHECK(keys.scalar_type() == torch::kInt64 && keys.is_contiguous() && keys.dim() == 1,
+              "row store: keys must be a contiguous int64 vector");
+}
+
+// Calls copy(i, kind, slot) for every key this rank holds in a buffer of ``b`` (the GIL let go meanwhile);
+// returns the positions of the keys it does not hold.
+template <typename Copy>
+std::vector<i64> for_each_held(const Where& where, const Buffers& b, const torch::Tensor& keys, Copy copy) {
+  const i64* k = keys.data_ptr<i64>();
+  const i64 n = keys.numel();
+  std::vector<i64> missing;
+  pybind11::gil_scoped_release no_gil;
+  for (i64 i = 0; i < n; ++i) {
+    i64 slot = 0;
+    const int kind = where.find(k[i], &slot);
+    if (kind == kNotHeld || slot < 0 || slot >= b.w_rows[kind]) {
+      missing.push_back(i);
+      continue;
+    }
+    copy(i, kind, slot);
+  }
+  return missing;
+}
+
 torch::Tensor positions(const std::vector<i64>& v) {
   auto out = torch::empty({static_cast<i64>(v.size())}, torch::kInt64);
   if (!v.empty()) std::memcpy(out.data_ptr<i64>(), v.data(), v.size() * sizeof(i64));
@@ -121,31 +146,18 @@ std::tuple<torch::Tensor, torch::Tensor, torch::Tensor> row_store_gather(
     torch::Tensor keys, torch::Tensor hot_keys, torch::Tensor table_offsets, torch::Tensor blocks,
     torch::Tensor block_offsets, i64 rank, torch::Tensor cache_keys, torch::Tensor cache_slots,
     std::vector<torch::Tensor> w, std::vector<torch::Tensor> s, i64 dim) {
-  TORCH_CHECK(keys.scalar_type() == torch::kInt64 && keys.is_contiguous() && keys.dim() == 1,
-              "row store: keys must be a contiguous int64 vector");
+  check_keys(keys);
   const Where where = where_of(hot_keys, table_offsets, blocks, block_offsets, rank, cache_keys, cache_slots);
   const Buffers b = buffers_of(w, s, dim);
   const i64 n = keys.numel();
-  auto out_w = torch::empty({n, dim}, torch::kFloat32);
+  auto out_w = torch::zeros({n, dim}, torch::kFloat32);  // (rows not held stay zero)
   auto out_s = torch::zeros({n}, torch::kFloat32);
-  const i64* k = keys.data_ptr<i64>();
   float* ow = out_w.data_ptr<float>();
   float* os = out_s.data_ptr<float>();
-  std::vector<i64> missing;
-  {
-    pybind11::gil_scoped_release no_gil;
-    for (i64 i = 0; i < n; ++i) {
-      i64 slot = 0;
-      const int kind = where.find(k[i], &slot);
-      if (kind == kNotHeld || slot < 0 || slot >= b.w_rows[kind]) {
-        missing.push_back(i);
-        std::memset(ow + i * dim, 0, dim * sizeof(float));
-        continue;
-      }
-      std::memcpy(ow + i * dim, b.w[kind] + slot * b.w_stride[kind], dim * sizeof(float));
-      if (b.state) os[i] = b.s[kind][slot * b.s_stride[kind]];
-    }
-  }
+  const auto missing = for_each_held(where, b, keys, [&](i64 i, int kind, i64 slot) {
+    std::memcpy(ow + i * dim, b.w[kind] + slot * b.w_stride[kind], dim * sizeof(float));
+    if (b.state) os[i] = b.s[kind][slot * b.s_stride[kind]];
+  });
   return {out_w, out_s, positions(missing)};
 }
 
@@ -155,8 +167,7 @@ torch::Tensor row_store_scatter(torch::Tensor keys, torch::Tensor hot_keys, torc
                                 torch::Tensor blocks, torch::Tensor block_offsets, i64 rank, torch::Tensor cache_keys,
                                 torch::Tensor cache_slots, torch::Tensor rows, torch::Tensor states,
                                 std::vector<torch::Tensor> w, std::vector<torch::Tensor> s, i64 dim) {
-  TORCH_CHECK(keys.scalar_type() == torch::kInt64 && keys.is_contiguous() && keys.dim() == 1,
-              "row store: keys must be a contiguous int64 vector");
+  check_keys(keys);
   const i64 n = keys.numel();
   TORCH_CHECK(rows.scalar_type() == torch::kFloat32 && rows.is_contiguous() && rows.dim() == 2 && rows.size(0) == n &&
                   rows.size(1) == dim && rows.device().is_cpu(),
@@ -168,24 +179,12 @@ torch::Tensor row_store_scatter(torch::Tensor keys, torch::Tensor hot_keys, torc
                     states.device().is_cpu(),
                 "row store: states must be contiguous float32 [len(keys)] on the CPU");
   }
-  const i64* k = keys.data_ptr<i64>();
   const float* rw = rows.data_ptr<float>();
   const float* rs = b.state ? states.data_ptr<float>() : nullptr;
-  std::vector<i64> missing;
-  {
-    pybind11::gil_scoped_release no_gil;
-    for (i64 i = 0; i < n; ++i) {
-      i64 slot = 0;
-      const int kind = where.find(k[i], &slot);
-      if (kind == kNotHeld || slot < 0 || slot >= b.w_rows[kind]) {
-        missing.push_back(i);
-        continue;
-      }
-      std::memcpy(b.w[kind] + slot * b.w_stride[kind], rw + i * dim, dim * sizeof(float));
-      if (b.state) b.s[kind][slot * b.s_stride[kind]] = rs[i];
-    }
-  }
-  return positions(missing);
+  return positions(for_each_held(where, b, keys, [&](i64 i, int kind, i64 slot) {
+    std::memcpy(b.w[kind] + slot * b.w_stride[kind], rw + i * dim, dim * sizeof(float));
+    if (b.state) b.s[kind][slot * b.s_stride[kind]] = rs[i];
+  }));
 }
 
 // (kind: 0 hot replica, 1 own block row, 2 cache slot, -1 not held; the row's slot there, -1 if not held)
@@ -193,8 +192,7 @@ std::tuple<torch::Tensor, torch::Tensor> row_store_locate(torch::Tensor keys, to
                                                           torch::Tensor table_offsets, torch::Tensor blocks,
                                                           torch::Tensor block_offsets, i64 rank,
                                                           torch::Tensor cache_keys, torch::Tensor cache_slots) {
-  TORCH_CHECK(keys.scalar_type() == torch::kInt64 && keys.is_contiguous() && keys.dim() == 1,
-              "row store: keys must be a contiguous int64 vector");
+  check_keys(keys);
   const Where where = where_of(hot_keys, table_offsets, blocks, block_offsets, rank, cache_keys, cache_slots);
   const i64 n = keys.numel();
   auto kind = torch::empty({n}, torch::kInt64);
