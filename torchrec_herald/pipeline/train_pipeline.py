@@ -201,10 +201,7 @@ class HeraldTrainPipeline(TrainPipeline[Batch, Any]):
         if self._config_set.allocator == "auto" and config.allocator == "greedy" and not config.global_batches:
             # a move sends the sample: it must pay for itself with one lookup made local
             logger.info("%s", PER_RANK_ALLOCATOR_REASON)
-            self._allocator_on = build_allocator("greedy", move_penalty=config.move_penalty,
-                                                 max_priced=AUTO_MAX_PRICED_PENALTY)
-            if self.env.allocator is not self._allocator_off:
-                self.env.allocator = self._allocator_on
+            self._allocator_on.max_priced = AUTO_MAX_PRICED_PENALTY
         self.config = config
         self.global_batches, self.run_ahead = bool(config.global_batches), bool(config.run_ahead)
         self.strategy = build_strategy(strategy_name(config), self.env, config)
