@@ -18,7 +18,7 @@ import logging
 import statistics
 import time
 from pathlib import Path
-from typing import Any, Dict, List
+from typing import Any, Dict, List, Optional
 
 import torch
 import torch.distributed as dist
@@ -37,14 +37,38 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def measure(batch_size: int, overrides: List[str], warmup: int, steps: int) -> Dict[str, Any]:
-    """Per-step seconds (median, mean, p90) of ``steps`` timed steps after ``warmup`` steps."""
+def _profile(pipeline: Any, it: Any, device: torch.device, steps: int, out: Path) -> Dict[str, Any]:
+    """``steps`` more steps under ``torch.profiler``: the top ops by self host time and by device time
+    written to ``out`` (text), and the host-device synchronisations per step (the CUDA runtime calls that
+    block the host: stream/device synchronise and device-to-host copies)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    with profile(activities=acts) as prof:
+        for _ in range(steps):
+            pipeline.progress(it)
+            _sync(device)
+    avg = prof.key_averages()
+    sync_names = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize", "cudaMemcpy")
+    syncs = {e.key: e.count / steps for e in avg if e.key.startswith(sync_names)}
+    dev_key = "self_device_time_total" if device.type == "cuda" else "self_cpu_time_total"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(f"totals over {steps} steps (divide by {steps} for one step)\n\n== by self host time\n"
+                   + avg.table(sort_by="self_cpu_time_total", row_limit=30)
+                   + f"\n\n== by {dev_key}\n" + avg.table(sort_by=dev_key, row_limit=30))
+    return {"profiled_steps": steps, "host_syncs_per_step": syncs, "profile": str(out)}
+
+
+def measure(batch_size: int, overrides: List[str], warmup: int, steps: int,
+            profile_out: Optional[Path] = None) -> Dict[str, Any]:
+    """Per-step seconds (median, mean, p90) of ``steps`` timed steps after ``warmup`` steps; with
+    ``profile_out``, 5 more steps profiled (:func:`_profile`)."""
     cfg = compose_config([f"batch_size={batch_size}", "eval=false"] + overrides)
     rank, world, device = init_distributed()
     data = build_data_source(cfg.data)
     dmp, optimizer, decision = build_model_and_plan(cfg, data, world, device)
     pipeline = build_pipeline(cfg, dmp, optimizer, device, decision)
-    n = warmup + steps + 2  # TrainPipelineSparseDist runs ahead by up to two batches
+    n = warmup + steps + 2 + (5 if profile_out else 0)  # TrainPipelineSparseDist runs ahead by up to two batches
     # pre-generated on CPU, as a data loader yields them: each pipeline moves its batches to the device
     batches = [b for _, b in zip(range(n), data.train_batches(rank, world, batch_size))]
     if len(batches) < n:
@@ -59,12 +83,13 @@ def measure(batch_size: int, overrides: List[str], warmup: int, steps: int) -> D
         _sync(device)
         if i >= warmup:
             times.append(time.perf_counter() - t0)
+    prof = _profile(pipeline, it, device, 5, profile_out) if profile_out else {}
     times.sort()
     med = statistics.median(times)
     res = {"local_batch": batch_size, "world_size": world, "device": str(device),
            "overrides": overrides, "steps_timed": steps, "warmup": warmup,
            "step_s_median": med, "step_s_mean": statistics.fmean(times),
-           "step_s_p90": times[int(0.9 * (len(times) - 1))], "samples_per_s": batch_size * world / med}
+           "step_s_p90": times[int(0.9 * (len(times) - 1))], "samples_per_s": batch_size * world / med, **prof}
     log.info("B=%d %s: %.2f ms/step median (%.0f samples/s)", batch_size, " ".join(overrides), 1e3 * med,
              res["samples_per_s"])
     return res
@@ -77,9 +102,13 @@ def main() -> None:
     p.add_argument("--warmup", type=int, default=10)
     p.add_argument("--steps", type=int, default=50)
     p.add_argument("--out", type=Path, default=Path("benchmarks/results/gpu_step_time.json"))
+    p.add_argument("--profile", action="store_true",
+                   help="profile 5 more steps per batch size: <out stem>_B<batch>.prof.txt beside --out")
     a = p.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", force=True)
-    runs = [measure(b, a.overrides, a.warmup, a.steps) for b in a.batch_sizes]
+    runs = [measure(b, a.overrides, a.warmup, a.steps,
+                    a.out.with_name(f"{a.out.stem}_B{b}.prof.txt") if a.profile else None)
+            for b in a.batch_sizes]
     if dist.get_rank() == 0:
         a.out.parent.mkdir(parents=True, exist_ok=True)
         a.out.write_text(json.dumps({"machine": machine(), "command": "python benchmarks/gpu_step_time.py "

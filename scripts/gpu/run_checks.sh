@@ -8,6 +8,8 @@
 #   modes   herald's plan mode against herald's own per-step path, 1 CUDA rank  -> gpu_modes.json
 #   sgd     the train part with EXACT_SGD (no Adagrad 1/sqrt(state) amplification) -> gpu_train_sgd.json
 #   time    DLRM step time at local batch 2048 / 8192, stock and herald      -> gpu_step_time*.json
+#   modes3  the same for stock TABLE_WISE, herald hot replication alone and herald full (scheduling on),
+#           herald's plan kept (no link fallback), 5 more steps of each profiled -> gpu_step3_*.json, gpu_step3_prof.tar.gz
 # Usage: bash scripts/gpu/run_checks.sh [probe] [check] [train] [noise] [time]
 set -uo pipefail
 cd "$(dirname "$0")/../.."
@@ -35,5 +37,13 @@ for part in $parts; do case $part in
              | grep -E "ms/step|Error|==="
          step python3 benchmarks/gpu_step_time.py --batch-sizes 2048 8192 --overrides planner=herald pipeline=herald \
              --out "$out/gpu_step_time_herald.json" 2>&1 | grep -E "ms/step|Error|===" ;;
+  modes3) for m in "stock planner=table_wise pipeline=sparse_dist" \
+             "hot planner=herald pipeline=herald pipeline.scheduling=off planner.link_mbit=null" \
+             "full planner=herald pipeline=herald pipeline.scheduling=on planner.link_mbit=null"; do
+           set -- $m; id=$1; shift
+           step python3 benchmarks/gpu_step_time.py --batch-sizes 2048 8192 --overrides "$@" --profile \
+               --out "$out/gpu_step3_$id.json" 2>&1 | grep -E "ms/step|Error|==="
+         done
+         (cd "$out" && tar czf gpu_step3_prof.tar.gz gpu_step3_*.prof.txt && rm gpu_step3_*.prof.txt) ;;
   *) echo "unknown part $part"; exit 2 ;;
 esac; done
