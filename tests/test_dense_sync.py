@@ -188,3 +188,16 @@ def test_a_weight_read_outside_its_layer_is_refused_naming_it() -> None:
     msg = run_multiprocess(_shared_read, 1)[0]
     assert msg.startswith("dense parameter 'first.weight' was read before its last update was applied"), msg
     assert "use planner.dense_sync=ddp" in msg
+
+
+def test_the_dense_layers_go_to_the_ranks_device_as_with_ddp() -> None:
+    """TorchRec's DDP wrapper moves the dense layers (built on CPU) to the rank's device; so must the
+    forward-ordered sync, or a CUDA rank multiplies CUDA activations by CPU weights (``meta`` stands in
+    for a second device here)."""
+    from types import SimpleNamespace
+
+    from torchrec_herald.sharding.dense_sync import ForwardOrderedDenseSync
+
+    dmp = SimpleNamespace(_dmp_wrapped_module=nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 1)))
+    ForwardOrderedDenseSync().wrap(dmp, SimpleNamespace(process_group=None), torch.device("meta"))
+    assert {p.device.type for p in dmp._dmp_wrapped_module.parameters()} == {"meta"}

@@ -42,7 +42,9 @@ for part in $parts; do case $part in
              "full planner=herald pipeline=herald pipeline.scheduling=on planner.link_mbit=null"; do
            set -- $m; id=$1; shift
            step python3 benchmarks/gpu_step_time.py --batch-sizes 2048 8192 --overrides "$@" --profile \
-               --out "$out/gpu_step3_$id.json" 2>&1 | grep -E "ms/step|Error|==="
+               --out "$out/gpu_step3_$id.json" > "/tmp/gpu_step3_$id.log" 2>&1
+           grep -E "ms/step|===" "/tmp/gpu_step3_$id.log"
+           grep -q "Error" "/tmp/gpu_step3_$id.log" && grep -v -i warn "/tmp/gpu_step3_$id.log" | tail -25
          done
          (cd "$out" && tar czf gpu_step3_prof.tar.gz gpu_step3_*.prof.txt && rm gpu_step3_*.prof.txt) ;;
   *) echo "unknown part $part"; exit 2 ;;

@@ -93,7 +93,8 @@ class ForwardOrderedDenseSync:
     def wrap(self, dmp: Any, env: Any, device: torch.device) -> None:
         from torchrec.distributed.model_parallel import DistributedModelParallel
 
-        module = dmp._dmp_wrapped_module
+        # as TorchRec's DDP wrapper: the dense layers (built on CPU) go to the rank's device here
+        module = dmp._dmp_wrapped_module.to(device)
         sharded = set(DistributedModelParallel._sharded_parameter_names(module))
         # as TorchRec's DDP wrapper: every parameter outside sharded modules (and none with a fused optimizer)
         dense = {n: p for n, p in module.named_parameters()
