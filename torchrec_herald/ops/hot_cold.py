@@ -1,5 +1,6 @@
 """Hot/cold split of a KeyedJaggedTensor and owner bucketing of cold ids (fbgemm ops).
 
+Every op runs where its inputs are (CPU, or the rows' GPU: no host round trip of the ids).
 Hot ids (a replica on every rank) are remapped to rows of the concatenated hot buffer; cold ids are
 bucketized to their row-wise owner with fbgemm's ``block_bucketize_sparse_features`` (the op TorchRec's
 ROW_WISE input dist uses), keeping one sub-bag per (owner, feature, sample).
@@ -30,7 +31,7 @@ def first_invalid_id(values: torch.Tensor, lengths: torch.Tensor, rows_per_featu
     """(feature index, id) of the first id < 0 or >= its table's rows, or None; ``bag_of_value``: each
     value's bag (``b = feature * B + sample``) when the caller has it already."""
     if bag_of_value is None:
-        bag_of_value = torch.repeat_interleave(torch.arange(lengths.numel()), lengths)
+        bag_of_value = bags_of_values(lengths, values.numel())
     feature_of_value = bag_of_value // batch_size
     bad = (values < 0) | (values >= rows_per_feature[feature_of_value])
     if not bool(bad.any()):
@@ -55,7 +56,7 @@ def split_hot_cold(values: torch.Tensor, lengths: torch.Tensor, feature_table: t
     """
     num_bags = lengths.numel()
     if bag_of_value is None:
-        bag_of_value = torch.repeat_interleave(torch.arange(num_bags), lengths)
+        bag_of_value = bags_of_values(lengths, values.numel())
     feature_of_value = bag_of_value // batch_size
     keys = table_offsets[feature_table[feature_of_value]] + values
     if hot_keys.numel():
@@ -65,8 +66,7 @@ def split_hot_cold(values: torch.Tensor, lengths: torch.Tensor, feature_table: t
         pos = torch.zeros_like(keys)
         is_hot = torch.zeros_like(keys, dtype=torch.bool)
     hot_counts = torch.bincount(bag_of_value[is_hot], minlength=num_bags)
-    hot_offsets = torch.zeros(num_bags + 1, dtype=torch.int64)
-    torch.cumsum(hot_counts, 0, out=hot_offsets[1:])
+    hot_offsets = offsets_from_lengths(hot_counts)
     cold = ~is_hot
     cold_lengths = torch.bincount(bag_of_value[cold], minlength=num_bags)
     sub_lengths, cold_local = torch.ops.fbgemm.block_bucketize_sparse_features(
@@ -77,10 +77,17 @@ def split_hot_cold(values: torch.Tensor, lengths: torch.Tensor, feature_table: t
 
 
 def offsets_from_lengths(lengths: torch.Tensor) -> torch.Tensor:
-    """[0, cumsum(lengths)] as int64 (TBE offsets)."""
-    out = torch.zeros(lengths.numel() + 1, dtype=torch.int64)
+    """[0, cumsum(lengths)] as int64 (TBE offsets), where ``lengths`` is."""
+    out = torch.zeros(lengths.numel() + 1, dtype=torch.int64, device=lengths.device)
     torch.cumsum(lengths.to(torch.int64), 0, out=out[1:])
     return out
+
+
+def bags_of_values(lengths: torch.Tensor, num_values: int) -> torch.Tensor:
+    """Each value's bag index (``repeat_interleave`` of the bags by ``lengths``), where ``lengths`` is;
+    ``num_values`` (their sum, known to the caller) spares a device a host synchronisation."""
+    return torch.repeat_interleave(torch.arange(lengths.numel(), device=lengths.device), lengths,
+                                   output_size=num_values)
 
 
 def row_block_sizes(num_embeddings: Sequence[int], world_size: int) -> List[int]:

@@ -38,7 +38,8 @@ from torchrec.streamable import Multistreamable
 from torchrec_herald.comm import (FLOAT_BYTES, INDEX_BYTES, RowsInFlight, all_to_all_rows_async,
                                    await_variable_all_to_all, start_variable_all_to_all)
 from torchrec_herald.layout import RowLayout
-from torchrec_herald.ops.hot_cold import HotColdSplit, first_invalid_id, offsets_from_lengths, split_hot_cold
+from torchrec_herald.ops.hot_cold import (HotColdSplit, bags_of_values, first_invalid_id, offsets_from_lengths,
+                                          split_hot_cold)
 from torchrec_herald.ops.tbe import SUPPORTED_OPTIMIZERS, dense_lookup
 from torchrec_herald.sharding.plan_exec import PlanExecutor
 from torchrec_herald.sharding.row_store import RowStore
@@ -93,8 +94,40 @@ class HeraldContext(Multistreamable):
     ws_index: Optional[torch.Tensor] = None
     ws_offsets: torch.Tensor = field(default_factory=lambda: torch.empty(0, dtype=torch.int64))
 
-    def record_stream(self, stream: torch.Stream) -> None:  # CPU / single stream: nothing to record
-        return None
+    def record_stream(self, stream: torch.Stream) -> None:
+        """The batch's id tensors live on the rows' device, made on TorchRec's data-dist stream: tell the
+        caching allocator the compute stream uses them too (as TorchRec's own contexts do)."""
+        tensors = [self.send_bag_index, self.recv_lengths, self.recv_rows, self.hot_unique, self.hot_inverse,
+                   self.sparse_idx, self.bag_lengths, self.ws_index, self.ws_offsets]
+        if self.split is not None:
+            tensors += [getattr(self.split, f) for f in ("hot_rows", "hot_offsets", "bag_lengths", "sub_lengths",
+                                                         "cold_local_ids")]
+        for t in tensors:
+            if t is not None and t.is_cuda:
+                t.record_stream(stream)
+
+
+@dataclass(frozen=True)
+class _LayoutOnDevice:
+    """The lookup tables of a :class:`~torchrec_herald.layout.RowLayout` that the per-step id bookkeeping
+    reads, copied once to the device that bookkeeping runs on (the rows'), with each hot row's sync mode."""
+
+    device: torch.device
+    rows_per_feature: torch.Tensor
+    feature_table: torch.Tensor
+    table_offsets: torch.Tensor
+    hot_keys: torch.Tensor
+    blocks_per_feature: torch.Tensor
+    block_offsets: torch.Tensor
+    hot_slot_table: torch.Tensor
+    sparse_row: torch.Tensor  # per hot row: synced sparsely?
+
+    @classmethod
+    def of(cls, lay: RowLayout, sparse_row: torch.Tensor, device: torch.device) -> "_LayoutOnDevice":
+        on = {f: getattr(lay, f).to(device) for f in ("rows_per_feature", "feature_table", "table_offsets",
+                                                         "hot_keys", "blocks_per_feature", "block_offsets",
+                                                         "hot_slot_table")}
+        return cls(device=device, sparse_row=sparse_row.to(device), **on)
 
 
 @dataclass
@@ -270,12 +303,17 @@ class ShardedHeraldEmbeddingBagCollection(
         self._executor: Optional[PlanExecutor] = None
         # bytes this rank sends per table, by the same formulas as TrafficMeter (cross-checked in tests)
         self._traffic = torch.zeros(len(self._tables), 4, dtype=torch.float64)  # ids, pooled, grads, hot_sync
-        self._cold_sent = torch.zeros(2, self._world, len(self._feature_names), dtype=torch.int64)  # ids, bags
+        self._cold_sent = torch.zeros(2, self._world, len(self._feature_names), dtype=torch.int64,
+                                      device=self._device)  # ids, bags
         sparse_table = torch.tensor([m == "sparse" for m in self._syncs], dtype=torch.bool)
         self._sparse_row = sparse_table[lay.hot_slot_table]  # per hot row: synced sparsely?
         self._any_sparse, self._any_mean = bool(self._sparse_row.any()), bool(self._mean_features.any())
         self._all_dense_rows = (~self._sparse_row).nonzero().flatten()
-        self._frozen_hot = torch.zeros(max(self._num_hot, 1), dtype=torch.bool)  # stale-update skipping
+        # the per-step id bookkeeping (validation, hot/cold split, owner buckets) runs where the rows are:
+        # on a GPU the batch's ids never go to the host; the layout's lookup tables are copied there once
+        self._ids = _LayoutOnDevice.of(lay, self._sparse_row, self._device)
+        self._hot_sparse_sent = torch.zeros(len(self._tables), dtype=torch.int64, device=self._device)
+        self._set_frozen(torch.zeros(max(self._num_hot, 1), dtype=torch.bool))  # stale-update skipping
         self._set_dense_rows(self._all_dense_rows)
         if any(p.is_meta for p in module.parameters()):
             self.reset_parameters()  # built on meta, as large models are: initialise as stock TorchRec does
@@ -327,14 +365,15 @@ class ShardedHeraldEmbeddingBagCollection(
             raise ValueError("herald_hot_row_wise does not support per-sample weights (weighted KJT); "
                              "plan weighted tables with a stock sharding type")
         B = features.stride()
-        # id bookkeeping (validation, hot/cold split, owner buckets, counts) runs on CPU; only the rows
-        # and the pooled vectors live on the device
-        values, lengths = features.values().to("cpu", torch.int64), features.lengths().to("cpu", torch.int64)
-        ctx.batch_size, ctx.bag_lengths = B, lengths
-        if self._executor is not None and self._executor.active:
+        if self._executor is not None and self._executor.active:  # the plan's working set is kept on CPU
+            values, lengths = features.values().to("cpu", torch.int64), features.lengths().to("cpu", torch.int64)
+            ctx.batch_size, ctx.bag_lengths = B, lengths
             return self._plan_input_dist(ctx, values, lengths, B)
-        lay = self.layout
-        bag_of_value = torch.repeat_interleave(torch.arange(lengths.numel()), lengths)
+        # id bookkeeping (validation, hot/cold split, owner buckets, counts) runs where the rows are
+        lay = self._ids
+        values, lengths = features.values().to(lay.device, torch.int64), features.lengths().to(lay.device, torch.int64)
+        ctx.batch_size, ctx.bag_lengths = B, lengths
+        bag_of_value = bags_of_values(lengths, values.numel())
         bad = first_invalid_id(values, lengths, lay.rows_per_feature, B, bag_of_value)
         W, FB = self._world, len(self._feature_names) * B
         if bad is None:
@@ -347,34 +386,36 @@ class ShardedHeraldEmbeddingBagCollection(
         nonempty = (sub > 0).nonzero().flatten()
         bags_to = torch.bincount(nonempty // FB, minlength=W)
         ids_to = sub.view(W, FB).sum(1)
-        sub_of_value = torch.repeat_interleave(torch.arange(sub.numel()), sub)
+        sub_of_value = bags_of_values(sub, split.cold_local_ids.numel())
         owner, feature = sub_of_value // FB, (sub_of_value % FB) // B
         cold_rows = lay.block_offsets[owner, lay.feature_table[feature]] + split.cold_local_ids
-        err = torch.tensor([bad[0] + 1, bad[1]] if bad else [0, 0], dtype=torch.int64)
+        err = torch.tensor([bad[0] + 1, bad[1]] if bad else [0, 0], dtype=torch.int64, device=lay.device)
         # the hot rows this batch reads: the lookup and its gradient cover only these; the count of those
         # synced sparsely rides on this exchange
         ctx.hot_unique, ctx.hot_inverse = torch.unique(split.hot_rows, return_inverse=True)
-        sparse = self._sparse_row[ctx.hot_unique] & ~self._frozen_hot[ctx.hot_unique]
+        sparse = lay.sparse_row[ctx.hot_unique] & ~self._frozen_on_ids[ctx.hot_unique]
         ctx.sparse_idx = sparse.nonzero().squeeze(1)
-        k = torch.full((W, 1), ctx.sparse_idx.numel(), dtype=torch.int64)
+        k = torch.full((W, 1), ctx.sparse_idx.numel(), dtype=torch.int64, device=lay.device)
         counts = torch.cat([bags_to[:, None], ids_to[:, None], err.expand(W, 2), k], 1)
         ctx.split = split
         self._count_cold_traffic(sub, B)
         ctx.send_bag_index = nonempty % FB
-        ctx.bags_to = bags_to.tolist()
+        bags_and_ids = torch.stack([bags_to, ids_to]).tolist()  # the one host read of the sizes
+        ctx.bags_to = bags_and_ids[0]
         # [lengths to o | ids to o] for each owner o: sent once the counts are known
         lengths_to = sub[nonempty].to(torch.int32).split(ctx.bags_to)
-        rows_to = cold_rows.to(torch.int32).split(ids_to.tolist())
+        rows_to = cold_rows.to(torch.int32).split(bags_and_ids[1])
         packed = torch.cat([t for o in range(W) for t in (lengths_to[o], rows_to[o])])
         # both exchanges run asynchronously: TrainPipelineSparseDist starts this input dist before the
         # previous batch's forward and waits for it after, so neither sits on the critical path
         recv_counts, work = all_to_all_rows_async(counts, [1] * W, [1] * W, self._pg, "herald_meta")
-        return KJTListSplitsAwaitable([_CountsAwaitable(self, ctx, recv_counts, work, packed, ids_to.tolist())], ctx)
+        return KJTListSplitsAwaitable([_CountsAwaitable(self, ctx, recv_counts, work, packed, bags_and_ids[1])], ctx)
 
     def _ids_dist(self, ctx: HeraldContext, recv_counts: torch.Tensor, packed: torch.Tensor, ids_to: List[int]
                   ) -> "_IdsAwaitable":
         """The counts arrived: raise on any rank's bad id (every rank together), then start the
         all-to-all of the sub-bag lengths and ids."""
+        recv_counts = recv_counts.cpu()
         self._raise_on_bad_ids(recv_counts)
         ctx.bags_from = recv_counts[:, 0].tolist()
         ids_from = recv_counts[:, 1].tolist()
@@ -395,8 +436,10 @@ class ShardedHeraldEmbeddingBagCollection(
         pooled vectors it received from them (counted at the requester: the same bytes, summed over
         ranks) and their gradients, hot_sync."""
         remote = torch.arange(self._world) != self._rank
-        ids, bags = self._cold_sent[:, remote].sum(1).double()  # [F] each
+        ids, bags = self._cold_sent.cpu()[:, remote].sum(1).double()  # [F] each
         traffic = self._traffic.clone()
+        traffic[:, 3] += self._hot_sparse_sent.cpu().double() * (
+            (self._world - 1) * (INDEX_BYTES + FLOAT_BYTES * self._dim))
         ft = self.layout.feature_table
         traffic[:, 0].index_add_(0, ft, INDEX_BYTES * (ids + bags))
         traffic[:, 1].index_add_(0, ft, FLOAT_BYTES * self._dim * bags)
@@ -407,6 +450,7 @@ class ShardedHeraldEmbeddingBagCollection(
     def reset_traffic(self) -> None:
         self._traffic.zero_()
         self._cold_sent.zero_()
+        self._hot_sparse_sent.zero_()
 
     def _raise_on_bad_ids(self, recv_counts: torch.Tensor) -> None:
         bad_ranks = (recv_counts[:, 2] > 0).nonzero().flatten().tolist()
@@ -538,10 +582,15 @@ class ShardedHeraldEmbeddingBagCollection(
         """Stale-update skipping, ``row`` granularity, on this module's own per-step path: hot rows with
         ``frozen[i]`` (bool ``[num_hot]``, the same on every rank) are neither synchronised nor updated
         (their gradients are dropped); ``None`` trains every row again."""
-        self._frozen_hot = torch.zeros(max(self._num_hot, 1), dtype=torch.bool)
+        frozen_hot = torch.zeros(max(self._num_hot, 1), dtype=torch.bool)
         if frozen is not None and self._num_hot:
-            self._frozen_hot[: self._num_hot] = frozen
+            frozen_hot[: self._num_hot] = frozen.cpu()
+        self._set_frozen(frozen_hot)
         self._set_dense_rows(self._all_dense_rows[~self._frozen_hot[self._all_dense_rows]])
+
+    def _set_frozen(self, frozen_hot: torch.Tensor) -> None:
+        """Which hot rows are frozen (bool ``[max(num_hot, 1)]``), on CPU and where the ids are handled."""
+        self._frozen_hot, self._frozen_on_ids = frozen_hot, frozen_hot.to(self._device)
 
     def hot_values(self) -> torch.Tensor:
         """The hot replica rows ``[num_hot, D]`` (a copy, on CPU: the scheduler's side)."""
@@ -553,6 +602,7 @@ class ShardedHeraldEmbeddingBagCollection(
         self._dense_rows = rows
         self._dense_pos = torch.full((max(self._num_hot, 1),), -1, dtype=torch.int64)
         self._dense_pos[rows] = torch.arange(rows.numel())
+        self._dense_rows_on_ids, self._dense_pos_on_ids = rows.to(self._device), self._dense_pos.to(self._device)
         # bytes this rank sends per table and step for them (ring all-reduce), as TrafficMeter counts
         per_table = torch.bincount(self.layout.hot_slot_table[rows], minlength=len(self._tables)).double()
         self._dense_sync_bytes = per_table * (2 * (self._world - 1) * FLOAT_BYTES * self._dim / self._world)
@@ -578,18 +628,17 @@ class ShardedHeraldEmbeddingBagCollection(
         with traffic_tag("herald_hot_sync", self._dim):
             if self._dense_rows.numel():  # tables synced densely: one ring all-reduce of their rows
                 n = self._dense_rows.numel()
-                pos = self._dense_pos[unique]
+                pos = self._dense_pos_on_ids[unique]
                 # rows read but not synced densely land in a spare last row, dropped before the sum
                 scratch = torch.zeros(n + 1, self._dim, device=dev)
                 scratch.index_copy_(0, torch.where(pos >= 0, pos, n).to(dev), grad)
                 dense = scratch[:n]
-                pending.dense = (self._dense_rows.to(dev), dense, dist.all_reduce(dense, group=self._pg, async_op=True))
+                pending.dense = (self._dense_rows_on_ids, dense, dist.all_reduce(dense, group=self._pg, async_op=True))
             if self._any_sparse:  # tables synced sparsely: exchange touched rows only
                 touched = unique.index_select(0, sparse_idx)
-                pending.sparse = self._start_sparse_sum(touched, grad.index_select(0, sparse_idx.to(dev)), sparse_from)
-                sent_sparse = torch.zeros(len(self._tables), dtype=torch.float64).index_add_(
-                    0, self.layout.hot_slot_table[touched], torch.ones(touched.numel(), dtype=torch.float64))
-                self._traffic[:, 3] += sent_sparse * ((W - 1) * (INDEX_BYTES + row_bytes))
+                pending.sparse = self._start_sparse_sum(touched, grad.index_select(0, sparse_idx), sparse_from)
+                # counted where the rows are (no host read in backward); traffic_by_table turns it into bytes
+                self._hot_sparse_sent.index_add_(0, self._ids.hot_slot_table[touched], torch.ones_like(touched))
         self._traffic[:, 3] += self._dense_sync_bytes
         self._pending_hot = pending
 
