@@ -18,8 +18,10 @@ It reports each point's predicted step and herald/stock ratio beside the measure
 
 **Project.** W = 8…128, 12.5 / 50 / 400 Gbit/s per GPU, dims 16 and 128, from:
 
-* the H100 step at 1 rank, B=2048 (``results/gpu_step_time*.json``): stock 8.2 ms, herald 17.5 ms (the
-  id bookkeeping on the CPU; the device-resident step would cut it);
+* the GPU step at 1 rank, B=2048, stock and herald hot replication measured in one call on one machine
+  (``--gpu-stock`` / ``--gpu-herald``; default the lent H200's ``results/gpu_step3_{stock,hot}.json``,
+  ids on the device: 4.6 and 8.3 ms; the earlier H100 pair ``gpu_step_time{,_herald}.json``, ids on the
+  host, was 8.2 and 17.5 ms);
 * bytes per rank from the plans at each W (``results/scale.json``, Kaggle rows, dim 16; dim 128 scales
   the embedding vectors by 8 and keeps the ids);
 * the scheduler's CPU per rank-step (``results/home_split_maps_reserved.json``), off the critical path;
@@ -134,11 +136,17 @@ def validate() -> Dict[str, Any]:
     return {"link_efficiency": efficiency, "collective_latency_ms": latency, "points": points}
 
 
-def project(worlds: List[int], links_gbit: List[float], dims: List[int]) -> Dict[str, Any]:
-    gpu = {name: json.loads((RESULTS / f"{name}.json").read_text())["runs"] for name in
-           ("gpu_step_time", "gpu_step_time_herald")}
-    stock_ms = next(r["step_s_median"] for r in gpu["gpu_step_time"] if r["local_batch"] == 2048) * 1e3
-    herald_ms = next(r["step_s_median"] for r in gpu["gpu_step_time_herald"] if r["local_batch"] == 2048) * 1e3
+def gpu_steps(gpu: Tuple[str, str], B: int) -> Tuple[float, float, str]:
+    """(stock ms, herald ms, where from) at local batch ``B`` from two ``gpu_step_time.py`` JSONs in
+    ``results/`` (stock's, herald's; measured in one call on one machine)."""
+    runs = [json.loads((RESULTS / name).read_text()) for name in gpu]
+    stock_ms, herald_ms = (next(r["step_s_median"] for r in d["runs"] if r["local_batch"] == B) * 1e3 for d in runs)
+    where = f"results/{gpu[0]}, {gpu[1]} ({runs[0]['machine'].get('gpu', '?')}, 1 rank, B={B})"
+    return stock_ms, herald_ms, where
+
+
+def project(worlds: List[int], links_gbit: List[float], dims: List[int], gpu: Tuple[str, str]) -> Dict[str, Any]:
+    stock_ms, herald_ms, where = gpu_steps(gpu, 2048)
     scale = {r["world_size"]: r for r in json.loads((RESULTS / "scale.json").read_text())["runs"]
              if r["setting"] == "kaggle" and r["local_batch"] == 2048}
     sched = {r["world_size"]: r["scheduler_cpu_s_per_rank_step"]["mean"] * 1e3 for r in
@@ -174,7 +182,7 @@ def project(worlds: List[int], links_gbit: List[float], dims: List[int]) -> Dict
                             "scheduler_cpu_ms_off_path": sched.get(W)})
     return {"inputs": {"gpu_stock_step_ms": stock_ms, "gpu_herald_step_ms": herald_ms,
                        "fabric_latency_ms": FABRIC_LATENCY_MS, "bytes": "results/scale.json (kaggle, B=2048, dim 16)",
-                       "gpu": "results/gpu_step_time.json, gpu_step_time_herald.json (H100, 1 rank, B=2048)"},
+                       "gpu": where},
             "points": out}
 
 
@@ -202,17 +210,15 @@ def table_traffic_at(W: int, B: int, dim: int, stats_batches: int = 4, budget: i
     return {n: c.expected.as_dict() for n, c in choice.items()}, types
 
 
-def project_per_table(worlds: List[int], links_gbit: List[float], dims: List[int], B: int = 2048) -> Dict[str, Any]:
+def project_per_table(worlds: List[int], links_gbit: List[float], dims: List[int], gpu: Tuple[str, str],
+                      B: int = 2048) -> Dict[str, Any]:
     """The projection with the per-table candidate: every candidate priced from the same per-table bytes
-    (:func:`table_traffic_at`); herald's extra GPU time (the H100 herald − stock step) as the model
+    (:func:`table_traffic_at`); herald's extra GPU time (the measured herald − stock GPU step) as the model
     prices it, per lookup of the whole EBC, which a split pays in full."""
     from torchrec_herald.planner.pricing import LinkModel
     from torchrec_herald.planner.time_model import decide, default_plan_load, mixed_plan_load, per_table_choice
 
-    gpu = {name: json.loads((RESULTS / f"{name}.json").read_text())["runs"] for name in
-           ("gpu_step_time", "gpu_step_time_herald")}
-    stock_ms = next(r["step_s_median"] for r in gpu["gpu_step_time"] if r["local_batch"] == B) * 1e3
-    herald_ms = next(r["step_s_median"] for r in gpu["gpu_step_time_herald"] if r["local_batch"] == B) * 1e3
+    stock_ms, herald_ms, where = gpu_steps(gpu, B)
     out = []
     for W in worlds:
         for dim in dims:
@@ -238,7 +244,7 @@ def project_per_table(worlds: List[int], links_gbit: List[float], dims: List[int
                             "per_table": pick})
                 print(f"W={W} dim={dim} {gbit:g} Gbit/s: {d.chosen} {out[-1]['chosen_vs_default']:.2f}x "
                       f"(herald {out[-1]['herald_vs_default']:.2f}x, {out[-1]['herald_tables']} herald tables)", flush=True)
-    return {"inputs": {"gpu_stock_step_ms": stock_ms, "gpu_herald_step_ms": herald_ms, "local_batch": B,
+    return {"inputs": {"gpu_stock_step_ms": stock_ms, "gpu_herald_step_ms": herald_ms, "local_batch": B, "gpu": where,
                        "bytes": "planner's expected bytes per table, full Kaggle (synthetic ids), hot sets at W and dim"},
             "points": out}
 
@@ -267,8 +273,8 @@ def markdown(result: Dict[str, Any], command: str) -> str:
                      f"{h['measured']:.1f} / {h['predicted']:.1f} ({100 * h['error']:+.0f} %) | "
                      f"{r['measured']:.2f}× / {r['predicted']:.2f}× ({100 * r['error']:+.0f} %) |")
     pr = result["projection"]
-    lines += ["", f"Projection (H100 step {pr['inputs']['gpu_stock_step_ms']:.1f} ms stock, "
-              f"{pr['inputs']['gpu_herald_step_ms']:.1f} ms herald, B=2048 per GPU; the model's pick vs TorchRec's "
+    lines += ["", f"Projection (GPU step {pr['inputs']['gpu_stock_step_ms']:.1f} ms stock, "
+              f"{pr['inputs']['gpu_herald_step_ms']:.1f} ms herald, from {pr['inputs']['gpu']}; the model's pick vs TorchRec's "
               "default plan; herald alone in brackets):", ""]
     lines += _grid(pr["points"], lambda p: f"{p['chosen_vs_default']:.2f}× {p['chosen']} ({p['herald_vs_default']:.2f}×)")
     return "\n".join(lines)
@@ -290,7 +296,7 @@ def markdown_per_table(pt: Dict[str, Any]) -> str:
     """The per-table projection: the pick vs TorchRec's default plan, the herald tables in the per-table
     candidate's best split, herald alone in brackets."""
     lines = [f"Per-table decisions (every candidate from the planner's per-table bytes, full Kaggle, B={pt['inputs']['local_batch']} "
-             f"per GPU; herald's extra H100 time {pt['inputs']['gpu_herald_step_ms'] - pt['inputs']['gpu_stock_step_ms']:.1f} ms "
+             f"per GPU; herald's extra GPU time {pt['inputs']['gpu_herald_step_ms'] - pt['inputs']['gpu_stock_step_ms']:.1f} ms "
              "per step, paid by a split too; cell: the model's pick vs the default plan, herald tables in the best "
              "per-table split of 26, herald alone in brackets):", ""]
     lines += _grid(pt["points"], lambda p: f"{p['chosen_vs_default']:.2f}× {p['chosen']}, {p['herald_tables']} h "
@@ -349,10 +355,14 @@ def main(argv: Optional[List[str]] = None) -> None:
     ap.add_argument("--links-gbit", type=float, nargs="+", default=[12.5, 50, 400])
     ap.add_argument("--dims", type=int, nargs="+", default=[16, 128])
     ap.add_argument("--out", default=str(RESULTS / "time_model.json"))
+    ap.add_argument("--gpu-stock", default="gpu_step3_stock.json", help="stock's GPU step JSON in results/")
+    ap.add_argument("--gpu-herald", default="gpu_step3_hot.json",
+                    help="herald's GPU step JSON in results/, measured beside --gpu-stock")
     a = ap.parse_args(argv)
+    gpu = (a.gpu_stock, a.gpu_herald)
     command = "python benchmarks/time_model.py" + (" " + " ".join(argv) if argv else "")
-    result = {"command": command, "validation": validate(), "projection": project(a.world_sizes, a.links_gbit, a.dims),
-              "per_table": project_per_table(a.world_sizes, a.links_gbit, a.dims)}
+    result = {"command": command, "validation": validate(), "projection": project(a.world_sizes, a.links_gbit, a.dims, gpu),
+              "per_table": project_per_table(a.world_sizes, a.links_gbit, a.dims, gpu)}
     out = Path(a.out)
     out.write_text(json.dumps(result, indent=1))
     plot(result, out.with_suffix(".png"))
