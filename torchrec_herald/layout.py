@@ -139,11 +139,14 @@ class RowLayout:
         """int64 [num_hot]: table of each hot slot."""
         return torch.repeat_interleave(torch.arange(len(self.tables)), torch.tensor(self.hot_counts, dtype=torch.int64))
 
-    def feature_keys(self, values: torch.Tensor, lengths: torch.Tensor, batch_size: int) -> torch.Tensor:
+    def feature_keys(self, values: torch.Tensor, lengths: torch.Tensor, batch_size: int,
+                     feature_offsets: Optional[torch.Tensor] = None) -> torch.Tensor:
         """Key of every id of a KJT in this layout's feature order (values feature-major: ``lengths`` has
-        ``F * batch_size`` entries)."""
+        ``F * batch_size`` entries); ``feature_offsets``: :attr:`feature_offsets` already on the ids'
+        device (no copy per call)."""
+        offsets = self.feature_offsets if feature_offsets is None else feature_offsets
         per_feature = lengths.to(torch.int64).view(len(self.features), batch_size).sum(1)
-        return values.to(torch.int64) + torch.repeat_interleave(self.feature_offsets, per_feature,
+        return values.to(torch.int64) + torch.repeat_interleave(offsets, per_feature,
                                                                 output_size=values.numel())  # (no host sync)
 
     # ------------------------------------------------------------------ per key (nothing dense over all rows)

@@ -120,13 +120,14 @@ class _LayoutOnDevice:
     blocks_per_feature: torch.Tensor
     block_offsets: torch.Tensor
     hot_slot_table: torch.Tensor
+    feature_offsets: torch.Tensor
     sparse_row: torch.Tensor  # per hot row: synced sparsely?
 
     @classmethod
     def of(cls, lay: RowLayout, sparse_row: torch.Tensor, device: torch.device) -> "_LayoutOnDevice":
         on = {f: getattr(lay, f).to(device) for f in ("rows_per_feature", "feature_table", "table_offsets",
                                                          "hot_keys", "blocks_per_feature", "block_offsets",
-                                                         "hot_slot_table")}
+                                                         "hot_slot_table", "feature_offsets")}
         return cls(device=device, sparse_row=sparse_row.to(device), **on)
 
 
@@ -365,14 +366,13 @@ class ShardedHeraldEmbeddingBagCollection(
             raise ValueError("herald_hot_row_wise does not support per-sample weights (weighted KJT); "
                              "plan weighted tables with a stock sharding type")
         B = features.stride()
-        if self._executor is not None and self._executor.active:  # the plan's working set is kept on CPU
-            values, lengths = features.values().to("cpu", torch.int64), features.lengths().to("cpu", torch.int64)
-            ctx.batch_size, ctx.bag_lengths = B, lengths
-            return self._plan_input_dist(ctx, values, lengths, B)
-        # id bookkeeping (validation, hot/cold split, owner buckets, counts) runs where the rows are
+        # id bookkeeping (validation, hot/cold split, owner buckets, counts; in plan mode each id's place in
+        # the working set) runs where the rows are
         lay = self._ids
         values, lengths = features.values().to(lay.device, torch.int64), features.lengths().to(lay.device, torch.int64)
         ctx.batch_size, ctx.bag_lengths = B, lengths
+        if self._executor is not None and self._executor.active:
+            return self._plan_input_dist(ctx, values, lengths, B)
         bag_of_value = bags_of_values(lengths, values.numel())
         bad = first_invalid_id(values, lengths, lay.rows_per_feature, B, bag_of_value)
         W, FB = self._world, len(self._feature_names) * B
@@ -554,7 +554,8 @@ class ShardedHeraldEmbeddingBagCollection(
 
     def _plan_input_dist(self, ctx: HeraldContext, values: torch.Tensor, lengths: torch.Tensor, B: int
                          ) -> Awaitable[Awaitable[HeraldContext]]:
-        ctx.ws_index = self.plan_executor.working_set(self.layout.feature_keys(values, lengths, B))
+        ctx.ws_index = self.plan_executor.working_set(
+            self.layout.feature_keys(values, lengths, B, self._ids.feature_offsets))
         ctx.ws_offsets = offsets_from_lengths(lengths)
         return KJTListSplitsAwaitable([NoWait(NoWait(ctx))], ctx)
 

@@ -55,6 +55,8 @@ class PlanExecutor:
         self._reduce_route: Optional[Tuple[torch.Tensor, List[int], List[torch.Tensor], List[int]]] = None
         # plan mode: whether the forward's keys differ from the plan's reads (a 0-d flag checked at finish)
         self._check: Optional[torch.Tensor] = None
+        # the plan's reads where the forward's keys are (the rows' device), copied once per step in begin()
+        self._planned_on: Tuple[Optional[torch.Tensor], torch.Tensor] = (None, self.ws_keys)
 
     # ------------------------------------------------------------------ one step
     @property
@@ -74,10 +76,19 @@ class PlanExecutor:
         if not self.frozen_keys.numel():  # the working set is the plan's reads
             planned = plan.reads[self.rank]
             self._set_working_set(self.store.read(planned)[0], planned)
+            self._planned_on = (planned, planned.to(self.store.device))
+
+    def _planned_where(self, planned: torch.Tensor, device: torch.device) -> torch.Tensor:
+        """``planned`` (the plan's reads, on CPU) on ``device``: the copy :meth:`begin` made, or a new one."""
+        src, on = self._planned_on
+        if src is not planned or on.device != device:
+            self._planned_on = (planned, planned.to(device))
+        return self._planned_on[1]
 
     def working_set(self, keys: torch.Tensor) -> torch.Tensor:
         """The forward's lookups ``keys``: load the step's working set (the plan's reads, plus frozen
-        rows it leaves out) as a leaf :attr:`ws` and return each key's position in it."""
+        rows it leaves out) as a leaf :attr:`ws` and return each key's position in it, computed where
+        ``keys`` are (on a GPU the batch's keys never go to the host)."""
         assert self.plan is not None
         planned = self.plan.reads[self.rank]
         if not self.frozen_keys.numel():  # the plan's reads, loaded by begin(); checked at finish()
@@ -89,13 +100,15 @@ class PlanExecutor:
             if not keys.numel():
                 self._check = torch.tensor(n > 0)
                 return keys
-            pos = torch.searchsorted(planned, keys)
+            on = self._planned_where(planned, keys.device)
+            pos = torch.searchsorted(on, keys)
             at = pos.clamp(max=n - 1)
-            wrong = (pos >= n) | (planned[at] != keys)
-            unread = ~torch.zeros(n, dtype=torch.bool).index_fill_(0, at, True)
+            wrong = (pos >= n) | (on[at] != keys)
+            unread = ~torch.zeros(n, dtype=torch.bool, device=keys.device).index_fill_(0, at, True)
             # a 0-d flag the host reads only after backward (finish): nothing waits inside forward
             self._check = wrong.any() | unread.any()
             return pos
+        keys = keys.cpu()  # stale-update skipping: the frozen rows are matched on the host, as the plan is
         ws_keys = torch.unique(keys)
         extra = ws_keys[~torch.isin(ws_keys, planned)]
         if planned.numel() + extra.numel() != ws_keys.numel() or not bool(torch.isin(extra, self.frozen_keys).all()):
