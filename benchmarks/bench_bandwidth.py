@@ -267,6 +267,8 @@ def plot(rows: List[Dict[str, Any]], out: Path) -> None:
     styles = {"tw": ("#8c8c8c", "s"), "stock": ("#4c4c4c", "^"), "hot": ("#4c72b0", "o"), "herald": ("#dd8452", "D"),
               "sched": ("#55a868", "v"), "het": ("#c44e52", "P"), "het1": ("#8172b3", "X"), "skip": ("#937860", "*")}
     present = {r["config"] for r in rows}
+    extra = iter(["#da8bc3", "#ccb974", "#64b5cd", "#2f4b7c", "#a05195"])  # configs without a style of their own
+    styles.update({c: (next(extra, "#333333"), "h") for c in CONFIGS if c in present and c not in styles})
     for w, ls in zip(worlds, ("-", "--", ":")):
         base = "tw" if w == 2 else "stock"
         if base not in present:  # (a run of herald's techniques alone: relative to the first of these present)
