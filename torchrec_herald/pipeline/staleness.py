@@ -123,26 +123,28 @@ class StalenessPlanner(TensorLazySyncPlanner):
 
     # ------------------------------------------------------------------ helpers
     def _push(self, R: torch.Tensor, X: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
-        """Push the pending updates of copies ``(R[i], X[i])`` home, rank by rank (a row pushed by several
-        ranks: the first may replace, the others add). Returns ``(key, src, home)`` rows and add flags."""
-        out, add = [], []
-        for r in range(self.W):
-            x = X[R == r]
-            if not x.numel():
-                continue
-            rr = torch.full_like(x, r)
-            slot = self.layout.hot_slot(x)
-            where = self._copy(rr, x, slot)
-            u = self._field(rr, slot, where, "pending")
-            base = self._field(rr, slot, where, "base")
-            add.append(self._hv(x, slot) != base)
-            self._hv_add(x, slot, u)
-            self._set_field(rr, slot, where, "base", base + u)
-            self._set_field(rr, slot, where, "pending", torch.zeros_like(u))
-            out.append(torch.stack([x, rr, self.layout.home_of(x)], 1))
-        if not out:
+        """Push the pending updates of copies ``(R[i], X[i])`` (distinct pairs) home, in rank order for a
+        row pushed by several ranks: each push sees the home version its predecessors left (the first may
+        replace, the others add). One pass over all ranks: a push's home version is the row's version
+        before the call plus the updates of the lower ranks' pushes of that row (an exclusive sum within
+        the row's group). Returns ``(key, src, home)`` rows and add flags."""
+        if not X.numel():
             return no_transfers(), torch.empty(0, dtype=torch.bool)
-        return torch.cat(out), torch.cat(add)
+        order = torch.argsort(X * self.W + R)  # by row, then rank
+        R, X = R[order], X[order]
+        slot = self.layout.hot_slot(X)
+        where = self._copy(R, X, slot)
+        u = self._field(R, slot, where, "pending")
+        base = self._field(R, slot, where, "base")
+        rows, inverse, counts = torch.unique_consecutive(X, return_inverse=True, return_counts=True)
+        first = torch.cumsum(counts, 0) - counts  # each row's first push
+        before = torch.cumsum(u, 0) - u  # updates of all earlier pushes in this order
+        by_lower_ranks = before - before[first][inverse]  # ... of the same row, by lower ranks
+        add = self._hv(X, slot) + by_lower_ranks != base
+        self._hv_add(rows, slot[first], torch.zeros_like(rows).index_add_(0, inverse, u))
+        self._set_field(R, slot, where, "base", base + u)
+        self._set_field(R, slot, where, "pending", torch.zeros_like(u))
+        return torch.stack([X, R, self.layout.home_of(X)], 1), add
 
     @staticmethod
     def _by_key(t: torch.Tensor, flags: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
