@@ -77,10 +77,14 @@ def dense_lookup(weights: torch.Tensor, indices: torch.Tensor, offsets: torch.Te
     per-step working set of rows that no persistent TBE owns."""
     n, dim = weights.shape
     dev = weights.device  # the kernel runs where the rows are; indices/offsets follow them there
+    # [0, dim] and [0, n] filled on the device (a host tensor copied there would make a GPU's host wait)
+    d_offsets = torch.zeros(2, dtype=torch.int32, device=dev)
+    d_offsets[1:].fill_(dim)
+    hash_size_cumsum = torch.zeros(2, dtype=torch.int64, device=dev)
+    hash_size_cumsum[1:].fill_(n)
     return torch.ops.fbgemm.dense_embedding_codegen_lookup_function(
         dev_weights=weights.reshape(-1), weights_offsets=torch.zeros(1, dtype=torch.int64, device=dev),
-        D_offsets=torch.tensor([0, dim], dtype=torch.int32, device=dev), total_D=dim, max_D=dim,
-        hash_size_cumsum=torch.tensor([0, n], dtype=torch.int64, device=dev),
+        D_offsets=d_offsets, total_D=dim, max_D=dim, hash_size_cumsum=hash_size_cumsum,
         total_hash_size_bits=int(math.log2(max(n, 1)) + 1), indices=indices.to(dev, torch.int64),
         offsets=offsets.to(dev, torch.int64), pooling_mode=int(PoolingMode.SUM), indice_weights=None,
         feature_requires_grad=None)

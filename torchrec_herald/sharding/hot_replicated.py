@@ -314,6 +314,7 @@ class ShardedHeraldEmbeddingBagCollection(
         # on a GPU the batch's ids never go to the host; the layout's lookup tables are copied there once
         self._ids = _LayoutOnDevice.of(lay, self._sparse_row, self._device)
         self._hot_sparse_sent = torch.zeros(len(self._tables), dtype=torch.int64, device=self._device)
+        self._mean_on_ids = self._mean_features.to(self._device)  # MEAN-pooled features, for output_dist
         self._set_frozen(torch.zeros(max(self._num_hot, 1), dtype=torch.bool))  # stale-update skipping
         self._set_dense_rows(self._all_dense_rows)
         if any(p.is_meta for p in module.parameters()):
@@ -448,9 +449,14 @@ class ShardedHeraldEmbeddingBagCollection(
                 for i, t in enumerate(self._tables)}
 
     def reset_traffic(self) -> None:
+        on_gpu = self._cold_sent.is_cuda  # counted on TorchRec's data-dist stream: no add may cross the reset
+        if on_gpu:
+            torch.cuda.synchronize(self._device)
         self._traffic.zero_()
         self._cold_sent.zero_()
         self._hot_sparse_sent.zero_()
+        if on_gpu:
+            torch.cuda.synchronize(self._device)
 
     def _raise_on_bad_ids(self, recv_counts: torch.Tensor) -> None:
         bad_ranks = (recv_counts[:, 2] > 0).nonzero().flatten().tolist()
@@ -505,7 +511,7 @@ class ShardedHeraldEmbeddingBagCollection(
             pooled = _ScaleGrad.apply(pooled, 1.0 / self._world)
         B, F = ctx.batch_size, len(self._feature_names)
         if self._any_mean:
-            mean_bag = self._mean_features.repeat_interleave(B).to(pooled.device)
+            mean_bag = self._mean_on_ids.repeat_interleave(B)
             scale = torch.where(mean_bag, 1.0 / ctx.bag_lengths.clamp(min=1).to(pooled.device, pooled.dtype),
                                 torch.ones((), dtype=pooled.dtype, device=pooled.device))
             pooled = pooled * scale[:, None]

@@ -55,6 +55,7 @@ class PlanExecutor:
         self._reduce_route: Optional[Tuple[torch.Tensor, List[int], List[torch.Tensor], List[int]]] = None
         # plan mode: whether the forward's keys differ from the plan's reads (a 0-d flag checked at finish)
         self._check: Optional[torch.Tensor] = None
+        self._reduce_rows: Optional[torch.Tensor] = None  # see _set_working_set
         # the plan's reads where the forward's keys are (the rows' device), copied once per step in begin()
         self._planned_on: Tuple[Optional[torch.Tensor], torch.Tensor] = (None, self.ws_keys)
 
@@ -108,14 +109,14 @@ class PlanExecutor:
             # a 0-d flag the host reads only after backward (finish): nothing waits inside forward
             self._check = wrong.any() | unread.any()
             return pos
-        keys = keys.cpu()  # stale-update skipping: the frozen rows are matched on the host, as the plan is
+        device, keys = keys.device, keys.cpu()  # stale-update skipping: matched on the host, as the plan is
         ws_keys = torch.unique(keys)
         extra = ws_keys[~torch.isin(ws_keys, planned)]
         if planned.numel() + extra.numel() != ws_keys.numel() or not bool(torch.isin(extra, self.frozen_keys).all()):
             raise RuntimeError(f"rank {self.rank}: the batch's rows differ from the ones the plan was made for")
         w, _ = self.store.read(ws_keys)
         self._set_working_set(w, ws_keys)
-        return torch.searchsorted(ws_keys, keys)
+        return torch.searchsorted(ws_keys, keys).to(device)
 
     def _set_working_set(self, w: torch.Tensor, keys: torch.Tensor) -> None:
         """The forward's rows as a leaf; once backward has its gradient (the forward looks the working
@@ -123,6 +124,11 @@ class PlanExecutor:
         self.ws, self.ws_keys = w.requires_grad_(True), keys
         self._reduce = None
         self.ws.register_post_accumulate_grad_hook(self._start_reduce)
+        # the working-set rows of the gradients this rank sends in the reduce, found now (before the
+        # forward) and placed on the rows' device, so the hook inside backward only indexes
+        route = self._reduce_route
+        self._reduce_rows = None if route is None or self.plan is None else torch.searchsorted(
+            keys, self.plan.reduce[:, 0][route[0]]).to(self.store.device)
 
     def _start_reduce(self, ws: torch.Tensor) -> None:
         plan = self.plan
@@ -130,9 +136,10 @@ class PlanExecutor:
             return
         if not plan.reduce.numel() and not plan.partial:
             return
-        grad, keys, red_keys, dev = ws.grad.detach(), self.ws_keys, plan.reduce[:, 0], self.store.device
-        self._reduce = self._start_exchange(plan.reduce, lambda i: grad[torch.searchsorted(keys, red_keys[i]).to(dev)],
-                                            "herald_reduce", self.D, route=self._reduce_route)
+        grad, rows = ws.grad.detach(), self._reduce_rows
+        assert rows is not None  # (found with the working set: the plan has a reduce, so it has a route)
+        self._reduce = self._start_exchange(plan.reduce, lambda _: grad[rows], "herald_reduce", self.D,
+                                            route=self._reduce_route)
 
     def finish(self) -> None:
         """After backward: reduce, exact update, pushes and evictions of the plan (collective)."""
