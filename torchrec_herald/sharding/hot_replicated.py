@@ -265,7 +265,8 @@ class ShardedHeraldEmbeddingBagCollection(
         if len(dims) != 1:
             raise ValueError(f"herald sharding needs one embedding dim for all tables, got {sorted(dims)}")
         self._dim = dims.pop()
-        self._mean_features = torch.tensor([c.pooling == PoolingType.MEAN for c in configs for _ in c.feature_names])
+        self._mean_features = torch.tensor([c.pooling == PoolingType.MEAN for c in configs for _ in c.feature_names],
+                                           device=self._device)  # where output_dist scales the bags
         for c in configs:
             if c.pooling not in (PoolingType.SUM, PoolingType.MEAN):
                 raise ValueError(f"table {c.name}: pooling {c.pooling} not supported (SUM, MEAN)")
@@ -314,8 +315,8 @@ class ShardedHeraldEmbeddingBagCollection(
         # on a GPU the batch's ids never go to the host; the layout's lookup tables are copied there once
         self._ids = _LayoutOnDevice.of(lay, self._sparse_row, self._device)
         self._hot_sparse_sent = torch.zeros(len(self._tables), dtype=torch.int64, device=self._device)
-        self._mean_on_ids = self._mean_features.to(self._device)  # MEAN-pooled features, for output_dist
-        self._set_frozen(torch.zeros(max(self._num_hot, 1), dtype=torch.bool))  # stale-update skipping
+        # stale-update skipping: hot rows neither synchronised nor updated (where the ids are handled)
+        self._frozen_hot = torch.zeros(max(self._num_hot, 1), dtype=torch.bool, device=self._device)
         self._set_dense_rows(self._all_dense_rows)
         if any(p.is_meta for p in module.parameters()):
             self.reset_parameters()  # built on meta, as large models are: initialise as stock TorchRec does
@@ -394,7 +395,7 @@ class ShardedHeraldEmbeddingBagCollection(
         # the hot rows this batch reads: the lookup and its gradient cover only these; the count of those
         # synced sparsely rides on this exchange
         ctx.hot_unique, ctx.hot_inverse = torch.unique(split.hot_rows, return_inverse=True)
-        sparse = lay.sparse_row[ctx.hot_unique] & ~self._frozen_on_ids[ctx.hot_unique]
+        sparse = lay.sparse_row[ctx.hot_unique] & ~self._frozen_hot[ctx.hot_unique]
         ctx.sparse_idx = sparse.nonzero().squeeze(1)
         k = torch.full((W, 1), ctx.sparse_idx.numel(), dtype=torch.int64, device=lay.device)
         counts = torch.cat([bags_to[:, None], ids_to[:, None], err.expand(W, 2), k], 1)
@@ -511,7 +512,7 @@ class ShardedHeraldEmbeddingBagCollection(
             pooled = _ScaleGrad.apply(pooled, 1.0 / self._world)
         B, F = ctx.batch_size, len(self._feature_names)
         if self._any_mean:
-            mean_bag = self._mean_on_ids.repeat_interleave(B)
+            mean_bag = self._mean_features.repeat_interleave(B)
             scale = torch.where(mean_bag, 1.0 / ctx.bag_lengths.clamp(min=1).to(pooled.device, pooled.dtype),
                                 torch.ones((), dtype=pooled.dtype, device=pooled.device))
             pooled = pooled * scale[:, None]
@@ -592,12 +593,8 @@ class ShardedHeraldEmbeddingBagCollection(
         frozen_hot = torch.zeros(max(self._num_hot, 1), dtype=torch.bool)
         if frozen is not None and self._num_hot:
             frozen_hot[: self._num_hot] = frozen.cpu()
-        self._set_frozen(frozen_hot)
-        self._set_dense_rows(self._all_dense_rows[~self._frozen_hot[self._all_dense_rows]])
-
-    def _set_frozen(self, frozen_hot: torch.Tensor) -> None:
-        """Which hot rows are frozen (bool ``[max(num_hot, 1)]``), on CPU and where the ids are handled."""
-        self._frozen_hot, self._frozen_on_ids = frozen_hot, frozen_hot.to(self._device)
+        self._frozen_hot = frozen_hot.to(self._device)
+        self._set_dense_rows(self._all_dense_rows[~frozen_hot[self._all_dense_rows]])
 
     def hot_values(self) -> torch.Tensor:
         """The hot replica rows ``[num_hot, D]`` (a copy, on CPU: the scheduler's side)."""
@@ -606,10 +603,9 @@ class ShardedHeraldEmbeddingBagCollection(
     # ------------------------------------------------------------------ hot replicas: sync + exact update
     def _set_dense_rows(self, rows: torch.Tensor) -> None:
         """The hot rows synced densely (all-reduced), and each hot row's position among them (-1: not)."""
-        self._dense_rows = rows
-        self._dense_pos = torch.full((max(self._num_hot, 1),), -1, dtype=torch.int64)
-        self._dense_pos[rows] = torch.arange(rows.numel())
-        self._dense_rows_on_ids, self._dense_pos_on_ids = rows.to(self._device), self._dense_pos.to(self._device)
+        pos = torch.full((max(self._num_hot, 1),), -1, dtype=torch.int64)
+        pos[rows] = torch.arange(rows.numel())
+        self._dense_rows, self._dense_pos = rows.to(self._device), pos.to(self._device)  # where the ids are handled
         # bytes this rank sends per table and step for them (ring all-reduce), as TrafficMeter counts
         per_table = torch.bincount(self.layout.hot_slot_table[rows], minlength=len(self._tables)).double()
         self._dense_sync_bytes = per_table * (2 * (self._world - 1) * FLOAT_BYTES * self._dim / self._world)
@@ -635,12 +631,12 @@ class ShardedHeraldEmbeddingBagCollection(
         with traffic_tag("herald_hot_sync", self._dim):
             if self._dense_rows.numel():  # tables synced densely: one ring all-reduce of their rows
                 n = self._dense_rows.numel()
-                pos = self._dense_pos_on_ids[unique]
+                pos = self._dense_pos[unique]
                 # rows read but not synced densely land in a spare last row, dropped before the sum
                 scratch = torch.zeros(n + 1, self._dim, device=dev)
                 scratch.index_copy_(0, torch.where(pos >= 0, pos, n).to(dev), grad)
                 dense = scratch[:n]
-                pending.dense = (self._dense_rows_on_ids, dense, dist.all_reduce(dense, group=self._pg, async_op=True))
+                pending.dense = (self._dense_rows, dense, dist.all_reduce(dense, group=self._pg, async_op=True))
             if self._any_sparse:  # tables synced sparsely: exchange touched rows only
                 touched = unique.index_select(0, sparse_idx)
                 pending.sparse = self._start_sparse_sum(touched, grad.index_select(0, sparse_idx), sparse_from)

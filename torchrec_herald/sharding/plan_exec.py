@@ -77,7 +77,7 @@ class PlanExecutor:
         if not self.frozen_keys.numel():  # the working set is the plan's reads
             planned = plan.reads[self.rank]
             self._set_working_set(self.store.read(planned)[0], planned)
-            self._planned_on = (planned, planned.to(self.store.device))
+            self._planned_where(planned, self.store.device)  # copied now, before the forward
 
     def _planned_where(self, planned: torch.Tensor, device: torch.device) -> torch.Tensor:
         """``planned`` (the plan's reads, on CPU) on ``device``: the copy :meth:`begin` made, or a new one."""
