@@ -37,6 +37,28 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+def _python_profile(pipeline: Any, it: Any, device: torch.device, steps: int) -> str:
+    """``steps`` more steps under ``cProfile``: which Python functions the host's time per step goes to
+    (the step on a GPU is host-bound; torch.profiler names the aten ops, not the Python that issues them)."""
+    import cProfile
+    import io
+    import pstats
+
+    prof = cProfile.Profile()
+    prof.enable()
+    for _ in range(steps):
+        pipeline.progress(it)
+        _sync(device)
+    prof.disable()
+    text = io.StringIO()
+    stats = pstats.Stats(prof, stream=text).strip_dirs()
+    text.write(f"\n\n== cProfile over {steps} steps, by own time\n")
+    stats.sort_stats("tottime").print_stats(45)
+    text.write(f"\n== cProfile over {steps} steps, by cumulative time\n")
+    stats.sort_stats("cumulative").print_stats(60)
+    return text.getvalue()
+
+
 def _profile(pipeline: Any, it: Any, device: torch.device, steps: int, out: Path) -> Dict[str, Any]:
     """``steps`` more steps under ``torch.profiler``: the top ops by self host time and by device time
     written to ``out`` (text), and the host-device synchronisations per step (the CUDA runtime calls that
@@ -55,20 +77,21 @@ def _profile(pipeline: Any, it: Any, device: torch.device, steps: int, out: Path
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(f"totals over {steps} steps (divide by {steps} for one step)\n\n== by self host time\n"
                    + avg.table(sort_by="self_cpu_time_total", row_limit=30)
-                   + f"\n\n== by {dev_key}\n" + avg.table(sort_by=dev_key, row_limit=30))
+                   + f"\n\n== by {dev_key}\n" + avg.table(sort_by=dev_key, row_limit=30)
+                   + _python_profile(pipeline, it, device, steps))
     return {"profiled_steps": steps, "host_syncs_per_step": syncs, "profile": str(out)}
 
 
 def measure(batch_size: int, overrides: List[str], warmup: int, steps: int,
             profile_out: Optional[Path] = None) -> Dict[str, Any]:
     """Per-step seconds (median, mean, p90) of ``steps`` timed steps after ``warmup`` steps; with
-    ``profile_out``, 5 more steps profiled (:func:`_profile`)."""
+    ``profile_out``, 5 more steps profiled (:func:`_profile`), then 5 under cProfile."""
     cfg = compose_config([f"batch_size={batch_size}", "eval=false"] + overrides)
     rank, world, device = init_distributed()
     data = build_data_source(cfg.data)
     dmp, optimizer, decision = build_model_and_plan(cfg, data, world, device)
     pipeline = build_pipeline(cfg, dmp, optimizer, device, decision)
-    n = warmup + steps + 2 + (5 if profile_out else 0)  # TrainPipelineSparseDist runs ahead by up to two batches
+    n = warmup + steps + 2 + (10 if profile_out else 0)  # TrainPipelineSparseDist runs ahead by up to two batches
     # pre-generated on CPU, as a data loader yields them: each pipeline moves its batches to the device
     batches = [b for _, b in zip(range(n), data.train_batches(rank, world, batch_size))]
     if len(batches) < n:
@@ -103,7 +126,7 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=50)
     p.add_argument("--out", type=Path, default=Path("benchmarks/results/gpu_step_time.json"))
     p.add_argument("--profile", action="store_true",
-                   help="profile 5 more steps per batch size: <out stem>_B<batch>.prof.txt beside --out")
+                   help="profile 5 more steps per batch size (torch.profiler) and 5 more (cProfile): <out stem>_B<batch>.prof.txt beside --out")
     a = p.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", force=True)
     runs = [measure(b, a.overrides, a.warmup, a.steps,
