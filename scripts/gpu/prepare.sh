@@ -18,7 +18,7 @@ python3 -m pip download -q --no-deps "${plat[@]}" -d .gpu/small torchrec==1.6.1 
     omegaconf==2.3.0 iopath==0.1.9 tensordict==0.11.0 orjson "pyvers>=0.2,<0.3" importlib_metadata
 python3 -m pip wheel -q --no-deps -w .gpu/small antlr4-python3-runtime==4.9.3   # an sdist on PyPI
 python3 scripts/gpu/slim_wheel.py "$work"/big/fbgemm_gpu-1.6.0-*.whl "$work/slim" --keep 90
-rm -f .gpu/c0 .gpu/c1 .gpu/c2
+rm -rf .gpu/c0 .gpu/c1 .gpu/c2
 split -b 60000000 -d -a 1 "$work"/slim/fbgemm_gpu-1.6.0-*.whl .gpu/fbgemm.part
 for i in 0 1 2; do mkdir -p .gpu/c$i; mv .gpu/fbgemm.part$i .gpu/c$i/; done
 mv .gpu/small .gpu/c2/small
