@@ -17,36 +17,55 @@ import torch
 
 @dataclass
 class HotColdSplit:
-    """One rank's local batch, split. Bags are indexed ``b = feature * B + sample``."""
+    """One rank's local batch, split. Bags are indexed ``b = feature * B + sample``; ``N`` ids in all, the
+    first ``n_cold`` of them cold once bucketized (``n_cold = sub_lengths.sum()``, which the caller reads
+    from the host with its other sizes: the split itself never waits for the host)."""
 
-    hot_rows: torch.Tensor  # int64 rows of the hot buffer, in bag order
-    hot_offsets: torch.Tensor  # int64 [F*B + 1]
+    hot_offsets: torch.Tensor  # int64 [F*B + 1]: hot ids per bag, as TBE offsets
     bag_lengths: torch.Tensor  # int64 [F*B] full bag lengths (hot + cold), for MEAN pooling
     sub_lengths: torch.Tensor  # int64 [W * F * B] cold ids per (owner, feature, sample)
-    cold_local_ids: torch.Tensor  # int64 owner-local row ids, ordered by (owner, feature, sample)
+    bucketed_ids: torch.Tensor  # int64 [N]: the cold ids' owner-local rows ordered by (owner, feature,
+    #                             sample), then one placeholder per hot id
+    bucketed_hot_rows: torch.Tensor  # int64 [N]: in the same order, the hot ids' rows of the hot buffer in bag
+    #                                  order after the first n_cold (before them: not meaningful)
+    hot_row_or_spare: torch.Tensor  # int64 [N] in value order: each hot id's row of the hot buffer, ``num_hot``
+    #                                 for a cold id (a spare row past the buffer)
+
+
+def invalid_ids(values: torch.Tensor, rows_per_feature: torch.Tensor, batch_size: int,
+                bag_of_value: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Each id's validity and, without a host read, the first invalid one as an int64 pair on the ids'
+    device: ``(feature index + 1, id)``, or ``(0, 0)`` if every id is inside its table."""
+    feature_of_value = bag_of_value // batch_size
+    bad = (values < 0) | (values >= rows_per_feature[feature_of_value])
+    if values.numel() == 0:
+        return bad, torch.zeros(2, dtype=torch.int64, device=values.device)
+    i = torch.argmax(bad.to(torch.uint8))  # the first maximum: the first bad id, if any
+    code = torch.stack([feature_of_value[i] + 1, values[i]])
+    return bad, code * bad[i]
 
 
 def first_invalid_id(values: torch.Tensor, lengths: torch.Tensor, rows_per_feature: torch.Tensor,
                      batch_size: int, bag_of_value: Optional[torch.Tensor] = None) -> Optional[Tuple[int, int]]:
     """(feature index, id) of the first id < 0 or >= its table's rows, or None; ``bag_of_value``: each
-    value's bag (``b = feature * B + sample``) when the caller has it already."""
+    value's bag (``b = feature * B + sample``) when the caller has it already. Reads the host."""
     if bag_of_value is None:
         bag_of_value = bags_of_values(lengths, values.numel())
-    feature_of_value = bag_of_value // batch_size
-    bad = (values < 0) | (values >= rows_per_feature[feature_of_value])
-    if not bool(bad.any()):
-        return None
-    i = int(bad.nonzero()[0, 0])
-    return int(feature_of_value[i]), int(values[i])
+    feature, value = invalid_ids(values, rows_per_feature, batch_size, bag_of_value)[1].tolist()
+    return None if feature == 0 else (feature - 1, value)
 
 
 def split_hot_cold(values: torch.Tensor, lengths: torch.Tensor, feature_table: torch.Tensor,
                    table_offsets: torch.Tensor, hot_keys: torch.Tensor, block_sizes: torch.Tensor,
                    world_size: int, batch_size: int, bag_of_value: Optional[torch.Tensor] = None) -> HotColdSplit:
-    """Split valid ids into hot rows and owner-bucketized cold ids.
+    """Split valid ids into hot rows and owner-bucketized cold ids, with no host synchronisation.
+
+    One ``block_bucketize_sparse_features`` call does both: each hot id is sent to a spare bucket
+    ``world_size`` (after the owners'), so the spare bucket's lengths are the hot ids per bag and no
+    boolean mask (sized by the data) is needed.
 
     Args:
-        values, lengths: the KJT's values and lengths (feature-major, ``F*B`` lengths).
+        values, lengths: the KJT's values and lengths (feature-major, ``F*B`` lengths), all ids valid.
         feature_table: int64 [F] table index of each feature.
         table_offsets: int64 [T] offset of each table in the global row space.
         hot_keys: sorted int64 global keys (``table_offsets[t] + id``) of all hot rows; a hot row's
@@ -54,26 +73,30 @@ def split_hot_cold(values: torch.Tensor, lengths: torch.Tensor, feature_table: t
         block_sizes: int64 [F] row-wise block size of each feature's table (``ceil(n / W)``).
         bag_of_value: each value's bag, when the caller has it already.
     """
-    num_bags = lengths.numel()
+    num_bags, num_hot = lengths.numel(), hot_keys.numel()
     if bag_of_value is None:
         bag_of_value = bags_of_values(lengths, values.numel())
     feature_of_value = bag_of_value // batch_size
-    keys = table_offsets[feature_table[feature_of_value]] + values
-    if hot_keys.numel():
-        pos = torch.searchsorted(hot_keys, keys).clamp_(max=hot_keys.numel() - 1)
+    if num_hot:
+        keys = table_offsets[feature_table[feature_of_value]] + values
+        pos = torch.searchsorted(hot_keys, keys).clamp_(max=num_hot - 1)
         is_hot = hot_keys[pos] == keys
+        row_or_spare = torch.where(is_hot, pos, num_hot)
+        # a hot id goes to the spare bucket: the first id past the owners' blocks (every cold id is inside them)
+        to_bucket = torch.where(is_hot, world_size * block_sizes[feature_of_value], values)
     else:
-        pos = torch.zeros_like(keys)
-        is_hot = torch.zeros_like(keys, dtype=torch.bool)
-    hot_counts = torch.bincount(bag_of_value[is_hot], minlength=num_bags)
-    hot_offsets = offsets_from_lengths(hot_counts)
-    cold = ~is_hot
-    cold_lengths = torch.bincount(bag_of_value[cold], minlength=num_bags)
-    sub_lengths, cold_local = torch.ops.fbgemm.block_bucketize_sparse_features(
-        cold_lengths, values[cold], bucketize_pos=False, sequence=False, block_sizes=block_sizes,
-        my_size=world_size, weights=None)[:2]
-    return HotColdSplit(hot_rows=pos[is_hot], hot_offsets=hot_offsets, bag_lengths=lengths.to(torch.int64),
-                        sub_lengths=sub_lengths.to(torch.int64), cold_local_ids=cold_local.to(torch.int64))
+        row_or_spare = torch.full_like(values, num_hot)
+        to_bucket = values
+    new_lengths, bucketed, _, _, permute = torch.ops.fbgemm.block_bucketize_sparse_features(
+        lengths, to_bucket, bucketize_pos=False, sequence=True, block_sizes=block_sizes,
+        my_size=world_size + 1, weights=None)
+    new_lengths = new_lengths.to(torch.int64)
+    # the hot ids' rows moved to where block_bucketize put them: after the cold ids, in bag order
+    hot_rows = torch.empty_like(row_or_spare).index_copy_(0, permute.to(torch.int64), row_or_spare)
+    return HotColdSplit(hot_offsets=offsets_from_lengths(new_lengths[world_size * num_bags:]),
+                        bag_lengths=lengths.to(torch.int64), sub_lengths=new_lengths[: world_size * num_bags],
+                        bucketed_ids=bucketed.to(torch.int64), bucketed_hot_rows=hot_rows,
+                        hot_row_or_spare=row_or_spare)
 
 
 def offsets_from_lengths(lengths: torch.Tensor) -> torch.Tensor:

@@ -38,7 +38,7 @@ from torchrec.streamable import Multistreamable
 from torchrec_herald.comm import (FLOAT_BYTES, INDEX_BYTES, RowsInFlight, all_to_all_rows_async,
                                    await_variable_all_to_all, start_variable_all_to_all)
 from torchrec_herald.layout import RowLayout
-from torchrec_herald.ops.hot_cold import (HotColdSplit, bags_of_values, first_invalid_id, offsets_from_lengths,
+from torchrec_herald.ops.hot_cold import (HotColdSplit, bags_of_values, invalid_ids, offsets_from_lengths,
                                           split_hot_cold)
 from torchrec_herald.ops.tbe import SUPPORTED_OPTIMIZERS, dense_lookup
 from torchrec_herald.sharding.plan_exec import PlanExecutor
@@ -100,8 +100,8 @@ class HeraldContext(Multistreamable):
         tensors = [self.send_bag_index, self.recv_lengths, self.recv_rows, self.hot_unique, self.hot_inverse,
                    self.sparse_idx, self.bag_lengths, self.ws_index, self.ws_offsets]
         if self.split is not None:
-            tensors += [getattr(self.split, f) for f in ("hot_rows", "hot_offsets", "bag_lengths", "sub_lengths",
-                                                         "cold_local_ids")]
+            tensors += [getattr(self.split, f) for f in ("hot_offsets", "bag_lengths", "sub_lengths", "bucketed_ids",
+                                                         "bucketed_hot_rows", "hot_row_or_spare")]
         for t in tensors:
             if t is not None and t.is_cuda:
                 t.record_stream(stream)
@@ -375,43 +375,51 @@ class ShardedHeraldEmbeddingBagCollection(
         ctx.batch_size, ctx.bag_lengths = B, lengths
         if self._executor is not None and self._executor.active:
             return self._plan_input_dist(ctx, values, lengths, B)
-        bag_of_value = bags_of_values(lengths, values.numel())
-        bad = first_invalid_id(values, lengths, lay.rows_per_feature, B, bag_of_value)
-        W, FB = self._world, len(self._feature_names) * B
-        if bad is None:
-            split = split_hot_cold(values, lengths, lay.feature_table, lay.table_offsets, lay.hot_keys,
-                                   lay.blocks_per_feature, W, B, bag_of_value)
-        else:  # still take part in the counts exchange below, so every rank raises together
-            split = split_hot_cold(values[:0], torch.zeros_like(lengths), lay.feature_table,
-                                   lay.table_offsets, lay.hot_keys, lay.blocks_per_feature, W, B)
+        N, W, FB = values.numel(), self._world, len(self._feature_names) * B
+        bag_of_value = bags_of_values(lengths, N)
+        # an id outside its table travels as an error code on the counts exchange below, so every rank
+        # raises it together at the first wait (before any forward); until then it reads row 0
+        bad, err = invalid_ids(values, lay.rows_per_feature, B, bag_of_value)
+        split = split_hot_cold(values.masked_fill(bad, 0), lengths, lay.feature_table, lay.table_offsets,
+                               lay.hot_keys, lay.blocks_per_feature, W, B, bag_of_value)
         sub = split.sub_lengths
-        nonempty = (sub > 0).nonzero().flatten()
-        bags_to = torch.bincount(nonempty // FB, minlength=W)
+        nonempty_mask = sub > 0
+        bags_to = nonempty_mask.view(W, FB).sum(1)
         ids_to = sub.view(W, FB).sum(1)
-        sub_of_value = bags_of_values(sub, split.cold_local_ids.numel())
-        owner, feature = sub_of_value // FB, (sub_of_value % FB) // B
-        cold_rows = lay.block_offsets[owner, lay.feature_table[feature]] + split.cold_local_ids
-        err = torch.tensor([bad[0] + 1, bad[1]] if bad else [0, 0], dtype=torch.int64, device=lay.device)
-        # the hot rows this batch reads: the lookup and its gradient cover only these; the count of those
-        # synced sparsely rides on this exchange
-        ctx.hot_unique, ctx.hot_inverse = torch.unique(split.hot_rows, return_inverse=True)
-        sparse = lay.sparse_row[ctx.hot_unique] & ~self._frozen_hot[ctx.hot_unique]
-        ctx.sparse_idx = sparse.nonzero().squeeze(1)
-        k = torch.full((W, 1), ctx.sparse_idx.numel(), dtype=torch.int64, device=lay.device)
+        # the hot rows this batch reads (the lookup and its gradient cover only these), as a mask over the
+        # hot buffer (+ a spare row for cold ids); those synced sparsely are counted on this exchange
+        num_hot = self._num_hot
+        read = torch.zeros(num_hot + 1, dtype=torch.bool, device=lay.device)
+        read.index_fill_(0, split.hot_row_or_spare, True)
+        read = read[:num_hot]
+        read_sparse = read & lay.sparse_row[:num_hot] & ~self._frozen_hot[:num_hot]
+        k = read_sparse.sum().expand(W, 1)
         counts = torch.cat([bags_to[:, None], ids_to[:, None], err.expand(W, 2), k], 1)
+        # the one host read of the sizes: sub-bags and ids to each owner, hot rows read, those synced sparsely
+        sizes = torch.cat([bags_to, ids_to, read.sum()[None], k[:1, 0]]).tolist()
+        ctx.bags_to, ids_to_host = sizes[:W], sizes[W:2 * W]
+        n_cold, n_read, n_sparse = sum(ids_to_host), sizes[2 * W], sizes[2 * W + 1]
+        # sized by the host's figures: no further synchronisation
+        ctx.hot_unique = torch.nonzero_static(read, size=n_read).squeeze(1)
+        read_rank = torch.cumsum(read, 0) - 1  # each read row's position among hot_unique
+        ctx.hot_inverse = read_rank[split.bucketed_hot_rows[n_cold:]] if n_read else split.bucketed_hot_rows[:0]
+        ctx.sparse_idx = read_rank[torch.nonzero_static(read_sparse, size=n_sparse).squeeze(1)]
+        nonempty = torch.nonzero_static(nonempty_mask, size=sum(ctx.bags_to)).squeeze(1)
+        cold_ids = split.bucketed_ids[:n_cold]
+        sub_of_value = bags_of_values(sub, n_cold)
+        owner, feature = sub_of_value // FB, (sub_of_value % FB) // B
+        cold_rows = lay.block_offsets[owner, lay.feature_table[feature]] + cold_ids
         ctx.split = split
         self._count_cold_traffic(sub, B)
         ctx.send_bag_index = nonempty % FB
-        bags_and_ids = torch.stack([bags_to, ids_to]).tolist()  # the one host read of the sizes
-        ctx.bags_to = bags_and_ids[0]
         # [lengths to o | ids to o] for each owner o: sent once the counts are known
         lengths_to = sub[nonempty].to(torch.int32).split(ctx.bags_to)
-        rows_to = cold_rows.to(torch.int32).split(bags_and_ids[1])
+        rows_to = cold_rows.to(torch.int32).split(ids_to_host)
         packed = torch.cat([t for o in range(W) for t in (lengths_to[o], rows_to[o])])
         # both exchanges run asynchronously: TrainPipelineSparseDist starts this input dist before the
         # previous batch's forward and waits for it after, so neither sits on the critical path
         recv_counts, work = all_to_all_rows_async(counts, [1] * W, [1] * W, self._pg, "herald_meta")
-        return KJTListSplitsAwaitable([_CountsAwaitable(self, ctx, recv_counts, work, packed, bags_and_ids[1])], ctx)
+        return KJTListSplitsAwaitable([_CountsAwaitable(self, ctx, recv_counts, work, packed, ids_to_host)], ctx)
 
     def _ids_dist(self, ctx: HeraldContext, recv_counts: torch.Tensor, packed: torch.Tensor, ids_to: List[int]
                   ) -> "_IdsAwaitable":
