@@ -10,6 +10,7 @@
 #   time    DLRM step time at local batch 2048 / 8192, stock and herald      -> gpu_step_time*.json
 #   modes3  the same for stock TABLE_WISE, herald hot replication alone and herald full (scheduling on),
 #           herald's plan kept (no link fallback), 5 more steps of each profiled -> gpu_step3_*.json, gpu_step3_prof.tar.gz
+#   modes4  modes3 and herald hot replication with TorchRec's DDP for the dense layers (planner.dense_sync=ddp)
 # Usage: bash scripts/gpu/run_checks.sh [probe] [check] [train] [noise] [time]
 set -uo pipefail
 cd "$(dirname "$0")/../.."
@@ -37,9 +38,11 @@ for part in $parts; do case $part in
              | grep -E "ms/step|Error|==="
          step python3 benchmarks/gpu_step_time.py --batch-sizes 2048 8192 --overrides planner=herald pipeline=herald \
              --out "$out/gpu_step_time_herald.json" 2>&1 | grep -E "ms/step|Error|===" ;;
-  modes3) for m in "stock planner=table_wise pipeline=sparse_dist" \
-             "hot planner=herald pipeline=herald pipeline.scheduling=off planner.link_mbit=null" \
-             "full planner=herald pipeline=herald pipeline.scheduling=on planner.link_mbit=null"; do
+  modes3|modes4) ms=("stock planner=table_wise pipeline=sparse_dist"
+             "hot planner=herald pipeline=herald pipeline.scheduling=off planner.link_mbit=null")
+         [ $part = modes4 ] && ms+=("hot_ddp planner=herald pipeline=herald pipeline.scheduling=off planner.link_mbit=null planner.dense_sync=ddp")
+         ms+=("full planner=herald pipeline=herald pipeline.scheduling=on planner.link_mbit=null")
+         for m in "${ms[@]}"; do
            set -- $m; id=$1; shift
            step python3 benchmarks/gpu_step_time.py --batch-sizes 2048 8192 --overrides "$@" --profile \
                --out "$out/gpu_step3_$id.json" > "/tmp/gpu_step3_$id.log" 2>&1
