@@ -2,7 +2,7 @@
 # On the lent GPU machine: stage one chunk (bash scripts/gpu/install.sh stage), or, after the last
 # chunk, reassemble and install into /tmp/site (bash scripts/gpu/install.sh install), then
 #   export PYTHONPATH=/tmp/site:$PWD
-# Chunks arrive as the carried paths .gpu/c0, .gpu/c1, .gpu/c2 of consecutive calls (one machine
+# Chunks arrive as the carried paths .gpu/c0, .gpu/c1, .gpu/c3, then .gpu/c2 (with install) of consecutive calls (one machine
 # stays warm 30 s after a call, and what is staged under /root/stage survives while it does).
 set -euo pipefail
 cd "$(dirname "$0")/../.."

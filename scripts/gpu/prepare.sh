@@ -4,7 +4,7 @@
 #   fbgemm-gpu 1.6.0 (the release paired with torch 2.11; built for CUDA 13: libcudart.so.13)
 #   torchrec 1.6.1 (paired with fbgemm-gpu 1.6) and the pure-Python packages the image lacks.
 # The 465 MB fbgemm wheel is slimmed to its sm_90 cubins (scripts/gpu/slim_wheel.py: 179 MB) and
-# split into .gpu/c0, .gpu/c1, .gpu/c2 (c2 also holds the small wheels); scripts/gpu/install.sh
+# split into .gpu/c0, .gpu/c1, .gpu/c2 (.gpu/c3 holds the small wheels); scripts/gpu/install.sh
 # reassembles them on the device. Usage: bash scripts/gpu/prepare.sh   (about 4 minutes)
 set -euo pipefail
 cd "$(dirname "$0")/../.."
@@ -18,8 +18,8 @@ python3 -m pip download -q --no-deps "${plat[@]}" -d .gpu/small torchrec==1.6.1 
     omegaconf==2.3.0 iopath==0.1.9 tensordict==0.11.0 orjson "pyvers>=0.2,<0.3" importlib_metadata
 python3 -m pip wheel -q --no-deps -w .gpu/small antlr4-python3-runtime==4.9.3   # an sdist on PyPI
 python3 scripts/gpu/slim_wheel.py "$work"/big/fbgemm_gpu-1.6.0-*.whl "$work/slim" --keep 90
-rm -rf .gpu/c0 .gpu/c1 .gpu/c2
+rm -rf .gpu/c0 .gpu/c1 .gpu/c2 .gpu/c3
 split -b 60000000 -d -a 1 "$work"/slim/fbgemm_gpu-1.6.0-*.whl .gpu/fbgemm.part
 for i in 0 1 2; do mkdir -p .gpu/c$i; mv .gpu/fbgemm.part$i .gpu/c$i/; done
-mv .gpu/small .gpu/c2/small
+mkdir -p .gpu/c3 && mv .gpu/small .gpu/c3/small  # a call of its own: c2 and the tree would pass 64 MiB
 ls -la .gpu/c*
