@@ -1,0 +1,83 @@
+"""The hot/cold split with a spare bucket for hot ids (``ops/hot_cold.py``) against a reference written
+with boolean masks, the way the split was computed before it stopped reading the host; and the device
+error code of the first invalid id."""
+
+from __future__ import annotations
+
+from typing import Dict, List
+
+import pytest
+import torch
+
+from torchrec_herald.ops.hot_cold import (bags_of_values, first_invalid_id, invalid_ids, row_block_sizes,
+                                          split_hot_cold)
+
+
+def _reference(values: torch.Tensor, lengths: torch.Tensor, feature_table: torch.Tensor,
+               table_offsets: torch.Tensor, hot_keys: torch.Tensor, block_sizes: torch.Tensor, W: int,
+               B: int) -> Dict[str, torch.Tensor]:
+    """Hot rows in bag order and per-bag hot counts by masks; cold ids bucketized by owner."""
+    bag = bags_of_values(lengths, values.numel())
+    keys = table_offsets[feature_table[bag // B]] + values
+    hot_list: List[int] = hot_keys.tolist()
+    is_hot = torch.tensor([int(k) in hot_list for k in keys.tolist()], dtype=torch.bool)
+    hot_rows = torch.tensor([hot_list.index(int(k)) for k in keys[is_hot].tolist()], dtype=torch.int64)
+    num_bags = lengths.numel()
+    hot_counts = torch.bincount(bag[is_hot], minlength=num_bags)
+    cold_lengths = torch.bincount(bag[~is_hot], minlength=num_bags)
+    sub, cold_local = torch.ops.fbgemm.block_bucketize_sparse_features(
+        cold_lengths, values[~is_hot], bucketize_pos=False, sequence=False, block_sizes=block_sizes,
+        my_size=W, weights=None)[:2]
+    return {"hot_rows": hot_rows, "hot_counts": hot_counts, "sub_lengths": sub.to(torch.int64),
+            "cold_local_ids": cold_local.to(torch.int64)}
+
+
+@pytest.mark.parametrize("W,hot_fraction,max_len", [(1, 0.3, 4), (2, 0.3, 4), (4, 0.5, 6), (3, 0.0, 3),
+                                                    (2, 1.0, 3), (2, 0.3, 0)])
+def test_the_spare_bucket_split_equals_the_masked_split(W: int, hot_fraction: float, max_len: int) -> None:
+    g = torch.Generator().manual_seed(11 * W + max_len)
+    rows = [37, 5, 120]  # per table
+    feature_table = torch.tensor([0, 2, 1, 2], dtype=torch.int64)  # 4 features on 3 tables
+    table_offsets = torch.tensor([0, 37, 42], dtype=torch.int64)
+    B = 5
+    F = feature_table.numel()
+    lengths = torch.randint(0, max_len + 1, (F * B,), generator=g, dtype=torch.int64)
+    bag = bags_of_values(lengths, int(lengths.sum()))
+    n_rows = torch.tensor(rows)[feature_table[bag // B]]
+    values = (torch.rand(bag.numel(), generator=g) * n_rows).to(torch.int64)
+    all_keys = torch.cat([table_offsets[t] + torch.arange(n) for t, n in enumerate(rows)])
+    pick = torch.rand(all_keys.numel(), generator=g) < hot_fraction
+    hot_keys = all_keys[pick].sort().values
+    blocks = torch.tensor(row_block_sizes(rows, W), dtype=torch.int64)[feature_table]
+
+    split = split_hot_cold(values, lengths, feature_table, table_offsets, hot_keys, blocks, W, B)
+    ref = _reference(values, lengths, feature_table, table_offsets, hot_keys, blocks, W, B)
+
+    n_cold = int(split.sub_lengths.sum())
+    assert torch.equal(split.sub_lengths, ref["sub_lengths"])
+    assert torch.equal(split.bucketed_ids[:n_cold], ref["cold_local_ids"])
+    assert torch.equal(split.bucketed_hot_rows[n_cold:], ref["hot_rows"])
+    assert torch.equal(split.hot_offsets[1:] - split.hot_offsets[:-1], ref["hot_counts"])
+    assert int(split.hot_offsets[0]) == 0 and split.bucketed_ids.numel() == values.numel()
+    assert torch.equal(split.bag_lengths, lengths)
+    # each id's row of the hot buffer in value order, the spare row (past the buffer) for a cold id
+    hot_mask = split.hot_row_or_spare < hot_keys.numel()
+    assert torch.equal(split.hot_row_or_spare[hot_mask].sort().values, ref["hot_rows"].sort().values)
+    assert int((~hot_mask).sum()) == n_cold
+
+
+def test_the_error_code_names_the_first_invalid_id_without_a_host_read() -> None:
+    rows_per_feature = torch.tensor([10, 3], dtype=torch.int64)
+    B = 2
+    lengths = torch.tensor([1, 2, 2, 1], dtype=torch.int64)  # bags f0s0, f0s1, f1s0, f1s1
+    values = torch.tensor([4, 9, 2, 1, 3, -1], dtype=torch.int64)  # 3 is outside feature 1's table, then -1
+    bag = bags_of_values(lengths, values.numel())
+    bad, code = invalid_ids(values, rows_per_feature, B, bag)
+    assert bad.tolist() == [False, False, False, False, True, True]
+    assert code.tolist() == [2, 3]  # (feature index + 1, id) of the first bad id
+    assert first_invalid_id(values, lengths, rows_per_feature, B) == (1, 3)
+    ok = values.clamp(0, 2)
+    assert invalid_ids(ok, rows_per_feature, B, bag)[1].tolist() == [0, 0]
+    assert first_invalid_id(ok, lengths, rows_per_feature, B) is None
+    empty = torch.empty(0, dtype=torch.int64)
+    assert invalid_ids(empty, rows_per_feature, B, empty)[1].tolist() == [0, 0]
