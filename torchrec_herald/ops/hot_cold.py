@@ -26,10 +26,8 @@ class HotColdSplit:
     sub_lengths: torch.Tensor  # int64 [W * F * B] cold ids per (owner, feature, sample)
     bucketed_ids: torch.Tensor  # int64 [N]: the cold ids' owner-local rows ordered by (owner, feature,
     #                             sample), then one placeholder per hot id
-    bucketed_hot_rows: torch.Tensor  # int64 [N]: in the same order, the hot ids' rows of the hot buffer in bag
-    #                                  order after the first n_cold (before them: not meaningful)
-    hot_row_or_spare: torch.Tensor  # int64 [N] in value order: each hot id's row of the hot buffer, ``num_hot``
-    #                                 for a cold id (a spare row past the buffer)
+    bucketed_hot_rows: torch.Tensor  # int64 [N]: in the same order, ``num_hot`` (a spare row past the hot buffer)
+    #                                  for each cold id, then the hot ids' rows of the hot buffer in bag order
 
 
 def invalid_ids(values: torch.Tensor, rows_per_feature: torch.Tensor, batch_size: int,
@@ -95,8 +93,7 @@ def split_hot_cold(values: torch.Tensor, lengths: torch.Tensor, feature_table: t
     hot_rows = torch.empty_like(row_or_spare).index_copy_(0, permute.to(torch.int64), row_or_spare)
     return HotColdSplit(hot_offsets=offsets_from_lengths(new_lengths[world_size * num_bags:]),
                         bag_lengths=lengths.to(torch.int64), sub_lengths=new_lengths[: world_size * num_bags],
-                        bucketed_ids=bucketed.to(torch.int64), bucketed_hot_rows=hot_rows,
-                        hot_row_or_spare=row_or_spare)
+                        bucketed_ids=bucketed.to(torch.int64), bucketed_hot_rows=hot_rows)
 
 
 def offsets_from_lengths(lengths: torch.Tensor) -> torch.Tensor:

@@ -101,7 +101,7 @@ class HeraldContext(Multistreamable):
                    self.sparse_idx, self.bag_lengths, self.ws_index, self.ws_offsets]
         if self.split is not None:
             tensors += [getattr(self.split, f) for f in ("hot_offsets", "bag_lengths", "sub_lengths", "bucketed_ids",
-                                                         "bucketed_hot_rows", "hot_row_or_spare")]
+                                                         "bucketed_hot_rows")]
         for t in tensors:
             if t is not None and t.is_cuda:
                 t.record_stream(stream)
@@ -390,7 +390,7 @@ class ShardedHeraldEmbeddingBagCollection(
         # hot buffer (+ a spare row for cold ids); those synced sparsely are counted on this exchange
         num_hot = self._num_hot
         read = torch.zeros(num_hot + 1, dtype=torch.bool, device=lay.device)
-        read.index_fill_(0, split.hot_row_or_spare, True)
+        read.index_fill_(0, split.bucketed_hot_rows, True)
         read = read[:num_hot]
         read_sparse = read & lay.sparse_row[:num_hot] & ~self._frozen_hot[:num_hot]
         k = read_sparse.sum().expand(W, 1)
@@ -402,7 +402,7 @@ class ShardedHeraldEmbeddingBagCollection(
         # sized by the host's figures: no further synchronisation
         ctx.hot_unique = torch.nonzero_static(read, size=n_read).squeeze(1)
         read_rank = torch.cumsum(read, 0) - 1  # each read row's position among hot_unique
-        ctx.hot_inverse = read_rank[split.bucketed_hot_rows[n_cold:]] if n_read else split.bucketed_hot_rows[:0]
+        ctx.hot_inverse = read_rank[split.bucketed_hot_rows[n_cold:]]
         ctx.sparse_idx = read_rank[torch.nonzero_static(read_sparse, size=n_sparse).squeeze(1)]
         nonempty = torch.nonzero_static(nonempty_mask, size=sum(ctx.bags_to)).squeeze(1)
         cold_ids = split.bucketed_ids[:n_cold]
