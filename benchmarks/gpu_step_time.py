@@ -59,10 +59,11 @@ def _python_profile(pipeline: Any, it: Any, device: torch.device, steps: int) ->
     return text.getvalue()
 
 
-def _profile(pipeline: Any, it: Any, device: torch.device, steps: int, out: Path) -> Dict[str, Any]:
+def _profile(pipeline: Any, it: Any, device: torch.device, steps: int, out: Path, trace: bool = False) -> Dict[str, Any]:
     """``steps`` more steps under ``torch.profiler``: the top ops by self host time and by device time
     written to ``out`` (text), and the host-device synchronisations per step (the CUDA runtime calls that
-    block the host: stream/device synchronise and device-to-host copies)."""
+    block the host: stream/device synchronise and device-to-host copies); with ``trace``, the timeline too
+    (Chrome trace, gzipped, beside ``out``: where the host waits for the device)."""
     from torch.profiler import ProfilerActivity, profile
 
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
@@ -70,6 +71,14 @@ def _profile(pipeline: Any, it: Any, device: torch.device, steps: int, out: Path
         for _ in range(steps):
             pipeline.progress(it)
             _sync(device)
+    if trace:
+        import gzip
+
+        raw = out.with_suffix(".trace.json")
+        prof.export_chrome_trace(str(raw))
+        with open(raw, "rb") as f, gzip.open(str(raw) + ".gz", "wb") as g:
+            g.write(f.read())
+        raw.unlink()
     avg = prof.key_averages()
     sync_names = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize", "cudaMemcpy")
     syncs = {e.key: e.count / steps for e in avg if e.key.startswith(sync_names)}
@@ -83,7 +92,7 @@ def _profile(pipeline: Any, it: Any, device: torch.device, steps: int, out: Path
 
 
 def measure(batch_size: int, overrides: List[str], warmup: int, steps: int,
-            profile_out: Optional[Path] = None) -> Dict[str, Any]:
+            profile_out: Optional[Path] = None, trace: bool = False) -> Dict[str, Any]:
     """Per-step seconds (median, mean, p90) of ``steps`` timed steps after ``warmup`` steps; with
     ``profile_out``, 5 more steps profiled (:func:`_profile`), then 5 under cProfile."""
     cfg = compose_config([f"batch_size={batch_size}", "eval=false"] + overrides)
@@ -106,7 +115,7 @@ def measure(batch_size: int, overrides: List[str], warmup: int, steps: int,
         _sync(device)
         if i >= warmup:
             times.append(time.perf_counter() - t0)
-    prof = _profile(pipeline, it, device, 5, profile_out) if profile_out else {}
+    prof = _profile(pipeline, it, device, 5, profile_out, trace) if profile_out else {}
     times.sort()
     med = statistics.median(times)
     res = {"local_batch": batch_size, "world_size": world, "device": str(device),
@@ -127,10 +136,12 @@ def main() -> None:
     p.add_argument("--out", type=Path, default=Path("benchmarks/results/gpu_step_time.json"))
     p.add_argument("--profile", action="store_true",
                    help="profile 5 more steps per batch size (torch.profiler) and 5 more (cProfile): <out stem>_B<batch>.prof.txt beside --out")
+    p.add_argument("--trace", action="store_true", help="with --profile: also the profiled steps' timeline "
+                   "(Chrome trace, <out stem>_B<batch>.prof.trace.json.gz)")
     a = p.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", force=True)
     runs = [measure(b, a.overrides, a.warmup, a.steps,
-                    a.out.with_name(f"{a.out.stem}_B{b}.prof.txt") if a.profile else None)
+                    a.out.with_name(f"{a.out.stem}_B{b}.prof.txt") if a.profile else None, a.trace)
             for b in a.batch_sizes]
     if dist.get_rank() == 0:
         a.out.parent.mkdir(parents=True, exist_ok=True)

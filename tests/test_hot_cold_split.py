@@ -1,14 +1,16 @@
 """The hot/cold split with a spare bucket for hot ids (``ops/hot_cold.py``) against a reference written
 with boolean masks, the way the split was computed before it stopped reading the host; and the device
-error code of the first invalid id."""
+error code of the first invalid id; and where the herald EBC's input dist reads the host."""
 
 from __future__ import annotations
 
-from typing import Dict, List
+from typing import Any, Dict, List
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
+from torchrec_herald.dist_utils import run_multiprocess
 from torchrec_herald.ops.hot_cold import (bags_of_values, first_invalid_id, invalid_ids, row_block_sizes,
                                           split_hot_cold)
 
@@ -79,3 +81,51 @@ def test_the_error_code_names_the_first_invalid_id_without_a_host_read() -> None
     assert first_invalid_id(ok, lengths, rows_per_feature, B) is None
     empty = torch.empty(0, dtype=torch.int64)
     assert invalid_ids(empty, rows_per_feature, B, empty)[1].tolist() == [0, 0]
+
+
+def _host_reads_of_input_dist(rank: int, world: int) -> Dict[str, Any]:
+    """Rank ``rank`` of a herald DLRM: the host reads (``tolist``/``item``/data-sized ops) of the input dist's
+    start and of its first wait, counted on the ids' device."""
+    from herald_harness import build
+    from torchrec_herald.pipeline.context import find_herald_ebc
+
+    h = build(world, dict(planner="herald", steps=3, hot_min_count=2))
+    ebc = find_herald_ebc(h["dmp"])
+    kjt = next(iter(h["data"].train_batches(rank, world, h["batch_size"]))).sparse_features
+    seen: List[str] = []
+    tolist = torch.Tensor.tolist
+
+    def counted(self: torch.Tensor, *a: Any, **k: Any) -> Any:
+        seen.append("tolist")
+        return tolist(self, *a, **k)
+
+    class Reads(TorchDispatchMode):
+        def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+            name = func.__name__.split(".")[0]
+            if name in {"_local_scalar_dense", "nonzero", "bincount", "_unique2", "masked_select"}:
+                seen.append(name)
+            return func(*args, **(kwargs or {}))
+
+    torch.Tensor.tolist = counted  # type: ignore[method-assign]
+    try:
+        with Reads():
+            ctx = ebc.create_context()
+            first = ebc.input_dist(ctx, kjt)
+            at_start = list(seen)
+            second = first.wait()
+            at_first_wait = seen[len(at_start):]
+    finally:
+        torch.Tensor.tolist = tolist  # type: ignore[method-assign]
+    got = second.wait()
+    got = got[0] if isinstance(got, list) else got
+    return {"start": at_start, "first_wait": at_first_wait, "bags_to": ctx.bags_to,
+            "sent": int(ctx.split.sub_lengths.gt(0).sum())}
+
+
+def test_the_input_dist_reads_the_host_only_at_its_first_wait() -> None:
+    # TrainPipelineSparseDist starts batch t+1's input dist before batch t's forward and waits for it after:
+    # a host read at the start would hold the forward's launches until the id kernels finished on a GPU
+    for r in run_multiprocess(_host_reads_of_input_dist, 2, timeout_s=180):
+        assert r["start"] == []
+        assert r["first_wait"] == ["tolist"]  # one read: the counts received and this rank's own sizes
+        assert sum(r["bags_to"]) == r["sent"] > 0

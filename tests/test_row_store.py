@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 from fbgemm_gpu.split_embedding_configs import EmbOptimType
 
@@ -42,7 +43,30 @@ def test_rows_with_zero_gradient_are_not_updated() -> None:
     w0 = store.hot_weights()[:2].clone()
     store.update_hot_rows(torch.tensor([0, 1]), torch.zeros(2, 4))
     assert torch.equal(store.hot_weights()[:2], w0) and float(store.hot_state[:2].abs().sum()) == 0.0
-    assert store._mirror_pending == []
+    assert not store._mirror_dirty.any()
+
+
+def test_pending_block_copies_stay_one_flag_per_hot_row_over_many_updates() -> None:
+    # a run updates hot rows every step and reads the block rarely: what waits for the block must not grow
+    store = store_with_two_hot_rows()
+    for step in range(200):
+        store.update_hot_rows(torch.tensor([step % 2]), torch.full((1, 4), 0.01))
+    assert store._mirror_dirty.shape == (2,) and store._mirror_dirty.tolist() == [True, True]
+    block = store.cold_block(0)  # both rows were updated; only hot row 0 (table row 1) is in this block
+    assert torch.equal(block[1], store.hot_weights()[0]) and not store._mirror_dirty.any()
+
+
+@pytest.mark.parametrize("optimizer", [EmbOptimType.EXACT_SGD, EmbOptimType.EXACT_ROWWISE_ADAGRAD])
+def test_a_zero_gradient_leaves_a_row_bit_identical(optimizer: EmbOptimType) -> None:
+    # on a GPU every synced hot row is updated (no data-sized filter): a zero gradient must change no bit
+    g = torch.Generator().manual_seed(3)
+    w = torch.randn(64, 8, generator=g)
+    w[0] = -0.0
+    s = torch.rand(64, generator=g)
+    s[1] = 0.0
+    new_w, new_s = exact_update(w, s, torch.zeros(64, 8), optimizer, LR, 1e-8)
+    assert torch.equal(new_w.view(torch.int32), w.view(torch.int32))
+    assert torch.equal(new_s.view(torch.int32), s.view(torch.int32))
 
 
 def _random_store(seed: int, optimizer: EmbOptimType, native: bool) -> RowStore:

@@ -86,14 +86,17 @@ class _AwaitedAllToAll(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, flight: RowsInFlight) -> torch.Tensor:  # type: ignore[override]
-        ctx.flight = flight
+        # only the route back: keeping ``flight`` (whose ``out`` is this node's own output) on ctx would
+        # make a cycle through the autograd graph that Python's collector cannot see, and leak both
+        # buffers of every step
+        ctx.route = (list(flight.recv), list(flight.send), flight.pg, flight.labels[1], flight.dim)
         flight.work.wait()
         return flight.out
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> Tuple[Optional[torch.Tensor], None]:  # type: ignore[override]
-        f = ctx.flight
-        return all_to_all_rows(grad, f.recv, f.send, f.pg, f.labels[1], f.dim), None
+        recv, send, pg, label, dim = ctx.route
+        return all_to_all_rows(grad, recv, send, pg, label, dim), None
 
 
 def await_variable_all_to_all(x: torch.Tensor, flight: RowsInFlight) -> torch.Tensor:

@@ -38,9 +38,11 @@ def invalid_ids(values: torch.Tensor, rows_per_feature: torch.Tensor, batch_size
     bad = (values < 0) | (values >= rows_per_feature[feature_of_value])
     if values.numel() == 0:
         return bad, torch.zeros(2, dtype=torch.int64, device=values.device)
-    i = torch.argmax(bad.to(torch.uint8))  # the first maximum: the first bad id, if any
-    code = torch.stack([feature_of_value[i] + 1, values[i]])
-    return bad, code * bad[i]
+    # the first maximum: the first bad id, if any (a 1-element index: indexing with a 0-dim tensor would
+    # read it on the host)
+    i = torch.argmax(bad.to(torch.uint8)).view(1)
+    code = torch.cat([feature_of_value.index_select(0, i) + 1, values.index_select(0, i)])
+    return bad, code * bad.index_select(0, i)
 
 
 def first_invalid_id(values: torch.Tensor, lengths: torch.Tensor, rows_per_feature: torch.Tensor,

@@ -155,18 +155,31 @@ class _IdsAwaitable(Awaitable[HeraldContext]):
         return self._ctx
 
 
+@dataclass
+class _SplitSizes:
+    """The input dist's sizes, still on the ids' device until the first wait reads them: ``sizes`` =
+    [sub-bags to each owner | ids to each owner | hot rows read | of them synced sparsely], and the masks
+    the data-sized tensors are cut from (hot rows read, those synced sparsely, non-empty sub-bags)."""
+
+    sizes: torch.Tensor
+    read: torch.Tensor
+    read_sparse: torch.Tensor
+    nonempty: torch.Tensor
+
+
 class _CountsAwaitable(Awaitable[Awaitable[HeraldContext]]):
-    """First stage: the per-owner counts (and bad-id flags) in flight; waiting starts the ids' exchange."""
+    """First stage: the per-owner counts (and bad-id flags) in flight; waiting reads the sizes and starts
+    the ids' exchange."""
 
     def __init__(self, module: "ShardedHeraldEmbeddingBagCollection", ctx: HeraldContext, recv_counts: torch.Tensor,
-                 work: Any, packed: torch.Tensor, ids_to: List[int]) -> None:
+                 work: Any, sizes: _SplitSizes) -> None:
         super().__init__()
         self._module, self._ctx, self._recv_counts, self._work = module, ctx, recv_counts, work
-        self._packed, self._ids_to = packed, ids_to
+        self._sizes = sizes
 
     def _wait_impl(self) -> Awaitable[HeraldContext]:
         self._work.wait()
-        return self._module._ids_dist(self._ctx, self._recv_counts, self._packed, self._ids_to)
+        return self._module._ids_dist(self._ctx, self._recv_counts, self._sizes)
 
 
 def fused_params_of(module: EmbeddingBagCollection, sharder_fused_params: Optional[Dict[str, Any]]
@@ -395,45 +408,56 @@ class ShardedHeraldEmbeddingBagCollection(
         read_sparse = read & lay.sparse_row[:num_hot] & ~self._frozen_hot[:num_hot]
         k = read_sparse.sum().expand(W, 1)
         counts = torch.cat([bags_to[:, None], ids_to[:, None], err.expand(W, 2), k], 1)
-        # the one host read of the sizes: sub-bags and ids to each owner, hot rows read, those synced sparsely
-        sizes = torch.cat([bags_to, ids_to, read.sum()[None], k[:1, 0]]).tolist()
-        ctx.bags_to, ids_to_host = sizes[:W], sizes[W:2 * W]
-        n_cold, n_read, n_sparse = sum(ids_to_host), sizes[2 * W], sizes[2 * W + 1]
-        # sized by the host's figures: no further synchronisation
-        ctx.hot_unique = torch.nonzero_static(read, size=n_read).squeeze(1)
-        read_rank = torch.cumsum(read, 0) - 1  # each read row's position among hot_unique
-        ctx.hot_inverse = read_rank[split.bucketed_hot_rows[n_cold:]]
-        ctx.sparse_idx = read_rank[torch.nonzero_static(read_sparse, size=n_sparse).squeeze(1)]
-        nonempty = torch.nonzero_static(nonempty_mask, size=sum(ctx.bags_to)).squeeze(1)
-        cold_ids = split.bucketed_ids[:n_cold]
-        sub_of_value = bags_of_values(sub, n_cold)
-        owner, feature = sub_of_value // FB, (sub_of_value % FB) // B
-        cold_rows = lay.block_offsets[owner, lay.feature_table[feature]] + cold_ids
         ctx.split = split
         self._count_cold_traffic(sub, B)
-        ctx.send_bag_index = nonempty % FB
-        # [lengths to o | ids to o] for each owner o: sent once the counts are known
-        lengths_to = sub[nonempty].to(torch.int32).split(ctx.bags_to)
-        rows_to = cold_rows.to(torch.int32).split(ids_to_host)
-        packed = torch.cat([t for o in range(W) for t in (lengths_to[o], rows_to[o])])
         # both exchanges run asynchronously: TrainPipelineSparseDist starts this input dist before the
-        # previous batch's forward and waits for it after, so neither sits on the critical path
+        # previous batch's forward and waits for it after. Nothing here reads the host: the sizes (sub-bags
+        # and ids to each owner, hot rows read, those synced sparsely) are read at the first wait, so on a
+        # GPU the host queues the previous batch's forward while these kernels run
+        sizes = _SplitSizes(torch.cat([bags_to, ids_to, read.sum()[None], k[:1, 0]]), read, read_sparse,
+                            nonempty_mask)
         recv_counts, work = all_to_all_rows_async(counts, [1] * W, [1] * W, self._pg, "herald_meta")
-        return KJTListSplitsAwaitable([_CountsAwaitable(self, ctx, recv_counts, work, packed, ids_to_host)], ctx)
+        return KJTListSplitsAwaitable([_CountsAwaitable(self, ctx, recv_counts, work, sizes)], ctx)
 
-    def _ids_dist(self, ctx: HeraldContext, recv_counts: torch.Tensor, packed: torch.Tensor, ids_to: List[int]
-                  ) -> "_IdsAwaitable":
-        """The counts arrived: raise on any rank's bad id (every rank together), then start the
-        all-to-all of the sub-bag lengths and ids."""
-        recv_counts = recv_counts.cpu()
-        self._raise_on_bad_ids(recv_counts)
-        ctx.bags_from = recv_counts[:, 0].tolist()
-        ids_from = recv_counts[:, 1].tolist()
-        ctx.sparse_from = recv_counts[:, 4].tolist()
-        sizes = [n for b, i in zip(ctx.bags_from, ids_from) for n in (b, i)]
+    def _sized_by_host(self, ctx: HeraldContext, sizes: "_SplitSizes", host: List[int]) -> Tuple[torch.Tensor, List[int]]:
+        """The input dist's data-sized part, at the first wait, from ``host`` (``sizes.sizes`` read): the
+        hot rows read (and each hot id's place among them), the non-empty sub-bags and the packed
+        ``[lengths to o | rows to o]`` message for each owner ``o``. Returns (message, ids to each owner)."""
+        split, W = ctx.split, self._world
+        assert split is not None
+        FB = len(self._feature_names) * ctx.batch_size
+        ctx.bags_to, ids_to = host[:W], host[W:2 * W]
+        n_cold, n_read, n_sparse = sum(ids_to), host[2 * W], host[2 * W + 1]
+        # sized by the host's figures: no further synchronisation
+        ctx.hot_unique = torch.nonzero_static(sizes.read, size=n_read).squeeze(1)
+        read_rank = torch.cumsum(sizes.read, 0) - 1  # each read row's position among hot_unique
+        ctx.hot_inverse = read_rank[split.bucketed_hot_rows[n_cold:]]
+        ctx.sparse_idx = read_rank[torch.nonzero_static(sizes.read_sparse, size=n_sparse).squeeze(1)]
+        nonempty = torch.nonzero_static(sizes.nonempty, size=sum(ctx.bags_to)).squeeze(1)
+        lay, sub = self._ids, split.sub_lengths
+        cold_ids = split.bucketed_ids[:n_cold]
+        sub_of_value = bags_of_values(sub, n_cold)
+        owner, feature = sub_of_value // FB, (sub_of_value % FB) // ctx.batch_size
+        cold_rows = lay.block_offsets[owner, lay.feature_table[feature]] + cold_ids
+        ctx.send_bag_index = nonempty % FB
+        lengths_to = sub[nonempty].to(torch.int32).split(ctx.bags_to)
+        rows_to = cold_rows.to(torch.int32).split(ids_to)
+        return torch.cat([t for o in range(W) for t in (lengths_to[o], rows_to[o])]), ids_to
+
+    def _ids_dist(self, ctx: HeraldContext, recv_counts: torch.Tensor, sizes: "_SplitSizes") -> "_IdsAwaitable":
+        """The counts arrived: raise on any rank's bad id (every rank together), then read this batch's
+        sizes, build the message and start the all-to-all of the sub-bag lengths and ids."""
+        W = self._world
+        # the input dist's one host read: the counts received and this rank's own sizes
+        host = torch.cat([recv_counts.flatten().to(torch.int64), sizes.sizes]).tolist()
+        got = [host[5 * r: 5 * r + 5] for r in range(W)]  # per rank: sub-bags, ids, bad feature + 1, bad id, k
+        self._raise_on_bad_ids(got)
+        packed, ids_to = self._sized_by_host(ctx, sizes, host[5 * W:])
+        ctx.bags_from, ids_from, ctx.sparse_from = [g[0] for g in got], [g[1] for g in got], [g[4] for g in got]
+        recv_sizes = [n for b, i in zip(ctx.bags_from, ids_from) for n in (b, i)]
         recv, work = all_to_all_rows_async(packed, [b + i for b, i in zip(ctx.bags_to, ids_to)],
                                            [b + i for b, i in zip(ctx.bags_from, ids_from)], self._pg, "herald_ids")
-        return _IdsAwaitable(ctx, recv, work, sizes)
+        return _IdsAwaitable(ctx, recv, work, recv_sizes)
 
     def _count_cold_traffic(self, sub: torch.Tensor, B: int) -> None:
         """Count the cold ids and sub-bags this rank sends to each owner, per feature (two adds a step;
@@ -467,11 +491,12 @@ class ShardedHeraldEmbeddingBagCollection(
         if on_gpu:
             torch.cuda.synchronize(self._device)
 
-    def _raise_on_bad_ids(self, recv_counts: torch.Tensor) -> None:
-        bad_ranks = (recv_counts[:, 2] > 0).nonzero().flatten().tolist()
+    def _raise_on_bad_ids(self, got: List[List[int]]) -> None:
+        """``got[r]``: rank r's counts row (``[2]``: its first bad id's feature + 1, or 0; ``[3]``: the id)."""
+        bad_ranks = [r for r, g in enumerate(got) if g[2] > 0]
         if bad_ranks:
             r = bad_ranks[0]
-            raise self.bad_id_error(bad_ranks, int(recv_counts[r, 2]) - 1, int(recv_counts[r, 3]))
+            raise self.bad_id_error(bad_ranks, got[r][2] - 1, got[r][3])
 
     def bad_id_error(self, bad_ranks: List[int], feature: int, value: int) -> ValueError:
         """The error every rank raises for an id outside its table: ``value`` of feature index ``feature``

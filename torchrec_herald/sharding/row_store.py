@@ -71,8 +71,9 @@ class RowStore(nn.Module):
         # each hot slot's row in this rank's cold block (-1: another rank's block)
         self.cold_row_of_hot = torch.full((max(layout.num_hot, 1),), -1, dtype=torch.int64, device=device)
         self.cold_row_of_hot[self.mirror_hot] = self.mirror_cold.to(torch.int64)
-        # hot slots updated since their block copies were last written (see flush_mirror)
-        self._mirror_pending: List[torch.Tensor] = []
+        # hot slots updated since their block copies were last written (see flush_mirror): a mask of fixed
+        # size, so a long run holds no more than one flag per hot row however many steps pass between flushes
+        self._mirror_dirty = torch.zeros(max(layout.num_hot, 1), dtype=torch.bool, device=device)
         # by-key access (plan mode only): own rows by arithmetic on the key, cached rows in a sorted map
         self.cache_map = SortedKeyMap(slot=torch.int64)
         # remote rows (Herald's cache): [slots, D] weights + [slots] state, grown on demand
@@ -126,7 +127,7 @@ class RowStore(nn.Module):
         TBE's saved tensors must not see a version bump (the rows written are hot, never looked up or
         updated through the cold TBE)."""
         if hot_rows is None:
-            self._mirror_pending.clear()  # every copy is written now
+            self._mirror_dirty.zero_()  # every copy is written now
             hot, cold = self.mirror_hot, self.mirror_cold
         else:
             cold = self.cold_row_of_hot[hot_rows]
@@ -144,24 +145,26 @@ class RowStore(nn.Module):
         in the cold TBE, so the copies are needed only where the block is read as a ROW_WISE shard
         (:meth:`cold_block`, :meth:`cold_block_state`: state dicts, checkpoints, full tables); writing
         them there, not at every update, takes two index copies off each step."""
-        if self._mirror_pending:
-            rows = torch.cat(self._mirror_pending)
-            self._mirror_pending.clear()
+        rows = self._mirror_dirty.nonzero().flatten()
+        if rows.numel():
+            self._mirror_dirty.zero_()
             self.mirror_hot_into_cold(rows)
 
     def update_hot_rows(self, rows: torch.Tensor, grad: torch.Tensor) -> None:
         """Apply :func:`exact_update` to the hot replicas ``rows`` (distinct hot slots, on the device) with
         ``grad`` ``[len(rows), D]`` their gradient summed over ranks; their block copies follow at the
-        next :meth:`flush_mirror`. Only rows with a nonzero gradient are touched: for the others the update is the identity
-        (``w - 0``, ``s + 0``), so skipping them changes no bit."""
+        next :meth:`flush_mirror`. A row whose gradient is zero is left as it is by the update rule
+        (``w - 0``, ``s + 0``): on a CPU only the others are touched (fewer rows to write); on a GPU every
+        row is updated, since picking them out is sized by the data and would make the host wait."""
         with torch.no_grad():
-            nonzero = grad.ne(0).any(1)
-            rows, grad = rows[nonzero], grad[nonzero]
-            if not rows.numel():
-                return
+            if not rows.is_cuda:
+                nonzero = grad.ne(0).any(1)
+                rows, grad = rows[nonzero], grad[nonzero]
+                if not rows.numel():
+                    return
             w, s = self.hot_weights(), self.hot_state
             w[rows], s[rows] = exact_update(w[rows], s[rows], grad, self.optimizer, self.lr, self.eps)
-            self._mirror_pending.append(rows)
+            self._mirror_dirty.index_fill_(0, rows, True)
 
     # ------------------------------------------------------------------ by global key
     def _dev(self, index: torch.Tensor) -> torch.Tensor:
