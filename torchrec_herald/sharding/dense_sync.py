@@ -76,7 +76,8 @@ class ForwardOrderedDenseSync:
     """``DistributedModelParallel(data_parallel_wrapper=ForwardOrderedDenseSync())`` instead of DDP.
 
     After :meth:`wrap`, build the dense optimizer with :meth:`dense_optimizer` (each group steps when its
-    sum has arrived), or :func:`dense_optimizer_for`. The wrapper is kept on the DMP as ``dmp.dense_sync``.
+    sum has arrived; groups whose sums have all arrived step together, in one optimizer call), or
+    :func:`dense_optimizer_for`. The wrapper is kept on the DMP as ``dmp.dense_sync``.
     A group's pending update is applied by the forward, ``state_dict`` and ``load_state_dict`` pre-hooks
     of its layers; :meth:`settle_all` (the optimizer's state) applies every one.
     """
@@ -86,8 +87,9 @@ class ForwardOrderedDenseSync:
         self.groups: List[DenseGroup] = []
         self._pg: Optional[dist.ProcessGroup] = None
         self._world = 1
-        self._optims: List[KeyedOptimizer] = []
+        self._optim: Optional[KeyedOptimizer] = None  # one optimizer, one param group per dense group
         self._pending: List[Optional[Tuple[torch.Tensor, Any]]] = []  # per group: (sum buffer, work) in flight
+        self._reached: List[bool] = []  # per group: its layers' forward ran since the sums were last started
 
     # ------------------------------------------------------------------ DataParallelWrapper
     def wrap(self, dmp: Any, env: Any, device: torch.device) -> None:
@@ -109,12 +111,13 @@ class ForwardOrderedDenseSync:
         self._world = len(ranks)
         self.groups = group_dense_parameters(module, dense, self.group_bytes)
         self._pending = [None] * len(self.groups)
+        self._reached = [False] * len(self.groups)
         with torch.no_grad():  # as DDP does at construction: every rank starts from rank 0's dense weights
             for p in dense.values():
                 dist.broadcast(p.data, src=ranks[0], group=self._pg)
         for i, g in enumerate(self.groups):  # every read of a group's weights settles its pending update
             for owner in g.owners:
-                owner.register_forward_pre_hook(lambda *_, i=i: self.settle(i))
+                owner.register_forward_pre_hook(lambda *_, i=i: self._reach(i))
                 owner.register_state_dict_pre_hook(lambda *_, i=i: self.settle(i))
                 owner.register_load_state_dict_pre_hook(lambda *_, i=i: self.settle(i))
         logger.info("dense sync: %d groups of %s bytes, summed in forward order",
@@ -122,9 +125,13 @@ class ForwardOrderedDenseSync:
 
     # ------------------------------------------------------------------ optimizer
     def dense_optimizer(self, factory: OptimizerFactory) -> "DeferredDenseOptimizer":
-        """The dense optimizer (one ``factory`` optimizer per group), stepping each group when it settles."""
-        self._optims = [KeyedOptimizerWrapper(dict(zip(g.names, g.params)), factory)
-                        for g in self.groups]
+        """The dense optimizer, stepping each group when it settles: one ``factory`` optimizer given the
+        groups as torch param groups (``[{"params": [...]}, ...]``, which every ``torch.optim`` optimizer
+        accepts), so one ``step`` updates every group whose sum has arrived (a parameter without a gradient
+        is passed over, as ``torch.optim`` does) and the state keeps one param group per dense group."""
+        named = {n: p for g in self.groups for n, p in zip(g.names, g.params)}
+        self._optim = KeyedOptimizerWrapper(named, lambda _: factory([{"params": list(g.params)}
+                                                                      for g in self.groups]))
         return DeferredDenseOptimizer(self)
 
     def _start(self, i: int) -> None:
@@ -142,29 +149,42 @@ class ForwardOrderedDenseSync:
         soon as a group's gradients are complete: the sums would then share the link with the hot rows'
         gradient sum, which the next forward needs first (RESULTS.md: slower at 50 Mbit/s)."""
         for i, g in enumerate(self.groups):
-            if self._pending[i] is not None:  # the group's layers did not run since its last update ...
+            if not self._reached[i]:  # the group's layers did not run since the sums were last started ...
                 used = [n for n, p in zip(g.names, g.params) if p.grad is not None]
-                if used:  # ... yet its parameters got gradients: read elsewhere, before their update
+                if used:  # ... yet its parameters got gradients: read elsewhere, maybe before their update
                     raise RuntimeError(f"dense parameter '{used[0]}' was read before its last update was applied: "
                                        "it is used outside the forward of the module that holds it (shared "
                                        "weights?); planner.dense_sync=forward_ordered cannot see such reads "
                                        "(use planner.dense_sync=ddp)")
                 self.settle(i)
             self._start(i)
+            self._reached[i] = False
+
+    def _reach(self, i: int) -> None:
+        """Group ``i``'s layers are about to run their forward: its update is applied first."""
+        self._reached[i] = True
+        self.settle(i)
 
     def settle(self, i: int) -> None:
-        """Wait for group ``i``'s sum and apply its optimizer step (no-op if none is in flight)."""
-        pending = self._pending[i]
-        if pending is None:
+        """Wait for group ``i``'s sum and apply its optimizer step (no-op if none is in flight), together
+        with every other group whose sum has already arrived: one optimizer call where the groups' sums
+        are all in (a GPU host pays each call's overhead), one per group where the link is the slower.
+        Exact either way: each parameter gets the same update, once per step, before its next read."""
+        if self._pending[i] is None:
             return
-        self._pending[i] = None
-        flat, work = pending
-        work.wait()
-        g = self.groups[i]
-        for p, grad in zip(g.params, _unflatten_dense_tensors(flat, g.params)):
-            p.grad = grad
-        self._optims[i].step()
-        for p in g.params:  # the coming backward accumulates from zero, as after zero_grad
+        ready = [i] + [j for j, p in enumerate(self._pending) if j != i and p is not None and p[1].is_completed()]
+        params: List[nn.Parameter] = []
+        for j in ready:
+            flat, work = self._pending[j]  # type: ignore[misc]
+            self._pending[j] = None
+            work.wait()
+            g = self.groups[j]
+            for p, grad in zip(g.params, _unflatten_dense_tensors(flat, g.params)):
+                p.grad = grad
+            params += g.params
+        assert self._optim is not None
+        self._optim.step()
+        for p in params:  # the coming backward accumulates from zero, as after zero_grad
             p.grad = None
 
     def settle_all(self) -> None:
@@ -182,7 +202,8 @@ class DeferredDenseOptimizer(CombinedOptimizer):
     group's own optimizer steps when its sum is waited for. Its state (checkpoints) is settled first."""
 
     def __init__(self, sync: ForwardOrderedDenseSync) -> None:
-        super().__init__(list(sync._optims))
+        assert sync._optim is not None
+        super().__init__([sync._optim])
         self._sync = sync
 
     def step(self, closure: Any = None) -> None:
