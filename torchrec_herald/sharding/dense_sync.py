@@ -2,10 +2,11 @@
 
 DDP waits for every dense gradient's all-reduce at the end of backward, yet the next forward needs a
 layer's weights only when it reaches that layer. Here the optimizer step starts each group of layers'
-sum, in forward order, on a process group of its own, and each sum is waited for and applied (the
-group's own optimizer step) just before that group's next forward. Exact: the same averaged
-gradients and the same per-parameter updates as DDP + the dense optimizer, applied before any read of
-the weights (forward, ``state_dict``, ``load_state_dict``, the optimizer's state).
+sum, in forward order, on a process group of its own, and each sum is waited for and applied (an
+optimizer step over that group, and over any other group whose sum has arrived) just before that
+group's next forward. Exact: the same averaged gradients and the same per-parameter updates as DDP +
+the dense optimizer, applied before any read of the weights (forward, ``state_dict``,
+``load_state_dict``, the optimizer's state).
 """
 
 from __future__ import annotations
@@ -199,7 +200,7 @@ class ForwardOrderedDenseSync:
 
 class DeferredDenseOptimizer(CombinedOptimizer):
     """The dense optimizer of :class:`ForwardOrderedDenseSync`: ``step()`` starts the groups' sums, each
-    group's own optimizer steps when its sum is waited for. Its state (checkpoints) is settled first."""
+    group is stepped when its sum is waited for. Its state (checkpoints) is settled first."""
 
     def __init__(self, sync: ForwardOrderedDenseSync) -> None:
         assert sync._optim is not None
