@@ -251,3 +251,57 @@ def test_groups_whose_sums_arrived_step_in_one_call_and_old_checkpoints_load() -
     for r in run_multiprocess(_one_call_and_old_state, 2):
         assert r["groups"] == 3 and r["calls_when_all_arrived"] == 1
         assert r["same_keys"] and r["loaded"]
+
+
+class _SkipsItsFirstLayer(nn.Module):
+    """``a`` then ``b``; ``skip`` leaves ``a`` out of a forward (its group's sum then waits for a later one)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(4, 4)
+        self.b = nn.Linear(4, 1)
+
+    def forward(self, x: torch.Tensor, skip: bool) -> torch.Tensor:
+        return self.b(x if skip else self.a(x))
+
+
+def _skipped_layer(rank: int, world: int) -> bool:
+    from types import SimpleNamespace
+
+    import torch.distributed as dist
+
+    from torchrec_herald.sharding.dense_sync import ForwardOrderedDenseSync
+
+    torch.manual_seed(0)
+    ref, mine = _SkipsItsFirstLayer(), _SkipsItsFirstLayer()
+    mine.load_state_dict(ref.state_dict())
+    plain = torch.optim.SGD(ref.parameters(), lr=0.1)
+    dmp = SimpleNamespace(_dmp_wrapped_module=mine)
+    sync = ForwardOrderedDenseSync(group_bytes=1)  # a and b: one group each
+    sync.wrap(dmp, SimpleNamespace(process_group=dist.group.WORLD), torch.device("cpu"))
+    opt = sync.dense_optimizer(lambda ps: torch.optim.SGD(ps, lr=0.1))
+    x = torch.arange(8.0).view(2, 4) / 8
+
+    class _NotYetArrived:  # a slow link: no sum has arrived when the next forward's hooks look
+        def __init__(self, work: Any) -> None:
+            self.work = work
+
+        def is_completed(self) -> bool:
+            return False
+
+        def wait(self) -> None:
+            self.work.wait()
+
+    for skip in (False, True, False, True):
+        plain.zero_grad()
+        ref(x, skip).sum().backward()
+        plain.step()
+        mine(x, skip).sum().backward()
+        opt.step()  # with a skipped, its last sum is applied here: b's fresh local gradient must wait
+        sync._pending = [None if p is None else (p[0], _NotYetArrived(p[1])) for p in sync._pending]
+    sync.settle_all()
+    return all(torch.equal(p, q) for p, q in zip(ref.parameters(), mine.parameters()))
+
+
+def test_a_layer_left_out_of_a_forward_changes_nothing_the_optimizer_does() -> None:
+    assert run_multiprocess(_skipped_layer, 1) == [True]

@@ -7,7 +7,7 @@ import torch
 from fbgemm_gpu.split_embedding_configs import EmbOptimType
 
 from torchrec_herald.layout import RowLayout
-from torchrec_herald.sharding.row_store import RowStore, exact_update
+from torchrec_herald.sharding.row_store import RowStore, exact_update, exact_update_where_nonzero
 
 LR = 0.1
 
@@ -141,3 +141,17 @@ def test_compiled_row_access_reads_and_writes_like_the_torch_reference() -> None
                     access(torch.cat([stores[0].layout.hot_keys[:1], remote]))
                 errors.append(str(e.value))
         assert errors == [f"rank 1: plan reads rows it does not hold: keys {remote.tolist()}"] * 4
+
+
+def test_the_gpu_update_leaves_zero_gradient_rows_as_they_were_even_with_eps_zero() -> None:
+    # on a GPU every synced hot row is written: a row nobody read must come out as it went in, where
+    # exact_update alone gives 0 * lr / (sqrt(0) + 0) = NaN
+    w = torch.tensor([[1.0, -2.0], [3.0, 4.0]])
+    s = torch.tensor([0.0, 0.5])
+    grad = torch.tensor([[0.0, 0.0], [0.5, -1.0]])
+    naive_w, _ = exact_update(w, s, grad, EmbOptimType.EXACT_ROWWISE_ADAGRAD, LR, 0.0)
+    assert bool(naive_w[0].isnan().all())
+    new_w, new_s = exact_update_where_nonzero(w, s, grad, EmbOptimType.EXACT_ROWWISE_ADAGRAD, LR, 0.0)
+    want_w, want_s = exact_update(w[1:], s[1:], grad[1:], EmbOptimType.EXACT_ROWWISE_ADAGRAD, LR, 0.0)
+    assert torch.equal(new_w[0], w[0]) and float(new_s[0]) == 0.0
+    assert torch.equal(new_w[1:], want_w) and torch.equal(new_s[1:], want_s)

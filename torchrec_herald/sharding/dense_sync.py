@@ -126,13 +126,11 @@ class ForwardOrderedDenseSync:
 
     # ------------------------------------------------------------------ optimizer
     def dense_optimizer(self, factory: OptimizerFactory) -> "DeferredDenseOptimizer":
-        """The dense optimizer, stepping each group when it settles: one ``factory`` optimizer given the
-        groups as torch param groups (``[{"params": [...]}, ...]``, which every ``torch.optim`` optimizer
-        accepts), so one ``step`` updates every group whose sum has arrived (a parameter without a gradient
-        is passed over, as ``torch.optim`` does) and the state keeps one param group per dense group."""
+        """The dense optimizer, stepping each group when it settles: one ``factory`` optimizer over every
+        dense parameter (as DDP's), so one ``step`` updates every group whose sum has arrived; the other
+        parameters' gradients are kept out of that step (:meth:`settle`)."""
         named = {n: p for g in self.groups for n, p in zip(g.names, g.params)}
-        self._optim = KeyedOptimizerWrapper(named, lambda _: factory([{"params": list(g.params)}
-                                                                      for g in self.groups]))
+        self._optim = KeyedOptimizerWrapper(named, factory)
         return DeferredDenseOptimizer(self)
 
     def _start(self, i: int) -> None:
@@ -174,6 +172,13 @@ class ForwardOrderedDenseSync:
         if self._pending[i] is None:
             return
         ready = [i] + [j for j, p in enumerate(self._pending) if j != i and p is not None and p[1].is_completed()]
+        # gradients the step must not see (other groups' local, not yet summed ones: a settle can run
+        # between a backward and the sums' start), set aside for the step's length
+        aside = {id(p): p.grad for j, g in enumerate(self.groups) if j not in ready for p in g.params
+                 if p.grad is not None}
+        others = [p for j, g in enumerate(self.groups) if j not in ready for p in g.params if id(p) in aside]
+        for p in others:
+            p.grad = None
         params: List[nn.Parameter] = []
         for j in ready:
             flat, work = self._pending[j]  # type: ignore[misc]
@@ -187,6 +192,8 @@ class ForwardOrderedDenseSync:
         self._optim.step()
         for p in params:  # the coming backward accumulates from zero, as after zero_grad
             p.grad = None
+        for p in others:
+            p.grad = aside[id(p)]
 
     def settle_all(self) -> None:
         for i in range(len(self.groups)):

@@ -236,7 +236,7 @@ class HeraldFusedOptimizer(FusedOptimizer):
         mirrored into these blocks then)."""
         module = self.__dict__.get("_module")
         if module is not None:
-            module.settle_hot_sync()
+            module.store.flush_mirror()  # (settles the hot sync first) the blocks' hot-row state up to date
         return self.__dict__["_herald_state"]
 
     @state.setter
@@ -411,9 +411,11 @@ class ShardedHeraldEmbeddingBagCollection(
         ctx.split = split
         self._count_cold_traffic(sub, B)
         # both exchanges run asynchronously: TrainPipelineSparseDist starts this input dist before the
-        # previous batch's forward and waits for it after. Nothing here reads the host: the sizes (sub-bags
-        # and ids to each owner, hot rows read, those synced sparsely) are read at the first wait, so on a
-        # GPU the host queues the previous batch's forward while these kernels run
+        # previous batch's forward and waits for it after. Past the settle above (sparsely synced tables
+        # merge their rows with ``torch.unique``; on a CPU the zero-gradient filter), nothing here reads
+        # the host: the sizes (sub-bags and ids to each owner, hot rows read, those synced sparsely) are
+        # read at the first wait, so on a GPU the host queues the previous batch's forward while these
+        # kernels run
         sizes = _SplitSizes(torch.cat([bags_to, ids_to, read.sum()[None], k[:1, 0]]), read, read_sparse,
                             nonempty_mask)
         recv_counts, work = all_to_all_rows_async(counts, [1] * W, [1] * W, self._pg, "herald_meta")

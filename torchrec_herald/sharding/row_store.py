@@ -33,6 +33,16 @@ def exact_update(w: torch.Tensor, state: torch.Tensor, grad: torch.Tensor, optim
     return w - grad * (lr / (state.sqrt() + eps))[:, None], state
 
 
+def exact_update_where_nonzero(w: torch.Tensor, state: torch.Tensor, grad: torch.Tensor, optimizer: EmbOptimType,
+                               lr: float, eps: float) -> Tuple[torch.Tensor, torch.Tensor]:
+    """:func:`exact_update` where a row's gradient is nonzero, the row as it was elsewhere (as the fused
+    kernel leaves a row no batch read), with no host read (``eps = 0`` and a zero state would otherwise
+    make such a row ``0·lr/0``, NaN)."""
+    nonzero = grad.ne(0).any(1)
+    new_w, new_s = exact_update(w, state, grad, optimizer, lr, eps)
+    return torch.where(nonzero[:, None], new_w, w), torch.where(nonzero, new_s, state)
+
+
 def _native_row_ops() -> Optional[Any]:
     """The compiled row access (herald's extension), or None where it is not built (the torch ops run)."""
     from torchrec_herald.native import NativeUnavailable, load
@@ -153,9 +163,11 @@ class RowStore(nn.Module):
     def update_hot_rows(self, rows: torch.Tensor, grad: torch.Tensor) -> None:
         """Apply :func:`exact_update` to the hot replicas ``rows`` (distinct hot slots, on the device) with
         ``grad`` ``[len(rows), D]`` their gradient summed over ranks; their block copies follow at the
-        next :meth:`flush_mirror`. A row whose gradient is zero is left as it is by the update rule
-        (``w - 0``, ``s + 0``): on a CPU only the others are touched (fewer rows to write); on a GPU every
-        row is updated, since picking them out is sized by the data and would make the host wait."""
+        next :meth:`flush_mirror`. A row whose gradient is zero is left as it is (as the fused kernel
+        leaves a row no batch read): on a CPU only the others are touched (fewer rows to write); on a GPU
+        every row is written, each keeping its old value where its gradient is zero
+        (:func:`exact_update_where_nonzero`), since picking the rows out is sized by the data and would
+        make the host wait."""
         with torch.no_grad():
             if not rows.is_cuda:
                 nonzero = grad.ne(0).any(1)
@@ -163,7 +175,8 @@ class RowStore(nn.Module):
                 if not rows.numel():
                     return
             w, s = self.hot_weights(), self.hot_state
-            w[rows], s[rows] = exact_update(w[rows], s[rows], grad, self.optimizer, self.lr, self.eps)
+            update = exact_update if not rows.is_cuda else exact_update_where_nonzero
+            w[rows], s[rows] = update(w[rows], s[rows], grad, self.optimizer, self.lr, self.eps)
             self._mirror_dirty.index_fill_(0, rows, True)
 
     # ------------------------------------------------------------------ by global key
