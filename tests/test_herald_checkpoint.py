@@ -57,6 +57,10 @@ def _worker(rank: int, world: int) -> Dict[str, Any]:
     h = build(world, cfg)
     probe = next(iter(h["data"].eval_batches(rank, world, h["batch_size"])))
     run_steps(h["dmp"], h["optimizer"], h["data"].train_batches(rank, world, h["batch_size"]))
+    # the optimizer's state read first, before anything reads the model's (which writes the hot rows'
+    # block copies): a checkpoint of the optimizer alone must hold the hot rows' state too
+    early = {f"{k}/{kk}": vv.local_shards()[0].tensor.clone()
+             for k, v in h["dmp"].fused_optimizer.state_dict()["state"].items() for kk, vv in v.items()}
     raw = h["dmp"].state_dict()
     out["herald_types"] = sorted({type(v).__name__ for k, v in raw.items() if k.startswith(EBC)})
     out["herald_local_rows"] = {t.name: raw[EBC + t.name + ".weight"].local_shards()[0].tensor.shape[0]
@@ -108,6 +112,8 @@ def _worker(rank: int, world: int) -> Dict[str, Any]:
     out["opt_trained_diff"] = max((a - b).abs().max().item() for a, b in
                                   zip(local(fused).values(), local(rw_fused).values()))
     out["opt_trained_keys_equal"] = list(local(fused)) == list(local(rw_fused))
+    out["opt_read_first_diff"] = max((a - b).abs().max().item() for a, b in
+                                     zip(early.values(), local(rw_fused).values()))
     # stock ROW_WISE -> a fresh herald: state loaded exactly, hot replicas' state refreshed on every rank
     h_opt = build(world, cfg)
     h_opt["dmp"].fused_optimizer.load_state_dict(rw_fused)
@@ -214,6 +220,7 @@ def test_optimizer_state_moves_between_herald_and_stock_row_wise() -> None:
         assert r["rw_fused_state"][EBC + "t_cat_0.weight"] == ["t_cat_0.momentum1"]
         assert r["opt_trained_keys_equal"]
         assert r["opt_trained_diff"] < 1e-8
+        assert r["opt_read_first_diff"] < 1e-8  # read before the model's state: the hot rows' too
         assert r["opt_stock_to_herald_equal"] and r["opt_herald_to_stock_equal"]
     assert torch.equal(res[0]["opt_hot_state"], res[1]["opt_hot_state"])
     assert res[0]["opt_hot_state"].sum() > 0
