@@ -27,7 +27,8 @@ ALLOCATORS = ("auto", "greedy", "identity")
 SYNC_MODES = ("lazy", "eager")
 #: ``pipeline.scheduling`` values: ``on`` = the allocator and ``sync`` as configured; ``off`` = hot
 #: replication alone (samples stay where loaded, herald's per-step path); ``auto`` = time both on the
-#: first steps and keep the faster (where batches are global and the plan exact; else ``on``)
+#: first steps and keep scheduling where it is the faster by ``auto_scheduling.ON_MARGIN`` (where
+#: batches are global and the plan exact; else ``on``)
 SCHEDULING = ("on", "off", "auto")
 #: ``pipeline.planning`` values: ``global`` = every rank plans every row (the same plan everywhere);
 #: ``by_home`` = each rank plans the rows it is home to from the read keys sent to it
