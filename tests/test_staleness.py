@@ -412,6 +412,15 @@ def _one_run(rank: int, world: int, cfg: Dict[str, Any]) -> Dict[str, Any]:
         prefetched[0] += ex._prefetched is not None
 
     ex.prefetch = counted
+    joined = [0]  # steps whose pushes carried the next plan's pushes before its reads (one all-to-all)
+    joins = ex._joins_pushes
+
+    def counted_joins(plan: Any, next_plan: Any) -> bool:
+        ok = joins(plan, next_plan)
+        joined[0] += int(ok)
+        return ok
+
+    ex._joins_pushes = counted_joins
     it: Any = (TrainStream(b["data"], rank, world, b["batch_size"], whole=True) if cfg.get("whole")
                else b["data"].train_batches(rank, world, b["batch_size"]))
     losses = []
@@ -424,7 +433,8 @@ def _one_run(rank: int, world: int, cfg: Dict[str, Any]) -> Dict[str, Any]:
     state = full_state(dmp)
     return {"losses": losses, "state": state, "raw_state": dict(gather_state(dmp.state_dict()), hot=ebc.hot_values()),
             "initial": b["initial"], "tags": meter.tag_summary(), "stats": pipe.stats, "grad_sum": grad_sum,
-            "tables": list(ebc.layout.tables), "offsets": ebc.layout.table_offsets.clone(), "prefetched": prefetched[0]}
+            "tables": list(ebc.layout.tables), "offsets": ebc.layout.table_offsets.clone(), "prefetched": prefetched[0],
+            "joined": joined[0]}
 
 
 def _worker(rank: int, world: int, names: List[str]) -> Dict[str, Dict[str, Any]]:
@@ -515,11 +525,13 @@ def _plan_vectors(r: Dict[str, Any]) -> float:
 @pytest.mark.parametrize("name,ref", [("sgd_s3_ahead", "sgd_s3"), ("adagrad_s1_ahead", "adagrad_s1")])
 def test_staleness_scheduled_ahead_prefetches_and_trains_bit_for_bit_like_the_per_rank_path(name: str, ref: str) -> None:
     """Run ahead on whole global batches, each step's pulls start while the previous step ends (its
-    pushes before the reads included); the training is the per-rank path's, bit for bit."""
+    pushes before the reads included, most of them in the previous step's push all-to-all); the
+    training is the per-rank path's, bit for bit."""
     for r in _runs():
         got, want = r[name], r[ref]
         # every step but the first and the window's last ones (no next plan made ahead)
         assert got["prefetched"] >= TRAIN_STEPS - 5 and want["prefetched"] == 0
+        assert got["joined"] > 0 and want["joined"] == 0
         assert got["losses"] == want["losses"]
         assert all(torch.equal(got["state"][k], v) for k, v in want["state"].items())
         assert got["stats"].stale_reads == want["stats"].stale_reads > 0
@@ -603,3 +615,4 @@ def test_local_on_counts_cached_copies_at_most_s_behind_and_scores_sum_it(world:
     sample = torch.randint(0, 30, (400,), generator=torch.Generator().manual_seed(seed + 1))
     dense = torch.zeros(world, 30, dtype=torch.int64).index_add_(1, sample, got[:, keys].to(torch.int64)).T
     assert torch.equal(vec.local_scores(keys, sample, 30).to(torch.int64), dense)
+

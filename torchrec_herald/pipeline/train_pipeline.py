@@ -333,6 +333,13 @@ class HeraldTrainPipeline(TrainPipeline[Batch, Any]):
         if plan_head(self.env, list(self._queue), self.sync == "lazy", self.skip_hook, self):
             self._flushed = False
 
+    def _next_plan_made_ahead(self) -> Optional[Any]:
+        """The next step's plan, where the run-ahead thread made it (its batch taken into the window)."""
+        if self._ahead is None:
+            return None
+        self._collect_ahead()
+        return self._queue[0].plan if self._queue else None
+
     def _prefetch_next(self) -> None:
         """Run-ahead: once this step's pushes are done, take the next batch's plan (made ahead) and start
         its pulls, so they travel while the dense optimizer steps and the next step starts."""
@@ -351,7 +358,7 @@ class HeraldTrainPipeline(TrainPipeline[Batch, Any]):
         loss, output = self._model(ctx.batch.to(self._device, non_blocking=True))
         torch.sum(loss).backward()
         if self.sync == "lazy":
-            self.ebc.finish_plan_step()
+            self.ebc.finish_plan_step(self._next_plan_made_ahead())
             self._prefetch_next()
         self._optimizer.step()
         return output

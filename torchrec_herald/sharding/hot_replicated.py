@@ -609,9 +609,10 @@ class ShardedHeraldEmbeddingBagCollection(
         """Execute a plan whose batch will not be trained (no-op on every value; collective)."""
         self.plan_executor.run_without_gradients(plan)
 
-    def finish_plan_step(self) -> None:
-        """After backward: reduce, exact update, pushes and evictions of the plan (collective)."""
-        self.plan_executor.finish()
+    def finish_plan_step(self, next_plan: Any = None) -> None:
+        """After backward: reduce, exact update, pushes and evictions of the plan (collective);
+        ``next_plan``: the next step's plan where it is made already (see :meth:`PlanExecutor.finish`)."""
+        self.plan_executor.finish(next_plan)
 
     def set_frozen_keys(self, keys: torch.Tensor) -> None:
         """Plan mode, stale-update skipping (``row``): global keys of hot rows read without an update."""

@@ -49,6 +49,8 @@ class PlanExecutor:
         self.frozen_keys = torch.empty(0, dtype=torch.int64)  # stale-update skipping: rows read, not updated
         # a plan whose pulls are in flight (prefetch): (plan, work, received rows, positions per source, keys)
         self._prefetched: Optional[Tuple[ExecPlan, Any, Any, List[torch.Tensor], torch.Tensor]] = None
+        # a plan whose pushes before its reads already travelled with the previous step's pushes
+        self._pushed_early: Optional[ExecPlan] = None
         # the step's gradient reduce, started by the working set's gradient hook inside backward:
         # (per source, the positions received; the buffer; the work), and its route, found in begin()
         self._reduce: Optional[Tuple[List[torch.Tensor], torch.Tensor, Any]] = None
@@ -141,8 +143,10 @@ class PlanExecutor:
         self._reduce = self._start_exchange(plan.reduce, lambda _: grad[rows], "herald_reduce", self.D,
                                             route=self._reduce_route)
 
-    def finish(self) -> None:
-        """After backward: reduce, exact update, pushes and evictions of the plan (collective)."""
+    def finish(self, next_plan: Optional[ExecPlan] = None) -> None:
+        """After backward: reduce, exact update, pushes and evictions of the plan (collective);
+        ``next_plan``: the next step's plan where it is already made (its pushes before the reads may then
+        travel in this step's push all-to-all, see :meth:`_joins_pushes`)."""
         plan, ws = self.plan, self.ws
         if plan is None or ws is None:
             raise RuntimeError("finish_plan_step without a planned forward (call begin_plan_step first)")
@@ -155,7 +159,7 @@ class PlanExecutor:
         planned = plan.reads[self.rank]  # frozen rows' gradients are dropped
         grad = grad.detach() if planned.numel() == self.ws_keys.numel() else \
             grad.detach()[torch.searchsorted(self.ws_keys, planned).to(grad.device)]
-        self.after_backward(plan, planned, grad, started)
+        self.after_backward(plan, planned, grad, started, next_plan)
 
     def run_without_gradients(self, plan: ExecPlan) -> None:
         """Execute ``plan`` as a step whose batch is not trained (collective): its transfers run and every
@@ -256,7 +260,7 @@ class PlanExecutor:
         if self.plan is not None or self._prefetched is not None:
             return
         self._start_tracking_base(plan)
-        self.move_rows(plan.push_before_read, "herald_update_push", plan.push_before_read_add, plan.partial)
+        self._push_before_read(plan)
         keys = plan.pull[:, 0]
         no_add = torch.zeros(len(keys), dtype=torch.bool)
         recv_pos, out, work = (self._start_exchange(plan.pull, lambda i: self._row_payload(keys[i], no_add[i]),
@@ -277,8 +281,27 @@ class PlanExecutor:
                 self._store_received(keys, torch.zeros(len(keys), dtype=torch.bool), recv_pos, out)
             return
         self._start_tracking_base(plan)
-        self.move_rows(plan.push_before_read, "herald_update_push", plan.push_before_read_add, plan.partial)
+        self._push_before_read(plan)
         self.move_rows(plan.pull, "herald_pull", partial=plan.partial)
+
+    def _push_before_read(self, plan: ExecPlan) -> None:
+        """The plan's pushes before its reads, unless they already travelled with the previous step's."""
+        if self._pushed_early is plan:
+            self._pushed_early = None
+            return
+        self.move_rows(plan.push_before_read, "herald_update_push", plan.push_before_read_add, plan.partial)
+
+    def _joins_pushes(self, plan: ExecPlan, next_plan: Optional[ExecPlan]) -> bool:
+        """Whether ``next_plan``'s pushes before its reads can travel in ``plan``'s push all-to-all (one
+        collective a step instead of two): both plans bounded-staleness ones, whole (every rank holds the
+        same plans, so every rank decides alike), the copies' bases kept, and no row in both the pushes
+        and ``plan``'s pushes or evictions (then the order between them changes nothing)."""
+        if (next_plan is None or not plan.additive or not next_plan.additive or plan.partial or next_plan.partial
+                or not self.store.track_base or not next_plan.push_before_read.numel()):
+            return False
+        early = next_plan.push_before_read[:, 0]
+        now = torch.cat([plan.update_push[:, 0], plan.miss_push[:, 0]] + [e.to(torch.int64) for e in plan.evictions])
+        return not bool(torch.isin(early, now).any())
 
     def _start_tracking_base(self, plan: ExecPlan) -> None:
         """The first bounded-staleness plan: each copy's base (what its home had when it was read) is kept
@@ -288,10 +311,12 @@ class PlanExecutor:
             self.store.rebase_hot()
 
     def after_backward(self, plan: ExecPlan, ws_keys: torch.Tensor, ws_grad: torch.Tensor,
-                       started: Optional[Tuple[List[torch.Tensor], torch.Tensor, Any]] = None) -> None:
+                       started: Optional[Tuple[List[torch.Tensor], torch.Tensor, Any]] = None,
+                       next_plan: Optional[ExecPlan] = None) -> None:
         """Sum each read row's gradients at its reducer, apply the one exact update there, push dirty
         rows home for the next step's readers and on eviction, free evicted cache slots. ``started``:
-        the reduce's all-to-all, already started in backward (:meth:`_start_reduce`)."""
+        the reduce's all-to-all, already started in backward (:meth:`_start_reduce`); ``next_plan``: the
+        next step's plan, made already (see :meth:`finish`)."""
         me, store = self.rank, self.store
         mine = plan.reducer == me
         upd = plan.update_keys[mine]
@@ -323,8 +348,14 @@ class PlanExecutor:
         if plan.additive:  # additive pushes: in the planner's order (update pushes, then evictions) ...
             up, mp = plan.update_push, plan.miss_push
             if not bool(torch.isin(up[:, 0], mp[:, 0]).any()):  # ... one all-to-all where no row is in both
-                self.move_rows(torch.cat([up, mp]), "herald_update_push",
-                               torch.cat([_flags(plan.update_push_add, up), _flags(plan.miss_push_add, mp)]))
+                parts, flags = [up, mp], [_flags(plan.update_push_add, up), _flags(plan.miss_push_add, mp)]
+                if self._joins_pushes(plan, next_plan):  # with the next step's pushes before its reads
+                    assert next_plan is not None
+                    pb = next_plan.push_before_read
+                    parts.append(pb)
+                    flags.append(_flags(next_plan.push_before_read_add, pb))
+                    self._pushed_early = next_plan
+                self.move_rows(torch.cat(parts), "herald_update_push", torch.cat(flags))
             else:
                 self.move_rows(up, "herald_update_push", plan.update_push_add)
                 self.move_rows(mp, "herald_update_push", plan.miss_push_add)
