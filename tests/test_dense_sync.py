@@ -71,14 +71,19 @@ def test_forward_ordered_dense_sync_trains_like_ddp(case: str) -> None:
     assert any("over_arch" in k for k in ddp["state"]) and any("dense_arch" in k for k in ddp["state"])
 
 
-def _behaviour(rank: int, world: int) -> Dict[str, Any]:
+def _forward_ordered_dlrm(rank: int, world: int, steps: int) -> Tuple[Any, Any, Any, Any]:
+    """(DMP, its optimizer, its forward-ordered dense sync, this rank's batches: a list) of a herald DLRM."""
     from herald_harness import build
 
     b = build(world, {"planner": "herald", "optimizer": "rowwise_adagrad", "dense_sync": "forward_ordered",
-                      "steps": 3})
-    dmp, opt = b["dmp"], b["optimizer"]
-    sync = dmp.dense_sync
-    batches = iter(list(b["data"].train_batches(rank, world, b["batch_size"])))
+                      "steps": steps})
+    dmp = b["dmp"]
+    return dmp, b["optimizer"], dmp.dense_sync, list(b["data"].train_batches(rank, world, b["batch_size"]))
+
+
+def _behaviour(rank: int, world: int) -> Dict[str, Any]:
+    dmp, opt, sync, data = _forward_ordered_dlrm(rank, world, 3)
+    batches = iter(data)
     out: Dict[str, Any] = {"groups": len(sync.groups)}
 
     def step() -> None:
@@ -98,7 +103,7 @@ def _behaviour(rank: int, world: int) -> Dict[str, Any]:
     opt.state_dict()
     out["pending_after_optimizer_state_dict"] = sync.pending
     step()
-    dmp(next(iter(b["data"].train_batches(rank, world, b["batch_size"]))))
+    dmp(data[0])
     out["pending_after_forward"] = sync.pending
     return out
 
@@ -206,13 +211,8 @@ def test_the_dense_layers_go_to_the_ranks_device_as_with_ddp() -> None:
 def _one_call_and_old_state(rank: int, world: int) -> Dict[str, Any]:
     from torchrec.optim.keyed import CombinedOptimizer, KeyedOptimizerWrapper
 
-    from herald_harness import build
-
-    b = build(world, {"planner": "herald", "optimizer": "rowwise_adagrad", "dense_sync": "forward_ordered",
-                      "steps": 4})
-    dmp, opt = b["dmp"], b["optimizer"]
-    sync = dmp.dense_sync
-    batches = iter(list(b["data"].train_batches(rank, world, b["batch_size"])))
+    dmp, opt, sync, data = _forward_ordered_dlrm(rank, world, 4)
+    batches = iter(data)
     calls: List[int] = []
     inner = sync._optim._optimizer
     step = inner.step

@@ -343,11 +343,9 @@ class HeraldTrainPipeline(TrainPipeline[Batch, Any]):
     def _prefetch_next(self) -> None:
         """Run-ahead: once this step's pushes are done, take the next batch's plan (made ahead) and start
         its pulls, so they travel while the dense optimizer steps and the next step starts."""
-        if self._ahead is None:
-            return
-        self._collect_ahead()
-        if self._queue and self._queue[0].plan is not None:
-            self.ebc.prefetch_plan(self._queue[0].plan)
+        plan = self._next_plan_made_ahead()
+        if plan is not None:
+            self.ebc.prefetch_plan(plan)
 
     def train_step(self, ctx: HeraldBatchContext) -> Any:
         """Stage 5: forward/backward of this rank's share, the plan's reduce/update/pushes, the dense step."""

@@ -174,9 +174,8 @@ class ForwardOrderedDenseSync:
         ready = [i] + [j for j, p in enumerate(self._pending) if j != i and p is not None and p[1].is_completed()]
         # gradients the step must not see (other groups' local, not yet summed ones: a settle can run
         # between a backward and the sums' start), set aside for the step's length
-        aside = {id(p): p.grad for j, g in enumerate(self.groups) if j not in ready for p in g.params
-                 if p.grad is not None}
-        others = [p for j, g in enumerate(self.groups) if j not in ready for p in g.params if id(p) in aside]
+        others = [p for j, g in enumerate(self.groups) if j not in ready for p in g.params if p.grad is not None]
+        aside = [p.grad for p in others]
         for p in others:
             p.grad = None
         params: List[nn.Parameter] = []
@@ -192,8 +191,8 @@ class ForwardOrderedDenseSync:
         self._optim.step()
         for p in params:  # the coming backward accumulates from zero, as after zero_grad
             p.grad = None
-        for p in others:
-            p.grad = aside[id(p)]
+        for p, grad in zip(others, aside):
+            p.grad = grad
 
     def settle_all(self) -> None:
         for i in range(len(self.groups)):
