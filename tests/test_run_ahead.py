@@ -335,3 +335,45 @@ def test_auto_keeps_scheduling_only_where_it_wins_by_the_margin() -> None:
     assert SchedulingSwitch.decide(33.7, 30.4) == "off"
     assert SchedulingSwitch.decide(0.97 * 30.0 - 1e-9, 30.0) == "on"
     assert SchedulingSwitch.decide(30.0, 30.0) == "off"
+
+
+def _chain_worker(rank: int, world: int) -> Dict[str, Any]:
+    """Each run-ahead job of 6 exact steps, as ``(steps trained when submitted, step it plans, plan made
+    ahead)``: once with no checkpoint schedule, once with a checkpoint after 5 steps."""
+    from herald_harness import build
+
+    from torchrec_herald.pipeline import HeraldTrainPipeline
+    from torchrec_herald.pipeline.run_ahead import RunAhead
+
+    out: Dict[str, Any] = {}
+    for name, due in (("plain", None), ("checkpoint_after_5", lambda n: n == 5)):
+        b = build(world, dict(COMMON, planner="herald", steps=12))
+        it = RecordedStream(b["data"], rank, world, b["batch_size"], whole=True)
+        pipe = HeraldTrainPipeline(b["dmp"], b["optimizer"], b["device"], global_batches=True, run_ahead=True,
+                                   scheduling="on", window=3)
+        pipe.checkpoint_due = due
+        jobs: List[Tuple[int, int, bool]] = []
+        own = RunAhead.submit
+
+        def recorded(ahead: Any, job: Any, it: Any, train_step: int, plan_ahead: bool, window: List[Any]) -> None:
+            jobs.append((pipe.stats.steps, window[0].train_step if window else train_step, plan_ahead))
+            own(ahead, job, it, train_step, plan_ahead, window)
+
+        with mock.patch.object(RunAhead, "submit", recorded):
+            for _ in range(6):
+                pipe.progress(it)
+        pipe.detach()
+        out[name] = jobs
+    return out
+
+
+def test_the_run_ahead_thread_plans_the_step_after_next_while_a_step_trains_but_not_across_a_checkpoint() -> None:
+    for r in run_multiprocess(_chain_worker, 2, timeout_s=600):
+        # the first step's job plans step 1; from then on, while step t trains (t + 1 steps counted), the
+        # next job starts at once and plans step t + 2
+        assert r["plain"] == [(0, 1, True)] + [(t + 1, t + 2, True) for t in range(6)]
+        # step 5 follows the checkpoint after 5 steps: no job plans it ahead (the step plans it on the critical
+        # path, after the checkpoint's flush) and none starts during step 4 (it would plan step 5 again); step
+        # 5 starts the job that plans step 6, and the chain goes on
+        assert r["checkpoint_after_5"] == [(0, 1, True), (1, 2, True), (2, 3, True), (3, 4, True), (4, 5, False),
+                                           (5, 6, True), (6, 7, True)]

@@ -1,7 +1,8 @@
 """The run-ahead worker: one thread that schedules the next batch entering herald's window (read, keys,
 allocation, reads) and plans the next step while the current step trains, as the released Herald runs
 its scheduler in a thread beside training (docs/design.md §3). At most one job is in flight; the step
-collects it before it plans, waiting only when the thread is late."""
+collects it before it needs its plan, waiting only when the thread is late, and may submit the next job at
+once (the pipeline chains them: the plan of the step after next is made while this step finishes)."""
 
 from __future__ import annotations
 
@@ -43,14 +44,16 @@ class RunAhead:
         result = pending.result()
         return result, time.perf_counter() - t0
 
-    def cancel(self) -> None:
-        """Wait for the job in flight and drop its result (and its error)."""
+    def cancel(self) -> Any:
+        """Wait for the job in flight and hand back its result for the caller to drop (None where it raised:
+        its error is dropped too), or None with no job in flight."""
         if self._pending is not None:
             pending, self._pending = self._pending, None
             try:
-                pending.result()
+                return pending.result()
             except Exception:  # noqa: BLE001 - the result is dropped; a restarted window re-reads the batch
                 logger.debug("dropped run-ahead job raised", exc_info=True)
+        return None
 
     def shutdown(self) -> None:
         self.cancel()

@@ -23,7 +23,7 @@ import logging
 import time
 from collections import deque
 from dataclasses import asdict
-from typing import Any, Deque, Dict, Iterator, List, Optional
+from typing import Any, Callable, Deque, Dict, Iterator, List, Optional
 
 import torch
 import torch.distributed as dist
@@ -135,6 +135,11 @@ class HeraldTrainPipeline(TrainPipeline[Batch, Any]):
         #: flush at the checkpoint first runs that plan without gradients, which changes no value but
         #: counts its transfers)
         self._checkpoint_next = False
+        #: the trainer's checkpoint schedule, if it has one: ``checkpoint_due(n)``, a checkpoint is saved once
+        #: ``n`` steps have trained (a plan chained one step further ahead is then not made ahead either)
+        self.checkpoint_due: Optional[Callable[[int], bool]] = None
+        self._ahead_it: Optional[Iterator[Batch]] = None  # the loader the run-ahead jobs read
+        self._took_next = False  # this step took the next step's batch and plan from the run-ahead thread
         self.mode = "off" if c.scheduling == "off" else "on"
         self._reads_needed = c.sync == "lazy" and c.scheduling != "off"
         self._apply_mode()
@@ -228,7 +233,8 @@ class HeraldTrainPipeline(TrainPipeline[Batch, Any]):
     def fill(self, it: Iterator[Batch]) -> None:
         """Read batches until the window holds ``window`` of them, running each through the stages."""
         self._resolve(it)
-        self._collect_ahead()
+        if len(self._queue) < self.window:  # (a job chained ahead brings the batch after a full window)
+            self._collect_ahead()
         while not self._exhausted and len(self._queue) < self.window:
             t0 = time.perf_counter()
             ctx = self.schedule_next(it, self.stats.steps + len(self._queue))
@@ -257,14 +263,16 @@ class HeraldTrainPipeline(TrainPipeline[Batch, Any]):
             stage(self, ctx)
         return ctx
 
-    def _schedule_ahead(self, it: Iterator[Batch], train_step: int, plan_ahead: bool) -> Optional[HeraldBatchContext]:
-        """The run-ahead job, while step t trains: batch t+K (``train_step``) enters the window (allocated
-        under the planner's state after plan t, as in the serial order), then plan t+1 is made from the
-        window. It only reads the window; the step takes its batch in :meth:`_collect_ahead`."""
+    def _schedule_ahead(self, it: Iterator[Batch], train_step: int, plan_ahead: bool,
+                        window: List[HeraldBatchContext]) -> Optional[HeraldBatchContext]:
+        """The run-ahead job: batch t+K (``train_step``) enters the window (allocated under the planner's
+        state after plan t, as in the serial order), then plan t+1 is made from ``window`` (the batches
+        t+1 … t+K-1 not planned yet, a copy taken when the job was submitted) and the new batch. The step
+        takes its batch in :meth:`_collect_ahead`."""
         t0 = time.perf_counter()
         try:
             ctx = self.schedule_next(it, train_step)
-            window = list(self._queue) + ([ctx] if ctx is not None else [])
+            window = window + ([ctx] if ctx is not None else [])
             if plan_ahead and window and self.sync == "lazy":
                 window[0].plan = make_plan(self.env, window, self.skip_hook, self)
             return ctx
@@ -282,10 +290,47 @@ class HeraldTrainPipeline(TrainPipeline[Batch, Any]):
         if ctx is not None:
             self._queue.append(ctx)
 
+    def _submit_ahead(self, it: Iterator[Batch], chained: bool) -> None:
+        """Start the run-ahead job: the next batch enters the window, and the window's first batch with no
+        plan yet gets its plan (the batches planned before it are the steps it follows). ``chained``:
+        submitted by :meth:`_chain_ahead`, while the step before that batch's trains."""
+        assert self._ahead is not None
+        queue = list(self._queue)
+        first = 0
+        while first < len(queue) and queue[first].plan is not None:
+            first += 1
+        window = queue[first:]
+        new_step = queue[-1].train_step + 1 if queue else self.stats.steps + 1
+        planned = window[0].train_step if window else new_step  # the step whose plan the job makes
+        # that plan is not made ahead where its step flushes first: a checkpoint after the step before it
+        # (the trainer's schedule, or checkpoint_after_next_step for this step), a skip snapshot
+        checkpoint = ((self.checkpoint_due is not None and self.checkpoint_due(planned))
+                      or (not chained and self._checkpoint_next and planned == self.stats.steps + 1))
+        plan_ahead = not checkpoint and (self.skip_hook is None or not self.skip_hook.flushes_at(planned))
+        self._ahead_it = it
+        self._ahead.submit(self._schedule_ahead, it, new_step, plan_ahead, window)
+
+    def _chain_ahead(self) -> None:
+        """Where the step that trains now took the next step's plan from the run-ahead thread, start the
+        following job at once, so the thread works through the rest of this step too (a plan made one step
+        further ahead; the released Herald's scheduler thread runs ahead through an unbounded queue).
+        Not across a checkpoint after this step (its window restarts), not with stale-update skipping (its
+        classification changes in :meth:`progress`, before a batch enters the window), and only where the
+        next step's plan is made (the job must never plan the batch the next step plans itself)."""
+        if (self._ahead is None or self._ahead.busy or self._exhausted or self._ahead_it is None
+                or self._checkpoint_next or self.skip_hook is not None or self.mode != "on"
+                or not self._queue or self._queue[0].plan is None):
+            return
+        self._submit_ahead(self._ahead_it, chained=True)
+
     def _cancel_ahead(self) -> None:
-        """Wait for the run-ahead thread and drop its batch (the window restarts from a new iterator)."""
+        """Wait for the run-ahead thread and drop its batch (the window restarts from a new iterator). A
+        batch whose plan it made ahead stays in the window, for the flush that follows to run that plan
+        without gradients, after the plans before it (the planner's state already counts it)."""
         if self._ahead is not None:
-            self._ahead.cancel()
+            ctx = self._ahead.cancel()
+            if isinstance(ctx, HeraldBatchContext) and ctx.plan is not None:
+                self._queue.append(ctx)
 
     # ------------------------------------------------------------------ a step
     def progress(self, dataloader_iter: Iterator[Batch]) -> Any:
@@ -313,14 +358,14 @@ class HeraldTrainPipeline(TrainPipeline[Batch, Any]):
             self.skip_hook.before_step(self, self.stats.steps)
         self.plan_step()
         head = self._queue.popleft()
-        if self._ahead is not None and not self._exhausted:
-            # the next batch enters the window (allocated under the state after this plan) while this step trains
-            # (plan t+1 is not made ahead where step t+1 flushes first: a skip snapshot, a checkpoint)
-            nxt = self.stats.steps + 1
-            plan_ahead = not self._checkpoint_next and (self.skip_hook is None or not self.skip_hook.flushes_at(nxt))
-            self._ahead.submit(self._schedule_ahead, dataloader_iter, nxt + len(self._queue), plan_ahead)
+        self._took_next = False
+        if self._ahead is not None and not self._ahead.busy and not self._exhausted:
+            # the next batch enters the window (allocated under the state after this plan) while this step
+            # trains (where the last step chained it, :meth:`_chain_ahead`, that job is running already)
+            self._submit_ahead(dataloader_iter, chained=False)
+        out = self.train_step(head)
         self._checkpoint_next = False
-        return self.train_step(head)
+        return out
 
     def checkpoint_after_next_step(self) -> None:
         """The trainer saves a checkpoint after the next :meth:`progress` (and calls :meth:`reset_window`):
@@ -337,7 +382,10 @@ class HeraldTrainPipeline(TrainPipeline[Batch, Any]):
         """The next step's plan, where the run-ahead thread made it (its batch taken into the window)."""
         if self._ahead is None:
             return None
-        self._collect_ahead()
+        if not self._took_next:  # (once a step: a second call would take the job chained below)
+            self._took_next = True
+            self._collect_ahead()
+            self._chain_ahead()
         return self._queue[0].plan if self._queue else None
 
     def _prefetch_next(self) -> None:
