@@ -272,6 +272,11 @@ def test_options_of_the_run_ahead_path_are_checked() -> None:
         HeraldPipelineConfig(scheduling="maybe", global_batches=True)
     with pytest.raises(ValueError, match="pipeline.probe_steps must be >= 2, got 1"):
         HeraldPipelineConfig(probe_steps=1)
+    # the probe's off phase trains the window's batches within its own steps: none may be left over
+    with pytest.raises(ValueError, match=r"pipeline.window=5 is larger than the 3 steps scheduling=auto probes with "
+                                         r"scheduling on \(pipeline.probe_steps=2: probe_steps // 2 \+ probe_steps\)"):
+        HeraldPipelineConfig(scheduling="auto", probe_steps=2, window=5)
+    HeraldPipelineConfig(scheduling="on", probe_steps=2, window=5)  # (no probe)
     # skipping runs on whole global batches and ahead, like the exact plan
     config, _ = HeraldPipelineConfig(global_batches=True, skip=SkipConfig(granularity="input")).resolve(True, 2)
     assert (config.global_batches, config.run_ahead, config.scheduling) == (True, True, "auto")
@@ -351,7 +356,8 @@ def _chain_worker(rank: int, world: int) -> Dict[str, Any]:
         it = RecordedStream(b["data"], rank, world, b["batch_size"], whole=True)
         pipe = HeraldTrainPipeline(b["dmp"], b["optimizer"], b["device"], global_batches=True, run_ahead=True,
                                    scheduling="on", window=3)
-        pipe.checkpoint_due = due
+        if due is not None:
+            pipe.checkpoint_schedule(due)
         jobs: List[Tuple[int, int, bool]] = []
         own = RunAhead.submit
 

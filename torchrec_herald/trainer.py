@@ -345,8 +345,7 @@ class Trainer:
             start_epoch, start_batch = int(resumed["epoch"]), int(resumed["batch_in_epoch"])
         restored = len(losses)  # steps trained by earlier attempts: this attempt's figures leave them out
         since = pipeline.snapshot()
-        if hasattr(pipeline, "checkpoint_due"):  # herald's run-ahead plans no step across a checkpoint
-            pipeline.checkpoint_due = ckpt.due
+        pipeline.checkpoint_schedule(ckpt.due)  # (herald's run-ahead plans no step across a checkpoint)
         total_batches = getattr(self.data, "num_train_batches", None)
         bar = tqdm(total=(total_batches * cfg.epochs if total_batches else None), desc="train", unit="step",
                    disable=not (self.show_progress and rank == 0), dynamic_ncols=True, file=sys.stderr,

@@ -7,7 +7,7 @@ interface itself. So the trainer needs no ``isinstance`` and writes no pipeline'
 from __future__ import annotations
 
 import logging
-from typing import Any, Dict, Iterator, Optional, Protocol, Tuple, Union
+from typing import Any, Callable, Dict, Iterator, Optional, Protocol, Tuple, Union
 
 import torch
 from torch import nn
@@ -35,6 +35,10 @@ class TrainingPipeline(Protocol):
 
     def checkpoint_after_next_step(self) -> None:
         """A checkpoint follows the next step."""
+
+    def checkpoint_schedule(self, due: Callable[[int], bool]) -> None:
+        """The checkpoints to come: ``due(n)``, one is saved once ``n`` steps have trained (set once, before
+        the first step)."""
 
     def prepare_checkpoint(self) -> bool:
         """Before a save (collective): bring the model to a savable state; True when the data iterator must
@@ -74,6 +78,9 @@ class TorchRecPipeline:
         return self.inner.progress(dataloader_iter)
 
     def checkpoint_after_next_step(self) -> None:
+        return None
+
+    def checkpoint_schedule(self, due: Callable[[int], bool]) -> None:
         return None
 
     def prepare_checkpoint(self) -> bool:

@@ -135,9 +135,8 @@ class HeraldTrainPipeline(TrainPipeline[Batch, Any]):
         #: flush at the checkpoint first runs that plan without gradients, which changes no value but
         #: counts its transfers)
         self._checkpoint_next = False
-        #: the trainer's checkpoint schedule, if it has one: ``checkpoint_due(n)``, a checkpoint is saved once
-        #: ``n`` steps have trained (a plan chained one step further ahead is then not made ahead either)
-        self.checkpoint_due: Optional[Callable[[int], bool]] = None
+        #: :meth:`checkpoint_schedule`: ``_checkpoint_due(n)``, a checkpoint is saved once ``n`` steps have trained
+        self._checkpoint_due: Optional[Callable[[int], bool]] = None
         self._ahead_it: Optional[Iterator[Batch]] = None  # the loader the run-ahead jobs read
         self._took_next = False  # this step took the next step's batch and plan from the run-ahead thread
         self.mode = "off" if c.scheduling == "off" else "on"
@@ -304,7 +303,7 @@ class HeraldTrainPipeline(TrainPipeline[Batch, Any]):
         planned = window[0].train_step if window else new_step  # the step whose plan the job makes
         # that plan is not made ahead where its step flushes first: a checkpoint after the step before it
         # (the trainer's schedule, or checkpoint_after_next_step for this step), a skip snapshot
-        checkpoint = ((self.checkpoint_due is not None and self.checkpoint_due(planned))
+        checkpoint = ((self._checkpoint_due is not None and self._checkpoint_due(planned))
                       or (not chained and self._checkpoint_next and planned == self.stats.steps + 1))
         plan_ahead = not checkpoint and (self.skip_hook is None or not self.skip_hook.flushes_at(planned))
         self._ahead_it = it
@@ -369,8 +368,16 @@ class HeraldTrainPipeline(TrainPipeline[Batch, Any]):
 
     def checkpoint_after_next_step(self) -> None:
         """The trainer saves a checkpoint after the next :meth:`progress` (and calls :meth:`reset_window`):
-        that step plans nothing ahead."""
+        that step plans nothing ahead. The step before it may have planned the step after the checkpoint
+        already (the run-ahead jobs chain) unless :meth:`checkpoint_schedule` said so first: the flush at
+        the checkpoint then runs that plan without gradients, which changes no value but counts its
+        transfers."""
         self._checkpoint_next = True
+
+    def checkpoint_schedule(self, due: Callable[[int], bool]) -> None:
+        """The checkpoints to come (``due(n)``: one is saved once ``n`` steps have trained), so that no
+        run-ahead job plans a step after a checkpoint ahead of it; the trainer sets it before the first step."""
+        self._checkpoint_due = due
 
     def plan_step(self) -> None:
         """Stage 4 (``stages/plan.py``): plan the head batch's transfers from the window (every rank the
