@@ -275,8 +275,9 @@ def test_options_of_the_run_ahead_path_are_checked() -> None:
     # the probe's off phase trains the window's batches within its own steps: none may be left over
     with pytest.raises(ValueError, match=r"pipeline.window=5 is larger than the 3 steps scheduling=auto probes with "
                                          r"scheduling on \(pipeline.probe_steps=2: probe_steps // 2 \+ probe_steps\)"):
-        HeraldPipelineConfig(scheduling="auto", probe_steps=2, window=5)
-    HeraldPipelineConfig(scheduling="on", probe_steps=2, window=5)  # (no probe)
+        HeraldPipelineConfig(scheduling="auto", probe_steps=2, window=5, global_batches=True).resolve(True, 2)
+    for no_probe in (dict(scheduling="on", global_batches=True), dict(scheduling="auto", global_batches=False)):
+        HeraldPipelineConfig(probe_steps=2, window=5, **no_probe).resolve(True, 2)
     # skipping runs on whole global batches and ahead, like the exact plan
     config, _ = HeraldPipelineConfig(global_batches=True, skip=SkipConfig(granularity="input")).resolve(True, 2)
     assert (config.global_batches, config.run_ahead, config.scheduling) == (True, True, "auto")

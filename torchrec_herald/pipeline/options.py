@@ -190,13 +190,6 @@ class HeraldPipelineConfig:
                                  f"and scheduling=on; got pipeline.{', pipeline.'.join(clash)}")
         if int(self.probe_steps) < 2:
             raise ValueError(f"pipeline.probe_steps must be >= 2, got {self.probe_steps}")
-        probe_on = int(self.probe_steps) // 2 + int(self.probe_steps)
-        if self.scheduling == "auto" and int(self.window) > probe_on:
-            # the probe's off phase trains the window's batches within its own steps: a larger window would
-            # leave some of them untrained
-            raise ValueError(f"pipeline.window={self.window} is larger than the {probe_on} steps scheduling=auto "
-                             f"probes with scheduling on (pipeline.probe_steps={self.probe_steps}: "
-                             f"probe_steps // 2 + probe_steps); raise pipeline.probe_steps or lower the window")
         if self.run_ahead and self.global_batches is False and self.planning == "global":
             raise ValueError("pipeline.run_ahead needs pipeline.global_batches=true or pipeline.planning=by_home "
                              "(the gathered per-rank path's scheduling collectives must stay in step with "
@@ -290,6 +283,13 @@ class HeraldPipelineConfig:
                 "HET's bounded staleness relaxes the plan's caches, which need scheduling on"
                 if c.staleness is not None else
                 "the probe needs whole global batches on every rank, or planning by home"))
+        probe_on = c.probe_steps // 2 + c.probe_steps
+        if scheduling == "auto" and c.window > probe_on:
+            # the probe's off phase trains the window's batches within its own steps: a larger window would
+            # leave some of them untrained
+            raise ValueError(f"pipeline.window={c.window} is larger than the {probe_on} steps scheduling=auto "
+                             f"probes with scheduling on (pipeline.probe_steps={c.probe_steps}: "
+                             f"probe_steps // 2 + probe_steps); raise pipeline.probe_steps or lower the window")
         if c.planning == "by_home":
             _, fallback = c.scheduler_impl_choice()
             if fallback is not None:
