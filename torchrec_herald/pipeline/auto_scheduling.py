@@ -22,6 +22,7 @@ from torchrec.datasets.utils import Batch
 from torchrec.distributed.train_pipeline import TrainPipelineSparseDist
 
 from torchrec_herald.pipeline.context import SchedulerStats
+from torchrec_herald.pipeline.options import probe_mode_steps
 
 __all__ = ["ON_MARGIN", "SPARSE_DIST_AHEAD", "SchedulingSwitch", "SwitchHost"]
 
@@ -89,14 +90,14 @@ class SchedulingSwitch:
         """(mode, timed) of ``step`` in the probe: ``w`` unmeasured then ``p`` timed steps with scheduling
         on, then the same with it off under TorchRec's pipeline, plus the steps that drain the batches it
         holds ahead (``p = probe_steps``, ``w = p // 2``). Both modes are timed as they would then run."""
-        w, p = self.probe_steps // 2, self.probe_steps
-        if step < w + p:
+        w, mode_steps = self.probe_steps // 2, probe_mode_steps(self.probe_steps)
+        if step < mode_steps:
             return "on", step >= w
-        return "off", w <= step - (w + p) < w + p
+        return "off", w <= step - mode_steps < mode_steps
 
     def probe_length(self) -> int:
         """Steps the probe runs: ``2 · (w + p)`` and the off mode's drain."""
-        return 2 * (self.probe_steps // 2 + self.probe_steps) + SPARSE_DIST_AHEAD
+        return 2 * probe_mode_steps(self.probe_steps) + SPARSE_DIST_AHEAD
 
     def before_step(self) -> None:
         """Time the previous step into its mode; switch modes on the probe's schedule; after the probe,

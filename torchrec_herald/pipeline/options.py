@@ -30,6 +30,12 @@ SYNC_MODES = ("lazy", "eager")
 #: first steps and keep scheduling where it is the faster by ``auto_scheduling.ON_MARGIN`` (where
 #: batches are global and the plan exact; else ``on``)
 SCHEDULING = ("on", "off", "auto")
+
+
+def probe_mode_steps(probe_steps: int) -> int:
+    """Steps ``scheduling=auto``'s probe runs in each mode: ``probe_steps // 2`` unmeasured, then
+    ``probe_steps`` timed (:class:`~torchrec_herald.pipeline.auto_scheduling.SchedulingSwitch`)."""
+    return probe_steps // 2 + probe_steps
 #: ``pipeline.planning`` values: ``global`` = every rank plans every row (the same plan everywhere);
 #: ``by_home`` = each rank plans the rows it is home to from the read keys sent to it
 #: (``HomeSplitLazyPlanner``: per-rank work and metadata grow with its own reads, not with W·B);
@@ -283,7 +289,7 @@ class HeraldPipelineConfig:
                 "HET's bounded staleness relaxes the plan's caches, which need scheduling on"
                 if c.staleness is not None else
                 "the probe needs whole global batches on every rank, or planning by home"))
-        probe_on = c.probe_steps // 2 + c.probe_steps
+        probe_on = probe_mode_steps(c.probe_steps)
         if scheduling == "auto" and c.window > probe_on:
             # the probe's off phase trains the window's batches within its own steps: a larger window would
             # leave some of them untrained

@@ -412,9 +412,8 @@ class HeraldTrainPipeline(TrainPipeline[Batch, Any]):
         torch.sum(loss).backward()
         if self.sync == "lazy":
             # bounded staleness: the next plan's pushes before its reads can join this step's pushes, so
-            # its plan is taken first (waiting for the run-ahead thread here, where the pushes would have
-            # hidden part of that wait: at W=2, 200 Mbit/s a win for HET, 11.5k vs 10.1k samples/s, and a
-            # loss for the exact plan, which has no such pushes, 13.0k vs 15.2k)
+            # its plan is taken first (the exact plan has no such pushes: it takes the next plan after its
+            # own pushes, in _prefetch_next, where its thread has had the longest)
             self.ebc.finish_plan_step(self._next_plan_made_ahead() if self.staleness else None)
             self._prefetch_next()
         self._optimizer.step()

@@ -169,13 +169,13 @@ class RowStore(nn.Module):
         (:func:`exact_update_where_nonzero`), since picking the rows out is sized by the data and would
         make the host wait."""
         with torch.no_grad():
+            update = exact_update_where_nonzero
             if not rows.is_cuda:
                 nonzero = grad.ne(0).any(1)
-                rows, grad = rows[nonzero], grad[nonzero]
+                rows, grad, update = rows[nonzero], grad[nonzero], exact_update
                 if not rows.numel():
                     return
             w, s = self.hot_weights(), self.hot_state
-            update = exact_update if not rows.is_cuda else exact_update_where_nonzero
             w[rows], s[rows] = update(w[rows], s[rows], grad, self.optimizer, self.lr, self.eps)
             self._mirror_dirty.index_fill_(0, rows, True)
 
