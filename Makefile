@@ -22,7 +22,7 @@ NATIVE   := torchrec_herald/native/_build/herald_native.so
 setup: $(STAMP) $(NATIVE)
 
 # herald's compiled scheduler (a torch C++ extension: g++ and ninja; one line names a missing one)
-$(NATIVE): $(STAMP) torchrec_herald/native/home_split.cpp torchrec_herald/native/row_store.cpp torchrec_herald/native/build.py
+$(NATIVE): $(STAMP) $(wildcard torchrec_herald/native/*.cpp torchrec_herald/native/*.h) torchrec_herald/native/build.py
 	$(VENV)/bin/python -m torchrec_herald.native.build
 
 $(STAMP): constraints.txt pyproject.toml Makefile

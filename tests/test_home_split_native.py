@@ -95,7 +95,8 @@ def test_a_stale_build_is_refused_with_how_to_rebuild(monkeypatch: pytest.Monkey
     monkeypatch.setattr(native, "source_sha", lambda: "0" * 16)
     native._load.cache_clear()
     try:
-        with pytest.raises(NativeUnavailable, match=r"built from another version of home_split\.cpp, row_store\.cpp: run `make setup`"):
+        with pytest.raises(NativeUnavailable, match=r"built from another version of home_split\.cpp, row_store\.cpp, global_plan\.cpp, common\.h: "
+                                                   r"run `make setup`"):
             native.load()
     finally:
         monkeypatch.undo()
@@ -176,5 +177,11 @@ def test_a_missing_compiled_scheduler_fails_before_training_naming_the_key(monke
         HeraldPipelineConfig(scheduler_impl="compiled").resolve(whole_batches=False, world_size=4)
     c, why = HeraldPipelineConfig().resolve(whole_batches=False, world_size=4)  # auto: the reference, said once
     assert why[-1].startswith("pipeline.scheduler_impl=auto -> python")
-    c, why = HeraldPipelineConfig(scheduler_impl="compiled").resolve(whole_batches=False, world_size=2)  # global there
-    assert c.planning == "global"
+    # the global plans (exact and HET) are compiled too: the same error where every rank plans globally
+    with pytest.raises(ValueError, match=r"^pipeline.scheduler_impl=compiled: herald's compiled scheduler is not built"):
+        HeraldPipelineConfig(scheduler_impl="compiled", staleness=1).resolve(whole_batches=True, world_size=2)
+    c, why = HeraldPipelineConfig(staleness=1).resolve(whole_batches=True, world_size=2)
+    assert c.planning == "global" and why[-1].startswith("pipeline.scheduler_impl=auto -> python")
+    # eager sync has no lazy plan: nothing to compile
+    c, why = HeraldPipelineConfig(scheduler_impl="compiled", sync="eager").resolve(whole_batches=True, world_size=2)
+    assert c.planning == "global" and not any("scheduler_impl" in w for w in why)

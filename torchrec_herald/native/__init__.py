@@ -12,11 +12,13 @@ from pathlib import Path
 from types import ModuleType
 from typing import Optional
 
-__all__ = ["BUILD_DIR", "SOURCE", "SOURCES", "NativeUnavailable", "available", "load", "source_sha", "unavailable_reason"]
+__all__ = ["BUILD_DIR", "HEADERS", "SOURCE", "SOURCES", "NativeUnavailable", "available", "load", "source_sha", "unavailable_reason"]
 
 SOURCE = Path(__file__).with_name("home_split.cpp")  # the module's entry point (its pybind11 module)
-#: every source compiled into the module: the planner by home, the plan executor's row access
-SOURCES = (SOURCE, Path(__file__).with_name("row_store.cpp"))
+#: every source compiled into the module (the planner by home, the global plans, the plan executor's row
+#: access) and the header they share; all of them make up the build's source hash
+SOURCES = (SOURCE, Path(__file__).with_name("row_store.cpp"), Path(__file__).with_name("global_plan.cpp"))
+HEADERS = (Path(__file__).with_name("common.h"),)
 BUILD_DIR = Path(__file__).with_name("_build")
 MODULE = "herald_native"
 HOW_TO_FIX = "run `make setup` (or `python -m torchrec_herald.native.build`), or set pipeline.scheduler_impl=python"
@@ -29,7 +31,7 @@ class NativeUnavailable(RuntimeError):
 def source_sha() -> str:
     """The first 16 hex digits of the source's sha256 (compiled into the module)."""
     h = hashlib.sha256()
-    for source in SOURCES:
+    for source in SOURCES + HEADERS:
         h.update(source.read_bytes())
     return h.hexdigest()[:16]
 
@@ -56,7 +58,7 @@ def _load() -> ModuleType:
         raise NativeUnavailable(f"herald's compiled scheduler {path} does not load ({e}): {HOW_TO_FIX}") from None
     if mod.SOURCE_SHA != source_sha():
         raise NativeUnavailable(f"herald's compiled scheduler {path} was built from another version of "
-                                f"{', '.join(p.name for p in SOURCES)}: "
+                                f"{', '.join(p.name for p in SOURCES + HEADERS)}: "
                                 f"{HOW_TO_FIX}")
     if mod.TORCH_VERSION != torch.__version__:
         raise NativeUnavailable(f"herald's compiled scheduler {path} was built against torch {mod.TORCH_VERSION}, "

@@ -54,8 +54,9 @@ AUTO_MAX_PRICED_PENALTY = 1
 PER_RANK_ALLOCATOR_REASON = (
     "pipeline.allocator=auto -> greedy on this rank's own batches, moving samples only in batches where one "
     "lookup made local saves more bytes than the sample sends (else they stay where loaded, no scores gathered)")
-#: ``pipeline.scheduler_impl`` values: the planner by home in ``compiled`` code (``make setup`` builds it)
-#: or the ``python`` reference; ``auto`` = compiled where built, else python with a warning
+#: ``pipeline.scheduler_impl`` values: the lazy planners (by home, global, bounded staleness) in ``compiled``
+#: code (``make setup`` builds it) or the ``python`` references; ``auto`` = compiled where built, else python
+#: with a warning
 SCHEDULER_IMPLS = ("auto", "compiled", "python")
 #: ``pipeline.cache`` values executed for real (Belady exists at trace level:
 #: ``torchrec_herald.testing.reference_plans.LazySyncPlanner``)
@@ -110,8 +111,9 @@ class HeraldPipelineConfig:
         planning: ``global`` (every rank plans every row), ``by_home`` (each rank plans its own rows from
             the keys the readers send it; needs ``allocator=identity``, per-rank batches, the exact plan
             and no skipping) or ``auto`` (default: :meth:`resolve_planning`).
-        scheduler_impl: planning by home in ``compiled`` code, the ``python`` reference, or ``auto``
-            (default: compiled where ``make setup`` built it, else python with a warning).
+        scheduler_impl: the lazy plan (by home or global, exact or bounded staleness) in ``compiled`` code,
+            the ``python`` references, or ``auto`` (default: compiled where ``make setup`` built it, else
+            python with a warning).
         staleness: ``None``: the exact plan; an integer ``s >= 0``: HET's bounded staleness (``sync=lazy``).
         skip: ``None``, ``input`` or ``row`` (Slipstream's stale-update skipping; a
             :class:`~torchrec_herald.pipeline.stale_skip.SkipConfig` is accepted too), tuned by the
@@ -249,7 +251,7 @@ class HeraldPipelineConfig:
         return dataclasses.replace(self, planning=planning, allocator=allocator), why
 
     def scheduler_impl_choice(self) -> Tuple[str, Optional[str]]:
-        """``(impl, why)`` of planning by home: ``compiled`` where ``make setup`` built it; with
+        """``(impl, why)`` of the lazy planner: ``compiled`` where ``make setup`` built it; with
         ``scheduler_impl=compiled`` and no usable build a ValueError naming the key; with ``auto`` the
         ``python`` reference and one line saying why."""
         if self.scheduler_impl == "python":
@@ -296,7 +298,7 @@ class HeraldPipelineConfig:
             raise ValueError(f"pipeline.window={c.window} is larger than the {probe_on} steps scheduling=auto "
                              f"probes with scheduling on (pipeline.probe_steps={c.probe_steps}: "
                              f"probe_steps // 2 + probe_steps); raise pipeline.probe_steps or lower the window")
-        if c.planning == "by_home":
+        if c.sync == "lazy":
             _, fallback = c.scheduler_impl_choice()
             if fallback is not None:
                 why.append(fallback)

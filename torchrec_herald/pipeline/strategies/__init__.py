@@ -125,26 +125,29 @@ def exchange_words(env: SchedulingEnv) -> Callable[[Any], Any]:
 
 def build_planner(config: Any, env: SchedulingEnv, capacity_rows: Optional[int]) -> CommPlanner:
     """The communication planner of ``config``: by home (each rank its own rows, exchanging words through
-    ``env``; compiled or the Python reference, by ``pipeline.scheduler_impl``), bounded staleness, or the
-    exact lazy plan."""
+    ``env``), bounded staleness, or the exact lazy plan; each compiled or the Python reference, by
+    ``pipeline.scheduler_impl``."""
     from torchrec_herald.pipeline.home_split import HomeSplitLazyPlanner
     from torchrec_herald.pipeline.lazy_sync import TensorLazySyncPlanner
     from torchrec_herald.pipeline.staleness import StalenessPlanner
 
     c, layout = config, env.layout
+    impl, fallback = c.scheduler_impl_choice()
+    if fallback is not None:
+        logger.warning("%s", fallback)
     if c.planning == "by_home":
-        impl, fallback = c.scheduler_impl_choice()
-        if fallback is not None:
-            logger.warning("%s", fallback)
         if impl == "python":
-            planner: CommPlanner = HomeSplitLazyPlanner(layout, env.rank, exchange_words(env), c.cache_fraction,
-                                                        c.window, capacity_rows)
-        else:
-            from torchrec_herald.pipeline.home_split_native import CompiledHomeSplitPlanner
+            return HomeSplitLazyPlanner(layout, env.rank, exchange_words(env), c.cache_fraction, c.window, capacity_rows)
+        from torchrec_herald.pipeline.home_split_native import CompiledHomeSplitPlanner
 
-            planner = CompiledHomeSplitPlanner(layout, env.rank, exchange_words(env), c.cache_fraction, c.window,
-                                               capacity_rows)
-        return planner
+        return CompiledHomeSplitPlanner(layout, env.rank, exchange_words(env), c.cache_fraction, c.window,
+                                        capacity_rows)
+    if impl == "python":
+        if c.staleness is None:
+            return TensorLazySyncPlanner(layout, c.cache_fraction, c.window, capacity_rows)
+        return StalenessPlanner(layout, c.staleness, c.cache_fraction, c.window, capacity_rows)
+    from torchrec_herald.pipeline.lazy_sync_native import CompiledLazySyncPlanner, CompiledStalenessPlanner
+
     if c.staleness is None:
-        return TensorLazySyncPlanner(layout, c.cache_fraction, c.window, capacity_rows)
-    return StalenessPlanner(layout, c.staleness, c.cache_fraction, c.window, capacity_rows)
+        return CompiledLazySyncPlanner(layout, c.cache_fraction, c.window, capacity_rows)
+    return CompiledStalenessPlanner(layout, c.staleness, c.cache_fraction, c.window, capacity_rows)
