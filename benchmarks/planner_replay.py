@@ -8,7 +8,8 @@ the planner code (an A/B of a planner change: capture once, replay before and af
 are compared too, so a faster variant that plans differently is caught).
 
     python benchmarks/planner_replay.py capture --out /tmp/exact.pkl [overrides ...]
-    python benchmarks/planner_replay.py replay /tmp/exact.pkl [--repeats 5] [--profile] [--json out.json]
+    python benchmarks/planner_replay.py replay /tmp/exact.pkl [--repeats 5] [--impl python|compiled|both]
+        [--profile] [--json out.json]
 
 ``capture`` trains 2 ranks on CPU (gloo) with ``planner=herald pipeline=herald pipeline.scheduling=on
 planner.link_mbit=200`` plus the overrides (e.g. ``pipeline.staleness=3 pipeline.reference=false`` for
@@ -35,7 +36,9 @@ from typing import Any, Dict, List
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
 
-BASE_OVERRIDES = ["planner=herald", "pipeline=herald", "pipeline.scheduling=on", "planner.link_mbit=200"]
+# the tensor planner is captured (it can be copied); replay builds the compiled one from it (--impl)
+BASE_OVERRIDES = ["planner=herald", "pipeline=herald", "pipeline.scheduling=on", "planner.link_mbit=200",
+                  "pipeline.scheduler_impl=python"]
 
 
 def _capture_rank(rank: int, world: int, overrides: List[str], steps: int, out: str) -> int:
@@ -87,16 +90,39 @@ def _plans_equal(a: Any, b: Any) -> bool:
     return a == b
 
 
-def replay(path: str, repeats: int, profile: bool, json_out: str | None) -> None:
+def _fresh(captured: Any, impl: str) -> Any:
+    """A planner in the captured one's state (its first step): a copy of the tensor planner, or the
+    compiled planner of the same layout, capacities, window (and staleness)."""
+    if impl == "python":
+        return copy.deepcopy(captured)
+    from torchrec_herald.pipeline.lazy_sync_native import CompiledLazySyncPlanner, CompiledStalenessPlanner
+    from torchrec_herald.pipeline.staleness import StalenessPlanner
+
+    caps = {t: int(c) for t, c in zip(captured.layout.tables, captured.capacity)}
+    if isinstance(captured, StalenessPlanner):
+        return CompiledStalenessPlanner(captured.layout, captured.staleness, window=captured.window, capacity_rows=caps)
+    return CompiledLazySyncPlanner(captured.layout, window=captured.window, capacity_rows=caps)
+
+
+def replay(path: str, repeats: int, profile: bool, json_out: str | None, impl: str = "python") -> None:
     import torch
 
     torch.set_num_threads(1)
     with open(path, "rb") as f:
         record = pickle.load(f)
+    if impl == "both":
+        out = {}
+        for one in ("python", "compiled"):
+            replay(path, repeats, False, None, one)
+            with open(Path(path).with_suffix(".plans"), "rb") as f:
+                out[one] = pickle.load(f)
+        print("the compiled planner made the same plans" if _plans_equal(out["python"], out["compiled"])
+              else "the compiled planner's plans differ")
+        return
     windows = record["windows"]
     times, plans_first = [], None
     for _ in range(repeats):
-        planner = copy.deepcopy(record["planner"])
+        planner = _fresh(record["planner"], impl)
         t0 = time.perf_counter()
         plans = [planner.plan_step(w) for w in windows]
         times.append((time.perf_counter() - t0) / len(windows))
@@ -104,7 +130,7 @@ def replay(path: str, repeats: int, profile: bool, json_out: str | None) -> None
             plans_first = plans
         elif not _plans_equal(plans_first, plans):
             raise RuntimeError("two replays of the same windows planned differently")
-    res = {"capture": path, "overrides": record["overrides"], "planner": type(record["planner"]).__name__,
+    res = {"capture": path, "overrides": record["overrides"], "planner": type(planner).__name__,
            "steps": len(windows), "repeats": repeats, "ms_per_step_median": 1e3 * statistics.median(times),
            "ms_per_step_all": [1e3 * t for t in times]}
     live = Path(path).with_suffix(".run0") / "metrics.json"  # the captured run's own figure, if kept
@@ -115,7 +141,7 @@ def replay(path: str, repeats: int, profile: bool, json_out: str | None) -> None
     print(json.dumps(res, indent=1))
     if profile:
         prof = cProfile.Profile()
-        planner = copy.deepcopy(record["planner"])
+        planner = _fresh(record["planner"], impl)
         prof.enable()
         for w in windows:
             planner.plan_step(w)
@@ -148,6 +174,7 @@ def main() -> None:
     r = sub.add_parser("replay")
     r.add_argument("capture")
     r.add_argument("--repeats", type=int, default=5)
+    r.add_argument("--impl", choices=["python", "compiled", "both"], default="python")
     r.add_argument("--profile", action="store_true")
     r.add_argument("--json")
     p = sub.add_parser("compare", help="two replays' .plans files: the same plans?")
@@ -157,7 +184,7 @@ def main() -> None:
     if a.cmd == "capture":
         capture(a.out, a.overrides, a.steps)
     elif a.cmd == "replay":
-        replay(a.capture, a.repeats, a.profile, a.json)
+        replay(a.capture, a.repeats, a.profile, a.json, a.impl)
     else:
         compare_plans(a.a, a.b)
 
