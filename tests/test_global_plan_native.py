@@ -101,6 +101,10 @@ def test_compiled_global_plans_name_bad_reads_as_the_reference_does() -> None:
         assert error_of(lambda: planner.plan_step([[torch.tensor([1])]])) == \
             "ValueError: reads need one key set per rank (2), got 1"
         assert planner.step == 0  # nothing planned
+        assert error_of(lambda: planner.local_scores(torch.tensor([n]), torch.tensor([0]), 1)) == \
+            f"ValueError: allocator keys outside [0, {n})"
+        assert error_of(lambda: planner.local_scores(torch.tensor([0]), torch.tensor([1]), 1)) == \
+            "ValueError: allocator sample index outside [0, 1)"
     with pytest.raises(TypeError, match="holds its state in compiled code"):
         import copy
         copy.deepcopy(CompiledLazySyncPlanner(loc))

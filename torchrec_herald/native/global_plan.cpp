@@ -213,8 +213,12 @@ class GlobalPlanBase {
     const i64* k = keys.data_ptr<i64>();
     const i64* s = sample.data_ptr<i64>();
     for (i64 i = 0; i < keys.numel(); ++i) {
-      int32_t* row = o + s[i] * W_;
       const i64 x = k[i];
+      if (x < 0 || x >= num_rows_)
+        throw std::invalid_argument("allocator keys outside [0, " + std::to_string(num_rows_) + ")");
+      if (s[i] < 0 || s[i] >= num_samples)
+        throw std::invalid_argument("allocator sample index outside [0, " + std::to_string(num_samples) + ")");
+      int32_t* row = o + s[i] * W_;
       if (hot_slot(x) >= 0) {
         for (i64 r = 0; r < W_; ++r) ++row[r];
         continue;

@@ -98,6 +98,12 @@ class TensorLazySyncPlanner(CommPlanner):
 
     def __init__(self, locality: Any, capacity_fraction: float = 0.05, window: int = 5,
                  capacity_rows: Optional[Mapping[str, int]] = None) -> None:
+        self._set_layout(locality, capacity_fraction, window, capacity_rows)
+        self.reset()
+
+    def _set_layout(self, locality: Any, capacity_fraction: float, window: int,
+                    capacity_rows: Optional[Mapping[str, int]]) -> None:
+        """The layout, look-ahead, rank count, per-table cache capacities and row count (checked)."""
         if int(window) < 1:
             raise ValueError(f"window must be >= 1, got {window}")
         lay: RowLayout = layout_of(locality)
@@ -107,7 +113,6 @@ class TensorLazySyncPlanner(CommPlanner):
         caps = cache_capacities(lay, capacity_fraction, capacity_rows)
         self.capacity = torch.tensor([caps[t] for t in lay.tables], dtype=torch.int64)
         self.num_rows = lay.num_rows
-        self.reset()
 
     def _entry_columns(self) -> Dict[str, torch.dtype]:
         """The columns of a cache entry (a subclass may add its own)."""

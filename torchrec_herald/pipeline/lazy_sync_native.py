@@ -13,7 +13,6 @@ from typing import Any, List, Mapping, Optional, Sequence
 
 import torch
 
-from torchrec_herald.layout import RowLayout, cache_capacities, layout_of
 from torchrec_herald.pipeline.lazy_sync import TensorLazySyncPlanner
 from torchrec_herald.pipeline.staleness import StalenessPlanner
 from torchrec_herald.plans import ExecPlan, FlushPlan, SyncCounters
@@ -41,15 +40,9 @@ class _CompiledGlobalPlan:
 
     def _setup(self, locality: Any, capacity_fraction: float, window: int,
                capacity_rows: Optional[Mapping[str, int]]) -> List[Any]:
-        if int(window) < 1:
-            raise ValueError(f"window must be >= 1, got {window}")
-        lay: RowLayout = layout_of(locality)
-        self.layout = lay
-        self.window = int(window)
-        self.W = lay.world_size
-        caps = cache_capacities(lay, capacity_fraction, capacity_rows)
-        self.capacity = torch.tensor([caps[t] for t in lay.tables], dtype=torch.int64)
-        self.num_rows = lay.num_rows
+        """The layout as the tensor planner keeps it; returns the compiled core's arguments."""
+        TensorLazySyncPlanner._set_layout(self, locality, capacity_fraction, window, capacity_rows)  # type: ignore[arg-type]
+        lay = self.layout
         return [self.W, lay.table_offsets, lay.blocks, lay.hot_keys, self.capacity, lay.num_rows, self.window]
 
     @property
