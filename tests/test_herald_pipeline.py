@@ -104,7 +104,7 @@ def _train_runs(rank: int, world: int, cfgs: List[Dict[str, Any]]) -> List[Dict[
             pipe = run_steps.last_pipeline  # type: ignore[attr-defined]
             res["stats"] = pipe.stats
             res["resolved"] = dict(planning=pipe.config.planning, allocator=pipe.allocator,
-                                   impl=getattr(pipe.planner, "impl", "global"))
+                                   impl=pipe.planner.impl)
             res["scheduling"] = pipe.scheduling_report()
         out.append(res)
     return out
@@ -200,7 +200,8 @@ def test_herald_pipeline_ran_its_configured_paths(case: str, pipe: str) -> None:
     elif by_home:
         assert resolved["allocator"] == "identity" and resolved["impl"] == "compiled", resolved
     else:
-        assert resolved["planning"] == "global" and resolved["impl"] == "global", resolved
+        # every rank plans globally, compiled (the tensor planners are the references)
+        assert resolved["planning"] == "global" and resolved["impl"] == "compiled", resolved
     total = herald[0]["stats"].counters
     for res in herald[1:]:
         total = total + res["stats"].counters

@@ -144,10 +144,13 @@ class CommPlanner(abc.ABC):
     Attributes:
         layout: the row space planned over.
         window: ``K >= 1``, steps of look-ahead the planner uses.
+        impl: ``python`` (tensor code, the references) or ``compiled`` (``native/``), as
+            ``pipeline.scheduler_impl`` names them.
     """
 
     layout: RowLayout
     window: int
+    impl: str = "python"
 
     @abc.abstractmethod
     def plan_step(self, window: Sequence[Sequence[torch.Tensor]]) -> ExecPlan:

@@ -543,7 +543,7 @@ class HeraldTrainPipeline(TrainPipeline[Batch, Any]):
         """``metrics.json`` ``herald_pipeline.scheduling``: the mode, and for ``auto`` the probe's figures."""
         out: Dict[str, Any] = {"setting": self.config.scheduling, "mode": self.mode, "planning": self.config.planning,
                                "planning_reason": self.planning_reason, "allocator": self.allocator,
-                               "scheduler_impl": getattr(self.env.planner, "impl", "global")}
+                               "scheduler_impl": self.env.planner.impl}
         if self.switch is not None:
             out.update(self.switch.report())
         return out
