@@ -182,6 +182,6 @@ def test_a_missing_compiled_scheduler_fails_before_training_naming_the_key(monke
         HeraldPipelineConfig(scheduler_impl="compiled", staleness=1).resolve(whole_batches=True, world_size=2)
     c, why = HeraldPipelineConfig(staleness=1).resolve(whole_batches=True, world_size=2)
     assert c.planning == "global" and why[-1].startswith("pipeline.scheduler_impl=auto -> python")
-    # eager sync has no lazy plan: nothing to compile
-    c, why = HeraldPipelineConfig(scheduler_impl="compiled", sync="eager").resolve(whole_batches=True, world_size=2)
-    assert c.planning == "global" and not any("scheduler_impl" in w for w in why)
+    # eager sync builds the planner too (its scores feed the allocator): the same error
+    with pytest.raises(ValueError, match=r"^pipeline.scheduler_impl=compiled: herald's compiled scheduler is not built"):
+        HeraldPipelineConfig(scheduler_impl="compiled", sync="eager").resolve(whole_batches=True, world_size=2)

@@ -177,8 +177,7 @@ def preflight(cfg: DictConfig, world_size: Optional[int] = None) -> DataSource:
         total = getattr(data, "num_train_batches", None)
         typed.pipeline.check_run_length(None if total is None else int(total) * typed.epochs)
         check_window(data, typed.pipeline.window, world, typed.batch_size)
-        if typed.pipeline.sync == "lazy":
-            typed.pipeline.scheduler_impl_choice()  # scheduler_impl=compiled without a build: one line naming the key
+        typed.pipeline.scheduler_impl_choice()  # scheduler_impl=compiled without a build: one line naming the key
     return data
 
 

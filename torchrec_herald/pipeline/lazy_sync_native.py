@@ -14,7 +14,7 @@ from typing import Any, List, Mapping, Optional, Sequence
 import torch
 
 from torchrec_herald.pipeline.lazy_sync import TensorLazySyncPlanner
-from torchrec_herald.pipeline.staleness import StalenessPlanner
+from torchrec_herald.pipeline.staleness import StalenessPlanner, checked_staleness
 from torchrec_herald.plans import ExecPlan, FlushPlan, SyncCounters
 
 __all__ = ["CompiledLazySyncPlanner", "CompiledStalenessPlanner"]
@@ -51,8 +51,7 @@ class _CompiledGlobalPlan:
 
     def reset(self) -> None:
         """Initial state: every copy valid, caches empty."""
-        if hasattr(self, "_core"):
-            self._core.reset()
+        self._core.reset()
 
     def state_bytes(self) -> int:
         """Bytes of scheduler state (hash tables at their allocated size, LRU buckets, hot replica state)."""
@@ -116,9 +115,7 @@ class CompiledStalenessPlanner(_CompiledGlobalPlan, StalenessPlanner):
                  capacity_rows: Optional[Mapping[str, int]] = None) -> None:
         from torchrec_herald.native import load
 
-        if int(staleness) != staleness or int(staleness) < 0:
-            raise ValueError(f"pipeline.staleness must be an integer >= 0, got {staleness}")
-        self.staleness = int(staleness)
+        self.staleness = checked_staleness(staleness)
         args = self._setup(locality, capacity_fraction, window, capacity_rows)
         self._core = load().GlobalStalenessCore(*args, self.staleness)
 

@@ -298,10 +298,9 @@ class HeraldPipelineConfig:
             raise ValueError(f"pipeline.window={c.window} is larger than the {probe_on} steps scheduling=auto "
                              f"probes with scheduling on (pipeline.probe_steps={c.probe_steps}: "
                              f"probe_steps // 2 + probe_steps); raise pipeline.probe_steps or lower the window")
-        if c.sync == "lazy":
-            _, fallback = c.scheduler_impl_choice()
-            if fallback is not None:
-                why.append(fallback)
+        _, fallback = c.scheduler_impl_choice()  # (every sync mode builds a planner: eager's scores the allocator)
+        if fallback is not None:
+            why.append(fallback)
         return dataclasses.replace(c, global_batches=gb, run_ahead=ra, scheduling=scheduling), why
 
     def check_run_length(self, total_steps: Optional[int]) -> None:

@@ -37,7 +37,14 @@ from torchrec_herald.keymap import SortedKeyMap
 from torchrec_herald.pipeline.lazy_sync import TensorLazySyncPlanner
 from torchrec_herald.plans import ExecPlan, FlushPlan, SyncCounters, no_transfers, sort_transfers, transfer_order
 
-__all__ = ["StalenessPlanner"]
+__all__ = ["StalenessPlanner", "checked_staleness"]
+
+
+def checked_staleness(staleness: Any) -> int:
+    """``staleness`` as an int, or ValueError naming ``pipeline.staleness`` (an integer ``s >= 0``)."""
+    if int(staleness) != staleness or int(staleness) < 0:
+        raise ValueError(f"pipeline.staleness must be an integer >= 0, got {staleness}")
+    return int(staleness)
 
 
 class StalenessPlanner(TensorLazySyncPlanner):
@@ -54,9 +61,7 @@ class StalenessPlanner(TensorLazySyncPlanner):
 
     def __init__(self, locality: Any, staleness: int, capacity_fraction: float = 0.05, window: int = 5,
                  capacity_rows: Optional[Mapping[str, int]] = None) -> None:
-        if int(staleness) != staleness or int(staleness) < 0:
-            raise ValueError(f"pipeline.staleness must be an integer >= 0, got {staleness}")
-        self.staleness = int(staleness)
+        self.staleness = checked_staleness(staleness)
         super().__init__(locality, capacity_fraction, window, capacity_rows)
 
     def _entry_columns(self) -> Dict[str, torch.dtype]:
