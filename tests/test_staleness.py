@@ -8,7 +8,8 @@ Pure (no process group):
   pre-read pushes): every transfer row for row with its ``add`` flag, the evictions, the step counters,
   the stale reads and the largest lag served. Over every trace no read is more than ``s`` versions
   behind (and with ``s > 0`` some reads are stale and some pushes add: not vacuous); after ``flush()``
-  ``hv[x]`` is the number of updates applied to row ``x`` (one per step in which any rank read it) and
+  ``hv[x]`` is the number of updates applied to row ``x`` (with ``s = 0`` one per step in which any rank
+  read it; with ``s > 0`` one per read, each reader updating its own copy, no gradient sent) and
   the flush's transfers are the reference's. With ``s = 0`` the planner never adds, never serves a
   stale read and never holds a pending update.
 * a hand-made trace where a refreshing copy's pre-read push puts another reader more than ``s``
@@ -83,9 +84,10 @@ class RefStaleness:
       a copy more than ``s`` home versions behind *when the read happens* is refreshed (pulled), its
       pending updates pushed home first -- those pushes raise the home version, so the refreshed set
       grows until no read copy is more than ``s`` behind; a copy 1..s behind is served stale;
-    * write: a row read by one rank is updated on that rank's copy (its home's: ``hv += 1``; else
-      ``pending += 1``, pushed home once ``> s``); a row read by several ranks: gradients sent to the
-      home, which applies one update (``hv += 1``);
+    * write, ``s > 0``: every rank that read a row updates its own copy (the home's: ``hv += 1``; any
+      other: ``pending += 1``, pushed home once ``> s``); no gradient is sent;
+    * write, ``s = 0``: a row read by one rank is updated on that rank's copy as above; a row read by
+      several ranks: gradients sent to the home, which applies one update (``hv += 1``);
     * push (rank by rank): *replace* when ``hv == base`` of the pusher, else *add*; ``hv += u``,
       ``base += u``, ``pending = 0``;
     * evict: LRU per (rank, table) down to the capacity (ties: lower key); a dirty victim is pushed.
@@ -161,17 +163,22 @@ class RefStaleness:
         readers: Dict[int, List[int]] = defaultdict(list)
         for r, x in pairs:
             readers[x].append(r)
-        reduce, over = [], []
+        reduce, over, updates = [], [], []
         for x in sorted(readers):
             rs = readers[x]
-            updater = rs[0] if len(rs) == 1 else self.home[x]
-            reduce += [(x, r, updater) for r in rs if r != updater]
-            if updater == self.home[x]:
-                self.hv[x] += 1
-            else:
-                self.pending[updater, x] += 1
-                if self.pending[updater, x] > s:
-                    over.append((updater, x))
+            if s > 0:  # every reader updates its own copy
+                updaters = sorted(rs)
+            else:  # one update: the only reader's, or at home with the readers' gradients sent there
+                updaters = [rs[0] if len(rs) == 1 else self.home[x]]
+                reduce += [(x, r, updaters[0]) for r in rs if r != updaters[0]]
+            for updater in updaters:
+                updates.append((x, updater))
+                if updater == self.home[x]:
+                    self.hv[x] += 1
+                else:
+                    self.pending[updater, x] += 1
+                    if self.pending[updater, x] > s:
+                        over.append((updater, x))
         post = self._push(over)
         victims = []
         for r in range(W):
@@ -190,7 +197,7 @@ class RefStaleness:
         c.update(update_push=len(pre) + len(post), miss_push=len(miss_push), reduce=len(reduce))
         self.step += 1
         return dict(pre=pre, pull=sorted(pull), reduce=sorted(reduce), post=post, miss_push=miss_push,
-                    victims=victims, counters=c, stale=stale, max_lag=max_lag)
+                    victims=victims, counters=c, stale=stale, max_lag=max_lag, updates=updates)
 
     def flush(self) -> Dict[str, Any]:
         push = self._push(sorted((r, x) for (r, x), u in list(self.pending.items()) if u > 0))
@@ -260,9 +267,14 @@ def test_planner_matches_reference_and_bounds_the_lag(world: int, s: int, seed: 
         assert got == exp["counters"], (t, got, exp["counters"])
         assert (plan.stale_reads, plan.max_staleness) == (exp["stale"], exp["max_lag"]), t
         assert plan.max_staleness <= s
-        # one update per read row: the rows of the step's union of reads
-        assert torch.equal(plan.update_keys, torch.unique(torch.cat(reads)))
-        updates[plan.update_keys] += 1
+        # the updates: with s = 0 one per row read (the union of reads), with s > 0 one per read, each
+        # on its reader's copy; no gradient travels then
+        assert list(zip(plan.update_keys.tolist(), plan.reducer.tolist())) == exp["updates"], t
+        if s == 0:
+            assert torch.equal(plan.update_keys, torch.unique(torch.cat(reads)))
+        else:
+            assert len(plan.update_keys) == sum(len(r) for r in reads) and plan.reduce.numel() == 0
+        updates.index_add_(0, plan.update_keys, torch.ones_like(plan.update_keys))
         seen["stale"] += plan.stale_reads
         seen["max_lag"] = max(seen["max_lag"], plan.max_staleness)
         seen["add"] += int(plan.push_before_read_add.sum() + plan.update_push_add.sum() + plan.miss_push_add.sum())
@@ -312,10 +324,11 @@ def test_zero_staleness_never_adds_and_never_serves_stale(world: int, seed: int)
 
 def test_pre_read_push_refreshes_other_copies_it_puts_beyond_s() -> None:
     """W = 3, s = 1, hot row 0 (home: rank 0). Rank 1 holds one pending update (base 0); the home
-    applies two updates; rank 2 refreshes at version 2 and the home's third update leaves it 1 behind.
-    When ranks 1 and 2 read the row, rank 1 (lag 3) refreshes and first pushes its update home
-    (additive: the home moved on), so the home is at version 4 and rank 2's copy is 2 behind: it is
-    refreshed too, not served 2 versions stale (which the counters would have reported as 1)."""
+    applies two updates; rank 2 refreshes at version 2 and updates its own copy (pending 1) while the
+    home applies its third. When ranks 1 and 2 read the row, rank 1 (lag 3) refreshes and first pushes
+    its update home (additive: the home moved on); that puts rank 2's copy 2 behind, so it is refreshed
+    too (its own pending update pushed first), not served 2 versions stale. Both readers then update
+    their own copies: no gradient is sent."""
     loc = Locality(world_size=3, num_embeddings={"t": 6}, hot_ids={"t": torch.tensor([0])})
     p = StalenessPlanner(loc, staleness=1, capacity_fraction=1.0)
     none = torch.empty(0, dtype=torch.int64)
@@ -324,14 +337,19 @@ def test_pre_read_push_refreshes_other_copies_it_puts_beyond_s() -> None:
     assert int(p.pending_hot[1, 0]) == 1 and int(p.hv_hot[0]) == 0
     p.plan_step([[row, none, none]])  # home: hv 1
     p.plan_step([[row, none, none]])  # home: hv 2
-    plan = p.plan_step([[row, none, row]])  # rank 2 lag 2 > s: refreshed (base 2); two readers: home, hv 3
+    plan = p.plan_step([[row, none, row]])  # rank 2 lag 2 > s: refreshed (base 2); home: hv 3; rank 2: pending 1
     assert plan.pull.tolist() == [[0, 0, 2]] and int(p.hv_hot[0]) == 3 and int(p.base_hot[2, 0]) == 2
+    assert plan.reduce.numel() == 0 and plan.update_keys.tolist() == [0, 0] and plan.reducer.tolist() == [0, 2]
+    assert int(p.pending_hot[2, 0]) == 1
     plan = p.plan_step([[none, row, row]])
-    assert plan.push_before_read.tolist() == [[0, 1, 0]] and plan.push_before_read_add.tolist() == [True]
-    assert plan.pull.tolist() == [[0, 0, 1], [0, 0, 2]]  # both readers refreshed at version 4
+    # rank 1 (hv 3, base 0) then rank 2 (hv 3 + 1, base 2): both add
+    assert plan.push_before_read.tolist() == [[0, 1, 0], [0, 2, 0]]
+    assert plan.push_before_read_add.tolist() == [True, True]
+    assert plan.pull.tolist() == [[0, 0, 1], [0, 0, 2]]  # both readers refreshed at version 5
     assert plan.stale_reads == 0 and plan.max_staleness == 0
-    assert plan.counters.update_pull == 2 and plan.counters.update_push == 1
-    assert int(p.hv_hot[0]) == 5  # the push (4), then the two readers' summed update at home
+    assert plan.counters.update_pull == 2 and plan.counters.update_push == 2 and plan.counters.reduce == 0
+    assert int(p.hv_hot[0]) == 5 and p.base_hot[1:, 0].tolist() == [5, 5]
+    assert p.pending_hot[1:, 0].tolist() == [1, 1]  # each reader's own update, held back (<= s)
 
 
 def test_bad_staleness_is_a_value_error() -> None:
@@ -548,7 +566,7 @@ def test_staleness_moves_fewer_vectors_on_the_same_batches() -> None:
     # the executor moved what the plans say (pulls/pushes: plus the final flush's)
     for n in vec:
         c = res[0][n]["stats"].counters
-        assert sum(r[n]["tags"]["herald_reduce"]["embedding_vectors"] for r in res) == c.reduce
+        assert sum(r[n]["tags"].get("herald_reduce", {}).get("embedding_vectors", 0) for r in res) == c.reduce
         assert sum(r[n]["tags"]["herald_pull"]["embedding_vectors"] for r in res) >= c.miss_pull + c.update_pull
 
 

@@ -598,27 +598,37 @@ class GlobalStalenessCore : public GlobalPlanBase {
       else cp[j]->version = v;
     }
     close_buckets();
-    // writes: one reader updates its copy; several readers' gradients are summed at home
-    std::vector<i64> update(G), reducer_of(G);
-    std::vector<std::pair<i64, i64>> over;
-    for (size_t g = 0; g < G; ++g) {
-      const size_t a = group_begin[g], b = group_begin[g + 1];
-      const i64 x = X[a], h = home[a], sl = slot[a];
-      const i64 reducer = b - a == 1 ? R[a] : h;
-      for (size_t j = a; j < b; ++j)
-        if (R[j] != reducer) reduce.push_back(Transfer{x, R[j], reducer});
-      update[g] = x;
-      reducer_of[g] = reducer;
-      if (reducer == h) {
+    // writes (s = 0): one update per row, by its only reader or at home where several ranks' gradients are
+    // summed; (s > 0) every reader updates its own copy, no gradient travels (HET's workers)
+    std::vector<i64> update, reducer_of;
+    update.reserve(s_ ? n : G);
+    reducer_of.reserve(s_ ? n : G);
+    std::vector<std::pair<i64, i64>> over;  // (key, rank), sorted: groups ascend by key, readers by rank
+    auto write = [&](size_t j, i64 updater) {  // the update of row X[j] on updater's copy (j: a read of it)
+      const i64 x = X[j], sl = slot[j];
+      update.push_back(x);
+      reducer_of.push_back(updater);
+      if (updater == home[j]) {
         if (sl >= 0) {
           ++hv_hot_[sl];
         } else if (Row* row = rows_.find(x)) {  // tracked only while some rank caches it
           ++row->version;
         }
       } else {
-        i64& p = sl >= 0 ? pending_hot_[reducer * nh + sl] : cp[a]->pending;
-        if (++p > s_) over.push_back({x, reducer});
+        i64& p = sl >= 0 ? pending_hot_[updater * nh + sl] : cp[j]->pending;
+        if (++p > s_) over.push_back({x, updater});
       }
+    };
+    for (size_t g = 0; g < G; ++g) {
+      const size_t a = group_begin[g], b = group_begin[g + 1];
+      if (s_ > 0) {
+        for (size_t j = a; j < b; ++j) write(j, R[j]);
+        continue;
+      }
+      const i64 reducer = b - a == 1 ? R[a] : home[a];
+      for (size_t j = a; j < b; ++j)
+        if (R[j] != reducer) reduce.push_back(Transfer{X[a], R[j], reducer});
+      write(a, reducer);  // (a reducer other than home is the only reader, a: its read)
     }
     std::sort(reduce.begin(), reduce.end());
     ctr[kReduce] = static_cast<i64>(reduce.size());

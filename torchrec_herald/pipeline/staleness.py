@@ -12,9 +12,11 @@ its base). Per step, for the rows each rank reads:
   other copy is used as is — *served stale* when ``0 < hv − b ≤ s``. The lag is the one at read time,
   after those pre-read pushes (which may put another reader's copy more than ``s`` behind: it is
   refreshed too);
-* **write**: a row read by one rank is updated on that rank's copy (``u += 1``) and pushed home once
-  ``u > s`` (``update_push``); a row read by several ranks has their gradients summed at its home, which
-  applies one update (as the exact plan does: the update rule sees the summed gradient);
+* **write**: with ``s > 0`` every rank that read a row updates its own copy with its own gradient, as
+  HET's workers do: the home's copy is the server's (``hv += 1``), any other copy counts the update
+  (``u += 1``) and is pushed home once ``u > s`` (``update_push``). No gradient travels. With ``s = 0``
+  a row read by several ranks has their gradients summed at its home, which applies one update (the
+  exact plan's rule: the update rule sees the summed gradient);
 * **evict**: a cached row with pending updates is always pushed home (``miss_push``).
 
 A push *replaces* the home's copy when the home has not changed since the pusher's base (then the two are
@@ -210,15 +212,22 @@ class StalenessPlanner(TensorLazySyncPlanner):
         self._admit_to_caches(R, X, table_X, cold, cold & ~cached)
         Rn, Xn, sn = R[need], X[need], slot_X[need]
         self._set_field(Rn, sn, self._copy(Rn, Xn, sn), "base", self._hv(Xn, sn))
-        # writes: one reader updates its copy; several readers' gradients are summed at home
-        home_u = lay.home_of(ux)
-        updater, reduce = self._reducers(R, X, inv, nS, first, home_u)
+        # writes (s = 0): one update per row, by its only reader or at home where several ranks' gradients
+        # are summed (the exact plan's rule); (s > 0) HET's: every reader updates its own copy, no gradient
+        # travels, and the copies' accumulated updates reach home by the pushes
+        if s == 0:
+            home_u = lay.home_of(ux)
+            updater, reduce = self._reducers(R, X, inv, nS, first, home_u)
+            upd_keys, slot_u = ux, lay.hot_slot(ux)
+        else:
+            by_key = torch.argsort(X * self.W + R)
+            upd_keys, updater, home_u, slot_u = X[by_key], R[by_key], home_X[by_key], slot_X[by_key]
+            reduce = no_transfers()
         at_home = updater == home_u
-        slot_u = lay.hot_slot(ux)
-        xh, sh = ux[at_home], slot_u[at_home]
+        xh, sh = upd_keys[at_home], slot_u[at_home]
         tracked = (sh >= 0) | self._cached_anywhere(xh)
         self._hv_add(xh[tracked], sh[tracked], torch.ones(int(tracked.sum()), dtype=torch.int64))
-        local, lr, sl = ux[~at_home], updater[~at_home], slot_u[~at_home]
+        local, lr, sl = upd_keys[~at_home], updater[~at_home], slot_u[~at_home]
         wl = self._copy(lr, local, sl)
         pend_l = self._field(lr, sl, wl, "pending") + 1
         self._set_field(lr, sl, wl, "pending", pend_l)
@@ -227,7 +236,7 @@ class StalenessPlanner(TensorLazySyncPlanner):
         miss_push, evictions = self._evict()
         cnt = self._counters(cnt_reads, hits, cold, pull_miss, reduce, len(pre) + len(post), len(miss_push[0]))
         plan = ExecPlan(step=self.step, reads=reads, push_before_read=pre, pull=pull, pull_miss=pull_miss,
-                        reduce=sort_transfers(reduce), update_keys=ux, reducer=updater, update_push=post,
+                        reduce=sort_transfers(reduce), update_keys=upd_keys, reducer=updater, update_push=post,
                         miss_push=miss_push[0], evictions=evictions, counters=cnt, additive=True,
                         push_before_read_add=pre_add, update_push_add=post_add, miss_push_add=miss_push[1],
                         stale_reads=int(stale.sum()), max_staleness=int(lag[stale].max()) if bool(stale.any()) else 0)
