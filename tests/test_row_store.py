@@ -143,6 +143,70 @@ def test_compiled_row_access_reads_and_writes_like_the_torch_reference() -> None
         assert errors == [f"rank 1: plan reads rows it does not hold: keys {remote.tolist()}"] * 4
 
 
+def test_compiled_receive_payload_and_rebase_match_the_torch_reference() -> None:
+    """Bounded staleness's row traffic on the same random stores: storing what a source sent (replacing
+    rows, adding accumulated updates, new remote rows given cache slots, bases kept), the payload of a push
+    (value + state, minus the base where it adds) and rebasing give the same rows, states, bases, cache
+    slots and payloads compiled as with torch ops, bit for bit; a push of an own row flagged add and a row
+    not held are the same errors."""
+    import pytest
+
+    from torchrec_herald.native import available
+
+    assert available(), "make setup builds the extension"
+    for seed, optimizer in ((4, EmbOptimType.EXACT_ROWWISE_ADAGRAD), (5, EmbOptimType.EXACT_SGD)):
+        stores = [_random_store(seed, optimizer, native) for native in (True, False)]
+        width = 4 + (1 if stores[0].adagrad else 0)
+        lay = stores[0].layout
+        n = lay.num_rows
+        hot_rows = lay.hot_slot(torch.arange(n)) >= 0
+        own_rows = stores[0].own_slot(torch.arange(n)) >= 0
+        remote = torch.arange(n)[~hot_rows & ~own_rows]
+        for store in stores:
+            store.track_base = True
+            store.rebase_hot()
+        g = torch.Generator().manual_seed(seed + 20)
+        for step in range(5):
+            # a pull of remote rows (new ones get slots), then pushes received: hot and own rows, some adding
+            pulled = remote[torch.randperm(remote.numel(), generator=g)[:30]].sort().values
+            pushed = torch.arange(n)[(hot_rows | own_rows)][torch.randperm(int((hot_rows | own_rows).sum()), generator=g)[:25]]
+            pushed = pushed.sort().values
+            add = torch.rand(pushed.numel(), generator=g) < 0.5
+            rows_pull = torch.randn(pulled.numel(), width, generator=g).abs()
+            rows_push = torch.randn(pushed.numel(), width, generator=g).abs()
+            for store in stores:
+                store.receive(pulled, rows_pull, torch.zeros(pulled.numel(), dtype=torch.bool))
+                store.receive(pushed, rows_push, add)
+                store.drop(pulled[::6].contiguous())
+            held = torch.cat([pulled[torch.arange(pulled.numel()) % 6 != 0], lay.hot_keys[:7]]).sort().values
+            flags = torch.rand(held.numel(), generator=g) < 0.5
+            pays = [store.payload(held, flags) for store in stores]
+            assert torch.equal(pays[0], pays[1]) and pays[0].shape == (held.numel(), 5)
+            for store in stores:
+                store.rebase(held[::2].contiguous())
+            for a, b in zip((stores[0].hot_weights(), stores[0].cold_weights(), stores[0].cache_w, stores[0].hot_state,
+                             stores[0].cache_s, stores[0].base_hot, stores[0].base_cache),
+                            (stores[1].hot_weights(), stores[1].cold_weights(), stores[1].cache_w, stores[1].hot_state,
+                             stores[1].cache_s, stores[1].base_hot, stores[1].base_cache)):
+                assert torch.equal(a, b), step
+            assert torch.equal(stores[0].cache_map.keys, stores[1].cache_map.keys)
+            assert torch.equal(stores[0].cache_map.col("slot"), stores[1].cache_map.col("slot"))
+        own = torch.arange(n)[own_rows & ~hot_rows][:2]
+        errors = []
+        for store in stores:
+            with pytest.raises(RuntimeError) as e:
+                store.payload(own, torch.ones(2, dtype=torch.bool))
+            errors.append(str(e.value))
+            not_held = remote[~torch.isin(remote, store.cache_map.keys)][:2]
+            for access in (lambda k: store.payload(k, torch.zeros(2, dtype=torch.bool)), store.rebase):
+                with pytest.raises(RuntimeError) as e:
+                    access(not_held)
+                errors.append(str(e.value))
+        assert errors[0] == errors[3] == f"rank 1: a home never pushes its own rows (keys {own.tolist()})"
+        assert errors[1] == errors[4] and errors[2] == errors[5]
+        assert errors[1] == errors[2] and errors[1].startswith("rank 1: plan reads rows it does not hold: keys ")
+
+
 def test_the_gpu_update_leaves_zero_gradient_rows_as_they_were_even_with_eps_zero() -> None:
     # on a GPU every synced hot row is written: a row nobody read must come out as it went in, where
     # exact_update alone gives 0 * lr / (sqrt(0) + 0) = NaN

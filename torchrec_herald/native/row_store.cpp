@@ -211,6 +211,125 @@ std::tuple<torch::Tensor, torch::Tensor> row_store_locate(torch::Tensor keys, to
   return {kind, slot};
 }
 
+// Bounded staleness: each hot replica's and cache entry's base (its value and state when last synced with
+// its home), [rows, D + 1] float32, rows contiguous. Own rows have none (their copy is the home's).
+struct Bases {
+  float* at[3];
+  i64 rows[3];
+};
+
+Bases bases_of(const torch::Tensor& base_hot, const torch::Tensor& base_cache, i64 dim) {
+  for (const auto* t : {&base_hot, &base_cache}) {
+    TORCH_CHECK(t->scalar_type() == torch::kFloat32 && t->is_contiguous() && t->dim() == 2 && t->size(1) == dim + 1 &&
+                    t->device().is_cpu(),
+                "row store: bases must be contiguous float32 [rows, D + 1] CPU tensors");
+  }
+  return Bases{{base_hot.data_ptr<float>(), nullptr, base_cache.data_ptr<float>()},
+               {base_hot.size(0), 0, base_cache.size(0)}};
+}
+
+// the row's base, or nullptr (an own row, or a slot past the buffer)
+inline float* base_row(const Bases& bases, int kind, i64 slot, i64 dim) {
+  return kind != kOwn && slot < bases.rows[kind] ? bases.at[kind] + slot * (dim + 1) : nullptr;
+}
+
+inline void set_base(float* base, const float* w, float s, i64 dim) {
+  std::memcpy(base, w, dim * sizeof(float));
+  base[dim] = s;
+}
+
+// Stores the rows one source sent (``rows`` [n, D (+ 1 state)]): where ``add[i]`` adds them to the row
+// (an accumulated update), else replaces it; with ``track_base`` a hot replica's or cache entry's base
+// becomes its new value. Returns the positions of the keys this rank does not hold (not written: the
+// caller gives them cache slots first). The torch reference: PlanExecutor._store_received.
+torch::Tensor row_store_receive(torch::Tensor keys, torch::Tensor hot_keys, torch::Tensor table_offsets,
+                                torch::Tensor blocks, torch::Tensor block_offsets, i64 rank, torch::Tensor cache_keys,
+                                torch::Tensor cache_slots, torch::Tensor rows, torch::Tensor add,
+                                std::vector<torch::Tensor> w, std::vector<torch::Tensor> s, torch::Tensor base_hot,
+                                torch::Tensor base_cache, bool track_base, i64 dim) {
+  check_keys(keys);
+  const i64 n = keys.numel();
+  const Where where = where_of(hot_keys, table_offsets, blocks, block_offsets, rank, cache_keys, cache_slots);
+  const Buffers b = buffers_of(w, s, dim);
+  const i64 width = dim + (b.state ? 1 : 0);
+  TORCH_CHECK(rows.scalar_type() == torch::kFloat32 && rows.is_contiguous() && rows.dim() == 2 && rows.size(0) == n &&
+                  rows.size(1) == width && rows.device().is_cpu(),
+              "row store: received rows must be contiguous float32 [len(keys), ", width, "] on the CPU");
+  TORCH_CHECK(add.scalar_type() == torch::kBool && add.is_contiguous() && add.numel() == n && add.device().is_cpu(),
+              "row store: one add flag per key");
+  const Bases bases = bases_of(base_hot, base_cache, dim);
+  const float* src = rows.data_ptr<float>();
+  const bool* a = add.data_ptr<bool>();
+  return positions(for_each_held(where, b, keys, [&](i64 i, int kind, i64 slot) {
+    float* dst = b.w[kind] + slot * b.w_stride[kind];
+    const float* in = src + i * width;
+    if (a[i]) {
+      for (i64 d = 0; d < dim; ++d) dst[d] += in[d];
+    } else {
+      std::memcpy(dst, in, dim * sizeof(float));
+    }
+    float state = 0.0f;
+    if (b.state) {
+      float& st = b.s[kind][slot * b.s_stride[kind]];
+      st = a[i] ? st + in[dim] : in[dim];
+      state = st;
+    }
+    if (track_base) {
+      if (float* base = base_row(bases, kind, slot, dim)) set_base(base, dst, state, dim);
+    }
+  }));
+}
+
+// (rows [n, D + 1]: each row's value and state (0 without), minus its base where ``add[i]`` (the copy's
+// accumulated update); positions of the keys not held; positions of own rows flagged add, which have no
+// base). The torch reference: PlanExecutor._row_payload.
+std::tuple<torch::Tensor, torch::Tensor, torch::Tensor> row_store_payload(
+    torch::Tensor keys, torch::Tensor hot_keys, torch::Tensor table_offsets, torch::Tensor blocks,
+    torch::Tensor block_offsets, i64 rank, torch::Tensor cache_keys, torch::Tensor cache_slots, torch::Tensor add,
+    std::vector<torch::Tensor> w, std::vector<torch::Tensor> s, torch::Tensor base_hot, torch::Tensor base_cache,
+    i64 dim) {
+  check_keys(keys);
+  const i64 n = keys.numel();
+  const Where where = where_of(hot_keys, table_offsets, blocks, block_offsets, rank, cache_keys, cache_slots);
+  const Buffers b = buffers_of(w, s, dim);
+  TORCH_CHECK(add.scalar_type() == torch::kBool && add.is_contiguous() && add.numel() == n && add.device().is_cpu(),
+              "row store: one add flag per key");
+  const Bases bases = bases_of(base_hot, base_cache, dim);
+  auto out = torch::zeros({n, dim + 1}, torch::kFloat32);
+  float* o = out.data_ptr<float>();
+  const bool* a = add.data_ptr<bool>();
+  std::vector<i64> own_add;
+  const auto missing = for_each_held(where, b, keys, [&](i64 i, int kind, i64 slot) {
+    float* row = o + i * (dim + 1);
+    std::memcpy(row, b.w[kind] + slot * b.w_stride[kind], dim * sizeof(float));
+    if (b.state) row[dim] = b.s[kind][slot * b.s_stride[kind]];
+    if (!a[i]) return;
+    const float* base = base_row(bases, kind, slot, dim);
+    if (!base) {
+      own_add.push_back(i);
+      return;
+    }
+    for (i64 d = 0; d <= dim; ++d) row[d] -= base[d];
+  });
+  return {out, positions(missing), positions(own_add)};
+}
+
+// base := current value and state for the hot replicas and cache entries among ``keys`` (own rows are
+// passed over); returns the positions of the keys not held. The torch reference: RowStore.rebase.
+torch::Tensor row_store_rebase(torch::Tensor keys, torch::Tensor hot_keys, torch::Tensor table_offsets,
+                               torch::Tensor blocks, torch::Tensor block_offsets, i64 rank, torch::Tensor cache_keys,
+                               torch::Tensor cache_slots, std::vector<torch::Tensor> w, std::vector<torch::Tensor> s,
+                               torch::Tensor base_hot, torch::Tensor base_cache, i64 dim) {
+  check_keys(keys);
+  const Where where = where_of(hot_keys, table_offsets, blocks, block_offsets, rank, cache_keys, cache_slots);
+  const Buffers b = buffers_of(w, s, dim);
+  const Bases bases = bases_of(base_hot, base_cache, dim);
+  return positions(for_each_held(where, b, keys, [&](i64, int kind, i64 slot) {
+    if (float* base = base_row(bases, kind, slot, dim))
+      set_base(base, b.w[kind] + slot * b.w_stride[kind], b.state ? b.s[kind][slot * b.s_stride[kind]] : 0.0f, dim);
+  }));
+}
+
 }  // namespace
 
 void register_row_store(pybind11::module& m) {
@@ -220,4 +339,11 @@ void register_row_store(pybind11::module& m) {
         "(weights, states, positions not held) of global keys' rows: hot replica, own block row or cache slot");
   m.def("row_store_scatter", &row_store_scatter,
         "write global keys' rows (and states) where this rank holds them; returns the positions it does not hold");
+  m.def("row_store_receive", &row_store_receive,
+        "store the rows one source sent (replace, or add where flagged), rebasing hot and cached copies; "
+        "returns the positions not held");
+  m.def("row_store_payload", &row_store_payload,
+        "(value + state rows, minus the base where flagged; positions not held; own rows flagged add)");
+  m.def("row_store_rebase", &row_store_rebase,
+        "base := value + state of the hot replicas and cache entries among keys; returns the positions not held");
 }

@@ -207,10 +207,7 @@ class PlanExecutor:
 
     def _row_payload(self, keys: torch.Tensor, add: torch.Tensor) -> torch.Tensor:
         """Each row's value (+ Adagrad state); for ``add`` rows the accumulated update (value − base)."""
-        w, st = self.store.read(keys)
-        rows = torch.cat([w, st[:, None]], 1)
-        if bool(add.any()):
-            rows[add.to(rows.device)] -= self.store.base(keys[add])
+        rows = self.store.payload(keys, add)
         return rows if self.store.adagrad else rows[:, : self.D]
 
     def move_rows(self, transfers: torch.Tensor, label: str, add: Optional[torch.Tensor] = None,
@@ -235,21 +232,9 @@ class PlanExecutor:
     def _store_received(self, keys: torch.Tensor, add: torch.Tensor, recv_pos: List[torch.Tensor],
                         out: torch.Tensor) -> None:
         """Write the rows received from each source, in rank order (``add``: add to the current value)."""
-        store = self.store
         for pos, rows in zip(recv_pos, out.split([i.numel() for i in recv_pos])):
-            if not rows.numel():
-                continue
-            k, a = keys[pos], add[pos]
-            state = rows[:, self.D] if store.adagrad else torch.zeros(k.numel(), device=store.device)
-            w, st = rows[:, : self.D].clone(), state.clone()
-            if bool(a.any()):
-                cur_w, cur_s = store.read(k[a])
-                a_d = a.to(store.device)
-                w[a_d] += cur_w
-                st[a_d] += cur_s
-            store.write(k, w, st)
-            if store.track_base:
-                store.rebase(k)
+            if rows.numel():
+                self.store.receive(keys[pos], rows, add[pos])
 
     def prefetch(self, plan: ExecPlan) -> None:
         """Start ``plan``'s pre-read transfers now, while the current step ends (collective): the pushes

@@ -316,8 +316,18 @@ class RowStore(nn.Module):
         self.base_cache = torch.zeros(0, self.dim + 1, device=self.device)
 
     # ------------------------------------------------------------------ bounded staleness: sync bases
+    def _native_bases(self) -> Tuple[torch.Tensor, torch.Tensor]:
+        return self.base_hot, self.base_cache
+
     def rebase(self, keys: torch.Tensor) -> None:
         """Base of the hot replicas / cache entries among ``keys`` := their current value (+ state)."""
+        if self.native is not None:
+            keys = keys.to(torch.int64).contiguous()
+            missing = self.native.row_store_rebase(keys, *self._native_args(), *self._native_buffers(),
+                                                   *self._native_bases(), self.dim)
+            if missing.numel():
+                raise self._not_held(keys, missing)
+            return
         hot, _, cache, hot_slot, _, cache_slot = self._where(keys)
         w, st = self.read(keys)
         val = torch.cat([w, st[:, None]], 1)
@@ -331,11 +341,60 @@ class RowStore(nn.Module):
         self.base_hot[:, : self.dim] = self.hot_weights()[:n]
         self.base_hot[:, self.dim] = self.hot_state[:n]
 
+    def receive(self, keys: torch.Tensor, rows: torch.Tensor, add: torch.Tensor) -> None:
+        """Store the rows one source sent (``rows`` ``[n, D (+ 1 Adagrad state)]``): where ``add`` add them
+        to the row held (an accumulated update), else replace it (a remote row gets a cache slot); with
+        :attr:`track_base` the hot replicas and cache entries among them are rebased."""
+        if self.native is not None:
+            keys, rows, add = keys.to(torch.int64).contiguous(), rows.contiguous(), add.contiguous()
+            args = (*self._native_buffers(), *self._native_bases(), self.track_base, self.dim)
+            missing = self.native.row_store_receive(keys, *self._native_args(), rows, add, *args)
+            if missing.numel():  # remote rows not cached yet (pulls replace): slots first, then store them
+                if bool(add[missing].any()):
+                    raise self._not_held(keys, missing[add[missing]])
+                self._give_slots(keys[missing])
+                args = (*self._native_buffers(), *self._native_bases(), self.track_base, self.dim)
+                missing = self.native.row_store_receive(keys[missing], *self._native_args(), rows[missing],
+                                                        add[missing], *args)
+                assert not missing.numel(), "every key has a slot after _give_slots"
+            return
+        state = rows[:, self.dim] if self.adagrad else torch.zeros(keys.numel(), device=self.device)
+        w, st = rows[:, : self.dim].clone(), state.clone()
+        if bool(add.any()):
+            cur_w, cur_s = self.read(keys[add])
+            a_d = add.to(self.device)
+            w[a_d] += cur_w
+            st[a_d] += cur_s
+        self.write(keys, w, st)
+        if self.track_base:
+            self.rebase(keys)
+
+    def payload(self, keys: torch.Tensor, add: torch.Tensor) -> torch.Tensor:
+        """``[n, D + 1]``: each row's value and state (0 for SGD), minus its base where ``add`` (the copy's
+        accumulated update, which its home adds)."""
+        if self.native is not None:
+            keys, add = keys.to(torch.int64).contiguous(), add.contiguous()
+            out, missing, own = self.native.row_store_payload(keys, *self._native_args(), add, *self._native_buffers(),
+                                                              *self._native_bases(), self.dim)
+            if missing.numel():
+                raise self._not_held(keys, missing)
+            if own.numel():
+                raise self._own_push(keys[own])
+            return out
+        w, st = self.read(keys)
+        rows = torch.cat([w, st[:, None]], 1)
+        if bool(add.any()):
+            rows[add.to(rows.device)] -= self.base(keys[add])
+        return rows
+
+    def _own_push(self, keys: torch.Tensor) -> RuntimeError:
+        return RuntimeError(f"rank {self.rank}: a home never pushes its own rows (keys {keys[:5].tolist()})")
+
     def base(self, keys: torch.Tensor) -> torch.Tensor:
         """``[n, D + 1]`` bases of hot replicas / cache entries (a home never pushes its own rows)."""
         hot, own, cache, hot_slot, _, cache_slot = self._where(keys)
         if bool(own.any()):
-            raise RuntimeError(f"rank {self.rank}: a home never pushes its own rows (keys {keys[own][:5].tolist()})")
+            raise self._own_push(keys[own])
         d = self._dev
         out = torch.empty(keys.numel(), self.dim + 1, device=self.device)
         out[d(hot)] = self.base_hot[d(hot_slot[hot])]
