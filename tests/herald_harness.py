@@ -149,7 +149,8 @@ def build(world: int, cfg: Dict[str, Any], data: Optional[Any] = None) -> Dict[s
     """Seeded DLRM (every rank the same weights) -> plan of ``cfg["planner"]`` -> DMP + CombinedOptimizer.
 
     cfg: planner (table_wise|row_wise|herald), optimizer (sgd|rowwise_adagrad), via (apply|fused_params),
-    dense_sync (ddp|forward_ordered: TorchRec's DDP or :class:`ForwardOrderedDenseSync`),
+    dense_sync (ddp|forward_ordered|forward_ordered_in_backward: TorchRec's DDP or
+    :class:`ForwardOrderedDenseSync`, its sums started at the step or inside backward),
     pooling (SUM|MEAN), batch_size, hot_min_count, sync (herald: dense|sparse|mixed), lr, multi_hot, steps,
     stock_tables (herald: ``(stock mode, k)``: every k-th table keeps that stock plan's sharding, one EBC mixed),
     device (cpu|cuda: where every rank keeps its rows; the GPU check runs two gloo ranks on one GPU)."""
@@ -192,7 +193,10 @@ def build(world: int, cfg: Dict[str, Any], data: Optional[Any] = None) -> Dict[s
                 for i, t in enumerate(tables):
                     if i % every == every - 1:
                         module_plan[t.name] = stock.plan[path][t.name]
-    sync = ForwardOrderedDenseSync() if cfg.get("dense_sync", "ddp") == "forward_ordered" else None
+    dense_mode = cfg.get("dense_sync", "ddp")
+    sync = ForwardOrderedDenseSync() if dense_mode.startswith("forward_ordered") else None
+    if sync is not None:  # forward_ordered_in_backward: each group's sum starts in backward (HET's plan does)
+        sync.start_in_backward = dense_mode == "forward_ordered_in_backward"
     dmp = DistributedModelParallel(model, device=device, plan=plan, sharders=[sharder], data_parallel_wrapper=sync)
     dmp.load_state_dict(dict(initial))  # a copy: TorchRec's DMP.load_state_dict renames the DDP keys in place
     dense_cls = torch.optim.SGD if opt == "sgd" else torch.optim.Adagrad

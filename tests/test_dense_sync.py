@@ -125,6 +125,59 @@ def test_step_starts_every_groups_sum_and_the_next_read_settles_it() -> None:
         assert r["pending_after_forward"] == 0
 
 
+EARLY_CASES = [{"planner": "herald", "optimizer": "rowwise_adagrad", "pipeline": "sparse_dist", "steps": STEPS},
+               {"planner": "herald", "optimizer": "sgd", "pipeline": "plain", "steps": STEPS}]
+
+
+def _early_pairs(rank: int, world: int) -> List[Dict[str, Any]]:
+    runs = train_many(rank, world, [dict(c, dense_sync=m) for c in EARLY_CASES
+                                    for m in ("ddp", "forward_ordered_in_backward")])
+    return [{k: r[k] for k in ("losses", "state")} for r in runs] if rank == 0 else []
+
+
+def test_sums_started_inside_backward_train_like_ddp_bit_for_bit() -> None:
+    """``start_in_backward`` (HET's plan sets it): each group's sum starts as soon as backward completed
+    its gradients; the same averaged gradients, applied before the same reads: DDP's training, bit for bit."""
+    runs = run_multiprocess(_early_pairs, 2)[0]
+    for i in range(len(EARLY_CASES)):
+        ddp, early = runs[2 * i], runs[2 * i + 1]
+        assert len(early["losses"]) == STEPS and early["losses"] == ddp["losses"]
+        assert early["state"].keys() == ddp["state"].keys()
+        assert all(torch.equal(early["state"][k], v) for k, v in ddp["state"].items())
+
+
+def _early_behaviour(rank: int, world: int) -> Dict[str, Any]:
+    dmp, opt, sync, data = _forward_ordered_dlrm(rank, world, 4)
+    sync.start_in_backward = True
+    out: Dict[str, Any] = {"groups": len(sync.groups)}
+    loss, _ = dmp(data[0])
+    opt.zero_grad()
+    out["pending_in_forward"] = sync.pending
+    loss.backward()
+    out["pending_after_backward"] = sync.pending  # started inside backward, before the optimizer step
+    opt.step()
+    out["pending_after_step"] = sync.pending
+    dmp(data[1])[0].backward()
+    out["pending_after_second_backward"] = sync.pending  # the next forward settled them; backward restarted them
+    dmp(data[2])[0].backward()  # a second backward before the step: gradients made after the sums started
+    try:
+        opt.step()
+        out["error"] = "no error"
+    except RuntimeError as e:
+        out["error"] = str(e)
+    return out
+
+
+def test_sums_start_inside_backward_and_a_second_backward_before_the_step_is_refused() -> None:
+    for r in run_multiprocess(_early_behaviour, 2):
+        n = r["groups"]
+        assert n == 3 and r["pending_in_forward"] == 0
+        assert r["pending_after_backward"] == n and r["pending_after_step"] == n
+        assert r["pending_after_second_backward"] == n
+        assert r["error"].startswith("dense parameter '") and "got a gradient after its group's sum started in " \
+            "backward" in r["error"] and r["error"].endswith("use planner.dense_sync=ddp"), r["error"]
+
+
 def test_groups_follow_module_order_and_merge_only_small_neighbours() -> None:
     from torchrec_herald.sharding.dense_sync import group_dense_parameters
 

@@ -426,6 +426,12 @@ class HeraldTrainPipeline(TrainPipeline[Batch, Any]):
         on = self.mode == "on"
         self.sync = self.config.sync if on else "eager"
         self.env.allocator = self._allocator_on if on else self._allocator_off
+        dense_sync = getattr(self._model, "dense_sync", None)
+        if dense_sync is not None:
+            # the dense sums start inside backward where herald sends no gradient after it: HET's plan
+            # (s >= 1) updates each copy where it is read; hot replication's hot-row sum and the exact
+            # plan's gradient reduce would queue behind them, and the next step needs those first
+            dense_sync.start_in_backward = on and self.sync == "lazy" and (self.staleness or 0) > 0
 
     def enter_mode(self, mode: str) -> None:
         """Train in ``mode`` from the next step (every rank at the same step): leaving the plan flushes it."""

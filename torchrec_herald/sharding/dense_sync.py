@@ -91,6 +91,12 @@ class ForwardOrderedDenseSync:
         self._optim: Optional[KeyedOptimizer] = None  # one optimizer, one param group per dense group
         self._pending: List[Optional[Tuple[torch.Tensor, Any]]] = []  # per group: (sum buffer, work) in flight
         self._reached: List[bool] = []  # per group: its layers' forward ran since the sums were last started
+        #: start each group's sum inside backward, once its gradients are complete (backward order), instead
+        #: of at the optimizer step (forward order): the link carries them while backward computes. The
+        #: herald pipeline sets it where it sends no gradient after backward (HET's plan, s >= 1)
+        self.start_in_backward = False
+        self._arrived: List[set] = []  # per group: its parameters whose gradient this backward completed
+        self._early: List[bool] = []  # per group: its sum was started in this backward
 
     # ------------------------------------------------------------------ DataParallelWrapper
     def wrap(self, dmp: Any, env: Any, device: torch.device) -> None:
@@ -113,6 +119,8 @@ class ForwardOrderedDenseSync:
         self.groups = group_dense_parameters(module, dense, self.group_bytes)
         self._pending = [None] * len(self.groups)
         self._reached = [False] * len(self.groups)
+        self._arrived = [set() for _ in self.groups]
+        self._early = [False] * len(self.groups)
         with torch.no_grad():  # as DDP does at construction: every rank starts from rank 0's dense weights
             for p in dense.values():
                 dist.broadcast(p.data, src=ranks[0], group=self._pg)
@@ -121,6 +129,8 @@ class ForwardOrderedDenseSync:
                 owner.register_forward_pre_hook(lambda *_, i=i: self._reach(i))
                 owner.register_state_dict_pre_hook(lambda *_, i=i: self.settle(i))
                 owner.register_load_state_dict_pre_hook(lambda *_, i=i: self.settle(i))
+            for p in g.params:
+                p.register_post_accumulate_grad_hook(lambda p, i=i: self._gradient_done(i, p))
         logger.info("dense sync: %d groups of %s bytes, summed in forward order",
                     len(self.groups), [g.nbytes for g in self.groups])
 
@@ -143,11 +153,35 @@ class ForwardOrderedDenseSync:
             work = dist.all_reduce(flat, group=self._pg, async_op=True)
         self._pending[i] = (flat, work)
 
+    def _gradient_done(self, i: int, p: nn.Parameter) -> None:
+        """Inside backward: ``p``'s gradient is accumulated; with :attr:`start_in_backward`, group ``i``'s
+        sum starts once every parameter of it has its gradient (its layers ran their forward)."""
+        if not self.start_in_backward or self._early[i] or self._pg is None:
+            return
+        self._arrived[i].add(id(p))
+        if len(self._arrived[i]) == len(self.groups[i].params) and self._reached[i]:
+            self._arrived[i].clear()
+            self.settle(i)  # (a sum still in flight from the step before, e.g. layers skipped in a forward)
+            self._start(i)
+            self._early[i] = True
+
     def start_all(self) -> None:
-        """The optimizer step: start every group's gradient sum, in forward order. Not in backward, as
-        soon as a group's gradients are complete: the sums would then share the link with the hot rows'
-        gradient sum, which the next forward needs first (RESULTS.md: slower at 50 Mbit/s)."""
+        """The optimizer step: start every group's gradient sum not started in backward, in forward order.
+        By default none is: a sum started inside backward would share the link with the gradients herald
+        sends after backward (hot replication's hot-row sum, the exact plan's reduce), which the next step
+        needs first (RESULTS.md: slower at 50 Mbit/s); HET's plan sends none and sets
+        :attr:`start_in_backward`."""
         for i, g in enumerate(self.groups):
+            self._arrived[i].clear()
+            if self._early[i]:  # started in backward: a gradient made after that came from a second use
+                self._early[i] = False
+                self._reached[i] = False
+                late = [n for n, p in zip(g.names, g.params) if p.grad is not None]
+                if late:
+                    raise RuntimeError(f"dense parameter '{late[0]}' got a gradient after its group's sum started "
+                                       "in backward: it is used more than once per forward (shared weights?); "
+                                       "use planner.dense_sync=ddp")
+                continue
             if not self._reached[i]:  # the group's layers did not run since the sums were last started ...
                 used = [n for n, p in zip(g.names, g.params) if p.grad is not None]
                 if used:  # ... yet its parameters got gradients: read elsewhere, maybe before their update
