@@ -9,6 +9,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
+#include <deque>
 #include <vector>
 
 namespace herald {
@@ -223,6 +224,43 @@ struct Bucket {  // the keys read at one step (ascending); an entry is live iff 
   std::vector<i64> keys;
   size_t head = 0;  // keys before it were consumed
 };
+
+// An LRU cache's order is a queue of buckets, oldest first; ``entries`` counts the keys the buckets hold
+// (a key read again leaves a dead entry behind in its older bucket). Both lazy plans (per rank by home,
+// global per (rank, table)) keep their caches so, each with its own test of liveness.
+
+// consume ``dq``'s oldest entries until ``take(key, step)`` (which evicts the key where its entry is live,
+// and says so) took ``excess`` keys or the queue is empty; returns how many it took
+template <class Take>
+i64 lru_take(std::deque<Bucket>& dq, i64 excess, size_t& entries, Take take) {
+  i64 taken = 0;
+  while (taken < excess && !dq.empty()) {
+    Bucket& b = dq.front();
+    while (b.head < b.keys.size() && taken < excess)
+      if (take(b.keys[b.head++], b.step)) ++taken;
+    if (b.head == b.keys.size()) {
+      entries -= b.keys.size();
+      dq.pop_front();
+    }
+  }
+  return taken;
+}
+
+// keep only ``dq``'s live entries (``live(key, step)``), adding the ones kept to ``entries``
+template <class Live>
+void lru_compact(std::deque<Bucket>& dq, size_t& entries, Live live) {
+  std::deque<Bucket> kept;
+  for (Bucket& b : dq) {
+    Bucket nb{b.step, {}, 0};
+    for (size_t i = b.head; i < b.keys.size(); ++i)
+      if (live(b.keys[i], b.step)) nb.keys.push_back(b.keys[i]);
+    if (!nb.keys.empty()) {
+      entries += nb.keys.size();
+      kept.push_back(std::move(nb));
+    }
+  }
+  dq.swap(kept);
+}
 
 // sort v, made of ascending runs [begin[q], begin[q + 1]): merge neighbouring runs, log2(runs) passes (a
 // few times faster than sorting); an unsorted run is sorted first (the check below then names the reader)

@@ -141,27 +141,18 @@ class GlobalPlanBase {
       const size_t first = out.size();
       for (size_t t = 0; t < T_; ++t) {
         const size_t g = r * T_ + t;
-        i64 excess = count_[g] - cap_[t];
-        auto& dq = lru_[g];
-        while (excess > 0) {
-          TORCH_CHECK(!dq.empty(), "herald_native: LRU of rank ", r, " table ", t, " is empty with ", excess,
-                      " rows over capacity");
-          Bucket& b = dq.front();
-          while (b.head < b.keys.size() && excess > 0) {
-            const i64 x = b.keys[b.head++];
-            Copy* c = copies_.find(x << kRankBits | r);
-            if (c && c->last_use == b.step && c->last_use >= 0) {
-              out.push_back({r, x});
-              c->last_use = -1;  // taken (a key appears once per bucket, but in several buckets)
-              --count_[g];
-              --excess;
-            }
-          }
-          if (b.head == b.keys.size()) {
-            bucket_entries_ -= b.keys.size();
-            dq.pop_front();
-          }
-        }
+        const i64 excess = count_[g] - cap_[t];
+        if (excess <= 0) continue;
+        const i64 taken = lru_take(lru_[g], excess, bucket_entries_, [&](i64 x, i64 step) {
+          Copy* c = copies_.find(x << kRankBits | r);
+          if (!c || c->last_use != step) return false;
+          out.push_back({r, x});
+          c->last_use = -1;  // taken (a key appears once per bucket, but in several buckets)
+          return true;
+        });
+        count_[g] -= taken;
+        TORCH_CHECK(taken == excess, "herald_native: LRU of rank ", r, " table ", t, " is empty with ",
+                    excess - taken, " rows over capacity");
       }
       std::sort(out.begin() + first, out.end());
     }
@@ -173,19 +164,10 @@ class GlobalPlanBase {
     bucket_entries_ = 0;
     for (size_t g = 0; g < lru_.size(); ++g) {
       const i64 r = static_cast<i64>(g / T_);
-      std::deque<Bucket> kept;
-      for (Bucket& b : lru_[g]) {
-        Bucket nb{b.step, {}, 0};
-        for (size_t i = b.head; i < b.keys.size(); ++i) {
-          const Copy* c = copies_.find(b.keys[i] << kRankBits | r);
-          if (c && c->last_use == b.step) nb.keys.push_back(b.keys[i]);
-        }
-        if (!nb.keys.empty()) {
-          bucket_entries_ += nb.keys.size();
-          kept.push_back(std::move(nb));
-        }
-      }
-      lru_[g].swap(kept);
+      lru_compact(lru_[g], bucket_entries_, [&](i64 x, i64 step) {
+        const Copy* c = copies_.find(x << kRankBits | r);
+        return c && c->last_use == step;
+      });
     }
   }
 
@@ -224,13 +206,26 @@ class GlobalPlanBase {
         continue;
       }
       ++row[home_of(x)];
-      if (!rows_.find(x)) continue;  // cached nowhere
+      const Row* st = rows_.find(x);
+      if (!st) continue;  // cached nowhere
       for (i64 r = 0; r < W_; ++r) {
         const Copy* c = copies_.find(x << kRankBits | r);
-        if (c && local(x, *c)) ++row[r];
+        if (c && local(*st, *c)) ++row[r];
       }
     }
     return out;
+  }
+
+  // bool [n] of 0/1 bytes; int64 [kNumCounters]
+  static torch::Tensor flags(const std::vector<uint8_t>& v) {
+    auto t = torch::empty({static_cast<i64>(v.size())}, torch::kBool);
+    for (size_t i = 0; i < v.size(); ++i) t.data_ptr<bool>()[i] = v[i] != 0;
+    return t;
+  }
+  static torch::Tensor counters(const i64* ctr) {
+    auto t = torch::empty({kNumCounters}, torch::kInt64);
+    std::memcpy(t.data_ptr<i64>(), ctr, kNumCounters * sizeof(i64));
+    return t;
   }
 
   i64 base_bytes() const {
@@ -400,14 +395,10 @@ class GlobalExactCore : public GlobalPlanBase {
     }
     maybe_compact();
     ctr[kMissPush] = static_cast<i64>(miss.size());
-    auto miss_t = torch::empty({static_cast<i64>(pull_miss.size())}, torch::kBool);
-    for (size_t i = 0; i < pull_miss.size(); ++i) miss_t.data_ptr<bool>()[i] = pull_miss[i] != 0;
-    auto ctr_t = torch::empty({kNumCounters}, torch::kInt64);
-    std::memcpy(ctr_t.data_ptr<i64>(), ctr, sizeof(ctr));
     ++step_;
-    return {transfer_tensor(pre), transfer_tensor(pull), miss_t, transfer_tensor(reduce), vec_tensor(update),
+    return {transfer_tensor(pre), transfer_tensor(pull), flags(pull_miss), transfer_tensor(reduce), vec_tensor(update),
             vec_tensor(reducer_of), sorted_transfers(post), sorted_transfers(miss), vec_tensor(evicted),
-            vec_tensor(per_rank), ctr_t};
+            vec_tensor(per_rank), counters(ctr)};
   }
 
   // (push, pull, cached keys, cached per rank); resets the state
@@ -431,7 +422,7 @@ class GlobalExactCore : public GlobalPlanBase {
 
   // int32 [num_samples, W]: each sample's lookups local to each rank (hot, its own block, a valid copy)
   torch::Tensor local_scores(const torch::Tensor& keys, const torch::Tensor& sample, i64 num_samples) const {
-    return scores(keys, sample, num_samples, [this](i64 x, const Copy& c) { return c.version == rows_.find(x)->version; });
+    return scores(keys, sample, num_samples, [](const Row& row, const Copy& c) { return c.version == row.version; });
   }
 
   std::pair<torch::Tensor, torch::Tensor> cached_rows() const { return cached(); }
@@ -688,8 +679,7 @@ class GlobalStalenessCore : public GlobalPlanBase {
 
   // int32 [num_samples, W]: lookups local to each rank (hot, its own block, a copy at most s behind)
   torch::Tensor local_scores(const torch::Tensor& keys, const torch::Tensor& sample, i64 num_samples) const {
-    return scores(keys, sample, num_samples,
-                  [this](i64 x, const Copy& c) { return rows_.find(x)->version - c.version <= s_; });
+    return scores(keys, sample, num_samples, [this](const Row& row, const Copy& c) { return row.version - c.version <= s_; });
   }
 
   std::pair<torch::Tensor, torch::Tensor> cached_rows() const { return cached(); }
@@ -732,17 +722,6 @@ class GlobalStalenessCore : public GlobalPlanBase {
       else rows_.find(x)->version += sum;  // (the pusher caches the row: it has a Row)
       a = b;
     }
-  }
-
-  static torch::Tensor flags(const std::vector<uint8_t>& v) {
-    auto t = torch::empty({static_cast<i64>(v.size())}, torch::kBool);
-    for (size_t i = 0; i < v.size(); ++i) t.data_ptr<bool>()[i] = v[i] != 0;
-    return t;
-  }
-  static torch::Tensor counters(const i64* ctr) {
-    auto t = torch::empty({kNumCounters}, torch::kInt64);
-    std::memcpy(t.data_ptr<i64>(), ctr, kNumCounters * sizeof(i64));
-    return t;
   }
 
   i64 s_;

@@ -512,26 +512,18 @@ class HomeSplitCore {
   std::vector<i64> evict() {
     std::vector<i64> out;
     for (size_t t = 0; t < T_; ++t) {
-      i64 excess = count_[t] - cap_[t];
-      auto& dq = lru_[t];
-      while (excess > 0) {
-        TORCH_CHECK(!dq.empty(), "herald_native: LRU of table ", t, " is empty with ", excess, " rows over capacity");
-        Bucket& b = dq.front();
-        while (b.head < b.keys.size() && excess > 0) {
-          const i64 x = b.keys[b.head++];
-          const i64* last_use = cache_.find(x);
-          if (last_use && *last_use == b.step) {
-            out.push_back(x);
-            cache_.erase(x);
-            --count_[t];
-            --excess;
-          }
-        }
-        if (b.head == b.keys.size()) {
-          bucket_entries_ -= b.keys.size();
-          dq.pop_front();
-        }
-      }
+      const i64 excess = count_[t] - cap_[t];
+      if (excess <= 0) continue;
+      const i64 taken = lru_take(lru_[t], excess, bucket_entries_, [&](i64 x, i64 step) {
+        const i64* last_use = cache_.find(x);
+        if (!last_use || *last_use != step) return false;
+        out.push_back(x);
+        cache_.erase(x);
+        return true;
+      });
+      count_[t] -= taken;
+      TORCH_CHECK(taken == excess, "herald_native: LRU of table ", t, " is empty with ", excess - taken,
+                  " rows over capacity");
     }
     if (bucket_entries_ > 2 * cache_.size() + 4096) compact();
     std::sort(out.begin(), out.end());
@@ -540,21 +532,11 @@ class HomeSplitCore {
 
   void compact() {  // drop the entries of rows read again later or evicted
     bucket_entries_ = 0;
-    for (auto& dq : lru_) {
-      std::deque<Bucket> kept;
-      for (Bucket& b : dq) {
-        Bucket nb{b.step, {}, 0};
-        for (size_t i = b.head; i < b.keys.size(); ++i) {
-          const i64* last_use = cache_.find(b.keys[i]);
-          if (last_use && *last_use == b.step) nb.keys.push_back(b.keys[i]);
-        }
-        if (!nb.keys.empty()) {
-          bucket_entries_ += nb.keys.size();
-          kept.push_back(std::move(nb));
-        }
-      }
-      dq.swap(kept);
-    }
+    for (auto& dq : lru_)
+      lru_compact(dq, bucket_entries_, [&](i64 x, i64 step) {
+        const i64* last_use = cache_.find(x);
+        return last_use && *last_use == step;
+      });
   }
 
   // layout
