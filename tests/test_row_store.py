@@ -207,6 +207,28 @@ def test_compiled_receive_payload_and_rebase_match_the_torch_reference() -> None
         assert errors[1] == errors[2] and errors[1].startswith("rank 1: plan reads rows it does not hold: keys ")
 
 
+def test_compiled_route_groups_each_ranks_sends_and_receives_as_the_torch_reference() -> None:
+    """A plan's (key, src, dst) transfers on rank 1 of 3: the positions it sends grouped by destination and
+    the ones it receives grouped by source (plan order within each), with their counts, compiled and with
+    torch ops; a rank outside the world is named."""
+    import pytest
+
+    from torchrec_herald.sharding.plan_exec import PlanExecutor
+
+    stores = [_random_store(6, EmbOptimType.EXACT_SGD, native) for native in (True, False)]
+    execs = [PlanExecutor(store, None) for store in stores]
+    g = torch.Generator().manual_seed(7)
+    for n in (0, 1, 17, 300):
+        t = torch.stack([torch.randint(0, 1000, (n,), generator=g), torch.randint(0, 3, (n,), generator=g),
+                         torch.randint(0, 3, (n,), generator=g)], 1)
+        got, want = (e._route(t) for e in execs)
+        assert torch.equal(got[0], want[0]) and got[1] == want[1] and got[3] == want[3]
+        assert len(got[2]) == len(want[2]) == 3 and all(torch.equal(a, b) for a, b in zip(got[2], want[2]))
+        assert sum(got[1]) == int((t[:, 1] == 1).sum()) and sum(got[3]) == int((t[:, 2] == 1).sum())
+    with pytest.raises(RuntimeError, match=r"plan route: transfer 1 names rank 3, outside \[0, 3\)"):
+        execs[0]._route(torch.tensor([[5, 0, 1], [6, 1, 3]]))
+
+
 def test_the_gpu_update_leaves_zero_gradient_rows_as_they_were_even_with_eps_zero() -> None:
     # on a GPU every synced hot row is written: a row nobody read must come out as it went in, where
     # exact_update alone gives 0 * lr / (sqrt(0) + 0) = NaN

@@ -177,6 +177,12 @@ class PlanExecutor:
         grouped by destination, and their counts; per source, the positions it receives, and their counts
         (each group in plan order)."""
         me, W = self.rank, self.W
+        native = self.store.native
+        if native is not None:  # one counting pass (the plans are on the host)
+            send_pos, send_counts, recv_pos, recv_counts = native.plan_route(
+                transfers.to(torch.int64).contiguous(), me, W)
+            recv = recv_counts.tolist()
+            return send_pos, send_counts.tolist(), list(recv_pos.split(recv)), recv
         src, dst = transfers[:, 1], transfers[:, 2]
         send_pos = (src == me).nonzero().squeeze(1)
         send_pos = send_pos[torch.argsort(dst[send_pos], stable=True)]
