@@ -19,7 +19,7 @@ import sys
 import time
 from collections import defaultdict
 from pathlib import Path
-from typing import Any, Callable, Dict, List
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
@@ -68,24 +68,33 @@ def _rank(rank: int, world: int, overrides: List[str], steps: int, out: str) -> 
             "thread_cpu_ms": per["batch_in"]["cpu_ms"] + per["plan"]["cpu_ms"]}
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def run_two_ranks(rank: Callable[..., Dict[str, Any]], description: str, script: str,
+                  base_overrides: List[str]) -> Tuple[Dict[str, Any], Optional[str]]:
+    """The command line (``--steps``, ``--json``, overrides) of a two-rank timing script: trains 2 ranks
+    with ``rank(rank, world, overrides, steps, out)``; returns rank 0's result (its overrides and command
+    added) and the ``--json`` path."""
+    ap = argparse.ArgumentParser(description=description.split("\n\n")[0])
     ap.add_argument("--steps", type=int, default=300)
     ap.add_argument("--json")
     ap.add_argument("overrides", nargs="*")
     a = ap.parse_args()
     from torchrec_herald.dist_utils import run_multiprocess
 
-    overrides = BASE_OVERRIDES + a.overrides
-    res = run_multiprocess(_rank, 2, overrides, a.steps, "/tmp/scheduler_stages", timeout_s=3600)[0]
+    overrides = base_overrides + a.overrides
+    res = run_multiprocess(rank, 2, overrides, a.steps, f"/tmp/{script}", timeout_s=3600)[0]
     res["overrides"] = overrides
-    res["command"] = "python benchmarks/scheduler_stages.py " + " ".join(sys.argv[1:])
+    res["command"] = f"python benchmarks/{script}.py " + " ".join(sys.argv[1:])
+    return res, a.json
+
+
+def main() -> None:
+    res, out = run_two_ranks(_rank, __doc__, "scheduler_stages", BASE_OVERRIDES)
     print(f"{'stage':<12} {'CPU ms/step':>12} {'wall ms/step':>13}")
     for name, v in sorted(res["per_step"].items()):
         print(f"{name:<12} {v['cpu_ms']:>12.2f} {v['wall_ms']:>13.2f}")
     print(f"scheduler thread CPU per step (batch in + plan): {res['thread_cpu_ms']:.2f} ms; run {res['run_seconds']:.1f} s")
-    if a.json:
-        Path(a.json).write_text(json.dumps(res, indent=1))
+    if out:
+        Path(out).write_text(json.dumps(res, indent=1))
 
 
 if __name__ == "__main__":
