@@ -107,8 +107,8 @@ class ExecPlan:
     pull: torch.Tensor
     pull_miss: torch.Tensor  # bool [len(pull)]
     reduce: torch.Tensor
-    update_keys: torch.Tensor  # sorted keys updated this step (= union of reads)
-    reducer: torch.Tensor  # int64 [len(update_keys)] rank applying each row's update
+    update_keys: torch.Tensor  # sorted keys updated this step: the union of reads (HET, s >= 1: one per read)
+    reducer: torch.Tensor  # int64 [len(update_keys)] rank applying each update (HET, s >= 1: the reader)
     update_push: torch.Tensor
     miss_push: torch.Tensor
     evictions: List[torch.Tensor]  # per rank: cached keys dropped after the step
