@@ -156,12 +156,12 @@ class ForwardOrderedDenseSync:
     def _gradient_done(self, i: int, p: nn.Parameter) -> None:
         """Inside backward: ``p``'s gradient is accumulated; with :attr:`start_in_backward`, group ``i``'s
         sum starts once every parameter of it has its gradient (its layers ran their forward)."""
-        if not self.start_in_backward or self._early[i] or self._pg is None:
+        if not self.start_in_backward or self._early[i]:
             return
         self._arrived[i].add(id(p))
+        # (its forward's pre-hook, which set _reached, settled the sum of the step before: none is in flight)
         if len(self._arrived[i]) == len(self.groups[i].params) and self._reached[i]:
             self._arrived[i].clear()
-            self.settle(i)  # (a sum still in flight from the step before, e.g. layers skipped in a forward)
             self._start(i)
             self._early[i] = True
 

@@ -9,7 +9,7 @@ and writes run in one compiled pass (``native/row_store.cpp``); the torch ops he
 
 from __future__ import annotations
 
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
 from fbgemm_gpu.split_embedding_configs import EmbOptimType
@@ -261,13 +261,8 @@ class RowStore(nn.Module):
         """Store rows (a remote row gets a cache slot)."""
         if self.native is not None:
             keys, w, s = keys.to(torch.int64).contiguous(), w.contiguous(), s.contiguous()
-            missing = self.native.row_store_scatter(keys, *self._native_args(), w, s, *self._native_buffers(), self.dim)
-            if missing.numel():  # remote rows not cached yet: give them slots, then write them
-                new = keys[missing]
-                self._give_slots(new)
-                missing = self.native.row_store_scatter(new, *self._native_args(), w[missing], s[missing],
-                                                        *self._native_buffers(), self.dim)
-                assert not missing.numel(), "every key has a slot after _give_slots"
+            self._store_giving_slots(lambda k, w, s: self.native.row_store_scatter(
+                k, *self._native_args(), w, s, *self._native_buffers(), self.dim), keys, w, s)
             return
         self._allocate(keys)
         at_hot, at_own, at_cache, hot_i, own_i, cache_i = self._slots(keys)
@@ -279,6 +274,18 @@ class RowStore(nn.Module):
             self.hot_state[hot_i] = s[at_hot]
             cold_s[own_i] = s[at_own]
             self.cache_s[cache_i] = s[at_cache]
+
+    def _store_giving_slots(self, store: Callable[..., torch.Tensor], keys: torch.Tensor,
+                            *per_key: torch.Tensor) -> None:
+        """A compiled store of ``keys`` and their rows ``per_key``, ``store(keys, *per_key)`` returning the
+        positions this rank does not hold: those (remote rows not cached yet) get cache slots, then are
+        stored. ``store`` reads the buffers at each call (giving slots may grow the cache)."""
+        missing = store(keys, *per_key)
+        if missing.numel():
+            new = keys[missing]
+            self._give_slots(new)
+            missing = store(new, *(t[missing] for t in per_key))
+            assert not missing.numel(), "every key has a slot after _give_slots"
 
     def _allocate(self, keys: torch.Tensor) -> None:
         """Give remote keys without a cache slot one (growing the cache when no slot is free)."""
@@ -346,17 +353,14 @@ class RowStore(nn.Module):
         to the row held (an accumulated update), else replace it (a remote row gets a cache slot); with
         :attr:`track_base` the hot replicas and cache entries among them are rebased."""
         if self.native is not None:
-            keys, rows, add = keys.to(torch.int64).contiguous(), rows.contiguous(), add.contiguous()
-            args = (*self._native_buffers(), *self._native_bases(), self.track_base, self.dim)
-            missing = self.native.row_store_receive(keys, *self._native_args(), rows, add, *args)
-            if missing.numel():  # remote rows not cached yet (pulls replace): slots first, then store them
-                if bool(add[missing].any()):
-                    raise self._not_held(keys, missing[add[missing]])
-                self._give_slots(keys[missing])
-                args = (*self._native_buffers(), *self._native_bases(), self.track_base, self.dim)
-                missing = self.native.row_store_receive(keys[missing], *self._native_args(), rows[missing],
-                                                        add[missing], *args)
-                assert not missing.numel(), "every key has a slot after _give_slots"
+            def store(k: torch.Tensor, r: torch.Tensor, a: torch.Tensor) -> torch.Tensor:
+                missing = self.native.row_store_receive(k, *self._native_args(), r, a, *self._native_buffers(),
+                                                        *self._native_bases(), self.track_base, self.dim)
+                if bool(a[missing].any()):  # an added update needs the row held (only pulls bring new rows)
+                    raise self._not_held(k, missing[a[missing]])
+                return missing
+
+            self._store_giving_slots(store, keys.to(torch.int64).contiguous(), rows.contiguous(), add.contiguous())
             return
         state = rows[:, self.dim] if self.adagrad else torch.zeros(keys.numel(), device=self.device)
         w, st = rows[:, : self.dim].clone(), state.clone()
