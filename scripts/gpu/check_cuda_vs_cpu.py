@@ -193,6 +193,10 @@ def main() -> None:
                                      batch_size=64), 2),
         "ebc_plan_rowwise_adagrad_2ranks": (dict(ebc, optimizer="rowwise_adagrad", hot_min_count=3,
                                                  pipeline={"window": 3, "cache_fraction": 0.02}, batch_size=64), 2),
+        # HET's bounded staleness (local writes, pushes home past s updates) on CUDA row stores: against CPU
+        # only (it trains differently from stock by design)
+        "ebc_plan_het_s3_rowwise_adagrad_2ranks": (dict(ebc, optimizer="rowwise_adagrad", hot_min_count=3,
+                                                        pipeline={"window": 3, "staleness": 3}, batch_size=64), 2),
         "ebc_per_step_rowwise_adagrad_sparse_sync_2ranks": (dict(ebc, optimizer="rowwise_adagrad", hot_min_count=3,
                                                                  sync="sparse", batch_size=64), 2),
         # the whole DLRM (dense MLP rounding differs between devices): reported next to stock's own figure
@@ -238,7 +242,8 @@ def main() -> None:
             if "stock_table_wise_cuda_vs_cpu" in res:
                 res["max_rel_stock_cuda_vs_cpu"] = worst(res["stock_table_wise_cuda_vs_cpu"])
             if name.startswith("ebc_"):  # same gradients on both devices: the tolerance applies
-                res["pass"] = res["max_rel"] <= TOL and res["max_rel_herald_cuda_vs_stock"] <= TOL
+                approximate = bool(cfg.get("pipeline", {}).get("staleness"))
+                res["pass"] = res["max_rel"] <= TOL and (approximate or res["max_rel_herald_cuda_vs_stock"] <= TOL)
         except Exception:
             res = {"error": traceback.format_exc()[-4000:], "pass": False}
         report["cases"][name] = res

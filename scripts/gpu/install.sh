@@ -2,8 +2,8 @@
 # On the lent GPU machine: stage one chunk (bash scripts/gpu/install.sh stage), or, after the last
 # chunk, reassemble and install into /tmp/site (bash scripts/gpu/install.sh install), then
 #   export PYTHONPATH=/tmp/site:$PWD
-# Chunks arrive as the carried paths .gpu/c0, .gpu/c1, .gpu/c3, then .gpu/c2 (with install) of consecutive calls (one machine
-# stays warm 30 s after a call, and what is staged under /root/stage survives while it does).
+# Chunks arrive as the carried paths .gpu/c0, .gpu/c1, .gpu/c2, then .gpu/c3 (with the small wheels, and install) of
+# consecutive calls (one machine stays warm 30 s after a call, and what is staged under /root/stage survives while it does).
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 mkdir -p /root/stage
@@ -11,7 +11,7 @@ for c in .gpu/c*; do [ -d "$c" ] && cp -r "$c"/. /root/stage/; done
 ls /root/stage
 [ "${1:-stage}" = install ] || exit 0
 whl=/root/stage/fbgemm_gpu-1.6.0-cp312-cp312-manylinux_2_28_x86_64.whl
-cat /root/stage/fbgemm.part0 /root/stage/fbgemm.part1 /root/stage/fbgemm.part2 > "$whl"
+cat $(ls /root/stage/fbgemm.part* | sort) > "$whl"
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site \
     "$whl" /root/stage/small/*.whl
 PYTHONPATH=/tmp/site python3 -c "import torch, fbgemm_gpu, torchrec; print('torch', torch.__version__, \

@@ -4,7 +4,8 @@
 #   fbgemm-gpu 1.6.0 (the release paired with torch 2.11; built for CUDA 13: libcudart.so.13)
 #   torchrec 1.6.1 (paired with fbgemm-gpu 1.6) and the pure-Python packages the image lacks.
 # The 465 MB fbgemm wheel is slimmed to its sm_90 cubins (scripts/gpu/slim_wheel.py: 179 MB) and
-# split into .gpu/c0, .gpu/c1, .gpu/c2 (.gpu/c3 holds the small wheels); scripts/gpu/install.sh
+# split into four 45 MB parts .gpu/c0 ... .gpu/c3 (c3 also holds the small wheels: each part plus the working
+# tree, 7.5 MiB, stays under the device tool's 64 MiB a call); scripts/gpu/install.sh
 # reassembles them on the device. Usage: bash scripts/gpu/prepare.sh   (about 4 minutes)
 set -euo pipefail
 cd "$(dirname "$0")/../.."
@@ -19,7 +20,7 @@ python3 -m pip download -q --no-deps "${plat[@]}" -d .gpu/small torchrec==1.6.1 
 python3 -m pip wheel -q --no-deps -w .gpu/small antlr4-python3-runtime==4.9.3   # an sdist on PyPI
 python3 scripts/gpu/slim_wheel.py "$work"/big/fbgemm_gpu-1.6.0-*.whl "$work/slim" --keep 90
 rm -rf .gpu/c0 .gpu/c1 .gpu/c2 .gpu/c3
-split -b 60000000 -d -a 1 "$work"/slim/fbgemm_gpu-1.6.0-*.whl .gpu/fbgemm.part
-for i in 0 1 2; do mkdir -p .gpu/c$i; mv .gpu/fbgemm.part$i .gpu/c$i/; done
-mkdir -p .gpu/c3 && mv .gpu/small .gpu/c3/small  # a call of its own: c2 and the tree would pass 64 MiB
+split -b 45000000 -d -a 1 "$work"/slim/fbgemm_gpu-1.6.0-*.whl .gpu/fbgemm.part
+for i in 0 1 2 3; do mkdir -p .gpu/c$i; mv .gpu/fbgemm.part$i .gpu/c$i/; done
+mv .gpu/small .gpu/c3/small
 ls -la .gpu/c*
