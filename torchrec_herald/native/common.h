@@ -1,6 +1,6 @@
 // Shared by herald's compiled planners (home_split.cpp: planning by home; global_plan.cpp: the global
 // lazy plan and its bounded-staleness variant): a flat hash map, transfers and their tensors, a fast
-// divider, the per-step LRU buckets.
+// divider, the per-step LRU buckets, the plan counters and the exact plan's rule for one read row.
 
 #pragma once
 
@@ -219,6 +219,44 @@ struct Divider {
   double inv;
 };
 
+// The tables' layout both planners share: each table's offset in the global row space, its row-wise block
+// (a row's home is its block), its cache capacity, and the hot keys with their slots.
+class TableLayout {
+ protected:
+  TableLayout(const torch::Tensor& table_offsets, const torch::Tensor& blocks, const torch::Tensor& hot_keys,
+              const torch::Tensor& capacity)
+      : off_(to_vec(table_offsets)), block_(to_vec(blocks)), cap_(to_vec(capacity)), hot_keys_(to_vec(hot_keys)) {
+    for (i64 b : block_) {
+      TORCH_CHECK(b >= 1, "herald_native: block sizes must be >= 1");
+      block_div_.push_back(Divider(b));
+    }
+    T_ = off_.size();
+    TORCH_CHECK(block_.size() == T_ && cap_.size() == T_, "herald_native: one block size and capacity per table");
+    for (size_t s = 0; s < hot_keys_.size(); ++s) hot_slot_.put(hot_keys_[s], static_cast<i64>(s));
+  }
+
+  static std::vector<i64> to_vec(const torch::Tensor& t) {
+    auto c = t.to(torch::kInt64).contiguous();
+    return std::vector<i64>(c.data_ptr<i64>(), c.data_ptr<i64>() + c.numel());
+  }
+  i64 table_of(i64 x) const {
+    return static_cast<i64>(std::upper_bound(off_.begin(), off_.end(), x) - off_.begin()) - 1;
+  }
+  i64 home_of(i64 x) const {
+    i64 t = table_of(x);
+    return block_div_[t].div(x - off_[t]);
+  }
+  i64 hot_slot(i64 x) const {  // -1 for a cold row
+    const i64* s = hot_slot_.find(x);
+    return s ? *s : -1;
+  }
+
+  std::vector<i64> off_, block_, cap_, hot_keys_;
+  std::vector<Divider> block_div_;
+  FlatMap<i64> hot_slot_;
+  size_t T_ = 0;
+};
+
 struct Bucket {  // the keys read at one step (ascending); an entry is live iff its last_use is still this step
   i64 step;
   std::vector<i64> keys;
@@ -290,6 +328,94 @@ inline void merge_runs(std::vector<i64>& v, const std::vector<i64>& begin) {
     v.swap(buf);
     bounds.swap(next);
   }
+}
+
+// the plans' counters, in the order the Python side reads them
+enum Counter { kReads, kHits, kCacheReads, kCacheHits, kMissPull, kUpdatePull, kReduce, kUpdatePush, kMissPush, kNumCounters };
+
+// A row with state. Exact plan: dirty (``master`` != its home) or cached somewhere (``count`` copies;
+// ``version`` advances with each update). Bounded staleness: cached somewhere; ``version`` is its home version.
+struct Row {
+  i64 master = 0;
+  i64 version = 0;
+  i64 count = 0;
+};
+
+// Herald's exact rule for the readers of one row x (docs/design.md §3, Herald (b)), one code for the global
+// plan (every rank plans every row) and planning by home (each home plans its own rows): a dirty row read
+// by another rank than its master goes home first; each reader pulls the row unless its replica or copy
+// is the latest; one reader applies the update (the only reader, else the home) and the others send it
+// their gradient. ``order[a..b)``: x's (x << bits | reader) pairs, lowest reader first; ``h``: x's home;
+// ``valid``: x's W hot-replica flags (null for a cold row); ``ctr``: the counters. ``P`` holds the rest:
+//   Row* find_row(x); Row& put_row(x, Row); void release(x, Row*)   (forget a clean row cached nowhere)
+//   i64* copy(j, r, Row& row, bool& is_new)   (reader r's copy version of a cold row, made if new)
+//   pre(x, from, to); pull(j, x, from, to, is_new); reduce(j, x, from, to); reduce_here(j); updated(x, reducer)
+template <class P>
+void exact_row(P& p, const i64* order, size_t a, size_t b, int bits, i64 x, i64 h, uint8_t* valid, i64 W, i64* ctr) {
+  const i64 mask = (i64{1} << bits) - 1;
+  const i64 first = order[a] & mask;
+  const bool only_reader = b - a == 1;
+  Row* st = p.find_row(x);  // valid until the next insert into the planner's rows
+  i64 m = st ? st->master : h;
+  if (m != h && !(only_reader && first == m)) {
+    p.pre(x, m, h);
+    if (valid) valid[h] = 1;
+    st->master = m = h;
+  }
+  i64* only_copy = nullptr;  // the only reader's copy (valid while no other copy is made)
+  for (size_t j = a; j < b; ++j) {
+    const i64 r = order[j] & mask;
+    const bool cold_remote = !valid && r != h;
+    bool ok, is_new = false;
+    if (valid) {
+      ok = valid[r];
+      valid[r] = 1;  // after the reads every reader holds the latest version
+    } else if (!cold_remote) {
+      ok = m == h;  // the home copy is the latest iff the row is not dirty
+    } else {
+      if (!st) st = &p.put_row(x, Row{h, 0, 0});
+      i64* v = p.copy(j, r, *st, is_new);
+      ok = !is_new && *v == st->version;
+      *v = st->version;
+      only_copy = v;
+    }
+    ctr[kReads] += 1;
+    ctr[kHits] += ok;
+    ctr[kCacheReads] += cold_remote;
+    ctr[kCacheHits] += cold_remote && ok;
+    if (!ok) {
+      p.pull(j, x, m, r, is_new);
+      ctr[is_new ? kMissPull : kUpdatePull] += 1;
+    }
+  }
+  const i64 reducer = only_reader ? first : h;
+  for (size_t j = a; j < b; ++j) {
+    const i64 r = order[j] & mask;
+    if (r != reducer) {
+      p.reduce(j, x, r, reducer);
+      ctr[kReduce] += 1;
+    } else {
+      p.reduce_here(j);
+    }
+  }
+  if (valid) {
+    std::memset(valid, 0, W);
+    valid[reducer] = 1;
+  } else if (st) {
+    ++st->version;  // every copy is outdated, the reducer's is the latest
+    if (reducer != h) *only_copy = st->version;  // the reducer is the only reader
+  }
+  if (reducer == h) {
+    if (st) {
+      st->master = h;
+      p.release(x, st);
+    }
+  } else if (st) {
+    st->master = reducer;
+  } else {
+    p.put_row(x, Row{reducer, 0, 0});
+  }
+  p.updated(x, reducer);
 }
 
 }  // namespace herald

@@ -28,8 +28,6 @@ using namespace herald;
 constexpr int kRankBits = 16;
 constexpr i64 kRankMask = (i64{1} << kRankBits) - 1;
 
-enum Counter { kReads, kHits, kCacheReads, kCacheHits, kMissPull, kUpdatePull, kReduce, kUpdatePush, kMissPush, kNumCounters };
-
 // A remote cold row's copy on one rank. Exact plan: ``version`` (the copy is the latest iff it equals its
 // row's). Bounded staleness: ``base`` (the home version it is based on) and ``pending`` (local updates not
 // pushed home yet).
@@ -39,54 +37,19 @@ struct Copy {
   i64 pending = 0;  // staleness only
 };
 
-// A row with state. Exact plan: dirty (``master`` != its home) or cached somewhere (``count`` copies;
-// ``version`` advances with each update). Staleness: cached somewhere; ``version`` is its home version.
-struct Row {
-  i64 master = 0;
-  i64 version = 0;
-  i64 count = 0;
-};
-
 // The layout and the LRU caches both planners share: tables, homes, hot slots, per-(rank, table) cache
 // counts and LRU buckets of copies.
-class GlobalPlanBase {
+class GlobalPlanBase : protected TableLayout {
  public:
   GlobalPlanBase(i64 world, torch::Tensor table_offsets, torch::Tensor blocks, torch::Tensor hot_keys,
                  torch::Tensor capacity, i64 num_rows, i64 window)
-      : W_(world), num_rows_(num_rows), window_(window) {
+      : TableLayout(table_offsets, blocks, hot_keys, capacity), W_(world), num_rows_(num_rows), window_(window) {
     TORCH_CHECK(world >= 1 && world <= kRankMask + 1, "herald_native: 1 to ", kRankMask + 1, " ranks, got ", world);
-    off_ = to_vec(table_offsets);
-    for (i64 b : to_vec(blocks)) {
-      TORCH_CHECK(b >= 1, "herald_native: block sizes must be >= 1");
-      block_div_.push_back(Divider(b));
-    }
-    cap_ = to_vec(capacity);
-    hot_keys_ = to_vec(hot_keys);
-    T_ = off_.size();
-    TORCH_CHECK(block_div_.size() == T_ && cap_.size() == T_, "herald_native: one block size and capacity per table");
-    for (size_t s = 0; s < hot_keys_.size(); ++s) hot_slot_.put(hot_keys_[s], static_cast<i64>(s));
   }
 
   i64 step() const { return step_; }
 
  protected:
-  static std::vector<i64> to_vec(const torch::Tensor& t) {
-    auto c = t.to(torch::kInt64).contiguous();
-    return std::vector<i64>(c.data_ptr<i64>(), c.data_ptr<i64>() + c.numel());
-  }
-
-  i64 table_of(i64 x) const {
-    return static_cast<i64>(std::upper_bound(off_.begin(), off_.end(), x) - off_.begin()) - 1;
-  }
-  i64 home_of(i64 x) const {
-    i64 t = table_of(x);
-    return block_div_[t].div(x - off_[t]);
-  }
-  i64 hot_slot(i64 x) const {
-    const i64* s = hot_slot_.find(x);
-    return s ? *s : -1;
-  }
-
   void reset_caches() {
     copies_.clear(1 << 12);
     count_.assign(static_cast<size_t>(W_) * T_, 0);
@@ -233,10 +196,6 @@ class GlobalPlanBase {
   }
 
   i64 W_, num_rows_, window_;
-  size_t T_ = 0;
-  std::vector<i64> off_, cap_, hot_keys_;
-  std::vector<Divider> block_div_;
-  FlatMap<i64> hot_slot_;
   FlatMap<Copy> copies_;
   FlatMap<Row> rows_;
   std::vector<i64> count_;  // [rank][table] cached rows
@@ -279,90 +238,54 @@ class GlobalExactCore : public GlobalPlanBase {
     update.reserve(n);
     reducer_of.reserve(n);
     i64 ctr[kNumCounters] = {};
-    size_t hp = 0, t = 0;
+    // the exact rule's state and transfers (see herald::exact_row); t: the row's table
+    struct Rules {
+      GlobalExactCore& c;
+      std::vector<Transfer>&pre_out, &pull_out, &reduce_out;
+      std::vector<uint8_t>& pull_miss;
+      std::vector<i64>&update, &reducer_of;
+      const std::vector<i64>& order;
+      size_t t;
+      Row* find_row(i64 x) { return c.rows_.find(x); }
+      Row& put_row(i64 x, Row row) { return c.rows_.put(x, row); }
+      void release(i64 x, Row* st) { c.release(x, st); }
+      i64* copy(size_t j, i64 r, Row& st, bool& is_new) {  // a cold remote read: the copy's LRU place too
+        Copy* cp = c.copies_.find(order[j]);
+        if (cp) {
+          cp->last_use = c.step_;
+        } else {
+          is_new = true;
+          cp = &c.copies_.put(order[j], Copy{c.step_, st.version, 0});
+          ++st.count;
+          ++c.count_[r * c.T_ + t];
+        }
+        c.touch(r, static_cast<i64>(t), order[j] >> kRankBits);
+        return &cp->version;
+      }
+      void pre(i64 x, i64 from, i64 to) { pre_out.push_back(Transfer{x, from, to}); }
+      void pull(size_t, i64 x, i64 from, i64 to, bool is_new) {
+        pull_out.push_back(Transfer{x, from, to});
+        pull_miss.push_back(is_new);
+      }
+      void reduce(size_t, i64 x, i64 from, i64 to) { reduce_out.push_back(Transfer{x, from, to}); }
+      void reduce_here(size_t) {}
+      void updated(i64 x, i64 reducer) {
+        update.push_back(x);
+        reducer_of.push_back(reducer);
+      }
+    } rules{*this, pre, pull, reduce, pull_miss, update, reducer_of, order, 0};
+    size_t hp = 0;
     for (size_t a = 0; a < n;) {
       const i64 x = order[a] >> kRankBits;
       size_t b = a + 1;
       while (b < n && (order[b] >> kRankBits) == x) ++b;
-      const size_t cnt = b - a;
-      const i64 first = order[a] & kRankMask;
-      while (t + 1 < T_ && off_[t + 1] <= x) ++t;  // the keys ascend: walk the tables and the hot keys
+      while (rules.t + 1 < T_ && off_[rules.t + 1] <= x) ++rules.t;  // the keys ascend: walk the tables and the hot keys
       while (hp < hot_keys_.size() && hot_keys_[hp] < x) ++hp;
-      const i64 slot = hp < hot_keys_.size() && hot_keys_[hp] == x ? static_cast<i64>(hp) : -1;
-      const i64 h = block_div_[t].div(x - off_[t]);
-      // a dirty row read by some rank other than its master goes home first
-      Row* st = rows_.find(x);  // valid until the next insert into rows_
-      i64 m = st ? st->master : h;
-      if (m != h && !(cnt == 1 && first == m)) {
-        pre.push_back(Transfer{x, m, h});
-        if (slot >= 0) hot_valid_[slot * W_ + h] = 1;
-        st->master = m = h;
-      }
-      Copy* only_copy = nullptr;  // the only reader's copy (valid while no copy is inserted)
-      for (size_t j = a; j < b; ++j) {
-        const i64 r = order[j] & kRankMask;
-        const bool cold_remote = slot < 0 && r != h;
-        bool ok, is_new = false;
-        if (slot >= 0) {
-          ok = hot_valid_[slot * W_ + r];
-          hot_valid_[slot * W_ + r] = 1;  // after the reads every reader holds the latest version
-        } else if (!cold_remote) {
-          ok = m == h;  // the home copy is the latest iff the row is not dirty
-        } else {
-          if (!st) st = &rows_.put(x, Row{h, 0, 0});
-          Copy* c = copies_.find(order[j]);
-          if (c) {
-            ok = c->version == st->version;
-            c->version = st->version;
-            c->last_use = step_;
-          } else {
-            ok = false;
-            is_new = true;
-            c = &copies_.put(order[j], Copy{step_, st->version, 0});
-            ++st->count;
-            ++count_[r * T_ + t];
-          }
-          touch(r, static_cast<i64>(t), x);
-          only_copy = c;
-        }
-        ctr[kReads] += 1;
-        ctr[kHits] += ok;
-        ctr[kCacheReads] += cold_remote;
-        ctr[kCacheHits] += cold_remote && ok;
-        if (!ok) {
-          pull.push_back(Transfer{x, m, r});
-          pull_miss.push_back(is_new);
-          ctr[is_new ? kMissPull : kUpdatePull] += 1;
-        }
-      }
-      // one update per read row: by its only reader, or at home when several ranks read it
-      const i64 reducer = cnt == 1 ? first : h;
-      for (size_t j = a; j < b; ++j) {
-        const i64 r = order[j] & kRankMask;
-        if (r != reducer) reduce.push_back(Transfer{x, r, reducer});
-      }
-      if (slot >= 0) {
-        std::memset(&hot_valid_[slot * W_], 0, W_);
-        hot_valid_[slot * W_ + reducer] = 1;
-      } else if (st) {
-        ++st->version;  // every copy is outdated, the reducer's is the latest
-        if (reducer != h) only_copy->version = st->version;  // cnt == 1: the reducer is the only reader
-      }
-      if (reducer == h) {
-        if (st) {
-          st->master = h;
-          release(x, st);
-        }
-      } else if (st) {
-        st->master = reducer;
-      } else {
-        rows_.put(x, Row{reducer, 0, 0});
-      }
-      update.push_back(x);
-      reducer_of.push_back(reducer);
+      const bool hot = hp < hot_keys_.size() && hot_keys_[hp] == x;
+      exact_row(rules, order.data(), a, b, kRankBits, x, block_div_[rules.t].div(x - off_[rules.t]),
+                hot ? &hot_valid_[hp * W_] : nullptr, W_, ctr);
       a = b;
     }
-    ctr[kReduce] = static_cast<i64>(reduce.size());
     close_buckets();
     // look-ahead: a dirty row another rank reads in the next step goes home now
     if (use_next && window_ > 1) {

@@ -38,36 +38,18 @@ constexpr int kReaderBits = 16;  // (key, reader) pairs sort as key << 16 | read
 constexpr i64 kReaderMask = (i64{1} << kReaderBits) - 1;
 constexpr i64 kInitialEntries = i64{1} << 17;  // per map: 16 MiB for the three, 1/4 of the 64 MiB budget
 
-// A row homed here that is dirty (its latest version is on rank ``master``) or cached elsewhere
-// (``copies`` remote copies; a copy is the latest iff its version equals ``version``).
-struct RowState {
-  i64 master = 0;
-  i64 version = 0;
-  i64 count = 0;
-};
+// rows_ holds the rows homed here that are dirty (their latest version is on rank ``master``) or cached
+// elsewhere (``count`` remote copies; a copy is the latest iff its version equals ``version``): herald::Row
 
-enum Counter { kReads, kHits, kCacheReads, kCacheHits, kMissPull, kUpdatePull, kReduce, kUpdatePush, kMissPush, kNumCounters };
-
-class HomeSplitCore {
+class HomeSplitCore : protected TableLayout {
  public:
   HomeSplitCore(i64 world, i64 rank, torch::Tensor table_offsets, torch::Tensor blocks, torch::Tensor hot_keys,
                 torch::Tensor capacity, i64 num_rows)
-      : W_(world), me_(rank), num_rows_(num_rows) {
+      : TableLayout(table_offsets, blocks, hot_keys, capacity), W_(world), me_(rank), num_rows_(num_rows) {
     TORCH_CHECK(world >= 1 && rank >= 0 && rank < world, "herald_native: rank ", rank, " of ", world);
     TORCH_CHECK(world <= kReaderMask + 1, "herald_native: at most ", kReaderMask + 1, " ranks, got ", world);
-    off_ = to_vec(table_offsets);
-    block_ = to_vec(blocks);
-    for (i64 b : block_) {
-      TORCH_CHECK(b >= 1, "herald_native: block sizes must be >= 1");
-      block_div_.push_back(Divider(b));
-    }
-    cap_ = to_vec(capacity);
-    hot_keys_ = to_vec(hot_keys);
-    T_ = off_.size();
-    TORCH_CHECK(block_.size() == T_ && cap_.size() == T_, "herald_native: one block size and capacity per table");
     own_index_.assign(hot_keys_.size(), -1);
     for (size_t s = 0; s < hot_keys_.size(); ++s) {
-      hot_slot_.put(hot_keys_[s], static_cast<i64>(s));
       if (home_of(hot_keys_[s]) == me_) {
         own_index_[s] = static_cast<i64>(own_slots_.size());
         own_slots_.push_back(static_cast<i64>(s));
@@ -208,6 +190,37 @@ class HomeSplitCore {
     std::fill(std::begin(counters_), std::end(counters_), 0);
     constexpr size_t kAhead = 16;  // pairs whose hash slots are prefetched ahead of use
     size_t fetched = 0;
+    // the exact rule's state and transfers (see herald::exact_row), and each pair's flags for its reader
+    struct Rules {
+      HomeSplitCore& c;
+      const std::vector<i64>& order;
+      const std::vector<i64>& pos;
+      std::vector<uint8_t>& flags;
+      Row* find_row(i64 x) { return c.rows_.find(x); }
+      Row& put_row(i64 x, Row row) { return c.rows_.put(x, row); }
+      void release(i64 x, Row* st) { c.release(x, st); }
+      i64* copy(size_t j, i64, Row& st, bool& is_new) {
+        i64* v = c.copies_.find(order[j]);
+        if (!v) {
+          is_new = true;
+          v = &c.copies_.put(order[j], st.version);
+          ++st.count;
+        }
+        return v;
+      }
+      void pre(i64 x, i64 from, i64 to) { c.pre_.push_back(Transfer{x, from, to}); }
+      void pull(size_t j, i64 x, i64 from, i64 to, bool is_new) {
+        TORCH_CHECK(from == c.me_, "home-split plan: a pull whose source is not the row's home");
+        c.pull_.push_back(Transfer{x, from, to});
+        c.pull_miss_.push_back(is_new);
+        flags[pos[j]] |= kPull;
+      }
+      void reduce(size_t, i64 x, i64 from, i64 to) { c.reduce_.push_back(Transfer{x, from, to}); }
+      void reduce_here(size_t j) { flags[pos[j]] |= kReduceHere; }
+      void updated(i64 x, i64 reducer) {
+        if (reducer == c.me_) c.update_.push_back(x);
+      }
+    } rules{*this, order, pos, flags};
     size_t hp = 0;
     for (size_t a = 0; a < n;) {
       for (; fetched < std::min(n, a + kAhead); ++fetched) {
@@ -217,85 +230,14 @@ class HomeSplitCore {
       const i64 x = order[a] >> kReaderBits;
       size_t b = a + 1;
       while (b < n && (order[b] >> kReaderBits) == x) ++b;
-      const size_t cnt = b - a;
-      const i64 first = order[a] & kReaderMask;
       while (hp < hot_keys_.size() && hot_keys_[hp] < x) ++hp;  // the keys ascend: walk the hot keys
-      const i64 slot = hp < hot_keys_.size() && hot_keys_[hp] == x ? static_cast<i64>(hp) : -1;
-      i64 own = -1;
-      if (slot >= 0) {
-        own = own_index_[slot];
+      uint8_t* valid = nullptr;
+      if (hp < hot_keys_.size() && hot_keys_[hp] == x) {
+        const i64 own = own_index_[hp];
         TORCH_CHECK(own >= 0, "herald_native: rank ", me_, " received hot key ", x, " homed elsewhere");
+        valid = &hot_valid_[own * W_];
       }
-      // a dirty row goes home before the reads, unless its master is its only reader
-      RowState* st = rows_.find(x);  // valid until the next insert into rows_
-      i64 m = st ? st->master : me_;
-      if (m != me_ && !(cnt == 1 && first == m)) {
-        pre_.push_back(Transfer{x, m, me_});
-        if (own >= 0) hot_valid_[own * W_ + me_] = 1;
-        st->master = m = me_;
-      }
-      i64* reducer_copy = nullptr;  // the only reader's copy (valid while no other copy is inserted)
-      for (size_t j = a; j < b; ++j) {
-        const i64 r = order[j] & kReaderMask;
-        const bool cold_remote = slot < 0 && r != me_;
-        bool ok, is_new = false;
-        if (slot >= 0) {
-          ok = hot_valid_[own * W_ + r];
-          hot_valid_[own * W_ + r] = 1;  // after the reads every reader holds the latest version
-        } else if (!cold_remote) {
-          ok = m == me_;  // the home copy is the latest iff the row is not dirty
-        } else {
-          if (!st) st = &rows_.put(x, RowState{me_, 0, 0});
-          i64* v = copies_.find(order[j]);
-          if (v) {
-            ok = *v == st->version;
-            *v = st->version;
-          } else {
-            ok = false;
-            is_new = true;
-            v = &copies_.put(order[j], st->version);
-            ++st->count;
-          }
-          reducer_copy = v;
-        }
-        counters_[kReads] += 1;
-        counters_[kHits] += ok;
-        counters_[kCacheReads] += cold_remote;
-        counters_[kCacheHits] += cold_remote && ok;
-        if (!ok) {
-          TORCH_CHECK(m == me_, "home-split plan: a pull whose source is not the row's home");
-          pull_.push_back(Transfer{x, m, r});
-          pull_miss_.push_back(is_new);
-          counters_[is_new ? kMissPull : kUpdatePull] += 1;
-          flags[pos[j]] |= kPull;
-        }
-      }
-      // the update: one reader reduces it (the only reader, else the home)
-      const i64 reducer = cnt == 1 ? first : me_;
-      for (size_t j = a; j < b; ++j) {
-        const i64 r = order[j] & kReaderMask;
-        if (r != reducer) {
-          reduce_.push_back(Transfer{x, r, reducer});
-          counters_[kReduce] += 1;
-        } else {
-          flags[pos[j]] |= kReduceHere;
-        }
-      }
-      if (slot >= 0) {
-        std::memset(&hot_valid_[own * W_], 0, W_);
-        hot_valid_[own * W_ + reducer] = 1;
-      } else if (st) {
-        ++st->version;  // every copy is outdated, the reducer's is the latest
-        if (reducer != me_) *reducer_copy = st->version;  // cnt == 1: the reducer is the only reader
-      }
-      if (reducer == me_) {
-        update_.push_back(x);
-        if (st) release(x, st);
-      } else if (st) {
-        st->master = reducer;
-      } else {
-        rows_.put(x, RowState{reducer, 0, 0});
-      }
+      exact_row(rules, order.data(), a, b, kReaderBits, x, me_, valid, W_, counters_);
       a = b;
     }
     // look-ahead: a dirty row another rank reads next step goes home now
@@ -319,7 +261,7 @@ class HomeSplitCore {
     for (size_t i = 0; i < vict.size(); ++i) goes[i] = master(vict[i].first) == vict[i].second;
     for (size_t i = 0; i < vict.size(); ++i) {
       const i64 x = vict[i].first, r = vict[i].second;
-      RowState* st = rows_.find(x);
+      Row* st = rows_.find(x);
       if (goes[i]) {
         miss_.push_back(Transfer{x, r, me_});
         st->master = me_;
@@ -415,7 +357,7 @@ class HomeSplitCore {
   // ---------------------------------------------------------------- flush
   std::pair<torch::Tensor, torch::Tensor> flush_messages() {
     std::vector<i64> keys;
-    rows_.for_each([&](i64 k, const RowState& st) {
+    rows_.for_each([&](i64 k, const Row& st) {
       if (st.master != me_) keys.push_back(k);
     });
     std::sort(keys.begin(), keys.end());
@@ -452,10 +394,6 @@ class HomeSplitCore {
   }
 
  private:
-  static std::vector<i64> to_vec(const torch::Tensor& t) {
-    auto c = t.to(torch::kInt64).contiguous();
-    return std::vector<i64>(c.data_ptr<i64>(), c.data_ptr<i64>() + c.numel());
-  }
 
   std::vector<i64> sorted_unique(const torch::Tensor& t, const char* what) const {
     std::vector<i64> v = to_vec(t.reshape(-1));
@@ -469,28 +407,17 @@ class HomeSplitCore {
     return v;
   }
 
-  i64 table_of(i64 x) const {
-    return static_cast<i64>(std::upper_bound(off_.begin(), off_.end(), x) - off_.begin()) - 1;
-  }
-  i64 home_of(i64 x) const {
-    i64 t = table_of(x);
-    return block_div_[t].div(x - off_[t]);
-  }
-  i64 hot_slot(i64 x) const {
-    const i64* s = hot_slot_.find(x);
-    return s ? *s : -1;
-  }
   i64 master(i64 x) const {
-    const RowState* st = rows_.find(x);
+    const Row* st = rows_.find(x);
     return st ? st->master : me_;
   }
   // forget a row that is clean and cached nowhere
-  void release(i64 x, RowState* st) {
+  void release(i64 x, Row* st) {
     if (st->count == 0 && st->master == me_) rows_.erase(x);
   }
   // dirty row x goes home (from its master): its home's hot replica is the latest again
   void push_home(i64 x, std::vector<Transfer>& out) {
-    RowState* st = rows_.find(x);
+    Row* st = rows_.find(x);
     out.push_back(Transfer{x, st->master, me_});
     const i64 s = hot_slot(x);
     if (s >= 0) hot_valid_[own_index_[s] * W_ + me_] = 1;
@@ -541,10 +468,7 @@ class HomeSplitCore {
 
   // layout
   i64 W_, me_, num_rows_;
-  size_t T_ = 0;
-  std::vector<i64> off_, block_, cap_, hot_keys_, own_index_, own_slots_;
-  std::vector<Divider> block_div_;
-  FlatMap<i64> hot_slot_;
+  std::vector<i64> own_index_, own_slots_;
   // reader
   FlatMap<i64> cache_;  // cached remote row -> the step it was last read at
   std::vector<i64> count_;
@@ -555,7 +479,7 @@ class HomeSplitCore {
   std::vector<i64> now_, now_home_of_, now_home_count_, victims_;  // this step's reads, their homes
   std::vector<uint8_t> now_is_new_;  // the read entered the cache this step
   // home
-  FlatMap<RowState> rows_;  // rows homed here that are dirty or cached elsewhere
+  FlatMap<Row> rows_;  // rows homed here that are dirty or cached elsewhere
   FlatMap<i64> copies_;     // x << 16 | r -> version of rank r's copy of row x
   std::vector<uint8_t> hot_valid_;  // [own hot slot][rank]
   std::vector<i64> ahead_keys_, ahead_begin_;
