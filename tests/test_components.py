@@ -393,8 +393,8 @@ def _final_weights(checkpoint_dir: Path, step: int, out: Path) -> Dict[str, Any]
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("config", [
-    ["planner=herald", "planner.link_mbit=null", "pipeline=herald", "optimizer=sgd"],
+@pytest.mark.parametrize("config", [  # (herald with SGD resumes through the same code as with row-wise
+    # Adagrad, which also restores optimizer state: three launches a case, so it is left out)
     ["planner=table_wise", "optimizer=sgd"],
     ["planner=herald", "planner.link_mbit=null", "pipeline=herald", "optimizer=rowwise_adagrad"],
 ])
