@@ -31,10 +31,14 @@ class HotColdSplit:
 
 
 def invalid_ids(values: torch.Tensor, rows_per_feature: torch.Tensor, batch_size: int,
-                bag_of_value: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+                bag_of_value: Optional[torch.Tensor] = None, feature_of_value: Optional[torch.Tensor] = None
+                ) -> Tuple[torch.Tensor, torch.Tensor]:
     """Each id's validity and, without a host read, the first invalid one as an int64 pair on the ids'
-    device: ``(feature index + 1, id)``, or ``(0, 0)`` if every id is inside its table."""
-    feature_of_value = bag_of_value // batch_size
+    device: ``(feature index + 1, id)``, or ``(0, 0)`` if every id is inside its table. Give each value's
+    bag (``b = feature * B + sample``) or, where the caller has it, its feature."""
+    if feature_of_value is None:
+        assert bag_of_value is not None, "invalid_ids needs bag_of_value or feature_of_value"
+        feature_of_value = bag_of_value // batch_size
     bad = (values < 0) | (values >= rows_per_feature[feature_of_value])
     if values.numel() == 0:
         return bad, torch.zeros(2, dtype=torch.int64, device=values.device)
@@ -57,7 +61,8 @@ def first_invalid_id(values: torch.Tensor, lengths: torch.Tensor, rows_per_featu
 
 def split_hot_cold(values: torch.Tensor, lengths: torch.Tensor, feature_table: torch.Tensor,
                    table_offsets: torch.Tensor, hot_keys: torch.Tensor, block_sizes: torch.Tensor,
-                   world_size: int, batch_size: int, bag_of_value: Optional[torch.Tensor] = None) -> HotColdSplit:
+                   world_size: int, batch_size: int, bag_of_value: Optional[torch.Tensor] = None,
+                   feature_of_value: Optional[torch.Tensor] = None) -> HotColdSplit:
     """Split valid ids into hot rows and owner-bucketized cold ids, with no host synchronisation.
 
     One ``block_bucketize_sparse_features`` call does both: each hot id is sent to a spare bucket
@@ -71,12 +76,13 @@ def split_hot_cold(values: torch.Tensor, lengths: torch.Tensor, feature_table: t
         hot_keys: sorted int64 global keys (``table_offsets[t] + id``) of all hot rows; a hot row's
             position in it is its row in the hot buffer.
         block_sizes: int64 [F] row-wise block size of each feature's table (``ceil(n / W)``).
-        bag_of_value: each value's bag, when the caller has it already.
+        bag_of_value, feature_of_value: each value's bag or feature, when the caller has one already.
     """
     num_bags, num_hot = lengths.numel(), hot_keys.numel()
-    if bag_of_value is None:
-        bag_of_value = bags_of_values(lengths, values.numel())
-    feature_of_value = bag_of_value // batch_size
+    if feature_of_value is None:
+        if bag_of_value is None:
+            bag_of_value = bags_of_values(lengths, values.numel())
+        feature_of_value = bag_of_value // batch_size
     if num_hot:
         keys = table_offsets[feature_table[feature_of_value]] + values
         pos = torch.searchsorted(hot_keys, keys).clamp_(max=num_hot - 1)

@@ -122,13 +122,15 @@ class _LayoutOnDevice:
     hot_slot_table: torch.Tensor
     feature_offsets: torch.Tensor
     sparse_row: torch.Tensor  # per hot row: synced sparsely?
+    owner_feature_offsets: torch.Tensor  # [W * F]: where feature f's table starts in owner o's cold block, at o * F + f
 
     @classmethod
     def of(cls, lay: RowLayout, sparse_row: torch.Tensor, device: torch.device) -> "_LayoutOnDevice":
         on = {f: getattr(lay, f).to(device) for f in ("rows_per_feature", "feature_table", "table_offsets",
                                                          "hot_keys", "blocks_per_feature", "block_offsets",
                                                          "hot_slot_table", "feature_offsets")}
-        return cls(device=device, sparse_row=sparse_row.to(device), **on)
+        by_owner = lay.block_offsets[:, lay.feature_table].reshape(-1).to(device)
+        return cls(device=device, sparse_row=sparse_row.to(device), owner_feature_offsets=by_owner, **on)
 
 
 @dataclass
@@ -388,17 +390,20 @@ class ShardedHeraldEmbeddingBagCollection(
         ctx.batch_size, ctx.bag_lengths = B, lengths
         if self._executor is not None and self._executor.active:
             return self._plan_input_dist(ctx, values, lengths, B)
-        N, W, FB = values.numel(), self._world, len(self._feature_names) * B
-        bag_of_value = bags_of_values(lengths, N)
+        N, W = values.numel(), self._world
+        feature_of_value = bags_of_values(lengths, N) // B
         # an id outside its table travels as an error code on the counts exchange below, so every rank
         # raises it together at the first wait (before any forward); until then it reads row 0
-        bad, err = invalid_ids(values, lay.rows_per_feature, B, bag_of_value)
+        bad, err = invalid_ids(values, lay.rows_per_feature, B, feature_of_value=feature_of_value)
         split = split_hot_cold(values.masked_fill(bad, 0), lengths, lay.feature_table, lay.table_offsets,
-                               lay.hot_keys, lay.blocks_per_feature, W, B, bag_of_value)
+                               lay.hot_keys, lay.blocks_per_feature, W, B, feature_of_value=feature_of_value)
         sub = split.sub_lengths
         nonempty_mask = sub > 0
-        bags_to = nonempty_mask.view(W, FB).sum(1)
-        ids_to = sub.view(W, FB).sum(1)
+        # cold ids and non-empty sub-bags to each (owner, feature): counted for traffic_by_table, and
+        # summed per owner for the exchange (one reduction for both)
+        per = torch.stack([sub, nonempty_mask.to(sub.dtype)]).view(2, W, len(self._feature_names), B).sum(3)
+        self._cold_sent += per
+        ids_to, bags_to = per.sum(2)
         # the hot rows this batch reads (the lookup and its gradient cover only these), as a mask over the
         # hot buffer (+ a spare row for cold ids); those synced sparsely are counted on this exchange
         num_hot = self._num_hot
@@ -409,7 +414,6 @@ class ShardedHeraldEmbeddingBagCollection(
         k = read_sparse.sum().expand(W, 1)
         counts = torch.cat([bags_to[:, None], ids_to[:, None], err.expand(W, 2), k], 1)
         ctx.split = split
-        self._count_cold_traffic(sub, B)
         # both exchanges run asynchronously: TrainPipelineSparseDist starts this input dist before the
         # previous batch's forward and waits for it after. Past the settle above (sparsely synced tables
         # merge their rows with ``torch.unique``; on a CPU the zero-gradient filter), nothing here reads
@@ -438,9 +442,8 @@ class ShardedHeraldEmbeddingBagCollection(
         nonempty = torch.nonzero_static(sizes.nonempty, size=sum(ctx.bags_to)).squeeze(1)
         lay, sub = self._ids, split.sub_lengths
         cold_ids = split.bucketed_ids[:n_cold]
-        sub_of_value = bags_of_values(sub, n_cold)
-        owner, feature = sub_of_value // FB, (sub_of_value % FB) // ctx.batch_size
-        cold_rows = lay.block_offsets[owner, lay.feature_table[feature]] + cold_ids
+        # sub-bag s = owner * F*B + feature * B + sample: s // B = owner * F + feature
+        cold_rows = lay.owner_feature_offsets[bags_of_values(sub, n_cold) // ctx.batch_size] + cold_ids
         ctx.send_bag_index = nonempty % FB
         lengths_to = sub[nonempty].to(torch.int32).split(ctx.bags_to)
         rows_to = cold_rows.to(torch.int32).split(ids_to)
@@ -460,12 +463,6 @@ class ShardedHeraldEmbeddingBagCollection(
         recv, work = all_to_all_rows_async(packed, [b + i for b, i in zip(ctx.bags_to, ids_to)],
                                            [b + i for b, i in zip(ctx.bags_from, ids_from)], self._pg, "herald_ids")
         return _IdsAwaitable(ctx, recv, work, recv_sizes)
-
-    def _count_cold_traffic(self, sub: torch.Tensor, B: int) -> None:
-        """Count the cold ids and sub-bags this rank sends to each owner, per feature (two adds a step;
-        :meth:`traffic_by_table` turns them into bytes)."""
-        per = sub.view(self._world, len(self._feature_names), B)
-        self._cold_sent += torch.stack([per.sum(2), (per > 0).sum(2)])
 
     def traffic_by_table(self) -> Dict[str, Dict[str, float]]:
         """Bytes this rank sent per table since construction/reset: ids (+ lengths) to remote owners,
