@@ -167,6 +167,8 @@ class _SplitSizes:
     read: torch.Tensor
     read_sparse: torch.Tensor
     nonempty: torch.Tensor
+    values: torch.Tensor  # the batch's ids and each one's feature: the first bad id is found from them only
+    feature_of_value: torch.Tensor  # when some rank flagged one (an error path)
 
 
 class _CountsAwaitable(Awaitable[Awaitable[HeraldContext]]):
@@ -392,9 +394,9 @@ class ShardedHeraldEmbeddingBagCollection(
             return self._plan_input_dist(ctx, values, lengths, B)
         N, W = values.numel(), self._world
         feature_of_value = bags_of_values(lengths, N) // B
-        # an id outside its table travels as an error code on the counts exchange below, so every rank
-        # raises it together at the first wait (before any forward); until then it reads row 0
-        bad, err = invalid_ids(values, lay.rows_per_feature, B, feature_of_value=feature_of_value)
+        # an id outside its table: a flag travels on the counts exchange below, so every rank learns of it at
+        # the first wait (before any forward) and all of them raise it together; until then it reads row 0
+        bad = (values < 0) | (values >= lay.rows_per_feature[feature_of_value])
         split = split_hot_cold(values.masked_fill(bad, 0), lengths, lay.feature_table, lay.table_offsets,
                                lay.hot_keys, lay.blocks_per_feature, W, B, feature_of_value=feature_of_value)
         sub = split.sub_lengths
@@ -412,7 +414,7 @@ class ShardedHeraldEmbeddingBagCollection(
         read = read[:num_hot]
         read_sparse = read & lay.sparse_row[:num_hot] & ~self._frozen_hot[:num_hot]
         k = read_sparse.sum().expand(W, 1)
-        counts = torch.cat([bags_to[:, None], ids_to[:, None], err.expand(W, 2), k], 1)
+        counts = torch.cat([bags_to[:, None], ids_to[:, None], bad.any().to(torch.int64).expand(W, 1), k], 1)
         ctx.split = split
         # both exchanges run asynchronously: TrainPipelineSparseDist starts this input dist before the
         # previous batch's forward and waits for it after. Past the settle above (sparsely synced tables
@@ -421,7 +423,7 @@ class ShardedHeraldEmbeddingBagCollection(
         # read at the first wait, so on a GPU the host queues the previous batch's forward while these
         # kernels run
         sizes = _SplitSizes(torch.cat([bags_to, ids_to, read.sum()[None], k[:1, 0]]), read, read_sparse,
-                            nonempty_mask)
+                            nonempty_mask, values, feature_of_value)
         recv_counts, work = all_to_all_rows_async(counts, [1] * W, [1] * W, self._pg, "herald_meta")
         return KJTListSplitsAwaitable([_CountsAwaitable(self, ctx, recv_counts, work, sizes)], ctx)
 
@@ -455,10 +457,12 @@ class ShardedHeraldEmbeddingBagCollection(
         W = self._world
         # the input dist's one host read: the counts received and this rank's own sizes
         host = torch.cat([recv_counts.flatten().to(torch.int64), sizes.sizes]).tolist()
-        got = [host[5 * r: 5 * r + 5] for r in range(W)]  # per rank: sub-bags, ids, bad feature + 1, bad id, k
-        self._raise_on_bad_ids(got)
-        packed, ids_to = self._sized_by_host(ctx, sizes, host[5 * W:])
-        ctx.bags_from, ids_from, ctx.sparse_from = [g[0] for g in got], [g[1] for g in got], [g[4] for g in got]
+        got = [host[4 * r: 4 * r + 4] for r in range(W)]  # per rank: sub-bags, ids, any bad id, k
+        bad_ranks = [r for r, g in enumerate(got) if g[2]]
+        if bad_ranks:
+            self._raise_on_bad_ids(bad_ranks, sizes, ctx.batch_size)
+        packed, ids_to = self._sized_by_host(ctx, sizes, host[4 * W:])
+        ctx.bags_from, ids_from, ctx.sparse_from = [g[0] for g in got], [g[1] for g in got], [g[3] for g in got]
         recv_sizes = [n for b, i in zip(ctx.bags_from, ids_from) for n in (b, i)]
         recv, work = all_to_all_rows_async(packed, [b + i for b, i in zip(ctx.bags_to, ids_to)],
                                            [b + i for b, i in zip(ctx.bags_from, ids_from)], self._pg, "herald_ids")
@@ -490,12 +494,18 @@ class ShardedHeraldEmbeddingBagCollection(
         if on_gpu:
             torch.cuda.synchronize(self._device)
 
-    def _raise_on_bad_ids(self, got: List[List[int]]) -> None:
-        """``got[r]``: rank r's counts row (``[2]``: its first bad id's feature + 1, or 0; ``[3]``: the id)."""
-        bad_ranks = [r for r, g in enumerate(got) if g[2] > 0]
-        if bad_ranks:
-            r = bad_ranks[0]
-            raise self.bad_id_error(bad_ranks, got[r][2] - 1, got[r][3])
+    def _raise_on_bad_ids(self, bad_ranks: List[int], sizes: "_SplitSizes", batch_size: int) -> None:
+        """Some ranks flagged an id outside its table (``bad_ranks``, known to every rank): each rank finds its
+        own first one (a host read: this error path only), all of them exchange theirs (collective), and
+        every rank raises the first bad id of rank ``bad_ranks[0]``'s batch."""
+        code = invalid_ids(sizes.values, self._ids.rows_per_feature, batch_size,
+                           feature_of_value=sizes.feature_of_value)[1]
+        codes = [code]
+        if self._world > 1:
+            codes = [torch.empty_like(code) for _ in range(self._world)]
+            dist.all_gather(codes, code, group=self._pg)
+        feature_plus_one, value = codes[bad_ranks[0]].tolist()
+        raise self.bad_id_error(bad_ranks, feature_plus_one - 1, value)
 
     def bad_id_error(self, bad_ranks: List[int], feature: int, value: int) -> ValueError:
         """The error every rank raises for an id outside its table: ``value`` of feature index ``feature``
