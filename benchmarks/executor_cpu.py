@@ -11,7 +11,6 @@ planner.link_mbit=200`` plus the overrides. Methods nest (``finish`` calls ``aft
 
 from __future__ import annotations
 
-import json
 import sys
 import threading
 import time
@@ -67,15 +66,11 @@ def _rank(rank: int, world: int, overrides: List[str], steps: int, out: str) -> 
 
 
 def main() -> None:
-    from scheduler_stages import run_two_ranks
+    from scheduler_stages import report, run_two_ranks
 
     res, out = run_two_ranks(_rank, __doc__, "executor_cpu", BASE_OVERRIDES)
-    print(f"{'method':<32} {'CPU ms/step':>12} {'calls/step':>11}")
-    for name, v in res["per_step"].items():
-        print(f"{name:<32} {v['cpu_ms']:>12.3f} {v['calls']:>11.2f}")
-    print(f"training thread CPU per step: {res['training_thread_cpu_ms']:.2f} ms; run {res['run_seconds']:.1f} s")
-    if out:
-        Path(out).write_text(json.dumps(res, indent=1))
+    report(res, out, "method", {"cpu_ms": "CPU ms/step", "calls": "calls/step"},
+           f"training thread CPU per step: {res['training_thread_cpu_ms']:.2f} ms; run {res['run_seconds']:.1f} s")
 
 
 if __name__ == "__main__":

@@ -87,14 +87,22 @@ def run_two_ranks(rank: Callable[..., Dict[str, Any]], description: str, script:
     return res, a.json
 
 
-def main() -> None:
-    res, out = run_two_ranks(_rank, __doc__, "scheduler_stages", BASE_OVERRIDES)
-    print(f"{'stage':<12} {'CPU ms/step':>12} {'wall ms/step':>13}")
-    for name, v in sorted(res["per_step"].items()):
-        print(f"{name:<12} {v['cpu_ms']:>12.2f} {v['wall_ms']:>13.2f}")
-    print(f"scheduler thread CPU per step (batch in + plan): {res['thread_cpu_ms']:.2f} ms; run {res['run_seconds']:.1f} s")
+def report(res: Dict[str, Any], out: Optional[str], name: str, columns: Dict[str, str], total: str) -> None:
+    """Print ``res["per_step"]`` as a table (``name`` column, then ``columns``: key -> heading, 2 decimals)
+    and the ``total`` line; write ``res`` as JSON to ``out`` where given."""
+    width = max([len(name)] + [len(k) for k in res["per_step"]])
+    print(f"{name:<{width}} " + " ".join(f"{h:>13}" for h in columns.values()))
+    for key, v in sorted(res["per_step"].items()):
+        print(f"{key:<{width}} " + " ".join(f"{v[c]:>13.2f}" for c in columns))
+    print(total)
     if out:
         Path(out).write_text(json.dumps(res, indent=1))
+
+
+def main() -> None:
+    res, out = run_two_ranks(_rank, __doc__, "scheduler_stages", BASE_OVERRIDES)
+    report(res, out, "stage", {"cpu_ms": "CPU ms/step", "wall_ms": "wall ms/step"},
+           f"scheduler thread CPU per step (batch in + plan): {res['thread_cpu_ms']:.2f} ms; run {res['run_seconds']:.1f} s")
 
 
 if __name__ == "__main__":
