@@ -26,7 +26,8 @@ def reads_stage(host: StageHost, ctx: HeraldBatchContext) -> None:
 
 
 def _sorted_unique(keys: torch.Tensor) -> torch.Tensor:
-    # = torch.unique(keys); numpy's sort is several times faster than torch's on CPU
+    # = torch.unique(keys): numpy's sort, then dropping repeats, is several times faster on CPU than
+    # torch.unique and than numpy 2's np.unique (a hash table): 0.09 vs 0.50 / 0.58 ms for a step's 13k keys
     return torch.unique_consecutive(torch.from_numpy(np.sort(keys.numpy())))
 
 
@@ -38,7 +39,7 @@ def reads_from_assignment(env: SchedulingEnv, ctx: HeraldBatchContext, reads_nee
     mine = key_rank == env.rank
     if reads_needed:  # also while scheduling is off: "auto" may turn it back on
         n = env.layout.num_rows
-        both = torch.from_numpy(np.unique((key_rank * n + ctx.keys).numpy()))  # sorted, by rank then key
+        both = _sorted_unique(key_rank * n + ctx.keys)  # by rank, then key
         per_rank = torch.bincount(both // n, minlength=env.world).tolist()
         ctx.reads = [part - r * n for r, part in enumerate(both.split(per_rank))]
     ctx.keys = ctx.keys[mine]  # this rank's samples' keys, in its batch's order
