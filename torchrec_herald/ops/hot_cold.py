@@ -37,7 +37,8 @@ def invalid_ids(values: torch.Tensor, rows_per_feature: torch.Tensor, batch_size
     device: ``(feature index + 1, id)``, or ``(0, 0)`` if every id is inside its table. Give each value's
     bag (``b = feature * B + sample``) or, where the caller has it, its feature."""
     if feature_of_value is None:
-        assert bag_of_value is not None, "invalid_ids needs bag_of_value or feature_of_value"
+        if bag_of_value is None:
+            raise ValueError("invalid_ids needs bag_of_value or feature_of_value")
         feature_of_value = bag_of_value // batch_size
     bad = (values < 0) | (values >= rows_per_feature[feature_of_value])
     if values.numel() == 0:
