@@ -72,15 +72,15 @@ def test_the_error_code_names_the_first_invalid_id_without_a_host_read() -> None
     lengths = torch.tensor([1, 2, 2, 1], dtype=torch.int64)  # bags f0s0, f0s1, f1s0, f1s1
     values = torch.tensor([4, 9, 2, 1, 3, -1], dtype=torch.int64)  # 3 is outside feature 1's table, then -1
     bag = bags_of_values(lengths, values.numel())
-    bad, code = invalid_ids(values, rows_per_feature, B, bag)
+    bad, code = invalid_ids(values, rows_per_feature, bag // B)
     assert bad.tolist() == [False, False, False, False, True, True]
     assert code.tolist() == [2, 3]  # (feature index + 1, id) of the first bad id
     assert first_invalid_id(values, lengths, rows_per_feature, B) == (1, 3)
     ok = values.clamp(0, 2)
-    assert invalid_ids(ok, rows_per_feature, B, bag)[1].tolist() == [0, 0]
+    assert invalid_ids(ok, rows_per_feature, bag // B)[1].tolist() == [0, 0]
     assert first_invalid_id(ok, lengths, rows_per_feature, B) is None
     empty = torch.empty(0, dtype=torch.int64)
-    assert invalid_ids(empty, rows_per_feature, B, empty)[1].tolist() == [0, 0]
+    assert invalid_ids(empty, rows_per_feature, empty)[1].tolist() == [0, 0]
 
 
 def _host_reads_of_input_dist(rank: int, world: int) -> Dict[str, Any]:

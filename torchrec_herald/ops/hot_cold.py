@@ -30,17 +30,16 @@ class HotColdSplit:
     #                                  for each cold id, then the hot ids' rows of the hot buffer in bag order
 
 
-def invalid_ids(values: torch.Tensor, rows_per_feature: torch.Tensor, batch_size: int,
-                bag_of_value: Optional[torch.Tensor] = None, feature_of_value: Optional[torch.Tensor] = None
+def out_of_table(values: torch.Tensor, rows_per_feature: torch.Tensor, feature_of_value: torch.Tensor) -> torch.Tensor:
+    """Each id outside its feature's table (``< 0`` or ``>= rows``), where the ids are (no host read)."""
+    return (values < 0) | (values >= rows_per_feature.index_select(0, feature_of_value))
+
+
+def invalid_ids(values: torch.Tensor, rows_per_feature: torch.Tensor, feature_of_value: torch.Tensor
                 ) -> Tuple[torch.Tensor, torch.Tensor]:
-    """Each id's validity and, without a host read, the first invalid one as an int64 pair on the ids'
-    device: ``(feature index + 1, id)``, or ``(0, 0)`` if every id is inside its table. Give each value's
-    bag (``b = feature * B + sample``) or, where the caller has it, its feature."""
-    if feature_of_value is None:
-        if bag_of_value is None:
-            raise ValueError("invalid_ids needs bag_of_value or feature_of_value")
-        feature_of_value = bag_of_value // batch_size
-    bad = (values < 0) | (values >= rows_per_feature[feature_of_value])
+    """Each id's invalidity (:func:`out_of_table`) and, without a host read, the first invalid one as an
+    int64 pair on the ids' device: ``(feature index + 1, id)``, or ``(0, 0)`` if every id is inside its table."""
+    bad = out_of_table(values, rows_per_feature, feature_of_value)
     if values.numel() == 0:
         return bad, torch.zeros(2, dtype=torch.int64, device=values.device)
     # the first maximum: the first bad id, if any (a 1-element index: indexing with a 0-dim tensor would
@@ -51,19 +50,17 @@ def invalid_ids(values: torch.Tensor, rows_per_feature: torch.Tensor, batch_size
 
 
 def first_invalid_id(values: torch.Tensor, lengths: torch.Tensor, rows_per_feature: torch.Tensor,
-                     batch_size: int, bag_of_value: Optional[torch.Tensor] = None) -> Optional[Tuple[int, int]]:
-    """(feature index, id) of the first id < 0 or >= its table's rows, or None; ``bag_of_value``: each
-    value's bag (``b = feature * B + sample``) when the caller has it already. Reads the host."""
-    if bag_of_value is None:
-        bag_of_value = bags_of_values(lengths, values.numel())
-    feature, value = invalid_ids(values, rows_per_feature, batch_size, bag_of_value)[1].tolist()
+                     batch_size: int) -> Optional[Tuple[int, int]]:
+    """(feature index, id) of the first id < 0 or >= its table's rows, or None. Reads the host."""
+    feature_of_value = bags_of_values(lengths, values.numel()) // batch_size
+    feature, value = invalid_ids(values, rows_per_feature, feature_of_value)[1].tolist()
     return None if feature == 0 else (feature - 1, value)
 
 
 def split_hot_cold(values: torch.Tensor, lengths: torch.Tensor, feature_table: torch.Tensor,
                    table_offsets: torch.Tensor, hot_keys: torch.Tensor, block_sizes: torch.Tensor,
-                   world_size: int, batch_size: int, bag_of_value: Optional[torch.Tensor] = None,
-                   feature_of_value: Optional[torch.Tensor] = None) -> HotColdSplit:
+                   world_size: int, batch_size: int, feature_of_value: Optional[torch.Tensor] = None
+                   ) -> HotColdSplit:
     """Split valid ids into hot rows and owner-bucketized cold ids, with no host synchronisation.
 
     One ``block_bucketize_sparse_features`` call does both: each hot id is sent to a spare bucket
@@ -77,13 +74,11 @@ def split_hot_cold(values: torch.Tensor, lengths: torch.Tensor, feature_table: t
         hot_keys: sorted int64 global keys (``table_offsets[t] + id``) of all hot rows; a hot row's
             position in it is its row in the hot buffer.
         block_sizes: int64 [F] row-wise block size of each feature's table (``ceil(n / W)``).
-        bag_of_value, feature_of_value: each value's bag or feature, when the caller has one already.
+        feature_of_value: each value's feature, when the caller has it already.
     """
     num_bags, num_hot = lengths.numel(), hot_keys.numel()
     if feature_of_value is None:
-        if bag_of_value is None:
-            bag_of_value = bags_of_values(lengths, values.numel())
-        feature_of_value = bag_of_value // batch_size
+        feature_of_value = bags_of_values(lengths, values.numel()) // batch_size
     if num_hot:
         keys = table_offsets[feature_table[feature_of_value]] + values
         pos = torch.searchsorted(hot_keys, keys).clamp_(max=num_hot - 1)

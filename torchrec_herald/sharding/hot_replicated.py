@@ -39,7 +39,7 @@ from torchrec_herald.comm import (FLOAT_BYTES, INDEX_BYTES, RowsInFlight, all_to
                                    await_variable_all_to_all, start_variable_all_to_all)
 from torchrec_herald.layout import RowLayout
 from torchrec_herald.ops.hot_cold import (HotColdSplit, bags_of_values, invalid_ids, offsets_from_lengths,
-                                          split_hot_cold)
+                                          out_of_table, split_hot_cold)
 from torchrec_herald.ops.tbe import SUPPORTED_OPTIMIZERS, dense_lookup
 from torchrec_herald.sharding.plan_exec import PlanExecutor
 from torchrec_herald.sharding.row_store import RowStore
@@ -396,7 +396,7 @@ class ShardedHeraldEmbeddingBagCollection(
         feature_of_value = bags_of_values(lengths, N) // B
         # an id outside its table: a flag travels on the counts exchange below, so every rank learns of it at
         # the first wait (before any forward) and all of them raise it together; until then it reads row 0
-        bad = (values < 0) | (values >= lay.rows_per_feature[feature_of_value])
+        bad = out_of_table(values, lay.rows_per_feature, feature_of_value)
         split = split_hot_cold(values.masked_fill(bad, 0), lengths, lay.feature_table, lay.table_offsets,
                                lay.hot_keys, lay.blocks_per_feature, W, B, feature_of_value=feature_of_value)
         sub = split.sub_lengths
@@ -460,7 +460,7 @@ class ShardedHeraldEmbeddingBagCollection(
         got = [host[4 * r: 4 * r + 4] for r in range(W)]  # per rank: sub-bags, ids, any bad id, k
         bad_ranks = [r for r, g in enumerate(got) if g[2]]
         if bad_ranks:
-            self._raise_on_bad_ids(bad_ranks, sizes, ctx.batch_size)
+            self._raise_on_bad_ids(bad_ranks, sizes)
         packed, ids_to = self._sized_by_host(ctx, sizes, host[4 * W:])
         ctx.bags_from, ids_from, ctx.sparse_from = [g[0] for g in got], [g[1] for g in got], [g[3] for g in got]
         recv_sizes = [n for b, i in zip(ctx.bags_from, ids_from) for n in (b, i)]
@@ -494,12 +494,11 @@ class ShardedHeraldEmbeddingBagCollection(
         if on_gpu:
             torch.cuda.synchronize(self._device)
 
-    def _raise_on_bad_ids(self, bad_ranks: List[int], sizes: "_SplitSizes", batch_size: int) -> None:
+    def _raise_on_bad_ids(self, bad_ranks: List[int], sizes: "_SplitSizes") -> None:
         """Some ranks flagged an id outside its table (``bad_ranks``, known to every rank): each rank finds its
         own first one (a host read: this error path only), all of them exchange theirs (collective), and
         every rank raises the first bad id of rank ``bad_ranks[0]``'s batch."""
-        code = invalid_ids(sizes.values, self._ids.rows_per_feature, batch_size,
-                           feature_of_value=sizes.feature_of_value)[1]
+        code = invalid_ids(sizes.values, self._ids.rows_per_feature, sizes.feature_of_value)[1]
         codes = [code]
         if self._world > 1:
             codes = [torch.empty_like(code) for _ in range(self._world)]

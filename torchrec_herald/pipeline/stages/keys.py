@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 from torchrec.datasets.utils import Batch
 
-from torchrec_herald.ops.hot_cold import first_invalid_id
+from torchrec_herald.ops.hot_cold import first_invalid_id, out_of_table
 from torchrec_herald.pipeline.context import HeraldBatchContext, SchedulingEnv
 from torchrec_herald.pipeline.stages import StageHost, register_stage
 
@@ -37,7 +37,7 @@ def key_batch(env: SchedulingEnv, ctx: HeraldBatchContext, raw: Batch, whole_bat
     # the id check and the keys from one bag index per id (which also gives its sample)
     bag = torch.repeat_interleave(lengths)
     feature = bag // B
-    invalid = (values < 0) | (values >= lay.rows_per_feature.index_select(0, feature))
+    invalid = out_of_table(values, lay.rows_per_feature, feature)
     bad = first_invalid_id(values, lengths, lay.rows_per_feature, B) if bool(invalid.any()) else None
     if bad and whole_batch:  # every rank sees the same global batch: all raise the same error
         local_batch = B // env.world
