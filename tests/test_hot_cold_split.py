@@ -1,6 +1,7 @@
 """The hot/cold split with a spare bucket for hot ids (``ops/hot_cold.py``) against a reference written
-with boolean masks, the way the split was computed before it stopped reading the host; and the device
-error code of the first invalid id; and where the herald EBC's input dist reads the host."""
+with boolean masks, the way the split was computed before it stopped reading the host; the compiled
+one-pass split (``native/id_split.cpp``) against those torch ops; the device error code of the first
+invalid id; and where the herald EBC's input dist reads the host."""
 
 from __future__ import annotations
 
@@ -66,6 +67,50 @@ def test_the_spare_bucket_split_equals_the_masked_split(W: int, hot_fraction: fl
     assert bool((split.bucketed_hot_rows[:n_cold] == hot_keys.numel()).all())
 
 
+def test_the_compiled_split_equals_the_torch_ops_output_for_output() -> None:
+    """Random layouts (1-5 ranks, tables of 1-59 rows, none to all rows hot, empty and multi-id bags, ids
+    outside their tables): the compiled pass gives the torch ops' split, per-(owner, feature) counts, hot
+    rows read and bad-id flag, in dtype, shape and value."""
+    from torchrec_herald.native import available, load
+    from torchrec_herald.ops.hot_cold import out_of_table
+
+    assert available(), "make setup builds the extension"
+    native = load()
+    g = torch.Generator().manual_seed(0)
+    flagged = 0
+    for trial in range(300):
+        W, B, T, F = (int(torch.randint(lo, hi, (1,), generator=g)) for lo, hi in ((1, 6), (1, 9), (1, 5), (1, 6)))
+        rows_of_table = torch.randint(1, 60, (T,), generator=g)
+        feature_table = torch.randint(0, T, (F,), generator=g)
+        table_offsets = torch.cat([torch.zeros(1, dtype=torch.int64), rows_of_table.cumsum(0)[:-1]])
+        rows = rows_of_table[feature_table]
+        blocks = (rows + W - 1) // W
+        num_keys = int(rows_of_table.sum())
+        num_hot = int(torch.randint(0, num_keys + 1, (1,), generator=g)) if trial % 5 else 0
+        hot_keys = torch.randperm(num_keys, generator=g)[:num_hot].sort().values
+        lengths = torch.randint(0, 4, (F * B,), generator=g)
+        feature = bags_of_values(lengths, int(lengths.sum())) // B
+        values = (torch.rand(feature.numel(), generator=g) * rows[feature].double()).long()
+        if trial % 3 == 0 and values.numel():
+            k = int(torch.randint(0, values.numel(), (1,), generator=g))
+            values[k] = -1 if trial % 2 else int(rows[feature[k]]) + 3
+        bad = out_of_table(values, rows, feature)
+        ref = split_hot_cold(values.masked_fill(bad, 0), lengths, feature_table, table_offsets, hot_keys, blocks, W,
+                             B, feature_of_value=feature)
+        sub = ref.sub_lengths
+        read = torch.zeros(num_hot + 1, dtype=torch.bool).index_fill_(0, ref.bucketed_hot_rows, True)[:num_hot]
+        want = {"sub_lengths": sub, "hot_offsets": ref.hot_offsets, "bucketed_ids": ref.bucketed_ids,
+                "bucketed_hot_rows": ref.bucketed_hot_rows,
+                "per": torch.stack([sub, (sub > 0).to(sub.dtype)]).view(2, W, F, B).sum(3), "read": read,
+                "any_bad": bad.any()}
+        got = dict(zip(want, native.hot_cold_split(values, lengths, feature_table, table_offsets, hot_keys, blocks,
+                                                   rows, W, B)))
+        for name, w in want.items():
+            assert got[name].dtype == w.dtype and torch.equal(got[name], w), (trial, name, got[name], w)
+        flagged += int(bad.any())
+    assert flagged == 98  # the cases with an id outside its table
+
+
 def test_the_error_code_names_the_first_invalid_id_without_a_host_read() -> None:
     rows_per_feature = torch.tensor([10, 3], dtype=torch.int64)
     B = 2
@@ -91,6 +136,7 @@ def _host_reads_of_input_dist(rank: int, world: int) -> Dict[str, Any]:
 
     h = build(world, dict(planner="herald", steps=3, hot_min_count=2))
     ebc = find_herald_ebc(h["dmp"])
+    ebc._native_ids = None  # the torch ops: the path ids on a GPU take (the compiled pass is CPU only)
     kjt = next(iter(h["data"].train_batches(rank, world, h["batch_size"]))).sparse_features
     seen: List[str] = []
     tolist = torch.Tensor.tolist

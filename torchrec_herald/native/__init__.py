@@ -12,12 +12,14 @@ from pathlib import Path
 from types import ModuleType
 from typing import Optional
 
-__all__ = ["BUILD_DIR", "HEADERS", "SOURCE", "SOURCES", "NativeUnavailable", "available", "load", "source_sha", "unavailable_reason"]
+__all__ = ["BUILD_DIR", "HEADERS", "SOURCE", "SOURCES", "NativeUnavailable", "available", "load", "load_if_built",
+           "source_sha", "unavailable_reason"]
 
 SOURCE = Path(__file__).with_name("home_split.cpp")  # the module's entry point (its pybind11 module)
 #: every source compiled into the module (the planner by home, the global plans, the plan executor's row
-#: access) and the header they share; all of them make up the build's source hash
-SOURCES = (SOURCE, Path(__file__).with_name("row_store.cpp"), Path(__file__).with_name("global_plan.cpp"))
+#: access, hot replication's id bookkeeping) and the header they share; all of them make up the build's source hash
+SOURCES = (SOURCE, Path(__file__).with_name("row_store.cpp"), Path(__file__).with_name("global_plan.cpp"),
+           Path(__file__).with_name("id_split.cpp"))
 HEADERS = (Path(__file__).with_name("common.h"),)
 BUILD_DIR = Path(__file__).with_name("_build")
 MODULE = "herald_native"
@@ -69,6 +71,14 @@ def _load() -> ModuleType:
 def load() -> ModuleType:
     """The compiled module (:class:`NativeUnavailable`, one line saying how to build it, if it cannot be used)."""
     return _load()
+
+
+def load_if_built() -> Optional[ModuleType]:
+    """The compiled module, or None where it cannot be used (the callers' torch ops run instead)."""
+    try:
+        return load()
+    except NativeUnavailable:
+        return None
 
 
 def unavailable_reason() -> Optional[str]:

@@ -38,6 +38,7 @@ from torchrec.streamable import Multistreamable
 from torchrec_herald.comm import (FLOAT_BYTES, INDEX_BYTES, RowsInFlight, all_to_all_rows_async,
                                    await_variable_all_to_all, start_variable_all_to_all)
 from torchrec_herald.layout import RowLayout
+from torchrec_herald.native import load_if_built
 from torchrec_herald.ops.hot_cold import (HotColdSplit, bags_of_values, invalid_ids, offsets_from_lengths,
                                           out_of_table, split_hot_cold)
 from torchrec_herald.ops.tbe import SUPPORTED_OPTIMIZERS, dense_lookup
@@ -167,8 +168,16 @@ class _SplitSizes:
     read: torch.Tensor
     read_sparse: torch.Tensor
     nonempty: torch.Tensor
-    values: torch.Tensor  # the batch's ids and each one's feature: the first bad id is found from them only
-    feature_of_value: torch.Tensor  # when some rank flagged one (an error path)
+    values: torch.Tensor  # the batch's ids, lengths and batch size: the first bad id is found from them only
+    lengths: torch.Tensor  # when some rank flagged one (an error path)
+    batch_size: int
+    feature_of_value: Optional[torch.Tensor]  # each id's feature, where the split found it
+
+    def features(self) -> torch.Tensor:
+        """Each id's feature."""
+        if self.feature_of_value is None:
+            self.feature_of_value = bags_of_values(self.lengths, self.values.numel()) // self.batch_size
+        return self.feature_of_value
 
 
 class _CountsAwaitable(Awaitable[Awaitable[HeraldContext]]):
@@ -331,6 +340,9 @@ class ShardedHeraldEmbeddingBagCollection(
         # the per-step id bookkeeping (validation, hot/cold split, owner buckets) runs where the rows are:
         # on a GPU the batch's ids never go to the host; the layout's lookup tables are copied there once
         self._ids = _LayoutOnDevice.of(lay, self._sparse_row, self._device)
+        #: the id bookkeeping in one compiled pass (native/id_split.cpp) where the ids are on the CPU and
+        #: the extension is built; else the torch ops of ops/hot_cold.py (the reference)
+        self._native_ids: Optional[Any] = load_if_built() if self._ids.device.type == "cpu" else None
         self._hot_sparse_sent = torch.zeros(len(self._tables), dtype=torch.int64, device=self._device)
         # stale-update skipping: hot rows neither synchronised nor updated (where the ids are handled)
         self._frozen_hot = torch.zeros(max(self._num_hot, 1), dtype=torch.bool, device=self._device)
@@ -392,29 +404,20 @@ class ShardedHeraldEmbeddingBagCollection(
         ctx.batch_size, ctx.bag_lengths = B, lengths
         if self._executor is not None and self._executor.active:
             return self._plan_input_dist(ctx, values, lengths, B)
-        N, W = values.numel(), self._world
-        feature_of_value = bags_of_values(lengths, N) // B
+        W, num_hot = self._world, self._num_hot
         # an id outside its table: a flag travels on the counts exchange below, so every rank learns of it at
-        # the first wait (before any forward) and all of them raise it together; until then it reads row 0
-        bad = out_of_table(values, lay.rows_per_feature, feature_of_value)
-        split = split_hot_cold(values.masked_fill(bad, 0), lengths, lay.feature_table, lay.table_offsets,
-                               lay.hot_keys, lay.blocks_per_feature, W, B, feature_of_value=feature_of_value)
-        sub = split.sub_lengths
-        nonempty_mask = sub > 0
-        # cold ids and non-empty sub-bags to each (owner, feature): counted for traffic_by_table, and
-        # summed per owner for the exchange (one reduction for both)
-        per = torch.stack([sub, nonempty_mask.to(sub.dtype)]).view(2, W, len(self._feature_names), B).sum(3)
+        # the first wait (before any forward) and all of them raise it together; until then it reads row 0.
+        # Then the hot/cold split, the cold ids and non-empty sub-bags to each (owner, feature) (counted for
+        # traffic_by_table, and summed per owner for the exchange) and the hot rows this batch reads (the
+        # lookup and its gradient cover only these)
+        split, per, read, any_bad, feature_of_value = self._split_ids(values, lengths, B)
+        nonempty_mask = split.sub_lengths > 0
         self._cold_sent += per
         ids_to, bags_to = per.sum(2)
-        # the hot rows this batch reads (the lookup and its gradient cover only these), as a mask over the
-        # hot buffer (+ a spare row for cold ids); those synced sparsely are counted on this exchange
-        num_hot = self._num_hot
-        read = torch.zeros(num_hot + 1, dtype=torch.bool, device=lay.device)
-        read.index_fill_(0, split.bucketed_hot_rows, True)
-        read = read[:num_hot]
+        # the hot rows read that are synced sparsely are counted on this exchange
         read_sparse = read & lay.sparse_row[:num_hot] & ~self._frozen_hot[:num_hot]
         k = read_sparse.sum().expand(W, 1)
-        counts = torch.cat([bags_to[:, None], ids_to[:, None], bad.any().to(torch.int64).expand(W, 1), k], 1)
+        counts = torch.cat([bags_to[:, None], ids_to[:, None], any_bad.to(torch.int64).expand(W, 1), k], 1)
         ctx.split = split
         # both exchanges run asynchronously: TrainPipelineSparseDist starts this input dist before the
         # previous batch's forward and waits for it after. Past the settle above (sparsely synced tables
@@ -423,9 +426,31 @@ class ShardedHeraldEmbeddingBagCollection(
         # read at the first wait, so on a GPU the host queues the previous batch's forward while these
         # kernels run
         sizes = _SplitSizes(torch.cat([bags_to, ids_to, read.sum()[None], k[:1, 0]]), read, read_sparse,
-                            nonempty_mask, values, feature_of_value)
+                            nonempty_mask, values, lengths, B, feature_of_value)
         recv_counts, work = all_to_all_rows_async(counts, [1] * W, [1] * W, self._pg, "herald_meta")
         return KJTListSplitsAwaitable([_CountsAwaitable(self, ctx, recv_counts, work, sizes)], ctx)
+
+    def _split_ids(self, values: torch.Tensor, lengths: torch.Tensor, B: int
+                   ) -> Tuple[HotColdSplit, torch.Tensor, torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
+        """The batch's ids split (ids outside their tables read as row 0): (the split, cold ids and non-empty
+        sub-bags per (owner, feature) ``[2, W, F]``, the hot rows read ``[num_hot]``, any id outside its
+        table (0-d), each id's feature where it was found (the torch ops; None from the compiled pass))."""
+        lay, W, num_hot, F = self._ids, self._world, self._num_hot, len(self._feature_names)
+        if self._native_ids is not None:
+            sub, hot_offsets, ids, hot_rows, per, read, any_bad = self._native_ids.hot_cold_split(
+                values.contiguous(), lengths.contiguous(), lay.feature_table, lay.table_offsets, lay.hot_keys,
+                lay.blocks_per_feature, lay.rows_per_feature, W, B)
+            return (HotColdSplit(hot_offsets=hot_offsets, bag_lengths=lengths, sub_lengths=sub, bucketed_ids=ids,
+                                 bucketed_hot_rows=hot_rows), per, read, any_bad, None)
+        feature_of_value = bags_of_values(lengths, values.numel()) // B
+        bad = out_of_table(values, lay.rows_per_feature, feature_of_value)
+        split = split_hot_cold(values.masked_fill(bad, 0), lengths, lay.feature_table, lay.table_offsets,
+                               lay.hot_keys, lay.blocks_per_feature, W, B, feature_of_value=feature_of_value)
+        sub = split.sub_lengths
+        per = torch.stack([sub, (sub > 0).to(sub.dtype)]).view(2, W, F, B).sum(3)  # one reduction for both
+        read = torch.zeros(num_hot + 1, dtype=torch.bool, device=lay.device)  # (+ a spare row for cold ids)
+        read.index_fill_(0, split.bucketed_hot_rows, True)
+        return split, per, read[:num_hot], bad.any(), feature_of_value
 
     def _sized_by_host(self, ctx: HeraldContext, sizes: "_SplitSizes", host: List[int]) -> Tuple[torch.Tensor, List[int]]:
         """The input dist's data-sized part, at the first wait, from ``host`` (``sizes.sizes`` read): the
@@ -498,7 +523,7 @@ class ShardedHeraldEmbeddingBagCollection(
         """Some ranks flagged an id outside its table (``bad_ranks``, known to every rank): each rank finds its
         own first one (a host read: this error path only), all of them exchange theirs (collective), and
         every rank raises the first bad id of rank ``bad_ranks[0]``'s batch."""
-        code = invalid_ids(sizes.values, self._ids.rows_per_feature, sizes.feature_of_value)[1]
+        code = invalid_ids(sizes.values, self._ids.rows_per_feature, sizes.features())[1]
         codes = [code]
         if self._world > 1:
             codes = [torch.empty_like(code) for _ in range(self._world)]

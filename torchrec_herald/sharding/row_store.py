@@ -17,6 +17,7 @@ from torch import nn
 
 from torchrec_herald.keymap import SortedKeyMap
 from torchrec_herald.layout import RowLayout
+from torchrec_herald.native import load_if_built
 from torchrec_herald.ops.tbe import dense_hot_tbe, fused_cold_tbe
 
 __all__ = ["RowStore", "exact_update"]
@@ -41,16 +42,6 @@ def exact_update_where_nonzero(w: torch.Tensor, state: torch.Tensor, grad: torch
     nonzero = grad.ne(0).any(1)
     new_w, new_s = exact_update(w, state, grad, optimizer, lr, eps)
     return torch.where(nonzero[:, None], new_w, w), torch.where(nonzero, new_s, state)
-
-
-def _native_row_ops() -> Optional[Any]:
-    """The compiled row access (herald's extension), or None where it is not built (the torch ops run)."""
-    from torchrec_herald.native import NativeUnavailable, load
-
-    try:
-        return load()
-    except NativeUnavailable:
-        return None
 
 
 class RowStore(nn.Module):
@@ -95,7 +86,7 @@ class RowStore(nn.Module):
         self.base_hot = torch.zeros(layout.num_hot, dim + 1, device=device)
         self.base_cache = torch.zeros(0, dim + 1, device=device)
         # by-key reads and writes in one compiled pass (CPU rows, the extension built), else torch ops
-        self.native: Optional[Any] = _native_row_ops() if torch.device(device).type == "cpu" else None
+        self.native: Optional[Any] = load_if_built() if torch.device(device).type == "cpu" else None
 
     # ------------------------------------------------------------------ views
     def hot_weights(self) -> torch.Tensor:

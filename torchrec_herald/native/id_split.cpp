@@ -1,0 +1,128 @@
+// Hot replication's per-step id bookkeeping in one pass over the batch's ids (CPU): each id checked against
+// its table, split into a hot replica's row or a cold id bucketed to its row-wise owner, and the counts
+// the input dist exchanges.
+//
+// The torch reference is ops/hot_cold.py (out_of_table, then split_hot_cold: a searchsorted over the hot
+// keys and fbgemm's block_bucketize_sparse_features with a spare bucket for hot ids) plus the reductions
+// of ShardedHeraldEmbeddingBagCollection.input_dist; tests compare the two output for output. Hand-written
+// because the reference is about thirty small tensor ops a step on the training thread of a rank whose
+// step is bound by its CPU. Ids on a GPU keep the torch path (no host round trip of the ids).
+
+#include <torch/extension.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <tuple>
+#include <vector>
+
+namespace {
+
+using i64 = int64_t;
+
+// (sub_lengths [W*F*B], hot_offsets [F*B + 1], bucketed_ids [N], bucketed_hot_rows [N],
+//  per [2, W, F] (cold ids and non-empty sub-bags to each owner per feature), read [num_hot] (hot rows
+//  read), any_bad (0-d bool))
+std::tuple<torch::Tensor, torch::Tensor, torch::Tensor, torch::Tensor, torch::Tensor, torch::Tensor, torch::Tensor>
+hot_cold_split(torch::Tensor values, torch::Tensor lengths, torch::Tensor feature_table, torch::Tensor table_offsets,
+               torch::Tensor hot_keys, torch::Tensor block_sizes, torch::Tensor rows_per_feature, i64 world,
+               i64 batch) {
+  for (const auto* t : {&values, &lengths, &feature_table, &table_offsets, &hot_keys, &block_sizes, &rows_per_feature}) {
+    TORCH_CHECK(t->scalar_type() == torch::kInt64 && t->is_contiguous() && t->dim() == 1 && t->device().is_cpu(),
+                "hot_cold_split: every input must be a contiguous 1-d int64 CPU tensor");
+  }
+  const i64 F = feature_table.size(0), FB = lengths.size(0), N = values.size(0), H = hot_keys.size(0);
+  TORCH_CHECK(world >= 1 && batch >= 1 && FB == F * batch, "hot_cold_split: ", FB, " lengths for ", F,
+              " features of batch ", batch);
+  TORCH_CHECK(block_sizes.size(0) == F && rows_per_feature.size(0) == F, "hot_cold_split: one block size and "
+              "one row count per feature");
+  const i64* v = values.data_ptr<i64>();
+  const i64* len = lengths.data_ptr<i64>();
+  const i64* ft = feature_table.data_ptr<i64>();
+  const i64* toff = table_offsets.data_ptr<i64>();
+  const i64* hot = hot_keys.data_ptr<i64>();
+  const i64* blk = block_sizes.data_ptr<i64>();
+  const i64* rows = rows_per_feature.data_ptr<i64>();
+  for (i64 f = 0; f < F; ++f) {
+    TORCH_CHECK(blk[f] >= 1, "hot_cold_split: feature ", f, " has block size ", blk[f]);
+    TORCH_CHECK(ft[f] >= 0 && ft[f] < table_offsets.size(0), "hot_cold_split: feature ", f, " names table ", ft[f]);
+  }
+  const i64 buckets = world + 1;  // the owners, then a spare bucket for hot ids
+  auto counts = torch::zeros({buckets * FB}, torch::kInt64);
+  i64* cnt = counts.data_ptr<i64>();
+  std::vector<i64> bucket(N), new_id(N), row_or_spare(N), bag_of(N);
+  auto read = torch::zeros({H}, torch::kBool);
+  bool* rd = read.data_ptr<bool>();
+  bool any_bad = false;
+  i64 i = 0;
+  for (i64 b = 0; b < FB; ++b) {
+    const i64 f = b / batch, block = blk[f], limit = rows[f], first = toff[ft[f]];
+    TORCH_CHECK(len[b] >= 0 && i + len[b] <= N, "hot_cold_split: lengths add up to more than the ", N, " values");
+    for (i64 j = 0; j < len[b]; ++j, ++i) {
+      i64 id = v[i];
+      if (id < 0 || id >= limit) {  // read as row 0 until every rank raises it at the first wait
+        any_bad = true;
+        id = 0;
+      }
+      const i64 key = first + id;
+      i64 p, nid, ros = H;
+      const i64* at = H ? std::lower_bound(hot, hot + H, key) : hot;
+      if (H && at != hot + H && *at == key) {  // a hot replica: the spare bucket (block_bucketize of W * block)
+        p = world;
+        nid = 0;
+        ros = at - hot;
+        rd[ros] = true;
+      } else if (id < block * buckets) {  // block_bucketize_sparse_features' rule, my_size = W + 1
+        p = id / block;
+        nid = id % block;
+      } else {
+        p = id % buckets;
+        nid = id / buckets;
+      }
+      bucket[i] = p;
+      new_id[i] = nid;
+      row_or_spare[i] = ros;
+      bag_of[i] = b;
+      ++cnt[p * FB + b];
+    }
+  }
+  TORCH_CHECK(i == N, "hot_cold_split: lengths add up to ", i, ", not the ", N, " values");
+  // each (bucket, bag)'s first position in the output: (bucket, bag) order, each bag's ids in their order
+  std::vector<i64> cursor(buckets * FB);
+  i64 at = 0;
+  for (i64 k = 0; k < buckets * FB; ++k) {
+    cursor[k] = at;
+    at += cnt[k];
+  }
+  auto bucketed_ids = torch::empty({N}, torch::kInt64);
+  auto bucketed_hot_rows = torch::empty({N}, torch::kInt64);
+  i64* ids_out = bucketed_ids.data_ptr<i64>();
+  i64* rows_out = bucketed_hot_rows.data_ptr<i64>();
+  for (i64 k = 0; k < N; ++k) {
+    const i64 to = cursor[bucket[k] * FB + bag_of[k]]++;
+    ids_out[to] = new_id[k];
+    rows_out[to] = row_or_spare[k];
+  }
+  auto hot_offsets = torch::zeros({FB + 1}, torch::kInt64);
+  i64* ho = hot_offsets.data_ptr<i64>();
+  for (i64 b = 0; b < FB; ++b) ho[b + 1] = ho[b] + cnt[world * FB + b];
+  auto per = torch::zeros({2, world, F}, torch::kInt64);
+  i64* pr = per.data_ptr<i64>();
+  for (i64 o = 0; o < world; ++o) {
+    for (i64 b = 0; b < FB; ++b) {
+      const i64 c = cnt[o * FB + b], f = b / batch;
+      pr[o * F + f] += c;
+      pr[world * F + o * F + f] += c > 0;
+    }
+  }
+  auto sub_lengths = counts.narrow(0, 0, world * FB);
+  return {sub_lengths, hot_offsets, bucketed_ids, bucketed_hot_rows, per, read, torch::tensor(any_bad)};
+}
+
+}  // namespace
+
+void register_id_split(pybind11::module& m) {
+  m.def("hot_cold_split", &hot_cold_split,
+        "hot replication's id bookkeeping in one pass: (sub_lengths, hot_offsets, bucketed_ids, bucketed_hot_rows, "
+        "per-(owner, feature) cold ids and non-empty sub-bags, hot rows read, any id outside its table)",
+        pybind11::call_guard<pybind11::gil_scoped_release>());
+}
