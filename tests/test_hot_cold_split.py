@@ -175,3 +175,43 @@ def test_the_input_dist_reads_the_host_only_at_its_first_wait() -> None:
         assert r["start"] == []
         assert r["first_wait"] == ["tolist"]  # one read: the counts received and this rank's own sizes
         assert sum(r["bags_to"]) == r["sent"] > 0
+
+
+def _input_dist_both_ways(rank: int, world: int) -> Dict[str, Any]:
+    """Rank ``rank`` of a herald DLRM: the input dist of three batches through the compiled passes and through
+    the torch ops, every field the forward reads afterwards."""
+    from herald_harness import build
+    from torchrec_herald.pipeline.context import find_herald_ebc
+
+    h = build(world, dict(planner="herald", steps=3, hot_min_count=2, sync="mixed"))  # both hot-row sync modes
+    ebc = find_herald_ebc(h["dmp"])
+    native = ebc._native_ids
+    assert native is not None, "make setup builds the extension"
+    out: Dict[str, Any] = {"compiled": [], "torch": []}
+    batches = list(h["data"].train_batches(rank, world, h["batch_size"]))[:3]
+    for name, impl in (("compiled", native), ("torch", None)):
+        ebc._native_ids = impl
+        for batch in batches:
+            ctx = ebc.create_context()
+            ebc.input_dist(ctx, batch.sparse_features).wait().wait()
+            assert ctx.split is not None
+            out[name].append({f: getattr(ctx, f) for f in ("send_bag_index", "bags_to", "bags_from", "recv_lengths",
+                                                           "recv_rows", "hot_unique", "hot_inverse", "sparse_idx",
+                                                           "sparse_from", "bag_lengths")}
+                             | {f: getattr(ctx.split, f) for f in ("hot_offsets", "sub_lengths", "bucketed_ids",
+                                                                   "bucketed_hot_rows")})
+    return out
+
+
+def test_the_compiled_input_dist_sends_and_receives_what_the_torch_ops_do() -> None:
+    """The input dist through the compiled passes (``hot_cold_split`` and, at the first wait,
+    ``hot_cold_message``) gives every field the forward reads equal to the torch ops' (the path of ids on
+    a GPU): the split, the hot rows read and each hot id's place among them, the sub-bags sent and the
+    lengths and rows each owner received."""
+    for r in run_multiprocess(_input_dist_both_ways, 2, timeout_s=180):
+        for got, want in zip(r["compiled"], r["torch"]):
+            for name, w in want.items():
+                g = got[name]
+                same = torch.equal(g, w) and g.dtype == w.dtype if isinstance(w, torch.Tensor) else g == w
+                assert same, (name, g, w)
+        assert all(any(b[f].numel() for b in r["torch"]) for f in ("recv_rows", "hot_inverse", "sparse_idx"))

@@ -13,6 +13,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <tuple>
+#include <type_traits>
 #include <vector>
 
 namespace {
@@ -118,9 +119,90 @@ hot_cold_split(torch::Tensor values, torch::Tensor lengths, torch::Tensor featur
   return {sub_lengths, hot_offsets, bucketed_ids, bucketed_hot_rows, per, read, torch::tensor(any_bad)};
 }
 
+// At the input dist's first wait, with the sizes on the host: (hot_unique, hot_inverse, sparse_idx,
+// send_bag_index, packed) of ShardedHeraldEmbeddingBagCollection._sized_by_host: the hot rows read and each
+// hot id's place among them, the sparsely synced rows' places, each non-empty sub-bag's bag, and for each
+// owner o in turn its non-empty sub-bags' lengths then its cold ids' rows of o's block (int32).
+std::tuple<torch::Tensor, torch::Tensor, torch::Tensor, torch::Tensor, torch::Tensor> hot_cold_message(
+    torch::Tensor read, torch::Tensor read_sparse, torch::Tensor sub_lengths, torch::Tensor bucketed_ids,
+    torch::Tensor bucketed_hot_rows, torch::Tensor owner_feature_offsets, i64 world, i64 features, i64 batch) {
+  for (const auto* t : {&read, &read_sparse}) {
+    TORCH_CHECK(t->scalar_type() == torch::kBool && t->is_contiguous() && t->dim() == 1 && t->device().is_cpu(),
+                "hot_cold_message: the masks must be contiguous 1-d bool CPU tensors");
+  }
+  for (const auto* t : {&sub_lengths, &bucketed_ids, &bucketed_hot_rows, &owner_feature_offsets}) {
+    TORCH_CHECK(t->scalar_type() == torch::kInt64 && t->is_contiguous() && t->dim() == 1 && t->device().is_cpu(),
+                "hot_cold_message: every index input must be a contiguous 1-d int64 CPU tensor");
+  }
+  const i64 FB = features * batch, H = read.size(0), N = bucketed_ids.size(0);
+  TORCH_CHECK(sub_lengths.size(0) == world * FB && owner_feature_offsets.size(0) == world * features &&
+                  read_sparse.size(0) >= H && bucketed_hot_rows.size(0) == N,
+              "hot_cold_message: sizes do not match ", world, " owners x ", features, " features x batch ", batch);
+  const bool* rd = read.data_ptr<bool>();
+  const bool* rs = read_sparse.data_ptr<bool>();
+  const i64* sub = sub_lengths.data_ptr<i64>();
+  const i64* ids = bucketed_ids.data_ptr<i64>();
+  const i64* hot_rows = bucketed_hot_rows.data_ptr<i64>();
+  const i64* ofo = owner_feature_offsets.data_ptr<i64>();
+  std::vector<i64> rank_of(H, -1), unique;
+  for (i64 h = 0; h < H; ++h) {
+    if (rd[h]) {
+      rank_of[h] = static_cast<i64>(unique.size());
+      unique.push_back(h);
+    }
+  }
+  std::vector<i64> sparse;
+  for (i64 h = 0; h < H; ++h) {
+    if (rs[h]) sparse.push_back(rank_of[h]);
+  }
+  std::vector<i64> bag_index;
+  std::vector<int32_t> packed;
+  packed.reserve(world * FB + N);
+  i64 n_cold = 0;
+  for (i64 o = 0; o < world; ++o) {
+    i64 ids_of_o = 0;
+    for (i64 b = 0; b < FB; ++b) {
+      const i64 len = sub[o * FB + b];
+      if (len > 0) {
+        bag_index.push_back(b);
+        packed.push_back(static_cast<int32_t>(len));
+        ids_of_o += len;
+      }
+    }
+    i64 at = n_cold;
+    for (i64 b = 0; b < FB; ++b) {
+      const i64 off = ofo[o * features + b / batch];
+      for (i64 j = 0; j < sub[o * FB + b]; ++j, ++at) {
+        TORCH_CHECK(at < N, "hot_cold_message: the sub-bags hold more ids than the ", N, " bucketed");
+        packed.push_back(static_cast<int32_t>(off + ids[at]));
+      }
+    }
+    n_cold += ids_of_o;
+  }
+  std::vector<i64> inverse;
+  inverse.reserve(N - n_cold);
+  for (i64 k = n_cold; k < N; ++k) {
+    const i64 r = hot_rows[k];
+    TORCH_CHECK(r >= 0 && r < H && rank_of[r] >= 0, "hot_cold_message: hot id ", k, " names row ", r,
+                " that the batch's read mask does not hold");
+    inverse.push_back(rank_of[r]);
+  }
+  auto to_tensor = [](const auto& v, torch::ScalarType type) {
+    auto t = torch::empty({static_cast<i64>(v.size())}, type);
+    std::copy(v.begin(), v.end(), static_cast<typename std::decay_t<decltype(v)>::value_type*>(t.data_ptr()));
+    return t;
+  };
+  return {to_tensor(unique, torch::kInt64), to_tensor(inverse, torch::kInt64), to_tensor(sparse, torch::kInt64),
+          to_tensor(bag_index, torch::kInt64), to_tensor(packed, torch::kInt32)};
+}
+
 }  // namespace
 
 void register_id_split(pybind11::module& m) {
+  m.def("hot_cold_message", &hot_cold_message,
+        "the input dist's data-sized part on the host: (hot rows read, each hot id's place among them, the "
+        "sparsely synced rows' places, each non-empty sub-bag's bag, the packed int32 message per owner)",
+        pybind11::call_guard<pybind11::gil_scoped_release>());
   m.def("hot_cold_split", &hot_cold_split,
         "hot replication's id bookkeeping in one pass: (sub_lengths, hot_offsets, bucketed_ids, bucketed_hot_rows, "
         "per-(owner, feature) cold ids and non-empty sub-bags, hot rows read, any id outside its table)",

@@ -461,6 +461,13 @@ class ShardedHeraldEmbeddingBagCollection(
         FB = len(self._feature_names) * ctx.batch_size
         ctx.bags_to, ids_to = host[:W], host[W:2 * W]
         n_cold, n_read, n_sparse = sum(ids_to), host[2 * W], host[2 * W + 1]
+        if self._native_ids is not None:  # one compiled pass (native/id_split.cpp); the torch ops below: the reference
+            ctx.hot_unique, ctx.hot_inverse, ctx.sparse_idx, ctx.send_bag_index, packed = \
+                self._native_ids.hot_cold_message(sizes.read, sizes.read_sparse.contiguous(), split.sub_lengths,
+                                                  split.bucketed_ids, split.bucketed_hot_rows,
+                                                  self._ids.owner_feature_offsets, W, len(self._feature_names),
+                                                  ctx.batch_size)
+            return packed, ids_to
         # sized by the host's figures: no further synchronisation
         ctx.hot_unique = torch.nonzero_static(sizes.read, size=n_read).squeeze(1)
         read_rank = torch.cumsum(sizes.read, 0) - 1  # each read row's position among hot_unique
