@@ -25,7 +25,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
 sys.path.insert(0, str(HERE))
 
-from step_ops import CONFIGS as STEP_OPS_CONFIGS  # noqa: E402 (the same configurations as the ops count)
+from step_ops import CONFIGS as STEP_OPS_CONFIGS, build_cpu_run  # noqa: E402 (the ops count's configurations)
 
 CONFIGS: Dict[str, tuple] = dict(STEP_OPS_CONFIGS, het=(
     "herald + scheduling + HET staleness 3", STEP_OPS_CONFIGS["herald"][1] + ["pipeline.staleness=3",
@@ -33,19 +33,7 @@ CONFIGS: Dict[str, tuple] = dict(STEP_OPS_CONFIGS, het=(
 
 
 def worker(rank: int, world: int, config: str, steps: int, warmup: int) -> Dict[str, Any]:
-    import torch
-
-    from torchrec_herald.config import compose_config
-    from torchrec_herald.data import build_data_source
-    from torchrec_herald.trainer import build_model_and_plan, build_pipeline, train_stream
-
-    torch.set_num_threads(1)
-    cfg = compose_config(CONFIGS[config][1] + [f"data.num_train_batches={warmup + steps + 10}", "eval=false"])
-    data = build_data_source(cfg.data)
-    device = torch.device("cpu")
-    dmp, optimizer, decision = build_model_and_plan(cfg, data, world, device)
-    pipeline = build_pipeline(cfg, dmp, optimizer, device, decision)
-    it = train_stream(data, rank, world, cfg.batch_size)
+    _, pipeline, it, _ = build_cpu_run(CONFIGS[config][1], warmup + steps + 10, rank, world)
     for _ in range(warmup):
         pipeline.progress(it)
     w0, t0, p0 = time.perf_counter(), time.thread_time(), time.process_time()

@@ -20,7 +20,7 @@ import collections
 import json
 import sys
 from pathlib import Path
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Optional, Tuple
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
@@ -117,20 +117,28 @@ def _region(evt: Any) -> str:
     return "rest"
 
 
-def worker(rank: int, world: int, config: str, steps: int, warmup: int) -> Dict[str, Any]:
+def build_cpu_run(overrides: List[str], batches: int, rank: int, world: int) -> Tuple[Any, Any, Any, Any]:
+    """One rank's training on CPU (one torch thread) with ``overrides`` and ``batches`` global batches of
+    the default data: (the DMP, the pipeline, this rank's train stream, the link decision)."""
     import torch
-    from torch.profiler import ProfilerActivity, profile, record_function
 
     from torchrec_herald.config import compose_config
     from torchrec_herald.data import build_data_source
     from torchrec_herald.trainer import build_model_and_plan, build_pipeline, train_stream
 
     torch.set_num_threads(1)
-    cfg = compose_config(CONFIGS[config][1] + [f"data.num_train_batches={warmup + 2 * steps + 10}", "eval=false"])
+    cfg = compose_config(overrides + [f"data.num_train_batches={batches}", "eval=false"])
     data = build_data_source(cfg.data)
     device = torch.device("cpu")
     dmp, optimizer, decision = build_model_and_plan(cfg, data, world, device)
     pipeline = build_pipeline(cfg, dmp, optimizer, device, decision)
+    return dmp, pipeline, train_stream(data, rank, world, cfg.batch_size), decision
+
+
+def worker(rank: int, world: int, config: str, steps: int, warmup: int) -> Dict[str, Any]:
+    from torch.profiler import ProfilerActivity, profile, record_function
+
+    dmp, pipeline, it, decision = build_cpu_run(CONFIGS[config][1], warmup + 2 * steps + 10, rank, world)
     forward = dmp.forward
 
     forward_flag = [False]
@@ -145,7 +153,6 @@ def worker(rank: int, world: int, config: str, steps: int, warmup: int) -> Dict[
 
     dmp.forward = ranged_forward  # type: ignore[method-assign]
     _mark_host_reads()
-    it = train_stream(data, rank, world, cfg.batch_size)
     for _ in range(warmup):
         pipeline.progress(it)
     with profile(activities=[ProfilerActivity.CPU]) as prof:
