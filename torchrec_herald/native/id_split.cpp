@@ -12,6 +12,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <initializer_list>
 #include <tuple>
 #include <type_traits>
 #include <vector>
@@ -20,6 +21,13 @@ namespace {
 
 using i64 = int64_t;
 
+// every tensor of ``tensors`` a contiguous 1-d CPU vector of ``type`` (else ``message``)
+void check_vectors(std::initializer_list<const torch::Tensor*> tensors, torch::ScalarType type, const char* message) {
+  for (const auto* t : tensors) {
+    TORCH_CHECK(t->scalar_type() == type && t->is_contiguous() && t->dim() == 1 && t->device().is_cpu(), message);
+  }
+}
+
 // (sub_lengths [W*F*B], hot_offsets [F*B + 1], bucketed_ids [N], bucketed_hot_rows [N],
 //  per [2, W, F] (cold ids and non-empty sub-bags to each owner per feature), read [num_hot] (hot rows
 //  read), any_bad (0-d bool))
@@ -27,10 +35,8 @@ std::tuple<torch::Tensor, torch::Tensor, torch::Tensor, torch::Tensor, torch::Te
 hot_cold_split(torch::Tensor values, torch::Tensor lengths, torch::Tensor feature_table, torch::Tensor table_offsets,
                torch::Tensor hot_keys, torch::Tensor block_sizes, torch::Tensor rows_per_feature, i64 world,
                i64 batch) {
-  for (const auto* t : {&values, &lengths, &feature_table, &table_offsets, &hot_keys, &block_sizes, &rows_per_feature}) {
-    TORCH_CHECK(t->scalar_type() == torch::kInt64 && t->is_contiguous() && t->dim() == 1 && t->device().is_cpu(),
-                "hot_cold_split: every input must be a contiguous 1-d int64 CPU tensor");
-  }
+  check_vectors({&values, &lengths, &feature_table, &table_offsets, &hot_keys, &block_sizes, &rows_per_feature},
+                torch::kInt64, "hot_cold_split: every input must be a contiguous 1-d int64 CPU tensor");
   const i64 F = feature_table.size(0), FB = lengths.size(0), N = values.size(0), H = hot_keys.size(0);
   TORCH_CHECK(world >= 1 && batch >= 1 && FB == F * batch, "hot_cold_split: ", FB, " lengths for ", F,
               " features of batch ", batch);
@@ -126,14 +132,9 @@ hot_cold_split(torch::Tensor values, torch::Tensor lengths, torch::Tensor featur
 std::tuple<torch::Tensor, torch::Tensor, torch::Tensor, torch::Tensor, torch::Tensor> hot_cold_message(
     torch::Tensor read, torch::Tensor read_sparse, torch::Tensor sub_lengths, torch::Tensor bucketed_ids,
     torch::Tensor bucketed_hot_rows, torch::Tensor owner_feature_offsets, i64 world, i64 features, i64 batch) {
-  for (const auto* t : {&read, &read_sparse}) {
-    TORCH_CHECK(t->scalar_type() == torch::kBool && t->is_contiguous() && t->dim() == 1 && t->device().is_cpu(),
-                "hot_cold_message: the masks must be contiguous 1-d bool CPU tensors");
-  }
-  for (const auto* t : {&sub_lengths, &bucketed_ids, &bucketed_hot_rows, &owner_feature_offsets}) {
-    TORCH_CHECK(t->scalar_type() == torch::kInt64 && t->is_contiguous() && t->dim() == 1 && t->device().is_cpu(),
+  check_vectors({&read, &read_sparse}, torch::kBool, "hot_cold_message: the masks must be contiguous 1-d bool CPU tensors");
+  check_vectors({&sub_lengths, &bucketed_ids, &bucketed_hot_rows, &owner_feature_offsets}, torch::kInt64,
                 "hot_cold_message: every index input must be a contiguous 1-d int64 CPU tensor");
-  }
   const i64 FB = features * batch, H = read.size(0), N = bucketed_ids.size(0);
   TORCH_CHECK(sub_lengths.size(0) == world * FB && owner_feature_offsets.size(0) == world * features &&
                   read_sparse.size(0) >= H && bucketed_hot_rows.size(0) == N,

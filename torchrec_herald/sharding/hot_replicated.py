@@ -458,9 +458,7 @@ class ShardedHeraldEmbeddingBagCollection(
         ``[lengths to o | rows to o]`` message for each owner ``o``. Returns (message, ids to each owner)."""
         split, W = ctx.split, self._world
         assert split is not None
-        FB = len(self._feature_names) * ctx.batch_size
         ctx.bags_to, ids_to = host[:W], host[W:2 * W]
-        n_cold, n_read, n_sparse = sum(ids_to), host[2 * W], host[2 * W + 1]
         if self._native_ids is not None:  # one compiled pass (native/id_split.cpp); the torch ops below: the reference
             ctx.hot_unique, ctx.hot_inverse, ctx.sparse_idx, ctx.send_bag_index, packed = \
                 self._native_ids.hot_cold_message(sizes.read, sizes.read_sparse.contiguous(), split.sub_lengths,
@@ -468,6 +466,8 @@ class ShardedHeraldEmbeddingBagCollection(
                                                   self._ids.owner_feature_offsets, W, len(self._feature_names),
                                                   ctx.batch_size)
             return packed, ids_to
+        FB = len(self._feature_names) * ctx.batch_size
+        n_cold, n_read, n_sparse = sum(ids_to), host[2 * W], host[2 * W + 1]
         # sized by the host's figures: no further synchronisation
         ctx.hot_unique = torch.nonzero_static(sizes.read, size=n_read).squeeze(1)
         read_rank = torch.cumsum(sizes.read, 0) - 1  # each read row's position among hot_unique
