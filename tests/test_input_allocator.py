@@ -20,12 +20,15 @@ from torchrec.modules.embedding_configs import EmbeddingBagConfig
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from torchrec_herald.data.base import kjt_from_ids, kjt_from_lists
+from torchrec_herald import native
+from torchrec_herald.pipeline import input_allocator
 from torchrec_herald.pipeline.input_allocator import (
     GreedyLocalityAllocator,
     IdentityAllocator,
     InputAllocator,
     Locality,
     TopKTablesAllocator,
+    _greedy_assign_by_rounds,
     build_allocator,
     cold_lookups_per_table,
     greedy_assign,
@@ -258,10 +261,18 @@ def _greedy_one_by_one(scores: torch.Tensor, step: int, tie_break: str, move_pen
     return out
 
 
+def _compiled_greedy(scores: torch.Tensor, step: int, tie_break: str, move_penalty: int) -> torch.Tensor:
+    return native.load().greedy_assign(scores, step, tie_break == "home", move_penalty)
+
+
+@pytest.mark.parametrize("implementation", ["vectorised", "compiled"])
 @pytest.mark.parametrize("seed", range(6))
-def test_greedy_matches_the_one_by_one_greedy(seed: int) -> None:
+def test_greedy_matches_the_one_by_one_greedy(seed: int, implementation: str) -> None:
     """Random score matrices (few distinct values: many ties), every tie break and move penalty, 1 to 8
-    ranks, empty batches: the vectorised greedy places every sample where the sequential one does."""
+    ranks, empty batches: the torch ops' greedy (vectorised by rounds) and the compiled one
+    (native/greedy_assign.cpp, what ``greedy_assign`` runs on CPU) place every sample where the sequential
+    one does."""
+    assign = _greedy_assign_by_rounds if implementation == "vectorised" else _compiled_greedy
     g = torch.Generator().manual_seed(seed)
     for case in range(150):
         w = int(torch.randint(1, 9, (1,), generator=g))
@@ -269,9 +280,29 @@ def test_greedy_matches_the_one_by_one_greedy(seed: int) -> None:
         scores = torch.randint(0, int(torch.randint(1, 12, (1,), generator=g)), (w * b, w), generator=g)
         step, penalty = int(torch.randint(0, 50, (1,), generator=g)), case % 3
         for tie_break in ("rotate", "home"):
-            got = greedy_assign(scores, step, tie_break, penalty)
+            got = assign(scores, step, tie_break, penalty)
             assert got.dtype == torch.int64 and got.shape == (w * b,)
             assert got.tolist() == _greedy_one_by_one(scores, step, tie_break, penalty), (seed, case, tie_break)
+
+
+def test_greedy_assign_runs_the_compiled_greedy_on_cpu(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``greedy_assign`` on CPU scores calls the compiled greedy (the torch ops stand in only where the
+    module is not built): the public function's answer is the compiled one's, and it is called once."""
+    calls: List[Tuple[int, bool, int]] = []
+    real = native.load()
+
+    class Spy:
+        def greedy_assign(self, scores: torch.Tensor, step: int, home: bool, penalty: int) -> torch.Tensor:
+            calls.append((step, home, penalty))
+            return real.greedy_assign(scores, step, home, penalty)
+
+    monkeypatch.setattr(input_allocator, "load_if_built", lambda: Spy())
+    s = torch.tensor([[0, 5, 1], [3, 0, 0], [0, 0, 9], [1, 2, 0], [7, 0, 0], [0, 1, 4]])
+    assert greedy_assign(s, 4, "home", 1).tolist() == _greedy_one_by_one(s, 4, "home", 1)
+    assert calls == [(4, True, 1)]
+    monkeypatch.setattr(input_allocator, "load_if_built", lambda: None)  # not built: the torch ops
+    assert greedy_assign(s, 4, "home", 1).tolist() == _greedy_one_by_one(s, 4, "home", 1)
+    assert len(calls) == 1
 
 
 def test_topk_tables_picks_the_most_cold_traffic() -> None:

@@ -497,12 +497,14 @@ using nogil = pybind11::call_guard<pybind11::gil_scoped_release>;
 void register_row_store(pybind11::module& m);  // row_store.cpp: the plan executor's by-key row access
 void register_global_plan(pybind11::module& m);  // global_plan.cpp: the global lazy plan and HET's
 void register_id_split(pybind11::module& m);  // id_split.cpp: hot replication's per-step id bookkeeping
+void register_greedy_assign(pybind11::module& m);  // greedy_assign.cpp: the input allocator's greedy
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "Herald's per-rank lazy plan (planning by home) and the plan executor's row access in compiled code";
   register_row_store(m);
   register_global_plan(m);
   register_id_split(m);
+  register_greedy_assign(m);
   m.attr("SOURCE_SHA") = HERALD_NATIVE_SOURCE_SHA;
   m.attr("TORCH_VERSION") = HERALD_NATIVE_TORCH;
   pybind11::class_<HomeSplitCore>(m, "HomeSplitCore")

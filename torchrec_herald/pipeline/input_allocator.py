@@ -44,6 +44,7 @@ from torchrec.modules.embedding_configs import EmbeddingBagConfig
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from torchrec_herald.layout import RowLayout
+from torchrec_herald.native import load_if_built
 from torchrec_herald.plans import scores_from_local_on
 from torchrec_herald.sharding.types import HERALD_HOT_ROW_WISE, hot_spec_of
 
@@ -371,6 +372,17 @@ def greedy_assign(scores: torch.Tensor, step: int, tie_break: str = "rotate", mo
         raise ValueError(f"tie_break must be one of {TIE_BREAKS}, got {tie_break!r}")
     if move_penalty < 0:
         raise ValueError(f"move_penalty must be >= 0, got {move_penalty}")
+    g, w = scores.shape
+    b = local_batch_size(g, w)
+    native = load_if_built() if scores.device.type == "cpu" and not scores.is_floating_point() else None
+    if native is not None:  # the same greedy, one sample at a time in compiled code (native/greedy_assign.cpp)
+        return native.greedy_assign(scores, int(step), tie_break == "home", int(move_penalty))
+    return _greedy_assign_by_rounds(scores, step, tie_break, move_penalty)
+
+
+def _greedy_assign_by_rounds(scores: torch.Tensor, step: int, tie_break: str, move_penalty: int) -> torch.Tensor:
+    """:func:`greedy_assign` in torch ops (the compiled module's reference, and its stand-in where the module is
+    not built): the sequential greedy vectorised by rounds."""
     g, w = scores.shape
     b = local_batch_size(g, w)
     # keys in int32 where they fit ([G, W] is the allocator's largest tensor: 4 bytes a score, not 8)
