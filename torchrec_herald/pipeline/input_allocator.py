@@ -372,8 +372,7 @@ def greedy_assign(scores: torch.Tensor, step: int, tie_break: str = "rotate", mo
         raise ValueError(f"tie_break must be one of {TIE_BREAKS}, got {tie_break!r}")
     if move_penalty < 0:
         raise ValueError(f"move_penalty must be >= 0, got {move_penalty}")
-    g, w = scores.shape
-    b = local_batch_size(g, w)
+    local_batch_size(*scores.shape)  # (raises where the samples do not split evenly over the ranks)
     native = load_if_built() if scores.device.type == "cpu" and not scores.is_floating_point() else None
     if native is not None:  # the same greedy, one sample at a time in compiled code (native/greedy_assign.cpp)
         return native.greedy_assign(scores, int(step), tie_break == "home", int(move_penalty))
