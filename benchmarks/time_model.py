@@ -73,7 +73,7 @@ def trained(row: Dict[str, Any]) -> str:
         return {"tw": "table_wise", "stock": "default"}[row["config"]]
     if not (row.get("link_decision") or {}).get("herald", True):
         return "table_wise"
-    return "scheduling" if "herald_pull" in row["by_label"] else "hot"
+    return "scheduling" if {"herald_pull", "herald_push_pull"} & set(row["by_label"]) else "hot"
 
 
 def load_of(row: Dict[str, Any], kind: str) -> Tuple[PlanLoad, float]:

@@ -175,6 +175,23 @@ def test_global_batches_send_no_scheduling_or_sample_bytes(world: int) -> None:
 
 
 @pytest.mark.parametrize("world", [2, 3])
+def test_run_ahead_sends_each_steps_pushes_with_the_next_steps_pulls_in_one_all_to_all(world: int) -> None:
+    """With the next plan made ahead, the exact plan's pushes and the next step's pulls travel in one
+    all-to-all (``herald_push_pull``), a pull of a row pushed home now sent by its pusher: the same rows
+    move as in two collectives (and the training is bit for bit the per-rank path's, above)."""
+    moved = ("herald_pull", "herald_update_push", "herald_push_pull")
+    res = results(world)
+    for r in res:
+        ahead, serial = r["ahead"]["tags"], r["global"]["tags"]
+        assert ahead["herald_push_pull"]["calls"] >= STEPS // 2, ahead
+        assert "herald_push_pull" not in serial and "herald_push_pull" not in r["per_rank"]["tags"]
+    # (summed over the ranks: a rerouted pull is sent by the pusher instead of the home)
+    rows = [sum(r[run]["tags"].get(t, {}).get("embedding_vectors", 0.0) for r in res for t in moved)
+            for run in ("ahead", "global")]
+    assert rows[0] == rows[1] > 0, rows
+
+
+@pytest.mark.parametrize("world", [2, 3])
 def test_auto_scheduling_probes_both_modes_decides_alike_and_stays_exact(world: int) -> None:
     res = results(world)
     reports = [r["auto"]["report"] for r in res]

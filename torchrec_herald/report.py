@@ -66,10 +66,10 @@ def embedding_bytes_per_step(m: Dict[str, Any]) -> float:
     """Embedding bytes per step of a run's metrics: embedding vectors × dim × 4 (pooled vectors, their
     gradients, hot-row and DATA_PARALLEL-table gradient rows, rows moved by Herald's plan), plus the
     row-wise Adagrad state float that each row moved by the plan carries (``herald_pull`` /
-    ``herald_update_push``)."""
+    ``herald_update_push`` / ``herald_push_pull``)."""
     dim = m["config"]["model"]["embedding_dim"]
     tags = m.get("traffic_per_step_by_tag", {})
-    state = sum(tags.get(t, {}).get("bytes", 0) for t in ("herald_pull", "herald_update_push")) / (dim + 1) \
+    state = sum(tags.get(t, {}).get("bytes", 0) for t in ("herald_pull", "herald_update_push", "herald_push_pull")) / (dim + 1) \
         if m["config"]["optimizer"]["name"] == "rowwise_adagrad" else 0.0
     return m["traffic_per_step_total"]["embedding_vectors"] * dim * 4 + state
 

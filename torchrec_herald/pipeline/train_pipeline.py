@@ -411,10 +411,10 @@ class HeraldTrainPipeline(TrainPipeline[Batch, Any]):
         loss, output = self._model(ctx.batch.to(self._device, non_blocking=True))
         torch.sum(loss).backward()
         if self.sync == "lazy":
-            # bounded staleness: the next plan's pushes before its reads can join this step's pushes, so
-            # its plan is taken first (the exact plan has no such pushes: it takes the next plan after its
-            # own pushes, in _prefetch_next, where its thread has had the longest)
-            self.ebc.finish_plan_step(self._next_plan_made_ahead() if self.staleness else None)
+            # the next plan is taken first: the exact plan's pushes and the next step's pulls travel in one
+            # all-to-all, started after the update; bounded staleness's next pushes before its reads join
+            # this step's pushes (PlanExecutor.finish)
+            self.ebc.finish_plan_step(self._next_plan_made_ahead())
             self._prefetch_next()
         self._optimizer.step()
         return output

@@ -60,6 +60,8 @@ class PlanExecutor:
         self._reduce_rows: Optional[torch.Tensor] = None  # see _set_working_set
         # the plan's reads where the forward's keys are (the rows' device), copied once per step in begin()
         self._planned_on: Tuple[Optional[torch.Tensor], torch.Tensor] = (None, self.ws_keys)
+        #: steps whose pushes travelled with the next step's pulls (see _pushes_with_next_pulls)
+        self.merged_steps = 0
 
     # ------------------------------------------------------------------ one step
     @property
@@ -252,10 +254,15 @@ class PlanExecutor:
             return
         self._start_tracking_base(plan)
         self._push_before_read(plan)
-        keys = plan.pull[:, 0]
+        self._start_pulls(plan, plan.pull, "herald_pull")
+
+    def _start_pulls(self, plan: ExecPlan, transfers: torch.Tensor, label: str) -> None:
+        """Start the all-to-all of ``transfers`` (``plan``'s pulls, or the previous step's pushes with
+        them) as ``plan``'s prefetch: its rows are read now, stored by :meth:`begin`."""
+        keys = transfers[:, 0]
         no_add = torch.zeros(len(keys), dtype=torch.bool)
-        recv_pos, out, work = (self._start_exchange(plan.pull, lambda i: self._row_payload(keys[i], no_add[i]),
-                                                    "herald_pull", self.width) if keys.numel() or plan.partial
+        recv_pos, out, work = (self._start_exchange(transfers, lambda i: self._row_payload(keys[i], no_add[i]),
+                                                    label, self.width) if keys.numel() or plan.partial
                                else ([], None, None))
         self._prefetched = (plan, work, out, recv_pos, keys)
 
@@ -351,8 +358,52 @@ class PlanExecutor:
                 self.move_rows(up, "herald_update_push", plan.update_push_add)
                 self.move_rows(mp, "herald_update_push", plan.miss_push_add)
         else:  # exact plan: every push replaces, disjoint rows: one all-to-all
-            self.move_rows(torch.cat([plan.update_push, plan.miss_push]), "herald_update_push", partial=plan.partial)
-        store.drop(plan.evictions[me])
+            pushes = torch.cat([plan.update_push, plan.miss_push])
+            merged = self._pushes_with_next_pulls(plan, pushes, next_plan)
+            if merged is None:
+                self.move_rows(pushes, "herald_update_push", partial=plan.partial)
+            else:  # ... which also carries the next step's pulls, started now and waited for by begin()
+                assert next_plan is not None
+                self._start_pulls(next_plan, merged, "herald_push_pull")
+                self.merged_steps += 1
+        store.drop(plan.evictions[me])  # (a merged all-to-all packed its rows already)
+
+    def _pushes_with_next_pulls(self, plan: ExecPlan, pushes: torch.Tensor,
+                                next_plan: Optional[ExecPlan]) -> Optional[torch.Tensor]:
+        """The exact plan's pushes and ``next_plan``'s pulls as one transfer list, or None where they must
+        stay two collectives. A pull from a row's home that this step's push brings home is sent by the
+        pusher instead: it holds the same value now (bit for bit: a push replaces the home's copy with
+        it), so the pulls need not wait for the pushes, and one all-to-all (one round trip, not two)
+        carries both, started right after the update.
+
+        Both plans must be exact and whole (every rank holds the same plans, so every rank decides
+        alike), the next one without pushes before its reads (look-ahead plans have none), no pull
+        rerouted to the rank that receives it (a row its cache evicts now and reads next), and no rank
+        receiving one row twice."""
+        if (next_plan is None or plan.additive or next_plan.additive or plan.partial or next_plan.partial
+                or self.store.track_base or next_plan.push_before_read.numel()):
+            return None
+        pulls = next_plan.pull
+        if not pulls.numel():
+            return pushes if pushes.numel() else None
+        if pushes.numel():
+            W = self.W
+            pushed_to = pushes[:, 0] * W + pushes[:, 2]  # (key, the rank it goes to)
+            order = torch.argsort(pushed_to)
+            pushed_to = pushed_to[order]
+            wanted = pulls[:, 0] * W + pulls[:, 1]  # (key, the rank the pull reads it from)
+            at = torch.searchsorted(pushed_to, wanted).clamp_(max=pushed_to.numel() - 1)
+            hit = pushed_to[at] == wanted
+            if bool(hit.any()):
+                pulls = pulls.clone()
+                pulls[hit, 1] = pushes[order[at[hit]], 1]
+                if bool((pulls[hit, 1] == pulls[hit, 2]).any()):
+                    return None
+        merged = torch.cat([pushes, pulls])
+        landing = torch.sort(merged[:, 0] * self.W + merged[:, 2])[0]
+        if bool((landing[1:] == landing[:-1]).any()):
+            return None
+        return merged
 
     def flush(self, fp: FlushPlan) -> None:
         """Dirty rows home, outdated hot replicas refreshed, caches dropped, home replicas mirrored into
