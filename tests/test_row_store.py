@@ -241,3 +241,32 @@ def test_the_gpu_update_leaves_zero_gradient_rows_as_they_were_even_with_eps_zer
     want_w, want_s = exact_update(w[1:], s[1:], grad[1:], EmbOptimType.EXACT_ROWWISE_ADAGRAD, LR, 0.0)
     assert torch.equal(new_w[0], w[0]) and float(new_s[0]) == 0.0
     assert torch.equal(new_w[1:], want_w) and torch.equal(new_s[1:], want_s)
+
+
+def test_reserving_slots_before_rows_arrive_stores_them_as_receiving_alone_does() -> None:
+    """The executor gives the pulled rows not held yet their cache slots while they travel
+    (``reserve``): only remote keys not cached get one, and receiving the rows afterwards leaves the very
+    rows, states, cache keys and slots that receiving them alone (slots given as they are stored) does."""
+    for seed, optimizer in ((0, EmbOptimType.EXACT_ROWWISE_ADAGRAD), (1, EmbOptimType.EXACT_SGD)):
+        reserved, plain = (_random_store(seed, optimizer, True) for _ in range(2))
+        g = torch.Generator().manual_seed(seed + 20)
+        n = reserved.layout.num_rows
+        for step in range(5):
+            keys = torch.randperm(n, generator=g)[: 30 + 10 * step].sort().values
+            rows = torch.randn(keys.numel(), 5 if reserved.adagrad else 4, generator=g).abs()
+            add = torch.zeros(keys.numel(), dtype=torch.bool)
+            before = reserved.cache_map.keys.clone()
+            reserved.reserve(keys)
+            kind, _ = reserved.native.row_store_locate(keys, *reserved._native_args())
+            assert bool((kind >= 0).all())  # every key held now ...
+            new = reserved.cache_map.keys[~torch.isin(reserved.cache_map.keys, before)]
+            hot_or_own = (reserved.layout.hot_slot(keys) >= 0) | (reserved.own_slot(keys) >= 0)
+            # ... and exactly the remote keys not cached before got a slot
+            assert torch.equal(new, keys[~hot_or_own & ~torch.isin(keys, before)])
+            for store in (reserved, plain):
+                store.receive(keys, rows, add)
+                store.drop(keys[::5].contiguous())
+            assert torch.equal(reserved.cache_map.keys, plain.cache_map.keys)
+            assert torch.equal(reserved.cache_map.col("slot"), plain.cache_map.col("slot"))
+            held = keys[torch.arange(keys.numel()) % 5 != 0]
+            assert all(torch.equal(a, b) for a, b in zip(reserved.read(held), plain.read(held)))

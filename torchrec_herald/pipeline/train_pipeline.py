@@ -311,7 +311,8 @@ class HeraldTrainPipeline(TrainPipeline[Batch, Any]):
 
     def _chain_ahead(self) -> None:
         """Where the step that trains now took the next step's plan from the run-ahead thread, start the
-        following job at once, so the thread works through the rest of this step too (a plan made one step
+        following job as the step ends (its collectives under way), so the thread works through the next
+        step's waits and compute too (a plan made one step
         further ahead; the released Herald's scheduler thread runs ahead through an unbounded queue).
         Not across a checkpoint after this step (its window restarts), not with stale-update skipping (its
         classification changes in :meth:`progress`, before a batch enters the window), and only where the
@@ -389,10 +390,9 @@ class HeraldTrainPipeline(TrainPipeline[Batch, Any]):
         """The next step's plan, where the run-ahead thread made it (its batch taken into the window)."""
         if self._ahead is None:
             return None
-        if not self._took_next:  # (once a step: a second call would take the job chained below)
+        if not self._took_next:  # (once a step: a second call would take the job chained at the step's end)
             self._took_next = True
             self._collect_ahead()
-            self._chain_ahead()
         return self._queue[0].plan if self._queue else None
 
     def _prefetch_next(self) -> None:
@@ -417,6 +417,10 @@ class HeraldTrainPipeline(TrainPipeline[Batch, Any]):
             self.ebc.finish_plan_step(self._next_plan_made_ahead())
             self._prefetch_next()
         self._optimizer.step()
+        if self._took_next:
+            # the next job starts once this step's collectives are under way: its thread's Python would
+            # otherwise hold the GIL while the update and the sends the next step waits for are made
+            self._chain_ahead()
         return output
 
     # ------------------------------------------------------------------ modes (SchedulingSwitch's host)

@@ -74,14 +74,21 @@ class PlanExecutor:
         that reads sizes or values on the host: the working set's rows (each key's slot) and the route
         of the gradient reduce. Forward and backward then size nothing by the data (on a GPU the host
         never waits for the device inside them)."""
+        # what depends on the plan alone first: where the pulls were prefetched, they travel meanwhile
+        route = self._route(plan.reduce) if plan.reduce.numel() or plan.partial else None
+        planned = plan.reads[self.rank]
+        whole = not self.frozen_keys.numel()  # the working set is the plan's reads
+        reduce_rows = None
+        if whole:
+            self._planned_where(planned, self.store.device)  # copied now, before the forward
+            if route is not None:
+                reduce_rows = self._reduce_rows_of(planned, plan, route)
         self.before_forward(plan)
         self.plan = plan
-        self._reduce_route = self._route(plan.reduce) if plan.reduce.numel() or plan.partial else None
+        self._reduce_route = route
         self._check, self.ws = None, None
-        if not self.frozen_keys.numel():  # the working set is the plan's reads
-            planned = plan.reads[self.rank]
-            self._set_working_set(self.store.read(planned)[0], planned)
-            self._planned_where(planned, self.store.device)  # copied now, before the forward
+        if whole:
+            self._set_working_set(self.store.read(planned)[0], planned, reduce_rows)
 
     def _planned_where(self, planned: torch.Tensor, device: torch.device) -> torch.Tensor:
         """``planned`` (the plan's reads, on CPU) on ``device``: the copy :meth:`begin` made, or a new one."""
@@ -122,17 +129,26 @@ class PlanExecutor:
         self._set_working_set(w, ws_keys)
         return torch.searchsorted(ws_keys, keys).to(device)
 
-    def _set_working_set(self, w: torch.Tensor, keys: torch.Tensor) -> None:
+    def _set_working_set(self, w: torch.Tensor, keys: torch.Tensor, reduce_rows: Optional[torch.Tensor] = None
+                         ) -> None:
         """The forward's rows as a leaf; once backward has its gradient (the forward looks the working
-        set up once), the reduce starts, overlapping the rest of backward and DDP's all-reduce."""
+        set up once), the reduce starts, overlapping the rest of backward and DDP's all-reduce.
+        ``reduce_rows``: :meth:`_reduce_rows_of` these keys, found earlier."""
         self.ws, self.ws_keys = w.requires_grad_(True), keys
         self._reduce = None
         self.ws.register_post_accumulate_grad_hook(self._start_reduce)
         # the working-set rows of the gradients this rank sends in the reduce, found now (before the
         # forward) and placed on the rows' device, so the hook inside backward only indexes
         route = self._reduce_route
-        self._reduce_rows = None if route is None or self.plan is None else torch.searchsorted(
-            keys, self.plan.reduce[:, 0][route[0]]).to(self.store.device)
+        if reduce_rows is None and route is not None and self.plan is not None:
+            reduce_rows = self._reduce_rows_of(keys, self.plan, route)
+        self._reduce_rows = reduce_rows if route is not None else None
+
+    def _reduce_rows_of(self, keys: torch.Tensor, plan: ExecPlan,
+                        route: Tuple[torch.Tensor, List[int], List[torch.Tensor], List[int]]) -> torch.Tensor:
+        """Positions among the working set's ``keys`` of the gradients this rank sends in ``plan``'s
+        reduce (``route``: its :meth:`_route`), on the rows' device."""
+        return torch.searchsorted(keys, plan.reduce[:, 0][route[0]]).to(self.store.device)
 
     def _start_reduce(self, ws: torch.Tensor) -> None:
         plan = self.plan
@@ -256,13 +272,15 @@ class PlanExecutor:
         self._push_before_read(plan)
         self._start_pulls(plan, plan.pull, "herald_pull")
 
-    def _start_pulls(self, plan: ExecPlan, transfers: torch.Tensor, label: str) -> None:
+    def _start_pulls(self, plan: ExecPlan, transfers: torch.Tensor, label: str,
+                     route: Optional[Tuple[torch.Tensor, List[int], List[torch.Tensor], List[int]]] = None) -> None:
         """Start the all-to-all of ``transfers`` (``plan``'s pulls, or the previous step's pushes with
-        them) as ``plan``'s prefetch: its rows are read now, stored by :meth:`begin`."""
+        them) as ``plan``'s prefetch: its rows are read now, stored by :meth:`begin`. ``route``: its
+        :meth:`_route`, found earlier."""
         keys = transfers[:, 0]
         no_add = torch.zeros(len(keys), dtype=torch.bool)
         recv_pos, out, work = (self._start_exchange(transfers, lambda i: self._row_payload(keys[i], no_add[i]),
-                                                    label, self.width) if keys.numel() or plan.partial
+                                                    label, self.width, route) if keys.numel() or plan.partial
                                else ([], None, None))
         self._prefetched = (plan, work, out, recv_pos, keys)
 
@@ -275,6 +293,8 @@ class PlanExecutor:
             if pre is not plan:
                 raise RuntimeError("a prefetched plan must be the next one begun")
             if work is not None:
+                if recv_pos:  # the arriving rows not held yet get their cache slots while they travel
+                    self.store.reserve(keys[torch.cat(recv_pos)])
                 work.wait()
                 self._store_received(keys, torch.zeros(len(keys), dtype=torch.bool), recv_pos, out)
             return
@@ -321,25 +341,34 @@ class PlanExecutor:
         dev = store.device
         total = torch.zeros(upd.numel(), self.D, device=dev)
         red_keys = plan.reduce[:, 0]
-        recv_keys: List[torch.Tensor] = [red_keys[:0]] * self.W
+        # what depends on the plans alone is found before the reduce is waited for (the host is idle then):
+        # where this rank's own gradients and each source's land among the updated rows ...
+        own = torch.searchsorted(ws_keys, upd).clamp(max=max(ws_keys.numel() - 1, 0))
+        read = ws_keys[own] == upd if ws_keys.numel() else torch.zeros_like(upd, dtype=torch.bool)
+        own_rows, own_grads = read.to(dev), own[read].to(dev)
+        # ... and the exact plan's pushes, with the next step's pulls where they travel together, and its route
+        pushes = merged = route = None
+        if not plan.additive:
+            pushes = torch.cat([plan.update_push, plan.miss_push])
+            merged = self._pushes_with_next_pulls(plan, pushes, next_plan)
+            route = self._route(merged) if merged is not None and merged.numel() else None
         rows = torch.zeros(0, self.D, device=dev)
+        recv_at: List[torch.Tensor] = [upd[:0]] * self.W
         if started is not None:
             recv_pos, rows, work = started
+            recv_at = [torch.searchsorted(upd, red_keys[i]).to(dev) for i in recv_pos]
             work.wait()
-            recv_keys = [red_keys[i] for i in recv_pos]
         elif plan.reduce.numel() or plan.partial:
             recv_pos, rows = self._exchange(plan.reduce,
                                             lambda i: ws_grad[torch.searchsorted(ws_keys, red_keys[i]).to(dev)],
                                             "herald_reduce", self.D)
-            recv_keys = [red_keys[i] for i in recv_pos]
-        parts = rows.split([k.numel() for k in recv_keys])
+            recv_at = [torch.searchsorted(upd, red_keys[i]).to(dev) for i in recv_pos]
+        parts = rows.split([i.numel() for i in recv_at])
         for src in range(self.W):  # gradients summed in rank order: deterministic
             if src == me:
-                pos = torch.searchsorted(ws_keys, upd).clamp(max=max(ws_keys.numel() - 1, 0))
-                read = ws_keys[pos] == upd if ws_keys.numel() else torch.zeros_like(upd, dtype=torch.bool)
-                total[read.to(dev)] += ws_grad[pos[read].to(dev)]
-            elif recv_keys[src].numel():
-                total.index_add_(0, torch.searchsorted(upd, recv_keys[src]).to(dev), parts[src])
+                total[own_rows] += ws_grad[own_grads]
+            elif recv_at[src].numel():
+                total.index_add_(0, recv_at[src], parts[src])
         if upd.numel():
             w, s = store.read(upd)
             store.write(upd, *exact_update(w, s, total, store.optimizer, store.lr, store.eps))
@@ -357,15 +386,13 @@ class PlanExecutor:
             else:
                 self.move_rows(up, "herald_update_push", plan.update_push_add)
                 self.move_rows(mp, "herald_update_push", plan.miss_push_add)
-        else:  # exact plan: every push replaces, disjoint rows: one all-to-all
-            pushes = torch.cat([plan.update_push, plan.miss_push])
-            merged = self._pushes_with_next_pulls(plan, pushes, next_plan)
-            if merged is None:
-                self.move_rows(pushes, "herald_update_push", partial=plan.partial)
-            else:  # ... which also carries the next step's pulls, started now and waited for by begin()
-                assert next_plan is not None
-                self._start_pulls(next_plan, merged, "herald_push_pull")
-                self.merged_steps += 1
+        elif merged is None:  # exact plan: every push replaces, disjoint rows: one all-to-all ...
+            assert pushes is not None
+            self.move_rows(pushes, "herald_update_push", partial=plan.partial)
+        else:  # ... which also carries the next step's pulls, started now and waited for by begin()
+            assert next_plan is not None
+            self._start_pulls(next_plan, merged, "herald_push_pull", route)
+            self.merged_steps += 1
         store.drop(plan.evictions[me])  # (a merged all-to-all packed its rows already)
 
     def _pushes_with_next_pulls(self, plan: ExecPlan, pushes: torch.Tensor,

@@ -293,6 +293,17 @@ class RowStore(nn.Module):
             missing = store(new, *(t[missing] for t in per_key))
             assert not missing.numel(), "every key has a slot after _give_slots"
 
+    def reserve(self, keys: torch.Tensor) -> None:
+        """Give the remote keys among ``keys`` (unique) that this rank does not hold yet a cache slot now,
+        before their rows arrive: storing them (:meth:`receive`) is then one pass. Only where the compiled
+        access is built (the torch reference gives slots as it stores)."""
+        if self.native is None or not keys.numel():
+            return
+        kind, _ = self.native.row_store_locate(keys.to(torch.int64).contiguous(), *self._native_args())
+        new = keys[kind < 0]
+        if new.numel():
+            self._give_slots(new)
+
     def _allocate(self, keys: torch.Tensor) -> None:
         """Give remote keys without a cache slot one (growing the cache when no slot is free)."""
         self._give_slots(keys[(self.layout.hot_slot(keys) < 0) & (self.own_slot(keys) < 0) & ~self.cache_map.contains(keys)])
