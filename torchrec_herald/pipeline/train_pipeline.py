@@ -311,8 +311,8 @@ class HeraldTrainPipeline(TrainPipeline[Batch, Any]):
 
     def _chain_ahead(self) -> None:
         """Where the step that trains now took the next step's plan from the run-ahead thread, start the
-        following job as the step ends (its collectives under way), so the thread works through the next
-        step's waits and compute too (a plan made one step
+        following job (global planning: as the step ends, its collectives under way; planning by home: at
+        once), so the thread works through the next step's waits and compute too (a plan made one step
         further ahead; the released Herald's scheduler thread runs ahead through an unbounded queue).
         Not across a checkpoint after this step (its window restarts), not with stale-update skipping (its
         classification changes in :meth:`progress`, before a batch enters the window), and only where the
@@ -390,9 +390,14 @@ class HeraldTrainPipeline(TrainPipeline[Batch, Any]):
         """The next step's plan, where the run-ahead thread made it (its batch taken into the window)."""
         if self._ahead is None:
             return None
-        if not self._took_next:  # (once a step: a second call would take the job chained at the step's end)
+        if not self._took_next:  # (once a step: a second call would take the job chained below)
             self._took_next = True
             self._collect_ahead()
+            if self.by_home:
+                # planning by home: the job exchanges its messages on a group of its own and needs the whole
+                # step (measured: started at the step's end, the next step waits for it); the global plan's
+                # job sends nothing and starts as the step ends (train_step)
+                self._chain_ahead()
         return self._queue[0].plan if self._queue else None
 
     def _prefetch_next(self) -> None:
@@ -420,6 +425,7 @@ class HeraldTrainPipeline(TrainPipeline[Batch, Any]):
         if self._took_next:
             # the next job starts once this step's collectives are under way: its thread's Python would
             # otherwise hold the GIL while the update and the sends the next step waits for are made
+            # (planning by home chained it already)
             self._chain_ahead()
         return output
 
