@@ -416,10 +416,13 @@ class HeraldTrainPipeline(TrainPipeline[Batch, Any]):
         loss, output = self._model(ctx.batch.to(self._device, non_blocking=True))
         torch.sum(loss).backward()
         if self.sync == "lazy":
-            # the next plan is taken first: the exact plan's pushes and the next step's pulls travel in one
-            # all-to-all, started after the update; bounded staleness's next pushes before its reads join
-            # this step's pushes (PlanExecutor.finish)
-            self.ebc.finish_plan_step(self._next_plan_made_ahead())
+            # the next plan is taken first where it can join this step's sends (PlanExecutor.finish): the
+            # global exact plan's pushes and the next step's pulls travel in one all-to-all, bounded
+            # staleness's next pushes before its reads join this step's pushes. Planning by home's exact plan
+            # (its plans partial: nothing joins) takes it after its pushes, in _prefetch_next, so that its
+            # job, which exchanges messages, starts after them
+            joins = bool(self.staleness) or not self.by_home
+            self.ebc.finish_plan_step(self._next_plan_made_ahead() if joins else None)
             self._prefetch_next()
         self._optimizer.step()
         if self._took_next:
