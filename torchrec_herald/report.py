@@ -69,7 +69,8 @@ def embedding_bytes_per_step(m: Dict[str, Any]) -> float:
     ``herald_update_push`` / ``herald_push_pull``)."""
     dim = m["config"]["model"]["embedding_dim"]
     tags = m.get("traffic_per_step_by_tag", {})
-    state = sum(tags.get(t, {}).get("bytes", 0) for t in ("herald_pull", "herald_update_push", "herald_push_pull")) / (dim + 1) \
+    moved = ("herald_pull", "herald_update_push", "herald_push_pull")
+    state = sum(tags.get(t, {}).get("bytes", 0) for t in moved) / (dim + 1) \
         if m["config"]["optimizer"]["name"] == "rowwise_adagrad" else 0.0
     return m["traffic_per_step_total"]["embedding_vectors"] * dim * 4 + state
 

@@ -60,8 +60,6 @@ class PlanExecutor:
         self._reduce_rows: Optional[torch.Tensor] = None  # see _set_working_set
         # the plan's reads where the forward's keys are (the rows' device), copied once per step in begin()
         self._planned_on: Tuple[Optional[torch.Tensor], torch.Tensor] = (None, self.ws_keys)
-        #: steps whose pushes travelled with the next step's pulls (see _pushes_with_next_pulls)
-        self.merged_steps = 0
 
     # ------------------------------------------------------------------ one step
     @property
@@ -392,7 +390,6 @@ class PlanExecutor:
         else:  # ... which also carries the next step's pulls, started now and waited for by begin()
             assert next_plan is not None
             self._start_pulls(next_plan, merged, "herald_push_pull", route)
-            self.merged_steps += 1
         store.drop(plan.evictions[me])  # (a merged all-to-all packed its rows already)
 
     def _pushes_with_next_pulls(self, plan: ExecPlan, pushes: torch.Tensor,

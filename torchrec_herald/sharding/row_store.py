@@ -97,7 +97,7 @@ class RowStore(nn.Module):
 
     def _cold_views(self) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
         """The cold TBE's weight and row-wise state views, made once: fbgemm's ``split_*`` accessors cost
-        about 0.1 ms of Python a call and the executor reads them several times a step. They are made again
+        6–11 µs of Python a call and the executor reads them several times a step. They are made again
         where the TBE's buffers moved (a new TBE, a buffer replaced by a load)."""
         tbe = self.cold
         bufs = [tbe.weights_dev, tbe.weights_host, tbe.weights_uvm]
