@@ -103,6 +103,11 @@ def _worker(rank: int, world: int) -> Dict[str, Any]:
         # planning by home probes too (per-rank batches, samples where loaded), either decision exact
         "by_home_auto_on": _run(rank, world, herald, BY_HOME_AUTO, False, decide="on"),
         "by_home_auto_off": _run(rank, world, herald, BY_HOME_AUTO, False, decide="off"),
+        # HET's bounded staleness: its pushes travel with the next step's pulls when run ahead
+        "per_rank_s1": _run(rank, world, herald, dict(planning="global", allocator="greedy", move_penalty=0,
+                                                      staleness=1), False),
+        "ahead_s1": _run(rank, world, herald, dict(global_batches=True, run_ahead=True, scheduling="on", staleness=1),
+                         True),
         "off": _run(rank, world, herald, dict(global_batches=True, run_ahead=True, scheduling="off"), True),
         "stock": _run(rank, world, dict(COMMON, planner="table_wise"), "plain", False),
         "stopped": _run(rank, world, herald, dict(global_batches=True, run_ahead=True, scheduling="on"), True,
@@ -189,6 +194,28 @@ def test_run_ahead_sends_each_steps_pushes_with_the_next_steps_pulls_in_one_all_
     rows = [sum(r[run]["tags"].get(t, {}).get("embedding_vectors", 0.0) for r in res for t in moved)
             for run in ("ahead", "global")]
     assert rows[0] == rows[1] > 0, rows
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_run_ahead_sends_bounded_staleness_pushes_with_the_next_pulls_and_trains_bit_for_bit_alike(world: int) -> None:
+    """HET's pushes add to their home's row, so a pull of a pushed row is read from the home before the
+    push and every push of that row goes to the puller too, who adds it as the home does: one all-to-all
+    a step, and the training is the per-rank path's (two collectives) bit for bit. At 3 ranks a puller
+    may be neither the home nor the pusher: such copies travel besides the rows of two collectives."""
+    moved = ("herald_pull", "herald_update_push", "herald_push_pull")
+    res = results(world)
+    for r in res:
+        ref, got = r["per_rank_s1"], r["ahead_s1"]
+        assert len(got["losses"]) == STEPS and got["losses"] == ref["losses"]
+        assert all(torch.equal(got["state"][k], ref["state"][k]) for k in ref["state"])
+        assert got["counters"] == ref["counters"] and got["counters"].update_push > 0
+        assert got["tags"]["herald_push_pull"]["calls"] >= STEPS // 2, got["tags"]
+        assert "herald_push_pull" not in ref["tags"]
+    rows = [sum(r[run]["tags"].get(t, {}).get("embedding_vectors", 0.0) for r in res for t in moved)
+            for run in ("ahead_s1", "per_rank_s1")]
+    # 2 ranks: a puller is the pusher (its own update stays local, as does a pull read from itself); 3: copies
+    # of an added update to a third rank travel too
+    assert rows[1] > 0 and (rows[0] <= rows[1] if world == 2 else rows[0] > rows[1]), rows
 
 
 @pytest.mark.parametrize("world", [2, 3])

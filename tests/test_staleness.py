@@ -430,15 +430,26 @@ def _one_run(rank: int, world: int, cfg: Dict[str, Any]) -> Dict[str, Any]:
         prefetched[0] += ex._prefetched is not None
 
     ex.prefetch = counted
-    joined = [0]  # steps whose pushes carried the next plan's pushes before its reads (one all-to-all)
-    joins = ex._joins_pushes
+    # the pushes that travelled with the next step's pulls: pulls read from a replacing pusher, copies of an
+    # added update sent to another rank's puller, rows a rank sent itself
+    merged = {"steps": 0, "rerouted": 0, "copies": 0, "to_itself": 0}
+    merge = ex._additive_pushes_with_next_pulls
 
-    def counted_joins(plan: Any, next_plan: Any) -> bool:
-        ok = joins(plan, next_plan)
-        joined[0] += int(ok)
-        return ok
+    def counted_merge(plan: Any, next_plan: Any) -> Any:
+        both = merge(plan, next_plan)
+        if both is not None:
+            t, add, _ = both
+            n_push = len(plan.update_push) + len(plan.miss_push) + len(next_plan.push_before_read)
+            pulls = t[n_push: n_push + len(next_plan.pull)]
+            merged["steps"] += 1
+            merged["rerouted"] += int((pulls[:, 1] != next_plan.pull[:, 1]).sum())
+            copies = t[n_push + len(next_plan.pull):]
+            assert bool(add[n_push + len(next_plan.pull):].all())
+            merged["copies"] += int((copies[:, 1] != copies[:, 2]).sum())
+            merged["to_itself"] += int((t[:, 1] == t[:, 2]).sum())
+        return both
 
-    ex._joins_pushes = counted_joins
+    ex._additive_pushes_with_next_pulls = counted_merge
     it: Any = (TrainStream(b["data"], rank, world, b["batch_size"], whole=True) if cfg.get("whole")
                else b["data"].train_batches(rank, world, b["batch_size"]))
     losses = []
@@ -452,7 +463,7 @@ def _one_run(rank: int, world: int, cfg: Dict[str, Any]) -> Dict[str, Any]:
     return {"losses": losses, "state": state, "raw_state": dict(gather_state(dmp.state_dict()), hot=ebc.hot_values()),
             "initial": b["initial"], "tags": meter.tag_summary(), "stats": pipe.stats, "grad_sum": grad_sum,
             "tables": list(ebc.layout.tables), "offsets": ebc.layout.table_offsets.clone(), "prefetched": prefetched[0],
-            "joined": joined[0]}
+            "merged": merged}
 
 
 def _worker(rank: int, world: int, names: List[str]) -> Dict[str, Dict[str, Any]]:
@@ -542,14 +553,17 @@ def _plan_vectors(r: Dict[str, Any]) -> float:
 
 @pytest.mark.parametrize("name,ref", [("sgd_s3_ahead", "sgd_s3"), ("adagrad_s1_ahead", "adagrad_s1")])
 def test_staleness_scheduled_ahead_prefetches_and_trains_bit_for_bit_like_the_per_rank_path(name: str, ref: str) -> None:
-    """Run ahead on whole global batches, each step's pulls start while the previous step ends (its
-    pushes before the reads included, most of them in the previous step's push all-to-all); the
-    training is the per-rank path's, bit for bit."""
+    """Run ahead on whole global batches, each step's pushes (and the next plan's pushes before its reads)
+    travel in one all-to-all with the next step's pulls, which a rank applies after the pushes of their
+    rows as the home does; the training is the per-rank path's, bit for bit."""
     for r in _runs():
         got, want = r[name], r[ref]
         # every step but the first and the window's last ones (no next plan made ahead)
         assert got["prefetched"] >= TRAIN_STEPS - 5 and want["prefetched"] == 0
-        assert got["joined"] > 0 and want["joined"] == 0
+        assert got["merged"]["steps"] >= TRAIN_STEPS - 5 and want["merged"]["steps"] == 0
+        assert got["tags"]["herald_push_pull"]["calls"] == got["merged"]["steps"]
+        # pulls read from the pusher that replaces the row, and pushes a refreshing rank sends itself
+        assert got["merged"]["rerouted"] > 0 and got["merged"]["to_itself"] > 0
         assert got["losses"] == want["losses"]
         assert all(torch.equal(got["state"][k], v) for k, v in want["state"].items())
         assert got["stats"].stale_reads == want["stats"].stale_reads > 0

@@ -47,8 +47,10 @@ class PlanExecutor:
         self.ws: Optional[torch.Tensor] = None
         self.ws_keys = torch.empty(0, dtype=torch.int64)
         self.frozen_keys = torch.empty(0, dtype=torch.int64)  # stale-update skipping: rows read, not updated
-        # a plan whose pulls are in flight (prefetch): (plan, work, received rows, positions per source, keys)
-        self._prefetched: Optional[Tuple[ExecPlan, Any, Any, List[torch.Tensor], torch.Tensor]] = None
+        # a plan whose pulls are in flight (prefetch): (plan, work, received rows, positions per source, keys,
+        # add flags, push phases)
+        self._prefetched: Optional[Tuple[ExecPlan, Any, Any, List[torch.Tensor], torch.Tensor, torch.Tensor,
+                                         Optional[torch.Tensor]]] = None
         # a plan whose pushes before its reads already travelled with the previous step's pushes
         self._pushed_early: Optional[ExecPlan] = None
         # the step's gradient reduce, started by the working set's gradient hook inside backward:
@@ -252,11 +254,27 @@ class PlanExecutor:
         self._store_received(keys, add, recv_pos, out)
 
     def _store_received(self, keys: torch.Tensor, add: torch.Tensor, recv_pos: List[torch.Tensor],
-                        out: torch.Tensor) -> None:
-        """Write the rows received from each source, in rank order (``add``: add to the current value)."""
-        for pos, rows in zip(recv_pos, out.split([i.numel() for i in recv_pos])):
-            if rows.numel():
-                self.store.receive(keys[pos], rows, add[pos])
+                        out: torch.Tensor, phase: Optional[torch.Tensor] = None) -> None:
+        """Write the rows received from each source, in rank order (``add``: add to the current value).
+        ``phase`` (per transfer, where one all-to-all carries pushes of successive phases of the plan):
+        every replacing row is written first (a row has at most one, a pull or the first push of the
+        row), then the added updates by phase, then by source rank: the order the home applies them in,
+        so that what a puller stores is the home's row bit for bit."""
+        parts = list(zip(recv_pos, out.split([i.numel() for i in recv_pos])))
+        if phase is None:
+            for pos, rows in parts:
+                if rows.numel():
+                    self.store.receive(keys[pos], rows, add[pos])
+            return
+        for pos, rows in parts:
+            replace = ~add[pos]
+            if bool(replace.any()):
+                self.store.receive(keys[pos[replace]], rows[replace.to(rows.device)], add[pos[replace]])
+        for ph in range(int(phase.max()) + 1 if phase.numel() else 0):
+            for pos, rows in parts:
+                now = add[pos] & (phase[pos] == ph)
+                if bool(now.any()):
+                    self.store.receive(keys[pos[now]], rows[now.to(rows.device)], now[now])
 
     def prefetch(self, plan: ExecPlan) -> None:
         """Start ``plan``'s pre-read transfers now, while the current step ends (collective): the pushes
@@ -271,30 +289,33 @@ class PlanExecutor:
         self._start_pulls(plan, plan.pull, "herald_pull")
 
     def _start_pulls(self, plan: ExecPlan, transfers: torch.Tensor, label: str,
-                     route: Optional[Tuple[torch.Tensor, List[int], List[torch.Tensor], List[int]]] = None) -> None:
+                     route: Optional[Tuple[torch.Tensor, List[int], List[torch.Tensor], List[int]]] = None,
+                     add: Optional[torch.Tensor] = None, phase: Optional[torch.Tensor] = None) -> None:
         """Start the all-to-all of ``transfers`` (``plan``'s pulls, or the previous step's pushes with
         them) as ``plan``'s prefetch: its rows are read now, stored by :meth:`begin`. ``route``: its
-        :meth:`_route`, found earlier."""
+        :meth:`_route`, found earlier; ``add``, ``phase``: the rows that carry an accumulated update
+        (pushes of a bounded-staleness plan) and their order (:meth:`_store_received`), where given."""
         keys = transfers[:, 0]
-        no_add = torch.zeros(len(keys), dtype=torch.bool)
-        recv_pos, out, work = (self._start_exchange(transfers, lambda i: self._row_payload(keys[i], no_add[i]),
+        add = _flags(add, transfers)
+        recv_pos, out, work = (self._start_exchange(transfers, lambda i: self._row_payload(keys[i], add[i]),
                                                     label, self.width, route) if keys.numel() or plan.partial
                                else ([], None, None))
-        self._prefetched = (plan, work, out, recv_pos, keys)
+        self._prefetched = (plan, work, out, recv_pos, keys, add, phase)
 
     def before_forward(self, plan: ExecPlan) -> None:
         """Pushes planned before the reads, then pulls of missing/outdated rows (or, when :meth:`prefetch`
         started them, wait for its pulls and store them)."""
         if self._prefetched is not None:
-            pre, work, out, recv_pos, keys = self._prefetched
+            pre, work, out, recv_pos, keys, add, phase = self._prefetched
             self._prefetched = None
             if pre is not plan:
                 raise RuntimeError("a prefetched plan must be the next one begun")
             if work is not None:
                 if recv_pos:  # the arriving rows not held yet get their cache slots while they travel
-                    self.store.reserve(keys[torch.cat(recv_pos)])
+                    arriving = torch.cat(recv_pos)
+                    self.store.reserve(keys[arriving[~add[arriving]]])  # (an added update's row is held)
                 work.wait()
-                self._store_received(keys, torch.zeros(len(keys), dtype=torch.bool), recv_pos, out)
+                self._store_received(keys, add, recv_pos, out, phase)
             return
         self._start_tracking_base(plan)
         self._push_before_read(plan)
@@ -345,11 +366,15 @@ class PlanExecutor:
         read = ws_keys[own] == upd if ws_keys.numel() else torch.zeros_like(upd, dtype=torch.bool)
         own_rows, own_grads = read.to(dev), own[read].to(dev)
         # ... and the exact plan's pushes, with the next step's pulls where they travel together, and its route
-        pushes = merged = route = None
+        pushes = merged = route = merged_add = merged_phase = None
         if not plan.additive:
             pushes = torch.cat([plan.update_push, plan.miss_push])
             merged = self._pushes_with_next_pulls(plan, pushes, next_plan)
-            route = self._route(merged) if merged is not None and merged.numel() else None
+        else:
+            together = self._additive_pushes_with_next_pulls(plan, next_plan)
+            if together is not None:
+                merged, merged_add, merged_phase = together
+        route = self._route(merged) if merged is not None and merged.numel() else None
         rows = torch.zeros(0, self.D, device=dev)
         recv_at: List[torch.Tensor] = [upd[:0]] * self.W
         if started is not None:
@@ -370,7 +395,14 @@ class PlanExecutor:
         if upd.numel():
             w, s = store.read(upd)
             store.write(upd, *exact_update(w, s, total, store.optimizer, store.lr, store.eps))
-        if plan.additive:  # additive pushes: in the planner's order (update pushes, then evictions) ...
+        if plan.additive and merged is not None:  # pushes with the next step's pulls, waited for by begin()
+            assert next_plan is not None and merged_add is not None
+            self._start_pulls(next_plan, merged, "herald_push_pull", route, merged_add, merged_phase)
+            n_push = len(plan.update_push) + len(plan.miss_push) + len(next_plan.push_before_read)
+            sent = merged[:n_push][merged[:n_push, 1] == me, 0]  # what this rank pushed is now its home's
+            if sent.numel():
+                store.rebase(sent)
+        elif plan.additive:  # additive pushes: in the planner's order (update pushes, then evictions) ...
             up, mp = plan.update_push, plan.miss_push
             if not bool(torch.isin(up[:, 0], mp[:, 0]).any()):  # ... one all-to-all where no row is in both
                 parts, flags = [up, mp], [_flags(plan.update_push_add, up), _flags(plan.miss_push_add, mp)]
@@ -428,6 +460,56 @@ class PlanExecutor:
         if bool((landing[1:] == landing[:-1]).any()):
             return None
         return merged
+
+    def _additive_pushes_with_next_pulls(self, plan: ExecPlan, next_plan: Optional[ExecPlan]
+                                         ) -> Optional[Tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+        """A bounded-staleness plan's pushes and ``next_plan``'s pulls as one transfer list, with each
+        transfer's add flag and phase (:meth:`_store_received`), or None where they must stay apart.
+
+        The pushes come in three phases, applied at a home in this order: the plan's update pushes, its
+        evictions' pushes, ``next_plan``'s pushes before its reads; within a phase by pushing rank. A home
+        adds a pushed update to its row, so a pull of a pushed row cannot be read from the home after the
+        push without a second round trip. Instead it is read before, and each push of that row goes to the
+        puller too, who applies them in the home's order: the home's value (or the row's replacing push,
+        its first), then the added updates. The floating-point sums are the home's, bit for bit. A rank
+        pulling a row it pushes itself sends its own update to itself.
+
+        Both plans must be whole (every rank holds the same plans, so every rank decides alike), and no
+        rank may push one row twice (its second update would be sent before the first is taken out)."""
+        if (next_plan is None or not plan.additive or not next_plan.additive or plan.partial or next_plan.partial
+                or not self.store.track_base):
+            return None
+        phases = [plan.update_push, plan.miss_push, next_plan.push_before_read]
+        flags = [plan.update_push_add, plan.miss_push_add, next_plan.push_before_read_add]
+        pushes = torch.cat(phases)
+        add = torch.cat([_flags(f, t) for f, t in zip(flags, phases)])
+        phase = torch.repeat_interleave(torch.arange(3), torch.tensor([len(t) for t in phases]))
+        # each row's pushes in the order its home applies them: by key, then phase, then pushing rank
+        W = self.W
+        order = torch.argsort((pushes[:, 0] * 3 + phase) * W + pushes[:, 1])
+        p_key, p_src, p_add = pushes[order, 0], pushes[order, 1], add[order]
+        by_rank = torch.sort(p_key * W + p_src)[0]
+        if bool((by_rank[1:] == by_rank[:-1]).any()):
+            return None
+        pulls = next_plan.pull
+        wanted = pulls[:, 0].contiguous()
+        lo = torch.searchsorted(p_key, wanted)
+        hi = torch.searchsorted(p_key, wanted, right=True)
+        first = lo.clamp(max=max(p_key.numel() - 1, 0))
+        replaced = (hi > lo) & ~p_add[first] if p_key.numel() else torch.zeros_like(wanted, dtype=torch.bool)
+        pulls = pulls.clone()
+        pulls[replaced, 1] = p_src[first[replaced]]  # read where the replacing push comes from
+        start = lo + replaced.to(torch.int64)
+        n = hi - start  # the added updates each puller applies after the row
+        which = torch.repeat_interleave(torch.arange(len(pulls)), n)
+        at = start[which] + torch.arange(which.numel()) - torch.repeat_interleave(torch.cumsum(n, 0) - n, n)
+        copies = torch.stack([p_key[at], p_src[at], pulls[which, 2]], 1)
+        merged = torch.cat([pushes, pulls, copies])
+        if not merged.numel():
+            return None
+        return (merged,
+                torch.cat([add, torch.zeros(len(pulls), dtype=torch.bool), torch.ones(len(copies), dtype=torch.bool)]),
+                torch.cat([phase, torch.zeros(len(pulls), dtype=torch.int64), phase[order][at]]))
 
     def flush(self, fp: FlushPlan) -> None:
         """Dirty rows home, outdated hot replicas refreshed, caches dropped, home replicas mirrored into
