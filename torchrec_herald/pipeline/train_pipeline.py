@@ -417,8 +417,8 @@ class HeraldTrainPipeline(TrainPipeline[Batch, Any]):
         torch.sum(loss).backward()
         if self.sync == "lazy":
             # the next plan is taken first where it can join this step's sends (PlanExecutor.finish): the
-            # global exact plan's pushes and the next step's pulls travel in one all-to-all, bounded
-            # staleness's next pushes before its reads join this step's pushes. Planning by home's exact plan
+            # global plan's pushes (exact or bounded staleness, with the next plan's pushes before its reads)
+            # and the next step's pulls travel in one all-to-all. Planning by home's exact plan
             # (its plans partial: nothing joins) takes it after its pushes, in _prefetch_next, so that its
             # job, which exchanges messages, starts after them
             joins = bool(self.staleness) or not self.by_home

@@ -163,8 +163,9 @@ class PlanExecutor:
 
     def finish(self, next_plan: Optional[ExecPlan] = None) -> None:
         """After backward: reduce, exact update, pushes and evictions of the plan (collective);
-        ``next_plan``: the next step's plan where it is already made (its pushes before the reads may then
-        travel in this step's push all-to-all, see :meth:`_joins_pushes`)."""
+        ``next_plan``: the next step's plan where it is already made: its pulls (and pushes before its
+        reads) then travel with this step's pushes in one all-to-all (:meth:`_pushes_with_next_pulls`,
+        :meth:`_additive_pushes_with_next_pulls`)."""
         plan, ws = self.plan, self.ws
         if plan is None or ws is None:
             raise RuntimeError("finish_plan_step without a planned forward (call begin_plan_step first)")
