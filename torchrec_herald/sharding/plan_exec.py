@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 
 from torchrec_herald.comm import all_to_all_rows_async
+from torchrec_herald.keymap import expand_ranges
 from torchrec_herald.plans import ExecPlan, FlushPlan
 from torchrec_herald.sharding.row_store import RowStore, exact_update
 
@@ -51,8 +52,6 @@ class PlanExecutor:
         # add flags, push phases)
         self._prefetched: Optional[Tuple[ExecPlan, Any, Any, List[torch.Tensor], torch.Tensor, torch.Tensor,
                                          Optional[torch.Tensor]]] = None
-        # a plan whose pushes before its reads already travelled with the previous step's pushes
-        self._pushed_early: Optional[ExecPlan] = None
         # the step's gradient reduce, started by the working set's gradient hook inside backward:
         # (per source, the positions received; the buffer; the work), and its route, found in begin()
         self._reduce: Optional[Tuple[List[torch.Tensor], torch.Tensor, Any]] = None
@@ -323,23 +322,9 @@ class PlanExecutor:
         self.move_rows(plan.pull, "herald_pull", partial=plan.partial)
 
     def _push_before_read(self, plan: ExecPlan) -> None:
-        """The plan's pushes before its reads, unless they already travelled with the previous step's."""
-        if self._pushed_early is plan:
-            self._pushed_early = None
-            return
+        """The plan's pushes before its reads (where they did not travel with the previous step's pushes,
+        :meth:`_additive_pushes_with_next_pulls`)."""
         self.move_rows(plan.push_before_read, "herald_update_push", plan.push_before_read_add, plan.partial)
-
-    def _joins_pushes(self, plan: ExecPlan, next_plan: Optional[ExecPlan]) -> bool:
-        """Whether ``next_plan``'s pushes before its reads can travel in ``plan``'s push all-to-all (one
-        collective a step instead of two): both plans bounded-staleness ones, whole (every rank holds the
-        same plans, so every rank decides alike), the copies' bases kept, and no row in both the pushes
-        and ``plan``'s pushes or evictions (then the order between them changes nothing)."""
-        if (next_plan is None or not plan.additive or not next_plan.additive or plan.partial or next_plan.partial
-                or not self.store.track_base or not next_plan.push_before_read.numel()):
-            return False
-        early = next_plan.push_before_read[:, 0]
-        now = torch.cat([plan.update_push[:, 0], plan.miss_push[:, 0]] + [e.to(torch.int64) for e in plan.evictions])
-        return not bool(torch.isin(early, now).any())
 
     def _start_tracking_base(self, plan: ExecPlan) -> None:
         """The first bounded-staleness plan: each copy's base (what its home had when it was read) is kept
@@ -406,14 +391,8 @@ class PlanExecutor:
         elif plan.additive:  # additive pushes: in the planner's order (update pushes, then evictions) ...
             up, mp = plan.update_push, plan.miss_push
             if not bool(torch.isin(up[:, 0], mp[:, 0]).any()):  # ... one all-to-all where no row is in both
-                parts, flags = [up, mp], [_flags(plan.update_push_add, up), _flags(plan.miss_push_add, mp)]
-                if self._joins_pushes(plan, next_plan):  # with the next step's pushes before its reads
-                    assert next_plan is not None
-                    pb = next_plan.push_before_read
-                    parts.append(pb)
-                    flags.append(_flags(next_plan.push_before_read_add, pb))
-                    self._pushed_early = next_plan
-                self.move_rows(torch.cat(parts), "herald_update_push", torch.cat(flags))
+                self.move_rows(torch.cat([up, mp]), "herald_update_push",
+                               torch.cat([_flags(plan.update_push_add, up), _flags(plan.miss_push_add, mp)]))
             else:
                 self.move_rows(up, "herald_update_push", plan.update_push_add)
                 self.move_rows(mp, "herald_update_push", plan.miss_push_add)
@@ -500,10 +479,8 @@ class PlanExecutor:
         replaced = (hi > lo) & ~p_add[first] if p_key.numel() else torch.zeros_like(wanted, dtype=torch.bool)
         pulls = pulls.clone()
         pulls[replaced, 1] = p_src[first[replaced]]  # read where the replacing push comes from
-        start = lo + replaced.to(torch.int64)
-        n = hi - start  # the added updates each puller applies after the row
-        which = torch.repeat_interleave(torch.arange(len(pulls)), n)
-        at = start[which] + torch.arange(which.numel()) - torch.repeat_interleave(torch.cumsum(n, 0) - n, n)
+        # the added updates each puller applies after the row: its pushes from ``start`` to ``hi``
+        at, which = expand_ranges(lo + replaced.to(torch.int64), hi)
         copies = torch.stack([p_key[at], p_src[at], pulls[which, 2]], 1)
         merged = torch.cat([pushes, pulls, copies])
         if not merged.numel():
