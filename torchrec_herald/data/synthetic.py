@@ -6,7 +6,8 @@ Kaggle cardinalities scaled by ``scale`` (:func:`~torchrec_herald.data.base.scal
 Skew: in table ``f`` the id of popularity rank ``k`` (0-based) is drawn with probability
 ``(k + 1) ** -zipf_alpha / H`` (a truncated Zipf law); ranks are mapped to row ids through a fixed,
 seeded random permutation per table, so hot rows are scattered over the row range like hashed ids.
-Ids are sampled by inverse CDF (``torch.searchsorted`` on a precomputed CDF).
+Ids are sampled by inverse CDF (an upper-bound search on a precomputed CDF: herald's compiled module
+where it is built, else ``torch.searchsorted``, with the same rows).
 
 Coverage (the skew statistic the default ``zipf_alpha`` is calibrated on): rank all rows of the
 tables with at least ``CALIBRATION_MIN_ROWS`` (1000) rows together by expected lookup frequency and
@@ -126,6 +127,52 @@ def _seed(*parts: object) -> int:
     return int.from_bytes(digest, "little") >> 1
 
 
+class _InverseCdfSampler:
+    """Inverse-CDF sampling of every table at once: ``(u [T, G] uniforms) -> (ids [T, G], flat [T, G])``,
+    ``ids[f]`` the rows of table ``f`` (``perm_f[upper_bound(cdf_f, u[f])]``, clamped to the last row) and
+    ``flat`` the same rows numbered across the concatenated tables; :meth:`add_effects` adds the rows'
+    label effects to the logits table by table.
+
+    herald's compiled module does both in one pass each without data-dependent branches (written by hand:
+    ``torch.searchsorted``'s binary search mispredicts about once a level on random draws, ~40 % of a
+    scheduling rank's batch reading). Where it is not built, the torch ops give the same rows and sums.
+    """
+
+    def __init__(self, cdfs: Sequence[torch.Tensor], perms: Sequence[torch.Tensor],
+                 effects: Sequence[torch.Tensor]) -> None:
+        from torchrec_herald import native
+
+        sizes = [len(c) for c in cdfs]
+        self._cdfs, self._perms = list(cdfs), list(perms)
+        self._bounds = torch.tensor([0] + sizes).cumsum(0)
+        self._offsets = self._bounds[:-1].unsqueeze(1)  # table f's first row in the concatenated tables
+        self._cdf = torch.cat(self._cdfs)
+        self._perm = torch.cat([p + o for p, o in zip(perms, self._bounds[:-1].tolist())])
+        self._effects = torch.cat(list(effects))
+        self._native = native.load_if_built()
+
+    def __call__(self, u: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+        if self._native is not None:
+            flat = self._native.inverse_cdf_rows(u, self._cdf, self._bounds, self._perm)
+            return flat - self._offsets, flat
+        ids = torch.stack([
+            perm[torch.searchsorted(cdf, u[f], right=True).clamp_(max=len(cdf) - 1)]
+            for f, (cdf, perm) in enumerate(zip(self._cdfs, self._perms))
+        ])  # fmt: skip
+        return ids, ids + self._offsets
+
+    def add_effects(self, logits: torch.Tensor, flat: torch.Tensor, present: Optional[torch.Tensor]) -> None:
+        """``logits += effects_f[ids[f]]`` (times ``present[f]``) for each table ``f``, in table order (a
+        sum over the tables at once may round otherwise)."""
+        if self._native is not None:
+            self._native.add_row_effects_(logits, self._effects, flat, present if present is not None
+                                          else torch.empty(0, dtype=torch.bool))
+            return
+        effects = self._effects[flat] if present is None else self._effects[flat] * present
+        for row in effects:
+            logits += row
+
+
 class SyntheticCriteo(DataSource):
     """Deterministic Criteo-Kaggle-like generator (see the module docstring for the model).
 
@@ -160,13 +207,14 @@ class SyntheticCriteo(DataSource):
         self.num_dense: int = INT_FEATURE_COUNT
 
         g = torch.Generator().manual_seed(_seed(self.seed, "model"))
-        self._cdfs = [zipf_probs(n, self.zipf_alpha).cumsum_(0) for n in self.num_embeddings]
-        self._perms = [torch.randperm(n, generator=g) for n in self.num_embeddings]
+        cdfs = [zipf_probs(n, self.zipf_alpha).cumsum_(0) for n in self.num_embeddings]
+        perms = [torch.randperm(n, generator=g) for n in self.num_embeddings]
         self._row_effects: List[torch.Tensor] = []
-        for n, cdf, perm in zip(self.num_embeddings, self._cdfs, self._perms):
+        for n, cdf, perm in zip(self.num_embeddings, cdfs, perms):
             v = torch.randn(n, generator=g, dtype=torch.float64) * ROW_EFFECT_STD
             probs = torch.diff(cdf, prepend=cdf.new_zeros(1))
             self._row_effects.append((v - probs @ v[perm]).float())  # zero mean per lookup
+        self._sampler = _InverseCdfSampler(cdfs, perms, self._row_effects)
         self._dense_mu = torch.rand(self.num_dense, generator=g) * 3.0
         self._dense_sigma = 0.5 + torch.rand(self.num_dense, generator=g)
         self._dense_w = torch.randn(self.num_dense, generator=g) * DENSE_WEIGHT_STD
@@ -207,20 +255,17 @@ class SyntheticCriteo(DataSource):
         ``rows``).
         """
         g = torch.Generator().manual_seed(_seed(self.seed, split, index))
+        tables = len(self.num_embeddings)
         dense = self._dense(torch.randn(size, self.num_dense, generator=g))
-        u = torch.rand(len(self._cdfs), size, generator=g, dtype=torch.float64)[:, rows]
-        ids = torch.stack([
-            perm[torch.searchsorted(cdf, u[f], right=True).clamp_(max=len(cdf) - 1)]
-            for f, (cdf, perm) in enumerate(zip(self._cdfs, self._perms))
-        ])  # fmt: skip
+        u = torch.rand(tables, size, generator=g, dtype=torch.float64)[:, rows]
+        ids, flat = self._sampler(u)
         present = None
         if self.missing_rate > 0:
-            present = (torch.rand(len(self._cdfs), size, generator=g) >= self.missing_rate)[:, rows]
+            present = (torch.rand(tables, size, generator=g) >= self.missing_rate)[:, rows]
         # the dense part of the logits over the whole batch, then sliced: one matrix-vector product per
         # batch whatever the slice, so a slice's labels are bit for bit the whole batch's
         logits = ((dense - self._dense_center) @ self._dense_w + LOGIT_BIAS)[rows]
-        for f, effects in enumerate(self._row_effects):
-            logits += effects[ids[f]] if present is None else effects[ids[f]] * present[f]
+        self._sampler.add_effects(logits, flat, present)
         labels = (torch.rand(size, generator=g)[rows] < torch.sigmoid(logits)).float()
         return dense[rows].contiguous(), ids, present, labels
 

@@ -498,6 +498,7 @@ void register_row_store(pybind11::module& m);  // row_store.cpp: the plan execut
 void register_global_plan(pybind11::module& m);  // global_plan.cpp: the global lazy plan and HET's
 void register_id_split(pybind11::module& m);  // id_split.cpp: hot replication's per-step id bookkeeping
 void register_greedy_assign(pybind11::module& m);  // greedy_assign.cpp: the input allocator's greedy
+void register_synthetic_sample(pybind11::module& m);  // synthetic_sample.cpp: the synthetic data's sampling
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "Herald's per-rank lazy plan (planning by home) and the plan executor's row access in compiled code";
@@ -505,6 +506,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   register_global_plan(m);
   register_id_split(m);
   register_greedy_assign(m);
+  register_synthetic_sample(m);
   m.attr("SOURCE_SHA") = HERALD_NATIVE_SOURCE_SHA;
   m.attr("TORCH_VERSION") = HERALD_NATIVE_TORCH;
   pybind11::class_<HomeSplitCore>(m, "HomeSplitCore")
