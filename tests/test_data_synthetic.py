@@ -203,7 +203,7 @@ def test_compiled_sampling_takes_upper_bounds_at_exact_cdf_values_and_clamps_pas
     a draw past the last entry (rounding: the CDF may end below 1) the last row."""
     src = SyntheticCriteo(scale=0.001)
     sampler, table = src._sampler, 3
-    cdf, perm = sampler._cdfs[table], sampler._perms[table]
+    cdf, perm = sampler.cdfs[table], sampler.perms[table]
     n = len(cdf)
     u = torch.rand(len(src.num_embeddings), 5, dtype=torch.float64)
     u[table] = torch.tensor([0.0, float(cdf[0]), float(cdf[1]), float(cdf[n - 2]), float(cdf[-1]) + 1e-12])

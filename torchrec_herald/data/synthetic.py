@@ -128,27 +128,37 @@ def _seed(*parts: object) -> int:
 
 
 class _InverseCdfSampler:
-    """Inverse-CDF sampling of every table at once: ``(u [T, G] uniforms) -> (ids [T, G], flat [T, G])``,
-    ``ids[f]`` the rows of table ``f`` (``perm_f[upper_bound(cdf_f, u[f])]``, clamped to the last row) and
-    ``flat`` the same rows numbered across the concatenated tables; :meth:`add_effects` adds the rows'
-    label effects to the logits table by table.
+    """The tables' sampling model and inverse-CDF sampling of every table at once:
+    ``(u [T, G] uniforms) -> (ids [T, G], flat [T, G])``, ``ids[f]`` the rows of table ``f``
+    (``perm_f[upper_bound(cdf_f, u[f])]``, clamped to the last row) and ``flat`` the same rows numbered
+    across the concatenated tables; :meth:`add_effects` adds the rows' label effects to the logits table
+    by table.
 
-    herald's compiled module does both in one pass each without data-dependent branches (written by hand:
+    Each table's CDF, permutation and row effects are views of one buffer each (the compiled module reads
+    them whole; no second copy: at full Criteo Kaggle size they hold 33.8 M rows). herald's compiled
+    module samples and adds in one pass each without data-dependent branches (written by hand:
     ``torch.searchsorted``'s binary search mispredicts about once a level on random draws, ~40 % of a
     scheduling rank's batch reading). Where it is not built, the torch ops give the same rows and sums.
     """
 
-    def __init__(self, cdfs: Sequence[torch.Tensor], perms: Sequence[torch.Tensor],
-                 effects: Sequence[torch.Tensor]) -> None:
+    def __init__(self, num_rows: Sequence[int], zipf_alpha: float, g: torch.Generator) -> None:
         from torchrec_herald import native
 
-        sizes = [len(c) for c in cdfs]
-        self._cdfs, self._perms = list(cdfs), list(perms)
+        sizes = list(num_rows)
         self._bounds = torch.tensor([0] + sizes).cumsum(0)
         self._offsets = self._bounds[:-1].unsqueeze(1)  # table f's first row in the concatenated tables
-        self._cdf = torch.cat(self._cdfs)
-        self._perm = torch.cat([p + o for p, o in zip(perms, self._bounds[:-1].tolist())])
-        self._effects = torch.cat(list(effects))
+        self._cdf = torch.empty(sum(sizes), dtype=torch.float64)
+        self._perm = torch.empty(sum(sizes), dtype=torch.int64)  # each table's own row numbers
+        self._effects = torch.empty(sum(sizes), dtype=torch.float32)
+        self.cdfs, self.perms, self.effects = (list(t.split(sizes)) for t in (self._cdf, self._perm, self._effects))
+        for n, cdf in zip(sizes, self.cdfs):
+            cdf.copy_(zipf_probs(n, zipf_alpha).cumsum_(0))
+        for n, perm in zip(sizes, self.perms):  # every permutation, then every table's effects: the draws' order
+            perm.copy_(torch.randperm(n, generator=g))
+        for n, cdf, perm, effects in zip(sizes, self.cdfs, self.perms, self.effects):
+            v = torch.randn(n, generator=g, dtype=torch.float64) * ROW_EFFECT_STD
+            probs = torch.diff(cdf, prepend=cdf.new_zeros(1))
+            effects.copy_((v - probs @ v[perm]).float())  # zero mean per lookup
         self._native = native.load_if_built()
 
     def __call__(self, u: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
@@ -157,7 +167,7 @@ class _InverseCdfSampler:
             return flat - self._offsets, flat
         ids = torch.stack([
             perm[torch.searchsorted(cdf, u[f], right=True).clamp_(max=len(cdf) - 1)]
-            for f, (cdf, perm) in enumerate(zip(self._cdfs, self._perms))
+            for f, (cdf, perm) in enumerate(zip(self.cdfs, self.perms))
         ])  # fmt: skip
         return ids, ids + self._offsets
 
@@ -207,14 +217,8 @@ class SyntheticCriteo(DataSource):
         self.num_dense: int = INT_FEATURE_COUNT
 
         g = torch.Generator().manual_seed(_seed(self.seed, "model"))
-        cdfs = [zipf_probs(n, self.zipf_alpha).cumsum_(0) for n in self.num_embeddings]
-        perms = [torch.randperm(n, generator=g) for n in self.num_embeddings]
-        self._row_effects: List[torch.Tensor] = []
-        for n, cdf, perm in zip(self.num_embeddings, cdfs, perms):
-            v = torch.randn(n, generator=g, dtype=torch.float64) * ROW_EFFECT_STD
-            probs = torch.diff(cdf, prepend=cdf.new_zeros(1))
-            self._row_effects.append((v - probs @ v[perm]).float())  # zero mean per lookup
-        self._sampler = _InverseCdfSampler(cdfs, perms, self._row_effects)
+        self._sampler = _InverseCdfSampler(self.num_embeddings, self.zipf_alpha, g)
+        self._row_effects: List[torch.Tensor] = self._sampler.effects
         self._dense_mu = torch.rand(self.num_dense, generator=g) * 3.0
         self._dense_sigma = 0.5 + torch.rand(self.num_dense, generator=g)
         self._dense_w = torch.randn(self.num_dense, generator=g) * DENSE_WEIGHT_STD

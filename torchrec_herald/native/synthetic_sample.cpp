@@ -16,7 +16,7 @@ using i64 = int64_t;
 
 // rows [T, G] int64, numbered across the concatenated tables: u [T, G] float64 draws in [0, 1);
 // cdfs: the tables' CDFs (non-decreasing) concatenated, offsets [T + 1] their bounds; perm: the
-// concatenated per-table permutations, already numbered across the tables
+// per-table permutations concatenated (each in its table's own row numbers)
 torch::Tensor inverse_cdf_rows(torch::Tensor u, torch::Tensor cdfs, torch::Tensor offsets, torch::Tensor perm) {
   TORCH_CHECK(u.dim() == 2 && u.scalar_type() == torch::kFloat64, "inverse_cdf_rows: u must be [T, G] float64");
   TORCH_CHECK(cdfs.dim() == 1 && cdfs.scalar_type() == torch::kFloat64 && cdfs.is_contiguous(),
@@ -54,7 +54,7 @@ torch::Tensor inverse_cdf_rows(torch::Tensor u, torch::Tensor cdfs, torch::Tenso
       for (i64 k = 0; k < lanes; ++k) {
         i64 rank = (base[k] - table) + (*base[k] <= x[k] ? 1 : 0);
         rank = rank < n ? rank : n - 1;
-        o[f * G + s0 + k] = p[off[f] + rank];
+        o[f * G + s0 + k] = off[f] + p[off[f] + rank];
       }
     }
   }
