@@ -95,7 +95,8 @@ def test_a_stale_build_is_refused_with_how_to_rebuild(monkeypatch: pytest.Monkey
     monkeypatch.setattr(native, "source_sha", lambda: "0" * 16)
     native._load.cache_clear()
     try:
-        with pytest.raises(NativeUnavailable, match=r"built from another version of home_split\.cpp, row_store\.cpp, global_plan\.cpp, id_split\.cpp, greedy_assign\.cpp, common\.h: "
+        with pytest.raises(NativeUnavailable, match=r"built from another version of home_split\.cpp, row_store\.cpp, global_plan\.cpp, id_split\.cpp, greedy_assign\.cpp, "
+                                                   r"synthetic_sample\.cpp, common\.h: "
                                                    r"run `make setup`"):
             native.load()
     finally:
