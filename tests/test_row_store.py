@@ -270,3 +270,49 @@ def test_reserving_slots_before_rows_arrive_stores_them_as_receiving_alone_does(
             assert torch.equal(reserved.cache_map.col("slot"), plain.cache_map.col("slot"))
             held = keys[torch.arange(keys.numel()) % 5 != 0]
             assert all(torch.equal(a, b) for a, b in zip(reserved.read(held), plain.read(held)))
+
+
+def test_phased_rows_stored_in_one_compiled_pass_match_the_torch_loop() -> None:
+    """HET's merged all-to-all on rank 1 of 3: rows from three sources, some replacing (pulls of remote rows,
+    which get cache slots) and some adding updates of three phases, several to one row. One stable sort and
+    one compiled store (``_store_in_home_order``) leave the same values, states and bases as the torch
+    loop (replacing rows first, then adds by phase, then by source), bit for bit."""
+    from torchrec_herald.sharding.plan_exec import PlanExecutor
+
+    for seed, optimizer in ((8, EmbOptimType.EXACT_ROWWISE_ADAGRAD), (9, EmbOptimType.EXACT_SGD)):
+        stores = [_random_store(seed, optimizer, native) for native in (True, False)]
+        execs = [PlanExecutor(store, None) for store in stores]
+        lay = stores[0].layout
+        n = lay.num_rows
+        hot_rows = lay.hot_slot(torch.arange(n)) >= 0
+        own_rows = stores[0].own_slot(torch.arange(n)) >= 0
+        remote = torch.arange(n)[~hot_rows & ~own_rows]
+        for store in stores:
+            store.track_base = True
+            store.rebase_hot()
+        g = torch.Generator().manual_seed(seed + 30)
+        width = 4 + (1 if stores[0].adagrad else 0)
+        for step in range(4):
+            pulled = remote[torch.randperm(remote.numel(), generator=g)[:20]]
+            held = torch.cat([pulled, torch.arange(n)[hot_rows | own_rows]])
+            entries = [(int(k), int(torch.randint(0, 3, (1,), generator=g)), False, 0) for k in pulled]
+            for phase in range(3):  # each source adds to some held rows in each phase
+                for src in range(3):
+                    for k in held[torch.randperm(held.numel(), generator=g)[:12]]:
+                        entries.append((int(k), src, True, phase))
+            order = torch.randperm(len(entries), generator=g).tolist()
+            entries = [entries[i] for i in order]
+            keys = torch.tensor([e[0] for e in entries])
+            add = torch.tensor([e[2] for e in entries])
+            phase = torch.tensor([e[3] for e in entries])
+            recv_pos = [torch.tensor([i for i, e in enumerate(entries) if e[1] == s], dtype=torch.int64) for s in range(3)]
+            out = torch.randn(len(entries), width, generator=g)[torch.cat(recv_pos)]
+            for ex in execs:
+                ex._store_received(keys, add, recv_pos, out, phase)
+            touched = keys.unique()
+            got, want = (store.read(touched) for store in stores)
+            assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1]), step
+            not_own = touched[stores[0].own_slot(touched) < 0]
+            assert torch.equal(stores[0].base(not_own), stores[1].base(not_own)), step
+            for store in stores:
+                store.drop(pulled[::4].contiguous())
