@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import List, Tuple
+
 import pytest
 import torch
 from fbgemm_gpu.split_embedding_configs import EmbOptimType
@@ -87,6 +89,19 @@ def _random_store(seed: int, optimizer: EmbOptimType, native: bool) -> RowStore:
     return store
 
 
+def _tracked_pair(seed: int, optimizer: EmbOptimType) -> Tuple[List[RowStore], torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The same random store compiled and with torch ops, bases tracked (bounded staleness), and which keys
+    are hot replicas, own rows and remote rows."""
+    stores = [_random_store(seed, optimizer, native) for native in (True, False)]
+    n = stores[0].layout.num_rows
+    hot_rows = stores[0].layout.hot_slot(torch.arange(n)) >= 0
+    own_rows = stores[0].own_slot(torch.arange(n)) >= 0
+    for store in stores:
+        store.track_base = True
+        store.rebase_hot()
+    return stores, hot_rows, own_rows, torch.arange(n)[~hot_rows & ~own_rows]
+
+
 def test_compiled_row_access_reads_and_writes_like_the_torch_reference() -> None:
     """On the same random stores and keys (hot, own-block and remote rows; the remote ones cached by a write,
     some dropped, the cache grown), the compiled gather/scatter leaves the same rows, states, cache slots and
@@ -155,16 +170,10 @@ def test_compiled_receive_payload_and_rebase_match_the_torch_reference() -> None
 
     assert available(), "make setup builds the extension"
     for seed, optimizer in ((4, EmbOptimType.EXACT_ROWWISE_ADAGRAD), (5, EmbOptimType.EXACT_SGD)):
-        stores = [_random_store(seed, optimizer, native) for native in (True, False)]
+        stores, hot_rows, own_rows, remote = _tracked_pair(seed, optimizer)
         width = 4 + (1 if stores[0].adagrad else 0)
         lay = stores[0].layout
         n = lay.num_rows
-        hot_rows = lay.hot_slot(torch.arange(n)) >= 0
-        own_rows = stores[0].own_slot(torch.arange(n)) >= 0
-        remote = torch.arange(n)[~hot_rows & ~own_rows]
-        for store in stores:
-            store.track_base = True
-            store.rebase_hot()
         g = torch.Generator().manual_seed(seed + 20)
         for step in range(5):
             # a pull of remote rows (new ones get slots), then pushes received: hot and own rows, some adding
@@ -280,16 +289,9 @@ def test_phased_rows_stored_in_one_compiled_pass_match_the_torch_loop() -> None:
     from torchrec_herald.sharding.plan_exec import PlanExecutor
 
     for seed, optimizer in ((8, EmbOptimType.EXACT_ROWWISE_ADAGRAD), (9, EmbOptimType.EXACT_SGD)):
-        stores = [_random_store(seed, optimizer, native) for native in (True, False)]
+        stores, hot_rows, own_rows, remote = _tracked_pair(seed, optimizer)
         execs = [PlanExecutor(store, None) for store in stores]
-        lay = stores[0].layout
-        n = lay.num_rows
-        hot_rows = lay.hot_slot(torch.arange(n)) >= 0
-        own_rows = stores[0].own_slot(torch.arange(n)) >= 0
-        remote = torch.arange(n)[~hot_rows & ~own_rows]
-        for store in stores:
-            store.track_base = True
-            store.rebase_hot()
+        n = stores[0].layout.num_rows
         g = torch.Generator().manual_seed(seed + 30)
         width = 4 + (1 if stores[0].adagrad else 0)
         for step in range(4):
