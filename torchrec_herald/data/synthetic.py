@@ -218,7 +218,6 @@ class SyntheticCriteo(DataSource):
 
         g = torch.Generator().manual_seed(_seed(self.seed, "model"))
         self._sampler = _InverseCdfSampler(self.num_embeddings, self.zipf_alpha, g)
-        self._row_effects: List[torch.Tensor] = self._sampler.effects
         self._dense_mu = torch.rand(self.num_dense, generator=g) * 3.0
         self._dense_sigma = 0.5 + torch.rand(self.num_dense, generator=g)
         self._dense_w = torch.randn(self.num_dense, generator=g) * DENSE_WEIGHT_STD
@@ -246,7 +245,7 @@ class SyntheticCriteo(DataSource):
         logits = (batch.dense_features - self._dense_center) @ self._dense_w + LOGIT_BIAS
         for f, jt in enumerate(batch.sparse_features.split([1] * len(self.feature_names))):
             sample = torch.repeat_interleave(torch.arange(len(logits)), jt.lengths().long())
-            logits.index_add_(0, sample, self._row_effects[f][jt.values()])
+            logits.index_add_(0, sample, self._sampler.effects[f][jt.values()])
         return logits
 
     def global_batch(

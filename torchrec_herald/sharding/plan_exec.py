@@ -260,14 +260,14 @@ class PlanExecutor:
         every replacing row is written first (a row has at most one, a pull or the first push of the
         row), then the added updates by phase, then by source rank: the order the home applies them in,
         so that what a puller stores is the home's row bit for bit."""
+        if phase is not None and self.store.native is not None:  # one compiled pass stores them in sequence
+            self._store_in_home_order(keys, add, recv_pos, out, phase)
+            return
         parts = list(zip(recv_pos, out.split([i.numel() for i in recv_pos])))
         if phase is None:
             for pos, rows in parts:
                 if rows.numel():
                     self.store.receive(keys[pos], rows, add[pos])
-            return
-        if self.store.native is not None:  # one compiled pass stores the rows in sequence: in that order
-            self._store_in_home_order(keys, add, recv_pos, out, phase)
             return
         for pos, rows in parts:
             replace = ~add[pos]
