@@ -96,7 +96,7 @@ def test_a_stale_build_is_refused_with_how_to_rebuild(monkeypatch: pytest.Monkey
     native._load.cache_clear()
     try:
         with pytest.raises(NativeUnavailable, match=r"built from another version of home_split\.cpp, row_store\.cpp, global_plan\.cpp, id_split\.cpp, greedy_assign\.cpp, "
-                                                   r"synthetic_sample\.cpp, common\.h: "
+                                                   r"synthetic_sample\.cpp, batch_keys\.cpp, common\.h: "
                                                    r"run `make setup`"):
             native.load()
     finally:

@@ -17,11 +17,12 @@ __all__ = ["BUILD_DIR", "HEADERS", "SOURCE", "SOURCES", "NativeUnavailable", "av
 
 SOURCE = Path(__file__).with_name("home_split.cpp")  # the module's entry point (its pybind11 module)
 #: every source compiled into the module (the planner by home, the global plans, the plan executor's row
-#: access, hot replication's id bookkeeping, the input allocator's greedy, the synthetic data's sampling)
+#: access, hot replication's id bookkeeping, the input allocator's greedy, the synthetic data's sampling, a
+#: batch's keys and reads)
 #: and the header they share; all of them make up the build's source hash
 SOURCES = (SOURCE, Path(__file__).with_name("row_store.cpp"), Path(__file__).with_name("global_plan.cpp"),
            Path(__file__).with_name("id_split.cpp"), Path(__file__).with_name("greedy_assign.cpp"),
-           Path(__file__).with_name("synthetic_sample.cpp"))
+           Path(__file__).with_name("synthetic_sample.cpp"), Path(__file__).with_name("batch_keys.cpp"))
 HEADERS = (Path(__file__).with_name("common.h"),)
 BUILD_DIR = Path(__file__).with_name("_build")
 MODULE = "herald_native"

@@ -2,7 +2,7 @@
 
 Compiles the sources of ``torchrec_herald.native.SOURCES`` (the planner by home, the global plans, the plan
 executor's row access, hot replication's id bookkeeping, the input allocator's greedy, the synthetic data's
-sampling) against the installed torch with
+sampling, a batch's keys and reads) against the installed torch with
 ``torch.utils.cpp_extension`` (ninja and a C++ compiler) into ``torchrec_herald/native/_build``. A missing tool or a failed compile prints one line
 naming it (and the log's path) and exits 1; nothing is compiled at run time.
 """

@@ -499,6 +499,7 @@ void register_global_plan(pybind11::module& m);  // global_plan.cpp: the global 
 void register_id_split(pybind11::module& m);  // id_split.cpp: hot replication's per-step id bookkeeping
 void register_greedy_assign(pybind11::module& m);  // greedy_assign.cpp: the input allocator's greedy
 void register_synthetic_sample(pybind11::module& m);  // synthetic_sample.cpp: the synthetic data's sampling
+void register_batch_keys(pybind11::module& m);  // batch_keys.cpp: a batch's keys, reads and sample selection
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "Herald's per-rank lazy plan (planning by home) and the plan executor's row access in compiled code";
@@ -507,6 +508,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   register_id_split(m);
   register_greedy_assign(m);
   register_synthetic_sample(m);
+  register_batch_keys(m);
   m.attr("SOURCE_SHA") = HERALD_NATIVE_SOURCE_SHA;
   m.attr("TORCH_VERSION") = HERALD_NATIVE_TORCH;
   pybind11::class_<HomeSplitCore>(m, "HomeSplitCore")

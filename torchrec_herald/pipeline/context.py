@@ -17,6 +17,7 @@ from torchrec.distributed.train_pipeline import TrainPipelineContext
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from torchrec_herald.comm import all_gather_varlen
+from torchrec_herald.native import load_if_built
 from torchrec_herald.plans import CommPlanner, SyncCounters
 from torchrec_herald.traffic import traffic_tag
 
@@ -196,9 +197,16 @@ def concat_samples(batches: List[Batch]) -> Batch:
 
 def select_samples(batch: Batch, index: torch.Tensor) -> Batch:
     """The samples ``index`` of ``batch`` (in that order): dense rows, labels and every feature's bags.
-    By hand: fbgemm's ``keyed_jagged_index_select_dim1`` has no CPU kernel in fbgemm-gpu-cpu 1.8."""
+    By hand: fbgemm's ``keyed_jagged_index_select_dim1`` has no CPU kernel in fbgemm-gpu-cpu 1.8; one
+    compiled pass (``native/batch_keys.cpp``) where the module is built and the batch is on CPU."""
     kjt = batch.sparse_features
     G, F = kjt.stride(), len(kjt.keys())
+    native = load_if_built() if kjt.values().device.type == "cpu" else None
+    if native is not None:
+        lengths, values = native.select_bags(kjt.lengths(), kjt.values(), index, G)
+        return Batch(dense_features=batch.dense_features.index_select(0, index),
+                     sparse_features=KeyedJaggedTensor(keys=kjt.keys(), values=values, lengths=lengths),
+                     labels=batch.labels.index_select(0, index))
     lengths = kjt.lengths().view(F, G).index_select(1, index).reshape(-1)
     starts = kjt.offsets()[:-1].view(F, G).index_select(1, index).reshape(-1)
     ends = torch.cumsum(lengths, 0)

@@ -1,11 +1,14 @@
 """Stage 1 of a batch entering the window: the batch on CPU in the EBC's feature order, its ids
-validated, their global row keys (``layout.feature_offsets[f] + id``) and each key's sample."""
+validated, their global row keys (``layout.feature_offsets[f] + id``) and each key's sample: one compiled
+pass (``native/batch_keys.cpp``) where the module is built, the torch ops below otherwise and to name a
+bad id."""
 
 from __future__ import annotations
 
 import torch
 from torchrec.datasets.utils import Batch
 
+from torchrec_herald.native import load_if_built
 from torchrec_herald.ops.hot_cold import first_invalid_id, out_of_table
 from torchrec_herald.pipeline.context import HeraldBatchContext, SchedulingEnv
 from torchrec_herald.pipeline.stages import StageHost, register_stage
@@ -32,8 +35,16 @@ def key_batch(env: SchedulingEnv, ctx: HeraldBatchContext, raw: Batch, whole_bat
     F = len(env.ebc.layout.features)
     kjt = full if len(full.keys()) == F else full.split([F, len(full.keys()) - F])[0]
     B = kjt.stride()
-    values, lengths = kjt.values().to(torch.int64), kjt.lengths().to(torch.int64)
     lay = env.layout
+    native = load_if_built()
+    if native is not None:
+        keys, sample, invalid = native.batch_keys(kjt.values(), kjt.lengths(), lay.feature_offsets,
+                                                  lay.rows_per_feature, B)
+        if not int(invalid):  # (a bad id: the torch ops below find and name it)
+            ctx.batch = Batch(dense_features=raw.dense_features, sparse_features=full, labels=raw.labels)
+            ctx.keys, ctx.bad, ctx.sample_of_key = keys, (0, 0, 0), sample
+            return
+    values, lengths = kjt.values().to(torch.int64), kjt.lengths().to(torch.int64)
     # the id check and the keys from one bag index per id (which also gives its sample)
     bag = torch.repeat_interleave(lengths)
     feature = bag // B
