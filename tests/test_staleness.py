@@ -648,3 +648,36 @@ def test_local_on_counts_cached_copies_at_most_s_behind_and_scores_sum_it(world:
     dense = torch.zeros(world, 30, dtype=torch.int64).index_add_(1, sample, got[:, keys].to(torch.int64)).T
     assert torch.equal(vec.local_scores(keys, sample, 30).to(torch.int64), dense)
 
+
+
+def _random_pushes(g: torch.Generator, n: int, keys: int, world: int) -> torch.Tensor:
+    """``n`` (key, src, dst) transfers with distinct (key, src) pairs."""
+    pairs = torch.randperm(keys * world, generator=g)[:n]
+    return torch.stack([pairs // world, pairs % world, torch.randint(0, world, (n,), generator=g)], 1)
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_compiled_push_and_pull_merge_gives_the_torch_ops_transfers(seed: int) -> None:
+    """The compiled merge of a bounded-staleness plan's three phases of pushes with the next plan's pulls
+    (``additive_merge``) gives the torch ops' transfers, add flags and phases: rerouted pulls behind a
+    replacing push, copies of each added update for the puller, None where a rank pushes one row twice."""
+    from torchrec_herald import native
+    from torchrec_herald.sharding.plan_exec import merge_additive_pushes
+
+    g, W, keys = torch.Generator().manual_seed(seed), 3, 40
+    mod = native.load()
+    for trial in range(20):
+        sizes = torch.randint(0, 12, (3,), generator=g).tolist()
+        both = _random_pushes(g, sum(sizes), keys, W)
+        if trial % 4 == 3 and both.numel():  # one rank pushes a row twice: in two phases
+            both[-1, :2] = both[0, :2]
+        phases = list(both.split(sizes))
+        flags = [None if trial % 5 == 0 else torch.rand(len(t), generator=g) < 0.6 for t in phases]
+        pulls = torch.stack([torch.randint(0, keys, (9,), generator=g), torch.randint(0, W, (9,), generator=g),
+                             torch.randint(0, W, (9,), generator=g)], 1)[: trial % 10]
+        want = merge_additive_pushes(phases, flags, pulls, W)
+        got = merge_additive_pushes(phases, flags, pulls, W, mod)
+        assert (want is None) == (got is None), (trial, sizes)
+        if want is not None:
+            assert all(torch.equal(a, b) for a, b in zip(want, got)), trial
+            assert got[1].dtype == torch.bool and got[2].dtype == torch.int64

@@ -1,7 +1,8 @@
 // The plan executor's by-key row access in compiled code: one pass over the keys that finds where each
 // global key's row lives on this rank (a hot replica, a row of its own ROW_WISE block, or a cache slot)
 // and copies the row, and its row-wise Adagrad state, out of or into that buffer (bounded staleness:
-// adding accumulated updates, keeping each copy's base); and each transfer list's route on this rank.
+// adding accumulated updates, keeping each copy's base); each transfer list's route on this rank; and
+// a bounded-staleness plan's pushes merged with the next plan's pulls.
 //
 // The torch reference is RowStore._where / read / write (torchrec_herald/sharding/row_store.py; tests
 // compare the two). Hand-written because the reference runs about thirty small tensor ops per call and
@@ -370,6 +371,110 @@ std::tuple<torch::Tensor, torch::Tensor, torch::Tensor, torch::Tensor> plan_rout
   return {send, send_counts, recv, recv_counts};
 }
 
+
+// A bounded-staleness plan's pushes (three phases: ``up``date pushes, eviction pushes ``miss``, the next
+// plan's pushes before its reads ``pre``; each int64 [n, 3] (key, src, dst), with add flags, empty: none
+// add) and the next plan's ``pulls`` as one transfer list: = PlanExecutor._additive_pushes_with_next_pulls's
+// torch ops (their docstring states the rule), which run about twenty small ops a step on the training
+// thread. Returns (ok, merged [N, 3], add [N], phase [N]); not ok where a rank pushes one row twice.
+std::tuple<bool, torch::Tensor, torch::Tensor, torch::Tensor> additive_merge(
+    torch::Tensor up, torch::Tensor miss, torch::Tensor pre, torch::Tensor up_add, torch::Tensor miss_add,
+    torch::Tensor pre_add, torch::Tensor pulls, i64 world) {
+  const torch::Tensor phases[3] = {up, miss, pre};
+  const torch::Tensor flags[3] = {up_add, miss_add, pre_add};
+  std::vector<i64> rows;  // the pushes, (key, src, dst), in phase order
+  std::vector<uint8_t> add;
+  std::vector<i64> phase;
+  for (int ph = 0; ph < 3; ++ph) {
+    const auto& t = phases[ph];
+    TORCH_CHECK(t.scalar_type() == torch::kInt64 && t.dim() == 2 && t.size(1) == 3 && t.device().is_cpu(),
+                "additive merge: transfers must be int64 [n, 3] (key, src, dst) on the CPU");
+    const auto tc = t.contiguous();
+    const i64 n = tc.size(0);
+    const i64* p = tc.data_ptr<i64>();
+    rows.insert(rows.end(), p, p + 3 * n);
+    const bool flagged = flags[ph].numel() > 0;
+    TORCH_CHECK(!flagged || (flags[ph].scalar_type() == torch::kBool && flags[ph].numel() == n),
+                "additive merge: add flags must be empty or one bool per transfer");
+    const auto fc = flagged ? flags[ph].contiguous() : flags[ph];
+    const bool* f = flagged ? fc.data_ptr<bool>() : nullptr;
+    for (i64 i = 0; i < n; ++i) {
+      add.push_back(flagged && f[i]);
+      phase.push_back(ph);
+    }
+  }
+  const i64 P = static_cast<i64>(phase.size());
+  for (i64 i = 0; i < P; ++i)
+    TORCH_CHECK(rows[3 * i] >= 0 && rows[3 * i + 1] >= 0 && rows[3 * i + 1] < world,
+                "additive merge: push ", i, " has a negative key or a source outside [0, ", world, ")");
+  // each row's pushes in the order its home applies them: by key, then phase, then pushing rank
+  std::vector<i64> order(P);
+  for (i64 i = 0; i < P; ++i) order[i] = i;
+  std::sort(order.begin(), order.end(), [&](i64 a, i64 b) {
+    if (rows[3 * a] != rows[3 * b]) return rows[3 * a] < rows[3 * b];
+    if (phase[a] != phase[b]) return phase[a] < phase[b];
+    return rows[3 * a + 1] < rows[3 * b + 1];
+  });
+  std::vector<i64> by_rank(P);  // no rank may push one row twice
+  for (i64 i = 0; i < P; ++i) by_rank[i] = rows[3 * i] * world + rows[3 * i + 1];
+  std::sort(by_rank.begin(), by_rank.end());
+  for (i64 i = 1; i < P; ++i)
+    if (by_rank[i] == by_rank[i - 1]) return {false, torch::Tensor(), torch::Tensor(), torch::Tensor()};
+  TORCH_CHECK(pulls.scalar_type() == torch::kInt64 && pulls.dim() == 2 && pulls.size(1) == 3,
+              "additive merge: pulls must be int64 [n, 3] (key, src, dst)");
+  const auto pc = pulls.contiguous();
+  const i64 M = pc.size(0);
+  const i64* pl = pc.data_ptr<i64>();
+  auto key_at = [&](i64 j) { return rows[3 * order[j]]; };
+  // per pull: the sorted pushes of its key [lo, hi); a replacing first push reroutes the pull to its pusher
+  std::vector<i64> lo(M), hi(M), pull_src(M);
+  i64 copies = 0;
+  for (i64 m = 0; m < M; ++m) {
+    const i64 k = pl[3 * m];
+    i64 a = 0, b = P;  // lower bound
+    while (a < b) {
+      const i64 mid = (a + b) / 2;
+      if (key_at(mid) < k) a = mid + 1; else b = mid;
+    }
+    i64 e = a;
+    while (e < P && key_at(e) == k) ++e;
+    pull_src[m] = pl[3 * m + 1];
+    i64 start = a;
+    if (e > a && !add[order[a]]) {
+      pull_src[m] = rows[3 * order[a] + 1];
+      start = a + 1;
+    }
+    lo[m] = start;
+    hi[m] = e;
+    copies += e - start;
+  }
+  const i64 N = P + M + copies;
+  auto merged = torch::empty({N, 3}, torch::kInt64);
+  auto add_out = torch::empty({N}, torch::kBool);
+  auto phase_out = torch::empty({N}, torch::kInt64);
+  i64* o = merged.data_ptr<i64>();
+  bool* oa = add_out.data_ptr<bool>();
+  i64* op = phase_out.data_ptr<i64>();
+  std::copy(rows.begin(), rows.end(), o);
+  for (i64 i = 0; i < P; ++i) oa[i] = add[i], op[i] = phase[i];
+  for (i64 m = 0; m < M; ++m) {
+    o[3 * (P + m)] = pl[3 * m];
+    o[3 * (P + m) + 1] = pull_src[m];
+    o[3 * (P + m) + 2] = pl[3 * m + 2];
+    oa[P + m] = false;
+    op[P + m] = 0;
+  }
+  i64 at = P + M;
+  for (i64 m = 0; m < M; ++m)
+    for (i64 j = lo[m]; j < hi[m]; ++j, ++at) {  // the added updates the puller applies after the row
+      o[3 * at] = rows[3 * order[j]];
+      o[3 * at + 1] = rows[3 * order[j] + 1];
+      o[3 * at + 2] = pl[3 * m + 2];
+      oa[at] = true;
+      op[at] = phase[order[j]];
+    }
+  return {true, merged, add_out, phase_out};
+}
 }  // namespace
 
 void register_row_store(pybind11::module& m) {
@@ -387,6 +492,8 @@ void register_row_store(pybind11::module& m) {
   m.def("plan_route", &plan_route,
         "(positions sent grouped by destination, counts per destination, positions received grouped by source, "
         "counts per source) of a plan's (key, src, dst) transfers on one rank");
+  m.def("additive_merge", &additive_merge,
+        "(ok, transfers, add flags, phases) of a bounded-staleness plan's pushes with the next plan's pulls");
   m.def("row_store_rebase", &row_store_rebase,
         "base := value + state of the hot replicas and cache entries among keys; returns the positions not held");
 }

@@ -23,12 +23,53 @@ from torchrec_herald.sharding.row_store import RowStore, exact_update
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["PlanExecutor"]
+__all__ = ["PlanExecutor", "merge_additive_pushes"]
 
 
 def _flags(add: Optional[torch.Tensor], transfers: torch.Tensor) -> torch.Tensor:
     """The per-transfer add flags of ``transfers`` (all False when the plan gives none)."""
     return add if add is not None and add.numel() else torch.zeros(len(transfers), dtype=torch.bool)
+
+
+def merge_additive_pushes(phases: List[torch.Tensor], flags: List[Optional[torch.Tensor]], pulls: torch.Tensor,
+                          world: int, native: Optional[Any] = None
+                          ) -> Optional[Tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+    """The three phases of pushes (``(key, src, dst)`` transfers, with their add flags) and the pulls as one
+    transfer list, with each transfer's add flag and phase, or None where a rank pushes one row twice
+    (:meth:`PlanExecutor._additive_pushes_with_next_pulls` states the rule). ``native``: the compiled
+    module, which does it in one pass (``additive_merge``); the torch ops below are its reference."""
+    if native is not None:
+        none = torch.empty(0, dtype=torch.bool)
+        ok, merged, add, phase = native.additive_merge(*(t.to(torch.int64) for t in phases),
+                                                       *(none if f is None else f for f in flags),
+                                                       pulls.to(torch.int64), world)
+        return (merged, add, phase) if ok and merged.numel() else None
+    pushes = torch.cat(phases)
+    add = torch.cat([_flags(f, t) for f, t in zip(flags, phases)])
+    phase = torch.repeat_interleave(torch.arange(3), torch.tensor([len(t) for t in phases]))
+    # each row's pushes in the order its home applies them: by key, then phase, then pushing rank
+    W = world
+    order = torch.argsort((pushes[:, 0] * 3 + phase) * W + pushes[:, 1])
+    p_key, p_src, p_add = pushes[order, 0], pushes[order, 1], add[order]
+    by_rank = torch.sort(p_key * W + p_src)[0]
+    if bool((by_rank[1:] == by_rank[:-1]).any()):
+        return None
+    wanted = pulls[:, 0].contiguous()
+    lo = torch.searchsorted(p_key, wanted)
+    hi = torch.searchsorted(p_key, wanted, right=True)
+    first = lo.clamp(max=max(p_key.numel() - 1, 0))
+    replaced = (hi > lo) & ~p_add[first] if p_key.numel() else torch.zeros_like(wanted, dtype=torch.bool)
+    pulls = pulls.clone()
+    pulls[replaced, 1] = p_src[first[replaced]]  # read where the replacing push comes from
+    # the added updates each puller applies after the row: its pushes from ``start`` to ``hi``
+    at, which = expand_ranges(lo + replaced.to(torch.int64), hi)
+    copies = torch.stack([p_key[at], p_src[at], pulls[which, 2]], 1)
+    merged = torch.cat([pushes, pulls, copies])
+    if not merged.numel():
+        return None
+    return (merged,
+            torch.cat([add, torch.zeros(len(pulls), dtype=torch.bool), torch.ones(len(copies), dtype=torch.bool)]),
+            torch.cat([phase, torch.zeros(len(pulls), dtype=torch.int64), phase[order][at]]))
 
 
 class PlanExecutor:
@@ -479,35 +520,9 @@ class PlanExecutor:
         if (next_plan is None or not plan.additive or not next_plan.additive or plan.partial or next_plan.partial
                 or not self.store.track_base):
             return None
-        phases = [plan.update_push, plan.miss_push, next_plan.push_before_read]
-        flags = [plan.update_push_add, plan.miss_push_add, next_plan.push_before_read_add]
-        pushes = torch.cat(phases)
-        add = torch.cat([_flags(f, t) for f, t in zip(flags, phases)])
-        phase = torch.repeat_interleave(torch.arange(3), torch.tensor([len(t) for t in phases]))
-        # each row's pushes in the order its home applies them: by key, then phase, then pushing rank
-        W = self.W
-        order = torch.argsort((pushes[:, 0] * 3 + phase) * W + pushes[:, 1])
-        p_key, p_src, p_add = pushes[order, 0], pushes[order, 1], add[order]
-        by_rank = torch.sort(p_key * W + p_src)[0]
-        if bool((by_rank[1:] == by_rank[:-1]).any()):
-            return None
-        pulls = next_plan.pull
-        wanted = pulls[:, 0].contiguous()
-        lo = torch.searchsorted(p_key, wanted)
-        hi = torch.searchsorted(p_key, wanted, right=True)
-        first = lo.clamp(max=max(p_key.numel() - 1, 0))
-        replaced = (hi > lo) & ~p_add[first] if p_key.numel() else torch.zeros_like(wanted, dtype=torch.bool)
-        pulls = pulls.clone()
-        pulls[replaced, 1] = p_src[first[replaced]]  # read where the replacing push comes from
-        # the added updates each puller applies after the row: its pushes from ``start`` to ``hi``
-        at, which = expand_ranges(lo + replaced.to(torch.int64), hi)
-        copies = torch.stack([p_key[at], p_src[at], pulls[which, 2]], 1)
-        merged = torch.cat([pushes, pulls, copies])
-        if not merged.numel():
-            return None
-        return (merged,
-                torch.cat([add, torch.zeros(len(pulls), dtype=torch.bool), torch.ones(len(copies), dtype=torch.bool)]),
-                torch.cat([phase, torch.zeros(len(pulls), dtype=torch.int64), phase[order][at]]))
+        return merge_additive_pushes([plan.update_push, plan.miss_push, next_plan.push_before_read],
+                                     [plan.update_push_add, plan.miss_push_add, next_plan.push_before_read_add],
+                                     next_plan.pull, self.W, self.store.native)
 
     def flush(self, fp: FlushPlan) -> None:
         """Dirty rows home, outdated hot replicas refreshed, caches dropped, home replicas mirrored into
