@@ -22,9 +22,13 @@ class _Store(SimpleNamespace):
         return keys.to(torch.float32)[:, None].repeat(1, self.dim), torch.zeros(keys.numel())
 
 
-def _executor() -> tuple:
+def _executor(compiled: bool = False) -> tuple:
+    """An executor over a fake store; ``compiled``: with the compiled row access's module (its forward
+    lookup, ``plan_positions``), else the torch ops."""
+    from torchrec_herald import native
+
     store = _Store(rank=0, dim=2, adagrad=False, device=torch.device("cpu"), reads=[],
-                   layout=SimpleNamespace(world_size=1))
+                   layout=SimpleNamespace(world_size=1), native=native.load() if compiled else None)
     empty = torch.zeros(0, 3, dtype=torch.int64)
     plan = SimpleNamespace(reads=[torch.tensor([2, 5, 7])], reduce=empty, partial=False, additive=False,
                            push_before_read=empty, push_before_read_add=torch.zeros(0, dtype=torch.bool), pull=empty)
@@ -43,8 +47,9 @@ class _Syncs(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-def test_begin_loads_the_working_set_and_the_forward_only_indexes_it() -> None:
-    ex, store, plan = _executor()
+@pytest.mark.parametrize("compiled", [False, True])
+def test_begin_loads_the_working_set_and_the_forward_only_indexes_it(compiled: bool) -> None:
+    ex, store, plan = _executor(compiled)
     ex.begin(plan)
     assert [k.tolist() for k in store.reads] == [[2, 5, 7]]  # read once, before the forward
     with _Syncs() as mode:
@@ -53,9 +58,10 @@ def test_begin_loads_the_working_set_and_the_forward_only_indexes_it() -> None:
     assert len(store.reads) == 1 and ex.ws is not None and ex.ws[:, 0].tolist() == [2.0, 5.0, 7.0]
 
 
+@pytest.mark.parametrize("compiled", [False, True])
 @pytest.mark.parametrize("keys", [[5, 2, 9], [2, 5], [8]])
-def test_a_batch_that_differs_from_its_plan_fails_after_backward_before_any_update(keys: list) -> None:
-    ex, store, plan = _executor()
+def test_a_batch_that_differs_from_its_plan_fails_after_backward_before_any_update(keys: list, compiled: bool) -> None:
+    ex, store, plan = _executor(compiled)
     ex.begin(plan)
     with _Syncs() as mode:
         ex.working_set(torch.tensor(keys))  # no error and no sync inside the forward ...

@@ -318,3 +318,24 @@ def test_phased_rows_stored_in_one_compiled_pass_match_the_torch_loop() -> None:
             assert torch.equal(stores[0].base(not_own), stores[1].base(not_own)), step
             for store in stores:
                 store.drop(pulled[::4].contiguous())
+
+
+@pytest.mark.parametrize("case", ["exact", "key_not_planned", "planned_not_read", "empty_plan"])
+def test_compiled_plan_positions_match_searchsorted_and_flag_rows_that_differ_from_the_plan(case: str) -> None:
+    """``plan_positions``: each forward key's position among the plan's sorted reads (torch.searchsorted)
+    and one flag, set exactly where a key is not among the reads or a read is not looked up."""
+    from torchrec_herald import native
+
+    g = torch.Generator().manual_seed(7)
+    planned = torch.unique(torch.randint(0, 500, (120,), generator=g))
+    keys = planned[torch.randint(0, planned.numel(), (400,), generator=g)]
+    keys = torch.cat([keys, planned])[torch.randperm(400 + planned.numel(), generator=g)]  # every read looked up
+    if case == "key_not_planned":
+        keys[5] = 1000
+    elif case == "planned_not_read":
+        keys = keys[keys != planned[3]]
+    elif case == "empty_plan":
+        planned = planned[:0]
+    pos, wrong = native.load().plan_positions(planned, keys)
+    assert torch.equal(pos, torch.searchsorted(planned, keys))
+    assert wrong.dim() == 0 and bool(wrong) == (case != "exact")

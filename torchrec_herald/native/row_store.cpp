@@ -475,6 +475,49 @@ std::tuple<bool, torch::Tensor, torch::Tensor, torch::Tensor> additive_merge(
     }
   return {true, merged, add_out, phase_out};
 }
+
+// The forward's lookups ``keys`` in the plan's sorted unique reads ``planned``: each key's position
+// (= torch.searchsorted(planned, keys)) and whether the batch's rows differ from the plan's (a key not
+// among them, or one of them not read) as a 0-d bool: = PlanExecutor.working_set's torch ops.
+std::tuple<torch::Tensor, torch::Tensor> plan_positions(torch::Tensor planned, torch::Tensor keys) {
+  TORCH_CHECK(planned.scalar_type() == torch::kInt64 && planned.dim() == 1 && planned.device().is_cpu(),
+              "plan positions: planned must be an int64 vector on the CPU");
+  TORCH_CHECK(keys.scalar_type() == torch::kInt64 && keys.device().is_cpu(),
+              "plan positions: keys must be int64 on the CPU");
+  const auto pc = planned.contiguous(), kc = keys.contiguous();
+  const i64 n = pc.numel(), m = kc.numel();
+  const i64* p = pc.data_ptr<i64>();
+  const i64* k = kc.data_ptr<i64>();
+  auto pos = torch::empty(kc.sizes(), torch::kInt64);
+  i64* o = pos.data_ptr<i64>();
+  std::vector<uint8_t> read(n, 0);
+  bool wrong = n == 0 && m > 0;
+  // lower bounds of kLanes keys in lockstep, with no data-dependent branch: a branchy binary search
+  // mispredicts about once a level on a batch's keys (slower than torch.searchsorted)
+  constexpr i64 kLanes = 16;
+  for (i64 i0 = 0; i0 < m && n > 0; i0 += kLanes) {
+    const i64 lanes = m - i0 < kLanes ? m - i0 : kLanes;
+    const i64* base[kLanes];
+    for (i64 l = 0; l < lanes; ++l) base[l] = p;
+    for (i64 len = n; len > 1;) {
+      const i64 half = len / 2;
+      for (i64 l = 0; l < lanes; ++l) base[l] = (base[l][half] < k[i0 + l]) ? base[l] + half : base[l];
+      len -= half;
+    }
+    for (i64 l = 0; l < lanes; ++l) {
+      const i64 key = k[i0 + l];
+      const i64 at = (base[l] - p) + (*base[l] < key ? 1 : 0);
+      o[i0 + l] = at;
+      const bool hit = at < n && p[at] == key;
+      if (hit) read[at] = 1;
+      wrong |= !hit;
+    }
+  }
+  if (n == 0)
+    for (i64 i = 0; i < m; ++i) o[i] = 0;
+  for (i64 j = 0; j < n && !wrong; ++j) wrong = !read[j];
+  return {pos, torch::scalar_tensor(wrong, torch::kBool)};
+}
 }  // namespace
 
 void register_row_store(pybind11::module& m) {
@@ -492,6 +535,8 @@ void register_row_store(pybind11::module& m) {
   m.def("plan_route", &plan_route,
         "(positions sent grouped by destination, counts per destination, positions received grouped by source, "
         "counts per source) of a plan's (key, src, dst) transfers on one rank");
+  m.def("plan_positions", &plan_positions,
+        "(each key's position among the plan's sorted reads, whether the keys differ from the reads)");
   m.def("additive_merge", &additive_merge,
         "(ok, transfers, add flags, phases) of a bounded-staleness plan's pushes with the next plan's pulls");
   m.def("row_store_rebase", &row_store_rebase,
