@@ -418,4 +418,24 @@ void exact_row(P& p, const i64* order, size_t a, size_t b, int bits, i64 x, i64 
   p.updated(x, reducer);
 }
 
+// Binary searches of ``count`` values ``x`` in the sorted ``table`` of ``n >= 1`` entries, kLanes of them in
+// lockstep with no data-dependent branch (a branchy search mispredicts about once a level on random
+// values, and the lanes' loads overlap): ``out[i]`` = the number of entries ``e`` with ``before(e, x[i])``,
+// the lower bound with ``<``, the upper bound with ``<=``.
+template <class T, class Before>
+inline void lockstep_bounds(const T* table, i64 n, const T* x, i64 count, i64* out, Before before) {
+  constexpr i64 kLanes = 16;
+  for (i64 i0 = 0; i0 < count; i0 += kLanes) {
+    const i64 lanes = std::min(kLanes, count - i0);
+    const T* base[kLanes];
+    for (i64 l = 0; l < lanes; ++l) base[l] = table;
+    for (i64 len = n; len > 1;) {  // the answer lies in [base[l], base[l] + len]
+      const i64 half = len / 2;
+      for (i64 l = 0; l < lanes; ++l) base[l] = before(base[l][half], x[i0 + l]) ? base[l] + half : base[l];
+      len -= half;
+    }
+    for (i64 l = 0; l < lanes; ++l) out[i0 + l] = (base[l] - table) + (before(*base[l], x[i0 + l]) ? 1 : 0);
+  }
+}
+
 }  // namespace herald

@@ -11,6 +11,8 @@
 
 #include <torch/extension.h>
 
+#include "common.h"
+
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
@@ -492,29 +494,16 @@ std::tuple<torch::Tensor, torch::Tensor> plan_positions(torch::Tensor planned, t
   i64* o = pos.data_ptr<i64>();
   std::vector<uint8_t> read(n, 0);
   bool wrong = n == 0 && m > 0;
-  // lower bounds of kLanes keys in lockstep, with no data-dependent branch: a branchy binary search
-  // mispredicts about once a level on a batch's keys (slower than torch.searchsorted)
-  constexpr i64 kLanes = 16;
-  for (i64 i0 = 0; i0 < m && n > 0; i0 += kLanes) {
-    const i64 lanes = m - i0 < kLanes ? m - i0 : kLanes;
-    const i64* base[kLanes];
-    for (i64 l = 0; l < lanes; ++l) base[l] = p;
-    for (i64 len = n; len > 1;) {
-      const i64 half = len / 2;
-      for (i64 l = 0; l < lanes; ++l) base[l] = (base[l][half] < k[i0 + l]) ? base[l] + half : base[l];
-      len -= half;
-    }
-    for (i64 l = 0; l < lanes; ++l) {
-      const i64 key = k[i0 + l];
-      const i64 at = (base[l] - p) + (*base[l] < key ? 1 : 0);
-      o[i0 + l] = at;
-      const bool hit = at < n && p[at] == key;
-      if (hit) read[at] = 1;
+  if (n > 0) {  // lower bounds (entries < key), searched in lockstep: a branchy search is slower than torch's
+    herald::lockstep_bounds(p, n, k, m, o, [](i64 e, i64 key) { return e < key; });
+    for (i64 i = 0; i < m; ++i) {
+      const bool hit = o[i] < n && p[o[i]] == k[i];
+      if (hit) read[o[i]] = 1;
       wrong |= !hit;
     }
-  }
-  if (n == 0)
+  } else {
     for (i64 i = 0; i < m; ++i) o[i] = 0;
+  }
   for (i64 j = 0; j < n && !wrong; ++j) wrong = !read[j];
   return {pos, torch::scalar_tensor(wrong, torch::kBool)};
 }

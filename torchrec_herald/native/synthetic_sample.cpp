@@ -3,10 +3,13 @@
 //
 // torch.searchsorted answers the same upper bounds, but its branchy binary search mispredicts about once
 // a level on random draws (~0.5 ms a global batch of 512, 40 % of a scheduling rank's batch reading); the
-// search below has no data-dependent branch. data/synthetic.py runs the torch ops where this is not built,
-// and tests/test_data_synthetic.py checks both give the same batches bit for bit.
+// search below (common.h lockstep_bounds) has no data-dependent branch. data/synthetic.py runs the torch
+// ops where this is not built, and tests/test_data_synthetic.py checks both give the same batches bit for
+// bit.
 
 #include <torch/extension.h>
+
+#include "common.h"
 
 #include <cstdint>
 
@@ -37,26 +40,10 @@ torch::Tensor inverse_cdf_rows(torch::Tensor u, torch::Tensor cdfs, torch::Tenso
     const double* table = c + off[f];
     const i64 n = off[f + 1] - off[f];
     TORCH_CHECK(n >= 1, "inverse_cdf_rows: table ", f, " has no rows");
-    // the draws in lockstep, kLanes at a time: every search of a table halves the same lengths, and the
-    // lanes' loads are independent, so they overlap instead of waiting for each other
-    constexpr i64 kLanes = 16;
-    for (i64 s0 = 0; s0 < G; s0 += kLanes) {
-      const i64 lanes = G - s0 < kLanes ? G - s0 : kLanes;
-      const double* x = du + f * G + s0;
-      const double* base[kLanes];
-      for (i64 k = 0; k < lanes; ++k) base[k] = table;
-      // count of entries <= x[k] (upper bound): the answer lies in [base[k], base[k] + len]
-      for (i64 len = n; len > 1;) {
-        const i64 half = len / 2;
-        for (i64 k = 0; k < lanes; ++k) base[k] = (base[k][half] <= x[k]) ? base[k] + half : base[k];
-        len -= half;
-      }
-      for (i64 k = 0; k < lanes; ++k) {
-        i64 rank = (base[k] - table) + (*base[k] <= x[k] ? 1 : 0);
-        rank = rank < n ? rank : n - 1;
-        o[f * G + s0 + k] = off[f] + p[off[f] + rank];
-      }
-    }
+    // the draws' upper bounds (entries <= u), then the row: clamped to the last (the CDF may end below 1)
+    i64* rows = o + f * G;
+    herald::lockstep_bounds(table, n, du + f * G, G, rows, [](double e, double x) { return e <= x; });
+    for (i64 s = 0; s < G; ++s) rows[s] = off[f] + p[off[f] + (rows[s] < n ? rows[s] : n - 1)];
   }
   return out;
 }

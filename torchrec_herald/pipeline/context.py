@@ -204,16 +204,15 @@ def select_samples(batch: Batch, index: torch.Tensor) -> Batch:
     native = load_if_built() if kjt.values().device.type == "cpu" else None
     if native is not None:
         lengths, values = native.select_bags(kjt.lengths(), kjt.values(), index, G)
-        return Batch(dense_features=batch.dense_features.index_select(0, index),
-                     sparse_features=KeyedJaggedTensor(keys=kjt.keys(), values=values, lengths=lengths),
-                     labels=batch.labels.index_select(0, index))
-    lengths = kjt.lengths().view(F, G).index_select(1, index).reshape(-1)
-    starts = kjt.offsets()[:-1].view(F, G).index_select(1, index).reshape(-1)
-    ends = torch.cumsum(lengths, 0)
-    pos = torch.repeat_interleave(starts - (ends - lengths), lengths) + torch.arange(int(ends[-1]) if ends.numel() else 0)
+    else:
+        lengths = kjt.lengths().view(F, G).index_select(1, index).reshape(-1)
+        starts = kjt.offsets()[:-1].view(F, G).index_select(1, index).reshape(-1)
+        ends = torch.cumsum(lengths, 0)
+        pos = torch.repeat_interleave(starts - (ends - lengths), lengths) + torch.arange(
+            int(ends[-1]) if ends.numel() else 0)
+        values = kjt.values().index_select(0, pos)
     return Batch(dense_features=batch.dense_features.index_select(0, index),
-                 sparse_features=KeyedJaggedTensor(keys=kjt.keys(), values=kjt.values().index_select(0, pos),
-                                                   lengths=lengths),
+                 sparse_features=KeyedJaggedTensor(keys=kjt.keys(), values=values, lengths=lengths),
                  labels=batch.labels.index_select(0, index))
 
 

@@ -36,12 +36,12 @@ def key_batch(env: SchedulingEnv, ctx: HeraldBatchContext, raw: Batch, whole_bat
     kjt = full if len(full.keys()) == F else full.split([F, len(full.keys()) - F])[0]
     B = kjt.stride()
     lay = env.layout
+    ctx.batch = Batch(dense_features=raw.dense_features, sparse_features=full, labels=raw.labels)
     native = load_if_built()
     if native is not None:
         keys, sample, invalid = native.batch_keys(kjt.values(), kjt.lengths(), lay.feature_offsets,
                                                   lay.rows_per_feature, B)
         if not int(invalid):  # (a bad id: the torch ops below find and name it)
-            ctx.batch = Batch(dense_features=raw.dense_features, sparse_features=full, labels=raw.labels)
             ctx.keys, ctx.bad, ctx.sample_of_key = keys, (0, 0, 0), sample
             return
     values, lengths = kjt.values().to(torch.int64), kjt.lengths().to(torch.int64)
@@ -54,7 +54,6 @@ def key_batch(env: SchedulingEnv, ctx: HeraldBatchContext, raw: Batch, whole_bat
         local_batch = B // env.world
         ranks = torch.unique((bag % B)[invalid] // local_batch).tolist()
         raise env.ebc.bad_id_error(ranks, bad[0], bad[1])
-    ctx.batch = Batch(dense_features=raw.dense_features, sparse_features=full, labels=raw.labels)
     ctx.keys = None if bad else lay.feature_offsets.index_select(0, feature) + values
     ctx.bad = (1, bad[0], bad[1]) if bad else (0, 0, 0)
     ctx.sample_of_key = bag % B
