@@ -71,8 +71,33 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+#: imported once by the fork server that every :func:`run_multiprocess` rank is forked from (importing
+#: torch, TorchRec and fbgemm costs each spawned rank about 4 s of CPU: most of a short test's time)
+_PRELOAD = ["torch", "torch.distributed", "fbgemm_gpu", "torchrec", "torchrec.distributed",
+            "torchrec_herald.trainer"]
+
+
+def _rank_context() -> Any:
+    """The multiprocessing context of :func:`run_multiprocess`'s ranks: a fork server that has imported
+    :data:`_PRELOAD` (started on first use, kept for the parent's life), or plain spawn where the
+    platform has none. A rank forked from it gets the parent's environment and working directory from
+    :func:`_worker`, as a spawned one inherits them."""
+    import multiprocessing
+
+    if "forkserver" not in multiprocessing.get_all_start_methods():
+        return mp.get_context("spawn")
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(_PRELOAD)
+    return ctx
+
+
 def _worker(rank: int, world_size: int, port: int, fn: Callable[..., Any], args: tuple,
-            queue: Any) -> None:
+            queue: Any, env: Optional[dict] = None, cwd: Optional[str] = None) -> None:
+    if env is not None:  # the parent's, now (a fork server's child has the server's, from its start)
+        os.environ.clear()
+        os.environ.update(env)
+    if cwd is not None:
+        os.chdir(cwd)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
                       WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank))
     torch.set_num_threads(1)
@@ -97,10 +122,11 @@ def run_multiprocess(fn: Callable[..., Any], world_size: int, *args: Any,
     ``fn`` must be picklable (module level). The first rank error is raised here as RuntimeError
     with that rank's traceback; remaining ranks are terminated (no hang).
     """
-    ctx = mp.get_context("spawn")
+    ctx = _rank_context()
     queue = ctx.Queue()
     port = free_port()
-    procs = [ctx.Process(target=_worker, args=(r, world_size, port, fn, args, queue), daemon=True)
+    env, cwd = dict(os.environ), os.getcwd()
+    procs = [ctx.Process(target=_worker, args=(r, world_size, port, fn, args, queue, env, cwd), daemon=True)
              for r in range(world_size)]
     for p in procs:
         p.start()
