@@ -31,7 +31,8 @@ def _executor(compiled: bool = False) -> tuple:
                    layout=SimpleNamespace(world_size=1), native=native.load() if compiled else None)
     empty = torch.zeros(0, 3, dtype=torch.int64)
     plan = SimpleNamespace(reads=[torch.tensor([2, 5, 7])], reduce=empty, partial=False, additive=False,
-                           push_before_read=empty, push_before_read_add=torch.zeros(0, dtype=torch.bool), pull=empty)
+                           push_before_read=empty, push_before_read_add=torch.zeros(0, dtype=torch.bool), pull=empty,
+                           update_keys=torch.tensor([2, 5, 7]), reducer=torch.zeros(3, dtype=torch.int64))
     return PlanExecutor(store, None), store, plan
 
 

@@ -89,6 +89,7 @@ class PlanExecutor:
         self.ws: Optional[torch.Tensor] = None
         self.ws_keys = torch.empty(0, dtype=torch.int64)
         self.frozen_keys = torch.empty(0, dtype=torch.int64)  # stale-update skipping: rows read, not updated
+        self._update_rows_of: Optional[Tuple[ExecPlan, torch.Tensor, Tuple[torch.Tensor, ...]]] = None
         # a plan whose pulls are in flight (prefetch): (plan, work, received rows, positions per source, keys,
         # add flags, push phases)
         self._prefetched: Optional[Tuple[ExecPlan, Any, Any, List[torch.Tensor], torch.Tensor, torch.Tensor,
@@ -123,6 +124,7 @@ class PlanExecutor:
             self._planned_where(planned, self.store.device)  # copied now, before the forward
             if route is not None:
                 reduce_rows = self._reduce_rows_of(planned, plan, route)
+            self._update_rows(plan, planned)
         self.before_forward(plan)
         self.plan = plan
         self._reduce_route = route
@@ -299,14 +301,15 @@ class PlanExecutor:
         self._store_received(keys, add, recv_pos, out)
 
     def _store_received(self, keys: torch.Tensor, add: torch.Tensor, recv_pos: List[torch.Tensor],
-                        out: torch.Tensor, phase: Optional[torch.Tensor] = None) -> None:
+                        out: torch.Tensor, phase: Optional[torch.Tensor] = None,
+                        order: Optional[Tuple[torch.Tensor, torch.Tensor]] = None) -> None:
         """Write the rows received from each source, in rank order (``add``: add to the current value).
         ``phase`` (per transfer, where one all-to-all carries pushes of successive phases of the plan):
         every replacing row is written first (a row has at most one, a pull or the first push of the
         row), then the added updates by phase, then by source rank: the order the home applies them in,
         so that what a puller stores is the home's row bit for bit."""
         if phase is not None and self.store.native is not None:  # one compiled pass stores them in sequence
-            self._store_in_home_order(keys, add, recv_pos, out, phase)
+            self._store_in_home_order(keys, add, recv_pos, out, phase, order)
             return
         parts = list(zip(recv_pos, out.split([i.numel() for i in recv_pos])))
         if phase is None:
@@ -324,22 +327,29 @@ class PlanExecutor:
                 if bool(now.any()):
                     self.store.receive(keys[pos[now]], rows[now.to(rows.device)], now[now])
 
-    def _store_in_home_order(self, keys: torch.Tensor, add: torch.Tensor, recv_pos: List[torch.Tensor],
-                             out: torch.Tensor, phase: torch.Tensor) -> None:
+    def _home_order(self, keys: torch.Tensor, add: torch.Tensor, recv_pos: List[torch.Tensor],
+                    phase: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
         """:meth:`_store_received`'s order (replacing rows, then added updates by phase, then by source) as
-        one stable sort of the received rows and one store, which applies them one after another (the
-        loop over phases and sources cost ~1 ms a step in small calls). The replacing rows' keys get
-        their cache slots first, so no added update meets a row not held yet."""
+        one stable sort of the received rows: ``(their positions in the transfers, the order)``. The
+        replacing rows' keys get their cache slots now, so no added update meets a row not held yet.
+        Found from the plans alone: :meth:`before_forward` finds it while the rows travel."""
         if not recv_pos:
-            return
+            return keys[:0], keys[:0]
         pos = torch.cat(recv_pos)
-        if not pos.numel():
-            return
         src = torch.repeat_interleave(torch.arange(len(recv_pos)), torch.tensor([p.numel() for p in recv_pos]))
         a = add[pos]
-        order = torch.argsort(torch.where(a, phase[pos] + 1, 0) * len(recv_pos) + src, stable=True)
         self.store.reserve(keys[pos[~a]])
-        self.store.receive(keys[pos[order]], out[order.to(out.device)], a[order])
+        return pos, torch.argsort(torch.where(a, phase[pos] + 1, 0) * len(recv_pos) + src, stable=True)
+
+    def _store_in_home_order(self, keys: torch.Tensor, add: torch.Tensor, recv_pos: List[torch.Tensor],
+                             out: torch.Tensor, phase: torch.Tensor,
+                             order: Optional[Tuple[torch.Tensor, torch.Tensor]] = None) -> None:
+        """The received rows stored in :meth:`_home_order` (``order``, where found already) by one store,
+        which applies them one after another (the loop over phases and sources cost ~1 ms a step in small
+        calls)."""
+        pos, at = order if order is not None else self._home_order(keys, add, recv_pos, phase)
+        if pos.numel():
+            self.store.receive(keys[pos[at]], out[at.to(out.device)], add[pos][at])
 
     def prefetch(self, plan: ExecPlan) -> None:
         """Start ``plan``'s pre-read transfers now, while the current step ends (collective): the pushes
@@ -376,11 +386,16 @@ class PlanExecutor:
             if pre is not plan:
                 raise RuntimeError("a prefetched plan must be the next one begun")
             if work is not None:
-                if recv_pos:  # the arriving rows not held yet get their cache slots while they travel
+                # the arriving rows not held yet get their cache slots while they travel (an added update's
+                # row is held), and the order they are stored in is found meanwhile
+                order = None
+                if phase is not None and self.store.native is not None:
+                    order = self._home_order(keys, add, recv_pos, phase)
+                elif recv_pos:
                     arriving = torch.cat(recv_pos)
-                    self.store.reserve(keys[arriving[~add[arriving]]])  # (an added update's row is held)
+                    self.store.reserve(keys[arriving[~add[arriving]]])
                 work.wait()
-                self._store_received(keys, add, recv_pos, out, phase)
+                self._store_received(keys, add, recv_pos, out, phase, order)
             return
         self._start_tracking_base(plan)
         self._push_before_read(plan)
@@ -406,16 +421,13 @@ class PlanExecutor:
         the reduce's all-to-all, already started in backward (:meth:`_start_reduce`); ``next_plan``: the
         next step's plan, made already (see :meth:`finish`)."""
         me, store = self.rank, self.store
-        mine = plan.reducer == me
-        upd = plan.update_keys[mine]
         dev = store.device
-        total = torch.zeros(upd.numel(), self.D, device=dev)
         red_keys = plan.reduce[:, 0]
         # what depends on the plans alone is found before the reduce is waited for (the host is idle then):
-        # where this rank's own gradients and each source's land among the updated rows ...
-        own = torch.searchsorted(ws_keys, upd).clamp(max=max(ws_keys.numel() - 1, 0))
-        read = ws_keys[own] == upd if ws_keys.numel() else torch.zeros_like(upd, dtype=torch.bool)
-        own_rows, own_grads = read.to(dev), own[read].to(dev)
+        # where this rank's own gradients and each source's land among the updated rows (found by begin()
+        # while its pulls travelled, where the working set is the plan's reads) ...
+        upd, own_rows, own_grads = self._update_rows(plan, ws_keys)
+        total = torch.zeros(upd.numel(), self.D, device=dev)
         # ... and the exact plan's pushes, with the next step's pulls where they travel together, and its route
         pushes = merged = route = merged_add = merged_phase = None
         if not plan.additive:
@@ -468,6 +480,22 @@ class PlanExecutor:
             assert next_plan is not None
             self._start_pulls(next_plan, merged, "herald_push_pull", route)
         store.drop(plan.evictions[me])  # (a merged all-to-all packed its rows already)
+
+    def _update_rows(self, plan: ExecPlan, ws_keys: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The rows this rank updates in ``plan`` (its reducer's) and, among them and the working set's
+        ``ws_keys``, which it read and where their gradients are: ``(keys, mask, working-set positions)``,
+        the last two on the rows' device. Kept for the plan's :meth:`after_backward` (:meth:`begin`
+        finds them while its pulls travel)."""
+        found = self._update_rows_of
+        if found is not None and found[0] is plan and found[1] is ws_keys:
+            return found[2]
+        upd = plan.update_keys[plan.reducer == self.rank]
+        own = torch.searchsorted(ws_keys, upd).clamp(max=max(ws_keys.numel() - 1, 0))
+        read = ws_keys[own] == upd if ws_keys.numel() else torch.zeros_like(upd, dtype=torch.bool)
+        dev = self.store.device
+        rows = (upd, read.to(dev), own[read].to(dev))
+        self._update_rows_of = (plan, ws_keys, rows)
+        return rows
 
     def _pushes_with_next_pulls(self, plan: ExecPlan, pushes: torch.Tensor,
                                 next_plan: Optional[ExecPlan]) -> Optional[torch.Tensor]:
