@@ -80,11 +80,12 @@ _PRELOAD = ["torch", "torch.distributed", "fbgemm_gpu", "torchrec", "torchrec.di
 def _rank_context() -> Any:
     """The multiprocessing context of :func:`run_multiprocess`'s ranks: a fork server that has imported
     :data:`_PRELOAD` (started on first use, kept for the parent's life), or plain spawn where the
-    platform has none. A rank forked from it gets the parent's environment and working directory from
-    :func:`_worker`, as a spawned one inherits them."""
+    platform has none, and on a CUDA machine (the imports may touch the CUDA driver, which a forked
+    process cannot use then). A rank forked from it gets the parent's environment and working directory
+    from :func:`_worker`, as a spawned one inherits them."""
     import multiprocessing
 
-    if "forkserver" not in multiprocessing.get_all_start_methods():
+    if "forkserver" not in multiprocessing.get_all_start_methods() or torch.cuda.is_available():
         return mp.get_context("spawn")
     ctx = mp.get_context("forkserver")
     ctx.set_forkserver_preload(_PRELOAD)
