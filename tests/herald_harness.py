@@ -153,7 +153,8 @@ def build(world: int, cfg: Dict[str, Any], data: Optional[Any] = None) -> Dict[s
     :class:`ForwardOrderedDenseSync`, its sums started at the step or inside backward),
     pooling (SUM|MEAN), batch_size, hot_min_count, sync (herald: dense|sparse|mixed), lr, multi_hot, steps,
     stock_tables (herald: ``(stock mode, k)``: every k-th table keeps that stock plan's sharding, one EBC mixed),
-    device (cpu|cuda: where every rank keeps its rows; the GPU check runs two gloo ranks on one GPU)."""
+    device (cpu|cuda: where every rank keeps its rows; the GPU check runs two gloo ranks on one GPU),
+    torch_ids (herald: the id bookkeeping by the torch ops, as for ids on a GPU, not the compiled pass)."""
     from torchrec.distributed import DistributedModelParallel
     from torchrec.optim import RowWiseAdagrad, apply_optimizer_in_backward
     from torchrec.optim.keyed import CombinedOptimizer
@@ -199,6 +200,10 @@ def build(world: int, cfg: Dict[str, Any], data: Optional[Any] = None) -> Dict[s
         sync.start_in_backward = dense_mode == "forward_ordered_in_backward"
     dmp = DistributedModelParallel(model, device=device, plan=plan, sharders=[sharder], data_parallel_wrapper=sync)
     dmp.load_state_dict(dict(initial))  # a copy: TorchRec's DMP.load_state_dict renames the DDP keys in place
+    if cfg.get("torch_ids", False):  # herald's id bookkeeping by the torch ops: the path of ids on a GPU
+        from torchrec_herald.pipeline.context import find_herald_ebc
+
+        find_herald_ebc(dmp)._native_ids = None
     dense_cls = torch.optim.SGD if opt == "sgd" else torch.optim.Adagrad
     dense = dense_optimizer_for(dmp, lambda ps: dense_cls(ps, lr=lr))
     optimizer = CombinedOptimizer([dmp.fused_optimizer, dense])

@@ -53,7 +53,7 @@ from typing import Any, Dict, List, Tuple
 import pytest
 import torch
 
-from herald_harness import train_many, weight_rtol
+from herald_harness import train, train_many, weight_rtol
 from torchrec_herald.dist_utils import run_multiprocess
 
 STEPS = 50
@@ -155,3 +155,38 @@ def test_stock_references_agree() -> None:
     b = runs("b")
     assert any(not torch.equal(b["row_wise"][0]["state"][k], b["table_wise"][0]["state"][k])
                for k in b["table_wise"][0]["state"])
+
+
+def _no_hot_rows(rank: int, world: int) -> Dict[str, Any]:
+    """A herald plan holding no hot rows (every id is cold: the minimum count is never reached), trained by
+    both id paths, and stock ROW_WISE on the same batches."""
+    cfg = dict(optimizer="rowwise_adagrad", via="fused_params", pooling="MEAN", pipeline="sparse_dist",
+               sync="dense", hot_min_count=10 ** 9, steps=STEPS, dense_sync="forward_ordered")
+    runs = {name: train(rank, world, dict(cfg, **extra)) for name, extra in (
+        ("compiled", dict(planner="herald")), ("torch", dict(planner="herald", torch_ids=True)),
+        ("row_wise", dict(planner="row_wise", exact_rw_mean=True)))}
+    from torchrec_herald.pipeline.context import find_herald_ebc
+    from herald_harness import build
+
+    runs["num_hot"] = find_herald_ebc(build(world, dict(cfg, planner="herald"))["dmp"])._num_hot
+    return runs
+
+
+@pytest.mark.parametrize("world", [1, 2])
+def test_a_plan_without_hot_rows_trains_as_stock_row_wise_by_both_id_paths(world: int) -> None:
+    """Where a plan replicates no rows (one rank: nothing to save) the step skips the hot side (no lookup, no
+    gradient hook, no hot-row counts); the model is stock ROW_WISE's, by the compiled pass and by the torch ops
+    (the path of ids on a GPU), at one rank and at two."""
+    for r in run_multiprocess(_no_hot_rows, world, timeout_s=300):
+        assert r["num_hot"] == 0
+        ref = r["row_wise"]
+        for name in ("compiled", "torch"):
+            h = r[name]
+            assert loss_rel(h["losses"], ref["losses"]) <= RTOL, name
+            worst = {k: rel(h["state"][k], ref["state"][k]) for k in ref["state"]}
+            assert all(v <= weight_rtol("rowwise_adagrad") for v in worst.values()), (name, worst)
+            assert "herald_hot_sync" not in h["tags"], name
+        assert r["torch"]["losses"] == r["compiled"]["losses"]
+        for k in ref["state"]:
+            assert torch.equal(r["torch"]["state"][k], r["compiled"]["state"][k]), k
+        assert any(not torch.equal(ref["state"][k], ref["initial"][k]) for k in ref["initial"])

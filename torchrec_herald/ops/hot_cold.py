@@ -101,10 +101,9 @@ def split_hot_cold(values: torch.Tensor, lengths: torch.Tensor, feature_table: t
 
 
 def offsets_from_lengths(lengths: torch.Tensor) -> torch.Tensor:
-    """[0, cumsum(lengths)] as int64 (TBE offsets), where ``lengths`` is."""
-    out = torch.zeros(lengths.numel() + 1, dtype=torch.int64, device=lengths.device)
-    torch.cumsum(lengths.to(torch.int64), 0, out=out[1:])
-    return out
+    """[0, cumsum(lengths)] as int64 (TBE offsets), where ``lengths`` is: fbgemm's one-op complete cumsum
+    (TorchRec's ``_to_offsets``) rather than a zeros, a cumsum and a copy (a GPU's step is its host's)."""
+    return torch.ops.fbgemm.asynchronous_complete_cumsum(lengths.to(torch.int64))
 
 
 def bags_of_values(lengths: torch.Tensor, num_values: int) -> torch.Tensor:

@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+import functools
 import math
-from typing import Any, Dict, Optional
+from typing import Any, Dict, Optional, Tuple
 
 import torch
 from fbgemm_gpu.split_embedding_configs import EmbOptimType
@@ -77,14 +78,19 @@ def dense_lookup(weights: torch.Tensor, indices: torch.Tensor, offsets: torch.Te
     per-step working set of rows that no persistent TBE owns."""
     n, dim = weights.shape
     dev = weights.device  # the kernel runs where the rows are; indices/offsets follow them there
-    # [0, dim] and [0, n] filled on the device (a host tensor copied there would make a GPU's host wait)
-    d_offsets = torch.zeros(2, dtype=torch.int32, device=dev)
-    d_offsets[1:].fill_(dim)
-    hash_size_cumsum = torch.zeros(2, dtype=torch.int64, device=dev)
-    hash_size_cumsum[1:].fill_(n)
+    zero, d_offsets, zero_one = _lookup_constants(dev, dim)
     return torch.ops.fbgemm.dense_embedding_codegen_lookup_function(
-        dev_weights=weights.reshape(-1), weights_offsets=torch.zeros(1, dtype=torch.int64, device=dev),
-        D_offsets=d_offsets, total_D=dim, max_D=dim, hash_size_cumsum=hash_size_cumsum,
-        total_hash_size_bits=int(math.log2(max(n, 1)) + 1), indices=indices.to(dev, torch.int64),
-        offsets=offsets.to(dev, torch.int64), pooling_mode=int(PoolingMode.SUM), indice_weights=None,
-        feature_requires_grad=None)
+        dev_weights=weights.reshape(-1), weights_offsets=zero, D_offsets=d_offsets, total_D=dim, max_D=dim,
+        hash_size_cumsum=zero_one * n, total_hash_size_bits=int(math.log2(max(n, 1)) + 1),
+        indices=indices.to(dev, torch.int64), offsets=offsets.to(dev, torch.int64),
+        pooling_mode=int(PoolingMode.SUM), indice_weights=None, feature_requires_grad=None)
+
+
+@functools.lru_cache(maxsize=None)
+def _lookup_constants(dev: torch.device, dim: int) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """:func:`dense_lookup`'s fixed one-table arguments on ``dev``, made once (each step made them anew: four
+    kernel launches a lookup on a GPU, whose step is the host's): the weights offset ``[0]``, ``D_offsets``
+    ``[0, dim]`` and ``[0, 1]``, which times the rows gives ``hash_size_cumsum`` ``[0, n]`` in one op. The
+    kernel only reads them."""
+    return (torch.zeros(1, dtype=torch.int64, device=dev), torch.tensor([0, dim], dtype=torch.int32, device=dev),
+            torch.tensor([0, 1], dtype=torch.int64, device=dev))

@@ -146,7 +146,8 @@ class ForwardOrderedDenseSync:
     def _start(self, i: int) -> None:
         g = self.groups[i]
         flat = _flatten_dense_tensors([p.grad if p.grad is not None else torch.zeros_like(p) for p in g.params])
-        flat.div_(self._world)  # averaged over ranks as DDP does: divide, then sum
+        if self._world > 1:  # averaged over ranks as DDP does: divide, then sum (by 1: no op)
+            flat.div_(self._world)
         for p in g.params:  # the sum owns the gradients now; a gradient seen later was made after this step
             p.grad = None
         with traffic_tag("dense_allreduce"):

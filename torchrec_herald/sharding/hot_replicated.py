@@ -72,28 +72,33 @@ def storage_device(device: Optional[torch.device]) -> torch.device:
     return device
 
 
+#: the default of a context's id tensors: one shared empty tensor (a context is made every step; the
+#: fields are only ever replaced, never written into)
+_NO_IDS = torch.empty(0, dtype=torch.int64)
+
+
 @dataclass
 class HeraldContext(Multistreamable):
     """Per-batch state between input_dist, compute and output_dist."""
 
     batch_size: int = 0
     split: Optional[HotColdSplit] = None
-    send_bag_index: torch.Tensor = field(default_factory=lambda: torch.empty(0, dtype=torch.int64))
+    send_bag_index: torch.Tensor = _NO_IDS
     bags_to: List[int] = field(default_factory=list)  # sub-bags this rank sends to each owner
     bags_from: List[int] = field(default_factory=list)  # sub-bags each rank sends to this owner
-    recv_lengths: torch.Tensor = field(default_factory=lambda: torch.empty(0, dtype=torch.int64))
-    recv_rows: torch.Tensor = field(default_factory=lambda: torch.empty(0, dtype=torch.int64))
+    recv_lengths: torch.Tensor = _NO_IDS
+    recv_rows: torch.Tensor = _NO_IDS
     # the hot rows this batch reads (sorted, unique), each hot id's position among them, and which of them
     # are synced sparsely (their count rides on the input dist's counts exchange)
-    hot_unique: torch.Tensor = field(default_factory=lambda: torch.empty(0, dtype=torch.int64))
-    hot_inverse: torch.Tensor = field(default_factory=lambda: torch.empty(0, dtype=torch.int64))
+    hot_unique: torch.Tensor = _NO_IDS
+    hot_inverse: torch.Tensor = _NO_IDS
     # (positions among hot_unique, found in the input dist so that backward sizes nothing by the data)
-    sparse_idx: torch.Tensor = field(default_factory=lambda: torch.empty(0, dtype=torch.int64))
+    sparse_idx: torch.Tensor = _NO_IDS
     sparse_from: List[int] = field(default_factory=list)  # touched sparse-sync hot rows of each rank
-    bag_lengths: torch.Tensor = field(default_factory=lambda: torch.empty(0, dtype=torch.int64))
+    bag_lengths: torch.Tensor = _NO_IDS
     # plan mode: every lookup local, into the step's working set of rows (sorted keys)
     ws_index: Optional[torch.Tensor] = None
-    ws_offsets: torch.Tensor = field(default_factory=lambda: torch.empty(0, dtype=torch.int64))
+    ws_offsets: torch.Tensor = _NO_IDS
 
     def record_stream(self, stream: torch.Stream) -> None:
         """The batch's id tensors live on the rows' device, made on TorchRec's data-dist stream: tell the
@@ -153,8 +158,9 @@ class _IdsAwaitable(Awaitable[HeraldContext]):
     def _wait_impl(self) -> HeraldContext:
         self._work.wait()
         parts = self._recv.split(self._sizes)
-        self._ctx.recv_lengths = torch.cat(parts[0::2])
-        self._ctx.recv_rows = torch.cat(parts[1::2])
+        one = len(parts) == 2  # one rank sent: its two parts are the lengths and the rows, no copy needed
+        self._ctx.recv_lengths = parts[0] if one else torch.cat(parts[0::2])
+        self._ctx.recv_rows = parts[1] if one else torch.cat(parts[1::2])
         return self._ctx
 
 
@@ -344,6 +350,9 @@ class ShardedHeraldEmbeddingBagCollection(
         #: the extension is built; else the torch ops of ops/hot_cold.py (the reference)
         self._native_ids: Optional[Any] = load_if_built() if self._ids.device.type == "cpu" else None
         self._hot_sparse_sent = torch.zeros(len(self._tables), dtype=torch.int64, device=self._device)
+        # the input dist's hot-row counts where the module holds no hot rows (made once, only ever read)
+        self._no_hot_counts = torch.zeros(max(self._world, 2), dtype=torch.int64, device=self._device)
+        self._no_rows_read = torch.zeros(0, dtype=torch.bool, device=self._device)
         # stale-update skipping: hot rows neither synchronised nor updated (where the ids are handled)
         self._frozen_hot = torch.zeros(max(self._num_hot, 1), dtype=torch.bool, device=self._device)
         self._set_dense_rows(self._all_dense_rows)
@@ -410,13 +419,16 @@ class ShardedHeraldEmbeddingBagCollection(
         # Then the hot/cold split, the cold ids and non-empty sub-bags to each (owner, feature) (counted for
         # traffic_by_table, and summed per owner for the exchange) and the hot rows this batch reads (the
         # lookup and its gradient cover only these)
-        split, per, read, any_bad, feature_of_value = self._split_ids(values, lengths, B)
-        nonempty_mask = split.sub_lengths > 0
+        split, per, read, any_bad, feature_of_value, nonempty_mask = self._split_ids(values, lengths, B)
         self._cold_sent += per
         ids_to, bags_to = per.sum(2)
-        # the hot rows read that are synced sparsely are counted on this exchange
-        read_sparse = read & lay.sparse_row[:num_hot] & ~self._frozen_hot[:num_hot]
-        k = read_sparse.sum().expand(W, 1)
+        # the hot rows read that are synced sparsely are counted on this exchange (none without hot rows)
+        if num_hot:
+            read_sparse = read & lay.sparse_row[:num_hot] & ~self._frozen_hot[:num_hot]
+            k = read_sparse.sum().expand(W, 1)
+            read_counts = torch.stack([read.sum(), k[0, 0]])
+        else:
+            read_sparse, k, read_counts = read, self._no_hot_counts[:W, None], self._no_hot_counts[:2]
         counts = torch.cat([bags_to[:, None], ids_to[:, None], any_bad.to(torch.int64).expand(W, 1), k], 1)
         ctx.split = split
         # both exchanges run asynchronously: TrainPipelineSparseDist starts this input dist before the
@@ -425,32 +437,37 @@ class ShardedHeraldEmbeddingBagCollection(
         # the host: the sizes (sub-bags and ids to each owner, hot rows read, those synced sparsely) are
         # read at the first wait, so on a GPU the host queues the previous batch's forward while these
         # kernels run
-        sizes = _SplitSizes(torch.cat([bags_to, ids_to, read.sum()[None], k[:1, 0]]), read, read_sparse,
+        sizes = _SplitSizes(torch.cat([bags_to, ids_to, read_counts]), read, read_sparse,
                             nonempty_mask, values, lengths, B, feature_of_value)
         recv_counts, work = all_to_all_rows_async(counts, [1] * W, [1] * W, self._pg, "herald_meta")
         return KJTListSplitsAwaitable([_CountsAwaitable(self, ctx, recv_counts, work, sizes)], ctx)
 
     def _split_ids(self, values: torch.Tensor, lengths: torch.Tensor, B: int
-                   ) -> Tuple[HotColdSplit, torch.Tensor, torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
+                   ) -> Tuple[HotColdSplit, torch.Tensor, torch.Tensor, torch.Tensor, Optional[torch.Tensor], torch.Tensor]:
         """The batch's ids split (ids outside their tables read as row 0): (the split, cold ids and non-empty
         sub-bags per (owner, feature) ``[2, W, F]``, the hot rows read ``[num_hot]``, any id outside its
-        table (0-d), each id's feature where it was found (the torch ops; None from the compiled pass))."""
+        table (0-d), each id's feature where it was found (the torch ops; None from the compiled pass), each
+        sub-bag's non-emptiness)."""
         lay, W, num_hot, F = self._ids, self._world, self._num_hot, len(self._feature_names)
         if self._native_ids is not None:
             sub, hot_offsets, ids, hot_rows, per, read, any_bad = self._native_ids.hot_cold_split(
                 values.contiguous(), lengths.contiguous(), lay.feature_table, lay.table_offsets, lay.hot_keys,
                 lay.blocks_per_feature, lay.rows_per_feature, W, B)
             return (HotColdSplit(hot_offsets=hot_offsets, bag_lengths=lengths, sub_lengths=sub, bucketed_ids=ids,
-                                 bucketed_hot_rows=hot_rows), per, read, any_bad, None)
+                                 bucketed_hot_rows=hot_rows), per, read, any_bad, None, sub > 0)
         feature_of_value = bags_of_values(lengths, values.numel()) // B
         bad = out_of_table(values, lay.rows_per_feature, feature_of_value)
         split = split_hot_cold(values.masked_fill(bad, 0), lengths, lay.feature_table, lay.table_offsets,
                                lay.hot_keys, lay.blocks_per_feature, W, B, feature_of_value=feature_of_value)
         sub = split.sub_lengths
-        per = torch.stack([sub, (sub > 0).to(sub.dtype)]).view(2, W, F, B).sum(3)  # one reduction for both
-        read = torch.zeros(num_hot + 1, dtype=torch.bool, device=lay.device)  # (+ a spare row for cold ids)
-        read.index_fill_(0, split.bucketed_hot_rows, True)
-        return split, per, read[:num_hot], bad.any(), feature_of_value
+        nonempty = sub > 0
+        per = torch.stack([sub, nonempty.to(sub.dtype)]).view(2, W, F, B).sum(3)  # one reduction for both
+        if num_hot:
+            read = torch.zeros(num_hot + 1, dtype=torch.bool, device=lay.device)  # (+ a spare row for cold ids)
+            read.index_fill_(0, split.bucketed_hot_rows, True)
+        else:  # no hot rows: none read (a step's hot-side kernels are skipped, a GPU's step being its host's)
+            read = self._no_rows_read
+        return split, per, read[:num_hot], bad.any(), feature_of_value, nonempty
 
     def _sized_by_host(self, ctx: HeraldContext, sizes: "_SplitSizes", host: List[int]) -> Tuple[torch.Tensor, List[int]]:
         """The input dist's data-sized part, at the first wait, from ``host`` (``sizes.sizes`` read): the
@@ -469,10 +486,11 @@ class ShardedHeraldEmbeddingBagCollection(
         FB = len(self._feature_names) * ctx.batch_size
         n_cold, n_read, n_sparse = sum(ids_to), host[2 * W], host[2 * W + 1]
         # sized by the host's figures: no further synchronisation
-        ctx.hot_unique = torch.nonzero_static(sizes.read, size=n_read).squeeze(1)
-        read_rank = torch.cumsum(sizes.read, 0) - 1  # each read row's position among hot_unique
-        ctx.hot_inverse = read_rank[split.bucketed_hot_rows[n_cold:]]
-        ctx.sparse_idx = read_rank[torch.nonzero_static(sizes.read_sparse, size=n_sparse).squeeze(1)]
+        if self._num_hot:  # (none read without hot rows: the context's empty defaults)
+            ctx.hot_unique = torch.nonzero_static(sizes.read, size=n_read).squeeze(1)
+            read_rank = torch.cumsum(sizes.read, 0) - 1  # each read row's position among hot_unique
+            ctx.hot_inverse = read_rank[split.bucketed_hot_rows[n_cold:]]
+            ctx.sparse_idx = read_rank[torch.nonzero_static(sizes.read_sparse, size=n_sparse).squeeze(1)]
         nonempty = torch.nonzero_static(sizes.nonempty, size=sum(ctx.bags_to)).squeeze(1)
         lay, sub = self._ids, split.sub_lengths
         cold_ids = split.bucketed_ids[:n_cold]
@@ -562,6 +580,8 @@ class ShardedHeraldEmbeddingBagCollection(
                                            ("herald_pooled", "herald_pooled_grad"), self._dim)
         split = dist_input.split
         assert split is not None
+        if not self._num_hot:  # no hot rows: the partial vectors are added to zeros (no lookup, no hook)
+            return partial, flight, torch.zeros(split.hot_offsets.numel() - 1, self._dim, device=dev)
         # the hot rows this batch reads, as a leaf of their own: backward gives their gradient only
         # (``[rows read, D]``, not the whole hot buffer's), which the hook starts summing over ranks
         rows = self.store.hot_weights()[dist_input.hot_unique.to(dev)].requires_grad_()
@@ -578,8 +598,10 @@ class ShardedHeraldEmbeddingBagCollection(
             pooled = hot
         else:
             back = await_variable_all_to_all(partial, flight)
-            pooled = hot.index_add(0, ctx.send_bag_index.to(hot.device), back)
-        if get_gradient_division():
+            # into the hot part (in place where it is compute's fresh zeros: nothing reads them but this)
+            add = hot.index_add if hot.requires_grad else hot.index_add_
+            pooled = add(0, ctx.send_bag_index.to(hot.device), back)
+        if get_gradient_division() and self._world > 1:  # (at one rank the division is by 1: no op)
             # stock TorchRec divides pooled-embedding gradients by the world size in its output
             # all-to-all's backward (matching DDP's averaging of dense grads): do the same
             pooled = _ScaleGrad.apply(pooled, 1.0 / self._world)
