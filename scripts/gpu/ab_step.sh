@@ -5,7 +5,8 @@
 # call, here (a file's path with / written as %, so any files can be swapped):
 #   rm -rf .ab_old && mkdir .ab_old && for f in <files>; do git show <commit>:$f > .ab_old/$(echo $f | tr / %); done
 # then carry .ab_old, and after install.sh: bash scripts/gpu/ab_step.sh   (-> $OUT/ab_*.json, prof tarball; keep
-# the timelines out of the repository: the device tree limit. benchmarks/gpu_trace_phases.py summarises them)
+# the timelines out of the repository: the device tree limit. benchmarks/gpu_trace_phases.py summarises them;
+# HOTROWS=1 and FULL=1 add pairs, below)
 set -uo pipefail
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
 out=${OUT:-ab}; mkdir -p "$out" .ab_new
@@ -24,5 +25,11 @@ swap old; run old1 "$prof" $ov
 swap new; run new2 "" $ov
 swap old; run old2 "" $ov
 swap new; run stock2 "" planner=table_wise pipeline=sparse_dist
-[ -n "${FULL:-}" ] && run full_new "" planner=herald pipeline=herald pipeline.scheduling=on planner.link_mbit=null
+# HOTROWS=1: new and old with hot rows at one rank too (planner.selector=top_fraction: 2 % of each table
+# replicated; the cost model replicates none at one rank, where no link is saved); FULL=1: herald full, new and old
+hr="planner.selector=top_fraction"
+[ -n "${HOTROWS:-}" ] && { swap new; run hotrows_new "" $ov $hr; swap old; run hotrows_old "" $ov $hr; }
+full="planner=herald pipeline=herald pipeline.scheduling=on planner.link_mbit=null"
+[ -n "${FULL:-}" ] && { swap new; run full_new "" $full; swap old; run full_old "" $full; }
+swap new
 (cd "$out" && tar czf ab_prof.tar.gz ab_*.prof.txt ab_*.trace.json.gz && rm -f ab_*.prof.txt ab_*.trace.json.gz)
