@@ -8,6 +8,10 @@ Every step ends with a device synchronisation (the loss is read back), as in the
 
     python benchmarks/gpu_step_time.py --batch-sizes 2048 8192 --out benchmarks/results/gpu_step_time.json
     python benchmarks/gpu_step_time.py --overrides planner=herald pipeline=sparse_dist ...
+    python benchmarks/gpu_step_time.py --overrides planner=herald ... --baseline planner=table_wise pipeline=sparse_dist
+
+With ``--baseline`` both configurations are built in one process and their steps interleaved (rounds of
+``--block`` steps each, ABBA order): the ratio then compares steps on the same host state.
 """
 
 from __future__ import annotations
@@ -127,6 +131,62 @@ def measure(batch_size: int, overrides: List[str], warmup: int, steps: int,
     return res
 
 
+def _build(batch_size: int, overrides: List[str], n: int) -> tuple:
+    """The trainer's model, plan and pipeline for ``overrides`` and an iterator over ``n`` batches made first."""
+    cfg = compose_config([f"batch_size={batch_size}", "eval=false"] + overrides)
+    rank, world, device = init_distributed()
+    data = build_data_source(cfg.data)
+    dmp, optimizer, decision = build_model_and_plan(cfg, data, world, device)
+    pipeline = build_pipeline(cfg, dmp, optimizer, device, decision)
+    batches = [b for _, b in zip(range(n), data.train_batches(rank, world, batch_size))]
+    if len(batches) < n:
+        raise ValueError(f"data yields {len(batches)} batches of {batch_size}; {n} needed")
+    return pipeline, iter(batches), device, world
+
+
+def _timed_step(pipeline: Any, it: Any, device: torch.device) -> float:
+    _sync(device)
+    t0 = time.perf_counter()
+    out = pipeline.progress(it)
+    out[0].item() if isinstance(out, tuple) else None
+    _sync(device)
+    return time.perf_counter() - t0
+
+
+def measure_pair(batch_size: int, overrides: List[str], baseline: List[str], warmup: int, rounds: int,
+                 block: int) -> Dict[str, Any]:
+    """``overrides`` against ``baseline`` in one process, their steps interleaved: ``rounds`` rounds of
+    ``block`` steps of each, in ABBA order, after ``warmup`` steps of each. A lent machine's host drifts by
+    tens of percent between runs (RESULTS.md), so separate runs cannot resolve a 10 % difference; steps
+    interleaved this way see the same host. Reports each one's median step and the median of the rounds'
+    ratios (``overrides`` over ``baseline``)."""
+    n = warmup + rounds * block + 2
+    runs = {"a": _build(batch_size, overrides, n), "b": _build(batch_size, baseline, n)}
+    times: Dict[str, List[float]] = {"a": [], "b": []}
+    for key, (pipeline, it, device, _) in runs.items():
+        for _ in range(warmup):
+            _timed_step(pipeline, it, device)
+    ratios = []
+    for r in range(rounds):
+        got = {}
+        for key in (("a", "b") if r % 2 == 0 else ("b", "a")):
+            pipeline, it, device, _ = runs[key]
+            got[key] = [_timed_step(pipeline, it, device) for _ in range(block)]
+            times[key] += got[key]
+        ratios.append(statistics.median(got["a"]) / statistics.median(got["b"]))
+    world = runs["a"][3]
+    res = {"local_batch": batch_size, "world_size": world, "device": str(runs["a"][2]), "overrides": overrides,
+           "baseline": baseline, "warmup": warmup, "rounds": rounds, "block": block,
+           "step_s_median": statistics.median(times["a"]), "baseline_step_s_median": statistics.median(times["b"]),
+           "ratio_of_medians": statistics.median(times["a"]) / statistics.median(times["b"]),
+           "round_ratio_median": statistics.median(ratios), "round_ratios": ratios,
+           "round_ratio_range": [min(ratios), max(ratios)]}
+    log.info("B=%d %s vs %s: %.2f vs %.2f ms/step median, ratio %.3f (rounds' median %.3f, %.3f-%.3f)", batch_size,
+             " ".join(overrides), " ".join(baseline), 1e3 * res["step_s_median"], 1e3 * res["baseline_step_s_median"],
+             res["ratio_of_medians"], res["round_ratio_median"], min(ratios), max(ratios))
+    return res
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--batch-sizes", type=int, nargs="+", default=[2048, 8192])
@@ -138,16 +198,26 @@ def main() -> None:
                    help="profile 5 more steps per batch size (torch.profiler) and 5 more (cProfile): <out stem>_B<batch>.prof.txt beside --out")
     p.add_argument("--trace", action="store_true", help="with --profile: also the profiled steps' timeline "
                    "(Chrome trace, <out stem>_B<batch>.prof.trace.json.gz)")
+    p.add_argument("--baseline", nargs="*", default=None,
+                   help="overrides of a second configuration built in the same process: the two run interleaved "
+                        "(--rounds rounds of --block steps each, ABBA), reporting --overrides over it")
+    p.add_argument("--rounds", type=int, default=10)
+    p.add_argument("--block", type=int, default=10)
     a = p.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", force=True)
-    runs = [measure(b, a.overrides, a.warmup, a.steps,
-                    a.out.with_name(f"{a.out.stem}_B{b}.prof.txt") if a.profile else None, a.trace)
-            for b in a.batch_sizes]
+    if a.baseline is not None:
+        runs = [measure_pair(b, a.overrides, a.baseline, a.warmup, a.rounds, a.block) for b in a.batch_sizes]
+    else:
+        runs = [measure(b, a.overrides, a.warmup, a.steps,
+                        a.out.with_name(f"{a.out.stem}_B{b}.prof.txt") if a.profile else None, a.trace)
+                for b in a.batch_sizes]
     if dist.get_rank() == 0:
         a.out.parent.mkdir(parents=True, exist_ok=True)
         a.out.write_text(json.dumps({"machine": machine(), "command": "python benchmarks/gpu_step_time.py "
                                      f"--batch-sizes {' '.join(map(str, a.batch_sizes))} --overrides "
-                                     f"{' '.join(a.overrides)} --warmup {a.warmup} --steps {a.steps}",
+                                     f"{' '.join(a.overrides)} --warmup {a.warmup} " + (
+                                         f"--steps {a.steps}" if a.baseline is None else
+                                         f"--baseline {' '.join(a.baseline)} --rounds {a.rounds} --block {a.block}"),
                                      "runs": runs}, indent=2))
         log.info("wrote %s", a.out)
     dist.destroy_process_group()

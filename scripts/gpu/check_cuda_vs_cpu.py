@@ -188,6 +188,9 @@ def main() -> None:
         "ebc_single_rowwise_adagrad": (dict(ebc, optimizer="rowwise_adagrad", hot_min_count=2, batch_size=64), 1),
         "ebc_single_rowwise_adagrad_multi_hot_mean": (dict(ebc, optimizer="rowwise_adagrad", hot_min_count=2,
                                                            multi_hot=True, pooling="MEAN"), 1),
+        # a plan replicating no rows (one rank: nothing to save): the step's hot side skipped
+        "ebc_single_no_hot_rowwise_adagrad": (dict(ebc, optimizer="rowwise_adagrad", hot_min_count=10 ** 9,
+                                                   batch_size=64), 1),
         # same gradients: two ranks on one GPU, HeraldTrainPipeline's plan on CUDA row stores
         "ebc_plan_sgd_2ranks": (dict(ebc, optimizer="sgd", hot_min_count=3, pipeline={"window": 2},
                                      batch_size=64), 2),

@@ -87,14 +87,15 @@ def split_hot_cold(values: torch.Tensor, lengths: torch.Tensor, feature_table: t
         # a hot id goes to the spare bucket: the first id past the owners' blocks (every cold id is inside them)
         to_bucket = torch.where(is_hot, world_size * block_sizes[feature_of_value], values)
     else:
-        row_or_spare = torch.full_like(values, num_hot)
         to_bucket = values
     new_lengths, bucketed, _, _, permute = torch.ops.fbgemm.block_bucketize_sparse_features(
         lengths, to_bucket, bucketize_pos=False, sequence=True, block_sizes=block_sizes,
         my_size=world_size + 1, weights=None)
     new_lengths = new_lengths.to(torch.int64)
-    # the hot ids' rows moved to where block_bucketize put them: after the cold ids, in bag order
-    hot_rows = torch.empty_like(row_or_spare).index_copy_(0, permute.to(torch.int64), row_or_spare)
+    if num_hot:  # the hot ids' rows moved to where block_bucketize put them: after the cold ids, in bag order
+        hot_rows = torch.empty_like(row_or_spare).index_copy_(0, permute.to(torch.int64), row_or_spare)
+    else:  # every id cold: each one's spare row (no permutation of a constant)
+        hot_rows = torch.zeros_like(values)
     return HotColdSplit(hot_offsets=offsets_from_lengths(new_lengths[world_size * num_bags:]),
                         bag_lengths=lengths.to(torch.int64), sub_lengths=new_lengths[: world_size * num_bags],
                         bucketed_ids=bucketed.to(torch.int64), bucketed_hot_rows=hot_rows)

@@ -353,6 +353,7 @@ class ShardedHeraldEmbeddingBagCollection(
         # the input dist's hot-row counts where the module holds no hot rows (made once, only ever read)
         self._no_hot_counts = torch.zeros(max(self._world, 2), dtype=torch.int64, device=self._device)
         self._no_rows_read = torch.zeros(0, dtype=torch.bool, device=self._device)
+        self._bag_table_cache: Dict[int, Tuple[torch.Tensor, torch.Tensor]] = {}
         # stale-update skipping: hot rows neither synchronised nor updated (where the ids are handled)
         self._frozen_hot = torch.zeros(max(self._num_hot, 1), dtype=torch.bool, device=self._device)
         self._set_dense_rows(self._all_dense_rows)
@@ -455,7 +456,7 @@ class ShardedHeraldEmbeddingBagCollection(
                 lay.blocks_per_feature, lay.rows_per_feature, W, B)
             return (HotColdSplit(hot_offsets=hot_offsets, bag_lengths=lengths, sub_lengths=sub, bucketed_ids=ids,
                                  bucketed_hot_rows=hot_rows), per, read, any_bad, None, sub > 0)
-        feature_of_value = bags_of_values(lengths, values.numel()) // B
+        feature_of_value = torch.repeat_interleave(self._bag_tables(B)[0], lengths, output_size=values.numel())
         bad = out_of_table(values, lay.rows_per_feature, feature_of_value)
         split = split_hot_cold(values.masked_fill(bad, 0), lengths, lay.feature_table, lay.table_offsets,
                                lay.hot_keys, lay.blocks_per_feature, W, B, feature_of_value=feature_of_value)
@@ -468,6 +469,19 @@ class ShardedHeraldEmbeddingBagCollection(
         else:  # no hot rows: none read (a step's hot-side kernels are skipped, a GPU's step being its host's)
             read = self._no_rows_read
         return split, per, read[:num_hot], bad.any(), feature_of_value, nonempty
+
+    def _bag_tables(self, B: int) -> Tuple[torch.Tensor, torch.Tensor]:
+        """Per batch size ``B``, made once on the ids' device: each bag's feature ``[F*B]`` (bag = feature * B +
+        sample) and each sub-bag's row offset in its owner's cold block ``[W*F*B]`` (sub-bag = owner * F*B +
+        bag). A value's feature or offset is then one ``repeat_interleave`` by the lengths, where an arange, a
+        repeat_interleave, a division and an index took four ops (a GPU's step is its host's)."""
+        tables = self._bag_table_cache.get(B)
+        if tables is None:
+            lay, F = self._ids, len(self._feature_names)
+            tables = (torch.arange(F, device=lay.device).repeat_interleave(B),
+                      lay.owner_feature_offsets.repeat_interleave(B))
+            self._bag_table_cache = {B: tables, **dict(list(self._bag_table_cache.items())[:3])}  # a few sizes
+        return tables
 
     def _sized_by_host(self, ctx: HeraldContext, sizes: "_SplitSizes", host: List[int]) -> Tuple[torch.Tensor, List[int]]:
         """The input dist's data-sized part, at the first wait, from ``host`` (``sizes.sizes`` read): the
@@ -494,8 +508,8 @@ class ShardedHeraldEmbeddingBagCollection(
         nonempty = torch.nonzero_static(sizes.nonempty, size=sum(ctx.bags_to)).squeeze(1)
         lay, sub = self._ids, split.sub_lengths
         cold_ids = split.bucketed_ids[:n_cold]
-        # sub-bag s = owner * F*B + feature * B + sample: s // B = owner * F + feature
-        cold_rows = lay.owner_feature_offsets[bags_of_values(sub, n_cold) // ctx.batch_size] + cold_ids
+        # each cold id's row in its owner's block: its sub-bag's (owner, feature) offset plus its local id
+        cold_rows = torch.repeat_interleave(self._bag_tables(ctx.batch_size)[1], sub, output_size=n_cold) + cold_ids
         ctx.send_bag_index = nonempty % FB
         lengths_to = sub[nonempty].to(torch.int32).split(ctx.bags_to)
         rows_to = cold_rows.to(torch.int32).split(ids_to)

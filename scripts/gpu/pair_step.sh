@@ -1,0 +1,36 @@
+#!/usr/bin/env bash
+# On the lent GPU, after scripts/gpu/install.sh: herald's 1-rank step against stock TABLE_WISE's, each pair
+# built in one process with their steps interleaved (benchmarks/gpu_step_time.py --baseline: the lent hosts
+# drift by tens of percent between runs, more than the differences measured). Results into $OUT (or ./gpu_results).
+# With .ab_old carried (as for ab_step.sh), OLD=1 also measures the older files' hot replication, same protocol.
+# Parts, each under its own time limit so that the results always come back:
+#   hot      herald hot replication (the cost model's plan: at one rank it replicates no rows)
+#   old      the same with the older files (OLD=1)
+#   hotrows  hot replication with 2 % of each table replicated (planner.selector=top_fraction)
+#   full     herald full (scheduling on)
+#   prof     hot replication profiled (kernel launches, host syncs), 5 steps
+set -uo pipefail
+cd "$(dirname "$0")/../.."
+export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
+out=${OUT:-gpu_results}; mkdir -p "$out"
+stock="planner=table_wise pipeline=sparse_dist"
+hot="planner=herald pipeline=herald pipeline.scheduling=off planner.link_mbit=null"
+pair() { local id=$1; shift
+  timeout ${LIMIT:-90} python3 benchmarks/gpu_step_time.py --batch-sizes ${BATCHES:-2048 8192} --warmup 10 \
+      --rounds ${ROUNDS:-10} --block ${BLOCK:-10} --overrides "$@" --baseline $stock --out "$out/pair_$id.json" \
+      > "/tmp/pair_$id.log" 2>&1
+  grep -o "B=[0-9]* .*" "/tmp/pair_$id.log" | sed "s/planner=table_wise pipeline=sparse_dist/stock/; s/^/$id /"
+  grep -q "Error" "/tmp/pair_$id.log" && grep -v -i warn "/tmp/pair_$id.log" | tail -12; }
+for part in ${PARTS:-hot old hotrows full prof}; do case $part in
+  hot) pair hot $hot ;;
+  old) [ -n "${OLD:-}" ] || continue
+       mkdir -p .ab_new; for f in .ab_old/*; do p=$(basename "$f" | tr % /); cp "$p" ".ab_new/$(basename "$f")"; cp "$f" "$p"; done
+       pair old_hot $hot
+       for f in .ab_new/*; do cp "$f" "$(basename "$f" | tr % /)"; done ;;
+  hotrows) pair hotrows $hot planner.selector=top_fraction ;;
+  full) pair full planner=herald pipeline=herald pipeline.scheduling=on planner.link_mbit=null ;;
+  prof) timeout ${LIMIT:-90} python3 benchmarks/gpu_step_time.py --batch-sizes 2048 --steps 20 --overrides $hot \
+            --profile --out "$out/prof_hot.json" > /tmp/prof_hot.log 2>&1
+        grep -o "B=[0-9]*.*ms/step median" /tmp/prof_hot.log ;;
+  *) echo "unknown part $part"; exit 2 ;;
+esac; done
