@@ -154,7 +154,8 @@ def build(world: int, cfg: Dict[str, Any], data: Optional[Any] = None) -> Dict[s
     pooling (SUM|MEAN), batch_size, hot_min_count, sync (herald: dense|sparse|mixed), lr, multi_hot, steps,
     stock_tables (herald: ``(stock mode, k)``: every k-th table keeps that stock plan's sharding, one EBC mixed),
     device (cpu|cuda: where every rank keeps its rows; the GPU check runs two gloo ranks on one GPU),
-    torch_ids (herald: the id bookkeeping by the torch ops, as for ids on a GPU, not the compiled pass)."""
+    torch_ids (herald: the id bookkeeping by the torch ops, as for ids on a GPU, not the compiled pass),
+    ids_in_thread (herald: the per-step input dist on the module's worker thread, as for ids on a GPU)."""
     from torchrec.distributed import DistributedModelParallel
     from torchrec.optim import RowWiseAdagrad, apply_optimizer_in_backward
     from torchrec.optim.keyed import CombinedOptimizer
@@ -204,6 +205,10 @@ def build(world: int, cfg: Dict[str, Any], data: Optional[Any] = None) -> Dict[s
         from torchrec_herald.pipeline.context import find_herald_ebc
 
         find_herald_ebc(dmp)._native_ids = None
+    if cfg.get("ids_in_thread", False):  # the per-step input dist on the module's worker thread (a GPU's default)
+        from torchrec_herald.pipeline.context import find_herald_ebc
+
+        find_herald_ebc(dmp).input_dist_in_thread = True
     dense_cls = torch.optim.SGD if opt == "sgd" else torch.optim.Adagrad
     dense = dense_optimizer_for(dmp, lambda ps: dense_cls(ps, lr=lr))
     optimizer = CombinedOptimizer([dmp.fused_optimizer, dense])
@@ -260,7 +265,11 @@ def train(rank: int, world: int, cfg: Dict[str, Any]) -> Dict[str, Any]:
         with TrafficMeter(embedding_dim=8) as meter:
             losses = run_steps(dmp, b["optimizer"], b["data"].train_batches(rank, world, b["batch_size"]),
                                cfg.get("pipeline", "plain"), b["device"])
+    from torchrec_herald.pipeline.context import find_herald_ebc
+
+    ebc = find_herald_ebc(dmp) if cfg["planner"] == "herald" else None
     return {"losses": losses, "state": full_state(dmp), "initial": b["initial"], "traffic": meter.summary(),
+            "worker_used": ebc is not None and ebc._worker is not None,
             "tags": meter.tag_summary(), "dense_names": sorted(dict(in_backward_optimizer_filter(dmp.named_parameters())))}
 
 

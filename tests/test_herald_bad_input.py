@@ -65,6 +65,14 @@ def _worker(rank: int, world: int) -> Dict[str, Any]:
     for name, bad in (("too_large", n), ("negative", -1)):
         b = _with_id(batch, BAD_FEATURE, BAD_POS, bad) if rank == 1 else batch
         out[name] = _error(lambda: dmp(b))
+    # the same on the input dist's worker thread (a GPU's default): raised in the training thread, every rank
+    from torchrec_herald.pipeline.context import find_herald_ebc
+
+    ebc = find_herald_ebc(dmp)
+    ebc.input_dist_in_thread = True
+    out["too_large_in_thread"] = _error(lambda: dmp(_with_id(batch, BAD_FEATURE, BAD_POS, n) if rank == 1 else batch))
+    out["thread_losses_after"] = run_steps(dmp, h["optimizer"], data.train_batches(rank, world, h["batch_size"]))
+    ebc.input_dist_in_thread = None
     # a KJT without one of the EBC's features (every rank: a data pipeline bug)
     out["missing"] = _error(lambda: dmp(_without(batch, MISSING_FEATURE)))
     # per-sample weights are not supported by the herald sharding: a clear error, not silently ignored
@@ -101,10 +109,10 @@ def results() -> List[Dict[str, Any]]:
     return run_multiprocess(_worker, 2, timeout_s=180)
 
 
-@pytest.mark.parametrize("name", ["too_large", "negative"])
+@pytest.mark.parametrize("name", ["too_large", "negative", "too_large_in_thread"])
 def test_bad_id_on_one_rank_raises_on_every_rank(name: str) -> None:
     res = results()
-    bad = res[0]["num_embeddings"] if name == "too_large" else -1
+    bad = res[0]["num_embeddings"] if name.startswith("too_large") else -1
     for r in res:
         msg = r[name]
         assert msg.startswith("ValueError: "), msg
@@ -127,6 +135,7 @@ def test_weighted_kjt_is_a_clear_error() -> None:
 def test_module_still_trains_after_input_errors() -> None:
     for r in results():
         assert len(r["losses_after"]) == 3 and all(0 < x < 10 for x in r["losses_after"])
+        assert len(r["thread_losses_after"]) == 3 and all(0 < x < 10 for x in r["thread_losses_after"])
 
 
 def test_herald_and_stock_tables_in_one_ebc_shard_into_a_mixed_ebc() -> None:

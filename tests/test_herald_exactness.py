@@ -190,3 +190,25 @@ def test_a_plan_without_hot_rows_trains_as_stock_row_wise_by_both_id_paths(world
         for k in ref["state"]:
             assert torch.equal(r["torch"]["state"][k], r["compiled"]["state"][k]), k
         assert any(not torch.equal(ref["state"][k], ref["initial"][k]) for k in ref["initial"])
+
+
+def _in_thread_or_not(rank: int, world: int) -> Dict[str, Any]:
+    """Herald (hot rows, both sync modes, the torch ops' id bookkeeping as on a GPU) with its per-step input
+    dist on the training thread and on the module's worker thread, on the same batches."""
+    cfg = dict(planner="herald", optimizer="rowwise_adagrad", via="fused_params", pooling="SUM",
+               pipeline="sparse_dist", sync="mixed", steps=STEPS, torch_ids=True)
+    return {name: train(rank, world, dict(cfg, ids_in_thread=on)) for name, on in (("main", False), ("worker", True))}
+
+
+def test_the_input_dist_on_a_worker_thread_trains_the_same_model() -> None:
+    """On a GPU the per-step input dist runs on a worker thread of its own (its collectives on a process group
+    of their own): bit for bit the model of the input dist on the training thread, at two ranks, with hot rows
+    synced densely and sparsely; the worker ran, and only where asked."""
+    for r in run_multiprocess(_in_thread_or_not, 2, timeout_s=300):
+        main, worker = r["main"], r["worker"]
+        assert worker["worker_used"] and not main["worker_used"]
+        assert worker["losses"] == main["losses"]
+        for k in main["state"]:
+            assert torch.equal(worker["state"][k], main["state"][k]), k
+        assert worker["tags"]["herald_meta"]["calls"] == main["tags"]["herald_meta"]["calls"] == STEPS
+        assert worker["tags"]["herald_hot_sync"]["bytes"] > 0

@@ -39,7 +39,7 @@ from torchrec_herald.model import build_dlrm_train, build_tables
 from torchrec_herald.pipeline.build import PIPELINES, TrainingPipeline
 from torchrec_herald.pipeline.build import build_pipeline as build_configured_pipeline
 from torchrec_herald.pipeline.options import HeraldPipelineConfig
-from torchrec_herald.planner.config import HeraldPlannerConfig
+from torchrec_herald.planner.config import INPUT_DIST_THREAD, HeraldPlannerConfig
 from torchrec_herald.planner.decision import plan_model
 from torchrec_herald.planner.types import PlanDecision
 from torchrec_herald.planner.stock import describe_plan
@@ -47,6 +47,7 @@ from torchrec_herald.report import (embedding_bytes_per_step, format_comparison_
                                     format_metrics_table, headline, plot_training)
 from torchrec_herald.row_init import init_sharded_embeddings
 from torchrec_herald.sharding.dense_sync import dense_optimizer_for, dense_sync_wrapper
+from torchrec_herald.sharding.hot_replicated import ShardedHeraldEmbeddingBagCollection
 from torchrec_herald.traffic import MeteredDataParallelWrapper, TrafficMeter, reduce_summaries
 
 logger = logging.getLogger(__name__)
@@ -129,6 +130,10 @@ def build_model_and_plan(cfg: DictConfig, data: DataSource, world_size: int, dev
     dmp = DistributedModelParallel(model, device=device, plan=decision.plan, sharders=decision.sharders,
                                    data_parallel_wrapper=wrapper or MeteredDataParallelWrapper(cfg.model.embedding_dim))
     init_sharded_embeddings(dmp, {t.name: t.num_embeddings for t in tables}, cfg.seed)
+    if isinstance(planner_config, HeraldPlannerConfig):  # planner.input_dist_thread, on every herald EBC
+        for m in dmp.modules():
+            if isinstance(m, ShardedHeraldEmbeddingBagCollection):
+                m.input_dist_in_thread = INPUT_DIST_THREAD[planner_config.input_dist_thread]
 
     dense_opt = dense_optimizer_for(dmp, lambda ps: dense_cls(ps, lr=cfg.optimizer.dense_lr))
     return dmp, CombinedOptimizer([dmp.fused_optimizer, dense_opt]), decision

@@ -5,10 +5,12 @@
 # With .ab_old carried (as for ab_step.sh), OLD=1 also measures the older files' hot replication, same protocol.
 # Parts, each under its own time limit so that the results always come back:
 #   hot      herald hot replication (the cost model's plan: at one rank it replicates no rows)
+#   nothread the same with its input dist on the training thread (planner.input_dist_thread=off)
 #   old      the same with the older files (OLD=1)
 #   hotrows  hot replication with 2 % of each table replicated (planner.selector=top_fraction)
 #   full     herald full (scheduling on)
 #   prof     hot replication profiled (kernel launches, host syncs), 5 steps
+#   check    CUDA against CPU and stock, one rank, herald's own per-step path (check_cuda_vs_cpu.py)
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
@@ -21,8 +23,9 @@ pair() { local id=$1; shift
       > "/tmp/pair_$id.log" 2>&1
   grep -o "B=[0-9]* .*" "/tmp/pair_$id.log" | sed "s/planner=table_wise pipeline=sparse_dist/stock/; s/^/$id /"
   grep -q "Error" "/tmp/pair_$id.log" && grep -v -i warn "/tmp/pair_$id.log" | tail -12; }
-for part in ${PARTS:-hot old hotrows full prof}; do case $part in
+for part in ${PARTS:-hot nothread old full hotrows check prof}; do case $part in
   hot) pair hot $hot ;;
+  nothread) pair nothread $hot planner.input_dist_thread=off ;;
   old) [ -n "${OLD:-}" ] || continue
        mkdir -p .ab_new; for f in .ab_old/*; do p=$(basename "$f" | tr % /); cp "$p" ".ab_new/$(basename "$f")"; cp "$f" "$p"; done
        pair old_hot $hot
@@ -32,5 +35,7 @@ for part in ${PARTS:-hot old hotrows full prof}; do case $part in
   prof) timeout ${LIMIT:-90} python3 benchmarks/gpu_step_time.py --batch-sizes 2048 --steps 20 --overrides $hot \
             --profile --out "$out/prof_hot.json" > /tmp/prof_hot.log 2>&1
         grep -o "B=[0-9]*.*ms/step median" /tmp/prof_hot.log ;;
+  check) OUT=$out CASES=${CASES:-ebc_single_no_hot ebc_single_rowwise_adagrad} timeout ${LIMIT:-90} \
+             bash scripts/gpu/run_checks.sh check ;;
   *) echo "unknown part $part"; exit 2 ;;
 esac; done

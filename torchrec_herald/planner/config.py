@@ -29,6 +29,10 @@ def _check_name(name: str, expected: str) -> None:
         raise ValueError(f"unknown planner.name {name!r}; expected 'stock' or 'herald'")
 
 
+#: ``planner.input_dist_thread`` values (``ShardedHeraldEmbeddingBagCollection.input_dist_in_thread``)
+INPUT_DIST_THREAD = {"auto": None, "on": True, "off": False}
+
+
 def _check_dense_sync(dense_sync: str) -> None:
     if dense_sync not in DENSE_SYNCS:
         raise ValueError(f"unknown planner.dense_sync {dense_sync!r}; expected one of {list(DENSE_SYNCS)}")
@@ -70,6 +74,9 @@ class HeraldPlannerConfig:
         collective_latency_ms: time a collective costs beyond its bytes; ``auto`` (the default): measured
             at start with the rate (1 ms, gloo on 2 shared cores, when it cannot be).
         cpu_us_per_lookup: herald's extra CPU per lookup over stock's fused kernels (measured here).
+        input_dist_thread: herald's per-step input dist (id bookkeeping and its two exchanges) on a worker
+            thread of each herald EBC's own: ``auto`` (where the ids are on a GPU and its collectives cannot
+            meet NCCL's hazard of two communicators used from two threads: gloo, or one rank), ``on`` or ``off``.
     """
 
     name: str = "herald"
@@ -82,9 +89,13 @@ class HeraldPlannerConfig:
     link_mbit: Any = "auto"  # float | "auto" | None (OmegaConf has no Union)
     collective_latency_ms: Any = "auto"  # float | "auto"
     cpu_us_per_lookup: float = _LINK_DEFAULTS["cpu_us_per_lookup"]
+    input_dist_thread: str = "auto"
 
     def __post_init__(self) -> None:
         _check_name(self.name, "herald")
+        if self.input_dist_thread not in INPUT_DIST_THREAD:
+            raise ValueError(f"unknown planner.input_dist_thread {self.input_dist_thread!r}; expected one of "
+                             f"{list(INPUT_DIST_THREAD)}")
         if self.selector not in HOT_SET_SELECTORS:
             raise ValueError(f"unknown planner.selector {self.selector!r}; expected one of {sorted(HOT_SET_SELECTORS)}")
         if self.hot_memory_budget_bytes is not None and int(self.hot_memory_budget_bytes) < 0:

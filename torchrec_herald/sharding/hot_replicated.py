@@ -8,8 +8,10 @@ vector per non-empty (owner, feature, sample) sub-bag — and receive only those
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Tuple
 
@@ -191,14 +193,26 @@ class _CountsAwaitable(Awaitable[Awaitable[HeraldContext]]):
     the ids' exchange."""
 
     def __init__(self, module: "ShardedHeraldEmbeddingBagCollection", ctx: HeraldContext, recv_counts: torch.Tensor,
-                 work: Any, sizes: _SplitSizes) -> None:
+                 work: Any, sizes: _SplitSizes, pg: Optional[dist.ProcessGroup]) -> None:
         super().__init__()
         self._module, self._ctx, self._recv_counts, self._work = module, ctx, recv_counts, work
-        self._sizes = sizes
+        self._sizes, self._pg = sizes, pg
 
     def _wait_impl(self) -> Awaitable[HeraldContext]:
         self._work.wait()
-        return self._module._ids_dist(self._ctx, self._recv_counts, self._sizes)
+        return self._module._ids_dist(self._ctx, self._recv_counts, self._sizes, self._pg)
+
+
+class _FutureAwaitable(Awaitable[Awaitable[HeraldContext]]):
+    """First stage of an input dist run on the module's worker thread: waiting joins the worker's job (its
+    exception, such as a bad id's, is raised here, in the training thread) and gives the second stage."""
+
+    def __init__(self, future: "Future[Awaitable[HeraldContext]]") -> None:
+        super().__init__()
+        self._future = future
+
+    def _wait_impl(self) -> Awaitable[HeraldContext]:
+        return self._future.result()
 
 
 def fused_params_of(module: EmbeddingBagCollection, sharder_fused_params: Optional[Dict[str, Any]]
@@ -354,6 +368,10 @@ class ShardedHeraldEmbeddingBagCollection(
         self._no_hot_counts = torch.zeros(max(self._world, 2), dtype=torch.int64, device=self._device)
         self._no_rows_read = torch.zeros(0, dtype=torch.bool, device=self._device)
         self._bag_table_cache: Dict[int, Tuple[torch.Tensor, torch.Tensor]] = {}
+        # the per-step input dist's worker thread and its process group, made at its first use
+        self._in_thread: Optional[bool] = None
+        self._worker: Optional[ThreadPoolExecutor] = None
+        self._worker_pg: Optional[dist.ProcessGroup] = None
         # stale-update skipping: hot rows neither synchronised nor updated (where the ids are handled)
         self._frozen_hot = torch.zeros(max(self._num_hot, 1), dtype=torch.bool, device=self._device)
         self._set_dense_rows(self._all_dense_rows)
@@ -407,13 +425,67 @@ class ShardedHeraldEmbeddingBagCollection(
             raise ValueError("herald_hot_row_wise does not support per-sample weights (weighted KJT); "
                              "plan weighted tables with a stock sharding type")
         B = features.stride()
-        # id bookkeeping (validation, hot/cold split, owner buckets, counts; in plan mode each id's place in
-        # the working set) runs where the rows are
-        lay = self._ids
-        values, lengths = features.values().to(lay.device, torch.int64), features.lengths().to(lay.device, torch.int64)
-        ctx.batch_size, ctx.bag_lengths = B, lengths
         if self._executor is not None and self._executor.active:
+            values, lengths = self._ids_of(ctx, features, B)
             return self._plan_input_dist(ctx, values, lengths, B)
+        if self.input_dist_in_thread:
+            return self._input_dist_in_worker(ctx, features, B)
+        return KJTListSplitsAwaitable([self._start_input_dist(ctx, features, B, self._pg)], ctx)
+
+    def _ids_of(self, ctx: HeraldContext, features: KeyedJaggedTensor, B: int) -> Tuple[torch.Tensor, torch.Tensor]:
+        """The batch's values and lengths as int64 where the rows are: the id bookkeeping (validation, hot/cold
+        split, owner buckets, counts; in plan mode each id's place in the working set) runs there."""
+        dev = self._ids.device
+        values, lengths = features.values().to(dev, torch.int64), features.lengths().to(dev, torch.int64)
+        ctx.batch_size, ctx.bag_lengths = B, lengths
+        return values, lengths
+
+    @property
+    def input_dist_in_thread(self) -> bool:
+        """Whether the per-step input dist runs on a worker thread of its own (default: where the ids are on a
+        GPU, its collectives on gloo or one rank's group). A GPU's step is its host's: the id bookkeeping's kernel launches, about a third of herald's extra
+        host time a step, are queued by the worker while the training thread queues the previous batch's
+        forward. On a CPU the kernels are the host's own work, so the default there keeps one thread."""
+        if self._in_thread is None:
+            # NCCL: kernels of two communicators queued from two threads in different orders on different
+            # ranks can deadlock (NCCL's guide, "Using multiple NCCL communicators concurrently"); gloo's
+            # collectives and a one-rank group's cannot
+            return self._ids.device.type == "cuda" and (
+                self._pg is None or self._world == 1 or dist.get_backend(self._pg) != "nccl")
+        return self._in_thread
+
+    @input_dist_in_thread.setter
+    def input_dist_in_thread(self, on: Optional[bool]) -> None:
+        """``True``/``False``: on a worker thread or not; ``None``: the default (on a GPU)."""
+        self._in_thread = on
+
+    def _input_dist_in_worker(self, ctx: HeraldContext, features: KeyedJaggedTensor, B: int
+                              ) -> KJTListSplitsAwaitable:
+        """Start the input dist on this module's worker thread (its first stage, through the first wait: the
+        counts exchange, the host read of the sizes and the ids' exchange started). Its collectives go on a
+        process group of its own, so their order on every rank is the worker's alone, whatever the training
+        thread sends meanwhile. The worker queues its kernels on the stream this call is made on (TorchRec's
+        data-dist stream), which TorchRec's pipeline joins to the compute stream, as for a stock input dist."""
+        if self._worker is None:  # made at the first input dist, which every rank reaches in the same order
+            self._worker_pg = (dist.new_group(ranks=dist.get_process_group_ranks(self._pg),
+                                              backend=dist.get_backend(self._pg)) if self._pg is not None else None)
+            self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="herald-input-dist")
+        stream = torch.cuda.current_stream(self._ids.device) if self._ids.device.type == "cuda" else None
+
+        def job() -> Awaitable[HeraldContext]:
+            with contextlib.ExitStack() as on:
+                if stream is not None:
+                    on.enter_context(torch.cuda.device(stream.device))
+                    on.enter_context(torch.cuda.stream(stream))
+                return self._start_input_dist(ctx, features, B, self._worker_pg).wait()
+
+        return KJTListSplitsAwaitable([_FutureAwaitable(self._worker.submit(job))], ctx)
+
+    def _start_input_dist(self, ctx: HeraldContext, features: KeyedJaggedTensor, B: int,
+                          pg: Optional[dist.ProcessGroup]) -> "_CountsAwaitable":
+        """The per-step input dist's first stage: the split and the counts' exchange on ``pg`` started."""
+        lay = self._ids
+        values, lengths = self._ids_of(ctx, features, B)
         W, num_hot = self._world, self._num_hot
         # an id outside its table: a flag travels on the counts exchange below, so every rank learns of it at
         # the first wait (before any forward) and all of them raise it together; until then it reads row 0.
@@ -440,8 +512,8 @@ class ShardedHeraldEmbeddingBagCollection(
         # kernels run
         sizes = _SplitSizes(torch.cat([bags_to, ids_to, read_counts]), read, read_sparse,
                             nonempty_mask, values, lengths, B, feature_of_value)
-        recv_counts, work = all_to_all_rows_async(counts, [1] * W, [1] * W, self._pg, "herald_meta")
-        return KJTListSplitsAwaitable([_CountsAwaitable(self, ctx, recv_counts, work, sizes)], ctx)
+        recv_counts, work = all_to_all_rows_async(counts, [1] * W, [1] * W, pg, "herald_meta")
+        return _CountsAwaitable(self, ctx, recv_counts, work, sizes, pg)
 
     def _split_ids(self, values: torch.Tensor, lengths: torch.Tensor, B: int
                    ) -> Tuple[HotColdSplit, torch.Tensor, torch.Tensor, torch.Tensor, Optional[torch.Tensor], torch.Tensor]:
@@ -515,7 +587,8 @@ class ShardedHeraldEmbeddingBagCollection(
         rows_to = cold_rows.to(torch.int32).split(ids_to)
         return torch.cat([t for o in range(W) for t in (lengths_to[o], rows_to[o])]), ids_to
 
-    def _ids_dist(self, ctx: HeraldContext, recv_counts: torch.Tensor, sizes: "_SplitSizes") -> "_IdsAwaitable":
+    def _ids_dist(self, ctx: HeraldContext, recv_counts: torch.Tensor, sizes: "_SplitSizes",
+                  pg: Optional[dist.ProcessGroup]) -> "_IdsAwaitable":
         """The counts arrived: raise on any rank's bad id (every rank together), then read this batch's
         sizes, build the message and start the all-to-all of the sub-bag lengths and ids."""
         W = self._world
@@ -524,12 +597,12 @@ class ShardedHeraldEmbeddingBagCollection(
         got = [host[4 * r: 4 * r + 4] for r in range(W)]  # per rank: sub-bags, ids, any bad id, k
         bad_ranks = [r for r, g in enumerate(got) if g[2]]
         if bad_ranks:
-            self._raise_on_bad_ids(bad_ranks, sizes)
+            self._raise_on_bad_ids(bad_ranks, sizes, pg)
         packed, ids_to = self._sized_by_host(ctx, sizes, host[4 * W:])
         ctx.bags_from, ids_from, ctx.sparse_from = [g[0] for g in got], [g[1] for g in got], [g[3] for g in got]
         recv_sizes = [n for b, i in zip(ctx.bags_from, ids_from) for n in (b, i)]
         recv, work = all_to_all_rows_async(packed, [b + i for b, i in zip(ctx.bags_to, ids_to)],
-                                           [b + i for b, i in zip(ctx.bags_from, ids_from)], self._pg, "herald_ids")
+                                           [b + i for b, i in zip(ctx.bags_from, ids_from)], pg, "herald_ids")
         return _IdsAwaitable(ctx, recv, work, recv_sizes)
 
     def traffic_by_table(self) -> Dict[str, Dict[str, float]]:
@@ -558,7 +631,7 @@ class ShardedHeraldEmbeddingBagCollection(
         if on_gpu:
             torch.cuda.synchronize(self._device)
 
-    def _raise_on_bad_ids(self, bad_ranks: List[int], sizes: "_SplitSizes") -> None:
+    def _raise_on_bad_ids(self, bad_ranks: List[int], sizes: "_SplitSizes", pg: Optional[dist.ProcessGroup]) -> None:
         """Some ranks flagged an id outside its table (``bad_ranks``, known to every rank): each rank finds its
         own first one (a host read: this error path only), all of them exchange theirs (collective), and
         every rank raises the first bad id of rank ``bad_ranks[0]``'s batch."""
@@ -566,7 +639,7 @@ class ShardedHeraldEmbeddingBagCollection(
         codes = [code]
         if self._world > 1:
             codes = [torch.empty_like(code) for _ in range(self._world)]
-            dist.all_gather(codes, code, group=self._pg)
+            dist.all_gather(codes, code, group=pg)
         feature_plus_one, value = codes[bad_ranks[0]].tolist()
         raise self.bad_id_error(bad_ranks, feature_plus_one - 1, value)
 
