@@ -138,9 +138,12 @@ def validate() -> Dict[str, Any]:
 
 def gpu_steps(gpu: Tuple[str, str], B: int) -> Tuple[float, float, str]:
     """(stock ms, herald ms, where from) at local batch ``B`` from two ``gpu_step_time.py`` JSONs in
-    ``results/`` (stock's, herald's; measured in one call on one machine)."""
+    ``results/`` (stock's, herald's; measured in one call on one machine). A paired run (``--baseline``
+    stock, its steps interleaved with herald's in one process) may be given as both: its baseline is stock's."""
     runs = [json.loads((RESULTS / name).read_text()) for name in gpu]
-    stock_ms, herald_ms = (next(r["step_s_median"] for r in d["runs"] if r["local_batch"] == B) * 1e3 for d in runs)
+    stock, herald = (next(r for r in d["runs"] if r["local_batch"] == B) for d in runs)
+    stock_ms = 1e3 * stock.get("baseline_step_s_median", stock["step_s_median"])
+    herald_ms = 1e3 * herald["step_s_median"]
     where = f"results/{gpu[0]}, {gpu[1]} ({runs[0]['machine'].get('gpu', '?')}, 1 rank, B={B})"
     return stock_ms, herald_ms, where
 
