@@ -1,0 +1,97 @@
+"""Non-view aten ops a training step runs at one rank, on CPU, through the code path ids take on a GPU.
+
+On a GPU herald's step is bound by its host (the device is busy about 1 ms of a 6-8 ms step), so the ops it
+dispatches, each a kernel launch or more, are its cost. The compiled passes (``native/``) run only where
+the ids are on the CPU; ``--torch-ids`` turns them off here so the count is the GPU path's. Each op is
+attributed to the innermost herald, TorchRec or fbgemm frame that issued it (a dispatch mode over the
+steps), so an A/B of two trees shows where the ops went.
+
+    python benchmarks/gpu_path_ops.py --torch-ids -- planner=table_wise pipeline=sparse_dist
+    python benchmarks/gpu_path_ops.py --torch-ids -- planner=herald pipeline=herald pipeline.scheduling=off \
+        planner.link_mbit=null
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import os
+import sys
+import traceback
+from pathlib import Path
+from typing import Any, Counter, Dict
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import torch  # noqa: E402
+from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
+
+#: frames an op is attributed to (the innermost of them)
+PACKAGES = ("torchrec_herald", "/torchrec/", "fbgemm")
+#: ops that launch nothing: views and aliases, besides those torch marks as views
+NO_KERNEL = {"detach", "alias", "lift_fresh"}
+
+
+class OpCounter(TorchDispatchMode):
+    """Counts every non-view op dispatched, by (innermost package frame, op name)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops: Counter[str] = collections.Counter()
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        name = func.overloadpacket.__name__
+        if not getattr(func, "is_view", False) and name not in NO_KERNEL:
+            site = "?"
+            for frame in reversed(traceback.extract_stack(limit=40)[:-1]):
+                if any(p in frame.filename for p in PACKAGES):
+                    site = f"{frame.filename.split('site-packages/')[-1].split(os.getcwd() + '/')[-1]}:{frame.lineno}"
+                    break
+            self.ops[f"{site} {name}"] += 1
+        return func(*args, **(kwargs or {}))
+
+
+def count(overrides: list, batch_size: int, steps: int, warmup: int, torch_ids: bool) -> Dict[str, float]:
+    """Ops per step of ``steps`` steps after ``warmup``, by site and op."""
+    if torch_ids:  # the path of ids on a GPU: no compiled pass
+        import torchrec_herald.sharding.hot_replicated as hot_replicated
+        import torchrec_herald.sharding.row_store as row_store
+
+        hot_replicated.load_if_built = row_store.load_if_built = lambda: None  # type: ignore[assignment]
+    from torchrec_herald.config import compose_config
+    from torchrec_herald.data import build_data_source
+    from torchrec_herald.dist_utils import init_distributed
+    from torchrec_herald.trainer import build_model_and_plan, build_pipeline
+
+    cfg = compose_config([f"batch_size={batch_size}", "eval=false"] + overrides)
+    rank, world, device = init_distributed()
+    data = build_data_source(cfg.data)
+    dmp, optimizer, decision = build_model_and_plan(cfg, data, world, device)
+    pipeline = build_pipeline(cfg, dmp, optimizer, device, decision)
+    it = iter([b for _, b in zip(range(warmup + steps + 2), data.train_batches(rank, world, batch_size))])
+    for _ in range(warmup):
+        pipeline.progress(it)
+    counter = OpCounter()
+    with counter:
+        for _ in range(steps):
+            pipeline.progress(it)
+    return {k: v / steps for k, v in counter.ops.most_common()}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("overrides", nargs="*", help="Hydra overrides of the trainer's config")
+    p.add_argument("--batch-size", type=int, default=2048)
+    p.add_argument("--steps", type=int, default=5)
+    p.add_argument("--warmup", type=int, default=8)
+    p.add_argument("--torch-ids", action="store_true", help="the torch ops, not the compiled passes (a GPU's path)")
+    p.add_argument("--top", type=int, default=40, help="sites to list")
+    a = p.parse_args()
+    ops = count(a.overrides, a.batch_size, a.steps, a.warmup, a.torch_ids)
+    print(f"non-view aten ops per step: {sum(ops.values()):.1f}")
+    for site, n in list(ops.items())[: a.top]:
+        print(f"{n:7.1f} {site}")
+
+
+if __name__ == "__main__":
+    main()
