@@ -374,6 +374,8 @@ class ShardedHeraldEmbeddingBagCollection(
         self._worker_pg: Optional[dist.ProcessGroup] = None
         # stale-update skipping: hot rows neither synchronised nor updated (where the ids are handled)
         self._frozen_hot = torch.zeros(max(self._num_hot, 1), dtype=torch.bool, device=self._device)
+        # per hot row: synced sparsely and not frozen (the rows whose reads ride on the counts exchange)
+        self._sparse_trained = self._ids.sparse_row & ~self._frozen_hot[: self._ids.sparse_row.numel()]
         self._set_dense_rows(self._all_dense_rows)
         if any(p.is_meta for p in module.parameters()):
             self.reset_parameters()  # built on meta, as large models are: initialise as stock TorchRec does
@@ -497,9 +499,9 @@ class ShardedHeraldEmbeddingBagCollection(
         ids_to, bags_to = per.sum(2)
         # the hot rows read that are synced sparsely are counted on this exchange (none without hot rows)
         if num_hot:
-            read_sparse = read & lay.sparse_row[:num_hot] & ~self._frozen_hot[:num_hot]
-            k = read_sparse.sum().expand(W, 1)
-            read_counts = torch.stack([read.sum(), k[0, 0]])
+            read_sparse = read & self._sparse_trained[:num_hot]
+            read_counts = torch.stack([read, read_sparse]).sum(1)  # hot rows read, of them synced sparsely
+            k = read_counts[1:].expand(W, 1)
         else:
             read_sparse, k, read_counts = read, self._no_hot_counts[:W, None], self._no_hot_counts[:2]
         counts = torch.cat([bags_to[:, None], ids_to[:, None], any_bad.to(torch.int64).expand(W, 1), k], 1)
@@ -777,6 +779,7 @@ class ShardedHeraldEmbeddingBagCollection(
         if frozen is not None and self._num_hot:
             frozen_hot[: self._num_hot] = frozen.cpu()
         self._frozen_hot = frozen_hot.to(self._device)
+        self._sparse_trained = self._ids.sparse_row & ~self._frozen_hot[: self._ids.sparse_row.numel()]
         self._set_dense_rows(self._all_dense_rows[~frozen_hot[self._all_dense_rows]])
 
     def hot_values(self) -> torch.Tensor:
@@ -785,10 +788,13 @@ class ShardedHeraldEmbeddingBagCollection(
 
     # ------------------------------------------------------------------ hot replicas: sync + exact update
     def _set_dense_rows(self, rows: torch.Tensor) -> None:
-        """The hot rows synced densely (all-reduced), and each hot row's position among them (-1: not)."""
+        """The hot rows synced densely (all-reduced), and each hot row's slot in the sum's scratch: its
+        position among them, or the spare slot past them."""
         pos = torch.full((max(self._num_hot, 1),), -1, dtype=torch.int64)
         pos[rows] = torch.arange(rows.numel())
-        self._dense_rows, self._dense_pos = rows.to(self._device), pos.to(self._device)  # where the ids are handled
+        self._dense_rows = rows.to(self._device)  # where the ids are handled
+        # each hot row's slot in the dense sum's scratch: its position there, or the spare last slot
+        self._dense_slot = torch.where(pos >= 0, pos, rows.numel()).to(self._device)
         # bytes this rank sends per table and step for them (ring all-reduce), as TrafficMeter counts
         per_table = torch.bincount(self.layout.hot_slot_table[rows], minlength=len(self._tables)).double()
         self._dense_sync_bytes = per_table * (2 * (self._world - 1) * FLOAT_BYTES * self._dim / self._world)
@@ -814,10 +820,9 @@ class ShardedHeraldEmbeddingBagCollection(
         with traffic_tag("herald_hot_sync", self._dim):
             if self._dense_rows.numel():  # tables synced densely: one ring all-reduce of their rows
                 n = self._dense_rows.numel()
-                pos = self._dense_pos[unique]
                 # rows read but not synced densely land in a spare last row, dropped before the sum
                 scratch = torch.zeros(n + 1, self._dim, device=dev)
-                scratch.index_copy_(0, torch.where(pos >= 0, pos, n).to(dev), grad)
+                scratch.index_copy_(0, self._dense_slot[unique].to(dev), grad)
                 dense = scratch[:n]
                 pending.dense = (self._dense_rows, dense, dist.all_reduce(dense, group=self._pg, async_op=True))
             if self._any_sparse:  # tables synced sparsely: exchange touched rows only
@@ -851,8 +856,8 @@ class ShardedHeraldEmbeddingBagCollection(
             unique, slot = torch.unique(ids, return_inverse=True)
             rows.append(unique)
             grads.append(torch.zeros(unique.numel(), self._dim, device=got.device).index_add_(0, slot, got[:, 1:]))
-        if rows:
-            self._store.update_hot_rows(torch.cat(rows), torch.cat(grads))
+        if rows:  # (one part, as with one sync mode: no copy)
+            self._store.update_hot_rows(*((rows[0], grads[0]) if len(rows) == 1 else (torch.cat(rows), torch.cat(grads))))
 
     def reset_parameters(self) -> None:
         """Initialise every row this rank holds exactly as stock TorchRec's ROW_WISE sharding of the same
