@@ -188,6 +188,14 @@ def main() -> None:
         "ebc_single_rowwise_adagrad": (dict(ebc, optimizer="rowwise_adagrad", hot_min_count=2, batch_size=64), 1),
         "ebc_single_rowwise_adagrad_multi_hot_mean": (dict(ebc, optimizer="rowwise_adagrad", hot_min_count=2,
                                                            multi_hot=True, pooling="MEAN"), 1),
+        # TrainPipelineSparseDist: the input dist on the module's worker thread (a GPU's default), its
+        # kernels on the data-dist stream, joined to the compute stream by the pipeline (the DLRM: the
+        # pipeline traces the model, which the EBC-only model's loss is not written for)
+        "dlrm_single_rowwise_adagrad_sparse_dist": ({"planner": "herald", "optimizer": "rowwise_adagrad",
+                                                     "hot_min_count": 2, "batch_size": 64, "pipeline": "sparse_dist"}, 1),
+        "dlrm_per_step_rowwise_adagrad_sparse_dist_2ranks": ({"planner": "herald", "optimizer": "rowwise_adagrad",
+                                                              "hot_min_count": 3, "batch_size": 64,
+                                                              "pipeline": "sparse_dist"}, 2),
         # a plan replicating no rows (one rank: nothing to save): the step's hot side skipped
         "ebc_single_no_hot_rowwise_adagrad": (dict(ebc, optimizer="rowwise_adagrad", hot_min_count=10 ** 9,
                                                    batch_size=64), 1),

@@ -35,7 +35,7 @@ for part in ${PARTS:-hot nothread old full hotrows check prof}; do case $part in
   prof) timeout ${LIMIT:-90} python3 benchmarks/gpu_step_time.py --batch-sizes 2048 --steps 20 --overrides $hot \
             --profile --out "$out/prof_hot.json" > /tmp/prof_hot.log 2>&1
         grep -o "B=[0-9]*.*ms/step median" /tmp/prof_hot.log ;;
-  check) OUT=$out CASES=${CASES:-ebc_single_no_hot ebc_single_rowwise_adagrad} timeout ${LIMIT:-90} \
+  check) OUT=$out CASES=${CASES:-ebc_single_no_hot sparse_dist} timeout ${LIMIT:-90} \
              bash scripts/gpu/run_checks.sh check ;;
   *) echo "unknown part $part"; exit 2 ;;
 esac; done
