@@ -194,19 +194,48 @@ def test_a_plan_without_hot_rows_trains_as_stock_row_wise_by_both_id_paths(world
 
 def _in_thread_or_not(rank: int, world: int) -> Dict[str, Any]:
     """Herald (hot rows, both sync modes, the torch ops' id bookkeeping as on a GPU) with its per-step input
-    dist on the training thread and on the module's worker thread, on the same batches."""
-    cfg = dict(planner="herald", optimizer="rowwise_adagrad", via="fused_params", pooling="SUM",
-               pipeline="sparse_dist", sync="mixed", steps=STEPS, torch_ids=True)
-    return {name: train(rank, world, dict(cfg, ids_in_thread=on)) for name, on in (("main", False), ("worker", True))}
+    dist on the training thread and handed to the module's worker thread, on the same batches; and the
+    threads that issued collectives."""
+    import threading
+
+    import torch.distributed as dist
+    import torch.distributed.distributed_c10d as c10d
+
+    issuers: set = set()
+    # (TrafficMeter wraps c10d's functions, so they are the ones recorded)
+    originals = {n: getattr(c10d, n) for n in ("all_to_all_single", "all_gather", "all_reduce", "broadcast")}
+
+    def recorded(name: str) -> Any:
+        def call(*a: Any, **k: Any) -> Any:
+            issuers.add(threading.current_thread().name)
+            return originals[name](*a, **k)
+        return call
+
+    for n in originals:
+        setattr(c10d, n, recorded(n))
+        setattr(dist, n, getattr(c10d, n))
+    try:
+        cfg = dict(planner="herald", optimizer="rowwise_adagrad", via="fused_params", pooling="SUM",
+                   pipeline="sparse_dist", sync="mixed", steps=STEPS, torch_ids=True)
+        out: Dict[str, Any] = {name: train(rank, world, dict(cfg, ids_in_thread=on))
+                               for name, on in (("main", False), ("worker", True))}
+    finally:
+        for n, f in originals.items():
+            setattr(c10d, n, f)
+            setattr(dist, n, f)
+    out["issuers"] = sorted(issuers)
+    return out
 
 
 def test_the_input_dist_on_a_worker_thread_trains_the_same_model() -> None:
-    """On a GPU the per-step input dist runs on a worker thread of its own (its collectives on a process group
-    of their own): bit for bit the model of the input dist on the training thread, at two ranks, with hot rows
-    synced densely and sparsely; the worker ran, and only where asked."""
+    """On a GPU the per-step input dist's host work runs on a worker thread of the module's own: bit for bit
+    the model of the input dist on the training thread, at two ranks, with hot rows synced densely and
+    sparsely; the worker ran, only where asked, and issued no collective (every one stays on the training
+    thread, in program order: NCCL's hazard of two threads' communicators cannot arise)."""
     for r in run_multiprocess(_in_thread_or_not, 2, timeout_s=300):
         main, worker = r["main"], r["worker"]
         assert worker["worker_used"] and not main["worker_used"]
+        assert r["issuers"] and not any(t.startswith("herald-input-dist") for t in r["issuers"]), r["issuers"]
         assert worker["losses"] == main["losses"]
         for k in main["state"]:
             assert torch.equal(worker["state"][k], main["state"][k]), k

@@ -74,9 +74,9 @@ class HeraldPlannerConfig:
         collective_latency_ms: time a collective costs beyond its bytes; ``auto`` (the default): measured
             at start with the rate (1 ms, gloo on 2 shared cores, when it cannot be).
         cpu_us_per_lookup: herald's extra CPU per lookup over stock's fused kernels (measured here).
-        input_dist_thread: herald's per-step input dist (id bookkeeping and its two exchanges) on a worker
-            thread of each herald EBC's own: ``auto`` (where the ids are on a GPU and its collectives cannot
-            meet NCCL's hazard of two communicators used from two threads: gloo, or one rank), ``on`` or ``off``.
+        input_dist_thread: herald's per-step input dist's host work (the id bookkeeping, the read of its sizes,
+            the message) on a worker thread of each herald EBC's own, its collectives kept on the training
+            thread: ``auto`` (where the ids are on a GPU), ``on`` or ``off``.
     """
 
     name: str = "herald"

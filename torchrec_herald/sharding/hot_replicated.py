@@ -203,16 +203,55 @@ class _CountsAwaitable(Awaitable[Awaitable[HeraldContext]]):
         return self._module._ids_dist(self._ctx, self._recv_counts, self._sizes, self._pg)
 
 
-class _FutureAwaitable(Awaitable[Awaitable[HeraldContext]]):
-    """First stage of an input dist run on the module's worker thread: waiting joins the worker's job (its
-    exception, such as a bad id's, is raised here, in the training thread) and gives the second stage."""
+@dataclass
+class _Message:
+    """What the input dist sends once the sizes are read: the packed lengths and ids, the rows to each
+    rank and the sizes from each (``[lengths, ids]`` per rank); or the ranks with a bad id."""
 
-    def __init__(self, future: "Future[Awaitable[HeraldContext]]") -> None:
+    sizes: _SplitSizes
+    bad_ranks: List[int]
+    packed: Optional[torch.Tensor] = None
+    send: List[int] = field(default_factory=list)
+    recv_sizes: List[int] = field(default_factory=list)
+
+
+@dataclass
+class _HandOff:
+    """An input dist whose host work runs on the module's worker thread: its context, the stream its
+    kernels go on, the worker's split (counts and sizes) and, once the counts are sent, its message."""
+
+    ctx: HeraldContext
+    stream: Optional[torch.cuda.Stream]
+    split: "Future[Tuple[torch.Tensor, _SplitSizes]]"
+    message: "Optional[Future[_Message]]" = None
+
+
+def _stream_of(stream: Optional[torch.cuda.Stream]) -> Any:
+    """``stream`` made current on its device (a no-op context without one)."""
+    if stream is None:
+        return contextlib.nullcontext()
+    ctx = contextlib.ExitStack()
+    ctx.enter_context(torch.cuda.device(stream.device))
+    ctx.enter_context(torch.cuda.stream(stream))
+    return ctx
+
+
+def _on_stream(stream: Optional[torch.cuda.Stream], fn: Any, *args: Any) -> Any:
+    """``fn(*args)`` with ``stream`` current (a worker thread's current stream is its own)."""
+    with _stream_of(stream):
+        return fn(*args)
+
+
+class _HandOffAwaitable(Awaitable[Awaitable[HeraldContext]]):
+    """First stage of a handed-off input dist: waiting (training thread) sends its counts if still pending,
+    joins the worker's message (an exception there, raised here) and sends the ids."""
+
+    def __init__(self, module: "ShardedHeraldEmbeddingBagCollection", handoff: _HandOff) -> None:
         super().__init__()
-        self._future = future
+        self._module, self._handoff = module, handoff
 
     def _wait_impl(self) -> Awaitable[HeraldContext]:
-        return self._future.result()
+        return self._module._finish_handoff(self._handoff)
 
 
 def fused_params_of(module: EmbeddingBagCollection, sharder_fused_params: Optional[Dict[str, Any]]
@@ -371,7 +410,7 @@ class ShardedHeraldEmbeddingBagCollection(
         # the per-step input dist's worker thread and its process group, made at its first use
         self._in_thread: Optional[bool] = None
         self._worker: Optional[ThreadPoolExecutor] = None
-        self._worker_pg: Optional[dist.ProcessGroup] = None
+        self._pending_dist: Optional[_HandOff] = None  # an input dist whose counts the training thread has not sent
         # stale-update skipping: hot rows neither synchronised nor updated (where the ids are handled)
         self._frozen_hot = torch.zeros(max(self._num_hot, 1), dtype=torch.bool, device=self._device)
         # per hot row: synced sparsely and not frozen (the rows whose reads ride on the counts exchange)
@@ -444,16 +483,12 @@ class ShardedHeraldEmbeddingBagCollection(
 
     @property
     def input_dist_in_thread(self) -> bool:
-        """Whether the per-step input dist runs on a worker thread of its own (default: where the ids are on a
-        GPU, its collectives on gloo or one rank's group). A GPU's step is its host's: the id bookkeeping's kernel launches, about a third of herald's extra
-        host time a step, are queued by the worker while the training thread queues the previous batch's
-        forward. On a CPU the kernels are the host's own work, so the default there keeps one thread."""
+        """Whether the per-step input dist's host work runs on a worker thread of the module's own (default:
+        where the ids are on a GPU, whose step is its host's: the id bookkeeping's kernel launches are queued
+        by the worker while the training thread queues the previous batch's forward). On a CPU the kernels
+        are the host's own work, so the default there keeps one thread."""
         if self._in_thread is None:
-            # NCCL: kernels of two communicators queued from two threads in different orders on different
-            # ranks can deadlock (NCCL's guide, "Using multiple NCCL communicators concurrently"); gloo's
-            # collectives and a one-rank group's cannot
-            return self._ids.device.type == "cuda" and (
-                self._pg is None or self._world == 1 or dist.get_backend(self._pg) != "nccl")
+            return self._ids.device.type == "cuda"
         return self._in_thread
 
     @input_dist_in_thread.setter
@@ -463,29 +498,57 @@ class ShardedHeraldEmbeddingBagCollection(
 
     def _input_dist_in_worker(self, ctx: HeraldContext, features: KeyedJaggedTensor, B: int
                               ) -> KJTListSplitsAwaitable:
-        """Start the input dist on this module's worker thread (its first stage, through the first wait: the
-        counts exchange, the host read of the sizes and the ids' exchange started). Its collectives go on a
-        process group of its own, so their order on every rank is the worker's alone, whatever the training
-        thread sends meanwhile. The worker queues its kernels on the stream this call is made on (TorchRec's
-        data-dist stream), which TorchRec's pipeline joins to the compute stream, as for a stock input dist."""
-        if self._worker is None:  # made at the first input dist, which every rank reaches in the same order
-            self._worker_pg = (dist.new_group(ranks=dist.get_process_group_ranks(self._pg),
-                                              backend=dist.get_backend(self._pg)) if self._pg is not None else None)
+        """Hand the input dist's host work to the module's worker thread; its collectives stay here.
+
+        The worker splits the ids and counts them now, and later (:meth:`_send_pending_counts`) reads the
+        sizes and builds the message. The training thread sends the counts at this module's next output
+        dist (or at the first wait, if that comes first) and the ids at the first wait. So every collective
+        is issued from the training thread in program order, the same on every rank. NCCL's guide warns
+        that kernels of communicators queued from two threads in different orders on different ranks can
+        deadlock; this order cannot differ. The worker queues its kernels on the stream this call is made on
+        (TorchRec's data-dist stream), which TorchRec's pipeline joins to the compute stream, as for a stock
+        input dist."""
+        self._send_pending_counts()  # one started before, whose counts are still here: they go first
+        if self._worker is None:
             self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="herald-input-dist")
         stream = torch.cuda.current_stream(self._ids.device) if self._ids.device.type == "cuda" else None
+        handoff = _HandOff(ctx, stream, self._worker.submit(_on_stream, stream, self._split_for_dist, ctx, features, B))
+        self._pending_dist = handoff
+        return KJTListSplitsAwaitable([_HandOffAwaitable(self, handoff)], ctx)
 
-        def job() -> Awaitable[HeraldContext]:
-            with contextlib.ExitStack() as on:
-                if stream is not None:
-                    on.enter_context(torch.cuda.device(stream.device))
-                    on.enter_context(torch.cuda.stream(stream))
-                return self._start_input_dist(ctx, features, B, self._worker_pg).wait()
+    def _send_pending_counts(self) -> None:
+        """The training thread's side of a handed-off input dist: wait for the worker's split, send its
+        counts, and hand the reading of the sizes and the message to the worker. No-op if none is pending."""
+        h, self._pending_dist = self._pending_dist, None
+        if h is None:
+            return
+        counts, sizes = h.split.result()
+        with _stream_of(h.stream):
+            recv_counts, work = all_to_all_rows_async(counts, [1] * self._world, [1] * self._world, self._pg,
+                                                      "herald_meta")
+        h.message = self._worker.submit(_on_stream, h.stream, self._message_for_dist, h.ctx, recv_counts, work, sizes)
 
-        return KJTListSplitsAwaitable([_FutureAwaitable(self._worker.submit(job))], ctx)
+    def _finish_handoff(self, h: "_HandOff") -> Awaitable[HeraldContext]:
+        """The first wait of a handed-off input dist (training thread): its counts sent if still pending,
+        the worker's message joined, then the bad-id error or the ids' exchange, as :meth:`_ids_dist`."""
+        if self._pending_dist is h:
+            self._send_pending_counts()
+        assert h.message is not None
+        read = h.message.result()
+        with _stream_of(h.stream):
+            return self._send_ids(h.ctx, read, self._pg)
 
     def _start_input_dist(self, ctx: HeraldContext, features: KeyedJaggedTensor, B: int,
                           pg: Optional[dist.ProcessGroup]) -> "_CountsAwaitable":
         """The per-step input dist's first stage: the split and the counts' exchange on ``pg`` started."""
+        counts, sizes = self._split_for_dist(ctx, features, B)
+        W = self._world
+        recv_counts, work = all_to_all_rows_async(counts, [1] * W, [1] * W, pg, "herald_meta")
+        return _CountsAwaitable(self, ctx, recv_counts, work, sizes, pg)
+
+    def _split_for_dist(self, ctx: HeraldContext, features: KeyedJaggedTensor, B: int
+                        ) -> Tuple[torch.Tensor, "_SplitSizes"]:
+        """The input dist's split, no collective: (the counts to exchange ``[W, 4]``, this batch's sizes)."""
         lay = self._ids
         values, lengths = self._ids_of(ctx, features, B)
         W, num_hot = self._world, self._num_hot
@@ -514,8 +577,7 @@ class ShardedHeraldEmbeddingBagCollection(
         # kernels run
         sizes = _SplitSizes(torch.cat([bags_to, ids_to, read_counts]), read, read_sparse,
                             nonempty_mask, values, lengths, B, feature_of_value)
-        recv_counts, work = all_to_all_rows_async(counts, [1] * W, [1] * W, pg, "herald_meta")
-        return _CountsAwaitable(self, ctx, recv_counts, work, sizes, pg)
+        return counts, sizes
 
     def _split_ids(self, values: torch.Tensor, lengths: torch.Tensor, B: int
                    ) -> Tuple[HotColdSplit, torch.Tensor, torch.Tensor, torch.Tensor, Optional[torch.Tensor], torch.Tensor]:
@@ -593,18 +655,35 @@ class ShardedHeraldEmbeddingBagCollection(
                   pg: Optional[dist.ProcessGroup]) -> "_IdsAwaitable":
         """The counts arrived: raise on any rank's bad id (every rank together), then read this batch's
         sizes, build the message and start the all-to-all of the sub-bag lengths and ids."""
+        return self._send_ids(ctx, self._message_for_dist(ctx, recv_counts, None, sizes), pg)
+
+    def _message_for_dist(self, ctx: HeraldContext, recv_counts: torch.Tensor, work: Any, sizes: "_SplitSizes"
+                          ) -> "_Message":
+        """The counts' exchange waited for (``work``, if given), the input dist's one host read (the counts
+        received and this rank's own sizes) and, unless some rank has a bad id, the message to send. No
+        collective: a handed-off input dist runs this on its worker thread."""
+        if work is not None:
+            work.wait()
         W = self._world
-        # the input dist's one host read: the counts received and this rank's own sizes
         host = torch.cat([recv_counts.flatten().to(torch.int64), sizes.sizes]).tolist()
         got = [host[4 * r: 4 * r + 4] for r in range(W)]  # per rank: sub-bags, ids, any bad id, k
         bad_ranks = [r for r, g in enumerate(got) if g[2]]
         if bad_ranks:
-            self._raise_on_bad_ids(bad_ranks, sizes, pg)
+            return _Message(sizes, bad_ranks)
         packed, ids_to = self._sized_by_host(ctx, sizes, host[4 * W:])
         ctx.bags_from, ids_from, ctx.sparse_from = [g[0] for g in got], [g[1] for g in got], [g[3] for g in got]
-        recv_sizes = [n for b, i in zip(ctx.bags_from, ids_from) for n in (b, i)]
-        recv, work = all_to_all_rows_async(packed, [b + i for b, i in zip(ctx.bags_to, ids_to)],
-                                           [b + i for b, i in zip(ctx.bags_from, ids_from)], pg, "herald_ids")
+        return _Message(sizes, [], packed, [b + i for b, i in zip(ctx.bags_to, ids_to)],
+                        [n for b, i in zip(ctx.bags_from, ids_from) for n in (b, i)])
+
+    def _send_ids(self, ctx: HeraldContext, m: "_Message", pg: Optional[dist.ProcessGroup]) -> "_IdsAwaitable":
+        """Raise a bad id on every rank together (a collective finds each rank's first), or start the
+        all-to-all of the sub-bag lengths and ids."""
+        if m.bad_ranks:
+            self._raise_on_bad_ids(m.bad_ranks, m.sizes, pg)
+        assert m.packed is not None
+        recv_sizes = m.recv_sizes
+        recv, work = all_to_all_rows_async(m.packed, m.send, [recv_sizes[2 * r] + recv_sizes[2 * r + 1]
+                                                               for r in range(self._world)], pg, "herald_ids")
         return _IdsAwaitable(ctx, recv, work, recv_sizes)
 
     def traffic_by_table(self) -> Dict[str, Dict[str, float]]:
@@ -681,7 +760,9 @@ class ShardedHeraldEmbeddingBagCollection(
 
     def output_dist(self, ctx: HeraldContext, output: Tuple[torch.Tensor, Optional[RowsInFlight], torch.Tensor]
                     ) -> LazyAwaitable[KeyedTensor]:
-        """Receive the partial pooled vectors of this rank's samples and add them to the hot part."""
+        """Receive the partial pooled vectors of this rank's samples and add them to the hot part (a next
+        input dist handed to the worker sends its counts first: a fixed point of the training thread)."""
+        self._send_pending_counts()
         partial, flight, hot = output
         if flight is None:  # plan mode: nothing to return to other ranks
             pooled = hot
