@@ -51,13 +51,23 @@ class OpCounter(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-def count(overrides: list, batch_size: int, steps: int, warmup: int, torch_ids: bool) -> Dict[str, float]:
+def count(overrides: list, batch_size: int, steps: int, warmup: int, torch_ids: bool, no_extension: bool = False
+          ) -> Dict[str, float]:
     """Ops per step of ``steps`` steps after ``warmup``, by site and op."""
-    if torch_ids:  # the path of ids on a GPU: no compiled pass
+    if torch_ids:  # the path of ids and rows on a GPU: the compiled passes over ids or rows off
         import torchrec_herald.sharding.hot_replicated as hot_replicated
         import torchrec_herald.sharding.row_store as row_store
 
-        hot_replicated.load_if_built = row_store.load_if_built = lambda: None  # type: ignore[assignment]
+        hot_replicated.load_if_built = lambda: None  # type: ignore[assignment]
+        init = row_store.RowStore.__init__
+
+        def gpu_rows_init(self: Any, *a: Any, **k: Any) -> None:
+            init(self, *a, **k)
+            self.native = None  # rows on a GPU: torch ops over them (finding keys' rows stays compiled)
+            if no_extension:
+                self.native_locate = None
+
+        row_store.RowStore.__init__ = gpu_rows_init  # type: ignore[method-assign]
     from torchrec_herald.config import compose_config
     from torchrec_herald.data import build_data_source
     from torchrec_herald.dist_utils import init_distributed
@@ -85,9 +95,11 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=5)
     p.add_argument("--warmup", type=int, default=8)
     p.add_argument("--torch-ids", action="store_true", help="the torch ops, not the compiled passes (a GPU's path)")
+    p.add_argument("--no-extension", action="store_true",
+                   help="with --torch-ids: no compiled pass at all (a GPU host where the extension is not built)")
     p.add_argument("--top", type=int, default=40, help="sites to list")
     a = p.parse_args()
-    ops = count(a.overrides, a.batch_size, a.steps, a.warmup, a.torch_ids)
+    ops = count(a.overrides, a.batch_size, a.steps, a.warmup, a.torch_ids, a.no_extension)
     print(f"non-view aten ops per step: {sum(ops.values()):.1f}")
     for site, n in list(ops.items())[: a.top]:
         print(f"{n:7.1f} {site}")

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import List, Tuple
+from typing import Any, List, Tuple
 
 import pytest
 import torch
@@ -71,15 +71,19 @@ def test_a_zero_gradient_leaves_a_row_bit_identical(optimizer: EmbOptimType) -> 
     assert torch.equal(new_s.view(torch.int32), s.view(torch.int32))
 
 
-def _random_store(seed: int, optimizer: EmbOptimType, native: bool) -> RowStore:
-    """Rank 1 of 3, three tables with hot rows; its own block and the hot replicas filled with distinct values."""
+def _random_store(seed: int, optimizer: EmbOptimType, native: Any) -> RowStore:
+    """Rank 1 of 3, three tables with hot rows; its own block and the hot replicas filled with distinct values.
+    ``native``: True (compiled access), False (the torch reference) or ``"gpu_rows"`` (torch ops over the rows,
+    each key's row found by the compiled pass: a GPU host's path where the extension is built)."""
     g = torch.Generator().manual_seed(seed)
     rows = {"a": 50, "b": 7, "c": 200}
     hot = {t: torch.randperm(n, generator=g)[: n // 5].sort().values for t, n in rows.items()}
     layout = RowLayout.build(3, rows, hot)
     store = RowStore(layout, 1, 4, {"optimizer": optimizer, "learning_rate": LR, "eps": 1e-8}, torch.device("cpu"))
-    if not native:
+    if native is not True:
         store.native = None
+    if native is False:
+        store.native_locate = None
     with torch.no_grad():
         store.cold_weights().copy_(torch.randn(store.cold_weights().shape, generator=g))
         store.hot_weights().copy_(torch.randn(store.hot_weights().shape, generator=g))
@@ -102,7 +106,8 @@ def _tracked_pair(seed: int, optimizer: EmbOptimType) -> Tuple[List[RowStore], t
     return stores, hot_rows, own_rows, torch.arange(n)[~hot_rows & ~own_rows]
 
 
-def test_compiled_row_access_reads_and_writes_like_the_torch_reference() -> None:
+@pytest.mark.parametrize("reference", [False, "gpu_rows"])
+def test_compiled_row_access_reads_and_writes_like_the_torch_reference(reference: Any) -> None:
     """On the same random stores and keys (hot, own-block and remote rows; the remote ones cached by a write,
     some dropped, the cache grown), the compiled gather/scatter leaves the same rows, states, cache slots and
     reads as the torch ops, and a row the rank does not hold is the same error."""
@@ -112,8 +117,9 @@ def test_compiled_row_access_reads_and_writes_like_the_torch_reference() -> None
 
     assert available(), "make setup builds the extension"
     for seed, optimizer in ((0, EmbOptimType.EXACT_ROWWISE_ADAGRAD), (1, EmbOptimType.EXACT_SGD)):
-        stores = [_random_store(seed, optimizer, native) for native in (True, False)]
+        stores = [_random_store(seed, optimizer, native) for native in (True, reference)]
         assert stores[0].native is not None and stores[1].native is None
+        assert (stores[1].native_locate is None) == (reference is False)
         g = torch.Generator().manual_seed(seed + 10)
         n = stores[0].layout.num_rows
         for step in range(6):

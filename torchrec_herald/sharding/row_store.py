@@ -87,8 +87,11 @@ class RowStore(nn.Module):
         self.track_base = False
         self.base_hot = torch.zeros(layout.num_hot, dim + 1, device=device)
         self.base_cache = torch.zeros(0, dim + 1, device=device)
-        # by-key reads and writes in one compiled pass (CPU rows, the extension built), else torch ops
+        # by-key reads and writes in one compiled pass (CPU rows, the extension built), else torch ops; where
+        # each key's row is (hot, own block or cache slot) is found by the compiled pass wherever the keys are
+        # on the CPU, the rows anywhere: the plan's keys are the host's (its scheduler's) even for GPU rows
         self.native: Optional[Any] = load_if_built() if torch.device(device).type == "cpu" else None
+        self.native_locate: Optional[Any] = load_if_built()
 
     # ------------------------------------------------------------------ views
     def hot_weights(self) -> torch.Tensor:
@@ -193,8 +196,8 @@ class RowStore(nn.Module):
         """Masks of ``keys`` held as hot replica / own block row / cache entry (a key must be one), and
         each key's hot slot, own block row and cache slot (-1 where not; with the compiled access, -1 also
         for the block row of a hot key, which no caller reads)."""
-        if self.native is not None:
-            kind, slot = self.native.row_store_locate(keys.to(torch.int64).contiguous(), *self._native_args())
+        if self.native_locate is not None and keys.device.type == "cpu":
+            kind, slot = self.native_locate.row_store_locate(keys.to(torch.int64).contiguous(), *self._native_args())
             not_held = kind < 0
             if bool(not_held.any()):
                 raise self._not_held(keys, not_held.nonzero().flatten())
@@ -306,6 +309,10 @@ class RowStore(nn.Module):
 
     def _allocate(self, keys: torch.Tensor) -> None:
         """Give remote keys without a cache slot one (growing the cache when no slot is free)."""
+        if self.native_locate is not None and keys.device.type == "cpu":  # held nowhere: kind < 0
+            kind, _ = self.native_locate.row_store_locate(keys.to(torch.int64).contiguous(), *self._native_args())
+            self._give_slots(keys[kind < 0])
+            return
         self._give_slots(keys[(self.layout.hot_slot(keys) < 0) & (self.own_slot(keys) < 0) & ~self.cache_map.contains(keys)])
 
     def _give_slots(self, new: torch.Tensor) -> None:
