@@ -407,7 +407,7 @@ class ShardedHeraldEmbeddingBagCollection(
         self._no_hot_counts = torch.zeros(max(self._world, 2), dtype=torch.int64, device=self._device)
         self._no_rows_read = torch.zeros(0, dtype=torch.bool, device=self._device)
         self._bag_table_cache: Dict[int, Tuple[torch.Tensor, torch.Tensor]] = {}
-        # the per-step input dist's worker thread and its process group, made at its first use
+        # the per-step input dist's worker thread (its host work only), made at its first use
         self._in_thread: Optional[bool] = None
         self._worker: Optional[ThreadPoolExecutor] = None
         self._pending_dist: Optional[_HandOff] = None  # an input dist whose counts the training thread has not sent
