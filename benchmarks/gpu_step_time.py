@@ -95,44 +95,9 @@ def _profile(pipeline: Any, it: Any, device: torch.device, steps: int, out: Path
     return {"profiled_steps": steps, "host_syncs_per_step": syncs, "profile": str(out)}
 
 
-def measure(batch_size: int, overrides: List[str], warmup: int, steps: int,
-            profile_out: Optional[Path] = None, trace: bool = False) -> Dict[str, Any]:
-    """Per-step seconds (median, mean, p90) of ``steps`` timed steps after ``warmup`` steps; with
-    ``profile_out``, 5 more steps profiled (:func:`_profile`), then 5 under cProfile."""
-    cfg = compose_config([f"batch_size={batch_size}", "eval=false"] + overrides)
-    rank, world, device = init_distributed()
-    data = build_data_source(cfg.data)
-    dmp, optimizer, decision = build_model_and_plan(cfg, data, world, device)
-    pipeline = build_pipeline(cfg, dmp, optimizer, device, decision)
-    n = warmup + steps + 2 + (10 if profile_out else 0)  # TrainPipelineSparseDist runs ahead by up to two batches
-    # pre-generated on CPU, as a data loader yields them: each pipeline moves its batches to the device
-    batches = [b for _, b in zip(range(n), data.train_batches(rank, world, batch_size))]
-    if len(batches) < n:
-        raise ValueError(f"data yields {len(batches)} batches of {batch_size}; {n} needed")
-    it = iter(batches)
-    times: List[float] = []
-    for i in range(warmup + steps):
-        _sync(device)
-        t0 = time.perf_counter()
-        out = pipeline.progress(it)
-        out[0].item() if isinstance(out, tuple) else None
-        _sync(device)
-        if i >= warmup:
-            times.append(time.perf_counter() - t0)
-    prof = _profile(pipeline, it, device, 5, profile_out, trace) if profile_out else {}
-    times.sort()
-    med = statistics.median(times)
-    res = {"local_batch": batch_size, "world_size": world, "device": str(device),
-           "overrides": overrides, "steps_timed": steps, "warmup": warmup,
-           "step_s_median": med, "step_s_mean": statistics.fmean(times),
-           "step_s_p90": times[int(0.9 * (len(times) - 1))], "samples_per_s": batch_size * world / med, **prof}
-    log.info("B=%d %s: %.2f ms/step median (%.0f samples/s)", batch_size, " ".join(overrides), 1e3 * med,
-             res["samples_per_s"])
-    return res
-
-
 def _build(batch_size: int, overrides: List[str], n: int) -> tuple:
-    """The trainer's model, plan and pipeline for ``overrides`` and an iterator over ``n`` batches made first."""
+    """The trainer's model, plan and pipeline for ``overrides`` and an iterator over ``n`` batches made first
+    (on CPU, as a data loader yields them: each pipeline moves its batches to the device)."""
     cfg = compose_config([f"batch_size={batch_size}", "eval=false"] + overrides)
     rank, world, device = init_distributed()
     data = build_data_source(cfg.data)
@@ -145,12 +110,32 @@ def _build(batch_size: int, overrides: List[str], n: int) -> tuple:
 
 
 def _timed_step(pipeline: Any, it: Any, device: torch.device) -> float:
+    """Seconds of one step, ending in a device synchronisation (the loss read back, as in the trainer)."""
     _sync(device)
     t0 = time.perf_counter()
     out = pipeline.progress(it)
     out[0].item() if isinstance(out, tuple) else None
     _sync(device)
     return time.perf_counter() - t0
+
+
+def measure(batch_size: int, overrides: List[str], warmup: int, steps: int,
+            profile_out: Optional[Path] = None, trace: bool = False) -> Dict[str, Any]:
+    """Per-step seconds (median, mean, p90) of ``steps`` timed steps after ``warmup`` steps; with
+    ``profile_out``, 5 more steps profiled (:func:`_profile`), then 5 under cProfile."""
+    n = warmup + steps + 2 + (10 if profile_out else 0)  # TrainPipelineSparseDist runs ahead by up to two batches
+    pipeline, it, device, world = _build(batch_size, overrides, n)
+    times = [_timed_step(pipeline, it, device) for _ in range(warmup + steps)][warmup:]
+    prof = _profile(pipeline, it, device, 5, profile_out, trace) if profile_out else {}
+    times.sort()
+    med = statistics.median(times)
+    res = {"local_batch": batch_size, "world_size": world, "device": str(device),
+           "overrides": overrides, "steps_timed": steps, "warmup": warmup,
+           "step_s_median": med, "step_s_mean": statistics.fmean(times),
+           "step_s_p90": times[int(0.9 * (len(times) - 1))], "samples_per_s": batch_size * world / med, **prof}
+    log.info("B=%d %s: %.2f ms/step median (%.0f samples/s)", batch_size, " ".join(overrides), 1e3 * med,
+             res["samples_per_s"])
+    return res
 
 
 def measure_pair(batch_size: int, overrides: List[str], baseline: List[str], warmup: int, rounds: int,

@@ -162,6 +162,7 @@ def build(world: int, cfg: Dict[str, Any], data: Optional[Any] = None) -> Dict[s
     from fbgemm_gpu.split_embedding_configs import EmbOptimType
 
     from torchrec_herald.model import build_dlrm_train, build_tables
+    from torchrec_herald.pipeline.context import find_herald_ebc
     from torchrec_herald.planner.convert import herald_plan_from_row_wise
     from torchrec_herald.planner.stock import stock_plan
     from torchrec_herald.sharding import HeraldEmbeddingBagCollectionSharder
@@ -202,12 +203,8 @@ def build(world: int, cfg: Dict[str, Any], data: Optional[Any] = None) -> Dict[s
     dmp = DistributedModelParallel(model, device=device, plan=plan, sharders=[sharder], data_parallel_wrapper=sync)
     dmp.load_state_dict(dict(initial))  # a copy: TorchRec's DMP.load_state_dict renames the DDP keys in place
     if cfg.get("torch_ids", False):  # herald's id bookkeeping by the torch ops: the path of ids on a GPU
-        from torchrec_herald.pipeline.context import find_herald_ebc
-
         find_herald_ebc(dmp)._native_ids = None
     if cfg.get("ids_in_thread", False):  # the per-step input dist on the module's worker thread (a GPU's default)
-        from torchrec_herald.pipeline.context import find_herald_ebc
-
         find_herald_ebc(dmp).input_dist_in_thread = True
     dense_cls = torch.optim.SGD if opt == "sgd" else torch.optim.Adagrad
     dense = dense_optimizer_for(dmp, lambda ps: dense_cls(ps, lr=lr))

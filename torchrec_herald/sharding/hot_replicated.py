@@ -193,14 +193,14 @@ class _CountsAwaitable(Awaitable[Awaitable[HeraldContext]]):
     the ids' exchange."""
 
     def __init__(self, module: "ShardedHeraldEmbeddingBagCollection", ctx: HeraldContext, recv_counts: torch.Tensor,
-                 work: Any, sizes: _SplitSizes, pg: Optional[dist.ProcessGroup]) -> None:
+                 work: Any, sizes: _SplitSizes) -> None:
         super().__init__()
         self._module, self._ctx, self._recv_counts, self._work = module, ctx, recv_counts, work
-        self._sizes, self._pg = sizes, pg
+        self._sizes = sizes
 
     def _wait_impl(self) -> Awaitable[HeraldContext]:
         self._work.wait()
-        return self._module._ids_dist(self._ctx, self._recv_counts, self._sizes, self._pg)
+        return self._module._ids_dist(self._ctx, self._recv_counts, self._sizes)
 
 
 @dataclass
@@ -471,7 +471,7 @@ class ShardedHeraldEmbeddingBagCollection(
             return self._plan_input_dist(ctx, values, lengths, B)
         if self.input_dist_in_thread:
             return self._input_dist_in_worker(ctx, features, B)
-        return KJTListSplitsAwaitable([self._start_input_dist(ctx, features, B, self._pg)], ctx)
+        return KJTListSplitsAwaitable([self._start_input_dist(ctx, features, B)], ctx)
 
     def _ids_of(self, ctx: HeraldContext, features: KeyedJaggedTensor, B: int) -> Tuple[torch.Tensor, torch.Tensor]:
         """The batch's values and lengths as int64 where the rows are: the id bookkeeping (validation, hot/cold
@@ -524,8 +524,7 @@ class ShardedHeraldEmbeddingBagCollection(
             return
         counts, sizes = h.split.result()
         with _stream_of(h.stream):
-            recv_counts, work = all_to_all_rows_async(counts, [1] * self._world, [1] * self._world, self._pg,
-                                                      "herald_meta")
+            recv_counts, work = self._exchange_counts(counts)
         h.message = self._worker.submit(_on_stream, h.stream, self._message_for_dist, h.ctx, recv_counts, work, sizes)
 
     def _finish_handoff(self, h: "_HandOff") -> Awaitable[HeraldContext]:
@@ -536,15 +535,16 @@ class ShardedHeraldEmbeddingBagCollection(
         assert h.message is not None
         read = h.message.result()
         with _stream_of(h.stream):
-            return self._send_ids(h.ctx, read, self._pg)
+            return self._send_ids(h.ctx, read)
 
-    def _start_input_dist(self, ctx: HeraldContext, features: KeyedJaggedTensor, B: int,
-                          pg: Optional[dist.ProcessGroup]) -> "_CountsAwaitable":
-        """The per-step input dist's first stage: the split and the counts' exchange on ``pg`` started."""
+    def _start_input_dist(self, ctx: HeraldContext, features: KeyedJaggedTensor, B: int) -> "_CountsAwaitable":
+        """The per-step input dist's first stage: the split and the counts' exchange started."""
         counts, sizes = self._split_for_dist(ctx, features, B)
-        W = self._world
-        recv_counts, work = all_to_all_rows_async(counts, [1] * W, [1] * W, pg, "herald_meta")
-        return _CountsAwaitable(self, ctx, recv_counts, work, sizes, pg)
+        return _CountsAwaitable(self, ctx, *self._exchange_counts(counts), sizes)
+
+    def _exchange_counts(self, counts: torch.Tensor) -> Tuple[torch.Tensor, Any]:
+        """Start the all-to-all of each rank's counts ``[W, 4]`` (one row to each rank): (received, work)."""
+        return all_to_all_rows_async(counts, [1] * self._world, [1] * self._world, self._pg, "herald_meta")
 
     def _split_for_dist(self, ctx: HeraldContext, features: KeyedJaggedTensor, B: int
                         ) -> Tuple[torch.Tensor, "_SplitSizes"]:
@@ -651,11 +651,10 @@ class ShardedHeraldEmbeddingBagCollection(
         rows_to = cold_rows.to(torch.int32).split(ids_to)
         return torch.cat([t for o in range(W) for t in (lengths_to[o], rows_to[o])]), ids_to
 
-    def _ids_dist(self, ctx: HeraldContext, recv_counts: torch.Tensor, sizes: "_SplitSizes",
-                  pg: Optional[dist.ProcessGroup]) -> "_IdsAwaitable":
+    def _ids_dist(self, ctx: HeraldContext, recv_counts: torch.Tensor, sizes: "_SplitSizes") -> "_IdsAwaitable":
         """The counts arrived: raise on any rank's bad id (every rank together), then read this batch's
         sizes, build the message and start the all-to-all of the sub-bag lengths and ids."""
-        return self._send_ids(ctx, self._message_for_dist(ctx, recv_counts, None, sizes), pg)
+        return self._send_ids(ctx, self._message_for_dist(ctx, recv_counts, None, sizes))
 
     def _message_for_dist(self, ctx: HeraldContext, recv_counts: torch.Tensor, work: Any, sizes: "_SplitSizes"
                           ) -> "_Message":
@@ -675,15 +674,15 @@ class ShardedHeraldEmbeddingBagCollection(
         return _Message(sizes, [], packed, [b + i for b, i in zip(ctx.bags_to, ids_to)],
                         [n for b, i in zip(ctx.bags_from, ids_from) for n in (b, i)])
 
-    def _send_ids(self, ctx: HeraldContext, m: "_Message", pg: Optional[dist.ProcessGroup]) -> "_IdsAwaitable":
+    def _send_ids(self, ctx: HeraldContext, m: "_Message") -> "_IdsAwaitable":
         """Raise a bad id on every rank together (a collective finds each rank's first), or start the
         all-to-all of the sub-bag lengths and ids."""
         if m.bad_ranks:
-            self._raise_on_bad_ids(m.bad_ranks, m.sizes, pg)
+            self._raise_on_bad_ids(m.bad_ranks, m.sizes)
         assert m.packed is not None
         recv_sizes = m.recv_sizes
         recv, work = all_to_all_rows_async(m.packed, m.send, [recv_sizes[2 * r] + recv_sizes[2 * r + 1]
-                                                               for r in range(self._world)], pg, "herald_ids")
+                                                               for r in range(self._world)], self._pg, "herald_ids")
         return _IdsAwaitable(ctx, recv, work, recv_sizes)
 
     def traffic_by_table(self) -> Dict[str, Dict[str, float]]:
@@ -712,7 +711,7 @@ class ShardedHeraldEmbeddingBagCollection(
         if on_gpu:
             torch.cuda.synchronize(self._device)
 
-    def _raise_on_bad_ids(self, bad_ranks: List[int], sizes: "_SplitSizes", pg: Optional[dist.ProcessGroup]) -> None:
+    def _raise_on_bad_ids(self, bad_ranks: List[int], sizes: "_SplitSizes") -> None:
         """Some ranks flagged an id outside its table (``bad_ranks``, known to every rank): each rank finds its
         own first one (a host read: this error path only), all of them exchange theirs (collective), and
         every rank raises the first bad id of rank ``bad_ranks[0]``'s batch."""
@@ -720,7 +719,7 @@ class ShardedHeraldEmbeddingBagCollection(
         codes = [code]
         if self._world > 1:
             codes = [torch.empty_like(code) for _ in range(self._world)]
-            dist.all_gather(codes, code, group=pg)
+            dist.all_gather(codes, code, group=self._pg)
         feature_plus_one, value = codes[bad_ranks[0]].tolist()
         raise self.bad_id_error(bad_ranks, feature_plus_one - 1, value)
 

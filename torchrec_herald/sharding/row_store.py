@@ -196,8 +196,8 @@ class RowStore(nn.Module):
         """Masks of ``keys`` held as hot replica / own block row / cache entry (a key must be one), and
         each key's hot slot, own block row and cache slot (-1 where not; with the compiled access, -1 also
         for the block row of a hot key, which no caller reads)."""
-        if self.native_locate is not None and keys.device.type == "cpu":
-            kind, slot = self.native_locate.row_store_locate(keys.to(torch.int64).contiguous(), *self._native_args())
+        if self._locates(keys):
+            kind, slot = self._locate(keys)
             not_held = kind < 0
             if bool(not_held.any()):
                 raise self._not_held(keys, not_held.nonzero().flatten())
@@ -228,6 +228,16 @@ class RowStore(nn.Module):
         d = self._dev
         return (d(hot.nonzero().flatten()), d(own.nonzero().flatten()), d(cache.nonzero().flatten()),
                 d(hot_slot[hot]), d(own_slot[own]), d(cache_slot[cache]))
+
+    def _locates(self, keys: torch.Tensor) -> bool:
+        """Whether the compiled pass finds where ``keys`` live (built, and the keys on the host)."""
+        return self.native_locate is not None and keys.device.type == "cpu"
+
+    def _locate(self, keys: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+        """Each key's kind (0 hot replica, 1 own block row, 2 cache entry, -1 not held) and slot, by the
+        compiled pass."""
+        assert self.native_locate is not None
+        return self.native_locate.row_store_locate(keys.to(torch.int64).contiguous(), *self._native_args())
 
     def _native_args(self) -> Tuple[Any, ...]:
         """Where rows live, for the compiled access: hot keys, table offsets, block sizes, this rank's block
@@ -302,16 +312,12 @@ class RowStore(nn.Module):
         access is built (the torch reference gives slots as it stores)."""
         if self.native is None or not keys.numel():
             return
-        kind, _ = self.native.row_store_locate(keys.to(torch.int64).contiguous(), *self._native_args())
-        new = keys[kind < 0]
-        if new.numel():
-            self._give_slots(new)
+        self._allocate(keys)
 
     def _allocate(self, keys: torch.Tensor) -> None:
         """Give remote keys without a cache slot one (growing the cache when no slot is free)."""
-        if self.native_locate is not None and keys.device.type == "cpu":  # held nowhere: kind < 0
-            kind, _ = self.native_locate.row_store_locate(keys.to(torch.int64).contiguous(), *self._native_args())
-            self._give_slots(keys[kind < 0])
+        if self._locates(keys):  # held nowhere: kind < 0
+            self._give_slots(keys[self._locate(keys)[0] < 0])
             return
         self._give_slots(keys[(self.layout.hot_slot(keys) < 0) & (self.own_slot(keys) < 0) & ~self.cache_map.contains(keys)])
 
