@@ -180,6 +180,7 @@ class _SplitSizes:
     lengths: torch.Tensor  # when some rank flagged one (an error path)
     batch_size: int
     feature_of_value: Optional[torch.Tensor]  # each id's feature, where the split found it
+    ids_per_owner_feature: torch.Tensor  # cold ids to each (owner, feature) ``[W * F]``, in the message's order
 
     def features(self) -> torch.Tensor:
         """Each id's feature."""
@@ -406,7 +407,7 @@ class ShardedHeraldEmbeddingBagCollection(
         # the input dist's hot-row counts where the module holds no hot rows (made once, only ever read)
         self._no_hot_counts = torch.zeros(max(self._world, 2), dtype=torch.int64, device=self._device)
         self._no_rows_read = torch.zeros(0, dtype=torch.bool, device=self._device)
-        self._bag_table_cache: Dict[int, Tuple[torch.Tensor, torch.Tensor]] = {}
+        self._feature_of_bag_cache: Dict[int, torch.Tensor] = {}
         # the per-step input dist's worker thread (its host work only), made at its first use
         self._in_thread: Optional[bool] = None
         self._worker: Optional[ThreadPoolExecutor] = None
@@ -576,7 +577,7 @@ class ShardedHeraldEmbeddingBagCollection(
         # read at the first wait, so on a GPU the host queues the previous batch's forward while these
         # kernels run
         sizes = _SplitSizes(torch.cat([bags_to, ids_to, read_counts]), read, read_sparse,
-                            nonempty_mask, values, lengths, B, feature_of_value)
+                            nonempty_mask, values, lengths, B, feature_of_value, per[0].reshape(-1))
         return counts, sizes
 
     def _split_ids(self, values: torch.Tensor, lengths: torch.Tensor, B: int
@@ -592,7 +593,7 @@ class ShardedHeraldEmbeddingBagCollection(
                 lay.blocks_per_feature, lay.rows_per_feature, W, B)
             return (HotColdSplit(hot_offsets=hot_offsets, bag_lengths=lengths, sub_lengths=sub, bucketed_ids=ids,
                                  bucketed_hot_rows=hot_rows), per, read, any_bad, None, sub > 0)
-        feature_of_value = torch.repeat_interleave(self._bag_tables(B)[0], lengths, output_size=values.numel())
+        feature_of_value = torch.repeat_interleave(self._feature_of_bag(B), lengths, output_size=values.numel())
         bad = out_of_table(values, lay.rows_per_feature, feature_of_value)
         split = split_hot_cold(values.masked_fill(bad, 0), lengths, lay.feature_table, lay.table_offsets,
                                lay.hot_keys, lay.blocks_per_feature, W, B, feature_of_value=feature_of_value)
@@ -606,18 +607,15 @@ class ShardedHeraldEmbeddingBagCollection(
             read = self._no_rows_read
         return split, per, read[:num_hot], bad.any(), feature_of_value, nonempty
 
-    def _bag_tables(self, B: int) -> Tuple[torch.Tensor, torch.Tensor]:
-        """Per batch size ``B``, made once on the ids' device: each bag's feature ``[F*B]`` (bag = feature * B +
-        sample) and each sub-bag's row offset in its owner's cold block ``[W*F*B]`` (sub-bag = owner * F*B +
-        bag). A value's feature or offset is then one ``repeat_interleave`` by the lengths, where an arange, a
-        repeat_interleave, a division and an index took four ops (a GPU's step is its host's)."""
-        tables = self._bag_table_cache.get(B)
-        if tables is None:
-            lay, F = self._ids, len(self._feature_names)
-            tables = (torch.arange(F, device=lay.device).repeat_interleave(B),
-                      lay.owner_feature_offsets.repeat_interleave(B))
-            self._bag_table_cache = {B: tables, **dict(list(self._bag_table_cache.items())[:3])}  # a few sizes
-        return tables
+    def _feature_of_bag(self, B: int) -> torch.Tensor:
+        """Each bag's feature ``[F*B]`` (bag = feature * B + sample) for batch size ``B``, made once on the ids'
+        device: a value's feature is then one ``repeat_interleave`` by the lengths, where an arange, a
+        repeat_interleave and a division took three ops (a GPU's step is its host's)."""
+        table = self._feature_of_bag_cache.get(B)
+        if table is None:
+            table = torch.arange(len(self._feature_names), device=self._ids.device).repeat_interleave(B)
+            self._feature_of_bag_cache = {B: table, **dict(list(self._feature_of_bag_cache.items())[:3])}  # a few sizes
+        return table
 
     def _sized_by_host(self, ctx: HeraldContext, sizes: "_SplitSizes", host: List[int]) -> Tuple[torch.Tensor, List[int]]:
         """The input dist's data-sized part, at the first wait, from ``host`` (``sizes.sizes`` read): the
@@ -645,7 +643,8 @@ class ShardedHeraldEmbeddingBagCollection(
         lay, sub = self._ids, split.sub_lengths
         cold_ids = split.bucketed_ids[:n_cold]
         # each cold id's row in its owner's block: its sub-bag's (owner, feature) offset plus its local id
-        cold_rows = torch.repeat_interleave(self._bag_tables(ctx.batch_size)[1], sub, output_size=n_cold) + cold_ids
+        cold_rows = torch.repeat_interleave(lay.owner_feature_offsets, sizes.ids_per_owner_feature,
+                                            output_size=n_cold) + cold_ids
         ctx.send_bag_index = nonempty % FB
         lengths_to = sub[nonempty].to(torch.int32).split(ctx.bags_to)
         rows_to = cold_rows.to(torch.int32).split(ids_to)
