@@ -24,7 +24,9 @@ from typing import Any, Counter, Dict
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import torch  # noqa: E402
-from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from gpu_path import use_gpu_code_path  # benchmarks/gpu_path.py  # noqa: E402
 
 #: frames an op is attributed to (the innermost of them)
 PACKAGES = ("torchrec_herald", "/torchrec/", "fbgemm")
@@ -55,19 +57,7 @@ def count(overrides: list, batch_size: int, steps: int, warmup: int, torch_ids: 
           ) -> Dict[str, float]:
     """Ops per step of ``steps`` steps after ``warmup``, by site and op."""
     if torch_ids:  # the path of ids and rows on a GPU: the compiled passes over ids or rows off
-        import torchrec_herald.sharding.hot_replicated as hot_replicated
-        import torchrec_herald.sharding.row_store as row_store
-
-        hot_replicated.load_if_built = lambda: None  # type: ignore[assignment]
-        init = row_store.RowStore.__init__
-
-        def gpu_rows_init(self: Any, *a: Any, **k: Any) -> None:
-            init(self, *a, **k)
-            self.native = None  # rows on a GPU: torch ops over them (finding keys' rows stays compiled)
-            if no_extension:
-                self.native_locate = None
-
-        row_store.RowStore.__init__ = gpu_rows_init  # type: ignore[method-assign]
+        use_gpu_code_path(no_extension)
     from torchrec_herald.config import compose_config
     from torchrec_herald.data import build_data_source
     from torchrec_herald.dist_utils import init_distributed

@@ -27,6 +27,7 @@ from typing import Any, Dict, List, Optional
 import torch
 import torch.distributed as dist
 
+from gpu_path import use_gpu_code_path  # benchmarks/gpu_path.py
 from machine_info import machine  # benchmarks/machine_info.py
 from torchrec_herald.config import compose_config
 from torchrec_herald.data import build_data_source
@@ -188,7 +189,12 @@ def main() -> None:
                         "(--rounds rounds of --block steps each, ABBA), reporting --overrides over it")
     p.add_argument("--rounds", type=int, default=10)
     p.add_argument("--block", type=int, default=10)
+    p.add_argument("--torch-ids", action="store_true",
+                   help="on a CPU: the GPU's code path (torch ops, not the compiled passes over ids and rows), so "
+                        "that a small batch times the host work a GPU step is bound by")
     a = p.parse_args()
+    if a.torch_ids:
+        use_gpu_code_path()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", force=True)
     if a.baseline is not None:
         runs = [measure_pair(b, a.overrides, a.baseline, a.warmup, a.rounds, a.block) for b in a.batch_sizes]
@@ -200,7 +206,7 @@ def main() -> None:
         a.out.parent.mkdir(parents=True, exist_ok=True)
         a.out.write_text(json.dumps({"machine": machine(), "command": "python benchmarks/gpu_step_time.py "
                                      f"--batch-sizes {' '.join(map(str, a.batch_sizes))} --overrides "
-                                     f"{' '.join(a.overrides)} --warmup {a.warmup} " + (
+                                     f"{' '.join(a.overrides)} --warmup {a.warmup} " + ("--torch-ids " if a.torch_ids else "") + (
                                          f"--steps {a.steps}" if a.baseline is None else
                                          f"--baseline {' '.join(a.baseline)} --rounds {a.rounds} --block {a.block}"),
                                      "runs": runs}, indent=2))

@@ -154,7 +154,8 @@ def build(world: int, cfg: Dict[str, Any], data: Optional[Any] = None) -> Dict[s
     pooling (SUM|MEAN), batch_size, hot_min_count, sync (herald: dense|sparse|mixed), lr, multi_hot, steps,
     stock_tables (herald: ``(stock mode, k)``: every k-th table keeps that stock plan's sharding, one EBC mixed),
     device (cpu|cuda: where every rank keeps its rows; the GPU check runs two gloo ranks on one GPU),
-    torch_ids (herald: the id bookkeeping by the torch ops, as for ids on a GPU, not the compiled pass),
+    torch_ids (herald: the id bookkeeping and the row store's gathers and scatters by the torch ops, as for
+    ids and rows on a GPU, not the compiled passes),
     ids_in_thread (herald: the per-step input dist on the module's worker thread, as for ids on a GPU)."""
     from torchrec.distributed import DistributedModelParallel
     from torchrec.optim import RowWiseAdagrad, apply_optimizer_in_backward
@@ -202,8 +203,9 @@ def build(world: int, cfg: Dict[str, Any], data: Optional[Any] = None) -> Dict[s
         sync.start_in_backward = dense_mode == "forward_ordered_in_backward"
     dmp = DistributedModelParallel(model, device=device, plan=plan, sharders=[sharder], data_parallel_wrapper=sync)
     dmp.load_state_dict(dict(initial))  # a copy: TorchRec's DMP.load_state_dict renames the DDP keys in place
-    if cfg.get("torch_ids", False):  # herald's id bookkeeping by the torch ops: the path of ids on a GPU
-        find_herald_ebc(dmp)._native_ids = None
+    if cfg.get("torch_ids", False) and cfg.get("planner") == "herald":  # the path of ids and rows on a GPU:
+        ebc = find_herald_ebc(dmp)  # the id bookkeeping and the row store's gathers and scatters by torch ops
+        ebc._native_ids = ebc._store.native = None
     if cfg.get("ids_in_thread", False):  # the per-step input dist on the module's worker thread (a GPU's default)
         find_herald_ebc(dmp).input_dist_in_thread = True
     dense_cls = torch.optim.SGD if opt == "sgd" else torch.optim.Adagrad

@@ -65,6 +65,9 @@ CASES: Dict[str, Tuple[int, Dict[str, Any], Tuple[str, ...]]] = {
                                                                        "greedy_lazy_k1_small_cache", "by_home_lazy",
                                                                        "by_home_serial")),
     "w2_adagrad": (2, dict(optimizer="rowwise_adagrad", via="fused_params", pooling="SUM"), ("greedy_lazy",)),
+    # the path of ids and rows on a GPU: the id split and the row store's gathers and scatters by torch ops
+    "w2_adagrad_gpu_path": (2, dict(optimizer="rowwise_adagrad", via="fused_params", pooling="SUM", torch_ids=True),
+                            ("greedy_lazy", "by_home_lazy")),
     "w3_sgd_mean_multihot": (3, dict(optimizer="sgd", via="fused_params", pooling="MEAN", multi_hot=True),
                              ("greedy_lazy", "by_home_lazy_small_cache", "defaults")),
     "w3_adagrad": (3, dict(optimizer="rowwise_adagrad", via="fused_params", pooling="SUM"), ("defaults",)),

@@ -197,10 +197,7 @@ class RowStore(nn.Module):
         each key's hot slot, own block row and cache slot (-1 where not; with the compiled access, -1 also
         for the block row of a hot key, which no caller reads)."""
         if self._locates(keys):
-            kind, slot = self._locate(keys)
-            not_held = kind < 0
-            if bool(not_held.any()):
-                raise self._not_held(keys, not_held.nonzero().flatten())
+            kind, slot = self._kinds(keys)
             hot, own, cache = kind == 0, kind == 1, kind == 2
             none = torch.full_like(slot, -1)
             return hot, own, cache, torch.where(hot, slot, none), torch.where(own, slot, none), torch.where(cache, slot, none)
@@ -222,12 +219,40 @@ class RowStore(nn.Module):
         """int64: each key's cache slot, -1 when not cached."""
         return self.cache_map.get(keys, "slot")
 
-    def _slots(self, keys: torch.Tensor) -> Tuple[torch.Tensor, ...]:
-        """Device indices: positions among ``keys`` of hot / own / cached keys, and their slots."""
-        hot, own, cache, hot_slot, own_slot, cache_slot = self._where(keys)
-        d = self._dev
-        return (d(hot.nonzero().flatten()), d(own.nonzero().flatten()), d(cache.nonzero().flatten()),
-                d(hot_slot[hot]), d(own_slot[own]), d(cache_slot[cache]))
+    def _kinds(self, keys: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+        """Each key's kind of row (0 hot replica, 1 own block row, 2 cache entry) and its slot there, on the
+        host; a key held nowhere raises."""
+        if self._locates(keys):
+            kind, slot = self._locate(keys)
+            if kind.numel() and int(kind.min()) < 0:
+                raise self._not_held(keys, (kind < 0).nonzero().flatten())
+            return kind, slot
+        hot, own, _, hot_slot, own_slot, cache_slot = self._where(keys)
+        kind = torch.where(hot, 0, torch.where(own, 1, 2))
+        return kind, torch.where(hot, hot_slot, torch.where(own, own_slot, cache_slot))
+
+    def _slots(self, keys: torch.Tensor) -> List[Tuple[int, Optional[torch.Tensor], torch.Tensor]]:
+        """Per kind of row holding any of ``keys`` (0 hot, 1 own block, 2 cache): the keys' positions and
+        their slots, on the device. A kind absent from ``keys`` is left out, and where one kind holds every
+        key its positions are None (the keys' own order): at one rank every key is the rank's own, and a
+        read is then one gather a buffer. All the indices reach the device in one copy (each copy from
+        host memory is a synchronous transfer on a GPU)."""
+        kind, slot = self._kinds(keys)
+        n = keys.numel()
+        counts = torch.bincount(kind, minlength=3).tolist() if n else [0, 0, 0]
+        whole = [k for k in range(3) if counts[k] == n and n]
+        if whole:
+            return [(whole[0], None, self._dev(slot))]
+        order = torch.sort(kind, stable=True)[1]
+        flat = self._dev(torch.cat([order, slot[order]]))
+        pos, slots = flat[:n].split(counts), flat[n:].split(counts)
+        return [(k, pos[k], slots[k]) for k in range(3) if counts[k]]
+
+    def _rows_by_kind(self) -> Tuple[Tuple[torch.Tensor, ...], Optional[Tuple[torch.Tensor, ...]]]:
+        """The hot, own-block and cache rows, and their row-wise Adagrad states (None for SGD), by kind."""
+        cold_s = self.cold_state()
+        w = (self.hot_weights(), self.cold_weights(), self.cache_w)
+        return w, (None if cold_s is None else (self.hot_state, cold_s, self.cache_s))
 
     def _locates(self, keys: torch.Tensor) -> bool:
         """Whether the compiled pass finds where ``keys`` live (built, and the keys on the host)."""
@@ -248,9 +273,8 @@ class RowStore(nn.Module):
 
     def _native_buffers(self) -> Tuple[List[torch.Tensor], List[torch.Tensor]]:
         """The hot, own-block and cache rows, and their row-wise Adagrad states (none for SGD)."""
-        w = [self.hot_weights(), self.cold_weights(), self.cache_w]
-        cold_s = self.cold_state()
-        return w, ([] if cold_s is None else [self.hot_state, cold_s, self.cache_s])
+        w, s = self._rows_by_kind()
+        return list(w), ([] if s is None else list(s))
 
     def _not_held(self, keys: torch.Tensor, missing: torch.Tensor) -> RuntimeError:
         return RuntimeError(f"rank {self.rank}: plan reads rows it does not hold: keys {keys[missing][:5].tolist()}")
@@ -263,17 +287,18 @@ class RowStore(nn.Module):
             if missing.numel():
                 raise self._not_held(keys, missing)
             return w, s
-        at_hot, at_own, at_cache, hot_i, own_i, cache_i = self._slots(keys)
+        groups = self._slots(keys)
+        bufs_w, bufs_s = self._rows_by_kind()
+        if len(groups) == 1 and groups[0][1] is None:  # one kind of row, in the keys' order: no scatter
+            kind, _, slot = groups[0]
+            s = bufs_s[kind][slot] if bufs_s is not None else torch.zeros(keys.numel(), device=self.device)
+            return bufs_w[kind][slot], s
         w = torch.empty(keys.numel(), self.dim, device=self.device)
         s = torch.zeros(keys.numel(), device=self.device)
-        w[at_hot] = self.hot_weights()[hot_i]
-        w[at_own] = self.cold_weights()[own_i]
-        w[at_cache] = self.cache_w[cache_i]
-        cold_s = self.cold_state()
-        if cold_s is not None:
-            s[at_hot] = self.hot_state[hot_i]
-            s[at_own] = cold_s[own_i]
-            s[at_cache] = self.cache_s[cache_i]
+        for kind, pos, slot in groups:
+            w[pos] = bufs_w[kind][slot]
+            if bufs_s is not None:
+                s[pos] = bufs_s[kind][slot]
         return w, s
 
     def write(self, keys: torch.Tensor, w: torch.Tensor, s: torch.Tensor) -> None:
@@ -284,15 +309,12 @@ class RowStore(nn.Module):
                 k, *self._native_args(), w, s, *self._native_buffers(), self.dim), keys, w, s)
             return
         self._allocate(keys)
-        at_hot, at_own, at_cache, hot_i, own_i, cache_i = self._slots(keys)
-        self.hot_weights()[hot_i] = w[at_hot]
-        self.cold_weights()[own_i] = w[at_own]
-        self.cache_w[cache_i] = w[at_cache]
-        cold_s = self.cold_state()
-        if cold_s is not None:
-            self.hot_state[hot_i] = s[at_hot]
-            cold_s[own_i] = s[at_own]
-            self.cache_s[cache_i] = s[at_cache]
+        groups = self._slots(keys)
+        bufs_w, bufs_s = self._rows_by_kind()  # after _allocate: giving slots may grow the cache
+        for kind, pos, slot in groups:
+            bufs_w[kind][slot] = w if pos is None else w[pos]
+            if bufs_s is not None:
+                bufs_s[kind][slot] = s if pos is None else s[pos]
 
     def _store_giving_slots(self, store: Callable[..., torch.Tensor], keys: torch.Tensor,
                             *per_key: torch.Tensor) -> None:
