@@ -109,8 +109,8 @@ def _tracked_pair(seed: int, optimizer: EmbOptimType) -> Tuple[List[RowStore], t
 @pytest.mark.parametrize("reference", [False, "gpu_rows"])
 def test_compiled_row_access_reads_and_writes_like_the_torch_reference(reference: Any) -> None:
     """On the same random stores and keys (hot, own-block and remote rows; the remote ones cached by a write,
-    some dropped, the cache grown), the compiled gather/scatter leaves the same rows, states, cache slots and
-    reads as the torch ops, and a row the rank does not hold is the same error."""
+    some dropped, the cache grown), the compiled gather/scatter and the gradient update leave the same rows,
+    states, cache slots and reads as the torch ops, and a row the rank does not hold is the same error."""
     import pytest
 
     from torchrec_herald.native import available
@@ -132,6 +132,14 @@ def test_compiled_row_access_reads_and_writes_like_the_torch_reference(reference
             held = torch.cat([keys[torch.arange(keys.numel()) % 7 != 0], stores[0].layout.hot_keys[:5]])
             reads = [store.read(held) for store in stores]
             assert torch.equal(reads[0][0], reads[1][0]) and torch.equal(reads[0][1], reads[1][1])
+            # an update of mixed rows, then of the rank's own rows alone (one kind of row: no scatter)
+            own = torch.arange(n)[(stores[0].own_slot(torch.arange(n)) >= 0)
+                                  & (stores[0].layout.hot_slot(torch.arange(n)) < 0)][step::3]
+            for upd in (held.unique(), own):
+                grad = torch.randn(upd.numel(), 4, generator=g)
+                grad[::5] = 0.0
+                for store in stores:
+                    store.apply_gradient(upd, grad)
             assert torch.equal(stores[0].cache_map.keys, stores[1].cache_map.keys)
             assert torch.equal(stores[0].cache_map.col("slot"), stores[1].cache_map.col("slot"))
         for a, b in zip((stores[0].hot_weights(), stores[0].cold_weights(), stores[0].cache_w, stores[0].hot_state,

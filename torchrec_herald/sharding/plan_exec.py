@@ -19,7 +19,7 @@ import torch.distributed as dist
 from torchrec_herald.comm import all_to_all_rows_async
 from torchrec_herald.keymap import expand_ranges
 from torchrec_herald.plans import ExecPlan, FlushPlan
-from torchrec_herald.sharding.row_store import RowStore, exact_update
+from torchrec_herald.sharding.row_store import RowStore
 
 logger = logging.getLogger(__name__)
 
@@ -456,8 +456,7 @@ class PlanExecutor:
             elif recv_at[src].numel():
                 total.index_add_(0, recv_at[src], parts[src])
         if upd.numel():
-            w, s = store.read(upd)
-            store.write(upd, *exact_update(w, s, total, store.optimizer, store.lr, store.eps))
+            store.apply_gradient(upd, total)
         if plan.additive and merged is not None:  # pushes with the next step's pulls, waited for by begin()
             assert next_plan is not None and merged_add is not None
             self._start_pulls(next_plan, merged, "herald_push_pull", route, merged_add, merged_phase)

@@ -316,6 +316,22 @@ class RowStore(nn.Module):
             if bufs_s is not None:
                 bufs_s[kind][slot] = s if pos is None else s[pos]
 
+    def apply_gradient(self, keys: torch.Tensor, grad: torch.Tensor) -> None:
+        """Apply :func:`exact_update` to the rows of ``keys`` (distinct, held here) with ``grad`` their summed
+        gradient: a :meth:`read` and a :meth:`write`, the keys' rows found once on the torch path."""
+        if self.native is not None:
+            w, s = self.read(keys)
+            self.write(keys, *exact_update(w, s, grad, self.optimizer, self.lr, self.eps))
+            return
+        bufs_w, bufs_s = self._rows_by_kind()
+        for kind, pos, slot in self._slots(keys):
+            g = grad if pos is None else grad[pos]
+            s = bufs_s[kind][slot] if bufs_s is not None else torch.zeros(slot.numel(), device=self.device)
+            new_w, new_s = exact_update(bufs_w[kind][slot], s, g, self.optimizer, self.lr, self.eps)
+            bufs_w[kind][slot] = new_w
+            if bufs_s is not None:
+                bufs_s[kind][slot] = new_s
+
     def _store_giving_slots(self, store: Callable[..., torch.Tensor], keys: torch.Tensor,
                             *per_key: torch.Tensor) -> None:
         """A compiled store of ``keys`` and their rows ``per_key``, ``store(keys, *per_key)`` returning the
