@@ -22,7 +22,7 @@ import logging
 import statistics
 import time
 from pathlib import Path
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -112,12 +112,19 @@ def _build(batch_size: int, overrides: List[str], n: int) -> tuple:
 
 def _timed_step(pipeline: Any, it: Any, device: torch.device) -> float:
     """Seconds of one step, ending in a device synchronisation (the loss read back, as in the trainer)."""
+    return _timed_step_both(pipeline, it, device)[0]
+
+
+def _timed_step_both(pipeline: Any, it: Any, device: torch.device) -> Tuple[float, float]:
+    """Wall seconds of one step (as :func:`_timed_step`) and the CPU seconds the training thread spent in it:
+    on a GPU the step is bound by its host, and on a CPU at a small batch (``--torch-ids``) that thread's CPU
+    is the host work a GPU's step would queue, without the waits and preemptions that make wall time noisy."""
     _sync(device)
-    t0 = time.perf_counter()
+    c0, t0 = time.thread_time(), time.perf_counter()
     out = pipeline.progress(it)
     out[0].item() if isinstance(out, tuple) else None
     _sync(device)
-    return time.perf_counter() - t0
+    return time.perf_counter() - t0, time.thread_time() - c0
 
 
 def measure(batch_size: int, overrides: List[str], warmup: int, steps: int,
@@ -149,27 +156,36 @@ def measure_pair(batch_size: int, overrides: List[str], baseline: List[str], war
     n = warmup + rounds * block + 2
     runs = {"a": _build(batch_size, overrides, n), "b": _build(batch_size, baseline, n)}
     times: Dict[str, List[float]] = {"a": [], "b": []}
+    cpu: Dict[str, List[float]] = {"a": [], "b": []}
     for key, (pipeline, it, device, _) in runs.items():
         for _ in range(warmup):
             _timed_step(pipeline, it, device)
-    ratios = []
+    ratios, cpu_ratios = [], []
     for r in range(rounds):
-        got = {}
+        got: Dict[str, List[Tuple[float, float]]] = {}
         for key in (("a", "b") if r % 2 == 0 else ("b", "a")):
             pipeline, it, device, _ = runs[key]
-            got[key] = [_timed_step(pipeline, it, device) for _ in range(block)]
-            times[key] += got[key]
-        ratios.append(statistics.median(got["a"]) / statistics.median(got["b"]))
+            got[key] = [_timed_step_both(pipeline, it, device) for _ in range(block)]
+            times[key] += [w for w, _ in got[key]]
+            cpu[key] += [c for _, c in got[key]]
+        ratios.append(statistics.median(w for w, _ in got["a"]) / statistics.median(w for w, _ in got["b"]))
+        cpu_ratios.append(statistics.median(c for _, c in got["a"]) / statistics.median(c for _, c in got["b"]))
     world = runs["a"][3]
     res = {"local_batch": batch_size, "world_size": world, "device": str(runs["a"][2]), "overrides": overrides,
            "baseline": baseline, "warmup": warmup, "rounds": rounds, "block": block,
            "step_s_median": statistics.median(times["a"]), "baseline_step_s_median": statistics.median(times["b"]),
            "ratio_of_medians": statistics.median(times["a"]) / statistics.median(times["b"]),
            "round_ratio_median": statistics.median(ratios), "round_ratios": ratios,
-           "round_ratio_range": [min(ratios), max(ratios)]}
+           "round_ratio_range": [min(ratios), max(ratios)],
+           "thread_cpu_s_median": statistics.median(cpu["a"]), "baseline_thread_cpu_s_median": statistics.median(cpu["b"]),
+           "thread_cpu_round_ratio_median": statistics.median(cpu_ratios),
+           "thread_cpu_round_ratio_range": [min(cpu_ratios), max(cpu_ratios)]}
     log.info("B=%d %s vs %s: %.2f vs %.2f ms/step median, ratio %.3f (rounds' median %.3f, %.3f-%.3f)", batch_size,
              " ".join(overrides), " ".join(baseline), 1e3 * res["step_s_median"], 1e3 * res["baseline_step_s_median"],
              res["ratio_of_medians"], res["round_ratio_median"], min(ratios), max(ratios))
+    log.info("B=%d training thread's CPU: %.2f vs %.2f ms/step median, rounds' median ratio %.3f (%.3f-%.3f)", batch_size,
+             1e3 * res["thread_cpu_s_median"], 1e3 * res["baseline_thread_cpu_s_median"],
+             res["thread_cpu_round_ratio_median"], min(cpu_ratios), max(cpu_ratios))
     return res
 
 
