@@ -114,6 +114,28 @@ def test_driver_trains_the_plan_the_link_model_chooses(tmp_path: Path, mbit: int
         assert "cannot pay on this link" in d["text"]
 
 
+@pytest.mark.parametrize("link,herald", [("auto", False), ("null", True)])
+def test_one_rank_trains_stock_table_wise_by_default_and_herald_where_told(tmp_path: Path, link: str,
+                                                                            herald: bool) -> None:
+    """At one rank no embedding leaves the rank: herald's plan cannot save a byte and only adds its own work,
+    so the default (``planner.link_mbit=auto``, nothing to measure) trains stock TABLE_WISE and says why;
+    ``planner.link_mbit=null`` (unknown: herald's plan kept) still trains herald's plan there."""
+    m = run_multiprocess(_train, 1, ["planner=herald", "pipeline=herald", f"planner.link_mbit={link}",
+                                     "data.num_train_batches=6", "data.num_eval_batches=1", "batch_size=64"],
+                         str(tmp_path))[0]
+    kinds = set(m["plan"].values())
+    if herald:
+        assert kinds == {"herald_hot_row_wise"} and m["dense_sync"] == "forward_ordered"
+        assert not (m.get("link_decision") or {}).get("predicted")
+        return
+    d = m["link_decision"]
+    assert kinds == {"table_wise"} and m["dense_sync"] == "ddp" and m["herald_pipeline"] == {}
+    assert d["chosen"] == "table_wise" and d["one_rank"] is True and d["link_mbit"] is None
+    assert d["predicted"]["table_wise"]["step_ms"] == 0.0 and d["predicted"]["herald"]["extra_ms"] > 0.0
+    assert d["text"].startswith("one rank, no link (no embedding leaves the rank, so herald's plan saves nothing)")
+    assert d["text"].endswith("-> stock TABLE_WISE")
+
+
 @pytest.mark.parametrize("metrics,label", [
     ({"link_decision": {"herald": False}}, "herald -> table_wise (link model)"),
     ({"link_decision": {"herald": True}, "herald_pipeline": {"scheduling": {"decided": True, "mode": "on"}}},

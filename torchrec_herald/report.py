@@ -189,6 +189,8 @@ def decision_cell(m: Dict[str, Any]) -> str:
         return "–"
     names = {"herald": "herald", "table_wise": "TW", "default": "default plan"}
     cands = ", ".join(f"{names.get(n, n)} {p['step_ms']:.1f}" for n, p in preds.items())
+    if d.get("one_rank"):
+        return f"{cands} -> {names.get(d.get('chosen'), d.get('chosen'))} (one rank: no link)"
     link = (d.get("measured") or {}).get("link_mbit", d.get("link_mbit"))
     src = "measured" if d.get("measured") else "given"
     return f"{cands} -> {names.get(d.get('chosen'), d.get('chosen'))} ({src} link {link:,.0f} Mbit/s)"

@@ -11,6 +11,7 @@
 #   modes3  the same for stock TABLE_WISE, herald hot replication alone and herald full (scheduling on),
 #           herald's plan kept (no link fallback), 5 more steps of each profiled -> gpu_step3_*.json, gpu_step3_prof.tar.gz
 #   modes4  modes3 and herald hot replication with TorchRec's DDP for the dense layers (planner.dense_sync=ddp)
+# One rank trains stock TABLE_WISE by default (nothing crosses a link); planner.link_mbit=null keeps herald's plan.
 # Usage: bash scripts/gpu/run_checks.sh [probe] [check] [train] [noise] [time]
 set -uo pipefail
 cd "$(dirname "$0")/../.."
@@ -29,14 +30,14 @@ for part in $parts; do case $part in
              | grep -v -i "warn\|compat\|\[0m\|\[33m\|^ *$\|run_backward" ;;
   check) step python3 scripts/gpu/check_cuda_vs_cpu.py --out "$out/gpu_check.json" ${CASES:+--cases $CASES} 2>&1 \
              | grep -E "^(===|ebc_|dlrm_|all_pass)|Error" ;;
-  train) train_pair gpu_train planner=herald pipeline=herald compare_with=table_wise
+  train) train_pair gpu_train planner=herald pipeline=herald planner.link_mbit=null compare_with=table_wise
          cp outputs/gpu_train/training.png "$out/gpu_train_training.png" 2>/dev/null ;;
   noise) train_pair gpu_noise planner=table_wise compare_with=table_wise ;;
-  modes) train_pair gpu_modes planner=herald pipeline=herald compare_with=herald ;;  # plan mode vs per-step path
-  sgd)   train_pair gpu_train_sgd planner=herald pipeline=herald compare_with=table_wise optimizer=sgd ;;
+  modes) train_pair gpu_modes planner=herald pipeline=herald planner.link_mbit=null compare_with=herald ;;  # plan mode vs per-step path
+  sgd)   train_pair gpu_train_sgd planner=herald pipeline=herald planner.link_mbit=null compare_with=table_wise optimizer=sgd ;;
   time)  step python3 benchmarks/gpu_step_time.py --batch-sizes 2048 8192 --out "$out/gpu_step_time.json" 2>&1 \
              | grep -E "ms/step|Error|==="
-         step python3 benchmarks/gpu_step_time.py --batch-sizes 2048 8192 --overrides planner=herald pipeline=herald \
+         step python3 benchmarks/gpu_step_time.py --batch-sizes 2048 8192 --overrides planner=herald pipeline=herald planner.link_mbit=null \
              --out "$out/gpu_step_time_herald.json" 2>&1 | grep -E "ms/step|Error|===" ;;
   modes3|modes4) ms=("stock planner=table_wise pipeline=sparse_dist"
              "hot planner=herald pipeline=herald pipeline.scheduling=off planner.link_mbit=null")

@@ -13,6 +13,7 @@ collectives per rank and step TrafficMeter counts for each besides the dense all
 from __future__ import annotations
 
 import abc
+import math
 from dataclasses import dataclass
 from typing import TypeVar
 
@@ -88,6 +89,17 @@ class LinkModel(Pricing):
             raise ValueError(f"planner.cpu_us_per_lookup must be >= 0, got {self.cpu_us_per_lookup}")
 
     unit = "ms"
+
+    @classmethod
+    def local(cls, cpu_us_per_lookup: float) -> "LinkModel":
+        """One rank's "link": nothing crosses it (every byte a plan would send stays on the rank) and its
+        collectives are local copies, so the plans differ only in herald's extra work per lookup."""
+        return cls(link_mbit=math.inf, collective_latency_ms=0.0, cpu_us_per_lookup=cpu_us_per_lookup)
+
+    @property
+    def is_local(self) -> bool:
+        """The one-rank link of :meth:`local`."""
+        return math.isinf(self.link_mbit)
 
     def transfer_ms(self, nbytes: float) -> float:
         """Milliseconds to send ``nbytes`` over the link."""

@@ -18,6 +18,8 @@ GPU cluster).
 
 from __future__ import annotations
 
+import math
+
 from dataclasses import asdict, dataclass, field
 from typing import Any, Dict, Iterable, List, Mapping, Optional, Tuple
 
@@ -152,12 +154,21 @@ class LinkDecision:
             " with DDP (herald's replication, scheduling and forward-ordered dense sync cannot pay on this link)"))
         if self.chosen == "mixed":
             verdict += f" ({self.describe_per_table()})"
+        if self.is_local:
+            return (f"one rank, no link (no embedding leaves the rank, so herald's plan saves nothing): predicted "
+                    f"step cost (herald's extra work) {parts} -> {PLAN_LABELS.get(self.chosen, self.chosen)}")
         return (f"link {self.link_mbit:g} Mbit/s: predicted step cost per rank (link, collectives, herald's extra "
                 f"work) {parts} -> {verdict}")
 
+    @property
+    def is_local(self) -> bool:
+        """Decided for one rank, on its local "link" (:meth:`~torchrec_herald.planner.pricing.LinkModel.local`)."""
+        return math.isinf(self.link_mbit)
+
     def as_dict(self) -> Dict[str, Any]:
         return {"herald": self.herald, "chosen": self.chosen, "predicted_stock_ms": self.stock_ms,
-                "predicted_herald_ms": self.herald_ms, "link_mbit": self.link_mbit, "text": self.describe(),
+                "predicted_herald_ms": self.herald_ms, "link_mbit": None if self.is_local else self.link_mbit,
+                "one_rank": self.is_local, "text": self.describe(),
                 "predicted": {n: p.as_dict() for n, p in self.predictions.items()}, "per_table": dict(self.per_table)}
 
 
