@@ -65,8 +65,9 @@ def test_a_batch_that_differs_from_its_plan_fails_after_backward_before_any_upda
     ex, store, plan = _executor(compiled)
     ex.begin(plan)
     with _Syncs() as mode:
-        ex.working_set(torch.tensor(keys))  # no error and no sync inside the forward ...
+        pos = ex.working_set(torch.tensor(keys))  # no error and no sync inside the forward ...
     assert mode.seen == []
+    assert 0 <= int(pos.min()) and int(pos.max()) < 3  # (and every lookup inside the working set's rows)
     with pytest.raises(RuntimeError, match=r"rank 0: the batch's rows differ from the ones the plan was made for"):
         ex.finish()  # ... the check runs here, before after_backward touches a row
     assert not ex.active

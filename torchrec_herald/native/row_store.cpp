@@ -499,6 +499,7 @@ std::tuple<torch::Tensor, torch::Tensor> plan_positions(torch::Tensor planned, t
     for (i64 i = 0; i < m; ++i) {
       const bool hit = o[i] < n && p[o[i]] == k[i];
       if (hit) read[o[i]] = 1;
+      if (o[i] >= n) o[i] = n - 1;  // a key past every read: a lookup in range, the flag raises after backward
       wrong |= !hit;
     }
   } else {

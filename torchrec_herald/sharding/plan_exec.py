@@ -159,13 +159,12 @@ class PlanExecutor:
                 pos, self._check = native.plan_positions(planned, keys)  # the same, in one pass
                 return pos
             on = self._planned_where(planned, keys.device)
-            pos = torch.searchsorted(on, keys)
-            at = pos.clamp(max=n - 1)
-            wrong = (pos >= n) | (on[at] != keys)
+            at = torch.searchsorted(on, keys).clamp_(max=n - 1)
+            wrong = on[at] != keys  # (a key past every planned one lands on the last, which differs)
             unread = ~torch.zeros(n, dtype=torch.bool, device=keys.device).index_fill_(0, at, True)
             # a 0-d flag the host reads only after backward (finish): nothing waits inside forward
             self._check = wrong.any() | unread.any()
-            return pos
+            return at
         device, keys = keys.device, keys.cpu()  # stale-update skipping: matched on the host, as the plan is
         ws_keys = torch.unique(keys)
         extra = ws_keys[~torch.isin(ws_keys, planned)]
