@@ -50,3 +50,25 @@ def test_a_ranks_exception_is_raised_in_the_caller_with_its_message() -> None:
 def test_a_rank_that_exits_without_reporting_is_named() -> None:
     with pytest.raises(RuntimeError, match="rank 0 exited with code 3 without reporting a result"):
         run_multiprocess(_exit_on_rank_0, 2, timeout_s=60)
+
+
+@pytest.mark.parametrize("gpus,local_world,backend,devices", [
+    (0, 2, "gloo", ["cpu", "cpu"]),
+    (1, 1, "cpu:gloo,cuda:nccl", ["cuda:0"]),
+    (2, 2, "cpu:gloo,cuda:nccl", ["cuda:0", "cuda:1"]),
+    (1, 2, "gloo", ["cuda:0", "cuda:0"]),  # two ranks on one GPU: NCCL would refuse the shared device
+    (2, 4, "gloo", ["cuda:0", "cuda:1", "cuda:0", "cuda:1"]),
+])
+def test_ranks_beyond_the_hosts_gpus_share_them_over_gloo(monkeypatch: pytest.MonkeyPatch, gpus: int,
+                                                          local_world: int, backend: str, devices: list) -> None:
+    from torchrec_herald.dist_utils import default_backend, local_device
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: gpus > 0)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: gpus)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", str(local_world))
+    got = []
+    for local in range(local_world):
+        monkeypatch.setenv("LOCAL_RANK", str(local))
+        assert default_backend() == backend
+        got.append(str(local_device()))
+    assert got == devices

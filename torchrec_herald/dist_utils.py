@@ -21,8 +21,22 @@ logger = logging.getLogger(__name__)
 
 def default_backend() -> str:
     """``cpu:gloo,cuda:nccl`` when CUDA is present (CUDA tensors over nccl; the scheduler's CPU metadata
-    and the trainer's CPU reductions over gloo, in the same process group), gloo otherwise."""
-    return "cpu:gloo,cuda:nccl" if torch.cuda.is_available() else "gloo"
+    and the trainer's CPU reductions over gloo, in the same process group), gloo otherwise. Where a host
+    runs more ranks than it has GPUs (``LOCAL_WORLD_SIZE``, set by torchrun), the ranks share the GPUs
+    (:func:`local_device`) and gloo carries their CUDA tensors: NCCL takes one rank per device."""
+    if not torch.cuda.is_available():
+        return "gloo"
+    if int(os.environ.get("LOCAL_WORLD_SIZE", "1")) > torch.cuda.device_count():
+        return "gloo"
+    return "cpu:gloo,cuda:nccl"
+
+
+def local_device() -> torch.device:
+    """This rank's device: ``cuda:LOCAL_RANK`` (ranks beyond the host's GPUs share them, round robin), or
+    the CPU."""
+    if not torch.cuda.is_available():
+        return torch.device("cpu")
+    return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")) % torch.cuda.device_count())
 
 
 def init_distributed(timeout_s: int = 600) -> tuple[int, int, torch.device]:
@@ -43,13 +57,14 @@ def init_distributed(timeout_s: int = 600) -> tuple[int, int, torch.device]:
                                     timeout=timeout)
         else:
             dist.init_process_group(backend=default_backend(), timeout=timeout)
+        if default_backend() == "gloo" and torch.cuda.is_available():
+            logger.warning("%s ranks on this host's %d GPU(s): the ranks share them and gloo carries their CUDA "
+                           "tensors (NCCL takes one rank per device)", os.environ.get("LOCAL_WORLD_SIZE"),
+                           torch.cuda.device_count())
     rank, world = dist.get_rank(), dist.get_world_size()
-    if torch.cuda.is_available():
-        local = int(os.environ.get("LOCAL_RANK", "0"))
-        torch.cuda.set_device(local)
-        device = torch.device("cuda", local)
-    else:
-        device = torch.device("cpu")
+    device = local_device()
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
     return rank, world, device
 
 

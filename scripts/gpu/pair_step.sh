@@ -9,6 +9,7 @@
 #   old      the same with the older files (OLD=1)
 #   hotrows  hot replication with 2 % of each table replicated (planner.selector=top_fraction)
 #   full     herald full (scheduling on)
+#   two      hot replication at 2 ranks on the one GPU (torchrun; gloo carries the CUDA tensors), rank 0's pair
 #   prof     hot replication profiled (kernel launches, host syncs), 5 steps
 #   check    CUDA against CPU and stock, one rank, herald's own per-step path (check_cuda_vs_cpu.py)
 set -uo pipefail
@@ -32,6 +33,11 @@ for part in ${PARTS:-hot nothread old full hotrows check prof}; do case $part in
        for f in .ab_new/*; do cp "$f" "$(basename "$f" | tr % /)"; done ;;
   hotrows) pair hotrows $hot planner.selector=top_fraction ;;
   full) pair full planner=herald pipeline=herald pipeline.scheduling=on planner.link_mbit=null ;;
+  two) timeout ${LIMIT:-90} python3 -m torch.distributed.run --standalone --nproc_per_node 2 \
+           benchmarks/gpu_step_time.py --batch-sizes ${BATCHES:-2048 8192} --warmup 10 --rounds ${ROUNDS:-10} \
+           --block ${BLOCK:-10} --overrides $hot --baseline $stock --out "$out/pair_two.json" > /tmp/pair_two.log 2>&1
+       grep -o "B=[0-9]* .*" /tmp/pair_two.log | sed "s/planner=table_wise pipeline=sparse_dist/stock/; s/^/two /"
+       grep -q "Error" /tmp/pair_two.log && grep -v -i warn /tmp/pair_two.log | tail -12 ;;
   prof) timeout ${LIMIT:-90} python3 benchmarks/gpu_step_time.py --batch-sizes 2048 --steps 20 --overrides $hot \
             --profile --out "$out/prof_hot.json" > /tmp/prof_hot.log 2>&1
         grep -o "B=[0-9]*.*ms/step median" /tmp/prof_hot.log ;;
