@@ -52,23 +52,36 @@ def test_a_rank_that_exits_without_reporting_is_named() -> None:
         run_multiprocess(_exit_on_rank_0, 2, timeout_s=60)
 
 
-@pytest.mark.parametrize("gpus,local_world,backend,devices", [
-    (0, 2, "gloo", ["cpu", "cpu"]),
-    (1, 1, "cpu:gloo,cuda:nccl", ["cuda:0"]),
-    (2, 2, "cpu:gloo,cuda:nccl", ["cuda:0", "cuda:1"]),
-    (1, 2, "gloo", ["cuda:0", "cuda:0"]),  # two ranks on one GPU: NCCL would refuse the shared device
-    (2, 4, "gloo", ["cuda:0", "cuda:1", "cuda:0", "cuda:1"]),
+@pytest.mark.parametrize("gpus,local_world,env,backend,devices", [
+    (0, 2, None, "gloo", ["cpu", "cpu"]),
+    (1, 1, None, "cpu:gloo,cuda:nccl", ["cuda:0"]),
+    (2, 2, None, "cpu:gloo,cuda:nccl", ["cuda:0", "cuda:1"]),
+    (1, 2, "gloo", "gloo", ["cuda:0", "cuda:0"]),  # two ranks sharing one GPU (NCCL would refuse it)
+    (2, 4, "gloo", "gloo", ["cuda:0", "cuda:1", "cuda:0", "cuda:1"]),
 ])
-def test_ranks_beyond_the_hosts_gpus_share_them_over_gloo(monkeypatch: pytest.MonkeyPatch, gpus: int,
-                                                          local_world: int, backend: str, devices: list) -> None:
-    from torchrec_herald.dist_utils import default_backend, local_device
+def test_the_backend_is_chosen_and_ranks_beyond_the_visible_gpus_share_them(
+        monkeypatch: pytest.MonkeyPatch, gpus: int, local_world: int, env: Optional[str], backend: str,
+        devices: list) -> None:
+    from torchrec_herald.dist_utils import BACKEND_ENV, default_backend, local_device
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: gpus > 0)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: gpus)
-    monkeypatch.setenv("LOCAL_WORLD_SIZE", str(local_world))
+    if env is None:
+        monkeypatch.delenv(BACKEND_ENV, raising=False)
+    else:
+        monkeypatch.setenv(BACKEND_ENV, env)
     got = []
     for local in range(local_world):
         monkeypatch.setenv("LOCAL_RANK", str(local))
         assert default_backend() == backend
         got.append(str(local_device()))
     assert got == devices
+
+
+def test_an_unknown_backend_is_one_error_naming_the_variable(monkeypatch: pytest.MonkeyPatch) -> None:
+    from torchrec_herald.dist_utils import default_backend
+
+    monkeypatch.setenv("HERALD_DIST_BACKEND", "mpi")
+    with pytest.raises(ValueError, match=r"^HERALD_DIST_BACKEND='mpi': expected one of \['gloo', 'nccl', "
+                                         r"'cpu:gloo,cuda:nccl'\]$"):
+        default_backend()

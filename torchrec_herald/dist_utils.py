@@ -19,21 +19,28 @@ import torch.multiprocessing as mp
 logger = logging.getLogger(__name__)
 
 
+#: environment variable naming the process group's backend instead of :func:`default_backend`'s choice
+BACKEND_ENV = "HERALD_DIST_BACKEND"
+BACKENDS = ("gloo", "nccl", "cpu:gloo,cuda:nccl")
+
+
 def default_backend() -> str:
     """``cpu:gloo,cuda:nccl`` when CUDA is present (CUDA tensors over nccl; the scheduler's CPU metadata
-    and the trainer's CPU reductions over gloo, in the same process group), gloo otherwise. Where a host
-    runs more ranks than it has GPUs (``LOCAL_WORLD_SIZE``, set by torchrun), the ranks share the GPUs
-    (:func:`local_device`) and gloo carries their CUDA tensors: NCCL takes one rank per device."""
-    if not torch.cuda.is_available():
-        return "gloo"
-    if int(os.environ.get("LOCAL_WORLD_SIZE", "1")) > torch.cuda.device_count():
-        return "gloo"
-    return "cpu:gloo,cuda:nccl"
+    and the trainer's CPU reductions over gloo, in the same process group), gloo otherwise.
+    ``HERALD_DIST_BACKEND=gloo`` lets several ranks share one GPU (:func:`local_device`), gloo carrying
+    their CUDA tensors: NCCL takes one rank per device."""
+    chosen = os.environ.get(BACKEND_ENV)
+    if chosen:
+        if chosen not in BACKENDS:
+            raise ValueError(f"{BACKEND_ENV}={chosen!r}: expected one of {list(BACKENDS)}")
+        return chosen
+    return "cpu:gloo,cuda:nccl" if torch.cuda.is_available() else "gloo"
 
 
 def local_device() -> torch.device:
-    """This rank's device: ``cuda:LOCAL_RANK`` (ranks beyond the host's GPUs share them, round robin), or
-    the CPU."""
+    """This rank's device: ``cuda:LOCAL_RANK`` modulo the GPUs this process sees (a launcher that gives each
+    rank one GPU of its own shows it as ``cuda:0``; ranks beyond the GPUs share them, which NCCL refuses
+    and gloo allows), or the CPU."""
     if not torch.cuda.is_available():
         return torch.device("cpu")
     return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")) % torch.cuda.device_count())
@@ -58,9 +65,7 @@ def init_distributed(timeout_s: int = 600) -> tuple[int, int, torch.device]:
         else:
             dist.init_process_group(backend=default_backend(), timeout=timeout)
         if default_backend() == "gloo" and torch.cuda.is_available():
-            logger.warning("%s ranks on this host's %d GPU(s): the ranks share them and gloo carries their CUDA "
-                           "tensors (NCCL takes one rank per device)", os.environ.get("LOCAL_WORLD_SIZE"),
-                           torch.cuda.device_count())
+            logger.warning("%s=gloo: CUDA tensors travel over gloo (through the host)", BACKEND_ENV)
     rank, world = dist.get_rank(), dist.get_world_size()
     device = local_device()
     if device.type == "cuda":

@@ -33,7 +33,7 @@ for part in ${PARTS:-hot nothread old full hotrows check prof}; do case $part in
        for f in .ab_new/*; do cp "$f" "$(basename "$f" | tr % /)"; done ;;
   hotrows) pair hotrows $hot planner.selector=top_fraction ;;
   full) pair full planner=herald pipeline=herald pipeline.scheduling=on planner.link_mbit=null ;;
-  two) timeout ${LIMIT:-90} python3 -m torch.distributed.run --standalone --nproc_per_node 2 \
+  two) HERALD_DIST_BACKEND=gloo timeout ${LIMIT:-90} python3 -m torch.distributed.run --standalone --nproc_per_node 2 \
            benchmarks/gpu_step_time.py --batch-sizes ${BATCHES:-2048 8192} --warmup 10 --rounds ${ROUNDS:-10} \
            --block ${BLOCK:-10} --overrides $hot --baseline $stock --out "$out/pair_two.json" > /tmp/pair_two.log 2>&1
        grep -o "B=[0-9]* .*" /tmp/pair_two.log | sed "s/planner=table_wise pipeline=sparse_dist/stock/; s/^/two /"
