@@ -24,7 +24,7 @@ pair() { local id=$1; shift
       > "/tmp/pair_$id.log" 2>&1
   grep -o "B=[0-9]* .*" "/tmp/pair_$id.log" | sed "s/planner=table_wise pipeline=sparse_dist/stock/; s/^/$id /"
   grep -q "Error" "/tmp/pair_$id.log" && grep -v -i warn "/tmp/pair_$id.log" | tail -12; }
-for part in ${PARTS:-hot nothread old full hotrows check prof}; do case $part in
+for part in ${PARTS:-hot nothread old full two hotrows check prof}; do case $part in
   hot) pair hot $hot ;;
   nothread) pair nothread $hot planner.input_dist_thread=off ;;
   old) [ -n "${OLD:-}" ] || continue
