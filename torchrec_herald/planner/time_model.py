@@ -19,7 +19,6 @@ GPU cluster).
 from __future__ import annotations
 
 import math
-
 from dataclasses import asdict, dataclass, field
 from typing import Any, Dict, Iterable, List, Mapping, Optional, Tuple
 
