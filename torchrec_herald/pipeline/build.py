@@ -118,8 +118,8 @@ def build_pipeline(config: Any, model: nn.Module, optimizer: Any, device: torch.
     and TorchRec's ``TrainPipelineSparseDist`` trains)."""
     if isinstance(config, HeraldPipelineConfig):
         if not herald_sharded:
-            logger.info("pipeline=herald: the plan is stock TABLE_WISE (planner.link_mbit), training with "
-                        "TorchRec's TrainPipelineSparseDist")
+            logger.info("pipeline=herald: the model of time chose a stock plan (see the planner's line), training "
+                        "with TorchRec's TrainPipelineSparseDist")
             return TorchRecPipeline(TrainPipelineSparseDist(model, optimizer, device), model)
         return HeraldTrainPipeline(model, optimizer, device, config=config)
     name = getattr(config, "name", config)
