@@ -219,6 +219,7 @@ def _in_thread_or_not(rank: int, world: int) -> Dict[str, Any]:
                    pipeline="sparse_dist", sync="mixed", steps=STEPS, torch_ids=True)
         out: Dict[str, Any] = {name: train(rank, world, dict(cfg, ids_in_thread=on))
                                for name, on in (("main", False), ("worker", True))}
+        out["compiled"] = train(rank, world, dict(cfg, torch_ids=False))  # the CPU's path, the reference
     finally:
         for n, f in originals.items():
             setattr(c10d, n, f)
@@ -229,15 +230,16 @@ def _in_thread_or_not(rank: int, world: int) -> Dict[str, Any]:
 
 def test_the_input_dist_on_a_worker_thread_trains_the_same_model() -> None:
     """On a GPU the per-step input dist's host work runs on a worker thread of the module's own: bit for bit
-    the model of the input dist on the training thread, at two ranks, with hot rows synced densely and
-    sparsely; the worker ran, only where asked, and issued no collective (every one stays on the training
+    the model of the input dist on the training thread, and both the model of the compiled id bookkeeping
+    (a CPU's path), at two ranks, with hot rows synced densely and sparsely; the worker ran, only where asked, and issued no collective (every one stays on the training
     thread, in program order: NCCL's hazard of two threads' communicators cannot arise)."""
     for r in run_multiprocess(_in_thread_or_not, 2, timeout_s=300):
         main, worker = r["main"], r["worker"]
         assert worker["worker_used"] and not main["worker_used"]
         assert r["issuers"] and not any(t.startswith("herald-input-dist") for t in r["issuers"]), r["issuers"]
-        assert worker["losses"] == main["losses"]
+        assert worker["losses"] == main["losses"] == r["compiled"]["losses"]
         for k in main["state"]:
             assert torch.equal(worker["state"][k], main["state"][k]), k
+            assert torch.equal(main["state"][k], r["compiled"]["state"][k]), k
         assert worker["tags"]["herald_meta"]["calls"] == main["tags"]["herald_meta"]["calls"] == STEPS
         assert worker["tags"]["herald_hot_sync"]["bytes"] > 0

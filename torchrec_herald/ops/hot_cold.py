@@ -59,8 +59,8 @@ def first_invalid_id(values: torch.Tensor, lengths: torch.Tensor, rows_per_featu
 
 def split_hot_cold(values: torch.Tensor, lengths: torch.Tensor, feature_table: torch.Tensor,
                    table_offsets: torch.Tensor, hot_keys: torch.Tensor, block_sizes: torch.Tensor,
-                   world_size: int, batch_size: int, feature_of_value: Optional[torch.Tensor] = None
-                   ) -> HotColdSplit:
+                   world_size: int, batch_size: int, feature_of_value: Optional[torch.Tensor] = None,
+                   key_offset_and_spare: Optional[torch.Tensor] = None) -> HotColdSplit:
     """Split valid ids into hot rows and owner-bucketized cold ids, with no host synchronisation.
 
     One ``block_bucketize_sparse_features`` call does both: each hot id is sent to a spare bucket
@@ -75,17 +75,23 @@ def split_hot_cold(values: torch.Tensor, lengths: torch.Tensor, feature_table: t
             position in it is its row in the hot buffer.
         block_sizes: int64 [F] row-wise block size of each feature's table (``ceil(n / W)``).
         feature_of_value: each value's feature, when the caller has it already.
+        key_offset_and_spare: int64 [F, 2], per feature its table's offset in the key space and its spare
+            bucket's first id (``world_size * block_sizes``), when the caller keeps them (one gather a
+            step instead of four ops: a GPU's step is its host's launches).
     """
     num_bags, num_hot = lengths.numel(), hot_keys.numel()
     if feature_of_value is None:
         feature_of_value = bags_of_values(lengths, values.numel()) // batch_size
     if num_hot:
-        keys = table_offsets[feature_table[feature_of_value]] + values
+        if key_offset_and_spare is None:
+            key_offset_and_spare = torch.stack([table_offsets[feature_table], world_size * block_sizes], 1)
+        offset_spare = key_offset_and_spare[feature_of_value]
+        keys = offset_spare[:, 0] + values
         pos = torch.searchsorted(hot_keys, keys).clamp_(max=num_hot - 1)
         is_hot = hot_keys[pos] == keys
         row_or_spare = torch.where(is_hot, pos, num_hot)
         # a hot id goes to the spare bucket: the first id past the owners' blocks (every cold id is inside them)
-        to_bucket = torch.where(is_hot, world_size * block_sizes[feature_of_value], values)
+        to_bucket = torch.where(is_hot, offset_spare[:, 1], values)
     else:
         to_bucket = values
     new_lengths, bucketed, _, _, permute = torch.ops.fbgemm.block_bucketize_sparse_features(

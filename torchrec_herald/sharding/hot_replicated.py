@@ -131,6 +131,7 @@ class _LayoutOnDevice:
     feature_offsets: torch.Tensor
     sparse_row: torch.Tensor  # per hot row: synced sparsely?
     owner_feature_offsets: torch.Tensor  # [W * F]: where feature f's table starts in owner o's cold block, at o * F + f
+    key_offset_and_spare: torch.Tensor  # [F, 2]: feature f's table offset in the key space, its spare bucket's first id
 
     @classmethod
     def of(cls, lay: RowLayout, sparse_row: torch.Tensor, device: torch.device) -> "_LayoutOnDevice":
@@ -138,7 +139,10 @@ class _LayoutOnDevice:
                                                          "hot_keys", "blocks_per_feature", "block_offsets",
                                                          "hot_slot_table", "feature_offsets")}
         by_owner = lay.block_offsets[:, lay.feature_table].reshape(-1).to(device)
-        return cls(device=device, sparse_row=sparse_row.to(device), owner_feature_offsets=by_owner, **on)
+        world = lay.block_offsets.shape[0]
+        key_spare = torch.stack([lay.table_offsets[lay.feature_table], world * lay.blocks_per_feature], 1).to(device)
+        return cls(device=device, sparse_row=sparse_row.to(device), owner_feature_offsets=by_owner,
+                   key_offset_and_spare=key_spare.contiguous(), **on)
 
 
 @dataclass
@@ -596,7 +600,8 @@ class ShardedHeraldEmbeddingBagCollection(
         feature_of_value = torch.repeat_interleave(self._feature_of_bag(B), lengths, output_size=values.numel())
         bad = out_of_table(values, lay.rows_per_feature, feature_of_value)
         split = split_hot_cold(values.masked_fill(bad, 0), lengths, lay.feature_table, lay.table_offsets,
-                               lay.hot_keys, lay.blocks_per_feature, W, B, feature_of_value=feature_of_value)
+                               lay.hot_keys, lay.blocks_per_feature, W, B, feature_of_value=feature_of_value,
+                               key_offset_and_spare=lay.key_offset_and_spare)
         sub = split.sub_lengths
         nonempty = sub > 0
         per = torch.stack([sub, nonempty.to(sub.dtype)]).view(2, W, F, B).sum(3)  # one reduction for both
