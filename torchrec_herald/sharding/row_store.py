@@ -71,12 +71,10 @@ class RowStore(nn.Module):
         self.hot_state = torch.zeros(max(layout.num_hot, 1), dtype=torch.float32, device=device)
         mirror_hot, mirror_cold = layout.hot_rows_in_block(rank)
         self.mirror_hot, self.mirror_cold = mirror_hot.to(device), mirror_cold.to(device)
-        # each hot slot's row in this rank's cold block (-1: another rank's block)
-        self.cold_row_of_hot = torch.full((max(layout.num_hot, 1),), -1, dtype=torch.int64, device=device)
-        self.cold_row_of_hot[self.mirror_hot] = self.mirror_cold.to(torch.int64)
-        # hot slots updated since their block copies were last written (see flush_mirror): a mask of fixed
-        # size, so a long run holds no more than one flag per hot row however many steps pass between flushes
-        self._mirror_dirty = torch.zeros(max(layout.num_hot, 1), dtype=torch.bool, device=device)
+        # a hot replica was updated since the block copies were last written (see flush_mirror): one flag, not
+        # one per row, so an update marks nothing on the device (a launch less a step on a GPU); the flush
+        # then writes every copy, and the copies of rows not updated are rewritten with the values they hold
+        self._mirror_stale = False
         # by-key access (plan mode only): own rows by arithmetic on the key, cached rows in a sorted map
         self.cache_map = SortedKeyMap(slot=torch.int64)
         # remote rows (Herald's cache): [slots, D] weights + [slots] state, grown on demand
@@ -139,19 +137,13 @@ class RowStore(nn.Module):
         start = sum(self.layout.hot_counts[:table])
         return self.hot_weights()[start: start + self.layout.hot_counts[table]]
 
-    def mirror_hot_into_cold(self, hot_rows: Optional[torch.Tensor] = None) -> None:
+    def mirror_hot_into_cold(self) -> None:
         """Copy the replicas of the hot rows that lie in this rank's block (weights and state) into the cold
-        TBE, so the block is always a complete ROW_WISE shard; ``hot_rows``: only these hot slots (those in
-        another rank's block are passed over). Writes ``.data``: it runs inside backward, where the cold
-        TBE's saved tensors must not see a version bump (the rows written are hot, never looked up or
-        updated through the cold TBE)."""
-        if hot_rows is None:
-            self._mirror_dirty.zero_()  # every copy is written now
-            hot, cold = self.mirror_hot, self.mirror_cold
-        else:
-            cold = self.cold_row_of_hot[hot_rows]
-            mine = cold >= 0
-            hot, cold = hot_rows[mine], cold[mine]
+        TBE, so the block is always a complete ROW_WISE shard. Writes ``.data``: it runs inside backward,
+        where the cold TBE's saved tensors must not see a version bump (the rows written are hot, never
+        looked up or updated through the cold TBE)."""
+        self._mirror_stale = False  # every copy is written now
+        hot, cold = self.mirror_hot, self.mirror_cold
         if not hot.numel():
             return
         self.cold_weights()[cold] = self.hot_weights()[hot]
@@ -164,15 +156,13 @@ class RowStore(nn.Module):
         in the cold TBE, so the copies are needed only where the block is read as a ROW_WISE shard
         (:meth:`cold_block`, :meth:`cold_block_state`: state dicts, checkpoints, full tables); writing
         them there, not at every update, takes two index copies off each step."""
-        rows = self._mirror_dirty.nonzero().flatten()
-        if rows.numel():
-            self._mirror_dirty.zero_()
-            self.mirror_hot_into_cold(rows)
+        if self._mirror_stale:
+            self.mirror_hot_into_cold()
 
     def update_hot_rows(self, rows: torch.Tensor, grad: torch.Tensor) -> None:
         """Apply :func:`exact_update` to the hot replicas ``rows`` (distinct hot slots, on the device) with
-        ``grad`` ``[len(rows), D]`` their gradient summed over ranks; their block copies follow at the
-        next :meth:`flush_mirror`. A row whose gradient is zero is left as it is (as the fused kernel
+        ``grad`` ``[len(rows), D]`` their gradient summed over ranks; the block copies follow at the next
+        :meth:`flush_mirror`. A row whose gradient is zero is left as it is (as the fused kernel
         leaves a row no batch read): on a CPU only the others are touched (fewer rows to write); on a GPU
         every row is written, each keeping its old value where its gradient is zero
         (:func:`exact_update_where_nonzero`), since picking the rows out is sized by the data and would
@@ -186,7 +176,7 @@ class RowStore(nn.Module):
                     return
             w, s = self.hot_weights(), self.hot_state
             w[rows], s[rows] = update(w[rows], s[rows], grad, self.optimizer, self.lr, self.eps)
-            self._mirror_dirty.index_fill_(0, rows, True)
+            self._mirror_stale = True
 
     # ------------------------------------------------------------------ by global key
     def _dev(self, index: torch.Tensor) -> torch.Tensor:
