@@ -57,10 +57,18 @@ def first_invalid_id(values: torch.Tensor, lengths: torch.Tensor, rows_per_featu
     return None if feature == 0 else (feature - 1, value)
 
 
+def key_offset_and_spare(table_offsets: torch.Tensor, feature_table: torch.Tensor, block_sizes: torch.Tensor,
+                         world_size: int) -> torch.Tensor:
+    """int64 ``[F, 2]``: per feature, its table's offset in the global key space and the first id of the
+    spare bucket past the owners' blocks (``world_size * block_sizes``), where :func:`split_hot_cold`
+    sends a hot id."""
+    return torch.stack([table_offsets[feature_table], world_size * block_sizes], 1).contiguous()
+
+
 def split_hot_cold(values: torch.Tensor, lengths: torch.Tensor, feature_table: torch.Tensor,
                    table_offsets: torch.Tensor, hot_keys: torch.Tensor, block_sizes: torch.Tensor,
                    world_size: int, batch_size: int, feature_of_value: Optional[torch.Tensor] = None,
-                   key_offset_and_spare: Optional[torch.Tensor] = None) -> HotColdSplit:
+                   feature_key_table: Optional[torch.Tensor] = None) -> HotColdSplit:
     """Split valid ids into hot rows and owner-bucketized cold ids, with no host synchronisation.
 
     One ``block_bucketize_sparse_features`` call does both: each hot id is sent to a spare bucket
@@ -75,17 +83,16 @@ def split_hot_cold(values: torch.Tensor, lengths: torch.Tensor, feature_table: t
             position in it is its row in the hot buffer.
         block_sizes: int64 [F] row-wise block size of each feature's table (``ceil(n / W)``).
         feature_of_value: each value's feature, when the caller has it already.
-        key_offset_and_spare: int64 [F, 2], per feature its table's offset in the key space and its spare
-            bucket's first id (``world_size * block_sizes``), when the caller keeps them (one gather a
-            step instead of four ops: a GPU's step is its host's launches).
+        feature_key_table: :func:`key_offset_and_spare` of these arguments, when the caller keeps it
+            (one gather a step instead of four ops: a GPU's step is its host's launches).
     """
     num_bags, num_hot = lengths.numel(), hot_keys.numel()
     if feature_of_value is None:
         feature_of_value = bags_of_values(lengths, values.numel()) // batch_size
     if num_hot:
-        if key_offset_and_spare is None:
-            key_offset_and_spare = torch.stack([table_offsets[feature_table], world_size * block_sizes], 1)
-        offset_spare = key_offset_and_spare[feature_of_value]
+        if feature_key_table is None:
+            feature_key_table = key_offset_and_spare(table_offsets, feature_table, block_sizes, world_size)
+        offset_spare = feature_key_table[feature_of_value]
         keys = offset_spare[:, 0] + values
         pos = torch.searchsorted(hot_keys, keys).clamp_(max=num_hot - 1)
         is_hot = hot_keys[pos] == keys

@@ -41,8 +41,8 @@ from torchrec_herald.comm import (FLOAT_BYTES, INDEX_BYTES, RowsInFlight, all_to
                                    await_variable_all_to_all, start_variable_all_to_all)
 from torchrec_herald.layout import RowLayout
 from torchrec_herald.native import load_if_built
-from torchrec_herald.ops.hot_cold import (HotColdSplit, bags_of_values, invalid_ids, offsets_from_lengths,
-                                          out_of_table, split_hot_cold)
+from torchrec_herald.ops.hot_cold import (HotColdSplit, bags_of_values, invalid_ids, key_offset_and_spare,
+                                          offsets_from_lengths, out_of_table, split_hot_cold)
 from torchrec_herald.ops.tbe import SUPPORTED_OPTIMIZERS, dense_lookup
 from torchrec_herald.sharding.plan_exec import PlanExecutor
 from torchrec_herald.sharding.row_store import RowStore
@@ -131,7 +131,7 @@ class _LayoutOnDevice:
     feature_offsets: torch.Tensor
     sparse_row: torch.Tensor  # per hot row: synced sparsely?
     owner_feature_offsets: torch.Tensor  # [W * F]: where feature f's table starts in owner o's cold block, at o * F + f
-    key_offset_and_spare: torch.Tensor  # [F, 2]: feature f's table offset in the key space, its spare bucket's first id
+    feature_key_table: torch.Tensor  # [F, 2]: feature f's table offset in the key space, its spare bucket's first id
 
     @classmethod
     def of(cls, lay: RowLayout, sparse_row: torch.Tensor, device: torch.device) -> "_LayoutOnDevice":
@@ -139,10 +139,10 @@ class _LayoutOnDevice:
                                                          "hot_keys", "blocks_per_feature", "block_offsets",
                                                          "hot_slot_table", "feature_offsets")}
         by_owner = lay.block_offsets[:, lay.feature_table].reshape(-1).to(device)
-        world = lay.block_offsets.shape[0]
-        key_spare = torch.stack([lay.table_offsets[lay.feature_table], world * lay.blocks_per_feature], 1).to(device)
+        keys = key_offset_and_spare(lay.table_offsets, lay.feature_table, lay.blocks_per_feature,
+                                    lay.block_offsets.shape[0]).to(device)
         return cls(device=device, sparse_row=sparse_row.to(device), owner_feature_offsets=by_owner,
-                   key_offset_and_spare=key_spare.contiguous(), **on)
+                   feature_key_table=keys, **on)
 
 
 @dataclass
@@ -601,7 +601,7 @@ class ShardedHeraldEmbeddingBagCollection(
         bad = out_of_table(values, lay.rows_per_feature, feature_of_value)
         split = split_hot_cold(values.masked_fill(bad, 0), lengths, lay.feature_table, lay.table_offsets,
                                lay.hot_keys, lay.blocks_per_feature, W, B, feature_of_value=feature_of_value,
-                               key_offset_and_spare=lay.key_offset_and_spare)
+                               feature_key_table=lay.feature_key_table)
         sub = split.sub_lengths
         nonempty = sub > 0
         per = torch.stack([sub, nonempty.to(sub.dtype)]).view(2, W, F, B).sum(3)  # one reduction for both
