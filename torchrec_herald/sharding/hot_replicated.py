@@ -416,11 +416,9 @@ class ShardedHeraldEmbeddingBagCollection(
         self._in_thread: Optional[bool] = None
         self._worker: Optional[ThreadPoolExecutor] = None
         self._pending_dist: Optional[_HandOff] = None  # an input dist whose counts the training thread has not sent
-        # stale-update skipping: hot rows neither synchronised nor updated (where the ids are handled)
-        self._frozen_hot = torch.zeros(max(self._num_hot, 1), dtype=torch.bool, device=self._device)
-        # per hot row: synced sparsely and not frozen (the rows whose reads ride on the counts exchange)
-        self._sparse_trained = self._ids.sparse_row & ~self._frozen_hot[: self._ids.sparse_row.numel()]
-        self._set_dense_rows(self._all_dense_rows)
+        # stale-update skipping: no hot row frozen yet (the frozen mask, the rows whose reads ride on the counts
+        # exchange and the densely synced rows follow from it)
+        self.set_frozen_hot(None)
         if any(p.is_meta for p in module.parameters()):
             self.reset_parameters()  # built on meta, as large models are: initialise as stock TorchRec does
         else:
@@ -862,7 +860,8 @@ class ShardedHeraldEmbeddingBagCollection(
         frozen_hot = torch.zeros(max(self._num_hot, 1), dtype=torch.bool)
         if frozen is not None and self._num_hot:
             frozen_hot[: self._num_hot] = frozen.cpu()
-        self._frozen_hot = frozen_hot.to(self._device)
+        self._frozen_hot = frozen_hot.to(self._device)  # (where the ids are handled)
+        # per hot row: synced sparsely and not frozen (the rows whose reads ride on the counts exchange)
         self._sparse_trained = self._ids.sparse_row & ~self._frozen_hot[: self._ids.sparse_row.numel()]
         self._set_dense_rows(self._all_dense_rows[~frozen_hot[self._all_dense_rows]])
 
