@@ -6,11 +6,17 @@
 # Parts, each under its own time limit so that the results always come back:
 #   hot      herald hot replication (the cost model's plan: at one rank it replicates no rows)
 #   nothread the same with its input dist on the training thread (planner.input_dist_thread=off)
+#   ddp      the same with the dense layers under DDP (planner.dense_sync=ddp): the forward-ordered dense sync
+#            runs a sum, a flatten and a division per layer group and its optimizer in the next forward, in
+#            Python; on this CPU at B=16 the two stepped alike (1.13-1.15x vs 1.10-1.16x stock)
 #   old      the same with the older files (OLD=1)
 #   hotrows  hot replication with 2 % of each table replicated (planner.selector=top_fraction)
 #   full     herald full (scheduling on)
 #   two      hot replication at 2 ranks on the one GPU (torchrun; gloo carries the CUDA tensors), rank 0's pair
-#   prof     hot replication profiled (kernel launches, host syncs), 5 steps
+#   prof     hot replication and stock profiled (kernel launches, host syncs, timelines), 5 steps each, and their
+#            host time per pipeline phase side by side (benchmarks/gpu_trace_phases.py -> prof_phases.json).
+#            The cProfile part of each .prof.txt covers every thread on Python 3.12 (the GPU host's): with the
+#            input dist's worker thread on, its functions appear beside the training thread's
 #   check    CUDA against CPU and stock, one rank, herald's own per-step path (check_cuda_vs_cpu.py)
 set -uo pipefail
 cd "$(dirname "$0")/../.."
@@ -27,6 +33,7 @@ pair() { local id=$1; shift
 for part in ${PARTS:-hot nothread old full two hotrows check prof}; do case $part in
   hot) pair hot $hot ;;
   nothread) pair nothread $hot planner.input_dist_thread=off ;;
+  ddp) pair ddp $hot planner.dense_sync=ddp ;;
   old) [ -n "${OLD:-}" ] || continue
        mkdir -p .ab_new; for f in .ab_old/*; do p=$(basename "$f" | tr % /); cp "$p" ".ab_new/$(basename "$f")"; cp "$f" "$p"; done
        pair old_hot $hot
@@ -38,9 +45,12 @@ for part in ${PARTS:-hot nothread old full two hotrows check prof}; do case $par
            --block ${BLOCK:-10} --overrides $hot --baseline $stock --out "$out/pair_two.json" > /tmp/pair_two.log 2>&1
        grep -o "B=[0-9]* .*" /tmp/pair_two.log | sed "s/planner=table_wise pipeline=sparse_dist/stock/; s/^/two /"
        grep -q "Error" /tmp/pair_two.log && grep -v -i warn /tmp/pair_two.log | tail -12 ;;
-  prof) timeout ${LIMIT:-90} python3 benchmarks/gpu_step_time.py --batch-sizes 2048 --steps 20 --overrides $hot \
-            --profile --out "$out/prof_hot.json" > /tmp/prof_hot.log 2>&1
-        grep -o "B=[0-9]*.*ms/step median" /tmp/prof_hot.log ;;
+  prof) for id in hot stock; do [ $id = hot ] && cfg=$hot || cfg=$stock
+          timeout ${LIMIT:-90} python3 benchmarks/gpu_step_time.py --batch-sizes 2048 --steps 20 --overrides $cfg \
+              --profile --trace --out "$out/prof_$id.json" > /tmp/prof_$id.log 2>&1
+          grep -o "B=[0-9]*.*ms/step median" /tmp/prof_$id.log | sed "s/^/prof $id /"; done
+        python3 benchmarks/gpu_trace_phases.py "$out/prof_hot_B2048.prof.trace.json.gz" \
+            "$out/prof_stock_B2048.prof.trace.json.gz" --out "$out/prof_phases.json" ;;
   check) OUT=$out CASES=${CASES:-ebc_single_no_hot sparse_dist} timeout ${LIMIT:-90} \
              bash scripts/gpu/run_checks.sh check ;;
   *) echo "unknown part $part"; exit 2 ;;
