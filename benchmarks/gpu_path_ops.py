@@ -9,6 +9,7 @@ steps), so an A/B of two trees shows where the ops went.
     python benchmarks/gpu_path_ops.py --torch-ids -- planner=table_wise pipeline=sparse_dist
     python benchmarks/gpu_path_ops.py --torch-ids -- planner=herald pipeline=herald pipeline.scheduling=off \
         planner.link_mbit=null
+    python benchmarks/gpu_path_ops.py --faults --batch-size 2048 -- planner=herald pipeline=herald ...
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from __future__ import annotations
 import argparse
 import collections
 import os
+import resource
 import sys
 import traceback
 from pathlib import Path
@@ -34,28 +36,40 @@ PACKAGES = ("torchrec_herald", "/torchrec/", "fbgemm")
 NO_KERNEL = {"detach", "alias", "lift_fresh"}
 
 
-class OpCounter(TorchDispatchMode):
-    """Counts every non-view op dispatched, by (innermost package frame, op name)."""
+def _site() -> str:
+    """The innermost herald, TorchRec or fbgemm frame of the current op's call (``file:line``)."""
+    for frame in reversed(traceback.extract_stack(limit=40)[:-2]):
+        if any(p in frame.filename for p in PACKAGES):
+            return f"{frame.filename.split('site-packages/')[-1].split(os.getcwd() + '/')[-1]}:{frame.lineno}"
+    return "?"
 
-    def __init__(self) -> None:
+
+class OpCounter(TorchDispatchMode):
+    """Counts every non-view op dispatched, by (innermost package frame, op name); with ``faults``, the
+    process's minor page faults each op takes instead (every op, views included)."""
+
+    def __init__(self, faults: bool = False) -> None:
         super().__init__()
         self.ops: Counter[str] = collections.Counter()
+        self.faults = faults
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         name = func.overloadpacket.__name__
+        if self.faults:
+            before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+            out = func(*args, **(kwargs or {}))
+            taken = resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before
+            if taken:
+                self.ops[f"{_site()} {name}"] += taken
+            return out
         if not getattr(func, "is_view", False) and name not in NO_KERNEL:
-            site = "?"
-            for frame in reversed(traceback.extract_stack(limit=40)[:-1]):
-                if any(p in frame.filename for p in PACKAGES):
-                    site = f"{frame.filename.split('site-packages/')[-1].split(os.getcwd() + '/')[-1]}:{frame.lineno}"
-                    break
-            self.ops[f"{site} {name}"] += 1
+            self.ops[f"{_site()} {name}"] += 1
         return func(*args, **(kwargs or {}))
 
 
-def count(overrides: list, batch_size: int, steps: int, warmup: int, torch_ids: bool, no_extension: bool = False
-          ) -> Dict[str, float]:
-    """Ops per step of ``steps`` steps after ``warmup``, by site and op."""
+def count(overrides: list, batch_size: int, steps: int, warmup: int, torch_ids: bool, no_extension: bool = False,
+          faults: bool = False) -> Dict[str, float]:
+    """Ops (with ``faults``: minor page faults) per step of ``steps`` steps after ``warmup``, by site and op."""
     if torch_ids:  # the path of ids and rows on a GPU: the compiled passes over ids or rows off
         use_gpu_code_path(no_extension)
     from torchrec_herald.config import compose_config
@@ -71,7 +85,7 @@ def count(overrides: list, batch_size: int, steps: int, warmup: int, torch_ids: 
     it = iter([b for _, b in zip(range(warmup + steps + 2), data.train_batches(rank, world, batch_size))])
     for _ in range(warmup):
         pipeline.progress(it)
-    counter = OpCounter()
+    counter = OpCounter(faults)
     with counter:
         for _ in range(steps):
             pipeline.progress(it)
@@ -87,10 +101,11 @@ def main() -> None:
     p.add_argument("--torch-ids", action="store_true", help="the torch ops, not the compiled passes (a GPU's path)")
     p.add_argument("--no-extension", action="store_true",
                    help="with --torch-ids: no compiled pass at all (a GPU host where the extension is not built)")
+    p.add_argument("--faults", action="store_true", help="minor page faults per step by site and op, not ops")
     p.add_argument("--top", type=int, default=40, help="sites to list")
     a = p.parse_args()
-    ops = count(a.overrides, a.batch_size, a.steps, a.warmup, a.torch_ids, a.no_extension)
-    print(f"non-view aten ops per step: {sum(ops.values()):.1f}")
+    ops = count(a.overrides, a.batch_size, a.steps, a.warmup, a.torch_ids, a.no_extension, a.faults)
+    print(f"{'minor page faults inside ops' if a.faults else 'non-view aten ops'} per step: {sum(ops.values()):.1f}")
     for site, n in list(ops.items())[: a.top]:
         print(f"{n:7.1f} {site}")
 

@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import resource
 import statistics
 import time
 from pathlib import Path
@@ -115,16 +116,20 @@ def _timed_step(pipeline: Any, it: Any, device: torch.device) -> float:
     return _timed_step_both(pipeline, it, device)[0]
 
 
-def _timed_step_both(pipeline: Any, it: Any, device: torch.device) -> Tuple[float, float]:
-    """Wall seconds of one step (as :func:`_timed_step`) and the CPU seconds the training thread spent in it:
-    on a GPU the step is bound by its host, and on a CPU at a small batch (``--torch-ids``) that thread's CPU
-    is the host work a GPU's step would queue, without the waits and preemptions that make wall time noisy."""
+def _timed_step_both(pipeline: Any, it: Any, device: torch.device) -> Tuple[float, float, int]:
+    """Wall seconds of one step (as :func:`_timed_step`), the CPU seconds the training thread spent in it, and
+    the process's minor page faults in it. On a GPU the step is bound by its host, and on a CPU at a small
+    batch (``--torch-ids``) that thread's CPU is the host work a GPU's step would queue, without the waits and
+    preemptions that make wall time noisy. The faults show where a CPU step pays the kernel for fresh pages:
+    glibc hands a large freed buffer back to the system and the next step's allocation of it faults again."""
     _sync(device)
+    f0 = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
     c0, t0 = time.thread_time(), time.perf_counter()
     out = pipeline.progress(it)
     out[0].item() if isinstance(out, tuple) else None
     _sync(device)
-    return time.perf_counter() - t0, time.thread_time() - c0
+    wall, cpu = time.perf_counter() - t0, time.thread_time() - c0
+    return wall, cpu, resource.getrusage(resource.RUSAGE_SELF).ru_minflt - f0
 
 
 def measure(batch_size: int, overrides: List[str], warmup: int, steps: int,
@@ -157,19 +162,21 @@ def measure_pair(batch_size: int, overrides: List[str], baseline: List[str], war
     runs = {"a": _build(batch_size, overrides, n), "b": _build(batch_size, baseline, n)}
     times: Dict[str, List[float]] = {"a": [], "b": []}
     cpu: Dict[str, List[float]] = {"a": [], "b": []}
+    faults: Dict[str, List[int]] = {"a": [], "b": []}
     for key, (pipeline, it, device, _) in runs.items():
         for _ in range(warmup):
             _timed_step(pipeline, it, device)
     ratios, cpu_ratios = [], []
     for r in range(rounds):
-        got: Dict[str, List[Tuple[float, float]]] = {}
+        got: Dict[str, List[Tuple[float, float, int]]] = {}
         for key in (("a", "b") if r % 2 == 0 else ("b", "a")):
             pipeline, it, device, _ = runs[key]
             got[key] = [_timed_step_both(pipeline, it, device) for _ in range(block)]
-            times[key] += [w for w, _ in got[key]]
-            cpu[key] += [c for _, c in got[key]]
-        ratios.append(statistics.median(w for w, _ in got["a"]) / statistics.median(w for w, _ in got["b"]))
-        cpu_ratios.append(statistics.median(c for _, c in got["a"]) / statistics.median(c for _, c in got["b"]))
+            times[key] += [w for w, _, _ in got[key]]
+            cpu[key] += [c for _, c, _ in got[key]]
+            faults[key] += [f for _, _, f in got[key]]
+        ratios.append(statistics.median(w for w, _, _ in got["a"]) / statistics.median(w for w, _, _ in got["b"]))
+        cpu_ratios.append(statistics.median(c for _, c, _ in got["a"]) / statistics.median(c for _, c, _ in got["b"]))
     world = runs["a"][3]
     res = {"local_batch": batch_size, "world_size": world, "device": str(runs["a"][2]), "overrides": overrides,
            "baseline": baseline, "warmup": warmup, "rounds": rounds, "block": block,
@@ -179,13 +186,17 @@ def measure_pair(batch_size: int, overrides: List[str], baseline: List[str], war
            "round_ratio_range": [min(ratios), max(ratios)],
            "thread_cpu_s_median": statistics.median(cpu["a"]), "baseline_thread_cpu_s_median": statistics.median(cpu["b"]),
            "thread_cpu_round_ratio_median": statistics.median(cpu_ratios),
-           "thread_cpu_round_ratio_range": [min(cpu_ratios), max(cpu_ratios)]}
+           "thread_cpu_round_ratio_range": [min(cpu_ratios), max(cpu_ratios)],
+           "minor_faults_per_step_mean": statistics.fmean(faults["a"]),
+           "baseline_minor_faults_per_step_mean": statistics.fmean(faults["b"])}
     log.info("B=%d %s vs %s: %.2f vs %.2f ms/step median, ratio %.3f (rounds' median %.3f, %.3f-%.3f)", batch_size,
              " ".join(overrides), " ".join(baseline), 1e3 * res["step_s_median"], 1e3 * res["baseline_step_s_median"],
              res["ratio_of_medians"], res["round_ratio_median"], min(ratios), max(ratios))
     log.info("B=%d training thread's CPU: %.2f vs %.2f ms/step median, rounds' median ratio %.3f (%.3f-%.3f)", batch_size,
              1e3 * res["thread_cpu_s_median"], 1e3 * res["baseline_thread_cpu_s_median"],
              res["thread_cpu_round_ratio_median"], min(cpu_ratios), max(cpu_ratios))
+    log.info("B=%d minor page faults per step (the process, mean): %.0f vs %.0f", batch_size,
+             res["minor_faults_per_step_mean"], res["baseline_minor_faults_per_step_mean"])
     return res
 
 
