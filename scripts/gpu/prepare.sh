@@ -3,10 +3,14 @@
 # (Python 3.12, torch 2.11.0+cu130, no registry, 64 MiB per call) and cut it into call-sized chunks.
 #   fbgemm-gpu 1.6.0 (the release paired with torch 2.11; built for CUDA 13: libcudart.so.13)
 #   torchrec 1.6.1 (paired with fbgemm-gpu 1.6) and the pure-Python packages the image lacks.
-# The 465 MB fbgemm wheel is slimmed to its sm_90 cubins (scripts/gpu/slim_wheel.py: 179 MB) and
-# split into four 45 MB parts .gpu/c0 ... .gpu/c3 (c3 also holds the small wheels: each part plus the working
-# tree, 7.5 MiB, stays under the device tool's 64 MiB a call); scripts/gpu/install.sh
-# reassembles them on the device. Usage: bash scripts/gpu/prepare.sh   (about 4 minutes)
+# The 465 MB fbgemm wheel is slimmed to its sm_90 cubins (scripts/gpu/slim_wheel.py: 179 MB as a zip). Its
+# files are then packed as two xz archives (xz's 64 MiB window finds what deflate's 32 KiB cannot: 65 MB in
+# all, where the zip needed four 45 MB calls):
+#   .gpu/c0/fbgemm_a.tar.xz  the TBE backward library alone (23 MB)
+#   .gpu/c1/fbgemm_b.tar.xz  every other file of the wheel, its dist-info included (42 MB), and .gpu/c1/small/
+#                            (the small wheels, 2 MB)
+# Each call's part plus the working tree (about 11 MB) stays under the device tool's 64 MiB a call;
+# scripts/gpu/install.sh unpacks them on the device. Usage: bash scripts/gpu/prepare.sh   (about 5 minutes)
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 grep -qx '/.gpu/' .git/info/exclude 2>/dev/null || { mkdir -p .git/info; echo /.gpu/ >> .git/info/exclude; }
@@ -19,8 +23,11 @@ python3 -m pip download -q --no-deps "${plat[@]}" -d .gpu/small torchrec==1.6.1 
     omegaconf==2.3.0 iopath==0.1.9 tensordict==0.11.0 orjson "pyvers>=0.2,<0.3" importlib_metadata
 python3 -m pip wheel -q --no-deps -w .gpu/small antlr4-python3-runtime==4.9.3   # an sdist on PyPI
 python3 scripts/gpu/slim_wheel.py "$work"/big/fbgemm_gpu-1.6.0-*.whl "$work/slim" --keep 90
-rm -rf .gpu/c0 .gpu/c1 .gpu/c2 .gpu/c3
-split -b 45000000 -d -a 1 "$work"/slim/fbgemm_gpu-1.6.0-*.whl .gpu/fbgemm.part
-for i in 0 1 2 3; do mkdir -p .gpu/c$i; mv .gpu/fbgemm.part$i .gpu/c$i/; done
-mv .gpu/small .gpu/c3/small
+rm -rf .gpu/c0 .gpu/c1 .gpu/c2 .gpu/c3 "$work/tree"
+mkdir -p .gpu/c0 .gpu/c1 "$work/tree"
+unzip -q "$work"/slim/fbgemm_gpu-1.6.0-*.whl -d "$work/tree"   # the wheel's files as pip --target lays them out
+big=fbgemm_gpu/fbgemm_gpu_tbe_training_backward.so
+tar -C "$work/tree" -cf - "$big" | xz -9 -T2 > .gpu/c0/fbgemm_a.tar.xz
+tar -C "$work/tree" -cf - --sort=name --exclude="./$big" . | xz -9 -T2 > .gpu/c1/fbgemm_b.tar.xz
+mv .gpu/small .gpu/c1/small
 ls -la .gpu/c*
