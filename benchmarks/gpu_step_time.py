@@ -151,6 +151,11 @@ def measure(batch_size: int, overrides: List[str], warmup: int, steps: int,
     return res
 
 
+def _column(steps: List[Tuple[float, float, int]], i: int) -> List[Any]:
+    """Field ``i`` of each step's (wall seconds, thread CPU seconds, minor faults)."""
+    return [step[i] for step in steps]
+
+
 def measure_pair(batch_size: int, overrides: List[str], baseline: List[str], warmup: int, rounds: int,
                  block: int) -> Dict[str, Any]:
     """``overrides`` against ``baseline`` in one process, their steps interleaved: ``rounds`` rounds of
@@ -160,9 +165,7 @@ def measure_pair(batch_size: int, overrides: List[str], baseline: List[str], war
     ratios (``overrides`` over ``baseline``)."""
     n = warmup + rounds * block + 2
     runs = {"a": _build(batch_size, overrides, n), "b": _build(batch_size, baseline, n)}
-    times: Dict[str, List[float]] = {"a": [], "b": []}
-    cpu: Dict[str, List[float]] = {"a": [], "b": []}
-    faults: Dict[str, List[int]] = {"a": [], "b": []}
+    samples: Dict[str, List[Tuple[float, float, int]]] = {"a": [], "b": []}  # per step: wall s, thread CPU s, faults
     for key, (pipeline, it, device, _) in runs.items():
         for _ in range(warmup):
             _timed_step(pipeline, it, device)
@@ -172,11 +175,10 @@ def measure_pair(batch_size: int, overrides: List[str], baseline: List[str], war
         for key in (("a", "b") if r % 2 == 0 else ("b", "a")):
             pipeline, it, device, _ = runs[key]
             got[key] = [_timed_step_both(pipeline, it, device) for _ in range(block)]
-            times[key] += [w for w, _, _ in got[key]]
-            cpu[key] += [c for _, c, _ in got[key]]
-            faults[key] += [f for _, _, f in got[key]]
-        ratios.append(statistics.median(w for w, _, _ in got["a"]) / statistics.median(w for w, _, _ in got["b"]))
-        cpu_ratios.append(statistics.median(c for _, c, _ in got["a"]) / statistics.median(c for _, c, _ in got["b"]))
+            samples[key] += got[key]
+        ratios.append(statistics.median(_column(got["a"], 0)) / statistics.median(_column(got["b"], 0)))
+        cpu_ratios.append(statistics.median(_column(got["a"], 1)) / statistics.median(_column(got["b"], 1)))
+    times, cpu, faults = ({k: _column(v, i) for k, v in samples.items()} for i in range(3))
     world = runs["a"][3]
     res = {"local_batch": batch_size, "world_size": world, "device": str(runs["a"][2]), "overrides": overrides,
            "baseline": baseline, "warmup": warmup, "rounds": rounds, "block": block,
