@@ -7,7 +7,8 @@
 # /root/stage and unpacked into /tmp/site survives while it does.
 #
 # Each call unpacks the fbgemm archives it brings in the background, in a process session of its own so that it
-# outlives the call (Python's tarfile and lzma: no xz binary needed there). The first call also starts building
+# outlives the call (Python's tarfile and lzma: no xz binary needed there). A job that the machine stopped
+# anyway (no rc line left and no process, or killed by a signal) is run once more by `install`, in its own call. The first call also starts building
 # herald's compiled extension (torchrec_herald/native, against the image's torch) the same way. The install
 # waits for both. Without the extension herald full's scheduler runs its Python references there (every GPU
 # figure of herald full up to 2026-11-27 did: the CPU build in the tree is for another Python and torch).
@@ -18,7 +19,9 @@ for c in .gpu/c*; do [ -d "$c" ] && cp -r "$c"/. /root/stage/; done
 ls /root/stage
 background() {  # background <log> <command...>: run detached, append rc=<status> to <log> when done
     local log=$1; shift
-    setsid nohup bash -c "$* > $log 2>&1; echo rc=\$? >> $log" < /dev/null > /dev/null 2>&1 &
+    printf '%s\n' "$*" > "$log.cmd"   # kept, so that waited() can run it again here if it was stopped
+    setsid nohup bash -c "echo \$\$ > $log.pid; bash $log.cmd > $log 2>&1; echo rc=\$? >> $log" \
+        < /dev/null > /dev/null 2>&1 &
 }
 if [ ! -e /root/native_build.started ] && [ -z "${NO_NATIVE:-}" ]; then
     touch /root/native_build.started
@@ -31,7 +34,18 @@ for a in /root/stage/fbgemm_*.tar.xz; do
 done
 [ "${1:-stage}" = install ] || exit 0
 waited() {  # waited <log> <seconds>: wait for a background job's rc line; its last lines; fail unless rc=0
-    for _ in $(seq "$2"); do grep -q "^rc=" "$1" 2>/dev/null && break; sleep 1; done
+    local rc
+    for _ in $(seq "$2"); do
+        grep -q "^rc=" "$1" 2>/dev/null && break
+        kill -0 "$(cat "$1.pid" 2>/dev/null || echo 0)" 2>/dev/null || break   # (no pid yet: taken as running)
+        sleep 1
+    done
+    rc=$(grep -o "^rc=[0-9]*" "$1" 2>/dev/null | tail -1 | cut -c4- || true)
+    if { [ -z "$rc" ] && ! kill -0 "$(cat "$1.pid" 2>/dev/null || echo 0)" 2>/dev/null; } || [ "${rc:-0}" -ge 128 ]; then
+        # gone without its rc line, or killed by a signal (the machine ended it with a call): once more, here
+        echo "install.sh: $(basename "$1" .log) was stopped (rc=${rc:-none}); running it again in this call"
+        bash "$1.cmd" > "$1" 2>&1; echo "rc=$?" >> "$1"
+    fi
     tail -2 "$1"; grep -q "^rc=0" "$1"
 }
 for part in a b; do
