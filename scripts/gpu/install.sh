@@ -7,10 +7,10 @@
 # /root/stage and unpacked into /tmp/site survives while it does.
 #
 # Each call unpacks the fbgemm archives it brings in the background, in a process session of its own so that it
-# outlives the call (Python's tarfile and lzma: no xz binary needed there). A job that the machine stopped
-# anyway (no rc line left and no process, or killed by a signal) is run once more by `install`, in its own call. The first call also starts building
+# outlives the call (Python's tarfile and lzma: no xz binary needed there). The first call also starts building
 # herald's compiled extension (torchrec_herald/native, against the image's torch) the same way. The install
-# waits for both. Without the extension herald full's scheduler runs its Python references there (every GPU
+# waits for both, and runs once more, in its own call, a job that the machine stopped anyway (no rc line and no
+# process left, or killed by a signal). Without the extension herald full's scheduler runs its Python references there (every GPU
 # figure of herald full up to 2026-11-27 did: the CPU build in the tree is for another Python and torch).
 set -euo pipefail
 cd "$(dirname "$0")/../.."
