@@ -10,8 +10,9 @@
 # outlives the call (Python's tarfile and lzma: no xz binary needed there). The first call also starts building
 # herald's compiled extension (torchrec_herald/native, against the image's torch) the same way. The install
 # waits for both, and runs once more, in its own call, a job that the machine stopped anyway (no rc line and no
-# process left, or killed by a signal). Without the extension herald full's scheduler runs its Python references there (every GPU
-# figure of herald full up to 2026-11-27 did: the CPU build in the tree is for another Python and torch).
+# process left, or killed by a signal). Without the extension herald full's scheduler runs its Python references
+# there (every GPU figure of herald full up to 2026-11-27 did: the CPU build in the tree is for another Python and
+# torch).
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 mkdir -p /root/stage /tmp/site/fbgemm_gpu   # (the package folder made first: two archives unpack into it at once)
@@ -33,15 +34,18 @@ for a in /root/stage/fbgemm_*.tar.xz; do
     background "$a.log" python3 -c "\"import sys, tarfile; tarfile.open(sys.argv[1], 'r|xz').extractall('/tmp/site', filter='tar')\"" "$a"
 done
 [ "${1:-stage}" = install ] || exit 0
+running() {  # running <log>: the background job of <log> is alive (no pid written yet: taken as running)
+    kill -0 "$(cat "$1.pid" 2>/dev/null || echo 0)" 2>/dev/null
+}
 waited() {  # waited <log> <seconds>: wait for a background job's rc line; its last lines; fail unless rc=0
     local rc
     for _ in $(seq "$2"); do
         grep -q "^rc=" "$1" 2>/dev/null && break
-        kill -0 "$(cat "$1.pid" 2>/dev/null || echo 0)" 2>/dev/null || break   # (no pid yet: taken as running)
+        running "$1" || break
         sleep 1
     done
     rc=$(grep -o "^rc=[0-9]*" "$1" 2>/dev/null | tail -1 | cut -c4- || true)
-    if { [ -z "$rc" ] && ! kill -0 "$(cat "$1.pid" 2>/dev/null || echo 0)" 2>/dev/null; } || [ "${rc:-0}" -ge 128 ]; then
+    if { [ -z "$rc" ] && ! running "$1"; } || [ "${rc:-0}" -ge 128 ]; then
         # gone without its rc line, or killed by a signal (the machine ended it with a call): once more, here
         echo "install.sh: $(basename "$1" .log) was stopped (rc=${rc:-none}); running it again in this call"
         bash "$1.cmd" > "$1" 2>&1; echo "rc=$?" >> "$1"
