@@ -88,6 +88,8 @@ CONFIGS: Dict[str, tuple] = {
     # data); the current model, which charges a split herald's extra work per step, picks the default plan there
     "hot_kept": ("herald hot replication, kept (planner.link_mbit=null)", ["planner=herald", "planner.link_mbit=null",
                                                                          "pipeline=sparse_dist"]),
+    "hot_kept_ddp": ("herald hot replication, kept, DDP dense sync", ["planner=herald", "planner.link_mbit=null",
+                                                                     "pipeline=sparse_dist", "planner.dense_sync=ddp"]),
     "split": ("herald tables beside TABLE_WISE ones (split forced: declared 1200 Mbit/s, 0.001 ms)",
               ["planner=herald", "planner.link_mbit=1200", "planner.collective_latency_ms=0.001", "pipeline=sparse_dist"]),
 }

@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import resource
 import statistics
 import time
@@ -228,8 +229,10 @@ def main() -> None:
     if a.baseline is not None:
         runs = [measure_pair(b, a.overrides, a.baseline, a.warmup, a.rounds, a.block) for b in a.batch_sizes]
     else:
+        # at several ranks each rank profiles into its own files (_r<rank>), rank 0's named as at one rank
+        rank_tag = f"_r{os.environ['RANK']}" if int(os.environ.get("RANK", "0")) > 0 else ""
         runs = [measure(b, a.overrides, a.warmup, a.steps,
-                        a.out.with_name(f"{a.out.stem}_B{b}.prof.txt") if a.profile else None, a.trace)
+                        a.out.with_name(f"{a.out.stem}_B{b}{rank_tag}.prof.txt") if a.profile else None, a.trace)
                 for b in a.batch_sizes]
     if dist.get_rank() == 0:
         a.out.parent.mkdir(parents=True, exist_ok=True)
