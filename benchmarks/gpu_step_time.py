@@ -211,7 +211,8 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=50)
     p.add_argument("--out", type=Path, default=Path("benchmarks/results/gpu_step_time.json"))
     p.add_argument("--profile", action="store_true",
-                   help="profile 5 more steps per batch size (torch.profiler) and 5 more (cProfile): <out stem>_B<batch>.prof.txt beside --out")
+                   help="profile 5 more steps per batch size (torch.profiler) and 5 more (cProfile): <out stem>_B<batch>.prof.txt beside --out "
+                        "(ranks above 0 under torchrun: <out stem>_B<batch>_r<rank>.prof.txt)")
     p.add_argument("--trace", action="store_true", help="with --profile: also the profiled steps' timeline "
                    "(Chrome trace, <out stem>_B<batch>.prof.trace.json.gz)")
     p.add_argument("--baseline", nargs="*", default=None,
