@@ -73,6 +73,7 @@ def _profile(pipeline: Any, it: Any, device: torch.device, steps: int, out: Path
     (Chrome trace, gzipped, beside ``out``: where the host waits for the device)."""
     from torch.profiler import ProfilerActivity, profile
 
+    out.parent.mkdir(parents=True, exist_ok=True)  # (before the trace's export, which writes beside ``out``)
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
     with profile(activities=acts) as prof:
         for _ in range(steps):
@@ -90,7 +91,6 @@ def _profile(pipeline: Any, it: Any, device: torch.device, steps: int, out: Path
     sync_names = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize", "cudaMemcpy")
     syncs = {e.key: e.count / steps for e in avg if e.key.startswith(sync_names)}
     dev_key = "self_device_time_total" if device.type == "cuda" else "self_cpu_time_total"
-    out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(f"totals over {steps} steps (divide by {steps} for one step)\n\n== by self host time\n"
                    + avg.table(sort_by="self_cpu_time_total", row_limit=30)
                    + f"\n\n== by {dev_key}\n" + avg.table(sort_by=dev_key, row_limit=30)
@@ -214,7 +214,7 @@ def main() -> None:
                    help="profile 5 more steps per batch size (torch.profiler) and 5 more (cProfile): <out stem>_B<batch>.prof.txt beside --out "
                         "(ranks above 0 under torchrun: <out stem>_B<batch>_r<rank>.prof.txt)")
     p.add_argument("--trace", action="store_true", help="with --profile: also the profiled steps' timeline "
-                   "(Chrome trace, <out stem>_B<batch>.prof.trace.json.gz)")
+                   "(Chrome trace, <out stem>_B<batch>.prof.trace.json.gz; _r<rank> as for --profile)")
     p.add_argument("--baseline", nargs="*", default=None,
                    help="overrides of a second configuration built in the same process: the two run interleaved "
                         "(--rounds rounds of --block steps each, ABBA), reporting --overrides over it")
@@ -231,7 +231,8 @@ def main() -> None:
         runs = [measure_pair(b, a.overrides, a.baseline, a.warmup, a.rounds, a.block) for b in a.batch_sizes]
     else:
         # at several ranks each rank profiles into its own files (_r<rank>), rank 0's named as at one rank
-        rank_tag = f"_r{os.environ['RANK']}" if int(os.environ.get("RANK", "0")) > 0 else ""
+        rank = int(os.environ.get("RANK", "0"))
+        rank_tag = f"_r{rank}" if rank else ""
         runs = [measure(b, a.overrides, a.warmup, a.steps,
                         a.out.with_name(f"{a.out.stem}_B{b}{rank_tag}.prof.txt") if a.profile else None, a.trace)
                 for b in a.batch_sizes]
