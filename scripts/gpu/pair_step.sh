@@ -24,8 +24,8 @@ export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
 out=${OUT:-gpu_results}; mkdir -p "$out"
 stock="planner=table_wise pipeline=sparse_dist"
 hot="planner=herald pipeline=herald pipeline.scheduling=off planner.link_mbit=null"
-pair() { local id=$1; shift
-  timeout ${LIMIT:-90} python3 benchmarks/gpu_step_time.py --batch-sizes ${BATCHES:-2048 8192} --warmup 10 \
+pair() { local id=$1; shift  # (LAUNCH: what runs the script, python3 unless a part says otherwise)
+  timeout ${LIMIT:-90} ${LAUNCH:-python3} benchmarks/gpu_step_time.py --batch-sizes ${BATCHES:-2048 8192} --warmup 10 \
       --rounds ${ROUNDS:-10} --block ${BLOCK:-10} --overrides "$@" --baseline $stock --out "$out/pair_$id.json" \
       > "/tmp/pair_$id.log" 2>&1
   grep -o "B=[0-9]* .*" "/tmp/pair_$id.log" | sed "s/planner=table_wise pipeline=sparse_dist/stock/; s/^/$id /"
@@ -40,11 +40,7 @@ for part in ${PARTS:-hot nothread old full two hotrows check prof}; do case $par
        for f in .ab_new/*; do cp "$f" "$(basename "$f" | tr % /)"; done ;;
   hotrows) pair hotrows $hot planner.selector=top_fraction ;;
   full) pair full planner=herald pipeline=herald pipeline.scheduling=on planner.link_mbit=null ;;
-  two) HERALD_DIST_BACKEND=gloo timeout ${LIMIT:-90} python3 -m torch.distributed.run --standalone --nproc_per_node 2 \
-           benchmarks/gpu_step_time.py --batch-sizes ${BATCHES:-2048 8192} --warmup 10 --rounds ${ROUNDS:-10} \
-           --block ${BLOCK:-10} --overrides $hot --baseline $stock --out "$out/pair_two.json" > /tmp/pair_two.log 2>&1
-       grep -o "B=[0-9]* .*" /tmp/pair_two.log | sed "s/planner=table_wise pipeline=sparse_dist/stock/; s/^/two /"
-       grep -q "Error" /tmp/pair_two.log && grep -v -i warn /tmp/pair_two.log | tail -12 ;;
+  two) HERALD_DIST_BACKEND=gloo LAUNCH="python3 -m torch.distributed.run --standalone --nproc_per_node 2" pair two $hot ;;
   prof) for id in hot stock; do [ $id = hot ] && cfg=$hot || cfg=$stock
           timeout ${LIMIT:-90} python3 benchmarks/gpu_step_time.py --batch-sizes 2048 --steps 20 --overrides $cfg \
               --profile --trace --out "$out/prof_$id.json" > /tmp/prof_$id.log 2>&1
