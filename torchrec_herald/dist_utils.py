@@ -57,14 +57,15 @@ def init_distributed(timeout_s: int = 600) -> tuple[int, int, torch.device]:
             os.environ.setdefault("MASTER_PORT", str(free_port()))
             os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
         timeout = datetime.timedelta(seconds=timeout_s)
+        backend = default_backend()
         attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT")
         if attempt is not None and attempt != "0":
-            dist.init_process_group(backend=default_backend(), store=_attempt_store(int(attempt), timeout),
+            dist.init_process_group(backend=backend, store=_attempt_store(int(attempt), timeout),
                                     rank=int(os.environ["RANK"]), world_size=int(os.environ["WORLD_SIZE"]),
                                     timeout=timeout)
         else:
-            dist.init_process_group(backend=default_backend(), timeout=timeout)
-        if default_backend() == "gloo" and torch.cuda.is_available():
+            dist.init_process_group(backend=backend, timeout=timeout)
+        if backend == "gloo" and torch.cuda.is_available():
             logger.warning("%s=gloo: CUDA tensors travel over gloo (through the host)", BACKEND_ENV)
     rank, world = dist.get_rank(), dist.get_world_size()
     device = local_device()
