@@ -192,6 +192,36 @@ def test_a_plan_without_hot_rows_trains_as_stock_row_wise_by_both_id_paths(world
         assert any(not torch.equal(ref["state"][k], ref["initial"][k]) for k in ref["initial"])
 
 
+#: the TrafficMeter tags of herald's own collectives: the input dist's counts and ids, the partial pooled
+#: vectors and their gradients, the hot-row gradient sums, the forward-ordered dense sums
+HERALD_COLLECTIVES = ("herald_meta", "herald_ids", "herald_pooled", "herald_pooled_grad", "herald_hot_sync",
+                      "dense_allreduce")
+
+
+def _one_rank(rank: int, world: int) -> Dict[str, Any]:
+    """One rank: herald with hot rows (half the tables synced densely, half sparsely), the forward-ordered
+    dense sync and the torch ops' id bookkeeping (a GPU's path), and stock TABLE_WISE, on the same batches."""
+    cfg = dict(optimizer="rowwise_adagrad", via="fused_params", pooling="SUM", pipeline="sparse_dist",
+               sync="mixed", steps=STEPS, dense_sync="forward_ordered")
+    return {name: train(rank, world, dict(cfg, **extra)) for name, extra in (
+        ("herald", dict(planner="herald", torch_ids=True)), ("table_wise", dict(planner="table_wise")))}
+
+
+def test_one_rank_issues_no_collective_of_herald_and_trains_as_stock_table_wise() -> None:
+    """At one rank nothing travels, so herald issues none of its collectives (as TorchRec's ``KJTAllToAll``
+    returns its input when its group has one worker): no input-dist exchange, no pooled vectors' or gradients'
+    all-to-all, no hot-row or dense sum. The model is still stock TABLE_WISE's, with hot rows replicated and
+    synced both ways."""
+    r = run_multiprocess(_one_rank, 1, timeout_s=300)[0]
+    h, s = r["herald"], r["table_wise"]
+    assert h["num_hot"] > 0
+    assert not [t for t in HERALD_COLLECTIVES if t in h["tags"]], h["tags"]
+    assert loss_rel(h["losses"], s["losses"]) <= RTOL
+    worst = {k: rel(h["state"][k], s["state"][k]) for k in s["state"]}
+    assert all(v <= weight_rtol("rowwise_adagrad") for v in worst.values()), worst
+    assert any(not torch.equal(s["state"][k], s["initial"][k]) for k in s["initial"])
+
+
 def _in_thread_or_not(rank: int, world: int) -> Dict[str, Any]:
     """Herald (hot rows, both sync modes, the torch ops' id bookkeeping as on a GPU) with its per-step input
     dist on the training thread and handed to the module's worker thread, on the same batches; and the

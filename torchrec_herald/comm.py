@@ -17,8 +17,8 @@ from torchrec_herald.traffic import traffic_tag
 
 __all__ = [
     "FLOAT_BYTES", "INDEX_BYTES", "OPTIMIZER_STATE_BYTES", "SCORE_BYTES", "STOCK_ID_BYTES", "STOCK_LENGTH_BYTES",
-    "RowsInFlight", "all_gather_varlen", "all_to_all_rows", "all_to_all_rows_async", "await_variable_all_to_all",
-    "start_variable_all_to_all", "variable_all_to_all",
+    "LocalWork", "RowsInFlight", "all_gather_varlen", "all_reduce_async", "all_to_all_rows", "all_to_all_rows_async",
+    "await_variable_all_to_all", "is_one_rank", "start_variable_all_to_all", "variable_all_to_all",
 ]
 
 #: bytes of one embedding element (fp32 weights, pooled vectors and gradients)
@@ -35,10 +35,39 @@ STOCK_LENGTH_BYTES = 4
 OPTIMIZER_STATE_BYTES = 4
 
 
+class LocalWork:
+    """The work of a collective over one rank: nothing travels, so it is complete when made. Herald's
+    collectives skip the process group there, as TorchRec's ``KJTAllToAll`` returns its input when its
+    group has one worker: each skipped call is a launch and its bookkeeping on a GPU's host."""
+
+    def wait(self, timeout: Any = None) -> bool:
+        return True
+
+    def is_completed(self) -> bool:
+        return True
+
+
+def is_one_rank(pg: Optional[dist.ProcessGroup]) -> bool:
+    """Whether ``pg`` (None: the default group) has a single rank: its collectives move nothing."""
+    return dist.get_world_size(pg) == 1
+
+
+def all_reduce_async(x: torch.Tensor, pg: Optional[dist.ProcessGroup], label: str, dim: Optional[int] = None) -> Any:
+    """Start the sum of ``x`` over ``pg``'s ranks, in place: its work (:class:`LocalWork` at one rank, where
+    the sum is ``x`` itself and no collective is issued)."""
+    if is_one_rank(pg):
+        return LocalWork()
+    with traffic_tag(label, dim):
+        return dist.all_reduce(x, group=pg, async_op=True)
+
+
 def all_to_all_rows(x: torch.Tensor, send: Sequence[int], recv: Sequence[int], pg: Optional[dist.ProcessGroup],
                     label: str, dim: Optional[int] = None) -> torch.Tensor:
     """``send[j]`` leading rows of ``x`` go to rank j, ``recv[i]`` rows come from rank i (in rank order);
-    no autograd. ``label`` / ``dim``: the TrafficMeter tag and the floats per embedding vector."""
+    no autograd. ``label`` / ``dim``: the TrafficMeter tag and the floats per embedding vector. At one rank
+    the rows are ``x``'s own, copied (a fresh buffer, as from a collective), and no collective is issued."""
+    if is_one_rank(pg):
+        return x.clone()
     out = x.new_empty((sum(recv),) + tuple(x.shape[1:]))
     with traffic_tag(label, dim):
         dist.all_to_all_single(out, x.contiguous(), list(recv), list(send), group=pg)
@@ -49,7 +78,10 @@ def all_to_all_rows_async(x: torch.Tensor, send: Sequence[int], recv: Sequence[i
                           pg: Optional[dist.ProcessGroup], label: str, dim: Optional[int] = None
                           ) -> Tuple[torch.Tensor, Any]:
     """:func:`all_to_all_rows` started now, finished by ``work.wait()``: returns ``(out, work)``; ``out``
-    holds the received rows once waited for."""
+    holds the received rows once waited for. At one rank ``out`` is ``x`` itself (no copy: the callers
+    send buffers of their own) and ``work`` a :class:`LocalWork`."""
+    if is_one_rank(pg):
+        return x, LocalWork()
     out = x.new_empty((sum(recv),) + tuple(x.shape[1:]))
     with traffic_tag(label, dim):
         work = dist.all_to_all_single(out, x.contiguous(), list(recv), list(send), group=pg, async_op=True)
@@ -100,7 +132,10 @@ class _AwaitedAllToAll(torch.autograd.Function):
 
 
 def await_variable_all_to_all(x: torch.Tensor, flight: RowsInFlight) -> torch.Tensor:
-    """The rows received by ``flight`` (started from ``x``), differentiable with respect to ``x``."""
+    """The rows received by ``flight`` (started from ``x``), differentiable with respect to ``x``. At one
+    rank they are ``x`` itself: no autograd node, no collective either way."""
+    if isinstance(flight.work, LocalWork):
+        return x
     return _AwaitedAllToAll.apply(x, flight)
 
 
@@ -112,8 +147,10 @@ def variable_all_to_all(x: torch.Tensor, send: List[int], recv: List[int], pg: d
 
 def all_gather_varlen(mine: torch.Tensor, pg: Optional[dist.ProcessGroup], label: str) -> List[torch.Tensor]:
     """Every rank's 1-D ``mine`` (any length): an all-gather of the lengths, then one all-to-all sending
-    ``mine`` to every rank (``all_gather`` needs equal sizes)."""
+    ``mine`` to every rank (``all_gather`` needs equal sizes). At one rank: ``[mine]``, no collective."""
     W = dist.get_world_size(pg)
+    if W == 1:
+        return [mine]
     counts = torch.empty(W, dtype=torch.int64)
     with traffic_tag(label):
         dist.all_gather_into_tensor(counts, torch.tensor([mine.numel()], dtype=torch.int64), group=pg)

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, field
-from typing import Any, Callable, Dict, List, Mapping, Optional, Tuple
+from typing import Any, Callable, Dict, List, Mapping, Optional, Tuple, Union
 
 import torch
 import torch.distributed as dist
@@ -21,7 +21,7 @@ from torch import nn
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 from torchrec.optim.keyed import CombinedOptimizer, KeyedOptimizer, KeyedOptimizerWrapper
 
-from torchrec_herald.traffic import traffic_tag
+from torchrec_herald.comm import LocalWork, all_reduce_async
 
 logger = logging.getLogger(__name__)
 
@@ -89,7 +89,8 @@ class ForwardOrderedDenseSync:
         self._pg: Optional[dist.ProcessGroup] = None
         self._world = 1
         self._optim: Optional[KeyedOptimizer] = None  # one optimizer, one param group per dense group
-        self._pending: List[Optional[Tuple[torch.Tensor, Any]]] = []  # per group: (sum buffer, work) in flight
+        # per group: (sum buffer, work) in flight; at one rank (the gradients, LocalWork)
+        self._pending: List[Optional[Tuple[Union[torch.Tensor, List[torch.Tensor]], Any]]] = []
         self._reached: List[bool] = []  # per group: its layers' forward ran since the sums were last started
         #: start each group's sum inside backward, once its gradients are complete (backward order), instead
         #: of at the optimizer step (forward order): the link carries them while backward computes. The
@@ -145,14 +146,15 @@ class ForwardOrderedDenseSync:
 
     def _start(self, i: int) -> None:
         g = self.groups[i]
-        flat = _flatten_dense_tensors([p.grad if p.grad is not None else torch.zeros_like(p) for p in g.params])
-        if self._world > 1:  # averaged over ranks as DDP does: divide, then sum (by 1: no op)
-            flat.div_(self._world)
+        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in g.params]
         for p in g.params:  # the sum owns the gradients now; a gradient seen later was made after this step
             p.grad = None
-        with traffic_tag("dense_allreduce"):
-            work = dist.all_reduce(flat, group=self._pg, async_op=True)
-        self._pending[i] = (flat, work)
+        if self._world == 1:  # one rank: the sum is the gradients themselves (no flatten, no collective)
+            self._pending[i] = (grads, LocalWork())
+            return
+        flat = _flatten_dense_tensors(grads)
+        flat.div_(self._world)  # averaged over ranks as DDP does: divide, then sum
+        self._pending[i] = (flat, all_reduce_async(flat, self._pg, "dense_allreduce"))
 
     def _gradient_done(self, i: int, p: nn.Parameter) -> None:
         """Inside backward: ``p``'s gradient is accumulated; with :attr:`start_in_backward`, group ``i``'s
@@ -219,7 +221,7 @@ class ForwardOrderedDenseSync:
             self._pending[j] = None
             work.wait()
             g = self.groups[j]
-            for p, grad in zip(g.params, _unflatten_dense_tensors(flat, g.params)):
+            for p, grad in zip(g.params, flat if isinstance(flat, list) else _unflatten_dense_tensors(flat, g.params)):
                 p.grad = grad
             params += g.params
         assert self._optim is not None

@@ -37,7 +37,7 @@ from torchrec.optim.fused import EmptyFusedOptimizer, FusedOptimizer, FusedOptim
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor, KeyedTensor
 from torchrec.streamable import Multistreamable
 
-from torchrec_herald.comm import (FLOAT_BYTES, INDEX_BYTES, RowsInFlight, all_to_all_rows_async,
+from torchrec_herald.comm import (FLOAT_BYTES, INDEX_BYTES, LocalWork, RowsInFlight, all_to_all_rows_async,
                                    await_variable_all_to_all, start_variable_all_to_all)
 from torchrec_herald.layout import RowLayout
 from torchrec_herald.native import load_if_built
@@ -907,7 +907,8 @@ class ShardedHeraldEmbeddingBagCollection(
                 scratch = torch.zeros(n + 1, self._dim, device=dev)
                 scratch.index_copy_(0, self._dense_slot[unique].to(dev), grad)
                 dense = scratch[:n]
-                pending.dense = (self._dense_rows, dense, dist.all_reduce(dense, group=self._pg, async_op=True))
+                pending.dense = (self._dense_rows, dense, LocalWork() if W == 1 else
+                                 dist.all_reduce(dense, group=self._pg, async_op=True))
             if self._any_sparse:  # tables synced sparsely: exchange touched rows only
                 touched = unique.index_select(0, sparse_idx)
                 pending.sparse = self._start_sparse_sum(touched, grad.index_select(0, sparse_idx), sparse_from)
