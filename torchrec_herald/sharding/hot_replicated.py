@@ -742,9 +742,11 @@ class ShardedHeraldEmbeddingBagCollection(
             return (torch.empty(0, self._dim, device=self._device), None,
                     dense_lookup(self.plan_executor.ws, dist_input.ws_index, dist_input.ws_offsets))
         dev = self._device
-        # cold rows are never hot: their lookup need not wait for the hot rows' pending update
-        partial = self._store.cold(dist_input.recv_rows.to(dev, torch.int64),
-                                   offsets_from_lengths(dist_input.recv_lengths).to(dev))
+        # cold rows are never hot: their lookup need not wait for the hot rows' pending update. The rows and
+        # sub-bag lengths arrive as int32 (the wire's index type), which fbgemm's TBE takes as they are where
+        # indices and offsets share it: no cast of either (a launch each on a GPU)
+        partial = self._store.cold(dist_input.recv_rows.to(dev),
+                                   torch.ops.fbgemm.asynchronous_complete_cumsum(dist_input.recv_lengths.to(dev)))
         flight = start_variable_all_to_all(partial, dist_input.bags_from, dist_input.bags_to, self._pg,
                                            ("herald_pooled", "herald_pooled_grad"), self._dim)
         split = dist_input.split
