@@ -242,6 +242,24 @@ def test_herald_pipeline_ran_its_configured_paths(case: str, pipe: str) -> None:
         assert stats.counters.reads == 0
 
 
+def test_herald_scheduling_at_one_rank_trains_as_stock_and_issues_no_collective() -> None:
+    """At one rank herald scheduling (global and by home, the torch ops' path of ids and rows on a GPU) trains
+    stock TABLE_WISE's model, and none of its exchanges (pulls, reduces, pushes, sample moves, the schedule's
+    metadata) issues a collective: nothing travels, and each is skipped as TorchRec skips its input dist's."""
+    common = dict(optimizer="rowwise_adagrad", via="fused_params", pooling="SUM", torch_ids=True, steps=STEPS)
+    cfgs = [dict(common, planner="table_wise", pipeline="plain")] + [
+        dict(common, planner="herald", pipeline=dict(PIPELINES[p])) for p in ("greedy_lazy", "by_home_lazy")]
+    stock, *herald = run_multiprocess(_train_runs, 1, cfgs, timeout_s=300)[0]
+    for res in herald:
+        assert res["stats"].steps == STEPS and res["stats"].counters.reads > 0
+        assert res["losses"] == pytest.approx(stock["losses"], rel=RTOL)
+        bad = {k: rel(v, stock["state"][k]) for k, v in res["state"].items()
+               if not rel(v, stock["state"][k]) <= weight_rtol("rowwise_adagrad")}
+        assert not bad, bad
+        assert not [t for t in res["tags"] if t.startswith("herald_") or t == "dense_allreduce"], res["tags"]
+    assert any(not torch.equal(stock["state"][k], v) for k, v in stock["initial"].items())
+
+
 # ------------------------------------------------------------------------------------------ behaviour
 
 BAD_FEATURE = "cat_3"  # table t_cat_3: 2203 rows at scale 0.001

@@ -70,10 +70,13 @@ def allocate_own_batch(env: SchedulingEnv, ctx: HeraldBatchContext) -> None:
     else:
         scores = torch.zeros(B, env.world, dtype=torch.int64)
     meta = torch.cat([err, pack_int16(scores)]) if scored else err
-    gathered = torch.empty(env.world * meta.numel(), dtype=torch.int64)
-    with CommTimer(env.stats, "herald_schedule_meta"):
-        dist.all_gather_into_tensor(gathered, meta, group=env.scheduling_group)
-    gathered = gathered.view(env.world, -1)
+    if env.world == 1:  # one rank: its own meta, no collective (as comm.py's exchanges at one rank)
+        gathered = meta.view(1, -1)
+    else:
+        gathered = torch.empty(env.world * meta.numel(), dtype=torch.int64)
+        with CommTimer(env.stats, "herald_schedule_meta"):
+            dist.all_gather_into_tensor(gathered, meta, group=env.scheduling_group)
+        gathered = gathered.view(env.world, -1)
     env.raise_on_bad(gathered[:, :3])
     nnz = int(gathered[:, 3].sum())
     if not env.allocator.needs_scores:
