@@ -269,6 +269,7 @@ def train(rank: int, world: int, cfg: Dict[str, Any]) -> Dict[str, Any]:
     ebc = find_herald_ebc(dmp) if cfg["planner"] == "herald" else None
     return {"losses": losses, "state": full_state(dmp), "initial": b["initial"], "traffic": meter.summary(),
             "worker_used": ebc is not None and ebc._worker is not None, "num_hot": ebc._num_hot if ebc is not None else 0,
+            "table_traffic": ebc.traffic_by_table() if ebc is not None else {},
             "tags": meter.tag_summary(), "dense_names": sorted(dict(in_backward_optimizer_filter(dmp.named_parameters())))}
 
 

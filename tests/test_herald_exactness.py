@@ -134,6 +134,9 @@ def test_herald_matches_stock(case: str, herald_run: str) -> None:
         assert (h["traffic"].get("all_reduce", {}).get("bytes", 0) > 0) == (sync in ("dense", "mixed")), sync
         assert h["tags"]["herald_meta"]["calls"] == STEPS, sync
         assert h["tags"]["herald_hot_sync"]["calls"] == STEPS * (2 if sync == "mixed" else 1), sync
+        # the module's own per-table count of its hot-row sync (counted on the device, mapped to tables when
+        # read) is the bytes TrafficMeter saw under that tag
+        assert sum(t["hot_sync"] for t in h["table_traffic"].values()) == h["tags"]["herald_hot_sync"]["bytes"], sync
     # training moved the weights (the comparison is not of two untouched initialisations)
     init = ref[0]["initial"]
     assert set(init) == set(ref[0]["state"])

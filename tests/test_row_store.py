@@ -268,6 +268,24 @@ def test_the_gpu_update_leaves_zero_gradient_rows_as_they_were_even_with_eps_zer
     assert torch.equal(new_w[1:], want_w) and torch.equal(new_s[1:], want_s)
 
 
+def test_the_gpu_update_without_a_mask_leaves_zero_gradient_rows_as_they_were() -> None:
+    """With SGD, or Adagrad with eps > 0, the GPU's update of every synced hot row makes no mask: a row whose
+    gradient is zero (negative zeros included) keeps its value, its state stays as it was, and the other rows
+    get exact_update's values, as the masked update gives them."""
+    torch.manual_seed(0)
+    w, s = torch.randn(6, 4), torch.rand(6)
+    w[2] = torch.tensor([-0.0, 0.0, 1.5, -2.5])
+    grad = torch.randn(6, 4)
+    grad[[1, 2]] = 0.0
+    grad[4] = -0.0
+    zero = grad.ne(0).any(1).logical_not()
+    for optimizer, eps in ((EmbOptimType.EXACT_ROWWISE_ADAGRAD, 1e-8), (EmbOptimType.EXACT_SGD, 0.0)):
+        new_w, new_s = exact_update_where_nonzero(w, s, grad, optimizer, LR, eps)
+        want_w, want_s = exact_update(w, s, grad, optimizer, LR, eps)
+        assert torch.equal(new_w[zero], w[zero]) and torch.equal(new_s[zero], s[zero]), optimizer
+        assert torch.equal(new_w[~zero], want_w[~zero]) and torch.equal(new_s[~zero], want_s[~zero]), optimizer
+
+
 def test_reserving_slots_before_rows_arrive_stores_them_as_receiving_alone_does() -> None:
     """The executor gives the pulled rows not held yet their cache slots while they travel
     (``reserve``): only remote keys not cached get one, and receiving the rows afterwards leaves the very

@@ -407,7 +407,9 @@ class ShardedHeraldEmbeddingBagCollection(
         #: the id bookkeeping in one compiled pass (native/id_split.cpp) where the ids are on the CPU and
         #: the extension is built; else the torch ops of ops/hot_cold.py (the reference)
         self._native_ids: Optional[Any] = load_if_built() if self._ids.device.type == "cpu" else None
-        self._hot_sparse_sent = torch.zeros(len(self._tables), dtype=torch.int64, device=self._device)
+        # sparsely synced hot rows sent, per hot slot (mapped to tables when read: one launch a step, not three)
+        self._hot_sparse_sent = torch.zeros(max(self._num_hot, 1), dtype=torch.int64, device=self._device)
+        self._ones = torch.ones_like(self._hot_sparse_sent)  # the counts' source, sliced to each step's rows
         # the input dist's hot-row counts where the module holds no hot rows (made once, only ever read)
         self._no_hot_counts = torch.zeros(max(self._world, 2), dtype=torch.int64, device=self._device)
         self._no_rows_read = torch.zeros(0, dtype=torch.bool, device=self._device)
@@ -694,7 +696,9 @@ class ShardedHeraldEmbeddingBagCollection(
         remote = torch.arange(self._world) != self._rank
         ids, bags = self._cold_sent.cpu()[:, remote].sum(1).double()  # [F] each
         traffic = self._traffic.clone()
-        traffic[:, 3] += self._hot_sparse_sent.cpu().double() * (
+        sent = torch.zeros(len(self._tables), dtype=torch.float64).index_add_(
+            0, self.layout.hot_slot_table, self._hot_sparse_sent[:self._num_hot].cpu().double())
+        traffic[:, 3] += sent * (
             (self._world - 1) * (INDEX_BYTES + FLOAT_BYTES * self._dim))
         ft = self.layout.feature_table
         traffic[:, 0].index_add_(0, ft, INDEX_BYTES * (ids + bags))
@@ -915,7 +919,7 @@ class ShardedHeraldEmbeddingBagCollection(
                 touched = unique.index_select(0, sparse_idx)
                 pending.sparse = self._start_sparse_sum(touched, grad.index_select(0, sparse_idx), sparse_from)
                 # counted where the rows are (no host read in backward); traffic_by_table turns it into bytes
-                self._hot_sparse_sent.index_add_(0, self._ids.hot_slot_table[touched], torch.ones_like(touched))
+                self._hot_sparse_sent.index_add_(0, touched, self._ones[:touched.numel()])
         self._traffic[:, 3] += self._dense_sync_bytes
         self._pending_hot = pending
 
