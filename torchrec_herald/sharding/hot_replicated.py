@@ -942,7 +942,7 @@ class ShardedHeraldEmbeddingBagCollection(
             work.wait()
             # every rank adds each row's gradients up in rank order (index_add_ follows the source order):
             # bit-identical sums on every replica
-            ids = got[:, :1].contiguous().view(torch.int32).view(-1).to(torch.int64)
+            ids = got[:, 0].view(torch.int32).to(torch.int64)  # (a strided dtype view: no copy before the cast)
             unique, slot = torch.unique(ids, return_inverse=True)
             rows.append(unique)
             grads.append(torch.zeros(unique.numel(), self._dim, device=got.device).index_add_(0, slot, got[:, 1:]))

@@ -241,8 +241,8 @@ class PlanExecutor:
         grouped by destination, and their counts; per source, the positions it receives, and their counts
         (each group in plan order)."""
         me, W = self.rank, self.W
-        native = self.store.native
-        if native is not None:  # one counting pass (the plans are on the host)
+        native = self.store.native_locate  # (wherever the rows are: the plans are the host's)
+        if native is not None:  # one counting pass
             send_pos, send_counts, recv_pos, recv_counts = native.plan_route(
                 transfers.to(torch.int64).contiguous(), me, W)
             recv = recv_counts.tolist()
@@ -552,7 +552,7 @@ class PlanExecutor:
             return None
         return merge_additive_pushes([plan.update_push, plan.miss_push, next_plan.push_before_read],
                                      [plan.update_push_add, plan.miss_push_add, next_plan.push_before_read_add],
-                                     next_plan.pull, self.W, self.store.native)
+                                     next_plan.pull, self.W, self.store.native_locate)  # (host plans)
 
     def flush(self, fp: FlushPlan) -> None:
         """Dirty rows home, outdated hot replicas refreshed, caches dropped, home replicas mirrored into

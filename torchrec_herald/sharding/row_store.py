@@ -91,7 +91,8 @@ class RowStore(nn.Module):
         self.base_cache = torch.zeros(0, dim + 1, device=device)
         # by-key reads and writes in one compiled pass (CPU rows, the extension built), else torch ops; where
         # each key's row is (hot, own block or cache slot) is found by the compiled pass wherever the keys are
-        # on the CPU, the rows anywhere: the plan's keys are the host's (its scheduler's) even for GPU rows
+        # on the CPU, the rows anywhere: the plan's keys are the host's (its scheduler's) even for GPU rows.
+        # The plan executor's other passes over the host's plan (a plan's route, the merged pushes) use it too
         self.native: Optional[Any] = load_if_built() if torch.device(device).type == "cpu" else None
         self.native_locate: Optional[Any] = load_if_built()
 
