@@ -1,5 +1,6 @@
 """The training thread's CPU a step inside each of herald's per-step methods (hot replication's sharded EBC,
-the forward-ordered dense sync, the row store's hot-row update), at W ranks under torchrun.
+the forward-ordered dense sync, the row store's hot-row update, herald scheduling's plan executor), at W
+ranks under torchrun.
 
 On a GPU the step is bound by its host, so this is where herald's extra host time a step goes; with
 ``--torch-ids`` the ids and rows take the GPU's code path (torch ops, not the compiled passes). Each method is
@@ -34,6 +35,8 @@ TIMED = (
       "_sized_by_host", "_send_ids", "compute", "output_dist", "_sync_and_update_hot", "_start_sparse_sum")),
     ("torchrec_herald.sharding.dense_sync", "ForwardOrderedDenseSync", ("start_all", "_start", "settle")),
     ("torchrec_herald.sharding.row_store", "RowStore", ("update_hot_rows",)),
+    ("torchrec_herald.sharding.plan_exec", "PlanExecutor",
+     ("prefetch", "begin", "working_set", "finish", "_route", "_start_exchange", "move_rows", "after_backward")),
 )
 
 
