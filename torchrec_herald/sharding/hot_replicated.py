@@ -37,7 +37,7 @@ from torchrec.optim.fused import EmptyFusedOptimizer, FusedOptimizer, FusedOptim
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor, KeyedTensor
 from torchrec.streamable import Multistreamable
 
-from torchrec_herald.comm import (FLOAT_BYTES, INDEX_BYTES, LocalWork, RowsInFlight, all_to_all_rows_async,
+from torchrec_herald.comm import (FLOAT_BYTES, INDEX_BYTES, RowsInFlight, all_reduce_async, all_to_all_rows_async,
                                    await_variable_all_to_all, start_variable_all_to_all)
 from torchrec_herald.layout import RowLayout
 from torchrec_herald.native import load_if_built
@@ -409,7 +409,7 @@ class ShardedHeraldEmbeddingBagCollection(
         self._native_ids: Optional[Any] = load_if_built() if self._ids.device.type == "cpu" else None
         # sparsely synced hot rows sent, per hot slot (mapped to tables when read: one launch a step, not three)
         self._hot_sparse_sent = torch.zeros(max(self._num_hot, 1), dtype=torch.int64, device=self._device)
-        self._ones = torch.ones_like(self._hot_sparse_sent)  # the counts' source, sliced to each step's rows
+        self._one = torch.ones((), dtype=torch.int64, device=self._device)  # the counts' source, expanded
         # the input dist's hot-row counts where the module holds no hot rows (made once, only ever read)
         self._no_hot_counts = torch.zeros(max(self._world, 2), dtype=torch.int64, device=self._device)
         self._no_rows_read = torch.zeros(0, dtype=torch.bool, device=self._device)
@@ -913,13 +913,12 @@ class ShardedHeraldEmbeddingBagCollection(
                 scratch = torch.zeros(n + 1, self._dim, device=dev)
                 scratch.index_copy_(0, self._dense_slot[unique].to(dev), grad)
                 dense = scratch[:n]
-                pending.dense = (self._dense_rows, dense, LocalWork() if W == 1 else
-                                 dist.all_reduce(dense, group=self._pg, async_op=True))
+                pending.dense = (self._dense_rows, dense, all_reduce_async(dense, self._pg, "herald_hot_sync", self._dim))
             if self._any_sparse:  # tables synced sparsely: exchange touched rows only
                 touched = unique.index_select(0, sparse_idx)
                 pending.sparse = self._start_sparse_sum(touched, grad.index_select(0, sparse_idx), sparse_from)
                 # counted where the rows are (no host read in backward); traffic_by_table turns it into bytes
-                self._hot_sparse_sent.index_add_(0, touched, self._ones[:touched.numel()])
+                self._hot_sparse_sent.index_add_(0, touched, self._one.expand(touched.numel()))
         self._traffic[:, 3] += self._dense_sync_bytes
         self._pending_hot = pending
 
