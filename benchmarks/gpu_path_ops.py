@@ -28,7 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import torch  # noqa: E402
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from gpu_path import use_gpu_code_path  # benchmarks/gpu_path.py  # noqa: E402
+from gpu_path import build_training, use_gpu_code_path  # benchmarks/gpu_path.py  # noqa: E402
 
 #: frames an op is attributed to (the innermost of them)
 PACKAGES = ("torchrec_herald", "/torchrec/", "fbgemm")
@@ -72,17 +72,7 @@ def count(overrides: list, batch_size: int, steps: int, warmup: int, torch_ids: 
     """Ops (with ``faults``: minor page faults) per step of ``steps`` steps after ``warmup``, by site and op."""
     if torch_ids:  # the path of ids and rows on a GPU: the compiled passes over ids or rows off
         use_gpu_code_path(no_extension)
-    from torchrec_herald.config import compose_config
-    from torchrec_herald.data import build_data_source
-    from torchrec_herald.dist_utils import init_distributed
-    from torchrec_herald.trainer import build_model_and_plan, build_pipeline
-
-    cfg = compose_config([f"batch_size={batch_size}", "eval=false"] + overrides)
-    rank, world, device = init_distributed()
-    data = build_data_source(cfg.data)
-    dmp, optimizer, decision = build_model_and_plan(cfg, data, world, device)
-    pipeline = build_pipeline(cfg, dmp, optimizer, device, decision)
-    it = iter([b for _, b in zip(range(warmup + steps + 2), data.train_batches(rank, world, batch_size))])
+    _, _, pipeline, it = build_training(overrides, batch_size, warmup + steps + 2)
     for _ in range(warmup):
         pipeline.progress(it)
     counter = OpCounter(faults)

@@ -26,7 +26,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
 sys.path.insert(0, str(HERE))
 
-from gpu_path import use_gpu_code_path  # noqa: E402
+from gpu_path import build_training, use_gpu_code_path  # noqa: E402
 
 #: (module, class, methods) timed
 TIMED = (
@@ -55,22 +55,12 @@ def measure(overrides: list, batch_size: int, steps: int, warmup: int) -> Dict[s
     """ms of the training thread's CPU a step: in all, and inside each timed method."""
     import importlib
 
-    from torchrec_herald.config import compose_config
-    from torchrec_herald.data import build_data_source
-    from torchrec_herald.dist_utils import init_distributed
-    from torchrec_herald.trainer import build_model_and_plan, build_pipeline
-
     totals: Dict[str, float] = collections.defaultdict(float)
     for module, cls_name, methods in TIMED:
         cls = getattr(importlib.import_module(module), cls_name)
         for m in methods:
             setattr(cls, m, _timed(totals, f"{cls_name}.{m}", getattr(cls, m)))
-    cfg = compose_config([f"batch_size={batch_size}", "eval=false"] + overrides)
-    rank, world, device = init_distributed()
-    data = build_data_source(cfg.data)
-    dmp, optimizer, decision = build_model_and_plan(cfg, data, world, device)
-    pipeline = build_pipeline(cfg, dmp, optimizer, device, decision)
-    it = iter([b for _, b in zip(range(warmup + steps + 2), data.train_batches(rank, world, batch_size))])
+    rank, world, pipeline, it = build_training(overrides, batch_size, warmup + steps + 2)
     for _ in range(warmup):
         pipeline.progress(it)
     totals.clear()
