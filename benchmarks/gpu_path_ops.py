@@ -28,7 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import torch  # noqa: E402
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from gpu_path import build_training, use_gpu_code_path  # benchmarks/gpu_path.py  # noqa: E402
+from gpu_path import BATCHES_AHEAD, LOADERS, build_training, use_gpu_code_path  # benchmarks/gpu_path.py  # noqa: E402
 
 #: frames an op is attributed to (the innermost of them)
 PACKAGES = ("torchrec_herald", "/torchrec/", "fbgemm")
@@ -68,11 +68,12 @@ class OpCounter(TorchDispatchMode):
 
 
 def count(overrides: list, batch_size: int, steps: int, warmup: int, torch_ids: bool, no_extension: bool = False,
-          faults: bool = False) -> Dict[str, float]:
-    """Ops (with ``faults``: minor page faults) per step of ``steps`` steps after ``warmup``, by site and op."""
+          faults: bool = False, loader: str = "stream") -> Dict[str, float]:
+    """Ops (with ``faults``: minor page faults) per step of ``steps`` steps after ``warmup``, by site and op, on
+    the training thread (a dispatch mode is the thread's own: herald's run-ahead thread is not counted)."""
     if torch_ids:  # the path of ids and rows on a GPU: the compiled passes over ids or rows off
         use_gpu_code_path(no_extension)
-    _, _, pipeline, it = build_training(overrides, batch_size, warmup + steps + 2)
+    _, _, pipeline, it, _ = build_training(overrides, batch_size, warmup + steps + BATCHES_AHEAD, loader)
     for _ in range(warmup):
         pipeline.progress(it)
     counter = OpCounter(faults)
@@ -93,8 +94,10 @@ def main() -> None:
                    help="with --torch-ids: no compiled pass at all (a GPU host where the extension is not built)")
     p.add_argument("--faults", action="store_true", help="minor page faults per step by site and op, not ops")
     p.add_argument("--top", type=int, default=40, help="sites to list")
+    p.add_argument("--loader", choices=LOADERS, default="stream", help="what feeds the pipeline: the trainer's TrainStream (herald schedules whole global batches on its run-ahead "
+                        "thread) or this rank's batches in a plain iterator, as a TorchRec user's own loader (gpu_path.py)")
     a = p.parse_args()
-    ops = count(a.overrides, a.batch_size, a.steps, a.warmup, a.torch_ids, a.no_extension, a.faults)
+    ops = count(a.overrides, a.batch_size, a.steps, a.warmup, a.torch_ids, a.no_extension, a.faults, a.loader)
     print(f"{'minor page faults inside ops' if a.faults else 'non-view aten ops'} per step: {sum(ops.values()):.1f}")
     for site, n in list(ops.items())[: a.top]:
         print(f"{n:7.1f} {site}")

@@ -29,12 +29,8 @@ from typing import Any, Dict, List, Optional, Tuple
 import torch
 import torch.distributed as dist
 
-from gpu_path import use_gpu_code_path  # benchmarks/gpu_path.py
+from gpu_path import BATCHES_AHEAD, LOADERS, build_training, use_gpu_code_path  # benchmarks/gpu_path.py
 from machine_info import machine  # benchmarks/machine_info.py
-from torchrec_herald.config import compose_config
-from torchrec_herald.data import build_data_source
-from torchrec_herald.dist_utils import init_distributed
-from torchrec_herald.trainer import build_model_and_plan, build_pipeline
 
 log = logging.getLogger("gpu_step_time")
 
@@ -98,18 +94,12 @@ def _profile(pipeline: Any, it: Any, device: torch.device, steps: int, out: Path
     return {"profiled_steps": steps, "host_syncs_per_step": syncs, "profile": str(out)}
 
 
-def _build(batch_size: int, overrides: List[str], n: int) -> tuple:
+def _build(batch_size: int, overrides: List[str], n: int, loader: str) -> tuple:
     """The trainer's model, plan and pipeline for ``overrides`` and an iterator over ``n`` batches made first
-    (on CPU, as a data loader yields them: each pipeline moves its batches to the device)."""
-    cfg = compose_config([f"batch_size={batch_size}", "eval=false"] + overrides)
-    rank, world, device = init_distributed()
-    data = build_data_source(cfg.data)
-    dmp, optimizer, decision = build_model_and_plan(cfg, data, world, device)
-    pipeline = build_pipeline(cfg, dmp, optimizer, device, decision)
-    batches = [b for _, b in zip(range(n), data.train_batches(rank, world, batch_size))]
-    if len(batches) < n:
-        raise ValueError(f"data yields {len(batches)} batches of {batch_size}; {n} needed")
-    return pipeline, iter(batches), device, world
+    (on CPU, as a data loader yields them: each pipeline moves its batches to the device), fed as ``loader``
+    says (``gpu_path.build_training``)."""
+    _, world, pipeline, it, device = build_training(overrides, batch_size, n + BATCHES_AHEAD, loader)
+    return pipeline, it, device, world
 
 
 def _timed_step(pipeline: Any, it: Any, device: torch.device) -> float:
@@ -134,17 +124,17 @@ def _timed_step_both(pipeline: Any, it: Any, device: torch.device) -> Tuple[floa
 
 
 def measure(batch_size: int, overrides: List[str], warmup: int, steps: int,
-            profile_out: Optional[Path] = None, trace: bool = False) -> Dict[str, Any]:
+            profile_out: Optional[Path] = None, trace: bool = False, loader: str = "stream") -> Dict[str, Any]:
     """Per-step seconds (median, mean, p90) of ``steps`` timed steps after ``warmup`` steps; with
     ``profile_out``, 5 more steps profiled (:func:`_profile`), then 5 under cProfile."""
     n = warmup + steps + 2 + (10 if profile_out else 0)  # TrainPipelineSparseDist runs ahead by up to two batches
-    pipeline, it, device, world = _build(batch_size, overrides, n)
+    pipeline, it, device, world = _build(batch_size, overrides, n, loader)
     times = [_timed_step(pipeline, it, device) for _ in range(warmup + steps)][warmup:]
     prof = _profile(pipeline, it, device, 5, profile_out, trace) if profile_out else {}
     times.sort()
     med = statistics.median(times)
     res = {"local_batch": batch_size, "world_size": world, "device": str(device),
-           "overrides": overrides, "steps_timed": steps, "warmup": warmup,
+           "overrides": overrides, "loader": loader, "steps_timed": steps, "warmup": warmup,
            "step_s_median": med, "step_s_mean": statistics.fmean(times),
            "step_s_p90": times[int(0.9 * (len(times) - 1))], "samples_per_s": batch_size * world / med, **prof}
     log.info("B=%d %s: %.2f ms/step median (%.0f samples/s)", batch_size, " ".join(overrides), 1e3 * med,
@@ -158,14 +148,14 @@ def _column(steps: List[Tuple[float, float, int]], i: int) -> List[Any]:
 
 
 def measure_pair(batch_size: int, overrides: List[str], baseline: List[str], warmup: int, rounds: int,
-                 block: int) -> Dict[str, Any]:
+                 block: int, loader: str = "stream") -> Dict[str, Any]:
     """``overrides`` against ``baseline`` in one process, their steps interleaved: ``rounds`` rounds of
     ``block`` steps of each, in ABBA order, after ``warmup`` steps of each. A lent machine's host drifts by
     tens of percent between runs (RESULTS.md), so separate runs cannot resolve a 10 % difference; steps
     interleaved this way see the same host. Reports each one's median step and the median of the rounds'
     ratios (``overrides`` over ``baseline``)."""
     n = warmup + rounds * block + 2
-    runs = {"a": _build(batch_size, overrides, n), "b": _build(batch_size, baseline, n)}
+    runs = {"a": _build(batch_size, overrides, n, loader), "b": _build(batch_size, baseline, n, loader)}
     samples: Dict[str, List[Tuple[float, float, int]]] = {"a": [], "b": []}  # per step: wall s, thread CPU s, faults
     for key, (pipeline, it, device, _) in runs.items():
         for _ in range(warmup):
@@ -182,7 +172,7 @@ def measure_pair(batch_size: int, overrides: List[str], baseline: List[str], war
     times, cpu, faults = ({k: _column(v, i) for k, v in samples.items()} for i in range(3))
     world = runs["a"][3]
     res = {"local_batch": batch_size, "world_size": world, "device": str(runs["a"][2]), "overrides": overrides,
-           "baseline": baseline, "warmup": warmup, "rounds": rounds, "block": block,
+           "baseline": baseline, "loader": loader, "warmup": warmup, "rounds": rounds, "block": block,
            "step_s_median": statistics.median(times["a"]), "baseline_step_s_median": statistics.median(times["b"]),
            "ratio_of_medians": statistics.median(times["a"]) / statistics.median(times["b"]),
            "round_ratio_median": statistics.median(ratios), "round_ratios": ratios,
@@ -223,24 +213,29 @@ def main() -> None:
     p.add_argument("--torch-ids", action="store_true",
                    help="on a CPU: the GPU's code path (torch ops, not the compiled passes over ids and rows), so "
                         "that a small batch times the host work a GPU step is bound by")
+    p.add_argument("--loader", choices=LOADERS, default="stream",
+                   help="what feeds both pipelines: the trainer's TrainStream (herald schedules whole global batches on its "
+                        "run-ahead thread, as python -m torchrec_herald.train does) or this rank's batches in a plain "
+                        "iterator, as a TorchRec user's own loader (herald then plans each step on the training thread)")
     a = p.parse_args()
     if a.torch_ids:
         use_gpu_code_path()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", force=True)
     if a.baseline is not None:
-        runs = [measure_pair(b, a.overrides, a.baseline, a.warmup, a.rounds, a.block) for b in a.batch_sizes]
+        runs = [measure_pair(b, a.overrides, a.baseline, a.warmup, a.rounds, a.block, a.loader) for b in a.batch_sizes]
     else:
         # at several ranks each rank profiles into its own files (_r<rank>), rank 0's named as at one rank
         rank = int(os.environ.get("RANK", "0"))
         rank_tag = f"_r{rank}" if rank else ""
         runs = [measure(b, a.overrides, a.warmup, a.steps,
-                        a.out.with_name(f"{a.out.stem}_B{b}{rank_tag}.prof.txt") if a.profile else None, a.trace)
+                        a.out.with_name(f"{a.out.stem}_B{b}{rank_tag}.prof.txt") if a.profile else None, a.trace,
+                        a.loader)
                 for b in a.batch_sizes]
     if dist.get_rank() == 0:
         a.out.parent.mkdir(parents=True, exist_ok=True)
         a.out.write_text(json.dumps({"machine": machine(), "command": "python benchmarks/gpu_step_time.py "
                                      f"--batch-sizes {' '.join(map(str, a.batch_sizes))} --overrides "
-                                     f"{' '.join(a.overrides)} --warmup {a.warmup} " + ("--torch-ids " if a.torch_ids else "") + (
+                                     f"{' '.join(a.overrides)} --warmup {a.warmup} --loader {a.loader} " + ("--torch-ids " if a.torch_ids else "") + (
                                          f"--steps {a.steps}" if a.baseline is None else
                                          f"--baseline {' '.join(a.baseline)} --rounds {a.rounds} --block {a.block}"),
                                      "runs": runs}, indent=2))

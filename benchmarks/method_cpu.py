@@ -26,7 +26,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
 sys.path.insert(0, str(HERE))
 
-from gpu_path import build_training, use_gpu_code_path  # noqa: E402
+from gpu_path import BATCHES_AHEAD, LOADERS, build_training, use_gpu_code_path  # noqa: E402
 
 #: (module, class, methods) timed
 TIMED = (
@@ -51,7 +51,7 @@ def _timed(totals: Dict[str, float], name: str, f: Callable[..., Any]) -> Callab
     return call
 
 
-def measure(overrides: list, batch_size: int, steps: int, warmup: int) -> Dict[str, Any]:
+def measure(overrides: list, batch_size: int, steps: int, warmup: int, loader: str = "stream") -> Dict[str, Any]:
     """ms of the training thread's CPU a step: in all, and inside each timed method."""
     import importlib
 
@@ -60,7 +60,7 @@ def measure(overrides: list, batch_size: int, steps: int, warmup: int) -> Dict[s
         cls = getattr(importlib.import_module(module), cls_name)
         for m in methods:
             setattr(cls, m, _timed(totals, f"{cls_name}.{m}", getattr(cls, m)))
-    rank, world, pipeline, it = build_training(overrides, batch_size, warmup + steps + 2)
+    rank, world, pipeline, it, _ = build_training(overrides, batch_size, warmup + steps + BATCHES_AHEAD, loader)
     for _ in range(warmup):
         pipeline.progress(it)
     totals.clear()
@@ -69,6 +69,7 @@ def measure(overrides: list, batch_size: int, steps: int, warmup: int) -> Dict[s
         pipeline.progress(it)
     per_step = 1e3 / steps
     return {"rank": rank, "world_size": world, "batch_size": batch_size, "steps": steps, "overrides": overrides,
+            "loader": loader,
             "thread_cpu_ms_per_step": (time.thread_time() - t0) * per_step,
             "methods_ms_per_step": {k: v * per_step for k, v in sorted(totals.items(), key=lambda kv: -kv[1])}}
 
@@ -81,10 +82,12 @@ def main() -> None:
     p.add_argument("--warmup", type=int, default=20)
     p.add_argument("--torch-ids", action="store_true", help="the torch ops, not the compiled passes (a GPU's path)")
     p.add_argument("--json", type=Path, help="rank 0's figures, written here")
+    p.add_argument("--loader", choices=LOADERS, default="stream", help="what feeds the pipeline: the trainer's TrainStream (herald schedules whole global batches on its run-ahead "
+                        "thread) or this rank's batches in a plain iterator, as a TorchRec user's own loader (gpu_path.py)")
     a = p.parse_args()
     if a.torch_ids:
         use_gpu_code_path(False)
-    r = measure(a.overrides, a.batch_size, a.steps, a.warmup)
+    r = measure(a.overrides, a.batch_size, a.steps, a.warmup, a.loader)
     if r["rank"] == 0:
         print(f"training thread's CPU a step: {r['thread_cpu_ms_per_step']:.3f} ms; inside herald's methods:")
         for name, ms in r["methods_ms_per_step"].items():

@@ -11,7 +11,10 @@
 #            Python; on this CPU at B=16 the two stepped alike (1.13-1.15x vs 1.10-1.16x stock)
 #   old      the same with the older files (OLD=1)
 #   hotrows  hot replication with 2 % of each table replicated (planner.selector=top_fraction)
-#   full     herald full (scheduling on)
+#   full     herald full (scheduling on), fed as the trainer feeds it (gpu_step_time.py --loader stream: a TrainStream,
+#            so herald schedules whole global batches on its run-ahead thread)
+#   fullown  the same fed this rank's batches by a plain iterator, as a TorchRec user's own loader (--loader own):
+#            herald then plans each step on the training thread (every GPU figure of herald full up to 2026-11-27)
 #   two      hot replication at 2 ranks on the one GPU (torchrun; gloo carries the CUDA tensors), rank 0's pair
 #   prof     hot replication and stock profiled (kernel launches, host syncs, timelines), 5 steps each, and their
 #            host time per pipeline phase side by side (benchmarks/gpu_trace_phases.py -> prof_phases.json).
@@ -26,7 +29,7 @@ stock="planner=table_wise pipeline=sparse_dist"
 hot="planner=herald pipeline=herald pipeline.scheduling=off planner.link_mbit=null"
 pair() { local id=$1; shift  # (LAUNCH: what runs the script, python3 unless a part says otherwise)
   timeout ${LIMIT:-90} ${LAUNCH:-python3} benchmarks/gpu_step_time.py --batch-sizes ${BATCHES:-2048 8192} --warmup 10 \
-      --rounds ${ROUNDS:-10} --block ${BLOCK:-10} --overrides "$@" --baseline $stock --out "$out/pair_$id.json" \
+      --rounds ${ROUNDS:-10} --block ${BLOCK:-10} --loader ${LOADER:-stream} --overrides "$@" --baseline $stock --out "$out/pair_$id.json" \
       > "/tmp/pair_$id.log" 2>&1
   grep -o "B=[0-9]* .*" "/tmp/pair_$id.log" | sed "s/planner=table_wise pipeline=sparse_dist/stock/; s/^/$id /"
   grep -q "Error" "/tmp/pair_$id.log" && grep -v -i warn "/tmp/pair_$id.log" | tail -12; }
@@ -40,6 +43,7 @@ for part in ${PARTS:-hot nothread old full two hotrows check prof}; do case $par
        for f in .ab_new/*; do cp "$f" "$(basename "$f" | tr % /)"; done ;;
   hotrows) pair hotrows $hot planner.selector=top_fraction ;;
   full) pair full planner=herald pipeline=herald pipeline.scheduling=on planner.link_mbit=null ;;
+  fullown) LOADER=own pair fullown planner=herald pipeline=herald pipeline.scheduling=on planner.link_mbit=null ;;
   two) HERALD_DIST_BACKEND=gloo LAUNCH="python3 -m torch.distributed.run --standalone --nproc_per_node 2" pair two $hot ;;
   prof) for id in hot stock; do [ $id = hot ] && cfg=$hot || cfg=$stock
           timeout ${LIMIT:-90} python3 benchmarks/gpu_step_time.py --batch-sizes 2048 --steps 20 --overrides $cfg \
