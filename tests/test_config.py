@@ -160,8 +160,8 @@ def test_the_python_api_and_the_command_line_start_from_the_same_defaults(group:
 def test_herald_pipeline_defaults_resolve_alike_from_python_and_the_command_line() -> None:
     """The pipeline's data-dependent defaults (``global_batches``, ``run_ahead``, ``scheduling=auto``)
     are decided by the same rule for both: whole global batches, running ahead and the probe for the
-    trainer's seekable stream (with stale-update skipping too); per-rank batches and scheduling on for a
-    loader of the rank's own batches; the plan stays on for bounded staleness."""
+    trainer's seekable stream (with stale-update skipping too); per-rank batches, scheduled ahead, and
+    scheduling on for a loader of the rank's own batches; the plan stays on for bounded staleness."""
     from torchrec_herald.pipeline.options import HeraldPipelineConfig
     from torchrec_herald.pipeline.stale_skip import SkipConfig
 
@@ -176,7 +176,7 @@ def test_herald_pipeline_defaults_resolve_alike_from_python_and_the_command_line
         for whole in (True, False):
             assert decided(python, whole) == decided(yaml, whole)
     assert decided(HeraldPipelineConfig(), True) == (True, True, "auto")
-    assert decided(HeraldPipelineConfig(), False) == (False, False, "on")
+    assert decided(HeraldPipelineConfig(), False) == (False, True, "on")
     assert decided(HeraldPipelineConfig(skip=SkipConfig("input")), True) == (True, True, "auto")
     assert decided(HeraldPipelineConfig(staleness=1), True) == (True, True, "on")
     assert decided(HeraldPipelineConfig(global_batches=True), False) == (True, True, "auto")  # the caller says so

@@ -94,7 +94,10 @@ def _worker(rank: int, world: int) -> Dict[str, Any]:
     out: Dict[str, Any] = {
         # gathered: every rank plans all; the greedy allocator with a free move, as on whole global batches
         # (on per-rank batches allocator=auto moves a sample only where one lookup made local pays for it)
-        "per_rank": _run(rank, world, herald, dict(planning="global", allocator="greedy", move_penalty=0), False),
+        "per_rank": _run(rank, world, herald, dict(planning="global", allocator="greedy", move_penalty=0,
+                                                   run_ahead=False), False),
+        # the same run ahead in the worker thread, its collectives on a group of its own (a user's own loader)
+        "per_rank_ahead": _run(rank, world, herald, dict(planning="global", allocator="greedy", move_penalty=0), False),
         "global": _run(rank, world, herald, dict(global_batches=True, run_ahead=False, scheduling="on"), True),
         "ahead": _run(rank, world, herald, dict(global_batches=True, run_ahead=True, scheduling="on"), True),
         "auto": _run(rank, world, herald, AUTO, True),
@@ -105,7 +108,9 @@ def _worker(rank: int, world: int) -> Dict[str, Any]:
         "by_home_auto_off": _run(rank, world, herald, BY_HOME_AUTO, False, decide="off"),
         # HET's bounded staleness: its pushes travel with the next step's pulls when run ahead
         "per_rank_s1": _run(rank, world, herald, dict(planning="global", allocator="greedy", move_penalty=0,
-                                                      staleness=1), False),
+                                                      staleness=1, run_ahead=False), False),
+        "per_rank_ahead_s1": _run(rank, world, herald, dict(planning="global", allocator="greedy", move_penalty=0,
+                                                            staleness=1), False),
         "ahead_s1": _run(rank, world, herald, dict(global_batches=True, run_ahead=True, scheduling="on", staleness=1),
                          True),
         "off": _run(rank, world, herald, dict(global_batches=True, run_ahead=True, scheduling="off"), True),
@@ -167,6 +172,22 @@ def test_global_batches_train_bit_for_bit_like_the_per_rank_path(world: int, run
         assert len(got["losses"]) == STEPS and got["losses"] == ref["losses"]
         assert all(torch.equal(got["state"][k], ref["state"][k]) for k in ref["state"])
         assert got["moved"] == ref["moved"] > 0 and got["counters"] == ref["counters"]
+
+
+@pytest.mark.parametrize("world", [2, 3])
+@pytest.mark.parametrize("ref, run", [("per_rank", "per_rank_ahead"), ("per_rank_s1", "per_rank_ahead_s1")])
+def test_per_rank_batches_scheduled_ahead_train_bit_for_bit_as_on_the_critical_path(world: int, ref: str,
+                                                                                    run: str) -> None:
+    """A loader of each rank's own batches (not a TrainStream): the scores, samples and reads exchanged by the
+    run-ahead thread on its own group train what the same exchanges on the critical path train."""
+    for r in results(world):
+        a, b = r[ref], r[run]
+        assert len(b["losses"]) == STEPS and b["losses"] == a["losses"]
+        assert all(torch.equal(b["state"][k], a["state"][k]) for k in a["state"])
+        assert b["moved"] == a["moved"] > 0 and b["counters"] == a["counters"]
+        assert b["overlapped"] > 0 and a["overlapped"] == 0
+        assert {"herald_samples", "herald_schedule_meta"} <= set(b["tags"])
+        assert b["tags"]["herald_samples"] == a["tags"]["herald_samples"]
 
 
 @pytest.mark.parametrize("world", [2, 3])
@@ -299,19 +320,17 @@ def test_options_of_the_run_ahead_path_are_checked() -> None:
     from torchrec_herald.pipeline.options import HeraldPipelineConfig
     from torchrec_herald.pipeline.stale_skip import SkipConfig
 
-    with pytest.raises(ValueError, match="pipeline.run_ahead needs pipeline.global_batches=true or pipeline.planning=by_home"):
-        HeraldPipelineConfig(run_ahead=True, global_batches=False, planning="global")
-    # scheduling=auto where the batches are per rank: the probe cannot run, scheduling stays on (said in one line)
+    # scheduling=auto where the batches are per rank: the probe cannot run, scheduling stays on (said in one
+    # line); the per-rank batches' scheduling still runs ahead (its exchanges on a group of its own)
     config, why = HeraldPipelineConfig(scheduling="auto", global_batches=False).resolve(whole_batches=True, world_size=2)
-    assert config.scheduling == "on" and why == [
+    assert (config.scheduling, config.run_ahead) == ("on", True) and why == [
         "pipeline.planning=auto -> global at W=2 <= 2: planning every row with the input allocator measured faster there",
-        "pipeline.run_ahead=auto -> off: global planning needs every rank's whole global batch and "
-        "pipeline.global_batches=false says the loader gives this rank's batches: each step plans on the critical path",
         "pipeline.scheduling=auto -> on: the probe needs whole global batches on every rank, or planning by home"]
-    # a loader that is not a TrainStream: the same, said of the loader
-    _, why = HeraldPipelineConfig().resolve(whole_batches=False, world_size=2)
-    assert "pipeline.run_ahead=auto -> off: global planning needs every rank's whole global batch and this loader " \
-           "gives this rank's batches (not a TrainStream): each step plans on the critical path" in why, why
+    # a loader that is not a TrainStream: the same; run_ahead=false is kept
+    config, _ = HeraldPipelineConfig().resolve(whole_batches=False, world_size=2)
+    assert (config.global_batches, config.run_ahead) == (False, True)
+    config, _ = HeraldPipelineConfig(run_ahead=False).resolve(whole_batches=False, world_size=2)
+    assert (config.global_batches, config.run_ahead) == (False, False)
     with pytest.raises(ValueError, match=r"unknown pipeline.scheduling 'maybe'; known: \['on', 'off', 'auto'\]"):
         HeraldPipelineConfig(scheduling="maybe", global_batches=True)
     with pytest.raises(ValueError, match="pipeline.probe_steps must be >= 2, got 1"):

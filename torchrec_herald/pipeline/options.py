@@ -102,9 +102,9 @@ class HeraldPipelineConfig:
             ``None`` (default): when the loader is a :class:`~torchrec_herald.data.TrainStream` (it can
             read whole batches) and the planning is global (planning by home needs each rank's own batch).
         run_ahead: a background thread schedules the next batch entering the window (read, keys,
-            allocation, reads) and plans the next step while the current step trains; needs
-            ``global_batches`` or ``planning=by_home`` (whose exchanges then run on a process group of
-            their own). ``None`` (default): whenever one of the two holds.
+            allocation, reads) and plans the next step while the current step trains. Where the batches
+            are per rank (a loader of this rank's own batches, or ``planning=by_home``) the scheduling's
+            exchanges then run on a gloo process group of their own. ``None`` (default): on.
         scheduling: ``on``, ``off`` (hot replication alone) or ``auto`` (default: measure both, keep the
             faster; ``on`` where the batches are per rank, or with ``staleness``, which relaxes the plan).
         probe_steps: ``auto``: steps timed in each mode (after ``probe_steps // 2`` unmeasured ones).
@@ -198,10 +198,6 @@ class HeraldPipelineConfig:
                                  f"and scheduling=on; got pipeline.{', pipeline.'.join(clash)}")
         if int(self.probe_steps) < 2:
             raise ValueError(f"pipeline.probe_steps must be >= 2, got {self.probe_steps}")
-        if self.run_ahead and self.global_batches is False and self.planning == "global":
-            raise ValueError("pipeline.run_ahead needs pipeline.global_batches=true or pipeline.planning=by_home "
-                             "(the gathered per-rank path's scheduling collectives must stay in step with "
-                             "training's)")
         self.probe_steps, self.window = int(self.probe_steps), int(self.window)
         self.cache_fraction = float(self.cache_fraction)
         self.move_penalty = None if self.move_penalty is None else int(self.move_penalty)
@@ -276,12 +272,9 @@ class HeraldPipelineConfig:
         gb = c.global_batches
         if gb is None:
             gb = whole_batches and c.planning == "global"
-        ra = (gb or c.planning == "by_home") if c.run_ahead is None else c.run_ahead
-        if c.run_ahead is None and not ra:
-            why.append("pipeline.run_ahead=auto -> off: global planning needs every rank's whole global batch and "
-                       + ("pipeline.global_batches=false says the loader gives this rank's batches"
-                          if c.global_batches is False else "this loader gives this rank's batches (not a TrainStream)")
-                       + ": each step plans on the critical path")
+        # every strategy runs ahead: whole global batches alone, per-rank batches (gathered) and planning by
+        # home with their scheduling collectives on a group of their own
+        ra = True if c.run_ahead is None else c.run_ahead
         scheduling = c.scheduling
         # the probe needs every rank to agree on each batch's samples: whole global batches, or planning by
         # home (samples stay where loaded)

@@ -139,6 +139,9 @@ class HeraldTrainPipeline(TrainPipeline[Batch, Any]):
         self._checkpoint_due: Optional[Callable[[int], bool]] = None
         self._ahead_it: Optional[Iterator[Batch]] = None  # the loader the run-ahead jobs read
         self._took_next = False  # this step took the next step's batch and plan from the run-ahead thread
+        #: the run-ahead job's error (a bad id in the next batch) taken mid-step: raised by the next progress(),
+        #: so that the step that took it ends whole (every rank alike: the job's checks are collective)
+        self._ahead_error: Optional[BaseException] = None
         self.mode = "off" if c.scheduling == "off" else "on"
         self._reads_needed = c.sync == "lazy" and c.scheduling != "off"
         self._apply_mode()
@@ -281,6 +284,9 @@ class HeraldTrainPipeline(TrainPipeline[Batch, Any]):
     def _collect_ahead(self) -> None:
         """Take the run-ahead thread's batch into the window (waiting for it if it is not done; its
         errors, e.g. a bad id, are raised here, on every rank alike)."""
+        if self._ahead_error is not None:
+            error, self._ahead_error = self._ahead_error, None
+            raise error
         if self._ahead is None or not self._ahead.busy:
             return
         ctx, waited = self._ahead.collect()
@@ -318,6 +324,7 @@ class HeraldTrainPipeline(TrainPipeline[Batch, Any]):
         classification changes in :meth:`progress`, before a batch enters the window), and only where the
         next step's plan is made (the job must never plan the batch the next step plans itself)."""
         if (self._ahead is None or self._ahead.busy or self._exhausted or self._ahead_it is None
+                or self._ahead_error is not None
                 or self._checkpoint_next or self.skip_hook is not None or self.mode != "on"
                 or not self._queue or self._queue[0].plan is None):
             return
@@ -327,6 +334,7 @@ class HeraldTrainPipeline(TrainPipeline[Batch, Any]):
         """Wait for the run-ahead thread and drop its batch (the window restarts from a new iterator). A
         batch whose plan it made ahead stays in the window, for the flush that follows to run that plan
         without gradients, after the plans before it (the planner's state already counts it)."""
+        self._ahead_error = None  # (a restarted window reads that batch again, and raises again)
         if self._ahead is not None:
             ctx = self._ahead.cancel()
             if isinstance(ctx, HeraldBatchContext) and ctx.plan is not None:
@@ -392,7 +400,11 @@ class HeraldTrainPipeline(TrainPipeline[Batch, Any]):
             return None
         if not self._took_next:  # (once a step: a second call would take the job chained below)
             self._took_next = True
-            self._collect_ahead()
+            try:
+                self._collect_ahead()
+            except Exception as error:  # noqa: BLE001 - raised by the next progress(), once this step has ended
+                self._ahead_error = error
+                return None
             if self.by_home:
                 # planning by home: the job exchanges its messages on a group of its own and needs the whole
                 # step (measured: started at the step's end, the next step waits for it); the global plan's

@@ -1,6 +1,7 @@
 """Scheduling strategy ``gathered``: each rank reads its own batch; the samples' scores and every rank's
-read keys are all-gathered and samples move in all-to-alls, so every rank plans every row alike. Its
-collectives must stay in step with training's, so it runs on the critical path."""
+read keys are all-gathered and samples move in all-to-alls, so every rank plans every row alike. It runs
+ahead in the run-ahead thread, its collectives on a gloo group of the scheduler's own (as planning by
+home's), so that a user's own loader of per-rank batches gets its scheduling off the critical path too."""
 
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ class GatheredStrategy(SchedulingStrategy):
     """Each rank's own batch; scores, samples and reads exchanged by collectives; a global plan."""
 
     name = "gathered"
+    can_run_ahead = True
 
     def allocate(self, ctx: HeraldBatchContext) -> None:
         allocate_own_batch(self.env, ctx)
