@@ -62,6 +62,11 @@ CONFIGS: Dict[str, tuple] = {
                                                                   "pipeline.scheduling=on"]),
     # herald with its defaults and no link key (the planner does not know the link)
     "herald_defaults": ("herald full, defaults (no link key)", ["planner=herald", "pipeline=herald"]),
+    # the same fed by a user's own loader of this rank's batches (OWN_LOADER): scores, samples and reads
+    # gathered, scheduled ahead by default, or on the training thread (run_ahead=false)
+    "herald_own": ("herald full, defaults, a user's own per-rank loader", ["planner=herald", "pipeline=herald"]),
+    "herald_own_serial": ("herald full, own per-rank loader, scheduled on the training thread",
+                          ["planner=herald", "pipeline=herald", "pipeline.run_ahead=false"]),
     # the two planning strategies, scheduling forced on, no link key: every rank plans every row of the
     # whole global batches (global), or each rank its own rows from its own batches, ahead (by_home)
     "global_on": ("herald, global planning, scheduling on", ["planner=herald", "pipeline=herald",
@@ -93,6 +98,9 @@ CONFIGS: Dict[str, tuple] = {
     "split": ("herald tables beside TABLE_WISE ones (split forced: declared 1200 Mbit/s, 0.001 ms)",
               ["planner=herald", "planner.link_mbit=1200", "planner.collective_latency_ms=0.001", "pipeline=sparse_dist"]),
 }
+#: configurations fed as a TorchRec user's own data loader feeds them (this rank's batches, not the trainer's
+#: TrainStream): herald then gathers every rank's scores and reads and moves samples
+OWN_LOADER = {"herald_own", "herald_own_serial"}
 #: herald full declares the link it runs on (planner.link_mbit); "unlimited" (veth without tc) as 10 Gbit/s
 UNLIMITED_DECLARED_MBIT = 10_000
 
@@ -108,6 +116,22 @@ def limit(world: int, rate_mbit: int) -> None:
                 burst = max(16 * 1024, rate_mbit * 1_000_000 // 8 // 1000)
                 sh(*pre, "tc", "qdisc", "add", "dev", dev, "root", "tbf", "rate", f"{rate_mbit}mbit",
                    "burst", str(burst), "latency", "100ms")
+
+
+class CountedBatches:
+    """A plain iterator over this rank's batches (a user's own loader), counting them as ``position`` (as a
+    TrainStream's) for the samples-per-second figures."""
+
+    def __init__(self, batches: Any) -> None:
+        self._it, self.position = iter(batches), 0
+
+    def __iter__(self) -> "CountedBatches":
+        return self
+
+    def __next__(self) -> Any:
+        batch = next(self._it)
+        self.position += 1
+        return batch
 
 
 def worker(config: str, steps: int, segments: int, warmup: int, out: str, rate: int) -> None:
@@ -133,7 +157,8 @@ def worker(config: str, steps: int, segments: int, warmup: int, out: str, rate: 
     data = build_data_source(cfg.data)
     dmp, optimizer, decision = build_model_and_plan(cfg, data, world, device)
     pipeline = build_pipeline(cfg, dmp, optimizer, device, decision)
-    it = train_stream(data, rank, world, cfg.batch_size)
+    it = (CountedBatches(data.train_batches(rank, world, cfg.batch_size)) if config in OWN_LOADER
+          else train_stream(data, rank, world, cfg.batch_size))
     for _ in range(warmup):
         pipeline.progress(it)
     s0 = pipeline.scheduler_seconds()
