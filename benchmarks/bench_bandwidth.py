@@ -314,7 +314,9 @@ def plot(rows: List[Dict[str, Any]], out: Path) -> None:
     ax.set_xlabel("per-rank link rate (tc tbf)")
     ax.set_ylabel("samples/s relative to the baseline")
     ax.set_title("Speedup vs bandwidth (higher is better)")
-    ax.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.16), ncol=2, frameon=False)
+    # (one column where the labels are long: two would run past the figure's left edge)
+    long_labels = max((len(t) for t in ax.get_legend_handles_labels()[1]), default=0) > 70
+    ax.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.16), ncol=1 if long_labels else 2, frameon=False)
     ax.grid(alpha=0.3)
     ax = axes[1]
     parts = [("compute", "#4c72b0"), ("comm_wait", "#c44e52"), ("scheduler_critical", "#dd8452")]
@@ -338,7 +340,7 @@ def plot(rows: List[Dict[str, Any]], out: Path) -> None:
                  else "Step time per configuration", fontsize=10)
     ax.legend(fontsize=7, loc="upper right")
     fig.tight_layout()
-    fig.savefig(out, dpi=130)
+    fig.savefig(out, dpi=130, bbox_inches="tight")  # (the legend below the left axes stays in the image)
     plt.close(fig)
 
 

@@ -3,10 +3,10 @@ Slipstream's stale-update skipping) as one dataclass, validated once, with one e
 naming its ``pipeline.*`` key.
 
 It is also the ``pipeline=herald`` option of the Hydra config (``torchrec_herald/config.py`` registers
-it), so the command line and the Python API start from the same defaults. Three of them depend on the
+it), so the command line and the Python API start from the same defaults. Two of them depend on the
 data loader the pipeline is given, and are decided by :meth:`HeraldPipelineConfig.resolve` when it is:
-``global_batches`` and ``run_ahead`` (``None``: wherever possible) and ``scheduling=auto`` (probe where
-both modes can run, else ``on``).
+``global_batches`` (``None``: wherever possible) and ``scheduling=auto`` (probe where both modes can run,
+else ``on``); ``run_ahead`` (``None``) is on whatever the loader.
 """
 
 from __future__ import annotations

@@ -284,9 +284,7 @@ class HeraldTrainPipeline(TrainPipeline[Batch, Any]):
     def _collect_ahead(self) -> None:
         """Take the run-ahead thread's batch into the window (waiting for it if it is not done; its
         errors, e.g. a bad id, are raised here, on every rank alike)."""
-        if self._ahead_error is not None:
-            error, self._ahead_error = self._ahead_error, None
-            raise error
+        self._raise_ahead_error()
         if self._ahead is None or not self._ahead.busy:
             return
         ctx, waited = self._ahead.collect()
@@ -294,6 +292,12 @@ class HeraldTrainPipeline(TrainPipeline[Batch, Any]):
         self.stats.scheduler_s += waited
         if ctx is not None:
             self._queue.append(ctx)
+
+    def _raise_ahead_error(self) -> None:
+        """Raise the run-ahead job's error that a step took while it trained (:meth:`_next_plan_made_ahead`)."""
+        if self._ahead_error is not None:
+            error, self._ahead_error = self._ahead_error, None
+            raise error
 
     def _submit_ahead(self, it: Iterator[Batch], chained: bool) -> None:
         """Start the run-ahead job: the next batch enters the window, and the window's first batch with no
@@ -357,6 +361,7 @@ class HeraldTrainPipeline(TrainPipeline[Batch, Any]):
                 return self.switch.progress_off(dataloader_iter)
         if isinstance(dataloader_iter, TrainStream):  # scheduling on (again): every rank reads whole batches
             dataloader_iter.whole = self.global_batches
+        self._raise_ahead_error()  # (the last step found a bad batch ahead: nothing of this step has run)
         self.fill(dataloader_iter)
         if not self._queue:
             self.flush()
