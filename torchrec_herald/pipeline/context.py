@@ -123,8 +123,9 @@ class SchedulingEnv:
     Attributes:
         ebc: the herald-sharded EBC (``ShardedHeraldEmbeddingBagCollection``).
         pg, world, rank: its process group, world size and rank.
-        sched_pg: a process group of the scheduler's own (gloo), when it runs ahead in a thread with
-            collectives of its own (they must never interleave with training's); None: ``pg``.
+        sched_pg: a process group of the scheduler's own (gloo), where its strategy has collectives of its
+            own: their tensors are the host's, and run ahead in a thread they must never interleave with
+            training's; None: ``pg``.
         stats: the scheduler's counters (replaced when a checkpoint is loaded).
         planner: the communication planner (a :class:`~torchrec_herald.plans.CommPlanner`).
         allocator: the input allocator in use (the configured one while scheduling is on, identity off).

@@ -215,9 +215,10 @@ class HeraldTrainPipeline(TrainPipeline[Batch, Any]):
         if self.run_ahead and not self.strategy.can_run_ahead:
             raise ValueError(f"pipeline.run_ahead: the {self.strategy.name} scheduling strategy has collectives "
                              f"that must stay in step with training's; it cannot run ahead")
-        if self.run_ahead and self.strategy.scheduling_collectives and self.env.world > 1:
-            # the scheduler's collectives run in the worker thread: on a group of their own, so they never
-            # interleave with training's (collective: every rank resolves at its first step)
+        if self.strategy.scheduling_collectives and self.env.world > 1:
+            # the scheduler's collectives: on a gloo group of their own (collective: every rank resolves at its
+            # first step). Run ahead, they are the worker thread's and never interleave with training's; and
+            # their tensors are the host's, which a group the user made NCCL-only would refuse
             self.env.sched_pg = dist.new_group(backend="gloo")
         self._ahead = RunAhead() if self.run_ahead else None
         if self.skip_hook is not None and self.skip_hook.granularity == "input" and self.global_batches:
