@@ -34,9 +34,11 @@ TIMED = (
      ("input_dist", "settle_hot_sync", "_split_for_dist", "_split_ids", "_exchange_counts", "_message_for_dist",
       "_sized_by_host", "_send_ids", "compute", "output_dist", "_sync_and_update_hot", "_start_sparse_sum")),
     ("torchrec_herald.sharding.dense_sync", "ForwardOrderedDenseSync", ("start_all", "_start", "settle")),
-    ("torchrec_herald.sharding.row_store", "RowStore", ("update_hot_rows",)),
     ("torchrec_herald.sharding.plan_exec", "PlanExecutor",
-     ("prefetch", "begin", "working_set", "finish", "_route", "_start_exchange", "move_rows", "after_backward")),
+     ("prefetch", "begin", "working_set", "finish", "_route", "_start_exchange", "move_rows", "after_backward",
+      "_update_rows", "_pushes_with_next_pulls", "_start_pulls", "_store_received", "before_forward")),
+    ("torchrec_herald.sharding.row_store", "RowStore", ("read", "write", "apply_gradient", "receive", "payload",
+                                                         "drop", "update_hot_rows")),
 )
 
 

@@ -89,6 +89,7 @@ class RowStore(nn.Module):
         self.track_base = False
         self.base_hot = torch.zeros(layout.num_hot, dim + 1, device=device)
         self.base_cache = torch.zeros(0, dim + 1, device=device)
+        self._zero = torch.zeros((), device=device)  # SGD's row-wise state, expanded (:meth:`_no_state`)
         # by-key reads and writes in one compiled pass (CPU rows, the extension built), else torch ops; where
         # each key's row is (hot, own block or cache slot) is found by the compiled pass wherever the keys are
         # on the CPU, the rows anywhere: the plan's keys are the host's (its scheduler's) even for GPU rows.
@@ -184,6 +185,11 @@ class RowStore(nn.Module):
             self._mirror_stale = True
 
     # ------------------------------------------------------------------ by global key
+    def _no_state(self, n: int) -> torch.Tensor:
+        """SGD's row-wise state of ``n`` rows (zeros, never written): a view of one 0-d zero, no kernel (a launch
+        each on a GPU)."""
+        return self._zero.expand(n)
+
     def _dev(self, index: torch.Tensor) -> torch.Tensor:
         return index.to(self.device, non_blocking=True)
 
@@ -286,10 +292,11 @@ class RowStore(nn.Module):
         bufs_w, bufs_s = self._rows_by_kind()
         if len(groups) == 1 and groups[0][1] is None:  # one kind of row, in the keys' order: no scatter
             kind, _, slot = groups[0]
-            s = bufs_s[kind][slot] if bufs_s is not None else torch.zeros(keys.numel(), device=self.device)
+            s = bufs_s[kind][slot] if bufs_s is not None else self._no_state(keys.numel())
             return bufs_w[kind][slot], s
+        # (every key is held by one kind: each position is written below)
         w = torch.empty(keys.numel(), self.dim, device=self.device)
-        s = torch.zeros(keys.numel(), device=self.device)
+        s = torch.empty(keys.numel(), device=self.device) if bufs_s is not None else self._no_state(keys.numel())
         for kind, pos, slot in groups:
             w[pos] = bufs_w[kind][slot]
             if bufs_s is not None:
@@ -321,7 +328,7 @@ class RowStore(nn.Module):
         bufs_w, bufs_s = self._rows_by_kind()
         for kind, pos, slot in self._slots(keys):
             g = grad if pos is None else grad[pos]
-            s = bufs_s[kind][slot] if bufs_s is not None else torch.zeros(slot.numel(), device=self.device)
+            s = bufs_s[kind][slot] if bufs_s is not None else self._no_state(slot.numel())
             new_w, new_s = exact_update(bufs_w[kind][slot], s, g, self.optimizer, self.lr, self.eps)
             bufs_w[kind][slot] = new_w
             if bufs_s is not None:
@@ -425,9 +432,10 @@ class RowStore(nn.Module):
 
             self._store_giving_slots(store, keys.to(torch.int64).contiguous(), rows.contiguous(), add.contiguous())
             return
-        state = rows[:, self.dim] if self.adagrad else torch.zeros(keys.numel(), device=self.device)
-        w, st = rows[:, : self.dim].clone(), state.clone()
+        # (written as they are where nothing adds: the store copies them into its buffers)
+        w, st = rows[:, : self.dim], rows[:, self.dim] if self.adagrad else self._no_state(keys.numel())
         if bool(add.any()):
+            w, st = w.clone(), st.clone()
             cur_w, cur_s = self.read(keys[add])
             a_d = add.to(self.device)
             w[a_d] += cur_w
