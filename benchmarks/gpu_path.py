@@ -9,8 +9,9 @@ the compiled passes off with :func:`use_gpu_code_path` before building the model
 :class:`~torchrec_herald.data.base.TrainStream`, over batches made before timing starts
 (:class:`PreloadedBatches`), so that herald's pipeline reads whole global batches and schedules them on its
 run-ahead thread, as ``python -m torchrec_herald.train`` does. ``loader="own"`` feeds a plain iterator over
-this rank's batches, as a TorchRec user's own data loader does: herald then gathers every rank's batch and
-plans each step on the training thread.
+this rank's batches, as a TorchRec user's own data loader does: herald then gathers every rank's scores and
+reads and exchanges samples (scheduled ahead too, unless ``pipeline.run_ahead=false``, the order of every GPU
+figure of herald full up to 2026-11-27).
 """
 
 from __future__ import annotations
@@ -23,8 +24,9 @@ from torchrec_herald.data.base import DataSource, check_start
 
 #: what feeds the pipeline: the trainer's TrainStream (its default), or this rank's batches as a user's own loader
 LOADERS = ("stream", "own")
-#: batches to make beyond those stepped: TorchRec's pipelines and herald's window read ahead of the step
-BATCHES_AHEAD = 16
+#: batches made beyond the steps taken and herald's window: TorchRec's pipelines read up to two ahead, and
+#: herald's run-ahead thread one more
+READ_AHEAD = 4
 
 
 def use_gpu_code_path(no_extension: bool = False) -> None:
@@ -81,11 +83,11 @@ class PreloadedBatches(DataSource):
         return f"PreloadedBatches({self._source.describe()})"
 
 
-def build_training(overrides: List[str], batch_size: int, batches: int, loader: str = "stream"
+def build_training(overrides: List[str], batch_size: int, steps: int, loader: str = "stream"
                    ) -> Tuple[int, int, Any, Iterator[Any], Any]:
     """The trainer's own model, plan and pipeline for ``overrides`` at ``batch_size`` samples a rank, on this
     process's rank (``init_distributed``: one rank alone, or torchrun's), without eval: (the rank, the world
-    size, the pipeline, an iterator over the first ``batches`` batches, made before it returns, the device).
+    size, the pipeline, an iterator over enough batches for ``steps`` steps, made before it returns, the device).
     ``loader``:
     ``stream``, the trainer's :class:`TrainStream` (whole global batches where herald schedules them);
     ``own``, this rank's batches in a plain iterator (module docstring)."""
@@ -101,6 +103,7 @@ def build_training(overrides: List[str], batch_size: int, batches: int, loader: 
     data = build_data_source(cfg.data)
     dmp, optimizer, decision = build_model_and_plan(cfg, data, world, device)
     pipeline = build_pipeline(cfg, dmp, optimizer, device, decision)
+    batches = steps + READ_AHEAD + int(cfg.pipeline.get("window", 0) or 0)  # (the window's batches are read first)
     if loader == "own":
         own = PreloadedBatches(data, rank, world, batch_size, batches, whole=False)
         return rank, world, pipeline, own.train_batches(rank, world, batch_size), device

@@ -28,7 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import torch  # noqa: E402
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from gpu_path import BATCHES_AHEAD, LOADERS, build_training, use_gpu_code_path  # benchmarks/gpu_path.py  # noqa: E402
+from gpu_path import LOADERS, build_training, use_gpu_code_path  # benchmarks/gpu_path.py  # noqa: E402
 
 #: frames an op is attributed to (the innermost of them)
 PACKAGES = ("torchrec_herald", "/torchrec/", "fbgemm")
@@ -73,7 +73,7 @@ def count(overrides: list, batch_size: int, steps: int, warmup: int, torch_ids: 
     the training thread (a dispatch mode is the thread's own: herald's run-ahead thread is not counted)."""
     if torch_ids:  # the path of ids and rows on a GPU: the compiled passes over ids or rows off
         use_gpu_code_path(no_extension)
-    _, _, pipeline, it, _ = build_training(overrides, batch_size, warmup + steps + BATCHES_AHEAD, loader)
+    _, _, pipeline, it, _ = build_training(overrides, batch_size, warmup + steps, loader)
     for _ in range(warmup):
         pipeline.progress(it)
     counter = OpCounter(faults)

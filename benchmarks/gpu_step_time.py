@@ -29,7 +29,7 @@ from typing import Any, Dict, List, Optional, Tuple
 import torch
 import torch.distributed as dist
 
-from gpu_path import BATCHES_AHEAD, LOADERS, build_training, use_gpu_code_path  # benchmarks/gpu_path.py
+from gpu_path import LOADERS, build_training, use_gpu_code_path  # benchmarks/gpu_path.py
 from machine_info import machine  # benchmarks/machine_info.py
 
 log = logging.getLogger("gpu_step_time")
@@ -98,7 +98,7 @@ def _build(batch_size: int, overrides: List[str], n: int, loader: str) -> tuple:
     """The trainer's model, plan and pipeline for ``overrides`` and an iterator over ``n`` batches made first
     (on CPU, as a data loader yields them: each pipeline moves its batches to the device), fed as ``loader``
     says (``gpu_path.build_training``)."""
-    _, world, pipeline, it, device = build_training(overrides, batch_size, n + BATCHES_AHEAD, loader)
+    _, world, pipeline, it, device = build_training(overrides, batch_size, n, loader)
     return pipeline, it, device, world
 
 
@@ -216,7 +216,8 @@ def main() -> None:
     p.add_argument("--loader", choices=LOADERS, default="stream",
                    help="what feeds both pipelines: the trainer's TrainStream (herald schedules whole global batches on its "
                         "run-ahead thread, as python -m torchrec_herald.train does) or this rank's batches in a plain "
-                        "iterator, as a TorchRec user's own loader (herald then plans each step on the training thread)")
+                        "iterator, as a TorchRec user's own loader (herald then gathers scores and reads and moves samples; "
+                        "add pipeline.run_ahead=false for the order of the GPU figures of herald full up to 2026-11-27)")
     a = p.parse_args()
     if a.torch_ids:
         use_gpu_code_path()

@@ -26,7 +26,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
 sys.path.insert(0, str(HERE))
 
-from gpu_path import BATCHES_AHEAD, LOADERS, build_training, use_gpu_code_path  # noqa: E402
+from gpu_path import LOADERS, build_training, use_gpu_code_path  # noqa: E402
 
 #: (module, class, methods) timed
 TIMED = (
@@ -62,7 +62,7 @@ def measure(overrides: list, batch_size: int, steps: int, warmup: int, loader: s
         cls = getattr(importlib.import_module(module), cls_name)
         for m in methods:
             setattr(cls, m, _timed(totals, f"{cls_name}.{m}", getattr(cls, m)))
-    rank, world, pipeline, it, _ = build_training(overrides, batch_size, warmup + steps + BATCHES_AHEAD, loader)
+    rank, world, pipeline, it, _ = build_training(overrides, batch_size, warmup + steps, loader)
     for _ in range(warmup):
         pipeline.progress(it)
     totals.clear()

@@ -70,7 +70,7 @@ def _run(rank: int, world: int, cfg: Dict[str, Any], pipeline: Any, global_batch
     out = {"losses": losses, "state": full_state(b["dmp"]), "tags": meter.tag_summary(), "wait_s": meter.wait_s}
     if pipe is not None:
         out.update(moved=pipe.stats.moved_samples, counters=pipe.stats.counters, report=pipe.scheduling_report(),
-                   overlapped=pipe.stats.ahead_s)
+                   overlapped=pipe.stats.ahead_s, comm_ahead=pipe.stats.comm_ahead_s)
     if isinstance(it, RecordedStream):
         out["reads"] = it.reads
     return out
@@ -145,6 +145,14 @@ def _worker(rank: int, world: int) -> Dict[str, Any]:
                                    scheduling="on", window=1)
         it = data.train_batches(0, 1, world * b["batch_size"])
         out["bad_id"] = error_of(lambda: [pipe.progress(it) for _ in range(4)])
+        # steps 0 and 1 trained whole (step 1 took the bad batch's job and ended first); a flush then leaves
+        # stock's model after those two steps
+        out["bad_id_steps"] = pipe.stats.steps
+        pipe.flush()
+        from herald_harness import full_state
+
+        out["bad_id_state"] = full_state(b["dmp"])
+        out["stock_2"] = _run(rank, world, dict(COMMON, planner="table_wise", steps=2), "plain", False)
         out["feature"] = feature
     return out
 
@@ -185,9 +193,21 @@ def test_per_rank_batches_scheduled_ahead_train_bit_for_bit_as_on_the_critical_p
         assert len(b["losses"]) == STEPS and b["losses"] == a["losses"]
         assert all(torch.equal(b["state"][k], a["state"][k]) for k in a["state"])
         assert b["moved"] == a["moved"] > 0 and b["counters"] == a["counters"]
-        assert b["overlapped"] > 0 and a["overlapped"] == 0
+        # the exchanges ran in the worker thread: its collectives' time is counted there
+        assert b["overlapped"] > 0 and a["overlapped"] == 0 and b["comm_ahead"] > 0 and a["comm_ahead"] == 0
         assert {"herald_samples", "herald_schedule_meta"} <= set(b["tags"])
         assert b["tags"]["herald_samples"] == a["tags"]["herald_samples"]
+    # the rows moved, the pushes and the next pulls in one all-to-all (summed over the ranks: a rerouted pull is
+    # sent by the pusher instead of the home): the exact plan's are the same rows; HET's as for whole global
+    # batches (test_run_ahead_sends_bounded_staleness_pushes_with_the_next_pulls_...)
+    moved = ("herald_pull", "herald_update_push", "herald_push_pull")
+    ahead, serial = (sum(r[name]["tags"].get(t, {}).get("embedding_vectors", 0.0) for r in results(world) for t in moved)
+                     for name in (run, ref))
+    assert results(world)[0][run]["tags"]["herald_push_pull"]["calls"] >= STEPS // 2
+    if ref == "per_rank":
+        assert ahead == serial > 0, (ahead, serial)
+    else:
+        assert serial > 0 and (ahead <= serial if world == 2 else ahead > serial), (ahead, serial)
 
 
 @pytest.mark.parametrize("world", [2, 3])
@@ -314,6 +334,9 @@ def test_bad_id_in_one_ranks_part_of_a_global_batch_is_one_error_on_every_rank()
         msg = r["bad_id"]
         assert msg.startswith("ValueError: id 1000000 of feature "), msg
         assert f"'{r['feature']}'" in msg and "rank 1's batch" in msg, msg
+        # raised by the third progress(), before it trained anything: the second step ended whole
+        assert r["bad_id_steps"] == 2
+        _close(r["bad_id_state"], r["stock_2"]["state"])
 
 
 def test_options_of_the_run_ahead_path_are_checked() -> None:

@@ -14,7 +14,8 @@
 #   full     herald full (scheduling on), fed as the trainer feeds it (gpu_step_time.py --loader stream: a TrainStream,
 #            so herald schedules whole global batches on its run-ahead thread)
 #   fullown  the same fed this rank's batches by a plain iterator, as a TorchRec user's own loader (--loader own):
-#            herald then plans each step on the training thread (every GPU figure of herald full up to 2026-11-27)
+#            scores and reads gathered, samples moved, scheduled ahead; with pipeline.run_ahead=false on the
+#            training thread, the order of every GPU figure of herald full up to 2026-11-27 (part fullserial)
 #   two      hot replication at 2 ranks on the one GPU (torchrun; gloo carries the CUDA tensors), rank 0's pair
 #   prof     hot replication and stock profiled (kernel launches, host syncs, timelines), 5 steps each, and their
 #            host time per pipeline phase side by side (benchmarks/gpu_trace_phases.py -> prof_phases.json).
@@ -44,6 +45,8 @@ for part in ${PARTS:-hot nothread old full two hotrows check prof}; do case $par
   hotrows) pair hotrows $hot planner.selector=top_fraction ;;
   full) pair full planner=herald pipeline=herald pipeline.scheduling=on planner.link_mbit=null ;;
   fullown) LOADER=own pair fullown planner=herald pipeline=herald pipeline.scheduling=on planner.link_mbit=null ;;
+  fullserial) LOADER=own pair fullserial planner=herald pipeline=herald pipeline.scheduling=on planner.link_mbit=null \
+                  pipeline.run_ahead=false ;;
   two) HERALD_DIST_BACKEND=gloo LAUNCH="python3 -m torch.distributed.run --standalone --nproc_per_node 2" pair two $hot ;;
   prof) for id in hot stock; do [ $id = hot ] && cfg=$hot || cfg=$stock
           timeout ${LIMIT:-90} python3 benchmarks/gpu_step_time.py --batch-sizes 2048 --steps 20 --overrides $cfg \

@@ -168,7 +168,18 @@ class SchedulingEnv:
         """Raise the first rank's bad-id error (``errs``: per rank ``(flag, feature, id)``), every rank alike."""
         bad = (errs[:, 0] > 0).nonzero().flatten().tolist()
         if bad:
-            raise self.ebc.bad_id_error(bad, int(errs[bad[0], 1]), int(errs[bad[0], 2]))
+            raise on_every_rank(self.ebc.bad_id_error(bad, int(errs[bad[0], 1]), int(errs[bad[0], 2])))
+
+
+#: set on an error that every rank raises at the same batch (a bad id found by a collective, or in a global
+#: batch every rank reads): a step that meets it from the run-ahead thread may end first (``train_pipeline``)
+EVERY_RANK = "herald_raised_on_every_rank"
+
+
+def on_every_rank(error: BaseException) -> BaseException:
+    """``error``, marked as raised by every rank alike at the same batch (:data:`EVERY_RANK`)."""
+    setattr(error, EVERY_RANK, True)
+    return error
 
 
 def pack_int16(scores: torch.Tensor) -> torch.Tensor:

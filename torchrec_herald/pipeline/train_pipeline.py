@@ -35,8 +35,8 @@ from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 from torchrec_herald.data import TrainStream
 from torchrec_herald.layout import cache_rows_for_budget
 from torchrec_herald.pipeline.auto_scheduling import SchedulingSwitch
-from torchrec_herald.pipeline.context import (HeraldBatchContext, SchedulerStats, SchedulingEnv, find_herald_ebc,
-                                              select_samples, stock_tables_beside)
+from torchrec_herald.pipeline.context import (EVERY_RANK, HeraldBatchContext, SchedulerStats, SchedulingEnv,
+                                              find_herald_ebc, select_samples, stock_tables_beside)
 from torchrec_herald.pipeline.input_allocator import build_allocator
 from torchrec_herald.pipeline.options import (ALLOCATORS, AUTO_MAX_PRICED_PENALTY, CACHE_POLICIES,
                                               PER_RANK_ALLOCATOR_REASON, SYNC_MODES, HeraldPipelineConfig)
@@ -139,8 +139,8 @@ class HeraldTrainPipeline(TrainPipeline[Batch, Any]):
         self._checkpoint_due: Optional[Callable[[int], bool]] = None
         self._ahead_it: Optional[Iterator[Batch]] = None  # the loader the run-ahead jobs read
         self._took_next = False  # this step took the next step's batch and plan from the run-ahead thread
-        #: the run-ahead job's error (a bad id in the next batch) taken mid-step: raised by the next progress(),
-        #: so that the step that took it ends whole (every rank alike: the job's checks are collective)
+        #: the run-ahead job's error that every rank raises alike (a bad id in the next batch, context.EVERY_RANK)
+        #: taken mid-step: raised by the next progress(), so that the step that took it ends whole
         self._ahead_error: Optional[BaseException] = None
         self.mode = "off" if c.scheduling == "off" else "on"
         self._reads_needed = c.sync == "lazy" and c.scheduling != "off"
@@ -218,8 +218,10 @@ class HeraldTrainPipeline(TrainPipeline[Batch, Any]):
         if self.strategy.scheduling_collectives and self.env.world > 1:
             # the scheduler's collectives: on a gloo group of their own (collective: every rank resolves at its
             # first step). Run ahead, they are the worker thread's and never interleave with training's; and
-            # their tensors are the host's, which a group the user made NCCL-only would refuse
-            self.env.sched_pg = dist.new_group(backend="gloo")
+            # their tensors are the host's, which a group the user made NCCL-only would refuse. The ranks of the
+            # EBC's group (made by those ranks alone: it may be a subgroup of the job)
+            ranks = None if self.env.pg is None else dist.get_process_group_ranks(self.env.pg)
+            self.env.sched_pg = dist.new_group(ranks=ranks, backend="gloo", use_local_synchronization=ranks is not None)
         self._ahead = RunAhead() if self.run_ahead else None
         if self.skip_hook is not None and self.skip_hook.granularity == "input" and self.global_batches:
             self.live_inputs = LiveInputStream(self.skip_hook, self, self.env.world, self._feature_order)
@@ -282,10 +284,12 @@ class HeraldTrainPipeline(TrainPipeline[Batch, Any]):
         finally:
             self.stats.ahead_s += time.perf_counter() - t0
 
-    def _collect_ahead(self) -> None:
+    def _collect_ahead(self, deferred: bool = True) -> None:
         """Take the run-ahead thread's batch into the window (waiting for it if it is not done; its
-        errors, e.g. a bad id, are raised here, on every rank alike)."""
-        self._raise_ahead_error()
+        errors, e.g. a bad id, are raised here, on every rank alike). ``deferred``: raise the error a step
+        took before (:meth:`_next_plan_made_ahead`) first; a flush leaves it for the next progress()."""
+        if deferred:
+            self._raise_ahead_error()
         if self._ahead is None or not self._ahead.busy:
             return
         ctx, waited = self._ahead.collect()
@@ -339,7 +343,8 @@ class HeraldTrainPipeline(TrainPipeline[Batch, Any]):
         """Wait for the run-ahead thread and drop its batch (the window restarts from a new iterator). A
         batch whose plan it made ahead stays in the window, for the flush that follows to run that plan
         without gradients, after the plans before it (the planner's state already counts it)."""
-        self._ahead_error = None  # (a restarted window reads that batch again, and raises again)
+        # (an error a step took is kept for the next progress(): a loader of the user's own may go on past
+        # the bad batch, which must not be skipped unsaid)
         if self._ahead is not None:
             ctx = self._ahead.cancel()
             if isinstance(ctx, HeraldBatchContext) and ctx.plan is not None:
@@ -354,6 +359,7 @@ class HeraldTrainPipeline(TrainPipeline[Batch, Any]):
             ValueError: the first window cannot be filled (``window`` > batches left), bad ids (every rank).
         """
         self._resolve(dataloader_iter)
+        self._raise_ahead_error()  # (the last step found a bad batch ahead: nothing of this step has run)
         if self.switch is not None:
             self.switch.before_step()
             if self.mode == "off":
@@ -362,7 +368,6 @@ class HeraldTrainPipeline(TrainPipeline[Batch, Any]):
                 return self.switch.progress_off(dataloader_iter)
         if isinstance(dataloader_iter, TrainStream):  # scheduling on (again): every rank reads whole batches
             dataloader_iter.whole = self.global_batches
-        self._raise_ahead_error()  # (the last step found a bad batch ahead: nothing of this step has run)
         self.fill(dataloader_iter)
         if not self._queue:
             self.flush()
@@ -408,7 +413,11 @@ class HeraldTrainPipeline(TrainPipeline[Batch, Any]):
             self._took_next = True
             try:
                 self._collect_ahead()
-            except Exception as error:  # noqa: BLE001 - raised by the next progress(), once this step has ended
+            except Exception as error:
+                if not getattr(error, EVERY_RANK, False):
+                    raise  # (one rank's own failure, e.g. its loader's: at once, as a serial step would)
+                # a bad id every rank found in the next batch: raised by the next progress(), once this step
+                # (every rank's alike, none taking a next plan) has ended
                 self._ahead_error = error
                 return None
             if self.by_home:
@@ -466,7 +475,7 @@ class HeraldTrainPipeline(TrainPipeline[Batch, Any]):
 
     def enter_mode(self, mode: str) -> None:
         """Train in ``mode`` from the next step (every rank at the same step): leaving the plan flushes it."""
-        self._collect_ahead()
+        self._collect_ahead(deferred=False)
         if self.mode == "on" and self.sync == "lazy":
             self.flush()
         if mode == "on" and self.rank_inputs is not None:
@@ -476,7 +485,7 @@ class HeraldTrainPipeline(TrainPipeline[Batch, Any]):
 
     def settle(self) -> None:
         """Take the run-ahead thread's batch into the window and flush the plan."""
-        self._collect_ahead()
+        self._collect_ahead(deferred=False)
         self.flush()
 
     def take_window_batches(self) -> List[Batch]:
@@ -687,7 +696,7 @@ class HeraldTrainPipeline(TrainPipeline[Batch, Any]):
         model is then in herald's stock layout (for eval, ``state_dict``, a stock pipeline)."""
         if self._flushed:
             return
-        self._collect_ahead()
+        self._collect_ahead(deferred=False)
         for ctx in self._queue:  # a plan made ahead for a batch that will not train now: run it without gradients
             if ctx.plan is not None:
                 plan, ctx.plan = ctx.plan, None

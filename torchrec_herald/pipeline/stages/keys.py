@@ -10,7 +10,7 @@ from torchrec.datasets.utils import Batch
 
 from torchrec_herald.native import load_if_built
 from torchrec_herald.ops.hot_cold import first_invalid_id, out_of_table
-from torchrec_herald.pipeline.context import HeraldBatchContext, SchedulingEnv
+from torchrec_herald.pipeline.context import HeraldBatchContext, SchedulingEnv, on_every_rank
 from torchrec_herald.pipeline.stages import StageHost, register_stage
 
 __all__ = ["key_batch", "keys_stage"]
@@ -53,7 +53,7 @@ def key_batch(env: SchedulingEnv, ctx: HeraldBatchContext, raw: Batch, whole_bat
     if bad and whole_batch:  # every rank sees the same global batch: all raise the same error
         local_batch = B // env.world
         ranks = torch.unique((bag % B)[invalid] // local_batch).tolist()
-        raise env.ebc.bad_id_error(ranks, bad[0], bad[1])
+        raise on_every_rank(env.ebc.bad_id_error(ranks, bad[0], bad[1]))
     ctx.keys = None if bad else lay.feature_offsets.index_select(0, feature) + values
     ctx.bad = (1, bad[0], bad[1]) if bad else (0, 0, 0)
     ctx.sample_of_key = bag % B
