@@ -120,6 +120,41 @@ def test_bad_id_on_one_rank_raises_on_every_rank(name: str) -> None:
         assert f"[0, {res[0]['num_embeddings']})" in msg and "rank 1" in msg, msg
 
 
+def _one_rank_worker(rank: int, world: int) -> Dict[str, Any]:
+    """One rank with no hot rows, as the cost model plans one (its input dist sends nothing): a bad id, then
+    the module trained on, by the compiled pass and by the torch ops (a GPU's path)."""
+    from herald_harness import build, run_steps
+    from torchrec_herald.pipeline.context import find_herald_ebc
+
+    out: Dict[str, Any] = {}
+    for path in ("compiled", "torch"):
+        # (the trainer's cost model replicates no row at one rank; the harness's plan, given this minimum count)
+        h = build(world, dict(planner="herald", steps=3, torch_ids=path == "torch", hot_min_count=10 ** 9))
+        dmp, data = h["dmp"], h["data"]
+        batch = next(iter(data.train_batches(rank, world, h["batch_size"])))
+        n = dict(zip(data.feature_names, data.num_embeddings))[BAD_FEATURE]
+        out["num_embeddings"], out[f"num_hot_{path}"] = n, find_herald_ebc(dmp)._num_hot
+        for name, bad in (("too_large", n), ("negative", -1)):
+            out[f"{name}_{path}"] = _error(lambda: dmp(_with_id(batch, BAD_FEATURE, BAD_POS, bad)))
+        out[f"losses_after_{path}"] = run_steps(dmp, h["optimizer"], data.train_batches(rank, world, h["batch_size"]))
+    return out
+
+
+@pytest.mark.parametrize("name", ["too_large", "negative"])
+@pytest.mark.parametrize("path", ["compiled", "torch"])
+def test_bad_id_at_one_rank_without_hot_rows_is_the_same_clear_error(name: str, path: str) -> None:
+    """One rank, no hot rows: the ids go to the lookup with no split or exchange, and an id outside its table is
+    still one ValueError naming the id, the feature, the table and its range, raised before the forward."""
+    r = run_multiprocess(_one_rank_worker, 1, timeout_s=180)[0]
+    n = r["num_embeddings"]
+    assert r[f"num_hot_{path}"] == 0
+    msg = r[f"{name}_{path}"]
+    bad = n if name == "too_large" else -1
+    assert msg.startswith(f"ValueError: id {bad} of feature '{BAD_FEATURE}' is outside table 't_{BAD_FEATURE}' "
+                          f"[0, {n}) (in rank 0's batch"), msg
+    assert len(r[f"losses_after_{path}"]) == 3
+
+
 def test_missing_feature_is_a_clear_error() -> None:
     for r in results():
         assert r["missing"].startswith("ValueError: "), r["missing"]

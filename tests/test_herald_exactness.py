@@ -165,9 +165,19 @@ def _no_hot_rows(rank: int, world: int) -> Dict[str, Any]:
     both id paths, and stock ROW_WISE on the same batches."""
     cfg = dict(optimizer="rowwise_adagrad", via="fused_params", pooling="MEAN", pipeline="sparse_dist",
                sync="dense", hot_min_count=10 ** 9, steps=STEPS, dense_sync="forward_ordered")
-    runs = {name: train(rank, world, dict(cfg, **extra)) for name, extra in (
-        ("compiled", dict(planner="herald")), ("torch", dict(planner="herald", torch_ids=True)),
-        ("row_wise", dict(planner="row_wise", exact_rw_mean=True)))}
+    from unittest import mock
+
+    from torchrec_herald.sharding.hot_replicated import ShardedHeraldEmbeddingBagCollection as Sharded
+
+    # which input dist ran: at one rank no split for an exchange (the ids go to the lookup as they are)
+    split = mock.patch.object(Sharded, "_split_for_dist", autospec=True, side_effect=Sharded._split_for_dist)
+    one_rank = mock.patch.object(Sharded, "_one_rank_input_dist", autospec=True,
+                                 side_effect=Sharded._one_rank_input_dist)
+    with split as splits, one_rank as direct:
+        runs = {name: train(rank, world, dict(cfg, **extra)) for name, extra in (
+            ("compiled", dict(planner="herald")), ("torch", dict(planner="herald", torch_ids=True)),
+            ("row_wise", dict(planner="row_wise", exact_rw_mean=True)))}
+    runs["input_dists"] = {"split": splits.call_count, "one_rank": direct.call_count}
     from torchrec_herald.pipeline.context import find_herald_ebc
     from herald_harness import build
 
@@ -178,10 +188,15 @@ def _no_hot_rows(rank: int, world: int) -> Dict[str, Any]:
 @pytest.mark.parametrize("world", [1, 2])
 def test_a_plan_without_hot_rows_trains_as_stock_row_wise_by_both_id_paths(world: int) -> None:
     """Where a plan replicates no rows (one rank: nothing to save) the step skips the hot side (no lookup, no
-    gradient hook, no hot-row counts); the model is stock ROW_WISE's, by the compiled pass and by the torch ops
-    (the path of ids on a GPU), at one rank and at two."""
+    gradient hook, no hot-row counts), and at one rank the ids go to the lookup with no split or exchange; the
+    model is stock ROW_WISE's, by the compiled pass and by the torch ops (the path of ids on a GPU), at one
+    rank and at two."""
     for r in run_multiprocess(_no_hot_rows, world, timeout_s=300):
         assert r["num_hot"] == 0
+        # one rank: every input dist took the direct path (none split ids for an exchange); two: none did
+        calls = r["input_dists"]
+        assert (calls["split"] == 0 and calls["one_rank"] > 0) if world == 1 else \
+            (calls["split"] > 0 and calls["one_rank"] == 0), calls
         ref = r["row_wise"]
         for name in ("compiled", "torch"):
             h = r[name]
