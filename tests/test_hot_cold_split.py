@@ -134,7 +134,8 @@ def _host_reads_of_input_dist(rank: int, world: int) -> Dict[str, Any]:
     from herald_harness import build
     from torchrec_herald.pipeline.context import find_herald_ebc
 
-    h = build(world, dict(planner="herald", steps=3, hot_min_count=2))
+    # (one rank: no hot rows, the plan the cost model makes there)
+    h = build(world, dict(planner="herald", steps=3, hot_min_count=2 if world > 1 else 10 ** 9))
     ebc = find_herald_ebc(h["dmp"])
     ebc._native_ids = None  # the torch ops: the path ids on a GPU take (the compiled pass is CPU only)
     kjt = next(iter(h["data"].train_batches(rank, world, h["batch_size"]))).sparse_features
@@ -160,11 +161,14 @@ def _host_reads_of_input_dist(rank: int, world: int) -> Dict[str, Any]:
             at_start = list(seen)
             second = first.wait()
             at_first_wait = seen[len(at_start):]
+            second.wait()
+            at_second_wait = seen[len(at_start) + len(at_first_wait):]
     finally:
         torch.Tensor.tolist = tolist  # type: ignore[method-assign]
-    got = second.wait()
-    got = got[0] if isinstance(got, list) else got
-    return {"start": at_start, "first_wait": at_first_wait, "bags_to": ctx.bags_to,
+    if ctx.split is None:  # one rank without hot rows: nothing split or sent
+        return {"start": at_start, "first_wait": at_first_wait, "second_wait": at_second_wait,
+                "rows": ctx.recv_rows.numel(), "ids": kjt.values().numel()}
+    return {"start": at_start, "first_wait": at_first_wait, "second_wait": at_second_wait, "bags_to": ctx.bags_to,
             "sent": int(ctx.split.sub_lengths.gt(0).sum())}
 
 
@@ -172,9 +176,13 @@ def test_the_input_dist_reads_the_host_only_at_its_first_wait() -> None:
     # TrainPipelineSparseDist starts batch t+1's input dist before batch t's forward and waits for it after:
     # a host read at the start would hold the forward's launches until the id kernels finished on a GPU
     for r in run_multiprocess(_host_reads_of_input_dist, 2, timeout_s=180):
-        assert r["start"] == []
+        assert r["start"] == [] and r["second_wait"] == []
         assert r["first_wait"] == ["tolist"]  # one read: the counts received and this rank's own sizes
         assert sum(r["bags_to"]) == r["sent"] > 0
+    # one rank without hot rows: the ids go to the lookup as they are, and the one read is the bad-id flag
+    r = run_multiprocess(_host_reads_of_input_dist, 1, timeout_s=180)[0]
+    assert r["start"] == [] and r["second_wait"] == [] and r["first_wait"] == ["_local_scalar_dense"], r
+    assert r["rows"] == r["ids"] > 0
 
 
 def _input_dist_both_ways(rank: int, world: int) -> Dict[str, Any]:

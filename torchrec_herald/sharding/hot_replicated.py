@@ -209,9 +209,11 @@ class _CountsAwaitable(Awaitable[Awaitable[HeraldContext]]):
 
 
 class _OneRankAwaitable(Awaitable[Awaitable[HeraldContext]]):
-    """The one-rank input dist (:meth:`ShardedHeraldEmbeddingBagCollection._one_rank_input_dist`): its first
-    wait reads whether any id is outside its table (the input dist's one host read) and raises it, before
-    any forward; the ids need no exchange."""
+    """The one-rank input dist (:meth:`ShardedHeraldEmbeddingBagCollection._one_rank_input_dist`): the ids need
+    no exchange. Its first wait reads whether any id is outside its table (the input dist's one host read, as
+    the split path reads its sizes there) and raises it. TorchRec's pipeline makes that wait after it has
+    queued the previous batch's forward and before its backward: outside any forward or backward, the
+    kernels that made the flag long queued. The second wait, inside the batch's forward, reads nothing."""
 
     def __init__(self, module: "ShardedHeraldEmbeddingBagCollection", ctx: HeraldContext, any_bad: torch.Tensor,
                  values: torch.Tensor, features: torch.Tensor) -> None:
