@@ -21,6 +21,8 @@
 #            host time per pipeline phase side by side (benchmarks/gpu_trace_phases.py -> prof_phases.json).
 #            The cProfile part of each .prof.txt covers every thread on Python 3.12 (the GPU host's): with the
 #            input dist's worker thread on, its functions appear beside the training thread's
+#   proffull herald full profiled the same way (its host syncs a step: the plan executor's copies of the host's
+#            plans to the GPU are non-blocking since 2026-11-27, ninth session; before, each synchronised the stream)
 #   check    CUDA against CPU and stock, one rank, herald's own per-step path (check_cuda_vs_cpu.py)
 set -uo pipefail
 cd "$(dirname "$0")/../.."
@@ -54,6 +56,12 @@ for part in ${PARTS:-hot nothread old full two hotrows check prof}; do case $par
           grep -o "B=[0-9]*.*ms/step median" /tmp/prof_$id.log | sed "s/^/prof $id /"; done
         python3 benchmarks/gpu_trace_phases.py "$out/prof_hot_B2048.prof.trace.json.gz" \
             "$out/prof_stock_B2048.prof.trace.json.gz" --out "$out/prof_phases.json" ;;
+  proffull) timeout ${LIMIT:-90} python3 benchmarks/gpu_step_time.py --batch-sizes 2048 8192 --steps 20 \
+                --overrides planner=herald pipeline=herald pipeline.scheduling=on planner.link_mbit=null \
+                --profile --out "$out/prof_full.json" > /tmp/prof_full.log 2>&1
+            grep -o "B=[0-9]*.*ms/step median" /tmp/prof_full.log | sed "s/^/proffull /"
+            python3 -c "import json, sys; [print('proffull B=%d host syncs a step:' % r['local_batch'], r.get('host_syncs_per_step'))
+                        for r in json.load(open(sys.argv[1]))['runs']]" "$out/prof_full.json" ;;
   check) OUT=$out CASES=${CASES:-ebc_single_no_hot sparse_dist} timeout ${LIMIT:-90} \
              bash scripts/gpu/run_checks.sh check ;;
   *) echo "unknown part $part"; exit 2 ;;

@@ -26,6 +26,13 @@ logger = logging.getLogger(__name__)
 __all__ = ["PlanExecutor", "merge_additive_pushes"]
 
 
+def _h2d(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """``t`` (the host's, from the plans) on the rows' ``device``. Not blocking: a blocking copy to a GPU
+    synchronises its stream, so the host would wait for every kernel queued before it. The host's source
+    is staged at once, so the copy may go on asynchronously (no-op on a CPU)."""
+    return t.to(device, non_blocking=True)
+
+
 def _flags(add: Optional[torch.Tensor], transfers: torch.Tensor) -> torch.Tensor:
     """The per-transfer add flags of ``transfers`` (all False when the plan gives none)."""
     return add if add is not None and add.numel() else torch.zeros(len(transfers), dtype=torch.bool)
@@ -136,7 +143,7 @@ class PlanExecutor:
         """``planned`` (the plan's reads, on CPU) on ``device``: the copy :meth:`begin` made, or a new one."""
         src, on = self._planned_on
         if src is not planned or on.device != device:
-            self._planned_on = (planned, planned.to(device))
+            self._planned_on = (planned, _h2d(planned, device))
         return self._planned_on[1]
 
     def working_set(self, keys: torch.Tensor) -> torch.Tensor:
@@ -172,7 +179,7 @@ class PlanExecutor:
             raise RuntimeError(f"rank {self.rank}: the batch's rows differ from the ones the plan was made for")
         w, _ = self.store.read(ws_keys)
         self._set_working_set(w, ws_keys)
-        return torch.searchsorted(ws_keys, keys).to(device)
+        return _h2d(torch.searchsorted(ws_keys, keys), device)
 
     def _set_working_set(self, w: torch.Tensor, keys: torch.Tensor, reduce_rows: Optional[torch.Tensor] = None
                          ) -> None:
@@ -193,7 +200,7 @@ class PlanExecutor:
                         route: Tuple[torch.Tensor, List[int], List[torch.Tensor], List[int]]) -> torch.Tensor:
         """Positions among the working set's ``keys`` of the gradients this rank sends in ``plan``'s
         reduce (``route``: its :meth:`_route`), on the rows' device."""
-        return torch.searchsorted(keys, plan.reduce[:, 0][route[0]]).to(self.store.device)
+        return _h2d(torch.searchsorted(keys, plan.reduce[:, 0][route[0]]), self.store.device)
 
     def _start_reduce(self, ws: torch.Tensor) -> None:
         plan = self.plan
@@ -222,7 +229,7 @@ class PlanExecutor:
         started, self._reduce = self._reduce, None
         planned = plan.reads[self.rank]  # frozen rows' gradients are dropped
         grad = grad.detach() if planned.numel() == self.ws_keys.numel() else \
-            grad.detach()[torch.searchsorted(self.ws_keys, planned).to(grad.device)]
+            grad.detach()[_h2d(torch.searchsorted(self.ws_keys, planned), grad.device)]
         self.after_backward(plan, planned, grad, started, next_plan)
 
     def run_without_gradients(self, plan: ExecPlan) -> None:
@@ -319,12 +326,12 @@ class PlanExecutor:
         for pos, rows in parts:
             replace = ~add[pos]
             if bool(replace.any()):
-                self.store.receive(keys[pos[replace]], rows[replace.to(rows.device)], add[pos[replace]])
+                self.store.receive(keys[pos[replace]], rows[_h2d(replace, rows.device)], add[pos[replace]])
         for ph in range(int(phase.max()) + 1 if phase.numel() else 0):
             for pos, rows in parts:
                 now = add[pos] & (phase[pos] == ph)
                 if bool(now.any()):
-                    self.store.receive(keys[pos[now]], rows[now.to(rows.device)], now[now])
+                    self.store.receive(keys[pos[now]], rows[_h2d(now, rows.device)], now[now])
 
     def _home_order(self, keys: torch.Tensor, add: torch.Tensor, recv_pos: List[torch.Tensor],
                     phase: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
@@ -348,7 +355,7 @@ class PlanExecutor:
         calls)."""
         pos, at = order if order is not None else self._home_order(keys, add, recv_pos, phase)
         if pos.numel():
-            self.store.receive(keys[pos[at]], out[at.to(out.device)], add[pos][at])
+            self.store.receive(keys[pos[at]], out[_h2d(at, out.device)], add[pos][at])
 
     def prefetch(self, plan: ExecPlan) -> None:
         """Start ``plan``'s pre-read transfers now, while the current step ends (collective): the pushes
@@ -441,13 +448,13 @@ class PlanExecutor:
         recv_at: List[torch.Tensor] = [upd[:0]] * self.W
         if started is not None:
             recv_pos, rows, work = started
-            recv_at = [torch.searchsorted(upd, red_keys[i]).to(dev) for i in recv_pos]
+            recv_at = [_h2d(torch.searchsorted(upd, red_keys[i]), dev) for i in recv_pos]
             work.wait()
         elif plan.reduce.numel() or plan.partial:
             recv_pos, rows = self._exchange(plan.reduce,
-                                            lambda i: ws_grad[torch.searchsorted(ws_keys, red_keys[i]).to(dev)],
+                                            lambda i: ws_grad[_h2d(torch.searchsorted(ws_keys, red_keys[i]), dev)],
                                             "herald_reduce", self.D)
-            recv_at = [torch.searchsorted(upd, red_keys[i]).to(dev) for i in recv_pos]
+            recv_at = [_h2d(torch.searchsorted(upd, red_keys[i]), dev) for i in recv_pos]
         parts = rows.split([i.numel() for i in recv_at])
         for src in range(self.W):  # gradients summed in rank order: deterministic
             if src == me:
@@ -491,7 +498,7 @@ class PlanExecutor:
         own = torch.searchsorted(ws_keys, upd).clamp(max=max(ws_keys.numel() - 1, 0))
         read = ws_keys[own] == upd if ws_keys.numel() else torch.zeros_like(upd, dtype=torch.bool)
         dev = self.store.device
-        rows = (upd, read.to(dev), own[read].to(dev))
+        rows = (upd, _h2d(read, dev), _h2d(own[read], dev))
         self._update_rows_of = (plan, ws_keys, rows)
         return rows
 

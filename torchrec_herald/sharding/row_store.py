@@ -437,7 +437,7 @@ class RowStore(nn.Module):
         if bool(add.any()):
             w, st = w.clone(), st.clone()
             cur_w, cur_s = self.read(keys[add])
-            a_d = add.to(self.device)
+            a_d = self._dev(add)
             w[a_d] += cur_w
             st[a_d] += cur_s
         self.write(keys, w, st)
@@ -459,7 +459,7 @@ class RowStore(nn.Module):
         w, st = self.read(keys)
         rows = torch.cat([w, st[:, None]], 1)
         if bool(add.any()):
-            rows[add.to(rows.device)] -= self.base(keys[add])
+            rows[self._dev(add)] -= self.base(keys[add])
         return rows
 
     def _own_push(self, keys: torch.Tensor) -> RuntimeError:
