@@ -33,6 +33,29 @@ def _h2d(t: torch.Tensor, device: torch.device) -> torch.Tensor:
     return t.to(device, non_blocking=True)
 
 
+def _flag_for_host(flag: torch.Tensor) -> Any:
+    """A 0-d ``flag`` made on a GPU, on its way to the host: copied into pinned memory without blocking, an
+    event recorded after the copy. :func:`_read_flag` then waits for that event alone, that is for the kernels
+    queued up to the flag, where reading the flag itself would synchronise the whole stream (after a backward:
+    every backward kernel). On a CPU, the flag."""
+    if not flag.is_cuda:
+        return flag
+    host = torch.empty((), dtype=flag.dtype, pin_memory=True)
+    host.copy_(flag, non_blocking=True)
+    done = torch.cuda.Event()
+    done.record()
+    return host, done
+
+
+def _read_flag(flag: Any) -> bool:
+    """The value of a flag from :func:`_flag_for_host`."""
+    if isinstance(flag, tuple):
+        host, done = flag
+        done.synchronize()
+        return bool(host)
+    return bool(flag)
+
+
 def _flags(add: Optional[torch.Tensor], transfers: torch.Tensor) -> torch.Tensor:
     """The per-transfer add flags of ``transfers`` (all False when the plan gives none)."""
     return add if add is not None and add.numel() else torch.zeros(len(transfers), dtype=torch.bool)
@@ -106,7 +129,7 @@ class PlanExecutor:
         self._reduce: Optional[Tuple[List[torch.Tensor], torch.Tensor, Any]] = None
         self._reduce_route: Optional[Tuple[torch.Tensor, List[int], List[torch.Tensor], List[int]]] = None
         # plan mode: whether the forward's keys differ from the plan's reads (a 0-d flag checked at finish)
-        self._check: Optional[torch.Tensor] = None
+        self._check: Optional[Any] = None  # the forward's rows-match-the-plan flag (_flag_for_host)
         self._reduce_rows: Optional[torch.Tensor] = None  # see _set_working_set
         # the plan's reads where the forward's keys are (the rows' device), copied once per step in begin()
         self._planned_on: Tuple[Optional[torch.Tensor], torch.Tensor] = (None, self.ws_keys)
@@ -170,7 +193,7 @@ class PlanExecutor:
             wrong = on[at] != keys  # (a key past every planned one lands on the last, which differs)
             unread = ~torch.zeros(n, dtype=torch.bool, device=keys.device).index_fill_(0, at, True)
             # a 0-d flag the host reads only after backward (finish): nothing waits inside forward
-            self._check = wrong.any() | unread.any()
+            self._check = _flag_for_host(wrong.any() | unread.any())
             return at
         device, keys = keys.device, keys.cpu()  # stale-update skipping: matched on the host, as the plan is
         ws_keys = torch.unique(keys)
@@ -221,7 +244,7 @@ class PlanExecutor:
         plan, ws = self.plan, self.ws
         if plan is None or ws is None:
             raise RuntimeError("finish_plan_step without a planned forward (call begin_plan_step first)")
-        if self._check is not None and bool(self._check):
+        if self._check is not None and _read_flag(self._check):
             self.plan, self.ws, self._reduce, self._check = None, None, None, None
             raise RuntimeError(f"rank {self.rank}: the batch's rows differ from the ones the plan was made for")
         grad = ws.grad if ws.grad is not None else torch.zeros_like(ws)
