@@ -19,7 +19,7 @@ import torch.distributed as dist
 from torchrec_herald.comm import all_to_all_rows_async
 from torchrec_herald.keymap import expand_ranges
 from torchrec_herald.plans import ExecPlan, FlushPlan
-from torchrec_herald.sharding.row_store import RowStore
+from torchrec_herald.sharding.row_store import RowStore, host_to_device
 
 logger = logging.getLogger(__name__)
 
@@ -27,10 +27,9 @@ __all__ = ["PlanExecutor", "merge_additive_pushes"]
 
 
 def _h2d(t: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """``t`` (the host's, from the plans) on the rows' ``device``. Not blocking: a blocking copy to a GPU
-    synchronises its stream, so the host would wait for every kernel queued before it. The host's source
-    is staged at once, so the copy may go on asynchronously (no-op on a CPU)."""
-    return t.to(device, non_blocking=True)
+    """``t`` (the host's, from the plans) on the rows' ``device``: :func:`host_to_device` (a GPU's host never
+    waits for its stream here)."""
+    return host_to_device(t, device)
 
 
 def _flag_for_host(flag: torch.Tensor) -> Any:

@@ -20,7 +20,17 @@ from torchrec_herald.layout import RowLayout
 from torchrec_herald.native import load_if_built
 from torchrec_herald.ops.tbe import dense_hot_tbe, fused_cold_tbe
 
-__all__ = ["RowStore", "exact_update"]
+__all__ = ["RowStore", "exact_update", "host_to_device"]
+
+
+def host_to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """``t`` (the host's: plan indices, masks) on the rows' ``device`` without the host waiting for the GPU. A
+    copy to a GPU from pageable memory, blocking or not, may synchronise the stream, so the host would wait for
+    every kernel queued before it; one from pinned memory is queued. So the index is staged in pinned memory
+    first (the caching host allocator keeps that block until the copy is done). A no-op on a CPU."""
+    if t.device.type == "cpu" and torch.device(device).type == "cuda":
+        return t.pin_memory().to(device, non_blocking=True)
+    return t.to(device)
 
 
 def exact_update(w: torch.Tensor, state: torch.Tensor, grad: torch.Tensor, optimizer: EmbOptimType, lr: float,
@@ -191,7 +201,7 @@ class RowStore(nn.Module):
         return self._zero.expand(n)
 
     def _dev(self, index: torch.Tensor) -> torch.Tensor:
-        return index.to(self.device, non_blocking=True)
+        return host_to_device(index, self.device)
 
     def _where(self, keys: torch.Tensor) -> Tuple[torch.Tensor, ...]:
         """Masks of ``keys`` held as hot replica / own block row / cache entry (a key must be one), and
