@@ -266,6 +266,11 @@ class HeraldTrainPipeline(TrainPipeline[Batch, Any]):
         self._batch_index += 1
         for _, stage in batch_stages():
             stage(self, ctx)
+        if ctx.batch is not None and torch.device(self._device).type == "cuda":
+            # the samples this rank trains, staged in pinned memory here (run ahead: the worker's time), so the
+            # step's copy to the GPU is queued, not waited for (one from pageable memory may synchronise the
+            # stream); TorchRec's pipeline copies its batches ahead on a stream of their own instead
+            ctx.batch = ctx.batch.pin_memory()
         return ctx
 
     def _schedule_ahead(self, it: Iterator[Batch], train_step: int, plan_ahead: bool,
