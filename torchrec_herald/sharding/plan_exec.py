@@ -42,7 +42,7 @@ def _flag_for_host(flag: torch.Tensor) -> Any:
     host = torch.empty((), dtype=flag.dtype, pin_memory=True)
     host.copy_(flag, non_blocking=True)
     done = torch.cuda.Event()
-    done.record()
+    done.record(torch.cuda.current_stream(flag.device))  # (the stream the copy went on: the flag's device's)
     return host, done
 
 
