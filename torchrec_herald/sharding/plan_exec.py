@@ -348,12 +348,12 @@ class PlanExecutor:
         for pos, rows in parts:
             replace = ~add[pos]
             if bool(replace.any()):
-                self.store.receive(keys[pos[replace]], rows[_h2d(replace, rows.device)], add[pos[replace]])
+                self.store.receive(keys[pos[replace]], rows[_h2d(replace.nonzero().squeeze(1), rows.device)], add[pos[replace]])
         for ph in range(int(phase.max()) + 1 if phase.numel() else 0):
             for pos, rows in parts:
                 now = add[pos] & (phase[pos] == ph)
                 if bool(now.any()):
-                    self.store.receive(keys[pos[now]], rows[_h2d(now, rows.device)], now[now])
+                    self.store.receive(keys[pos[now]], rows[_h2d(now.nonzero().squeeze(1), rows.device)], now[now])
 
     def _home_order(self, keys: torch.Tensor, add: torch.Tensor, recv_pos: List[torch.Tensor],
                     phase: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:

@@ -419,8 +419,9 @@ class RowStore(nn.Module):
         w, st = self.read(keys)
         val = torch.cat([w, st[:, None]], 1)
         d = self._dev
-        self.base_hot[d(hot_slot[hot])] = val[d(hot)]
-        self.base_cache[d(cache_slot[cache])] = val[d(cache)]
+        # (positions found on the host: boolean masks would make the GPU's indexing read its sizes back)
+        self.base_hot[d(hot_slot[hot])] = val[d(hot.nonzero().squeeze(1))]
+        self.base_cache[d(cache_slot[cache])] = val[d(cache.nonzero().squeeze(1))]
 
     def rebase_hot(self) -> None:
         """Every hot replica's base := its current value (every replica is in sync with its home)."""
@@ -447,7 +448,7 @@ class RowStore(nn.Module):
         if bool(add.any()):
             w, st = w.clone(), st.clone()
             cur_w, cur_s = self.read(keys[add])
-            a_d = self._dev(add)
+            a_d = self._dev(add.nonzero().squeeze(1))  # (positions, found on the host: a mask would be on the GPU)
             w[a_d] += cur_w
             st[a_d] += cur_s
         self.write(keys, w, st)
@@ -469,7 +470,7 @@ class RowStore(nn.Module):
         w, st = self.read(keys)
         rows = torch.cat([w, st[:, None]], 1)
         if bool(add.any()):
-            rows[self._dev(add)] -= self.base(keys[add])
+            rows[self._dev(add.nonzero().squeeze(1))] -= self.base(keys[add])
         return rows
 
     def _own_push(self, keys: torch.Tensor) -> RuntimeError:
@@ -482,6 +483,6 @@ class RowStore(nn.Module):
             raise self._own_push(keys[own])
         d = self._dev
         out = torch.empty(keys.numel(), self.dim + 1, device=self.device)
-        out[d(hot)] = self.base_hot[d(hot_slot[hot])]
-        out[d(cache)] = self.base_cache[d(cache_slot[cache])]
+        out[d(hot.nonzero().squeeze(1))] = self.base_hot[d(hot_slot[hot])]
+        out[d(cache.nonzero().squeeze(1))] = self.base_cache[d(cache_slot[cache])]
         return out
