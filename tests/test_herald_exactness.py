@@ -265,9 +265,28 @@ def _in_thread_or_not(rank: int, world: int) -> Dict[str, Any]:
     try:
         cfg = dict(planner="herald", optimizer="rowwise_adagrad", via="fused_params", pooling="SUM",
                    pipeline="sparse_dist", sync="mixed", steps=STEPS, torch_ids=True)
-        out: Dict[str, Any] = {name: train(rank, world, dict(cfg, ids_in_thread=on))
-                               for name, on in (("main", False), ("worker", True))}
-        out["compiled"] = train(rank, world, dict(cfg, torch_ids=False))  # the CPU's path, the reference
+        import functools
+        import sys
+
+        # the sparsely synced hot rows' sum: sized by the data (torch.unique, a host read on a GPU) on the CPU's
+        # path only
+        calls = [0]
+        unique = torch.unique
+
+        @functools.wraps(unique)
+        def counted(*a: Any, **k: Any) -> Any:
+            calls[0] += sys._getframe(1).f_code.co_name == "settle_hot_sync"
+            return unique(*a, **k)
+
+        torch.unique = counted  # type: ignore[assignment]
+        try:
+            out: Dict[str, Any] = {name: train(rank, world, dict(cfg, ids_in_thread=on))
+                                   for name, on in (("main", False), ("worker", True))}
+            on_torch_path = calls[0]
+            out["compiled"] = train(rank, world, dict(cfg, torch_ids=False))  # the CPU's path, the reference
+        finally:
+            torch.unique = unique  # type: ignore[assignment]
+        out["uniques"] = {"torch": on_torch_path, "compiled": calls[0] - on_torch_path}
     finally:
         for n, f in originals.items():
             setattr(c10d, n, f)
@@ -280,7 +299,9 @@ def test_the_input_dist_on_a_worker_thread_trains_the_same_model() -> None:
     """On a GPU the per-step input dist's host work runs on a worker thread of the module's own: bit for bit
     the model of the input dist on the training thread, and both the model of the compiled id bookkeeping
     (a CPU's path), at two ranks, with hot rows synced densely and sparsely; the worker ran, only where asked, and issued no collective (every one stays on the training
-    thread, in program order: NCCL's hazard of two threads' communicators cannot arise)."""
+    thread, in program order: NCCL's hazard of two threads' communicators cannot arise). The torch ops' path sums
+    the sparsely synced hot rows into a buffer of all of them, rank by rank, where the CPU's path merges the
+    received rows with ``torch.unique``: bit for bit the same model."""
     for r in run_multiprocess(_in_thread_or_not, 2, timeout_s=300):
         main, worker = r["main"], r["worker"]
         assert worker["worker_used"] and not main["worker_used"]
@@ -291,3 +312,5 @@ def test_the_input_dist_on_a_worker_thread_trains_the_same_model() -> None:
             assert torch.equal(main["state"][k], r["compiled"]["state"][k]), k
         assert worker["tags"]["herald_meta"]["calls"] == main["tags"]["herald_meta"]["calls"] == STEPS
         assert worker["tags"]["herald_hot_sync"]["bytes"] > 0
+        # the torch ops' path (a GPU's) sums the sparsely synced rows with nothing sized by the data
+        assert r["uniques"]["torch"] == 0 and r["uniques"]["compiled"] > 0, r["uniques"]

@@ -152,6 +152,7 @@ class _PendingHotSync:
 
     dense: Optional[Tuple[torch.Tensor, torch.Tensor, Any]] = None
     sparse: Optional[Tuple[torch.Tensor, Any]] = None
+    sparse_from: List[int] = field(default_factory=list)  # rows received from each rank (the host's counts)
 
 
 class _IdsAwaitable(Awaitable[HeraldContext]):
@@ -909,6 +910,9 @@ class ShardedHeraldEmbeddingBagCollection(
         self._frozen_hot = frozen_hot.to(self._device)  # (where the ids are handled)
         # per hot row: synced sparsely and not frozen (the rows whose reads ride on the counts exchange)
         self._sparse_trained = self._ids.sparse_row & ~self._frozen_hot[: self._ids.sparse_row.numel()]
+        # their slots, found on the host (the sum on a GPU's path updates all of them, :meth:`settle_hot_sync`)
+        n = self._sparse_row.numel()
+        self._sparse_rows = (self._sparse_row & ~frozen_hot[:n]).nonzero().flatten().to(self._device)
         self._set_dense_rows(self._all_dense_rows[~frozen_hot[self._all_dense_rows]])
 
     def hot_values(self) -> torch.Tensor:
@@ -957,6 +961,7 @@ class ShardedHeraldEmbeddingBagCollection(
             if self._any_sparse:  # tables synced sparsely: exchange touched rows only
                 touched = unique.index_select(0, sparse_idx)
                 pending.sparse = self._start_sparse_sum(touched, grad.index_select(0, sparse_idx), sparse_from)
+                pending.sparse_from = sparse_from
                 # counted where the rows are (no host read in backward); traffic_by_table turns it into bytes
                 self._hot_sparse_sent.index_add_(0, touched, self._one.expand(touched.numel()))
         self._traffic[:, 3] += self._dense_sync_bytes
@@ -979,12 +984,25 @@ class ShardedHeraldEmbeddingBagCollection(
         if p.sparse is not None:
             got, work = p.sparse
             work.wait()
-            # every rank adds each row's gradients up in rank order (index_add_ follows the source order):
-            # bit-identical sums on every replica
             ids = got[:, 0].view(torch.int32).to(torch.int64)  # (a strided dtype view: no copy before the cast)
-            unique, slot = torch.unique(ids, return_inverse=True)
-            rows.append(unique)
-            grads.append(torch.zeros(unique.numel(), self._dim, device=got.device).index_add_(0, slot, got[:, 1:]))
+            if self._native_ids is None:
+                # the path of ids on a GPU: every sparsely synced row gets its sum (zero where no rank read it,
+                # which leaves it as it was: RowStore.update_hot_rows), so nothing is sized by the data and the
+                # host never waits here (torch.unique would). Each rank's rows are added in turn, in rank order:
+                # a rank sends each row once, so no two adds of one call meet in a row, and every replica sums
+                # in the same order on a GPU too, bit for bit
+                summed = torch.zeros(max(self._num_hot, 1), self._dim, device=got.device)
+                for part_ids, part in zip(ids.split(p.sparse_from), got[:, 1:].split(p.sparse_from)):
+                    if part.shape[0]:
+                        summed.index_add_(0, part_ids, part)
+                rows.append(self._sparse_rows)
+                grads.append(summed.index_select(0, self._sparse_rows))
+            else:
+                # every rank adds each row's gradients up in rank order (index_add_ follows the source order on
+                # a CPU): bit-identical sums on every replica
+                unique, slot = torch.unique(ids, return_inverse=True)
+                rows.append(unique)
+                grads.append(torch.zeros(unique.numel(), self._dim, device=got.device).index_add_(0, slot, got[:, 1:]))
         if rows:  # (one part, as with one sync mode: no copy)
             self._store.update_hot_rows(*((rows[0], grads[0]) if len(rows) == 1 else (torch.cat(rows), torch.cat(grads))))
 
