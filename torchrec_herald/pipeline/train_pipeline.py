@@ -289,12 +289,10 @@ class HeraldTrainPipeline(TrainPipeline[Batch, Any]):
         finally:
             self.stats.ahead_s += time.perf_counter() - t0
 
-    def _collect_ahead(self, deferred: bool = True) -> None:
+    def _collect_ahead(self) -> None:
         """Take the run-ahead thread's batch into the window (waiting for it if it is not done; its
-        errors, e.g. a bad id, are raised here, on every rank alike). ``deferred``: raise the error a step
-        took before (:meth:`_next_plan_made_ahead`) first; a flush leaves it for the next progress()."""
-        if deferred:
-            self._raise_ahead_error()
+        errors, e.g. a bad id, are raised here, on every rank alike). An error a step took before
+        (:meth:`_next_plan_made_ahead`) is left for the next progress() to raise."""
         if self._ahead is None or not self._ahead.busy:
             return
         ctx, waited = self._ahead.collect()
@@ -480,7 +478,7 @@ class HeraldTrainPipeline(TrainPipeline[Batch, Any]):
 
     def enter_mode(self, mode: str) -> None:
         """Train in ``mode`` from the next step (every rank at the same step): leaving the plan flushes it."""
-        self._collect_ahead(deferred=False)
+        self._collect_ahead()
         if self.mode == "on" and self.sync == "lazy":
             self.flush()
         if mode == "on" and self.rank_inputs is not None:
@@ -490,7 +488,7 @@ class HeraldTrainPipeline(TrainPipeline[Batch, Any]):
 
     def settle(self) -> None:
         """Take the run-ahead thread's batch into the window and flush the plan."""
-        self._collect_ahead(deferred=False)
+        self._collect_ahead()
         self.flush()
 
     def take_window_batches(self) -> List[Batch]:
@@ -701,7 +699,7 @@ class HeraldTrainPipeline(TrainPipeline[Batch, Any]):
         model is then in herald's stock layout (for eval, ``state_dict``, a stock pipeline)."""
         if self._flushed:
             return
-        self._collect_ahead(deferred=False)
+        self._collect_ahead()
         for ctx in self._queue:  # a plan made ahead for a batch that will not train now: run it without gradients
             if ctx.plan is not None:
                 plan, ctx.plan = ctx.plan, None
