@@ -19,17 +19,11 @@ import torch.distributed as dist
 from torchrec_herald.comm import all_to_all_rows_async
 from torchrec_herald.keymap import expand_ranges
 from torchrec_herald.plans import ExecPlan, FlushPlan
-from torchrec_herald.sharding.row_store import RowStore, host_to_device
+from torchrec_herald.sharding.row_store import RowStore, host_positions_to_device, host_to_device
 
 logger = logging.getLogger(__name__)
 
 __all__ = ["PlanExecutor", "merge_additive_pushes"]
-
-
-def _h2d(t: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """``t`` (the host's, from the plans) on the rows' ``device``: :func:`host_to_device` (a GPU's host never
-    waits for its stream here)."""
-    return host_to_device(t, device)
 
 
 def _flag_for_host(flag: torch.Tensor) -> Any:
@@ -165,7 +159,7 @@ class PlanExecutor:
         """``planned`` (the plan's reads, on CPU) on ``device``: the copy :meth:`begin` made, or a new one."""
         src, on = self._planned_on
         if src is not planned or on.device != device:
-            self._planned_on = (planned, _h2d(planned, device))
+            self._planned_on = (planned, host_to_device(planned, device))
         return self._planned_on[1]
 
     def working_set(self, keys: torch.Tensor) -> torch.Tensor:
@@ -201,7 +195,7 @@ class PlanExecutor:
             raise RuntimeError(f"rank {self.rank}: the batch's rows differ from the ones the plan was made for")
         w, _ = self.store.read(ws_keys)
         self._set_working_set(w, ws_keys)
-        return _h2d(torch.searchsorted(ws_keys, keys), device)
+        return host_to_device(torch.searchsorted(ws_keys, keys), device)
 
     def _set_working_set(self, w: torch.Tensor, keys: torch.Tensor, reduce_rows: Optional[torch.Tensor] = None
                          ) -> None:
@@ -222,7 +216,7 @@ class PlanExecutor:
                         route: Tuple[torch.Tensor, List[int], List[torch.Tensor], List[int]]) -> torch.Tensor:
         """Positions among the working set's ``keys`` of the gradients this rank sends in ``plan``'s
         reduce (``route``: its :meth:`_route`), on the rows' device."""
-        return _h2d(torch.searchsorted(keys, plan.reduce[:, 0][route[0]]), self.store.device)
+        return host_to_device(torch.searchsorted(keys, plan.reduce[:, 0][route[0]]), self.store.device)
 
     def _start_reduce(self, ws: torch.Tensor) -> None:
         plan = self.plan
@@ -251,7 +245,7 @@ class PlanExecutor:
         started, self._reduce = self._reduce, None
         planned = plan.reads[self.rank]  # frozen rows' gradients are dropped
         grad = grad.detach() if planned.numel() == self.ws_keys.numel() else \
-            grad.detach()[_h2d(torch.searchsorted(self.ws_keys, planned), grad.device)]
+            grad.detach()[host_to_device(torch.searchsorted(self.ws_keys, planned), grad.device)]
         self.after_backward(plan, planned, grad, started, next_plan)
 
     def run_without_gradients(self, plan: ExecPlan) -> None:
@@ -348,12 +342,13 @@ class PlanExecutor:
         for pos, rows in parts:
             replace = ~add[pos]
             if bool(replace.any()):
-                self.store.receive(keys[pos[replace]], rows[_h2d(replace.nonzero().squeeze(1), rows.device)], add[pos[replace]])
+                self.store.receive(keys[pos[replace]], rows[host_positions_to_device(replace, rows.device)],
+                                   add[pos[replace]])
         for ph in range(int(phase.max()) + 1 if phase.numel() else 0):
             for pos, rows in parts:
                 now = add[pos] & (phase[pos] == ph)
                 if bool(now.any()):
-                    self.store.receive(keys[pos[now]], rows[_h2d(now.nonzero().squeeze(1), rows.device)], now[now])
+                    self.store.receive(keys[pos[now]], rows[host_positions_to_device(now, rows.device)], now[now])
 
     def _home_order(self, keys: torch.Tensor, add: torch.Tensor, recv_pos: List[torch.Tensor],
                     phase: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
@@ -377,7 +372,7 @@ class PlanExecutor:
         calls)."""
         pos, at = order if order is not None else self._home_order(keys, add, recv_pos, phase)
         if pos.numel():
-            self.store.receive(keys[pos[at]], out[_h2d(at, out.device)], add[pos][at])
+            self.store.receive(keys[pos[at]], out[host_to_device(at, out.device)], add[pos][at])
 
     def prefetch(self, plan: ExecPlan) -> None:
         """Start ``plan``'s pre-read transfers now, while the current step ends (collective): the pushes
@@ -470,13 +465,13 @@ class PlanExecutor:
         recv_at: List[torch.Tensor] = [upd[:0]] * self.W
         if started is not None:
             recv_pos, rows, work = started
-            recv_at = [_h2d(torch.searchsorted(upd, red_keys[i]), dev) for i in recv_pos]
+            recv_at = [host_to_device(torch.searchsorted(upd, red_keys[i]), dev) for i in recv_pos]
             work.wait()
         elif plan.reduce.numel() or plan.partial:
-            recv_pos, rows = self._exchange(plan.reduce,
-                                            lambda i: ws_grad[_h2d(torch.searchsorted(ws_keys, red_keys[i]), dev)],
-                                            "herald_reduce", self.D)
-            recv_at = [_h2d(torch.searchsorted(upd, red_keys[i]), dev) for i in recv_pos]
+            recv_pos, rows = self._exchange(
+                plan.reduce, lambda i: ws_grad[host_to_device(torch.searchsorted(ws_keys, red_keys[i]), dev)],
+                "herald_reduce", self.D)
+            recv_at = [host_to_device(torch.searchsorted(upd, red_keys[i]), dev) for i in recv_pos]
         parts = rows.split([i.numel() for i in recv_at])
         for src in range(self.W):  # gradients summed in rank order: deterministic
             if src == me:
@@ -520,7 +515,7 @@ class PlanExecutor:
         own = torch.searchsorted(ws_keys, upd).clamp(max=max(ws_keys.numel() - 1, 0))
         read = ws_keys[own] == upd if ws_keys.numel() else torch.zeros_like(upd, dtype=torch.bool)
         dev = self.store.device
-        rows = (upd, _h2d(read, dev), _h2d(own[read], dev))
+        rows = (upd, host_to_device(read, dev), host_to_device(own[read], dev))
         self._update_rows_of = (plan, ws_keys, rows)
         return rows
 

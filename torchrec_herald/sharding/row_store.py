@@ -20,7 +20,7 @@ from torchrec_herald.layout import RowLayout
 from torchrec_herald.native import load_if_built
 from torchrec_herald.ops.tbe import dense_hot_tbe, fused_cold_tbe
 
-__all__ = ["RowStore", "exact_update", "host_to_device"]
+__all__ = ["RowStore", "exact_update", "host_positions_to_device", "host_to_device"]
 
 
 def host_to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
@@ -31,6 +31,12 @@ def host_to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
     if t.device.type == "cpu" and torch.device(device).type == "cuda":
         return t.pin_memory().to(device, non_blocking=True)
     return t.to(device)
+
+
+def host_positions_to_device(mask: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """The positions where the host's bool ``mask`` is set, on ``device`` (:func:`host_to_device`): found on the
+    host, since a boolean mask indexing on a GPU reads its count back (a sync)."""
+    return host_to_device(mask.nonzero().squeeze(1), device)
 
 
 def exact_update(w: torch.Tensor, state: torch.Tensor, grad: torch.Tensor, optimizer: EmbOptimType, lr: float,
@@ -202,6 +208,9 @@ class RowStore(nn.Module):
 
     def _dev(self, index: torch.Tensor) -> torch.Tensor:
         return host_to_device(index, self.device)
+
+    def _positions(self, mask: torch.Tensor) -> torch.Tensor:
+        return host_positions_to_device(mask, self.device)
 
     def _where(self, keys: torch.Tensor) -> Tuple[torch.Tensor, ...]:
         """Masks of ``keys`` held as hot replica / own block row / cache entry (a key must be one), and
@@ -419,9 +428,8 @@ class RowStore(nn.Module):
         w, st = self.read(keys)
         val = torch.cat([w, st[:, None]], 1)
         d = self._dev
-        # (positions found on the host: boolean masks would make the GPU's indexing read its sizes back)
-        self.base_hot[d(hot_slot[hot])] = val[d(hot.nonzero().squeeze(1))]
-        self.base_cache[d(cache_slot[cache])] = val[d(cache.nonzero().squeeze(1))]
+        self.base_hot[d(hot_slot[hot])] = val[self._positions(hot)]
+        self.base_cache[d(cache_slot[cache])] = val[self._positions(cache)]
 
     def rebase_hot(self) -> None:
         """Every hot replica's base := its current value (every replica is in sync with its home)."""
@@ -448,7 +456,7 @@ class RowStore(nn.Module):
         if bool(add.any()):
             w, st = w.clone(), st.clone()
             cur_w, cur_s = self.read(keys[add])
-            a_d = self._dev(add.nonzero().squeeze(1))  # (positions, found on the host: a mask would be on the GPU)
+            a_d = self._positions(add)
             w[a_d] += cur_w
             st[a_d] += cur_s
         self.write(keys, w, st)
@@ -470,7 +478,7 @@ class RowStore(nn.Module):
         w, st = self.read(keys)
         rows = torch.cat([w, st[:, None]], 1)
         if bool(add.any()):
-            rows[self._dev(add.nonzero().squeeze(1))] -= self.base(keys[add])
+            rows[self._positions(add)] -= self.base(keys[add])
         return rows
 
     def _own_push(self, keys: torch.Tensor) -> RuntimeError:
@@ -483,6 +491,6 @@ class RowStore(nn.Module):
             raise self._own_push(keys[own])
         d = self._dev
         out = torch.empty(keys.numel(), self.dim + 1, device=self.device)
-        out[d(hot.nonzero().squeeze(1))] = self.base_hot[d(hot_slot[hot])]
-        out[d(cache.nonzero().squeeze(1))] = self.base_cache[d(cache_slot[cache])]
+        out[self._positions(hot)] = self.base_hot[d(hot_slot[hot])]
+        out[self._positions(cache)] = self.base_cache[d(cache_slot[cache])]
         return out
