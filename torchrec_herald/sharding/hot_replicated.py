@@ -508,8 +508,7 @@ class ShardedHeraldEmbeddingBagCollection(
         step is its host's)."""
         values, lengths = self._ids_of(ctx, features, B)
         lay = self._ids
-        feature_of_value = torch.repeat_interleave(self._feature_of_bag(B), lengths, output_size=values.numel())
-        bad = out_of_table(values, lay.rows_per_feature, feature_of_value)
+        feature_of_value, bad = self._features_and_bad(values, lengths, B)
         rows = lay.owner_feature_offsets.index_select(0, feature_of_value) + values.masked_fill(bad, 0)
         # int32: the wire's index type, which the cold lookup takes as it is (module docstring of compute)
         ctx.recv_rows, ctx.recv_lengths = rows.to(torch.int32), lengths.to(torch.int32)
@@ -634,8 +633,7 @@ class ShardedHeraldEmbeddingBagCollection(
                 lay.blocks_per_feature, lay.rows_per_feature, W, B)
             return (HotColdSplit(hot_offsets=hot_offsets, bag_lengths=lengths, sub_lengths=sub, bucketed_ids=ids,
                                  bucketed_hot_rows=hot_rows), per, read, any_bad, None, sub > 0)
-        feature_of_value = torch.repeat_interleave(self._feature_of_bag(B), lengths, output_size=values.numel())
-        bad = out_of_table(values, lay.rows_per_feature, feature_of_value)
+        feature_of_value, bad = self._features_and_bad(values, lengths, B)
         split = split_hot_cold(values.masked_fill(bad, 0), lengths, lay.feature_table, lay.table_offsets,
                                lay.hot_keys, lay.blocks_per_feature, W, B, feature_of_value=feature_of_value,
                                feature_key_table=lay.feature_key_table)
@@ -648,6 +646,12 @@ class ShardedHeraldEmbeddingBagCollection(
         else:  # no hot rows: none read (a step's hot-side kernels are skipped, a GPU's step being its host's)
             read = self._no_rows_read
         return split, per, read[:num_hot], bad.any(), feature_of_value, nonempty
+
+    def _features_and_bad(self, values: torch.Tensor, lengths: torch.Tensor, B: int
+                          ) -> Tuple[torch.Tensor, torch.Tensor]:
+        """Each id's feature and whether it is outside its feature's table (the torch ops, no host read)."""
+        feature_of_value = torch.repeat_interleave(self._feature_of_bag(B), lengths, output_size=values.numel())
+        return feature_of_value, out_of_table(values, self._ids.rows_per_feature, feature_of_value)
 
     def _feature_of_bag(self, B: int) -> torch.Tensor:
         """Each bag's feature ``[F*B]`` (bag = feature * B + sample) for batch size ``B``, made once on the ids'
