@@ -48,6 +48,28 @@ def use_gpu_code_path(no_extension: bool = False) -> None:
     row_store.RowStore.__init__ = gpu_rows_init  # type: ignore[method-assign]
 
 
+def add_loader_argument(parser: Any) -> None:
+    """The ``--loader`` option of the benchmarks that build with :func:`build_training`."""
+    parser.add_argument("--loader", choices=LOADERS, default="stream",
+                        help="what feeds the pipeline: the trainer's TrainStream (herald schedules whole global "
+                             "batches on its run-ahead thread, as python -m torchrec_herald.train does) or this "
+                             "rank's batches in a plain iterator, as a TorchRec user's own loader (herald then "
+                             "gathers scores and reads and moves samples; add pipeline.run_ahead=false for the "
+                             "order of the GPU figures of herald full up to 2026-11-27)")
+
+
+def add_training_arguments(parser: Any, batch_size: int, steps: int, warmup: int) -> None:
+    """The options every per-step benchmark built by :func:`build_training` takes: the trainer's Hydra
+    overrides, the batch size a rank, the steps timed after a warm-up, the GPU's code path and the feed."""
+    parser.add_argument("overrides", nargs="*", help="Hydra overrides of the trainer's config")
+    parser.add_argument("--batch-size", type=int, default=batch_size)
+    parser.add_argument("--steps", type=int, default=steps)
+    parser.add_argument("--warmup", type=int, default=warmup)
+    parser.add_argument("--torch-ids", action="store_true",
+                        help="the torch ops, not the compiled passes (a GPU's path)")
+    add_loader_argument(parser)
+
+
 class PreloadedBatches(DataSource):
     """The first ``batches`` global batches of ``source``, made now and kept in memory, in the two shapes a
     run reads: this rank's slice and, where ``whole``, the whole global batch (a herald pipeline scheduling

@@ -28,7 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import torch  # noqa: E402
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from gpu_path import LOADERS, build_training, use_gpu_code_path  # benchmarks/gpu_path.py  # noqa: E402
+from gpu_path import add_training_arguments, build_training, use_gpu_code_path  # benchmarks/gpu_path.py  # noqa: E402
 
 #: frames an op is attributed to (the innermost of them)
 PACKAGES = ("torchrec_herald", "/torchrec/", "fbgemm")
@@ -85,17 +85,11 @@ def count(overrides: list, batch_size: int, steps: int, warmup: int, torch_ids: 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("overrides", nargs="*", help="Hydra overrides of the trainer's config")
-    p.add_argument("--batch-size", type=int, default=2048)
-    p.add_argument("--steps", type=int, default=5)
-    p.add_argument("--warmup", type=int, default=8)
-    p.add_argument("--torch-ids", action="store_true", help="the torch ops, not the compiled passes (a GPU's path)")
+    add_training_arguments(p, batch_size=2048, steps=5, warmup=8)
     p.add_argument("--no-extension", action="store_true",
                    help="with --torch-ids: no compiled pass at all (a GPU host where the extension is not built)")
     p.add_argument("--faults", action="store_true", help="minor page faults per step by site and op, not ops")
     p.add_argument("--top", type=int, default=40, help="sites to list")
-    p.add_argument("--loader", choices=LOADERS, default="stream", help="what feeds the pipeline: the trainer's TrainStream (herald schedules whole global batches on its run-ahead "
-                        "thread) or this rank's batches in a plain iterator, as a TorchRec user's own loader (gpu_path.py)")
     a = p.parse_args()
     ops = count(a.overrides, a.batch_size, a.steps, a.warmup, a.torch_ids, a.no_extension, a.faults, a.loader)
     print(f"{'minor page faults inside ops' if a.faults else 'non-view aten ops'} per step: {sum(ops.values()):.1f}")

@@ -29,7 +29,7 @@ from typing import Any, Dict, List, Optional, Tuple
 import torch
 import torch.distributed as dist
 
-from gpu_path import LOADERS, build_training, use_gpu_code_path  # benchmarks/gpu_path.py
+from gpu_path import add_loader_argument, build_training, use_gpu_code_path  # benchmarks/gpu_path.py
 from machine_info import machine  # benchmarks/machine_info.py
 
 log = logging.getLogger("gpu_step_time")
@@ -213,11 +213,7 @@ def main() -> None:
     p.add_argument("--torch-ids", action="store_true",
                    help="on a CPU: the GPU's code path (torch ops, not the compiled passes over ids and rows), so "
                         "that a small batch times the host work a GPU step is bound by")
-    p.add_argument("--loader", choices=LOADERS, default="stream",
-                   help="what feeds both pipelines: the trainer's TrainStream (herald schedules whole global batches on its "
-                        "run-ahead thread, as python -m torchrec_herald.train does) or this rank's batches in a plain "
-                        "iterator, as a TorchRec user's own loader (herald then gathers scores and reads and moves samples; "
-                        "add pipeline.run_ahead=false for the order of the GPU figures of herald full up to 2026-11-27)")
+    add_loader_argument(p)
     a = p.parse_args()
     if a.torch_ids:
         use_gpu_code_path()

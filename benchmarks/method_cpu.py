@@ -26,7 +26,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
 sys.path.insert(0, str(HERE))
 
-from gpu_path import LOADERS, build_training, use_gpu_code_path  # noqa: E402
+from gpu_path import add_training_arguments, build_training, use_gpu_code_path  # noqa: E402
 
 #: (module, class, methods) timed
 TIMED = (
@@ -78,14 +78,8 @@ def measure(overrides: list, batch_size: int, steps: int, warmup: int, loader: s
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("overrides", nargs="*", help="Hydra overrides of the trainer's config")
-    p.add_argument("--batch-size", type=int, default=16)
-    p.add_argument("--steps", type=int, default=200)
-    p.add_argument("--warmup", type=int, default=20)
-    p.add_argument("--torch-ids", action="store_true", help="the torch ops, not the compiled passes (a GPU's path)")
+    add_training_arguments(p, batch_size=16, steps=200, warmup=20)
     p.add_argument("--json", type=Path, help="rank 0's figures, written here")
-    p.add_argument("--loader", choices=LOADERS, default="stream", help="what feeds the pipeline: the trainer's TrainStream (herald schedules whole global batches on its run-ahead "
-                        "thread) or this rank's batches in a plain iterator, as a TorchRec user's own loader (gpu_path.py)")
     a = p.parse_args()
     if a.torch_ids:
         use_gpu_code_path(False)
