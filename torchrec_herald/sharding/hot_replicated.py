@@ -45,7 +45,7 @@ from torchrec_herald.ops.hot_cold import (HotColdSplit, bags_of_values, invalid_
                                           offsets_from_lengths, out_of_table, split_hot_cold)
 from torchrec_herald.ops.tbe import SUPPORTED_OPTIMIZERS, dense_lookup
 from torchrec_herald.sharding.plan_exec import PlanExecutor
-from torchrec_herald.sharding.row_store import RowStore
+from torchrec_herald.sharding.row_store import RowStore, add_rows_in_order
 from torchrec_herald.sharding.types import HERALD_HOT_ROW_WISE, HotSpec, hot_spec_of
 from torchrec_herald.traffic import traffic_tag
 
@@ -152,7 +152,6 @@ class _PendingHotSync:
 
     dense: Optional[Tuple[torch.Tensor, torch.Tensor, Any]] = None
     sparse: Optional[Tuple[torch.Tensor, Any]] = None
-    sparse_from: List[int] = field(default_factory=list)  # rows received from each rank (the host's counts)
 
 
 class _IdsAwaitable(Awaitable[HeraldContext]):
@@ -965,7 +964,6 @@ class ShardedHeraldEmbeddingBagCollection(
             if self._any_sparse:  # tables synced sparsely: exchange touched rows only
                 touched = unique.index_select(0, sparse_idx)
                 pending.sparse = self._start_sparse_sum(touched, grad.index_select(0, sparse_idx), sparse_from)
-                pending.sparse_from = sparse_from
                 # counted where the rows are (no host read in backward); traffic_by_table turns it into bytes
                 self._hot_sparse_sent.index_add_(0, touched, self._one.expand(touched.numel()))
         self._traffic[:, 3] += self._dense_sync_bytes
@@ -992,13 +990,10 @@ class ShardedHeraldEmbeddingBagCollection(
             if self._native_ids is None:
                 # the path of ids on a GPU: every sparsely synced row gets its sum (zero where no rank read it,
                 # which leaves it as it was: RowStore.update_hot_rows), so nothing is sized by the data and the
-                # host never waits here (torch.unique would). Each rank's rows are added in turn, in rank order:
-                # a rank sends each row once, so no two adds of one call meet in a row, and every replica sums
-                # in the same order on a GPU too, bit for bit
-                summed = torch.zeros(max(self._num_hot, 1), self._dim, device=got.device)
-                for part_ids, part in zip(ids.split(p.sparse_from), got[:, 1:].split(p.sparse_from)):
-                    if part.shape[0]:
-                        summed.index_add_(0, part_ids, part)
+                # host never waits here (torch.unique would). The rows arrive in rank order and are added in
+                # that order, in one op whatever W is: every replica sums alike, bit for bit, on a GPU too
+                summed = add_rows_in_order(torch.zeros(max(self._num_hot, 1), self._dim, device=got.device),
+                                           ids, got[:, 1:])
                 rows.append(self._sparse_rows)
                 grads.append(summed.index_select(0, self._sparse_rows))
             else:

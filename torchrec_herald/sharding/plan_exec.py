@@ -19,7 +19,7 @@ import torch.distributed as dist
 from torchrec_herald.comm import all_to_all_rows_async
 from torchrec_herald.keymap import expand_ranges
 from torchrec_herald.plans import ExecPlan, FlushPlan
-from torchrec_herald.sharding.row_store import RowStore, host_positions_to_device, host_to_device
+from torchrec_herald.sharding.row_store import RowStore, add_rows_in_order, host_positions_to_device, host_to_device
 
 logger = logging.getLogger(__name__)
 
@@ -333,8 +333,16 @@ class PlanExecutor:
         if phase is not None and self.store.native is not None:  # one compiled pass stores them in sequence
             self._store_in_home_order(keys, add, recv_pos, out, phase, order)
             return
+        if phase is None and recv_pos:
+            arriving = torch.cat(recv_pos)  # (in source order, as the rows in ``out``)
+            if not bool(add[arriving].any()):
+                # every row replaces (a row has at most one replacing row an exchange): one store of them
+                # all, not one a source (some 20 host ops each, W of them)
+                if arriving.numel():
+                    self.store.receive(keys[arriving], out, add[arriving])
+                return
         parts = list(zip(recv_pos, out.split([i.numel() for i in recv_pos])))
-        if phase is None:
+        if phase is None:  # added updates: each source's after the one before it, in rank order
             for pos, rows in parts:
                 if rows.numel():
                     self.store.receive(keys[pos], rows, add[pos])
@@ -462,22 +470,22 @@ class PlanExecutor:
                 merged, merged_add, merged_phase = together
         route = self._route(merged) if merged is not None and merged.numel() else None
         rows = torch.zeros(0, self.D, device=dev)
-        recv_at: List[torch.Tensor] = [upd[:0]] * self.W
+        recv_pos: List[torch.Tensor] = []
+        work = None
         if started is not None:
             recv_pos, rows, work = started
-            recv_at = [host_to_device(torch.searchsorted(upd, red_keys[i]), dev) for i in recv_pos]
-            work.wait()
         elif plan.reduce.numel() or plan.partial:
-            recv_pos, rows = self._exchange(
+            recv_pos, rows, work = self._start_exchange(
                 plan.reduce, lambda i: ws_grad[host_to_device(torch.searchsorted(ws_keys, red_keys[i]), dev)],
                 "herald_reduce", self.D)
-            recv_at = [host_to_device(torch.searchsorted(upd, red_keys[i]), dev) for i in recv_pos]
-        parts = rows.split([i.numel() for i in recv_at])
-        for src in range(self.W):  # gradients summed in rank order: deterministic
-            if src == me:
-                total[own_rows] += ws_grad[own_grads]
-            elif recv_at[src].numel():
-                total.index_add_(0, recv_at[src], parts[src])
+        # the gradients are summed in rank order (deterministic), in one op whatever W is: the received ones
+        # (in source order) with this rank's own between those of the ranks below and above it
+        before = sum(i.numel() for i in recv_pos[:me])
+        found = torch.searchsorted(upd, red_keys[torch.cat(recv_pos)] if recv_pos else red_keys[:0])
+        at = host_to_device(torch.cat([found[:before], own_rows, found[before:]]), dev)
+        if work is not None:
+            work.wait()
+        add_rows_in_order(total, at, torch.cat([rows[:before], ws_grad[own_grads], rows[before:]]))
         if upd.numel():
             store.apply_gradient(upd, total)
         if plan.additive and merged is not None:  # pushes with the next step's pulls, waited for by begin()
@@ -505,8 +513,8 @@ class PlanExecutor:
 
     def _update_rows(self, plan: ExecPlan, ws_keys: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """The rows this rank updates in ``plan`` (its reducer's) and, among them and the working set's
-        ``ws_keys``, which it read and where their gradients are: ``(keys, mask, working-set positions)``,
-        the last two on the rows' device. Kept for the plan's :meth:`after_backward` (:meth:`begin`
+        ``ws_keys``, which it read and where their gradients are: ``(keys, the positions among them of those
+        read, their working-set positions)``, the last on the rows' device. Kept for the plan's :meth:`after_backward` (:meth:`begin`
         finds them while its pulls travel)."""
         found = self._update_rows_of
         if found is not None and found[0] is plan and found[1] is ws_keys:
@@ -514,8 +522,7 @@ class PlanExecutor:
         upd = plan.update_keys[plan.reducer == self.rank]
         own = torch.searchsorted(ws_keys, upd).clamp(max=max(ws_keys.numel() - 1, 0))
         read = ws_keys[own] == upd if ws_keys.numel() else torch.zeros_like(upd, dtype=torch.bool)
-        dev = self.store.device
-        rows = (upd, host_to_device(read, dev), host_to_device(own[read], dev))
+        rows = (upd, read.nonzero().squeeze(1), host_to_device(own[read], self.store.device))
         self._update_rows_of = (plan, ws_keys, rows)
         return rows
 

@@ -20,7 +20,7 @@ from torchrec_herald.layout import RowLayout
 from torchrec_herald.native import load_if_built
 from torchrec_herald.ops.tbe import dense_hot_tbe, fused_cold_tbe
 
-__all__ = ["RowStore", "exact_update", "host_positions_to_device", "host_to_device"]
+__all__ = ["RowStore", "add_rows_in_order", "exact_update", "host_positions_to_device", "host_to_device"]
 
 
 def host_to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
@@ -37,6 +37,17 @@ def host_positions_to_device(mask: torch.Tensor, device: torch.device) -> torch.
     """The positions where the host's bool ``mask`` is set, on ``device`` (:func:`host_to_device`): found on the
     host, since a boolean mask indexing on a GPU reads its count back (a sync)."""
     return host_to_device(mask.nonzero().squeeze(1), device)
+
+
+def add_rows_in_order(total: torch.Tensor, index: torch.Tensor, src: torch.Tensor) -> torch.Tensor:
+    """``total[index[i]] += src[i]`` for every ``i``, in place, each row's additions made in the order of ``src``
+    (bit for bit the same sums every run and on every replica given the same ``src``), in one op whatever
+    the number of ranks ``src`` gathers. On a CPU ``index_add_`` adds serially, in that order. On a GPU
+    ``index_add_`` uses atomics (no set order), so ``index_put_(accumulate=True)`` does it: a stable sort of
+    ``index``, then each row's run added in sequence (the op torch's deterministic mode makes ``index_add_``)."""
+    if total.is_cuda:
+        return total.index_put_((index,), src, accumulate=True)
+    return total.index_add_(0, index, src)
 
 
 def exact_update(w: torch.Tensor, state: torch.Tensor, grad: torch.Tensor, optimizer: EmbOptimType, lr: float,
@@ -392,7 +403,9 @@ class RowStore(nn.Module):
             self.cache_s = torch.cat([self.cache_s, torch.zeros(grow, device=self.device)])
             self.base_cache = torch.cat([self.base_cache, torch.zeros(grow, self.dim + 1, device=self.device)])
             self.free.extend(range(start + grow - 1, start - 1, -1))
-        slots = [self.free.pop() for _ in range(new.numel())]
+        n = new.numel()
+        slots = self.free[-n:][::-1]  # the last n free slots, last first (as n pops of the stack)
+        del self.free[-n:]
         new, order = torch.sort(new)  # (the plan's keys are unique)
         self.cache_map.insert(new, slot=torch.tensor(slots, dtype=torch.int64)[order])
 
