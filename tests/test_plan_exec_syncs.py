@@ -5,7 +5,7 @@ from the plan's still fails with one clear error, raised after backward and befo
 from __future__ import annotations
 
 from types import SimpleNamespace
-from typing import Any, List
+from typing import Any
 
 import pytest
 import torch
@@ -36,14 +36,16 @@ def _executor(compiled: bool = False) -> tuple:
     return PlanExecutor(store, None), store, plan
 
 
-class _Syncs(TorchDispatchMode):
-    def __init__(self) -> None:
+class _Seen(TorchDispatchMode):
+    """Records the ops among ``names`` dispatched inside it, in order."""
+
+    def __init__(self, names: frozenset = frozenset(SYNC_OPS)) -> None:
         super().__init__()
-        self.seen: List[str] = []
+        self.names, self.seen = names, []  # type: ignore[var-annotated]
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         name = func.__name__.split(".")[0]
-        if name in SYNC_OPS:
+        if name in self.names:
             self.seen.append(name)
         return func(*args, **(kwargs or {}))
 
@@ -53,7 +55,7 @@ def test_begin_loads_the_working_set_and_the_forward_only_indexes_it(compiled: b
     ex, store, plan = _executor(compiled)
     ex.begin(plan)
     assert [k.tolist() for k in store.reads] == [[2, 5, 7]]  # read once, before the forward
-    with _Syncs() as mode:
+    with _Seen() as mode:
         pos = ex.working_set(torch.tensor([7, 2, 5, 5]))
     assert pos.tolist() == [2, 0, 1, 1] and mode.seen == []
     assert len(store.reads) == 1 and ex.ws is not None and ex.ws[:, 0].tolist() == [2.0, 5.0, 7.0]
@@ -64,7 +66,7 @@ def test_begin_loads_the_working_set_and_the_forward_only_indexes_it(compiled: b
 def test_a_batch_that_differs_from_its_plan_fails_after_backward_before_any_update(keys: list, compiled: bool) -> None:
     ex, store, plan = _executor(compiled)
     ex.begin(plan)
-    with _Syncs() as mode:
+    with _Seen() as mode:
         pos = ex.working_set(torch.tensor(keys))  # no error and no sync inside the forward ...
     assert mode.seen == []
     assert 0 <= int(pos.min()) and int(pos.max()) < 3  # (and every lookup inside the working set's rows)
@@ -112,23 +114,11 @@ def test_the_reduce_sums_each_rows_gradients_in_rank_order_in_one_op_whatever_th
     in_order = [((torch.zeros((), dtype=torch.float32) + a) + b) + c for a, b, c in zip(g0, g1, g2)]
     assert in_order[0] != (torch.tensor(g0[0]) + g2[0]) + g1[0]  # (the values tell the orders apart)
     assert in_order[1] != (torch.tensor(g1[1]) + g2[1]) + g0[1]
-    with _AddOps() as ops:
+    with _Seen(frozenset({"index_add_", "index_add", "index_put_", "add_"})) as ops:
         ex.after_backward(plan, ws_keys, ws_grad, started)
     keys, grad = store.applied
     assert keys.tolist() == [10, 20] and grad[:, 0].tolist() == [float(t) for t in in_order]
     assert ops.seen == ["index_add_"]
-
-
-class _AddOps(TorchDispatchMode):
-    def __init__(self) -> None:
-        super().__init__()
-        self.seen: List[str] = []
-
-    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        name = func.__name__.split(".")[0]
-        if name in ("index_add_", "index_add", "index_put_", "add_"):
-            self.seen.append(name)
-        return func(*args, **(kwargs or {}))
 
 
 @pytest.mark.parametrize("adds", [False, True])
