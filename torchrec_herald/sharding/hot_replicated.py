@@ -990,8 +990,8 @@ class ShardedHeraldEmbeddingBagCollection(
             if self._native_ids is None:
                 # the path of ids on a GPU: every sparsely synced row gets its sum (zero where no rank read it,
                 # which leaves it as it was: RowStore.update_hot_rows), so nothing is sized by the data and the
-                # host never waits here (torch.unique would). The rows arrive in rank order and are added in
-                # that order, in one op whatever W is: every replica sums alike, bit for bit, on a GPU too
+                # host never waits here (torch.unique would). The rows arrive in rank order and are added in one
+                # op whatever W is, deterministically: every replica sums alike, bit for bit, on a GPU too
                 summed = add_rows_in_order(torch.zeros(max(self._num_hot, 1), self._dim, device=got.device),
                                            ids, got[:, 1:])
                 rows.append(self._sparse_rows)

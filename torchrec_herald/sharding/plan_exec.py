@@ -478,8 +478,8 @@ class PlanExecutor:
             recv_pos, rows, work = self._start_exchange(
                 plan.reduce, lambda i: ws_grad[host_to_device(torch.searchsorted(ws_keys, red_keys[i]), dev)],
                 "herald_reduce", self.D)
-        # the gradients are summed in rank order (deterministic), in one op whatever W is: the received ones
-        # (in source order) with this rank's own between those of the ranks below and above it
+        # the gradients are summed in one op whatever W is, deterministically (in rank order on a CPU): the
+        # received ones (in source order) with this rank's own between those of the ranks below and above it
         before = sum(i.numel() for i in recv_pos[:me])
         found = torch.searchsorted(upd, red_keys[torch.cat(recv_pos)] if recv_pos else red_keys[:0])
         at = host_to_device(torch.cat([found[:before], own_rows, found[before:]]), dev)
@@ -514,8 +514,8 @@ class PlanExecutor:
     def _update_rows(self, plan: ExecPlan, ws_keys: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """The rows this rank updates in ``plan`` (its reducer's) and, among them and the working set's
         ``ws_keys``, which it read and where their gradients are: ``(keys, the positions among them of those
-        read, their working-set positions)``, the last on the rows' device. Kept for the plan's :meth:`after_backward` (:meth:`begin`
-        finds them while its pulls travel)."""
+        read, their working-set positions)``, the last on the rows' device. Kept for the plan's
+        :meth:`after_backward` (:meth:`begin` finds them while its pulls travel)."""
         found = self._update_rows_of
         if found is not None and found[0] is plan and found[1] is ws_keys:
             return found[2]

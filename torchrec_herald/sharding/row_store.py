@@ -40,11 +40,11 @@ def host_positions_to_device(mask: torch.Tensor, device: torch.device) -> torch.
 
 
 def add_rows_in_order(total: torch.Tensor, index: torch.Tensor, src: torch.Tensor) -> torch.Tensor:
-    """``total[index[i]] += src[i]`` for every ``i``, in place, each row's additions made in the order of ``src``
-    (bit for bit the same sums every run and on every replica given the same ``src``), in one op whatever
-    the number of ranks ``src`` gathers. On a CPU ``index_add_`` adds serially, in that order. On a GPU
-    ``index_add_`` uses atomics (no set order), so ``index_put_(accumulate=True)`` does it: a stable sort of
-    ``index``, then each row's run added in sequence (the op torch's deterministic mode makes ``index_add_``)."""
+    """``total[index[i]] += src[i]`` for every ``i``, in place and in one op whatever the number of ranks ``src``
+    gathers, deterministically: the same sums every run, and on every replica given the same ``src``. On a CPU
+    ``index_add_`` adds serially, each row's additions in the order of ``src``. On a GPU ``index_add_`` adds by
+    atomics, in no set order; ``index_put_(accumulate=True)`` sorts ``index`` and adds each row's run in sequence
+    (the op torch's deterministic mode runs for ``index_add_``)."""
     if total.is_cuda:
         return total.index_put_((index,), src, accumulate=True)
     return total.index_add_(0, index, src)
