@@ -155,8 +155,13 @@ def test_planning_auto_plans_globally_at_two_ranks_and_by_home_beyond() -> None:
         p, a, why = planned(world)
         assert (p, a) == ("by_home", "identity") and why.startswith(f"pipeline.planning=auto -> by_home at W={world}:")
         assert "the input allocator is off (identity)" in why
-    assert planned(8, allocator="greedy") == ("global", "greedy", "pipeline.planning=auto -> global: "
-                                              "pipeline.allocator=greedy needs every rank's view")
+    assert planned(8, allocator="greedy") == (
+        "global", "greedy", "pipeline.planning=auto -> global: pipeline.allocator=greedy needs every rank's view; at "
+        "W=8 each rank then plans every rank's rows, a CPU cost a step that grows with W·B (0.33 s a rank-step at "
+        "W=8, off the critical path only while it is shorter than the step); by home it grows with the rank's own "
+        "reads")
+    assert planned(2, allocator="greedy")[2] == ("pipeline.planning=auto -> global: pipeline.allocator=greedy needs "
+                                                 "every rank's view")  # (where auto plans globally anyway)
     assert planned(8, staleness=1)[0] == "global" and planned(8, skip="input")[0] == "global"
     assert planned(8, sync="eager")[0] == "global" and planned(8, scheduling="off")[0] == "global"
     assert planned(8, planning="global") == ("global", "greedy", "pipeline.planning=global (set)")

@@ -231,7 +231,12 @@ class HeraldPipelineConfig:
             ("scheduling", self.scheduling, self.scheduling == "off"),
             ("global_batches", self.global_batches, self.global_batches is True)) if clash]
         if need_global:
-            return "global", f"pipeline.planning=auto -> global: {', '.join(need_global)} needs every rank's view"
+            why = f"pipeline.planning=auto -> global: {', '.join(need_global)} needs every rank's view"
+            if world_size > GLOBAL_PLANNING_MAX_WORLD:  # (where auto would have planned by home)
+                why += (f"; at W={world_size} each rank then plans every rank's rows, a CPU cost a step that grows "
+                        f"with W·B (0.33 s a rank-step at W=8, off the critical path only while it is shorter than "
+                        f"the step); by home it grows with the rank's own reads")
+            return "global", why
         if world_size <= GLOBAL_PLANNING_MAX_WORLD:
             return "global", (f"pipeline.planning=auto -> global at W={world_size} <= {GLOBAL_PLANNING_MAX_WORLD}: "
                               f"planning every row with the input allocator measured faster there")

@@ -39,7 +39,8 @@ from torchrec_herald.pipeline.context import (EVERY_RANK, HeraldBatchContext, Sc
                                               find_herald_ebc, select_samples, stock_tables_beside)
 from torchrec_herald.pipeline.input_allocator import build_allocator
 from torchrec_herald.pipeline.options import (ALLOCATORS, AUTO_MAX_PRICED_PENALTY, CACHE_POLICIES,
-                                              PER_RANK_ALLOCATOR_REASON, SYNC_MODES, HeraldPipelineConfig)
+                                              GLOBAL_PLANNING_MAX_WORLD, PER_RANK_ALLOCATOR_REASON, SYNC_MODES,
+                                              HeraldPipelineConfig)
 from torchrec_herald.pipeline.run_ahead import RunAhead
 from torchrec_herald.pipeline.stages import batch_stages
 from torchrec_herald.pipeline.stages.plan import make_plan, plan_head
@@ -89,7 +90,11 @@ class HeraldTrainPipeline(TrainPipeline[Batch, Any]):
         # loader, from whether it gives whole global batches: _resolve, from the settings as given)
         self._config_set = self.config
         self.config, self.planning_reason = self.config.resolve_planning(self.ebc.world_size)
-        logger.info("%s", self.planning_reason)
+        # auto planning globally past the ranks where it would plan by home, for a setting that needs it: a
+        # cost a step that grows with W (the reason says which setting)
+        scale_cost = (self._config_set.planning == "auto" and self.config.planning == "global"
+                      and self.ebc.world_size > GLOBAL_PLANNING_MAX_WORLD)
+        logger.log(logging.WARNING if scale_cost else logging.INFO, "%s", self.planning_reason)
         c = self.config
         self.window, self.allocator, self.sync, self.move_penalty = c.window, c.allocator, c.sync, c.move_penalty
         self.staleness = c.staleness
