@@ -17,6 +17,8 @@
 #            scores and reads gathered, samples moved, scheduled ahead; with pipeline.run_ahead=false on the
 #            training thread, the order of every GPU figure of herald full up to 2026-11-27 (part fullserial)
 #   two      hot replication at 2 ranks on the one GPU (torchrun; gloo carries the CUDA tensors), rank 0's pair
+#   twofull  herald full the same way: the plan executor's reduce and stores on CUDA tensors (its in-order add is
+#            index_put_(accumulate=True) there, a path no CPU run takes), rank 0's pair
 #   prof     hot replication and stock profiled (kernel launches, host syncs, timelines), 5 steps each, and their
 #            host time per pipeline phase side by side (benchmarks/gpu_trace_phases.py -> prof_phases.json).
 #            The cProfile part of each .prof.txt covers every thread on Python 3.12 (the GPU host's): with the
@@ -50,6 +52,8 @@ for part in ${PARTS:-hot nothread old full two hotrows check prof}; do case $par
   fullserial) LOADER=own pair fullserial planner=herald pipeline=herald pipeline.scheduling=on planner.link_mbit=null \
                   pipeline.run_ahead=false ;;
   two) HERALD_DIST_BACKEND=gloo LAUNCH="python3 -m torch.distributed.run --standalone --nproc_per_node 2" pair two $hot ;;
+  twofull) HERALD_DIST_BACKEND=gloo LAUNCH="python3 -m torch.distributed.run --standalone --nproc_per_node 2" \
+             pair twofull planner=herald pipeline=herald pipeline.scheduling=on planner.link_mbit=null ;;
   prof) for id in hot stock; do [ $id = hot ] && cfg=$hot || cfg=$stock
           timeout ${LIMIT:-90} python3 benchmarks/gpu_step_time.py --batch-sizes 2048 --steps 20 --overrides $cfg \
               --profile --trace --out "$out/prof_$id.json" > /tmp/prof_$id.log 2>&1
