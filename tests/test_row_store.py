@@ -375,3 +375,34 @@ def test_compiled_plan_positions_match_searchsorted_and_flag_rows_that_differ_fr
     assert torch.equal(pos, ref.clamp(max=planned.numel() - 1) if planned.numel() else ref)
     assert case != "key_not_planned" or int(pos[5]) == planned.numel() - 1
     assert wrong.dim() == 0 and bool(wrong) == (case != "exact")
+
+
+def test_compiled_grouping_by_kind_of_row_matches_the_torch_ops_and_names_every_key_not_held() -> None:
+    """``RowStore._slots`` (a GPU host's path where the extension is built) groups keys by kind of row in one
+    compiled pass: the same (kind, positions, slots) groups as the torch ops for hot, own-block and cached keys
+    mixed, for keys of one kind (positions None: the keys' own order), and for no keys; a key held nowhere
+    is the same error, naming every such key."""
+    from torchrec_herald.native import available
+
+    assert available(), "make setup builds the extension"
+    compiled, reference = (_random_store(3, EmbOptimType.EXACT_SGD, native) for native in ("gpu_rows", False))
+    every = torch.arange(compiled.layout.num_rows)
+    hot = compiled.layout.hot_slot(every) >= 0
+    remote, own = every[~hot & (compiled.own_slot(every) < 0)], every[~hot & (compiled.own_slot(every) >= 0)]
+    cached = remote[::2]
+    for store in (compiled, reference):
+        store.write(cached, torch.zeros(cached.numel(), 4), torch.zeros(cached.numel()))
+    pool = torch.cat([cached[:9], compiled.layout.hot_keys[::3], own[::4]])
+    mixed = pool[torch.randperm(pool.numel(), generator=torch.Generator().manual_seed(0))]
+    for keys in (mixed, own[::2], compiled.layout.hot_keys[:7], cached[:5], torch.zeros(0, dtype=torch.int64)):
+        got, want = compiled._slots(keys), reference._slots(keys)
+        assert [(k, None if p is None else p.tolist(), s.tolist()) for k, p, s in got] == \
+               [(k, None if p is None else p.tolist(), s.tolist()) for k, p, s in want]
+    assert [k for k, _, _ in compiled._slots(mixed)] == [0, 1, 2]
+    errors = []
+    absent = remote[1::2][[0, 1, 3]]  # (never written: held nowhere)
+    for store in (compiled, reference):
+        with pytest.raises(RuntimeError) as e:
+            store._slots(torch.cat([own[:1], absent[:2], cached[:1], absent[2:]]))
+        errors.append(str(e.value))
+    assert errors == [f"rank 1: plan reads rows it does not hold: keys {absent.tolist()}"] * 2

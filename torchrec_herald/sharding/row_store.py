@@ -267,15 +267,29 @@ class RowStore(nn.Module):
         their slots, on the device. A kind absent from ``keys`` is left out, and where one kind holds every
         key its positions are None (the keys' own order): at one rank every key is the rank's own, and a
         read is then one gather a buffer. All the indices reach the device in one copy (each copy from
-        host memory is a synchronous transfer on a GPU)."""
-        kind, slot = self._kinds(keys)
+        host memory is a synchronous transfer on a GPU). Where the compiled access is built, one counting
+        pass groups them (``row_store_slots``); the torch ops below are its reference."""
         n = keys.numel()
-        counts = torch.bincount(kind, minlength=3).tolist() if n else [0, 0, 0]
-        whole = [k for k in range(3) if counts[k] == n and n]
-        if whole:
+        if not n:
+            return []
+        if self._locates(keys):
+            counts_by_kind, flat, missing = self.native_locate.row_store_slots(keys.to(torch.int64).contiguous(),
+                                                                               *self._native_args())
+            if missing >= 0:  # (the locate names every key not held)
+                raise self._not_held(keys, (self._locate(keys)[0] < 0).nonzero().flatten())
+            counts = counts_by_kind.tolist()
+            slot = flat[n:]
+        else:
+            kind, slot = self._kinds(keys)
+            counts = torch.bincount(kind, minlength=3).tolist()
+            flat = None
+        whole = [k for k in range(3) if counts[k] == n]
+        if whole:  # (the compiled pass's positions are then 0…n−1 and its slots in the keys' order)
             return [(whole[0], None, self._dev(slot))]
-        order = torch.sort(kind, stable=True)[1]
-        flat = self._dev(torch.cat([order, slot[order]]))
+        if flat is None:
+            order = torch.sort(kind, stable=True)[1]
+            flat = torch.cat([order, slot[order]])
+        flat = self._dev(flat)
         pos, slots = flat[:n].split(counts), flat[n:].split(counts)
         return [(k, pos[k], slots[k]) for k in range(3) if counts[k]]
 
