@@ -370,13 +370,24 @@ class RowStore(nn.Module):
             self.write(keys, *exact_update(w, s, grad, self.optimizer, self.lr, self.eps))
             return
         bufs_w, bufs_s = self._rows_by_kind()
-        for kind, pos, slot in self._slots(keys):
-            g = grad if pos is None else grad[pos]
-            s = bufs_s[kind][slot] if bufs_s is not None else self._no_state(slot.numel())
-            new_w, new_s = exact_update(bufs_w[kind][slot], s, g, self.optimizer, self.lr, self.eps)
-            bufs_w[kind][slot] = new_w
+        groups = self._slots(keys)
+        if not groups:
+            return
+        # the rows of every kind updated together (one update's ops, not one a kind of row), then put back
+        def joined(parts: List[torch.Tensor]) -> torch.Tensor:
+            return parts[0] if len(parts) == 1 else torch.cat(parts)
+
+        pos = [p for _, p, _ in groups]
+        w = joined([bufs_w[kind][slot] for kind, _, slot in groups])
+        s = (joined([bufs_s[kind][slot] for kind, _, slot in groups]) if bufs_s is not None
+             else self._no_state(keys.numel()))
+        g = grad if pos[0] is None else grad[joined(pos)]  # (one group in the keys' order: as they are)
+        new_w, new_s = exact_update(w, s, g, self.optimizer, self.lr, self.eps)
+        sizes = [slot.numel() for _, _, slot in groups]
+        for (kind, _, slot), kw, ks in zip(groups, new_w.split(sizes), new_s.split(sizes)):
+            bufs_w[kind][slot] = kw
             if bufs_s is not None:
-                bufs_s[kind][slot] = new_s
+                bufs_s[kind][slot] = ks
 
     def _store_giving_slots(self, store: Callable[..., torch.Tensor], keys: torch.Tensor,
                             *per_key: torch.Tensor) -> None:
