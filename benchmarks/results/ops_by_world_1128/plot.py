@@ -5,7 +5,8 @@ d = json.load(open("benchmarks/results/ops_by_world_1128/ops_by_world.json"))
 fig, ax = plt.subplots(figsize=(6.4, 4))
 style = {("herald_full", "before"): ("herald full, before (928f00f)", "tab:red", "--", "o"),
          ("herald_full", "after"): ("herald full, one-op reduce and store", "tab:orange", "-", "o"),
-         ("herald_full", "grouped"): ("herald full, now (+ grouped by kind, compiled)", "tab:red", "-", "o"),
+         ("herald_full", "grouped"): ("herald full, + keys grouped by kind, compiled", "tab:pink", "-", "o"),
+         ("herald_full", "now"): ("herald full, now (+ one update across kinds)", "tab:red", "-", "o"),
          ("herald_hot", "after"): ("hot replication, now", "tab:blue", "-", "s"),
          ("stock", "after"): ("stock TABLE_WISE", "black", "-", "^")}
 for key, (label, c, ls, m) in style.items():
