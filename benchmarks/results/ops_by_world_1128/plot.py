@@ -15,5 +15,5 @@ for key, (label, c, ls, m) in style.items():
 ax.set_xscale("log", base=2); ax.set_xticks([2, 4, 8, 16]); ax.set_xticklabels(["2", "4", "8", "16"])
 ax.set_xlabel("ranks (W)"); ax.set_ylabel("ops a step, rank 0's training thread")
 ax.set_title("Ops a step on a GPU's code path (CPU count, B=256)")
-ax.set_ylim(0, None); ax.grid(alpha=.3); ax.legend()
+ax.set_ylim(0, None); ax.grid(alpha=.3); ax.legend(loc="upper left", fontsize=8)
 fig.tight_layout(); fig.savefig("benchmarks/results/ops_by_world_1128/ops_by_world.png", dpi=120)
