@@ -177,3 +177,36 @@ def test_config(tmp_path: Path) -> None:
         build_data_source({"name": "columnar", "paths": path, "sparse": {"item": 10}, "hash": False})
     with pytest.raises(ValueError, match="format"):
         build_data_source({"name": "columnar", "paths": path, "sparse": {"item": 10}, "format": "orc"})
+
+
+def test_the_readmes_command_line_sparse_override_composes_and_a_bad_one_names_the_key() -> None:
+    from hydra import compose, initialize_config_module
+
+    import torchrec_herald.config  # noqa: F401  (registers the groups)
+
+    base = ["data=columnar", "data.paths=clicks.csv", "data.label=clicked"]
+    with initialize_config_module(config_module="torchrec_herald.conf", version_base=None):
+        cfg = compose("train", overrides=[*base, "data.sparse={user_id: 100000, item_id: 50000, category: 1000}"])
+        assert dict(cfg.data.sparse) == {"user_id": 100000, "item_id": 50000, "category": 1000}
+        bad = compose("train", overrides=[*base, "data.sparse={user_id: abc}"])
+        listed = compose("train", overrides=[*base, "data.sparse=[1,2]"])
+    with pytest.raises(ValueError, match=r"^data\.sparse: each table size must be an integer, got \{'user_id': 'abc'\}$"):
+        build_data_source(bad.data)
+    with pytest.raises(ValueError, match=r"^data\.sparse must map at least one sparse column to its table size"):
+        build_data_source(listed.data)
+
+
+def test_a_byte_order_mark_is_dropped_and_a_column_named_twice_is_refused(tmp_path: Path) -> None:
+    path = tmp_path / "t.csv"
+    path.write_text("\ufeff" + "\n".join(CSV_ROWS) + "\n", encoding="utf-8")
+    check_expected(ColumnarSource(str(path), eval_paths=str(path), **COLUMNS))
+    twice = write_csv(tmp_path / "twice.csv", ["y,d0,d1,item,tags,item", "1,0,0,1,2,3"])
+    with pytest.raises(DataFormatError, match=r"twice.csv:1: column\(s\) \['item'\] appear more than once in the header"):
+        ColumnarSource(twice, **COLUMNS).check()
+
+
+def test_a_file_that_is_not_parquet_is_named(tmp_path: Path) -> None:
+    path = tmp_path / "t.parquet"
+    path.write_text("y,d0\n1,2\n")
+    with pytest.raises(DataFormatError, match=r"t.parquet:after record 0: the file cannot be read on: ArrowInvalid: "):
+        ColumnarSource(str(path), **COLUMNS).check()

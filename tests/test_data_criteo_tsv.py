@@ -164,3 +164,25 @@ def test_config(tmp_path: Path) -> None:
         CriteoTSV(path, on_error="ignore")
     with pytest.raises(ValueError, match="num_embeddings"):
         CriteoTSV(path, num_embeddings=[10] * 25)
+
+
+def test_a_truncated_gzip_is_named_with_the_last_record_read(tmp_path: Path) -> None:
+    whole = gzip.compress("".join(numbered(2000)).encode())
+    path = tmp_path / "day_0.gz"
+    path.write_bytes(whole[: len(whole) // 2])
+    src = CriteoTSV(str(path), eval_paths=str(path), num_embeddings=NUM_EMB, on_error="skip")
+    src.check()  # its first records are whole
+    with pytest.raises(DataFormatError, match=r"day_0.gz:after record \d+: the file cannot be read on: EOFError: "):
+        list(src.train_batches(0, 1, 10))
+
+
+@pytest.mark.parametrize("where", ["first", "later"])
+def test_bytes_that_are_not_utf8_are_named_with_the_file(tmp_path: Path, where: str) -> None:
+    good = "".join(numbered(50)).encode()
+    data = b"\xff" + good if where == "first" else good + b"\xff\n"
+    path = tmp_path / "t.tsv"
+    path.write_bytes(data)
+    src = CriteoTSV(str(path), eval_paths=str(path), num_embeddings=NUM_EMB)
+    read = src.check if where == "first" else lambda: list(src.train_batches(0, 1, 10))
+    with pytest.raises(DataFormatError, match=r"t.tsv:after record \d+: the file cannot be read on: UnicodeDecodeError: "):
+        read()

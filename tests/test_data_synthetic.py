@@ -213,3 +213,16 @@ def test_compiled_sampling_takes_upper_bounds_at_exact_cdf_values_and_clamps_pas
     sampler._native = None
     want, _ = sampler(u)
     assert torch.equal(ids, want)
+
+
+@pytest.mark.parametrize("key, value, message", [
+    ("zipf_alpha", float("nan"), "data.zipf_alpha must be a finite number >= 0, got nan"),
+    ("zipf_alpha", float("inf"), "data.zipf_alpha must be a finite number >= 0, got inf"),
+    ("scale", 0.0, "data.scale must be > 0, got 0.0"),
+    ("missing_rate", 1.0, r"data.missing_rate must be in \[0, 1\), got 1.0"),
+])
+def test_a_bad_synthetic_value_is_named_by_its_config_key(key: str, value: float, message: str) -> None:
+    from torchrec_herald.data import build_data_source
+
+    with pytest.raises(ValueError, match=f"^{message}$"):
+        build_data_source({"name": "synthetic", key: value})

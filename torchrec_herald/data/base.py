@@ -20,6 +20,7 @@ import inspect
 import itertools
 import logging
 import math
+import re
 from typing import Any, Dict, Iterator, List, Mapping, Optional, Sequence, Tuple, Union
 
 import torch
@@ -230,4 +231,11 @@ def build_data_source(cfg: Union[Mapping[str, Any], Any]) -> DataSource:
     if missing:
         raise ValueError(f"data source {name!r}: missing config key(s) {missing}")
     logger.info("building data source %s(%s)", attr, kwargs)
-    return cls(**kwargs)
+    try:
+        return cls(**kwargs)
+    except ValueError as e:
+        # a value the source refuses: name it by its config key (``data.scale``), as every other group does
+        key = re.match(r"\w+", str(e))
+        if type(e) is not ValueError or key is None or key.group(0) not in params:
+            raise
+        raise ValueError(f"data.{e}") from None

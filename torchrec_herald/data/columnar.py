@@ -89,9 +89,13 @@ class ColumnarSource(FileSource[ColumnarSample]):
         log1p_dense: bool = False,
         format: Optional[str] = None,
     ) -> None:
+        if not isinstance(sparse, Mapping) or not sparse:
+            raise ValueError("sparse must map at least one sparse column to its table size, "
+                             f"{{name: num_embeddings, ...}}, got {sparse!r}")
+        bad = {c: n for c, n in sparse.items() if isinstance(n, bool) or not isinstance(n, int)}
+        if bad:
+            raise ValueError(f"sparse: each table size must be an integer, got {bad}")
         super().__init__(paths, eval_paths, holdout_every, on_error)
-        if not sparse:
-            raise ValueError("sparse: at least one sparse column {name: num_embeddings} is required")
         self.label, self.dense = str(label), [str(c) for c in dense]
         self.feature_names: List[str] = [str(c) for c in sparse]
         self.num_embeddings: List[int] = [int(n) for n in sparse.values()]
@@ -150,6 +154,9 @@ class ColumnarSource(FileSource[ColumnarSample]):
         missing = [c for c in self._columns if c not in names]
         if missing:  # a file-level problem: raised whatever on_error says
             raise DataFormatError(path, where, f"missing column(s) {missing}; found {list(names)}")
+        twice = sorted({c for c in self._columns if list(names).count(c) > 1})
+        if twice:  # which of the copies is meant is not for us to guess
+            raise DataFormatError(path, where, f"column(s) {twice} appear more than once in the header")
 
     def _read(self, path: str) -> Iterator[Union[ColumnarSample, DataFormatError]]:
         logger.info("reading %s", path)
@@ -162,7 +169,7 @@ class ColumnarSource(FileSource[ColumnarSample]):
                     row += 1
                     yield self._sample(path, f"row {row}", cells)
             return
-        with open_text(path, newline="") as f:
+        with open_text(path, newline="", encoding="utf-8-sig") as f:  # (a spreadsheet's byte-order mark dropped)
             reader = csv.reader(f)
             header = next(reader, None)
             if header is None:

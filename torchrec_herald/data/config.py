@@ -66,7 +66,9 @@ class ColumnarDataConfig(_Buildable):
 
     name: str = "columnar"
     paths: Any = MISSING  # training file or list of files (.parquet/.pq/.csv/.csv.gz)
-    sparse: Dict[str, int] = MISSING  # {column: num_embeddings, ...} in feature (table) order
+    # {column: num_embeddings, ...} in feature (table) order. Typed Any, not Dict[str, int]: Hydra merges a
+    # dict override into a typed dict node, and struct mode refuses its new keys (ColumnarSource checks it)
+    sparse: Any = MISSING
     label: str = _default(ColumnarSource, "label")  # 0/1 label column
     dense: List[str] = field(default_factory=list)  # dense columns, in order (empty/null -> 0)
     eval_paths: Any = None

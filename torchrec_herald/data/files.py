@@ -29,11 +29,11 @@ PathLike = Union[str, "os.PathLike[str]"]
 _MAX_SKIP_WARNINGS = 10
 
 
-def open_text(path: PathLike, newline: Optional[str] = None) -> IO[str]:
+def open_text(path: PathLike, newline: Optional[str] = None, encoding: str = "utf-8") -> IO[str]:
     """Open a text file for streaming, transparently decompressing ``*.gz``."""
     if str(path).endswith(".gz"):
-        return gzip.open(path, "rt", encoding="utf-8", newline=newline)
-    return open(path, "r", encoding="utf-8", newline=newline)
+        return gzip.open(path, "rt", encoding=encoding, newline=newline)
+    return open(path, "r", encoding=encoding, newline=newline)
 
 
 def as_paths(paths: Union[PathLike, Sequence[PathLike], None]) -> List[str]:
@@ -90,9 +90,23 @@ class FileSource(DataSource, Generic[Sample]):
     def _collate(self, samples: Sequence[Sample]) -> Batch:
         """Turn one rank's samples into a Batch."""
 
+    def _records(self, path: str) -> Iterator[Union[Sample, DataFormatError]]:
+        """:meth:`_read`, with a file that cannot be read on (a truncated ``.gz``, bytes that are not UTF-8, a
+        file that is not Parquet) raised as one DataFormatError naming it and the last record read. The rest of
+        such a file is unreadable, so ``on_error="skip"`` cannot skip past it."""
+        n = 0
+        try:
+            for item in self._read(path):
+                n += 1
+                yield item
+        except DataFormatError:
+            raise
+        except (OSError, EOFError, ValueError) as e:  # (UnicodeDecodeError and pyarrow's ArrowInvalid are ValueErrors)
+            raise DataFormatError(path, f"after record {n}", f"the file cannot be read on: {type(e).__name__}: {e}") from e
+
     def _samples(self, paths: Sequence[str]) -> Iterator[Sample]:
         for path in paths:
-            for item in self._read(path):
+            for item in self._records(path):
                 if not isinstance(item, DataFormatError):
                     yield item
                     continue
@@ -138,7 +152,7 @@ class FileSource(DataSource, Generic[Sample]):
         for path in [*self.paths, *self.eval_paths]:
             if os.path.getsize(path) == 0:
                 raise DataFormatError(path, 1, "the file is empty")
-            for n, item in enumerate(self._read(path)):
+            for n, item in enumerate(self._records(path)):
                 if not isinstance(item, DataFormatError):
                     break
                 if self.on_error == "raise" or n >= 999:

@@ -203,8 +203,8 @@ class SyntheticCriteo(DataSource):
         num_eval_batches: int = 20,
         missing_rate: float = 0.0,
     ) -> None:
-        if zipf_alpha < 0:
-            raise ValueError(f"zipf_alpha must be >= 0, got {zipf_alpha}")
+        if not zipf_alpha >= 0 or math.isinf(zipf_alpha):  # (NaN fails the first test)
+            raise ValueError(f"zipf_alpha must be a finite number >= 0, got {zipf_alpha}")
         if not 0.0 <= missing_rate < 1.0:
             raise ValueError(f"missing_rate must be in [0, 1), got {missing_rate}")
         if num_train_batches < 0 or num_eval_batches < 0:
