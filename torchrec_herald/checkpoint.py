@@ -16,7 +16,7 @@ import os
 import re
 import shutil
 from pathlib import Path
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -102,8 +102,8 @@ def checkpoints(directory: Path) -> List[Path]:
     return [p for _, p in sorted(found)]
 
 
-def _incomplete(path: Path) -> Optional[str]:
-    """Why ``path`` is not a usable checkpoint, or None."""
+def _incomplete(path: Path, required: Sequence[str] = ("step",)) -> Optional[str]:
+    """Why ``path`` is not a usable checkpoint (``required``: the keys its trainer state must hold), or None."""
     if not (path / ".metadata").is_file():
         return "no .metadata (DCP did not finish writing it)"
     try:
@@ -112,8 +112,9 @@ def _incomplete(path: Path) -> Optional[str]:
         return f"no {TRAINER_STATE}"
     except json.JSONDecodeError as e:
         return f"{TRAINER_STATE} is truncated ({e.msg})"
-    if "step" not in state:
-        return f"{TRAINER_STATE} has no step"
+    missing = [k for k in required if k not in state] if isinstance(state, dict) else list(required)
+    if missing:
+        return f"{TRAINER_STATE} has no {', '.join(missing)}"
     try:
         dcp.FileSystemReader(str(path)).read_metadata()
     except Exception as e:  # noqa: BLE001 - any unreadable metadata makes the checkpoint unusable
@@ -121,15 +122,15 @@ def _incomplete(path: Path) -> Optional[str]:
     return None
 
 
-def latest_checkpoint(directory: Path) -> Optional[Path]:
-    """The newest complete checkpoint under ``directory``; every newer incomplete one and every
-    interrupted save is skipped with a warning naming it."""
+def latest_checkpoint(directory: Path, required: Sequence[str] = ("step",)) -> Optional[Path]:
+    """The newest complete checkpoint under ``directory`` (its trainer state holding the keys ``required``);
+    every newer incomplete one and every interrupted save is skipped with a warning naming it."""
     directory = Path(directory)
     if directory.is_dir():
         for tmp in sorted(p for p in directory.iterdir() if p.name.startswith(".tmp-step_")):
             logger.warning("skipping %s: a save that did not finish", tmp)
     for path in reversed(checkpoints(directory)):
-        why = _incomplete(path)
+        why = _incomplete(path, required)
         if why is None:
             return path
         logger.warning("skipping checkpoint %s: %s; using an older one", path, why)
@@ -164,7 +165,15 @@ def load_checkpoint(path: Path, dmp: torch.nn.Module, optimizer: Any) -> Dict[st
         raise FileNotFoundError(f"checkpoint {path} is not usable: {why}")
     state = _state(dmp, optimizer)
     _check_shapes(path, state)
-    dcp.load(state, checkpoint_id=str(path))
+    try:
+        dcp.load(state, checkpoint_id=str(path))
+    except dcp.api.CheckpointException as e:  # every rank's failures, each (exception, traceback)
+        rank, failure = sorted(e.failures.items())[0]
+        first = failure[0] if isinstance(failure, tuple) else failure
+        problem = " ".join(f"{type(first).__name__}: {first}".split()).removesuffix(":")
+        raise ValueError(
+            f"checkpoint {path} cannot be read (rank {rank}: {problem}); remove that folder to resume from an "
+            f"older checkpoint, or checkpoint.resume=false to start fresh") from None
     dmp.load_state_dict(dict(state["model"]))  # in place already; this lets herald refresh its hot replicas
     optimizer.load_state_dict(_merged(optimizer.state_dict(), state.get("optim", {})))
     trainer_state = json.loads((path / TRAINER_STATE).read_text())

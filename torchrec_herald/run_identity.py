@@ -13,21 +13,66 @@ import json
 import os
 import re
 from pathlib import Path
-from typing import Any, Dict
+from typing import Any, Dict, Optional
 
 from omegaconf import DictConfig, OmegaConf
 
-__all__ = ["NOT_TRAINING_KEYS", "check_checkpoint_location", "checkpoint_dir", "run_name"]
+__all__ = ["MAY_CHANGE_ON_RESUME", "NOT_TRAINING_KEYS", "check_checkpoint_location", "checkpoint_dir", "companion_run",
+           "resume_problem", "run_name", "training_identity"]
 
 #: top-level config keys that do not change the trained model (a re-run differing in them resumes)
 NOT_TRAINING_KEYS = ("checkpoint", "log_every", "eval", "compare_with", "run_name")
+#: training keys a resumed run may change: more epochs train the same run on
+MAY_CHANGE_ON_RESUME = ("epochs",)
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
+_STEP_DIR = re.compile(r"^step_\d{8,}$")
 
 
 def _training_config(cfg: DictConfig) -> Dict[str, Any]:
     container = OmegaConf.to_container(cfg, resolve=True)
     assert isinstance(container, dict)
     return {k: v for k, v in container.items() if k not in NOT_TRAINING_KEYS}
+
+
+def _flat(d: Dict[str, Any], prefix: str = "") -> Dict[str, Any]:
+    out: Dict[str, Any] = {}
+    for k, v in d.items():
+        if isinstance(v, dict) and v:
+            out.update(_flat(v, f"{prefix}{k}."))
+        else:
+            out[f"{prefix}{k}"] = v
+    return out
+
+
+def training_identity(cfg: DictConfig, world_size: int) -> Dict[str, Any]:
+    """What a checkpoint records of the run that saved it (JSON-able): the number of ranks and every key that
+    changes what is trained, dotted (``optimizer.lr``), so that a resume can name what differs."""
+    identity = {"world_size": int(world_size), "config": _flat(_training_config(cfg))}
+    return json.loads(json.dumps(identity, default=str))  # as it reads back from trainer_state.json
+
+
+def resume_problem(saved: Any, current: Dict[str, Any], path: Path) -> Optional[str]:
+    """Why the checkpoint at ``path``, saved by the run ``saved`` (its :func:`training_identity`), must not
+    be resumed by the run ``current``, in one line naming what differs; None where it may. A run given
+    ``checkpoint.dir`` or ``run_name`` can meet another run's checkpoints there: resuming them would train
+    that run on under other settings, at a data position of another batch size, and prune its
+    checkpoints. Only :data:`MAY_CHANGE_ON_RESUME` may differ."""
+    if not isinstance(saved, dict):
+        return None  # saved before checkpoints recorded their run: nothing to compare (the caller warns)
+    diffs = []
+    if saved.get("world_size") != current["world_size"]:
+        diffs.append(f"{current['world_size']} rank(s) here, {saved.get('world_size')} there")
+    mine, theirs = current["config"], saved.get("config") or {}
+    unset = "<unset>"
+    for key in sorted(set(mine) | set(theirs)):
+        if key not in MAY_CHANGE_ON_RESUME and mine.get(key, unset) != theirs.get(key, unset):
+            diffs.append(f"{key}={mine.get(key, unset)} here, {theirs.get(key, unset)} there")
+    if not diffs:
+        return None
+    shown = "; ".join(diffs[:6]) + (f"; and {len(diffs) - 6} more" if len(diffs) > 6 else "")
+    return (f"checkpoint {path} was saved by another run ({shown}): resuming it would train that run on with "
+            f"these settings. Give this run a folder of its own (checkpoint.dir or run_name), or "
+            f"checkpoint.resume=false to start fresh (the checkpoints there are moved aside, not deleted)")
 
 
 def run_name(cfg: DictConfig, world_size: int) -> str:
@@ -53,6 +98,17 @@ def checkpoint_dir(cfg: DictConfig, world_size: int) -> Path:
     return Path(str(c.get("root") or "outputs/checkpoints")) / run_name(cfg, world_size)
 
 
+def companion_run(cfg: DictConfig, role: str) -> None:
+    """Give ``cfg``, a run trained beside another (``compare_with``'s baseline, an approximate run's exact
+    reference), checkpoints of its own where the user named the folder: ``checkpoint.dir/<role>`` or
+    ``<run_name>-<role>``. (A derived name differs already: the config's hash does.) In place."""
+    c = cfg.get("checkpoint")
+    if c is not None and c.get("dir"):
+        c.dir = str(Path(str(c.dir)) / role)
+    if cfg.get("run_name"):
+        cfg.run_name = f"{cfg.run_name}-{role}"
+
+
 def check_checkpoint_location(cfg: DictConfig, world_size: int, writing: bool) -> Path:
     """Before anything trains: the checkpoint folder is a directory (or can be made one) and, when the
     run will save checkpoints (``writing``), a file can be created in it. Raises ValueError naming
@@ -67,6 +123,9 @@ def check_checkpoint_location(cfg: DictConfig, world_size: int, writing: bool) -
         if p.exists() and not p.is_dir():
             what = "is a file" if p == given else f"lies under {p}, which is a file"
             raise ValueError(f"{key}={given} {what}, not a directory; give a directory")
+        if _STEP_DIR.match(p.name) and (p / ".metadata").is_file():  # (a run would save inside a checkpoint)
+            raise ValueError(f"{key}={given} is {'' if p == given else 'inside '}one checkpoint ({p.name}); "
+                             f"give the folder that holds the run's checkpoints: {p.parent}")
     if not writing:
         return folder
     existing = next(p for p in (folder, *folder.parents) if p.exists())

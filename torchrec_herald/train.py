@@ -34,6 +34,7 @@ def one_line(e: BaseException) -> str:
     failures = getattr(e, "failures", None)  # DCP's CheckpointException: {rank: the exception there}
     if isinstance(failures, dict) and failures:
         rank, first = sorted(failures.items())[0]
+        first = first[0] if isinstance(first, tuple) and first else first  # (exception, traceback) in torch 2.x
         e = first if isinstance(first, BaseException) else e
     line = " ".join(f"{type(e).__name__}: {e}".split())
     cause = e.__cause__
@@ -100,6 +101,7 @@ def _run(cfg: DictConfig, run_dir: Path) -> None:
     from hydra import compose
 
     from torchrec_herald.report import write_comparison
+    from torchrec_herald.run_identity import companion_run
     from torchrec_herald.trainer import format_comparison_table, format_metrics_table, preflight, run_training
 
     hc = HydraConfig.get()
@@ -110,6 +112,7 @@ def _run(cfg: DictConfig, run_dir: Path) -> None:
         overrides = [o for o in hc.overrides.task if not o.startswith(("planner", "pipeline", "compare_with"))]
         base_cfg = compose(config_name="train", overrides=overrides + [f"planner={cfg.compare_with}"])
         base_cfg.compare_with = None
+        companion_run(base_cfg, f"baseline_{cfg.compare_with}")  # never the herald run's checkpoints
         preflight(cfg)  # the herald run's settings fail here, before the baseline trains
         baseline = run_training(base_cfg, run_dir / f"baseline_{cfg.compare_with}")
     metrics = run_training(cfg, run_dir)

@@ -176,6 +176,7 @@ def preflight(cfg: DictConfig, world_size: Optional[int] = None) -> DataSource:
     typed = validate(cfg)
     run_name(cfg, world)  # run_name: a folder name
     check_checkpoint_location(cfg, world, writing=typed.checkpoint.every_n_steps is not None)
+    check_resumable(cfg, world)
     data = build_data_source(cfg.data)
     data.check()
     if isinstance(typed.pipeline, HeraldPipelineConfig):
@@ -184,6 +185,25 @@ def preflight(cfg: DictConfig, world_size: Optional[int] = None) -> DataSource:
         check_window(data, typed.pipeline.window, world, typed.batch_size)
         typed.pipeline.scheduler_impl_choice()  # scheduler_impl=compiled without a build: one line naming the key
     return data
+
+
+def check_resumable(cfg: DictConfig, world_size: int) -> None:
+    """The checkpoint a run would resume from (its folder's latest complete one, unless
+    ``checkpoint.resume=false``) was saved by this run's settings and ranks: ValueError naming what differs
+    otherwise, before anything is built or trained (every rank reads the same files)."""
+    from torchrec_herald.checkpoint import TRAINER_STATE, latest_checkpoint
+    from torchrec_herald.run_identity import checkpoint_dir, resume_problem, training_identity
+
+    c = cfg.get("checkpoint") or {}
+    if not bool(c.get("resume", True)):
+        return
+    latest = latest_checkpoint(checkpoint_dir(cfg, world_size), TRAINER_KEYS)
+    if latest is None:
+        return
+    saved = json.loads((latest / TRAINER_STATE).read_text()).get("run")
+    problem = resume_problem(saved, training_identity(cfg, world_size), latest)
+    if problem:
+        raise ValueError(problem)
 
 
 def check_window(data: DataSource, window: int, world_size: int, batch_size: int) -> None:
@@ -209,12 +229,19 @@ def is_approximate(cfg: DictConfig) -> bool:
 
 def exact_reference_config(cfg: DictConfig) -> DictConfig:
     """The same run in herald's exact mode (no staleness, no skipping)."""
+    from torchrec_herald.run_identity import companion_run
+
     ref = copy.deepcopy(cfg)  # keeps the typed (structured) nodes
     ref.pipeline.staleness = None
     ref.pipeline.skip = None
+    companion_run(ref, "exact_reference")  # never the approximate run's checkpoints
     if cfg.pipeline.get("staleness") is not None:  # HET's run keeps its plan on: so does its reference
         ref.pipeline.scheduling = "on"
     return ref
+
+
+#: what the trainer's every trainer_state.json holds (``run``, the saving run's identity, is absent from older ones)
+TRAINER_KEYS = ("step", "epoch", "batch_in_epoch", "losses_by_rank", "rng", "pipeline")
 
 
 class Checkpointing:
@@ -226,13 +253,14 @@ class Checkpointing:
     uninterrupted run as in a resumed one, so both train the same batches the same way."""
 
     def __init__(self, cfg: DictConfig, dmp: nn.Module, optimizer: Any, pipeline: Any, world_size: int) -> None:
-        from torchrec_herald.run_identity import checkpoint_dir
+        from torchrec_herald.run_identity import checkpoint_dir, training_identity
 
         c = cfg.get("checkpoint") or {}
         self.every = c.get("every_n_steps")
         self.keep = int(c.get("keep") if c.get("keep") is not None else 2)
         self.resume_enabled = bool(c.get("resume", True))
         self.dir = checkpoint_dir(cfg, world_size)
+        self.identity = training_identity(cfg, world_size)  # recorded in every save, compared at a resume
         self.dmp, self.optimizer, self.pipeline = dmp, optimizer, pipeline
 
     def due(self, step: int) -> bool:
@@ -244,9 +272,9 @@ class Checkpointing:
         fresh. Returns the checkpoint's trainer state (with ``path``), or None."""
         from torchrec_herald.checkpoint import latest_checkpoint, load_checkpoint, set_rng_state
 
-        choice: List[Any] = [None]
+        choice: List[Any] = [None, None]  # (the checkpoint to resume or "", why it must not be resumed or None)
         if dist.get_rank() == 0:
-            latest = latest_checkpoint(self.dir)
+            latest = latest_checkpoint(self.dir, TRAINER_KEYS)
             if latest is not None and not self.resume_enabled:
                 aside = self.dir.with_name(f"{self.dir.name}.set-aside-{time.strftime('%Y%m%d-%H%M%S')}")
                 self.dir.rename(aside)
@@ -254,7 +282,10 @@ class Checkpointing:
                                "moved to %s", aside)
                 latest = None
             choice[0] = str(latest or "")
+            choice[1] = self.problem(latest) if latest is not None else None
         dist.broadcast_object_list(choice, src=0)
+        if choice[1]:  # every rank raises it: none waits on a collective the others never reach
+            raise ValueError(choice[1])
         if not choice[0]:
             if self.every:
                 logger.info("checkpoints of this run: %s (every %d steps; re-running the same command resumes "
@@ -266,6 +297,18 @@ class Checkpointing:
         logger.warning("resuming from checkpoint %s: step %d (epoch %d, batch %d of it); checkpoint.resume=false "
                        "starts fresh", choice[0], state["step"], state["epoch"], state["batch_in_epoch"])
         return dict(state, path=choice[0])
+
+    def problem(self, path: Path) -> Optional[str]:
+        """Why the checkpoint at ``path`` is another run's (one line naming what differs), or None
+        (:func:`~torchrec_herald.run_identity.resume_problem`)."""
+        from torchrec_herald.checkpoint import TRAINER_STATE
+        from torchrec_herald.run_identity import resume_problem
+
+        saved = json.loads((Path(path) / TRAINER_STATE).read_text()).get("run")
+        if saved is None:
+            logger.warning("checkpoint %s does not record the run that saved it (an older version's): resuming it "
+                           "without comparing its settings with this run's", path)
+        return resume_problem(saved, self.identity, Path(path))
 
     def completed_metrics(self) -> Optional[Dict[str, Any]]:
         """The metrics a run that already finished left in its checkpoint folder, or None."""
@@ -290,7 +333,7 @@ class Checkpointing:
         by_rank: List[Any] = [None] * dist.get_world_size()
         dist.all_gather_object(by_rank, losses)
         state = {"epoch": epoch, "batch_in_epoch": batch_in_epoch, "losses_by_rank": by_rank, "rng": rng_state(),
-                 "pipeline": self.pipeline.state_dict()}
+                 "pipeline": self.pipeline.state_dict(), "run": self.identity}
         save_checkpoint(self.dir, step, self.dmp, self.optimizer, state, self.keep)
         return it
 

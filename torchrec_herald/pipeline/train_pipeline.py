@@ -685,8 +685,14 @@ class HeraldTrainPipeline(TrainPipeline[Batch, Any]):
         probe = self.switch.probe if self.switch is not None else self._restored_probe
         return {"stats": asdict(self.stats), "alloc_step": self.env.alloc_step, "mode": self.mode, "probe": probe}
 
-    def load_state_dict(self, state: Dict[str, Any]) -> None:
-        """Restore :meth:`state_dict`'s counters (the planner starts from the flushed layout, as saved)."""
+    def load_state_dict(self, state: Optional[Dict[str, Any]]) -> None:
+        """Restore :meth:`state_dict`'s counters (the planner starts from the flushed layout, as saved).
+        ``None``: the checkpoint's run trained with TorchRec's pipeline (the model of time had picked a stock
+        plan then: each attempt measures its link): the counters start at zero."""
+        if state is None:
+            logger.info("the checkpoint holds no herald pipeline state (its run trained a stock plan): "
+                        "herald's counters start at zero")
+            return
         stats = dict(state["stats"])
         stats["counters"] = SyncCounters(**stats["counters"])
         self.env.stats = SchedulerStats(**stats)

@@ -1,0 +1,118 @@
+"""A checkpoint records the run that saved it; a run never resumes another run's checkpoints (it would
+train that run on under other settings, at a data position of another batch size, and prune its
+checkpoints), and a checkpoint that cannot be used is named with what is wrong."""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+from typing import Any, Dict, List
+
+import pytest
+import torch
+
+from torchrec_herald.checkpoint import TRAINER_STATE, latest_checkpoint, load_checkpoint, save_checkpoint
+from torchrec_herald.config import compose_config
+from torchrec_herald.run_identity import check_checkpoint_location, companion_run, resume_problem, training_identity
+from torchrec_herald.trainer import TRAINER_KEYS, exact_reference_config, preflight
+
+BASE = ["data.num_train_batches=8", "batch_size=16"]
+
+
+def _saved_run(folder: Path, overrides: List[str], world_size: int = 1, step: int = 4,
+               state: Dict[str, Any] | None = None) -> Path:
+    """A checkpoint at ``folder/step_<step>`` as the trainer leaves it, saved by the run ``overrides`` (a tiny
+    stand-in model: what is compared is its trainer_state.json)."""
+    model = torch.nn.Linear(2, 1)
+    run = training_identity(compose_config(overrides), world_size)
+    trainer = {"epoch": 0, "batch_in_epoch": step, "losses_by_rank": [[0.5] * step] * world_size, "rng": {},
+               "pipeline": None, "run": run} if state is None else state
+    return save_checkpoint(folder, step, model, torch.optim.SGD(model.parameters(), lr=0.1), trainer)
+
+
+def _preflight_error(overrides: List[str]) -> str:
+    try:
+        preflight(compose_config(overrides))
+    except Exception as e:  # noqa: BLE001 - the message is what is asserted
+        return f"{type(e).__name__}: {e}"
+    return "no error"
+
+
+def test_a_run_refuses_another_runs_checkpoint_in_its_folder_naming_what_differs(tmp_path: Path) -> None:
+    where = [f"checkpoint.dir={tmp_path}", "checkpoint.every_n_steps=2"]
+    path = _saved_run(tmp_path, BASE + where)
+    assert _preflight_error(BASE + where) == "no error"  # the same run: it resumes
+    assert _preflight_error(BASE + where + ["epochs=3"]) == "no error"  # more epochs train the same run on
+    assert _preflight_error(BASE + where + ["optimizer.lr=0.5", "batch_size=32"]) == (
+        f"ValueError: checkpoint {path} was saved by another run (batch_size=32 here, 16 there; optimizer.lr=0.5 "
+        f"here, 0.05 there): resuming it would train that run on with these settings. Give this run a folder of "
+        f"its own (checkpoint.dir or run_name), or checkpoint.resume=false to start fresh (the checkpoints there "
+        f"are moved aside, not deleted)")
+    assert _preflight_error(BASE + where + ["optimizer.lr=0.5", "checkpoint.resume=false"]) == "no error"
+    assert [p.name for p in tmp_path.iterdir()] == ["step_00000004"]  # nothing was moved or pruned by a check
+
+
+def test_a_run_on_other_ranks_refuses_the_checkpoint(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    where = BASE + [f"checkpoint.dir={tmp_path}"]
+    path = _saved_run(tmp_path, where, world_size=1)
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    assert _preflight_error(where).startswith(
+        f"ValueError: checkpoint {path} was saved by another run (2 rank(s) here, 1 there): ")
+
+
+def test_a_checkpoint_without_a_recorded_run_resumes_with_a_warning(tmp_path: Path,
+                                                                    caplog: pytest.LogCaptureFixture) -> None:
+    state = {"epoch": 0, "batch_in_epoch": 4, "losses_by_rank": [[0.5] * 4], "rng": {}, "pipeline": None}
+    path = _saved_run(tmp_path, BASE, state=state)
+    current = training_identity(compose_config(BASE + ["optimizer.lr=0.5"]), 1)
+    assert resume_problem(None, current, path) is None
+    assert _preflight_error(BASE + [f"checkpoint.dir={tmp_path}", "optimizer.lr=0.5"]) == "no error"
+
+
+def test_more_than_six_differences_are_counted() -> None:
+    mine = {"world_size": 1, "config": {f"k{i}": i for i in range(9)}}
+    theirs = {"world_size": 1, "config": {f"k{i}": i + 1 for i in range(9)}}
+    got = resume_problem(theirs, mine, Path("/c"))
+    assert got is not None and got.startswith("checkpoint /c was saved by another run (k0=0 here, 1 there; ") and \
+        "k5=5 here, 6 there; and 3 more)" in got
+
+
+def test_a_baseline_and_an_exact_reference_checkpoint_beside_the_run_not_into_its_folder(tmp_path: Path) -> None:
+    cfg = compose_config(BASE + [f"checkpoint.dir={tmp_path}/run", "run_name=mine"])
+    companion_run(cfg, "baseline_table_wise")
+    assert (cfg.checkpoint.dir, cfg.run_name) == (f"{tmp_path}/run/baseline_table_wise", "mine-baseline_table_wise")
+    approx = compose_config(BASE + ["planner=herald", "pipeline=herald", "pipeline.staleness=1", "run_name=het"])
+    ref = exact_reference_config(approx)
+    assert ref.run_name == "het-exact_reference" and ref.checkpoint.dir is None and ref.pipeline.staleness is None
+
+
+def test_a_checkpoint_folder_given_as_one_checkpoint_is_named(tmp_path: Path) -> None:
+    path = _saved_run(tmp_path, BASE)
+    with pytest.raises(ValueError, match=rf"^checkpoint.dir={path} is one checkpoint \(step_00000004\); give the "
+                                         rf"folder that holds the run's checkpoints: {tmp_path}$"):
+        check_checkpoint_location(compose_config(BASE + [f"checkpoint.dir={path}"]), 1, writing=True)
+
+
+def test_a_trainer_state_missing_a_key_is_skipped_for_an_older_checkpoint(tmp_path: Path,
+                                                                            caplog: pytest.LogCaptureFixture) -> None:
+    older = _saved_run(tmp_path, BASE, step=2)
+    newer = _saved_run(tmp_path, BASE, step=4)
+    state = json.loads((newer / TRAINER_STATE).read_text())
+    del state["rng"]
+    (newer / TRAINER_STATE).write_text(json.dumps(state))
+    with caplog.at_level(logging.WARNING):
+        assert latest_checkpoint(tmp_path, TRAINER_KEYS) == older
+        assert latest_checkpoint(tmp_path) == newer  # (the library's own saves need a step only)
+    assert f"skipping checkpoint {newer}: {TRAINER_STATE} has no rng; using an older one" in caplog.text
+
+
+def test_a_truncated_shard_is_named_with_its_checkpoint(tmp_path: Path) -> None:
+    path = _saved_run(tmp_path, BASE)
+    (shard,) = path.glob("*.distcp")
+    shard.write_bytes(shard.read_bytes()[: shard.stat().st_size // 2])
+    model = torch.nn.Linear(2, 1)
+    with pytest.raises(ValueError, match=rf"^checkpoint {path} cannot be read \(rank 0: EOFError\); remove that "
+                                         rf"folder to resume from an older checkpoint, or checkpoint.resume=false "
+                                         rf"to start fresh$"):
+        load_checkpoint(path, model, torch.optim.SGD(model.parameters(), lr=0.1))
