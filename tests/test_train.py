@@ -68,6 +68,22 @@ def test_bad_data_fails_on_every_rank_with_file_and_line(tmp_path: Path) -> None
                          str(tmp_path / "run"), timeout_s=120)
 
 
+def test_a_bad_eval_file_found_after_training_keeps_the_training_figures(tmp_path: Path) -> None:
+    """An eval file is checked only as it is read, after training: its bad record is named on every rank, and
+    the trained run's metrics.json and losses.json are written first."""
+    good = "1\t" + "\t".join(["1"] * 13) + "\t" + "\t".join(["a"] * 26)
+    train, evals = tmp_path / "train.tsv", tmp_path / "eval.tsv"
+    train.write_text("\n".join([good] * 24) + "\n")
+    evals.write_text("\n".join([good] * 8 + ["0\tnot-a-number"]) + "\n")
+    run = tmp_path / "run"
+    with pytest.raises(RuntimeError, match=r"eval\.tsv:9: expected 40 tab-separated fields, got 2"):
+        run_multiprocess(_train, 2, ["data=criteo_tsv", f"data.paths={train}", f"data.eval_paths={evals}",
+                                     "batch_size=4"], str(run), timeout_s=120)
+    written = json.loads((run / "metrics.json").read_text())
+    assert written["steps"] == 3 and written["eval"] == {}
+    assert len(json.loads((run / "losses.json").read_text())) == 3
+
+
 def test_herald_pipeline_trains_every_epoch_and_reports_scheduler(tmp_path: Path) -> None:
     """pipeline=herald through the driver: every epoch is trained (the window restarts on each epoch's
     iterator), and metrics.json carries the scheduler's counters, consistent with TrafficMeter's tags."""

@@ -5,6 +5,7 @@ an approximate mode's accuracy against its exact reference."""
 
 from __future__ import annotations
 
+import logging
 import resource
 from typing import Any, Dict, Iterator, List, Optional
 
@@ -14,6 +15,8 @@ from omegaconf import DictConfig, OmegaConf
 from torch import nn
 
 from torchrec_herald.report import embedding_bytes_per_step, headline
+
+logger = logging.getLogger(__name__)
 
 __all__ = ["collect_metrics", "evaluate", "herald_traffic_report", "peak_rss_mib_by_rank", "percentiles",
            "step_time_breakdown"]
@@ -57,6 +60,9 @@ def evaluate(dmp: nn.Module, batches: Iterator[Any], device: torch.device) -> Di
     dmp.train()
     dist.all_reduce(loss_sum)
     if loss_sum[1] == 0:
+        if dist.get_rank() == 0:
+            logger.warning("evaluation: the held-out split holds no full global batch, so AUC and logloss are NaN "
+                           "(data.eval_paths / data.holdout_every against batch_size × ranks)")
         return {"auc": float("nan"), "logloss": float("nan"), "samples": 0}
     return {"auc": auroc.compute().item(), "logloss": (loss_sum[0] / loss_sum[1]).item(),
             "samples": int(loss_sum[1].item())}

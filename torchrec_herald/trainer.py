@@ -448,17 +448,35 @@ class Trainer:
         loss_t /= self.world
         herald = herald_traffic_report(self.dmp, self.decision.plan, attempt_steps, measured=not pipeline.plan_mode)
         pipeline.detach()  # restore the forwards TrainPipelineSparseDist rewrote / flush herald's caches
-        eval_metrics = (evaluate(self.dmp, self.data.eval_batches(rank, self.world, cfg.batch_size), self.device)
-                        if cfg.eval else {})
-        metrics = collect_metrics(
-            cfg, world=self.world, steps=steps, attempt_steps=attempt_steps,
-            restored=steps - attempt_steps if resumed is not None else None,
-            resumed_from=resumed["path"] if resumed is not None else None,
-            checkpoint_dir=str(self.checkpoints.dir) if self.checkpoints.every else None, train_time=train_time,
-            step_times=step_times, losses=loss_t, traffic=traffic, traffic_tags=traffic_tags, wait_s=meter.wait_s,
-            scheduler_s=scheduler_s, pipeline_report=pipeline_report, approximate_own=approximate_own, dmp=self.dmp,
-            decision=self.decision, plan=self.plan, eval_metrics=eval_metrics, data_stats=self.data.stats(),
-            reference=self.reference, herald=herald)
+
+        def figures(eval_metrics: Dict[str, float]) -> Dict[str, Any]:  # (collective)
+            return collect_metrics(
+                cfg, world=self.world, steps=steps, attempt_steps=attempt_steps,
+                restored=steps - attempt_steps if resumed is not None else None,
+                resumed_from=resumed["path"] if resumed is not None else None,
+                checkpoint_dir=str(self.checkpoints.dir) if self.checkpoints.every else None, train_time=train_time,
+                step_times=step_times, losses=loss_t, traffic=traffic, traffic_tags=traffic_tags,
+                wait_s=meter.wait_s, scheduler_s=scheduler_s, pipeline_report=pipeline_report,
+                approximate_own=approximate_own, dmp=self.dmp, decision=self.decision, plan=self.plan,
+                eval_metrics=eval_metrics, data_stats=self.data.stats(), reference=self.reference, herald=herald)
+
+        eval_metrics: Dict[str, float] = {}
+        if cfg.eval:
+            # the training figures first: an eval file is checked only as it is read, and a bad record found
+            # there (every rank raises it) must not take the trained run's figures with it
+            if rank == 0:
+                (self.run_dir / "metrics.json").write_text(json.dumps(figures({}), indent=2))
+                (self.run_dir / "losses.json").write_text(json.dumps(loss_t.tolist()))
+            else:
+                figures({})
+            try:
+                eval_metrics = evaluate(self.dmp, self.data.eval_batches(rank, self.world, cfg.batch_size), self.device)
+            except Exception:
+                if rank == 0:
+                    logger.error("evaluation failed after training; the training figures (no eval) are in %s",
+                                 self.run_dir / "metrics.json")
+                raise
+        metrics = figures(eval_metrics)
         if rank == 0:
             (self.run_dir / "metrics.json").write_text(json.dumps(metrics, indent=2))
             (self.run_dir / "losses.json").write_text(json.dumps(loss_t.tolist()))
