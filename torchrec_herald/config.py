@@ -23,6 +23,7 @@ error naming its key; :func:`compose_config` composes one outside ``@hydra.main`
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Any, List, Optional, Sequence
 
@@ -55,9 +56,16 @@ class ModelConfig:
     def __post_init__(self) -> None:
         if str(self.pooling).upper() not in ("SUM", "MEAN"):
             raise ValueError(f"model.pooling must be SUM or MEAN, got {self.pooling!r}")
-        if int(self.embedding_dim) < 1 or list(self.dense_arch)[-1] != self.embedding_dim:
+        if int(self.embedding_dim) < 1:
+            raise ValueError(f"model.embedding_dim must be >= 1, got {self.embedding_dim}")
+        for key, sizes in (("dense_arch", list(self.dense_arch)), ("over_arch", list(self.over_arch))):
+            if not sizes or min(sizes) < 1:
+                raise ValueError(f"model.{key} must be a non-empty list of layer sizes >= 1, got {sizes}")
+        if list(self.dense_arch)[-1] != self.embedding_dim:
             raise ValueError(f"model.dense_arch must end with model.embedding_dim={self.embedding_dim}, "
                              f"got {list(self.dense_arch)}")
+        if list(self.over_arch)[-1] != 1:
+            raise ValueError(f"model.over_arch must end with 1 (the click logit), got {list(self.over_arch)}")
 
 
 @dataclass
@@ -73,6 +81,10 @@ class OptimizerConfig:
     def __post_init__(self) -> None:
         if self.name not in OPTIMIZER_NAMES:
             raise ValueError(f"unknown optimizer.name {self.name!r}; expected one of {sorted(OPTIMIZER_NAMES)}")
+        for key, positive in (("lr", True), ("dense_lr", True), ("eps", False)):
+            v = float(getattr(self, key))
+            if not math.isfinite(v) or v < 0 or (positive and v == 0):
+                raise ValueError(f"optimizer.{key} must be a finite number {'> 0' if positive else '>= 0'}, got {v}")
 
 
 @dataclass

@@ -177,12 +177,22 @@ def preflight(cfg: DictConfig, world_size: Optional[int] = None) -> DataSource:
     run_name(cfg, world)  # run_name: a folder name
     check_checkpoint_location(cfg, world, writing=typed.checkpoint.every_n_steps is not None)
     check_resumable(cfg, world)
+    if isinstance(typed.planner, HeraldPlannerConfig):
+        from torchrec_herald.planner.planner import check_hot_budget_fits
+        from torchrec_herald.planner.topology import make_topology
+
+        check_hot_budget_fits(typed.planner.hot_memory_budget_bytes, make_topology(world),
+                              "planner.hot_memory_budget_bytes")
     data = build_data_source(cfg.data)
     data.check()
     if isinstance(typed.pipeline, HeraldPipelineConfig):
         total = getattr(data, "num_train_batches", None)
         typed.pipeline.check_run_length(None if total is None else int(total) * typed.epochs)
         check_window(data, typed.pipeline.window, world, typed.batch_size)
+        row_bytes = (typed.model.embedding_dim + 1) * 4  # a cached row: its weights and row-wise optimizer state
+        if typed.pipeline.cache_bytes is not None and int(typed.pipeline.cache_bytes) < row_bytes:
+            raise ValueError(f"pipeline.cache_bytes={typed.pipeline.cache_bytes} holds no cache row of {row_bytes} "
+                             f"bytes; each herald table needs at least one")
         typed.pipeline.scheduler_impl_choice()  # scheduler_impl=compiled without a build: one line naming the key
     return data
 

@@ -178,6 +178,9 @@ class HeraldPipelineConfig:
                 raise ValueError(f"pipeline.staleness must be null (exact) or an integer >= 0, got {s}")
             if self.sync != "lazy":
                 raise ValueError("pipeline.staleness needs pipeline.sync=lazy (it relaxes the caches' plan)")
+            if self.scheduling == "off":
+                raise ValueError("pipeline.staleness bounds the staleness of Herald scheduling's caches: it needs "
+                                 "pipeline.scheduling=on or auto, got pipeline.scheduling=off")
         self.skip_config  # validates the skip_* options  # noqa: B018
         if self.scheduling not in SCHEDULING:
             raise ValueError(f"unknown pipeline.scheduling {self.scheduling!r}; known: {list(SCHEDULING)}")

@@ -4,6 +4,8 @@ each validating itself with one error naming the bad key."""
 
 from __future__ import annotations
 
+import math
+
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any, Dict, Optional
 
@@ -114,7 +116,12 @@ class HeraldPlannerConfig:
                 or not self.collective_latency_ms > 0):
             raise ValueError(f"planner.collective_latency_ms must be > 0 ms or auto (measured at start), "
                              f"got {self.collective_latency_ms!r}")
-        self.link_model()  # planner.cpu_us_per_lookup: one error naming the key
+        for key, v in (("cpu_us_per_lookup", self.cpu_us_per_lookup), ("top_fraction", self.top_fraction)):
+            if isinstance(v, (str, bool)) or not math.isfinite(float(v)) or float(v) < 0:
+                raise ValueError(f"planner.{key} must be a finite number >= 0, got {v!r}")
+        if float(self.top_fraction) > 1:
+            raise ValueError(f"planner.top_fraction must be at most 1 (the share of each table's rows replicated), "
+                             f"got {self.top_fraction}")
 
     @property
     def wants_probe(self) -> bool:

@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torchrec.distributed.planner import EmbeddingShardingPlanner, ParameterConstraints
-from torchrec.distributed.planner.types import Stats
+from torchrec.distributed.planner.types import Stats, Topology
 from torchrec.distributed.types import ModuleSharder, ShardingPlan, ShardingType
 from torchrec.modules.embedding_configs import EmbeddingBagConfig
 from torchrec.modules.embedding_modules import EmbeddingBagCollection
@@ -44,6 +44,18 @@ DEFAULT_HOT_MEMORY_BUDGET_BYTES = 64 * 1024 * 1024
 def embedding_bag_configs(module: nn.Module) -> List[EmbeddingBagConfig]:
     """All EmbeddingBagConfigs of the EBCs inside ``module`` (herald plans every EBC's tables)."""
     return [c for m in module.modules() if isinstance(m, EmbeddingBagCollection) for c in m.embedding_bag_configs()]
+
+
+def check_hot_budget_fits(budget: Optional[int], topology: Topology, key: str = "hot_memory_budget_bytes") -> None:
+    """ValueError naming ``key`` where a hot-row budget of ``budget`` bytes is more than a rank of ``topology``
+    holds (its HBM on a GPU, its DDR on a CPU)."""
+    if budget is None:
+        return
+    device = topology.devices[0]
+    capacity = device.storage.hbm if topology.compute_device == "cuda" else device.storage.ddr
+    if budget > capacity:
+        raise ValueError(f"{key}={budget} is more than a rank can hold ({capacity} bytes of "
+                         f"{'HBM' if topology.compute_device == 'cuda' else 'DDR'} per rank in the planner's Topology)")
 
 
 class HeraldPlanner(EmbeddingShardingPlanner):
@@ -126,14 +138,7 @@ class HeraldPlanner(EmbeddingShardingPlanner):
         return cls(sample_batches=sample, **kwargs)
 
     def _check_budget_fits(self) -> None:
-        if self._budget is None:
-            return
-        device = self._topology.devices[0]
-        capacity = device.storage.hbm if self._topology.compute_device == "cuda" else device.storage.ddr
-        if self._budget > capacity:
-            raise ValueError(f"hot_memory_budget_bytes={self._budget} is more than a rank can hold "
-                             f"({capacity} bytes of {'HBM' if self._topology.compute_device == 'cuda' else 'DDR'} "
-                             f"per rank in the planner's Topology)")
+        check_hot_budget_fits(self._budget, self._topology)
 
     def _row_wise_constraints(self, tables: List[EmbeddingBagConfig]) -> Dict[str, ParameterConstraints]:
         constraints = copy.deepcopy(self._constraints) if self._constraints else {}

@@ -83,9 +83,9 @@ class LinkModel(Pricing):
     def __post_init__(self) -> None:
         if not self.link_mbit > 0:
             raise ValueError(f"planner.link_mbit must be > 0 Mbit/s (or null: unknown), got {self.link_mbit}")
-        if self.collective_latency_ms < 0:
+        if not self.collective_latency_ms >= 0:  # (NaN fails it)
             raise ValueError(f"planner.collective_latency_ms must be >= 0, got {self.collective_latency_ms}")
-        if self.cpu_us_per_lookup < 0:
+        if not self.cpu_us_per_lookup >= 0 or math.isinf(self.cpu_us_per_lookup):
             raise ValueError(f"planner.cpu_us_per_lookup must be >= 0, got {self.cpu_us_per_lookup}")
 
     unit = "ms"

@@ -92,7 +92,7 @@ def strategy_exists(name: str) -> bool:
     """A module ``<name>.py`` of this package holds the strategy (it may not be imported yet)."""
     import importlib.util
 
-    return name.isidentifier() and importlib.util.find_spec(f"{__name__}.{name}") is not None
+    return name.isidentifier() and not name.startswith("_") and importlib.util.find_spec(f"{__name__}.{name}") is not None
 
 
 def build_strategy(name: str, env: SchedulingEnv, config: Any) -> SchedulingStrategy:
