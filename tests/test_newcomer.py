@@ -232,3 +232,13 @@ def test_benchmark_plot_is_drawn_from_the_saved_rows(tmp_path: Path) -> None:
     assert max(len(v) for v in bench.SHORT.values()) <= 24
     bench.plot(rows, tmp_path / "traffic.png")
     assert (tmp_path / "traffic.png").stat().st_size > 20_000
+
+
+def test_a_run_folder_that_cannot_be_made_is_named_before_hydra_starts(tmp_path: Path) -> None:
+    from torchrec_herald.train import check_overrides
+
+    with pytest.raises(ValueError, match=r"^hydra\.run\.dir=/proc/herald_out cannot be made a run folder \(.+\); "
+                                         r"give a writable directory$"):
+        check_overrides(["hydra.run.dir=/proc/herald_out"])
+    check_overrides([f"hydra.run.dir={tmp_path}/run"])
+    assert (tmp_path / "run").is_dir()

@@ -81,6 +81,14 @@ def check_overrides(overrides: Sequence[str]) -> None:
     from torchrec_herald.config import compose_config
 
     compose_config([o for o in overrides if not o.startswith(("-", "hydra.", "hydra/", "+hydra", "~hydra"))])
+    for o in overrides:  # the run folder, which Hydra would make with a traceback of its own
+        if o.startswith("hydra.run.dir=") and "${" not in o:
+            folder = o.split("=", 1)[1]
+            try:
+                Path(folder).mkdir(parents=True, exist_ok=True)
+            except OSError as e:
+                raise ValueError(f"hydra.run.dir={folder} cannot be made a run folder ({e.strerror or e}); "
+                                 f"give a writable directory") from None
 
 
 @hydra.main(version_base="1.3", config_path="conf", config_name="train")
