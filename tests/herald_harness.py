@@ -276,3 +276,16 @@ def train(rank: int, world: int, cfg: Dict[str, Any]) -> Dict[str, Any]:
 def train_many(rank: int, world: int, cfgs: List[Dict[str, Any]]) -> List[Dict[str, Any]]:
     """``train`` for each cfg in turn, in one process group (saves a spawn + import per run)."""
     return [train(rank, world, cfg) for cfg in cfgs]
+
+
+def preflight_error(overrides: List[str]) -> str:
+    """``"<Type>: <message>"`` of the error ``preflight`` raises for the command line ``overrides``, or
+    ``"no error"``."""
+    from torchrec_herald.config import compose_config
+    from torchrec_herald.trainer import preflight
+
+    try:
+        preflight(compose_config(overrides))
+    except Exception as e:  # noqa: BLE001 - the message is what is asserted
+        return f"{type(e).__name__}: {e}"
+    return "no error"

@@ -15,7 +15,9 @@ import torch
 from torchrec_herald.checkpoint import TRAINER_STATE, latest_checkpoint, load_checkpoint, save_checkpoint
 from torchrec_herald.config import compose_config
 from torchrec_herald.run_identity import check_checkpoint_location, companion_run, resume_problem, training_identity
-from torchrec_herald.trainer import TRAINER_KEYS, exact_reference_config, preflight
+from torchrec_herald.trainer import TRAINER_KEYS, exact_reference_config
+
+from herald_harness import preflight_error  # tests/
 
 BASE = ["data.num_train_batches=8", "batch_size=16"]
 
@@ -31,25 +33,19 @@ def _saved_run(folder: Path, overrides: List[str], world_size: int = 1, step: in
     return save_checkpoint(folder, step, model, torch.optim.SGD(model.parameters(), lr=0.1), trainer)
 
 
-def _preflight_error(overrides: List[str]) -> str:
-    try:
-        preflight(compose_config(overrides))
-    except Exception as e:  # noqa: BLE001 - the message is what is asserted
-        return f"{type(e).__name__}: {e}"
-    return "no error"
 
 
 def test_a_run_refuses_another_runs_checkpoint_in_its_folder_naming_what_differs(tmp_path: Path) -> None:
     where = [f"checkpoint.dir={tmp_path}", "checkpoint.every_n_steps=2"]
     path = _saved_run(tmp_path, BASE + where)
-    assert _preflight_error(BASE + where) == "no error"  # the same run: it resumes
-    assert _preflight_error(BASE + where + ["epochs=3"]) == "no error"  # more epochs train the same run on
-    assert _preflight_error(BASE + where + ["optimizer.lr=0.5", "batch_size=32"]) == (
+    assert preflight_error(BASE + where) == "no error"  # the same run: it resumes
+    assert preflight_error(BASE + where + ["epochs=3"]) == "no error"  # more epochs train the same run on
+    assert preflight_error(BASE + where + ["optimizer.lr=0.5", "batch_size=32"]) == (
         f"ValueError: checkpoint {path} was saved by another run (batch_size=32 here, 16 there; optimizer.lr=0.5 "
         f"here, 0.05 there): resuming it would train that run on with these settings. Give this run a folder of "
         f"its own (checkpoint.dir or run_name), or checkpoint.resume=false to start fresh (the checkpoints there "
         f"are moved aside, not deleted)")
-    assert _preflight_error(BASE + where + ["optimizer.lr=0.5", "checkpoint.resume=false"]) == "no error"
+    assert preflight_error(BASE + where + ["optimizer.lr=0.5", "checkpoint.resume=false"]) == "no error"
     assert [p.name for p in tmp_path.iterdir()] == ["step_00000004"]  # nothing was moved or pruned by a check
 
 
@@ -57,7 +53,7 @@ def test_a_run_on_other_ranks_refuses_the_checkpoint(tmp_path: Path, monkeypatch
     where = BASE + [f"checkpoint.dir={tmp_path}"]
     path = _saved_run(tmp_path, where, world_size=1)
     monkeypatch.setenv("WORLD_SIZE", "2")
-    assert _preflight_error(where).startswith(
+    assert preflight_error(where).startswith(
         f"ValueError: checkpoint {path} was saved by another run (2 rank(s) here, 1 there): ")
 
 
@@ -67,7 +63,7 @@ def test_a_checkpoint_without_a_recorded_run_resumes_with_a_warning(tmp_path: Pa
     path = _saved_run(tmp_path, BASE, state=state)
     current = training_identity(compose_config(BASE + ["optimizer.lr=0.5"]), 1)
     assert resume_problem(None, current, path) is None
-    assert _preflight_error(BASE + [f"checkpoint.dir={tmp_path}", "optimizer.lr=0.5"]) == "no error"
+    assert preflight_error(BASE + [f"checkpoint.dir={tmp_path}", "optimizer.lr=0.5"]) == "no error"
 
 
 def test_more_than_six_differences_are_counted() -> None:

@@ -10,18 +10,13 @@ from typing import Any, Dict, List
 
 import pytest
 
+from herald_harness import preflight_error
 from torchrec_herald.config import compose_config
-from torchrec_herald.trainer import preflight
 
 GOOD_TSV_LINE = "1\t" + "\t".join(["1"] * 13) + "\t" + "\t".join(["a"] * 26)
 
 
-def _error(overrides: List[str]) -> str:
-    try:
-        preflight(compose_config(overrides))
-    except Exception as e:  # noqa: BLE001 - the message is what is asserted
-        return f"{type(e).__name__}: {e}"
-    return "no error"
+_error = preflight_error
 
 
 @pytest.mark.parametrize("overrides, message", [
