@@ -1,5 +1,6 @@
 """Tests of AccessStats: exact counting, errors, coverage, persistence, validation."""
 
+import logging
 from pathlib import Path
 from typing import List, Sequence
 
@@ -82,10 +83,24 @@ def test_bad_id_error_names_table_feature_and_id() -> None:
     assert str(e.value) == "batch 0: table 't_a' feature 'fa': id -3 is outside [0, 5)"
 
 
-def test_unknown_key_and_empty_input_errors() -> None:
-    with pytest.raises(ValueError) as e:
-        AccessStats.from_batches([kjt({"fa": [[1]], "zz": [[0]]})], TABLES)
-    assert str(e.value) == "batch 0: KJT key 'zz' is not served by any table (table features: ['fa', 'fb1', 'fb2'])"
+def test_a_key_no_table_serves_is_left_uncounted_and_said_once(caplog: pytest.LogCaptureFixture) -> None:
+    """Training carries another module's features along, so planning takes the same batches: such a key
+    is named in one warning, and the counts are those of the batches without it."""
+    with caplog.at_level(logging.WARNING):
+        got = AccessStats.from_batches([*batches()[:1], kjt({"fa": [[1]], "zz": [[0]]}), kjt({"zz": [[4]]})], TABLES)
+    want = AccessStats.from_batches([*batches()[:1], kjt({"fa": [[1]]}), kjt({"fa": [[]]})], TABLES)
+    assert got == want
+    assert caplog.text.count("served by no table") == 1
+    assert "KJT key(s) ['zz'] (from batch 1 on) are served by no table of this EBC; not counted" in caplog.text
+
+
+def test_a_table_whose_features_never_appear_is_warned_of(caplog: pytest.LogCaptureFixture) -> None:
+    with caplog.at_level(logging.WARNING):
+        AccessStats.from_batches([kjt({"fa": [[1], [2]]})], TABLES)
+    assert "feature(s) {'t_b': ['fb1', 'fb2']} of the tables never appear in the 1 sample batch(es)" in caplog.text
+
+
+def test_empty_input_errors() -> None:
     with pytest.raises(ValueError, match="no batches"):
         AccessStats.from_batches([], TABLES)
 

@@ -271,8 +271,16 @@ def test_planner_without_access_stats() -> None:
 def test_planner_from_batches_rejects_what_it_cannot_count() -> None:
     from torchrec_herald.planner import HeraldPlanner
 
-    with pytest.raises(ValueError, match="HeraldPlanner.from_batches: num_batches must be >= 1, got 0"):
+    with pytest.raises(ValueError, match="HeraldPlanner.from_batches: num_batches must be an integer >= 1, got 0"):
         HeraldPlanner.from_batches([], num_batches=0)
+    with pytest.raises(ValueError, match="^HeraldPlanner.from_batches: num_batches must be an integer >= 1, got 'x'$"):
+        HeraldPlanner.from_batches([], num_batches="x")
+    with pytest.raises(ValueError, match="^HeraldPlanner.from_batches: world_size must be an integer >= 1, got 0$"):
+        HeraldPlanner.from_batches([], world_size=0)
+    with pytest.raises(ValueError, match="^HeraldPlanner.from_batches: batch_size must be an integer >= 1, got 0$"):
+        HeraldPlanner.from_batches([], batch_size=0)
+    with pytest.raises(ValueError, match="^HeraldPlanner.from_batches: compute_device must be 'cpu' or 'cuda', got 'tpu'$"):
+        HeraldPlanner.from_batches([], compute_device="tpu")
     with pytest.raises(ValueError, match="HeraldPlanner.from_batches: the batches iterable yielded no batch"):
         HeraldPlanner.from_batches(iter([]))
     with pytest.raises(ValueError, match="expected Batch or KeyedJaggedTensor items, got Tensor"):

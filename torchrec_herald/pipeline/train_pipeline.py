@@ -43,6 +43,7 @@ from torchrec_herald.pipeline.options import (ALLOCATORS, AUTO_MAX_PRICED_PENALT
                                               HeraldPipelineConfig)
 from torchrec_herald.pipeline.run_ahead import RunAhead
 from torchrec_herald.pipeline.stages import batch_stages
+from torchrec_herald.pipeline.stages.keys import agree_on_own_batch
 from torchrec_herald.pipeline.stages.plan import make_plan, plan_head
 from torchrec_herald.pipeline.stale_skip import LiveInputStream, RankInputStream, StaleSkipHook
 from torchrec_herald.pipeline.strategies import SchedulingStrategy, build_planner, build_strategy, strategy_name
@@ -250,7 +251,7 @@ class HeraldTrainPipeline(TrainPipeline[Batch, Any]):
             ctx = self.schedule_next(it, self.stats.steps + len(self._queue))
             self.stats.scheduler_s += time.perf_counter() - t0
             if ctx is None:
-                if not self._started and not self._refill:
+                if not self._started and not self._refill and self._queue:  # (none at all: StopIteration)
                     raise ValueError(f"pipeline.window={self.window} is larger than the {len(self._queue)} "
                                      f"batch(es) the data loader has left; lower pipeline.window")
                 break
@@ -263,8 +264,12 @@ class HeraldTrainPipeline(TrainPipeline[Batch, Any]):
         allocate, skip_inputs, reads); None (and the window marked exhausted) when the loader is dry."""
         assert self.strategy is not None
         try:
-            raw = self.live_inputs.next(it, train_step) if self.live_inputs is not None else next(it)
+            raw: Optional[Batch] = self.live_inputs.next(it, train_step) if self.live_inputs is not None else next(it)
         except StopIteration:
+            raw = None
+        if not self.strategy.whole_batches and not agree_on_own_batch(self.env, raw, self._batch_index):
+            raw = None  # (every rank's loader is dry alike; one dry before the others raised on every rank)
+        if raw is None:
             self._exhausted = True
             return None
         ctx = HeraldBatchContext(index=self._batch_index, batch=raw, train_step=train_step)
@@ -518,6 +523,8 @@ class HeraldTrainPipeline(TrainPipeline[Batch, Any]):
         mine: Iterator[Batch] = it
         if self.global_batches and not isinstance(it, TrainStream):
             mine = (self._my_slice(b) for b in it)
+        elif not self.global_batches and not isinstance(it, TrainStream) and self.env.world > 1:
+            mine = self._agreed(it)  # a loader of this rank's own batches: every rank's checked alike
         if self.rank_inputs is not None and self.rank_inputs.source is not it:
             left = self.live_inputs.take_left(it) if self.live_inputs is not None else None
             self.rank_inputs.start(it, self._my_part(left) if left is not None else None)
@@ -537,6 +544,22 @@ class HeraldTrainPipeline(TrainPipeline[Batch, Any]):
                 self._fed_off.append(batch)
             yield batch
             step += 1
+
+    def _agreed(self, it: Iterator[Batch]) -> Iterator[Batch]:
+        """This rank's own batches from ``it``, each described to every rank first
+        (:func:`~torchrec_herald.pipeline.stages.keys.agree_on_own_batch`): a loader that runs dry before the
+        others', or a batch the others cannot train with, raises on every rank instead of leaving them waiting
+        in TorchRec's collectives."""
+        index = 0
+        while True:
+            try:
+                raw: Optional[Batch] = next(it)
+            except StopIteration:
+                raw = None
+            if not agree_on_own_batch(self.env, raw, index) or raw is None:
+                return
+            index += 1
+            yield raw
 
     def _my_slice(self, batch: Batch) -> Batch:
         """This rank's contiguous share of a whole global batch (stock's split)."""

@@ -123,8 +123,12 @@ class HeraldPlanner(EmbeddingShardingPlanner):
 
         The counts are taken at :meth:`plan` time over the module's tables; with ``collective_plan``
         rank 0's sample decides, as rank 0's plan does."""
-        if int(num_batches) < 1:
-            raise ValueError(f"HeraldPlanner.from_batches: num_batches must be >= 1, got {num_batches}")
+        for name, value, low in (("num_batches", num_batches, 1), ("world_size", world_size, 1),
+                                 ("batch_size", kwargs.get("batch_size"), 1)):
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < low):
+                raise ValueError(f"HeraldPlanner.from_batches: {name} must be an integer >= {low}, got {value!r}")
+        if compute_device not in (None, "cpu", "cuda"):
+            raise ValueError(f"HeraldPlanner.from_batches: compute_device must be 'cpu' or 'cuda', got {compute_device!r}")
         with torch.random.fork_rng(devices=[]):  # a data loader drawing from the global generator
             sample = [getattr(b, "sparse_features", b) for b in itertools.islice(iter(batches), int(num_batches))]
         if not sample:

@@ -20,6 +20,7 @@ plus ``num_batches`` and ``num_samples`` (sum of the KJT strides). Everything is
 from __future__ import annotations
 
 import json
+import logging
 import math
 import os
 from dataclasses import dataclass
@@ -28,6 +29,8 @@ from typing import Any, Dict, Iterable, List, Mapping, Optional, Sequence, Tuple
 import torch
 from torchrec.modules.embedding_configs import EmbeddingBagConfig
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
+
+logger = logging.getLogger(__name__)
 
 __all__ = ["AccessStats"]
 
@@ -140,29 +143,42 @@ class AccessStats:
             tables: the model's table configs; a table serves every feature in ``feature_names``.
 
         Raises:
-            ValueError: a KJT key not served by any table; an id outside ``[0, num_embeddings)``
+            ValueError: an id outside ``[0, num_embeddings)``
                 (the message names the batch, table, feature and the first bad id); no batches.
         """
         stats = cls.empty(tables)
+        unserved: Dict[str, int] = {}  # key -> the first batch holding it
+        seen: set = set()
         for kjt in batches:
-            stats.update(kjt)
+            index = stats.num_batches
+            for key in stats.update(kjt):
+                unserved.setdefault(key, index)
+            seen.update(getattr(kjt, "sparse_features", kjt).keys())
         if stats.num_batches == 0:
             raise ValueError("AccessStats.from_batches: no batches")
+        if unserved:  # another module's features (training carries them along): said once, not counted
+            logger.warning("AccessStats: KJT key(s) %s (from batch %d on) are served by no table of this EBC; not "
+                           "counted", sorted(unserved), min(unserved.values()))
+        unseen = {t: [f for f in fs if f not in seen] for t, fs in stats.feature_names.items()}
+        unseen = {t: fs for t, fs in unseen.items() if fs}
+        if unseen:
+            logger.warning("AccessStats: feature(s) %s of the tables never appear in the %d sample batch(es): "
+                           "those tables' rows count no access (no hot rows)", unseen, stats.num_batches)
         return stats
 
-    def update(self, batch: Any) -> None:
-        """Add one sampled batch (a ``KeyedJaggedTensor`` or a ``Batch``) to the counts."""
+    def update(self, batch: Any) -> List[str]:
+        """Add one sampled batch (a ``KeyedJaggedTensor`` or a ``Batch``) to the counts; returns its keys that
+        no table serves (another module's features, left uncounted)."""
         kjt: KeyedJaggedTensor = getattr(batch, "sparse_features", batch)
         index = self.num_batches
         if kjt.variable_stride_per_key():
             raise ValueError(f"batch {index}: variable-stride (VBE) KJTs are not supported")
         feature_table = {f: t for t in self.tables for f in self.feature_names[t]}
-        keys = kjt.keys()
         stride = int(kjt.stride())
-        for key in keys:
-            if key not in feature_table:
-                raise ValueError(f"batch {index}: KJT key {key!r} is not served by any table "
-                                 f"(table features: {sorted(feature_table)})")
+        unserved = [key for key in kjt.keys() if key not in feature_table]
+        if unserved:
+            kjt = kjt.permute([i for i, key in enumerate(kjt.keys()) if key in feature_table])
+        keys = kjt.keys()
         values = kjt.values().detach().to("cpu", torch.int64)
         lengths = kjt.lengths().detach().to("cpu", torch.int64)
         per_key_values = values.split(kjt.length_per_key())
@@ -204,6 +220,7 @@ class AccessStats:
                 self.sample_counts[t].index_add_(0, pairs % n, torch.ones_like(pairs))
         self.num_batches += 1
         self.num_samples += stride
+        return unserved
 
     # ------------------------------------------------------------------ derived rates
 

@@ -371,7 +371,10 @@ class ShardedHeraldEmbeddingBagCollection(
         configs = module.embedding_bag_configs()
         dims = {c.embedding_dim for c in configs}
         if len(dims) != 1:
-            raise ValueError(f"herald sharding needs one embedding dim for all tables, got {sorted(dims)}")
+            by_dim = {d: [c.name for c in configs if c.embedding_dim == d] for d in sorted(dims)}
+            raise ValueError(f"herald sharding needs one embedding dim for all its tables, got "
+                             f"{'; '.join(f'dim {d}: {names}' for d, names in by_dim.items())} (plan the tables of "
+                             f"the other dims with a stock sharding type, or in an EBC of their own)")
         self._dim = dims.pop()
         self._mean_features = torch.tensor([c.pooling == PoolingType.MEAN for c in configs for _ in c.feature_names],
                                            device=self._device)  # where output_dist scales the bags
@@ -846,16 +849,18 @@ class ShardedHeraldEmbeddingBagCollection(
         return kjt.permute([kjt.keys().index(f) for f in self._feature_names])
 
     def batch_feature_order(self, kjt: KeyedJaggedTensor) -> KeyedJaggedTensor:
-        """``kjt`` with this module's features first, in its order, then any others as they came (the
-        stock tables' features of a mixed EBC, which the pipeline carries along with each sample)."""
+        """``kjt`` with this module's features first, in its order, then any others by name (the stock
+        tables' features of a mixed EBC, which the pipeline carries along with each sample: every rank's
+        batch then lists them alike, whatever order each loader gave them in, as a sample's move needs)."""
         keys, F = kjt.keys(), len(self._feature_names)
-        if keys[:F] == self._feature_names:
+        if keys[:F] == self._feature_names and keys[F:] == sorted(keys[F:]):
             return kjt
         mine = set(self._feature_names)
         missing = [f for f in self._feature_names if f not in keys]
         if missing:
             raise ValueError(f"features {missing} of the herald EBC are missing from the input KJT")
-        return kjt.permute([keys.index(f) for f in self._feature_names] + [i for i, k in enumerate(keys) if k not in mine])
+        others = sorted((k, i) for i, k in enumerate(keys) if k not in mine)
+        return kjt.permute([keys.index(f) for f in self._feature_names] + [i for _, i in others])
 
     def global_keys(self, values: torch.Tensor, lengths: torch.Tensor, batch_size: int) -> torch.Tensor:
         """Global row key of every id of a KJT in this module's feature order (see ``RowLayout.feature_keys``)."""

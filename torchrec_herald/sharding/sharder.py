@@ -41,6 +41,10 @@ class HeraldEmbeddingBagCollectionSharder(CpuEmbeddingBagCollectionSharder):
         herald = [name for name, ps in params.items() if ps.sharding_type == HERALD_HOT_ROW_WISE]
         if not herald:
             return super().shard(module, params, env, device, module_fqn)
+        if module.is_weighted():  # (its KJTs would carry weights that herald's sharding has no place for)
+            raise ValueError(f"EBC {module_fqn or ''!r} is weighted (is_weighted=True), and the plan gives its tables "
+                             f"{sorted(herald)} herald's sharding, which has no per-sample weights: plan them with "
+                             f"a stock sharding type")
         if len(herald) != len(params):  # per-table decisions: herald tables beside stock-sharded ones
             return ShardedMixedEmbeddingBagCollection(
                 module, params, env, device,

@@ -125,8 +125,10 @@ def exchange_samples(env: SchedulingEnv, batch: Batch, dest: torch.Tensor, incom
     F = len(kjt.keys())
     lengths = kjt.lengths().to(torch.int64).view(F, B)
     order = torch.argsort(dest, stable=True)  # samples grouped by destination, in index order
-    fixed = torch.cat([batch.dense_features.float().view(torch.int32), batch.labels.float().view(-1, 1).view(
-        torch.int32), lengths.T.to(torch.int32)], 1)  # [B, dense + 1 + F]
+    label_shape = batch.labels.shape[1:]  # () or a multi-task model's (tasks,): carried as they are
+    T = batch.labels[:1].numel() if B else 1
+    fixed = torch.cat([batch.dense_features.float().view(torch.int32), batch.labels.float().reshape(B, T).view(
+        torch.int32), lengths.T.to(torch.int32)], 1)  # [B, dense + T + F]
     send_counts = torch.bincount(dest, minlength=W)
     src_of_in = incoming // B
     recv_counts = torch.bincount(src_of_in, minlength=W)
@@ -145,7 +147,8 @@ def exchange_samples(env: SchedulingEnv, batch: Batch, dest: torch.Tensor, incom
         ids_in = all_to_all_rows(ids_out, ids_send, ids_recv, env.scheduling_group, "herald_samples")
     n_dense = batch.dense_features.shape[1]
     dense = fixed_in[:, :n_dense].view(torch.float32).to(batch.dense_features.dtype)
-    labels = fixed_in[:, n_dense].view(torch.float32).to(batch.labels.dtype)
+    labels = fixed_in[:, n_dense:n_dense + T].contiguous().view(torch.float32).to(batch.labels.dtype).reshape(
+        -1, *label_shape)
     # back to the feature-major KJT layout: bag (sample s, feature f) goes to slot (f, s)
     n_in = lengths_in.shape[0]
     new_values = _regroup(ids_in, lengths_in.flatten(), torch.arange(F * n_in).view(F, n_in).T.reshape(-1))

@@ -5,15 +5,94 @@ bad id."""
 
 from __future__ import annotations
 
+import zlib
+from typing import Any, List, Optional
+
 import torch
+import torch.distributed as dist
 from torchrec.datasets.utils import Batch
 
 from torchrec_herald.native import load_if_built
 from torchrec_herald.ops.hot_cold import first_invalid_id, out_of_table
-from torchrec_herald.pipeline.context import HeraldBatchContext, SchedulingEnv, on_every_rank
+from torchrec_herald.pipeline.context import CommTimer, HeraldBatchContext, SchedulingEnv, on_every_rank
 from torchrec_herald.pipeline.stages import StageHost, register_stage
 
-__all__ = ["key_batch", "keys_stage"]
+__all__ = ["agree_on_own_batch", "key_batch", "keys_stage"]
+
+#: the fixed-size description of a rank's own batch that every rank gathers before any exchange sized by it
+_HEADER = ("present", "samples", "dense_columns", "label_values", "weighted", "features", "feature_names_crc")
+
+
+def _header(raw: Optional[Batch]) -> torch.Tensor:
+    if raw is None:  # this rank's loader is dry
+        return torch.zeros(len(_HEADER), dtype=torch.int64)
+    if not isinstance(raw, Batch):
+        return torch.full((len(_HEADER),), -1, dtype=torch.int64)
+    kjt = raw.sparse_features
+    B = kjt.stride()
+    dense = raw.dense_features
+    labels = raw.labels.numel() // B if B and raw.labels.numel() % B == 0 else -1
+    return torch.tensor([1, B, dense.shape[1] if dense.dim() == 2 and dense.shape[0] == B else -1, labels,
+                         int(kjt.weights_or_none() is not None), len(kjt.keys()),
+                         zlib.crc32("\0".join(sorted(kjt.keys())).encode())], dtype=torch.int64)
+
+
+def agree_on_own_batch(env: SchedulingEnv, raw: Optional[Batch], index: int) -> bool:
+    """(collective, fixed size) Where each rank reads a batch of its own, every rank's batch ``index`` (None:
+    the rank's loader is dry) is described to every rank before any exchange sized by it, and a batch that
+    cannot be trained with the others raises on every rank alike, naming the ranks: a loader that runs dry
+    before the others' (which would leave them waiting in a collective), a different number of samples,
+    feature names or dense columns, per-sample weights (herald's sharding has none, and moving samples would
+    drop them), labels that are not one value (or the same number of values) per sample. Returns whether
+    the batch exists (False: every rank's loader is dry, the data's end)."""
+    mine = _header(raw)
+    if env.world == 1:
+        every = mine.view(1, -1)
+    else:
+        every = torch.empty(env.world * mine.numel(), dtype=torch.int64)
+        with CommTimer(env.stats, "herald_schedule_meta"):
+            dist.all_gather_into_tensor(every, mine, group=env.scheduling_group)
+        every = every.view(env.world, -1)
+    col = {name: every[:, i].tolist() for i, name in enumerate(_HEADER)}
+    not_batches = [r for r, p in enumerate(col["present"]) if p < 0]
+    if not_batches:
+        raise on_every_rank(TypeError(
+            f"HeraldTrainPipeline, batch {index}: the data loader of rank(s) {not_batches} yielded "
+            f"{type(raw).__name__ if not isinstance(raw, Batch) else 'something'} where a torchrec Batch "
+            f"(dense_features, sparse_features, labels) is expected"))
+    dry = [r for r, p in enumerate(col["present"]) if not p]
+    if len(dry) == env.world:
+        return False
+    where = f"HeraldTrainPipeline, batch {index}"
+    if dry:
+        more = [r for r in range(env.world) if r not in dry]
+        raise on_every_rank(ValueError(
+            f"{where}: the data loader of rank(s) {dry} ran out while rank(s) {more} still had batches; every "
+            f"rank's loader must yield the same number of batches (drop the remainder)"))
+    weighted = [r for r, w in enumerate(col["weighted"]) if w]
+    if weighted:
+        raise on_every_rank(ValueError(
+            f"{where}: the KJT of rank(s) {weighted} carries per-sample weights; herald's sharding has none "
+            f"(plan weighted tables with a stock sharding type)"))
+
+    def differ(name: str, what: str) -> None:
+        values = col[name]
+        if len(set(values)) > 1 or min(values) < 0:
+            per_rank = ", ".join(f"rank {r}: {v if v >= 0 else 'not one row a sample'}" for r, v in enumerate(values))
+            raise on_every_rank(ValueError(f"{where}: every rank's batch must have the same {what} ({per_rank})"))
+
+    differ("samples", "number of samples (a last partial batch on some ranks only: drop it, as drop_last=True does)")
+    if len(set(col["features"])) > 1 or len(set(col["feature_names_crc"])) > 1:
+        names: List[Any] = [None] * env.world
+        dist.all_gather_object(names, sorted(raw.sparse_features.keys()) if raw is not None else None,
+                               group=env.scheduling_group)
+        odd = next(r for r in range(env.world) if names[r] != names[0])
+        raise on_every_rank(ValueError(
+            f"{where}: every rank's batch must have the same features (in any order); rank 0's KJT has "
+            f"{names[0]}, rank {odd}'s {names[odd]}"))
+    differ("dense_columns", "number of dense features (dense_features of shape [samples, columns])")
+    differ("label_values", "number of label values per sample (labels of shape [samples] or [samples, tasks])")
+    return True
 
 
 @register_stage("keys", 10)
@@ -29,6 +108,13 @@ def key_batch(env: SchedulingEnv, ctx: HeraldBatchContext, raw: Batch, whole_bat
     ``whole_batch``: every rank holds the same global batch, so a bad id is raised here by every rank
     alike, naming the rank whose share held it; otherwise it is recorded in ``ctx.bad`` for the
     allocate stage's exchange (``ctx.keys`` is then None)."""
+    if not isinstance(raw, Batch) or raw.sparse_features.weights_or_none() is not None:  # (own batches: checked
+        # by every rank already, agree_on_own_batch) a whole global batch is every rank's: all raise alike
+        raise on_every_rank(TypeError(
+            f"HeraldTrainPipeline: the data loader yielded {type(raw).__name__} where a torchrec Batch "
+            f"(dense_features, sparse_features, labels) is expected") if not isinstance(raw, Batch) else ValueError(
+            "HeraldTrainPipeline: the batch's KJT carries per-sample weights; herald's sharding has none "
+            "(plan weighted tables with a stock sharding type)"))
     if raw.labels.device.type != "cpu":  # scheduling runs on CPU: a batch the loader put on the device comes back
         raw = raw.to(torch.device("cpu"))
     full = env.ebc.batch_feature_order(raw.sparse_features)  # herald's features first, any others after

@@ -1,0 +1,142 @@
+"""A loader of each rank's own batches, through ``HeraldTrainPipeline``: every rank describes its batch to
+the others before any exchange sized by it, so a loader that runs dry before the others' or a batch the
+others cannot train with raises the same clear error on every rank (no rank left waiting in a collective,
+no sample moved without its weights), scheduling on or off. Labels of several values a sample (a
+multi-task model) move with their samples."""
+
+from __future__ import annotations
+
+import functools
+import itertools
+from typing import Any, Dict, Iterator, List
+
+import pytest
+import torch
+
+from herald_harness import error_of
+from torchrec_herald.dist_utils import run_multiprocess
+
+STEPS = 6
+
+
+def _edited(batch: Any, **change: Any) -> Any:
+    from torchrec.datasets.utils import Batch
+    from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
+
+    kjt = batch.sparse_features
+    if "keep" in change:  # the first ``keep`` samples only
+        n = change["keep"]
+        idx = torch.arange(n)
+        from torchrec_herald.pipeline.context import select_samples
+
+        return select_samples(batch, idx)
+    if "extra" in change:
+        jt = {k: kjt[k] for k in kjt.keys()}
+        jt[change["extra"]] = kjt[kjt.keys()[0]]
+        return Batch(batch.dense_features, KeyedJaggedTensor.from_jt_dict(jt), batch.labels)
+    if "weights" in change:
+        weighted = KeyedJaggedTensor(keys=kjt.keys(), values=kjt.values(), lengths=kjt.lengths(),
+                                     weights=torch.full((kjt.values().numel(),), 3.0))
+        return Batch(batch.dense_features, weighted, batch.labels)
+    if "dense" in change:
+        return Batch(batch.dense_features[:, : change["dense"]], kjt, batch.labels)
+    raise AssertionError(change)
+
+
+def _loader(batches: List[Any], rank: int, case: str) -> Iterator[Any]:
+    """This rank's batches, rank 1's spoilt at batch 2 by ``case``."""
+    for i, b in enumerate(batches):
+        if rank == 1 and i == 2:
+            if case == "runs_dry":
+                return
+            if case == "partial":
+                b = _edited(b, keep=b.labels.numel() - 3)
+            elif case == "extra_feature":
+                b = _edited(b, extra="zz")
+            elif case == "weighted":
+                b = _edited(b, weights=True)
+            elif case == "dense_columns":
+                b = _edited(b, dense=2)
+            elif case == "not_a_batch":
+                b = b.sparse_features
+        yield b
+
+
+def _worker(rank: int, world: int) -> Dict[str, Any]:
+    from herald_harness import build
+
+    from torchrec_herald.pipeline import HeraldTrainPipeline
+
+    out: Dict[str, Any] = {}
+    for scheduling in ("on", "off"):
+        for case in ("runs_dry", "partial", "extra_feature", "weighted", "dense_columns", "not_a_batch"):
+            b = build(world, dict(planner="herald", steps=STEPS, batch_size=16))
+            batches = list(b["data"].train_batches(rank, world, b["batch_size"]))
+            pipe = HeraldTrainPipeline(b["dmp"], b["optimizer"], b["device"], scheduling=scheduling, window=2)
+            it = _loader(batches, rank, case)
+
+            def train() -> None:
+                for _ in itertools.count():
+                    pipe.progress(it)
+
+            out[(scheduling, case)] = error_of(train)
+    return out
+
+
+@functools.lru_cache(maxsize=None)
+def results() -> List[Dict[Any, str]]:
+    return run_multiprocess(_worker, 2, timeout_s=300)
+
+
+EXPECTED = {
+    "runs_dry": "ValueError: HeraldTrainPipeline, batch 2: the data loader of rank(s) [1] ran out while rank(s) [0] "
+                "still had batches; every rank's loader must yield the same number of batches (drop the remainder)",
+    "partial": "ValueError: HeraldTrainPipeline, batch 2: every rank's batch must have the same number of samples (a "
+               "last partial batch on some ranks only: drop it, as drop_last=True does) (rank 0: 16, rank 1: 13)",
+    "extra_feature": "ValueError: HeraldTrainPipeline, batch 2: every rank's batch must have the same features (in any "
+                     "order); rank 0's KJT has [",
+    "weighted": "ValueError: HeraldTrainPipeline, batch 2: the KJT of rank(s) [1] carries per-sample weights; herald's "
+                "sharding has none (plan weighted tables with a stock sharding type)",
+    "dense_columns": "ValueError: HeraldTrainPipeline, batch 2: every rank's batch must have the same number of dense "
+                     "features (dense_features of shape [samples, columns]) (rank 0: 13, rank 1: 2)",
+    "not_a_batch": "TypeError: HeraldTrainPipeline, batch 2: the data loader of rank(s) [1] yielded ",
+}
+
+
+@pytest.mark.parametrize("scheduling", ["on", "off"])
+@pytest.mark.parametrize("case", sorted(EXPECTED))
+def test_a_batch_one_rank_cannot_train_with_the_others_raises_the_same_error_on_every_rank(case: str,
+                                                                                          scheduling: str) -> None:
+    got = [r[(scheduling, case)] for r in results()]
+    assert got[0].startswith(EXPECTED[case]), got
+    assert got[1] == got[0] or case == "not_a_batch", got  # (the type named is the rank's own)
+    assert got[1].startswith(EXPECTED[case]), got
+    if case == "extra_feature":
+        assert got[0].endswith("'zz']"), got[0]
+
+
+def _labels_worker(rank: int, world: int) -> Dict[str, Any]:
+    from torchrec.datasets.utils import Batch
+
+    from herald_harness import build
+    from torchrec_herald.pipeline.context import SchedulerStats, find_herald_ebc
+    from torchrec_herald.pipeline.stages.allocate import exchange_samples
+
+    b = build(world, dict(planner="herald", steps=1, batch_size=8))
+    batch = next(iter(b["data"].train_batches(rank, world, 8)))
+    labels = torch.stack([batch.labels, batch.labels + 10 * (rank + 1)], 1)  # [B, 2]: two tasks
+    two = Batch(batch.dense_features, batch.sparse_features, labels)
+    env = type("Env", (), dict(world=world, rank=rank, scheduling_group=None, stats=SchedulerStats()))()
+    dest = torch.tensor([0, 1, 1, 0, 1, 0, 0, 1])  # where each of this rank's samples goes
+    every_dest = torch.cat([dest, dest])  # both ranks send alike
+    incoming = (every_dest == rank).nonzero().flatten()
+    moved = exchange_samples(env, two, dest, incoming)
+    find_herald_ebc(b["dmp"])  # (built as a run builds it)
+    return {"labels": moved.labels, "sent": labels, "incoming": incoming}
+
+
+def test_labels_of_several_values_a_sample_move_with_their_samples() -> None:
+    res = run_multiprocess(_labels_worker, 2, timeout_s=180)
+    for r in res:
+        want = torch.cat([res[src]["sent"] for src in range(2)])[r["incoming"]]
+        assert r["labels"].shape == want.shape == (8, 2) and torch.equal(r["labels"], want)
