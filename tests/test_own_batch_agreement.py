@@ -80,6 +80,12 @@ def _worker(rank: int, world: int) -> Dict[str, Any]:
                     pipe.progress(it)
 
             out[(scheduling, case)] = error_of(train)
+        # a used-up loader: progress() says so as TorchRec's pipelines do, with StopIteration again
+        b = build(world, dict(planner="herald", steps=STEPS, batch_size=16))
+        pipe = HeraldTrainPipeline(b["dmp"], b["optimizer"], b["device"], scheduling=scheduling, window=2)
+        it = iter(list(b["data"].train_batches(rank, world, b["batch_size"])))
+        out[(scheduling, "to_the_end")] = error_of(train)
+        out[(scheduling, "used_up")] = error_of(lambda: pipe.progress(it))
     return out
 
 
@@ -140,3 +146,52 @@ def test_labels_of_several_values_a_sample_move_with_their_samples() -> None:
     for r in res:
         want = torch.cat([res[src]["sent"] for src in range(2)])[r["incoming"]]
         assert r["labels"].shape == want.shape == (8, 2) and torch.equal(r["labels"], want)
+
+
+@pytest.mark.parametrize("scheduling", ["on", "off"])
+def test_progress_on_a_used_up_loader_raises_stop_iteration_again(scheduling: str) -> None:
+    assert [r[(scheduling, k)] for r in results() for k in ("to_the_end", "used_up")] == ["StopIteration: "] * 4
+
+
+def test_features_of_other_tables_are_carried_in_one_order_whatever_order_a_loader_gives() -> None:
+    """A moved sample's bags are matched by position: every rank's batch must list the features no herald
+    table serves (a mixed EBC's stock tables') alike, by name after herald's own."""
+    from types import SimpleNamespace
+
+    from torchrec.sparse.jagged_tensor import JaggedTensor, KeyedJaggedTensor
+
+    from torchrec_herald.sharding.hot_replicated import ShardedHeraldEmbeddingBagCollection
+
+    module = SimpleNamespace(_feature_names=["a", "b"])
+    jt = {k: JaggedTensor(values=torch.tensor([i, i]), lengths=torch.tensor([1, 1])) for i, k in enumerate("zaby")}
+    orders = [["z", "a", "b", "y"], ["y", "b", "z", "a"], ["a", "b", "y", "z"]]
+    got = [ShardedHeraldEmbeddingBagCollection.batch_feature_order(module, KeyedJaggedTensor.from_jt_dict(
+        {k: jt[k] for k in order})) for order in orders]
+    for kjt in got:
+        assert kjt.keys() == ["a", "b", "y", "z"] and kjt.values().tolist() == [1, 1, 2, 2, 3, 3, 0, 0]
+
+
+def _weighted_worker(rank: int, world: int) -> str:
+    from fbgemm_gpu.split_embedding_configs import EmbOptimType
+    from torchrec.distributed import DistributedModelParallel
+    from torchrec.modules.embedding_configs import EmbeddingBagConfig
+    from torchrec.modules.embedding_modules import EmbeddingBagCollection
+
+    from torchrec_herald.planner.convert import herald_plan_from_row_wise
+    from torchrec_herald.planner.stock import stock_plan
+    from torchrec_herald.sharding import HeraldEmbeddingBagCollectionSharder, HotSpec
+
+    tables = [EmbeddingBagConfig(name=f"t{i}", embedding_dim=8, num_embeddings=32, feature_names=[f"f{i}"])
+              for i in range(2)]
+    model = torch.nn.ModuleDict({"ebc": EmbeddingBagCollection(tables, is_weighted=True, device=torch.device("meta"))})
+    sharder = HeraldEmbeddingBagCollectionSharder(fused_params={"optimizer": EmbOptimType.EXACT_SGD,
+                                                                "learning_rate": 0.1})
+    row_wise = stock_plan(model, tables, [sharder], "row_wise", world, 8, torch.device("cpu"))
+    plan = herald_plan_from_row_wise(row_wise, {t.name: HotSpec(torch.arange(2)) for t in tables})
+    return error_of(lambda: DistributedModelParallel(model, device=torch.device("cpu"), plan=plan, sharders=[sharder]))
+
+
+def test_a_weighted_ebc_is_refused_when_herald_shards_it() -> None:
+    (got,) = run_multiprocess(_weighted_worker, 1, timeout_s=180)
+    assert got == ("ValueError: EBC 'ebc' is weighted (is_weighted=True), and the plan gives its tables ['t0', 't1'] "
+                   "herald's sharding, which has no per-sample weights: plan them with a stock sharding type"), got
