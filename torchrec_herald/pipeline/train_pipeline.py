@@ -43,7 +43,7 @@ from torchrec_herald.pipeline.options import (ALLOCATORS, AUTO_MAX_PRICED_PENALT
                                               HeraldPipelineConfig)
 from torchrec_herald.pipeline.run_ahead import RunAhead
 from torchrec_herald.pipeline.stages import batch_stages
-from torchrec_herald.pipeline.stages.keys import agree_on_own_batch
+from torchrec_herald.pipeline.stages.keys import CheckedOwnBatches
 from torchrec_herald.pipeline.stages.plan import make_plan, plan_head
 from torchrec_herald.pipeline.stale_skip import LiveInputStream, RankInputStream, StaleSkipHook
 from torchrec_herald.pipeline.strategies import SchedulingStrategy, build_planner, build_strategy, strategy_name
@@ -129,6 +129,7 @@ class HeraldTrainPipeline(TrainPipeline[Batch, Any]):
         self._started = False
         self._flushed = True
         self._batch_index = 0
+        self._checked: Optional[CheckedOwnBatches] = None  # a loader of per-rank batches, checked (:meth:`_own`)
         self._refill = False  # the window restarts mid-data (a checkpoint): running dry is not an error
         #: decided by :meth:`_resolve` from the first data loader (``config.resolve``)
         self.global_batches: Optional[bool] = None
@@ -264,13 +265,12 @@ class HeraldTrainPipeline(TrainPipeline[Batch, Any]):
         allocate, skip_inputs, reads); None (and the window marked exhausted) when the loader is dry."""
         assert self.strategy is not None
         try:
-            raw: Optional[Batch] = self.live_inputs.next(it, train_step) if self.live_inputs is not None else next(it)
-        except StopIteration:
-            raw = None
-        if not self.strategy.whole_batches and not agree_on_own_batch(self.env, raw, self._batch_index):
-            raw = None  # (every rank's loader is dry alike; one dry before the others raised on every rank)
-        if raw is None:
-            self._exhausted = True
+            if self.live_inputs is not None:
+                raw = self.live_inputs.next(it, train_step)
+            else:
+                raw = next(it if self.strategy.whole_batches else self._own(it))
+        except StopIteration:  # (a loader of per-rank batches: every rank's is dry alike; one dry before the
+            self._exhausted = True  # others raised on every rank)
             return None
         ctx = HeraldBatchContext(index=self._batch_index, batch=raw, train_step=train_step)
         self._batch_index += 1
@@ -523,8 +523,8 @@ class HeraldTrainPipeline(TrainPipeline[Batch, Any]):
         mine: Iterator[Batch] = it
         if self.global_batches and not isinstance(it, TrainStream):
             mine = (self._my_slice(b) for b in it)
-        elif not self.global_batches and not isinstance(it, TrainStream) and self.env.world > 1:
-            mine = self._agreed(it)  # a loader of this rank's own batches: every rank's checked alike
+        else:
+            mine = self._own(it)  # a loader of this rank's own batches: every rank's checked alike
         if self.rank_inputs is not None and self.rank_inputs.source is not it:
             left = self.live_inputs.take_left(it) if self.live_inputs is not None else None
             self.rank_inputs.start(it, self._my_part(left) if left is not None else None)
@@ -545,21 +545,15 @@ class HeraldTrainPipeline(TrainPipeline[Batch, Any]):
             yield batch
             step += 1
 
-    def _agreed(self, it: Iterator[Batch]) -> Iterator[Batch]:
-        """This rank's own batches from ``it``, each described to every rank first
-        (:func:`~torchrec_herald.pipeline.stages.keys.agree_on_own_batch`): a loader that runs dry before the
-        others', or a batch the others cannot train with, raises on every rank instead of leaving them waiting
-        in TorchRec's collectives."""
-        index = 0
-        while True:
-            try:
-                raw: Optional[Batch] = next(it)
-            except StopIteration:
-                raw = None
-            if not agree_on_own_batch(self.env, raw, index) or raw is None:
-                return
-            index += 1
-            yield raw
+    def _own(self, it: Iterator[Batch]) -> Iterator[Batch]:
+        """``it`` where it gives this rank's own batches (not the trainer's :class:`TrainStream`, whose ranks
+        read alike): one :class:`~torchrec_herald.pipeline.stages.keys.CheckedOwnBatches` over it, whichever
+        mode reads it, so that the batch it reads ahead is the next one either mode trains."""
+        if isinstance(it, TrainStream):
+            return it
+        if self._checked is None or self._checked.source is not it:
+            self._checked = CheckedOwnBatches(self.env, it)
+        return self._checked
 
     def _my_slice(self, batch: Batch) -> Batch:
         """This rank's contiguous share of a whole global batch (stock's split)."""

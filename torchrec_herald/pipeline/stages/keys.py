@@ -6,7 +6,8 @@ bad id."""
 from __future__ import annotations
 
 import zlib
-from typing import Any, List, Optional
+from dataclasses import dataclass
+from typing import Any, Iterator, List, Optional
 
 import torch
 import torch.distributed as dist
@@ -17,7 +18,8 @@ from torchrec_herald.ops.hot_cold import first_invalid_id, out_of_table
 from torchrec_herald.pipeline.context import CommTimer, HeraldBatchContext, SchedulingEnv, on_every_rank
 from torchrec_herald.pipeline.stages import StageHost, register_stage
 
-__all__ = ["agree_on_own_batch", "key_batch", "keys_stage"]
+__all__ = ["CheckedOwnBatches", "OwnBatchDescriptions", "agree_on_own_batch", "describe_own_batch", "key_batch",
+           "keys_stage", "settle_own_batch"]
 
 #: the fixed-size description of a rank's own batch that every rank gathers before any exchange sized by it
 _HEADER = ("present", "samples", "dense_columns", "label_values", "weighted", "features", "feature_names_crc")
@@ -37,22 +39,82 @@ def _header(raw: Optional[Batch]) -> torch.Tensor:
                          zlib.crc32("\0".join(sorted(kjt.keys())).encode())], dtype=torch.int64)
 
 
-def agree_on_own_batch(env: SchedulingEnv, raw: Optional[Batch], index: int) -> bool:
-    """(collective, fixed size) Where each rank reads a batch of its own, every rank's batch ``index`` (None:
-    the rank's loader is dry) is described to every rank before any exchange sized by it, and a batch that
-    cannot be trained with the others raises on every rank alike, naming the ranks: a loader that runs dry
-    before the others' (which would leave them waiting in a collective), a different number of samples,
-    feature names or dense columns, per-sample weights (herald's sharding has none, and moving samples would
-    drop them), labels that are not one value (or the same number of values) per sample. Returns whether
-    the batch exists (False: every rank's loader is dry, the data's end)."""
+@dataclass
+class OwnBatchDescriptions:
+    """Every rank's description of its batch ``index``, gathered (``work``: the gather in flight, or None)."""
+
+    raw: Optional[Batch]
+    index: int
+    every: torch.Tensor
+    work: Any = None
+
+
+def describe_own_batch(env: SchedulingEnv, raw: Optional[Batch], index: int) -> OwnBatchDescriptions:
+    """(collective, fixed size, asynchronous) Start gathering every rank's description of its batch ``index``
+    (``raw``; None: this rank's loader is dry). :func:`settle_own_batch` waits for it and checks it."""
     mine = _header(raw)
     if env.world == 1:
-        every = mine.view(1, -1)
-    else:
-        every = torch.empty(env.world * mine.numel(), dtype=torch.int64)
+        return OwnBatchDescriptions(raw, index, mine.view(1, -1))
+    every = torch.empty(env.world * mine.numel(), dtype=torch.int64)
+    with CommTimer(env.stats, "herald_schedule_meta"):
+        work = dist.all_gather_into_tensor(every, mine, group=env.scheduling_group, async_op=True)
+    return OwnBatchDescriptions(raw, index, every.view(env.world, -1), work)
+
+
+class CheckedOwnBatches:
+    """A loader of this rank's own batches (``source``), each checked with every rank's
+    (:func:`settle_own_batch`) before it is handed over. The next batch is read, and its description's gather
+    started, as one is handed over, so that the gather completes while a step trains (gathered when each is
+    read instead, the check cost 0.7 ms a step of 15 with scheduling on and 1.5-2 ms with it off, at two
+    ranks here: ``benchmarks/own_batch_check.py``). The batch read ahead stays here: whoever reads next
+    (the run-ahead thread scheduling on, TorchRec's pipeline scheduling off) gets it. The loader is dry for
+    good once every rank's is (StopIteration); a batch that raised is dropped, the next read goes on."""
+
+    def __init__(self, env: SchedulingEnv, source: Iterator[Batch]) -> None:
+        self.env, self.source = env, source
+        self._pending: Optional[OwnBatchDescriptions] = None
+        self._index, self._dry = 0, False
+
+    def __iter__(self) -> "CheckedOwnBatches":
+        return self
+
+    def __next__(self) -> Batch:
+        if self._dry:
+            raise StopIteration
+        pending, self._pending = self._pending or self._read(), None
+        if not settle_own_batch(self.env, pending) or pending.raw is None:
+            self._dry = True
+            raise StopIteration
+        self._pending = self._read()
+        return pending.raw
+
+    def _read(self) -> OwnBatchDescriptions:
+        try:
+            raw: Optional[Batch] = next(self.source)
+        except StopIteration:
+            raw = None
+        self._index += 1
+        return describe_own_batch(self.env, raw, self._index - 1)
+
+
+def agree_on_own_batch(env: SchedulingEnv, raw: Optional[Batch], index: int) -> bool:
+    """:func:`describe_own_batch` and :func:`settle_own_batch` at once."""
+    return settle_own_batch(env, describe_own_batch(env, raw, index))
+
+
+def settle_own_batch(env: SchedulingEnv, described: OwnBatchDescriptions) -> bool:
+    """Where each rank reads a batch of its own, every rank's batch is described to every rank before any
+    exchange sized by it (:func:`describe_own_batch`), and a batch that cannot be trained with the others
+    raises here on every rank alike, naming the ranks: a loader that runs dry before the others' (which
+    would leave them waiting in a collective), a different number of samples, feature names or dense
+    columns, per-sample weights (herald's sharding has none, and moving samples would drop them), labels
+    that are not one value (or the same number of values) per sample. Returns whether the batch exists
+    (False: every rank's loader is dry, the data's end)."""
+    raw, index = described.raw, described.index
+    if described.work is not None:
         with CommTimer(env.stats, "herald_schedule_meta"):
-            dist.all_gather_into_tensor(every, mine, group=env.scheduling_group)
-        every = every.view(env.world, -1)
+            described.work.wait()
+    every = described.every
     col = {name: every[:, i].tolist() for i, name in enumerate(_HEADER)}
     not_batches = [r for r, p in enumerate(col["present"]) if p < 0]
     if not_batches:
