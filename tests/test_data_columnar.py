@@ -194,6 +194,8 @@ def test_the_readmes_command_line_sparse_override_composes_and_a_bad_one_names_t
         build_data_source(bad.data)
     with pytest.raises(ValueError, match=r"^data\.sparse must map at least one sparse column to its table size"):
         build_data_source(listed.data)
+    with pytest.raises(ValueError, match=r"^data\.sparse: each table size must be >= 1, got \{'cat': 0\}$"):
+        build_data_source({"name": "columnar", "paths": "clicks.csv", "sparse": {"user": 50, "cat": 0}})
 
 
 def test_a_byte_order_mark_is_dropped_and_a_column_named_twice_is_refused(tmp_path: Path) -> None:

@@ -56,8 +56,9 @@ class ModelConfig:
     def __post_init__(self) -> None:
         if str(self.pooling).upper() not in ("SUM", "MEAN"):
             raise ValueError(f"model.pooling must be SUM or MEAN, got {self.pooling!r}")
-        if int(self.embedding_dim) < 1:
-            raise ValueError(f"model.embedding_dim must be >= 1, got {self.embedding_dim}")
+        if int(self.embedding_dim) < 1 or int(self.embedding_dim) % 4:
+            raise ValueError(f"model.embedding_dim must be a positive multiple of 4 (fbgemm's TBE kernels), got "
+                             f"{self.embedding_dim}")
         for key, sizes in (("dense_arch", list(self.dense_arch)), ("over_arch", list(self.over_arch))):
             if not sizes or min(sizes) < 1:
                 raise ValueError(f"model.{key} must be a non-empty list of layer sizes >= 1, got {sizes}")

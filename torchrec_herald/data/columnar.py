@@ -103,8 +103,9 @@ class ColumnarSource(FileSource[ColumnarSample]):
         self._columns = [self.label, *self.dense, *self.feature_names]
         if len(set(self._columns)) != len(self._columns):
             raise ValueError(f"label, dense and sparse columns must be distinct, got {self._columns}")
-        if min(self.num_embeddings) < 1:
-            raise ValueError(f"num_embeddings must be >= 1, got {dict(sparse)}")
+        small = {c: n for c, n in zip(self.feature_names, self.num_embeddings) if n < 1}
+        if small:
+            raise ValueError(f"sparse: each table size must be >= 1, got {small}")
         if format not in (None, "parquet", "csv"):
             raise ValueError(f"format must be 'parquet', 'csv' or null, got {format!r}")
         self.hash_ids, self.log1p_dense, self.format = bool(hash_ids), bool(log1p_dense), format

@@ -558,6 +558,7 @@ def format_traffic_report(choices: Dict[str, HotSetChoice]) -> str:
                  f"{sum(c.replica_bytes_per_rank for c in choices.values()) / 1024:>11.1f} "
                  f"{t.hot_lookup_share * 100:>7.1f} {t.stock_table_wise:>12.0f} {t.stock_row_wise:>12.0f} "
                  f"{t.herald_total:>12.0f} {t.herald_cold:>12.0f} {t.herald_hot_sync:>10.0f}")
+    share = f"{ratio * 100:.1f} % of TABLE_WISE" if t.stock_table_wise > 0 else "no bytes leave a rank"
     lines.append(f"expected bytes/step (all ranks): stock TABLE_WISE {t.stock_table_wise:.0f}, stock ROW_WISE "
-                 f"{t.stock_row_wise:.0f}, herald {t.herald_total:.0f} ({ratio * 100:.1f} % of TABLE_WISE)")
+                 f"{t.stock_row_wise:.0f}, herald {t.herald_total:.0f} ({share})")
     return "\n".join(lines)
