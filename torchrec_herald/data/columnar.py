@@ -95,6 +95,9 @@ class ColumnarSource(FileSource[ColumnarSample]):
         bad = {c: n for c, n in sparse.items() if isinstance(n, bool) or not isinstance(n, int)}
         if bad:
             raise ValueError(f"sparse: each table size must be an integer, got {bad}")
+        small = {c: n for c, n in sparse.items() if n < 1}
+        if small:
+            raise ValueError(f"sparse: each table size must be >= 1, got {small}")
         super().__init__(paths, eval_paths, holdout_every, on_error)
         self.label, self.dense = str(label), [str(c) for c in dense]
         self.feature_names: List[str] = [str(c) for c in sparse]
@@ -103,9 +106,6 @@ class ColumnarSource(FileSource[ColumnarSample]):
         self._columns = [self.label, *self.dense, *self.feature_names]
         if len(set(self._columns)) != len(self._columns):
             raise ValueError(f"label, dense and sparse columns must be distinct, got {self._columns}")
-        small = {c: n for c, n in zip(self.feature_names, self.num_embeddings) if n < 1}
-        if small:
-            raise ValueError(f"sparse: each table size must be >= 1, got {small}")
         if format not in (None, "parquet", "csv"):
             raise ValueError(f"format must be 'parquet', 'csv' or null, got {format!r}")
         self.hash_ids, self.log1p_dense, self.format = bool(hash_ids), bool(log1p_dense), format
