@@ -26,6 +26,8 @@ _HEADER = ("present", "samples", "dense_columns", "label_values", "weighted", "f
 
 
 def _header(raw: Optional[Batch]) -> torch.Tensor:
+    """This rank's batch described by :data:`_HEADER`'s fields (all 0: no batch; all -1: not a ``Batch``; -1
+    for dense columns or label values: not rows of the batch's samples)."""
     if raw is None:  # this rank's loader is dry
         return torch.zeros(len(_HEADER), dtype=torch.int64)
     if not isinstance(raw, Batch):
