@@ -18,8 +18,8 @@ from torchrec_herald.ops.hot_cold import first_invalid_id, out_of_table
 from torchrec_herald.pipeline.context import CommTimer, HeraldBatchContext, SchedulingEnv, on_every_rank
 from torchrec_herald.pipeline.stages import StageHost, register_stage
 
-__all__ = ["CheckedOwnBatches", "OwnBatchDescriptions", "agree_on_own_batch", "describe_own_batch", "key_batch",
-           "keys_stage", "settle_own_batch"]
+__all__ = ["CheckedOwnBatches", "OwnBatchDescriptions", "describe_own_batch", "key_batch", "keys_stage",
+           "settle_own_batch"]
 
 #: the fixed-size description of a rank's own batch that every rank gathers before any exchange sized by it
 _HEADER = ("present", "samples", "dense_columns", "label_values", "weighted", "features", "feature_names_crc")
@@ -99,11 +99,6 @@ class CheckedOwnBatches:
         return describe_own_batch(self.env, raw, self._index - 1)
 
 
-def agree_on_own_batch(env: SchedulingEnv, raw: Optional[Batch], index: int) -> bool:
-    """:func:`describe_own_batch` and :func:`settle_own_batch` at once."""
-    return settle_own_batch(env, describe_own_batch(env, raw, index))
-
-
 def settle_own_batch(env: SchedulingEnv, described: OwnBatchDescriptions) -> bool:
     """Where each rank reads a batch of its own, every rank's batch is described to every rank before any
     exchange sized by it (:func:`describe_own_batch`), and a batch that cannot be trained with the others
@@ -173,7 +168,7 @@ def key_batch(env: SchedulingEnv, ctx: HeraldBatchContext, raw: Batch, whole_bat
     alike, naming the rank whose share held it; otherwise it is recorded in ``ctx.bad`` for the
     allocate stage's exchange (``ctx.keys`` is then None)."""
     if not isinstance(raw, Batch) or raw.sparse_features.weights_or_none() is not None:  # (own batches: checked
-        # by every rank already, agree_on_own_batch) a whole global batch is every rank's: all raise alike
+        # by every rank already, CheckedOwnBatches) a whole global batch is every rank's: all raise alike
         raise on_every_rank(TypeError(
             f"HeraldTrainPipeline: the data loader yielded {type(raw).__name__} where a torchrec Batch "
             f"(dense_features, sparse_features, labels) is expected") if not isinstance(raw, Batch) else ValueError(
