@@ -59,11 +59,25 @@ def test_a_run_on_other_ranks_refuses_the_checkpoint(tmp_path: Path, monkeypatch
 
 def test_a_checkpoint_without_a_recorded_run_resumes_with_a_warning(tmp_path: Path,
                                                                     caplog: pytest.LogCaptureFixture) -> None:
+    from torchrec_herald.trainer import Checkpointing
+
     state = {"epoch": 0, "batch_in_epoch": 4, "losses_by_rank": [[0.5] * 4], "rng": {}, "pipeline": None}
     path = _saved_run(tmp_path, BASE, state=state)
-    current = training_identity(compose_config(BASE + ["optimizer.lr=0.5"]), 1)
-    assert resume_problem(None, current, path) is None
-    assert preflight_error(BASE + [f"checkpoint.dir={tmp_path}", "optimizer.lr=0.5"]) == "no error"
+    overrides = BASE + [f"checkpoint.dir={tmp_path}", "optimizer.lr=0.5"]
+    assert resume_problem(None, training_identity(compose_config(overrides), 1), path) is None
+    assert preflight_error(overrides) == "no error"
+    with caplog.at_level(logging.WARNING):
+        assert Checkpointing(compose_config(overrides), None, None, None, 1).problem(path) is None
+    assert (f"checkpoint {path} does not record the run that saved it (an older version's): resuming it without "
+            f"comparing its settings with this run's") in caplog.text
+
+
+def test_the_eval_split_may_change_on_resume_what_is_trained_may_not(tmp_path: Path) -> None:
+    where = BASE + [f"checkpoint.dir={tmp_path}"]
+    path = _saved_run(tmp_path, where)
+    assert preflight_error(where + ["data.num_eval_batches=3"]) == "no error"
+    assert preflight_error(where + ["data.num_train_batches=9"]).startswith(
+        f"ValueError: checkpoint {path} was saved by another run (data.num_train_batches=9 here, 8 there): ")
 
 
 def test_more_than_six_differences_are_counted() -> None:
@@ -75,9 +89,11 @@ def test_more_than_six_differences_are_counted() -> None:
 
 
 def test_a_baseline_and_an_exact_reference_checkpoint_beside_the_run_not_into_its_folder(tmp_path: Path) -> None:
+    """Beside, not inside: ``checkpoint.resume=false`` moves the run's folder aside, which must not take the
+    baseline's finished checkpoints with it."""
     cfg = compose_config(BASE + [f"checkpoint.dir={tmp_path}/run", "run_name=mine"])
     companion_run(cfg, "baseline_table_wise")
-    assert (cfg.checkpoint.dir, cfg.run_name) == (f"{tmp_path}/run/baseline_table_wise", "mine-baseline_table_wise")
+    assert (cfg.checkpoint.dir, cfg.run_name) == (f"{tmp_path}/run-baseline_table_wise", "mine-baseline_table_wise")
     approx = compose_config(BASE + ["planner=herald", "pipeline=herald", "pipeline.staleness=1", "run_name=het"])
     ref = exact_reference_config(approx)
     assert ref.run_name == "het-exact_reference" and ref.checkpoint.dir is None and ref.pipeline.staleness is None

@@ -44,7 +44,10 @@ _error = preflight_error
     (["model.pooling=MAX"], "ValueError: model.pooling must be SUM or MEAN, got 'MAX'"),
     (["model.dense_arch=[]"], "ValueError: model.dense_arch must be a non-empty list of layer sizes >= 1, got []"),
     (["model.dense_arch=[0,16]"], "ValueError: model.dense_arch must be a non-empty list of layer sizes >= 1, got [0, 16]"),
-    (["model.over_arch=[64,32,2]"], "ValueError: model.over_arch must end with 1 (the click logit), got [64, 32, 2]"),
+    (["model.over_arch=[64,32,2]"], "ValueError: model.over_arch must have at least two layers and end with 1 (the "
+                                    "click logit), got [64, 32, 2]"),
+    (["model.over_arch=[1]"], "ValueError: model.over_arch must have at least two layers and end with 1 (the click "
+                              "logit), got [1]"),
     (["model.over_arch=[]"], "ValueError: model.over_arch must be a non-empty list of layer sizes >= 1, got []"),
     (["optimizer.lr=nan"], "ValueError: optimizer.lr must be a finite number > 0, got nan"),
     (["optimizer.dense_lr=0"], "ValueError: optimizer.dense_lr must be a finite number > 0, got 0.0"),

@@ -59,6 +59,8 @@ def _loader(batches: List[Any], rank: int, case: str) -> Iterator[Any]:
                 b = _edited(b, dense=2)
             elif case == "not_a_batch":
                 b = b.sparse_features
+            elif case == "labels_task_first":  # [1, B] beside the others' [B]: a move could not carry them
+                b = type(b)(b.dense_features, b.sparse_features, b.labels.view(1, -1))
         yield b
 
 
@@ -69,7 +71,8 @@ def _worker(rank: int, world: int) -> Dict[str, Any]:
 
     out: Dict[str, Any] = {}
     for scheduling in ("on", "off"):
-        for case in ("runs_dry", "partial", "extra_feature", "weighted", "dense_columns", "not_a_batch"):
+        for case in ("runs_dry", "partial", "extra_feature", "weighted", "dense_columns", "not_a_batch",
+                     "labels_task_first"):
             b = build(world, dict(planner="herald", steps=STEPS, batch_size=16))
             batches = list(b["data"].train_batches(rank, world, b["batch_size"]))
             pipe = HeraldTrainPipeline(b["dmp"], b["optimizer"], b["device"], scheduling=scheduling, window=2)
@@ -80,12 +83,15 @@ def _worker(rank: int, world: int) -> Dict[str, Any]:
                     pipe.progress(it)
 
             out[(scheduling, case)] = error_of(train)
+            if case == "partial":  # the bad batch is dropped on every rank: the next progress() trains on
+                out[(scheduling, "after_partial")] = error_of(lambda: pipe.progress(it))
         # a used-up loader: progress() says so as TorchRec's pipelines do, with StopIteration again
         b = build(world, dict(planner="herald", steps=STEPS, batch_size=16))
         pipe = HeraldTrainPipeline(b["dmp"], b["optimizer"], b["device"], scheduling=scheduling, window=2)
         it = iter(list(b["data"].train_batches(rank, world, b["batch_size"])))
         out[(scheduling, "to_the_end")] = error_of(train)
         out[(scheduling, "used_up")] = error_of(lambda: pipe.progress(it))
+        out[(scheduling, "times")] = (pipe.stats.scheduler_s, pipe.stats.comm_s)
     return out
 
 
@@ -106,6 +112,9 @@ EXPECTED = {
     "dense_columns": "ValueError: HeraldTrainPipeline, batch 2: every rank's batch must have the same number of dense "
                      "features (dense_features of shape [samples, columns]) (rank 0: 13, rank 1: 2)",
     "not_a_batch": "TypeError: HeraldTrainPipeline, batch 2: the data loader of rank(s) [1] yielded ",
+    "labels_task_first": "ValueError: HeraldTrainPipeline, batch 2: every rank's batch must have the same number of "
+                         "label values per sample (labels of shape [samples] or [samples, tasks]) (rank 0: 1, rank 1: "
+                         "not one row a sample)",
 }
 
 
@@ -195,3 +204,17 @@ def test_a_weighted_ebc_is_refused_when_herald_shards_it() -> None:
     (got,) = run_multiprocess(_weighted_worker, 1, timeout_s=180)
     assert got == ("ValueError: EBC 'ebc' is weighted (is_weighted=True), and the plan gives its tables ['t0', 't1'] "
                    "herald's sharding, which has no per-sample weights: plan them with a stock sharding type"), got
+
+
+@pytest.mark.parametrize("scheduling", ["on", "off"])
+def test_a_batch_that_raised_is_dropped_and_the_next_trains(scheduling: str) -> None:
+    assert [r[(scheduling, "after_partial")] for r in results()] == ["no error"] * 2
+
+
+@pytest.mark.parametrize("scheduling", ["on", "off"])
+def test_the_checks_gathers_count_as_scheduler_time_where_they_run(scheduling: str) -> None:
+    """Scheduling off, the check runs on the training thread: its gathers are scheduler time on the step's
+    path, never more communication than the scheduler's time holds."""
+    for r in results():
+        scheduler_s, comm_s = r[(scheduling, "times")]
+        assert comm_s > 0 and scheduler_s >= comm_s, (scheduler_s, comm_s)

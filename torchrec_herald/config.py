@@ -65,8 +65,9 @@ class ModelConfig:
         if list(self.dense_arch)[-1] != self.embedding_dim:
             raise ValueError(f"model.dense_arch must end with model.embedding_dim={self.embedding_dim}, "
                              f"got {list(self.dense_arch)}")
-        if list(self.over_arch)[-1] != 1:
-            raise ValueError(f"model.over_arch must end with 1 (the click logit), got {list(self.over_arch)}")
+        if len(self.over_arch) < 2 or list(self.over_arch)[-1] != 1:
+            raise ValueError(f"model.over_arch must have at least two layers and end with 1 (the click logit), got "
+                             f"{list(self.over_arch)}")
 
 
 @dataclass

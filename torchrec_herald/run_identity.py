@@ -22,8 +22,9 @@ __all__ = ["MAY_CHANGE_ON_RESUME", "NOT_TRAINING_KEYS", "check_checkpoint_locati
 
 #: top-level config keys that do not change the trained model (a re-run differing in them resumes)
 NOT_TRAINING_KEYS = ("checkpoint", "log_every", "eval", "compare_with", "run_name")
-#: training keys a resumed run may change: more epochs train the same run on
-MAY_CHANGE_ON_RESUME = ("epochs",)
+#: training keys a resumed run may change: more epochs train the same run on; the eval split's own files and size
+#: change no trained batch (a bad eval file, fixed, is evaluated again)
+MAY_CHANGE_ON_RESUME = ("epochs", "data.eval_paths", "data.num_eval_batches")
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
 _STEP_DIR = re.compile(r"^step_\d{8,}$")
 
@@ -100,11 +101,13 @@ def checkpoint_dir(cfg: DictConfig, world_size: int) -> Path:
 
 def companion_run(cfg: DictConfig, role: str) -> None:
     """Give ``cfg``, a run trained beside another (``compare_with``'s baseline, an approximate run's exact
-    reference), checkpoints of its own where the user named the folder: ``checkpoint.dir/<role>`` or
-    ``<run_name>-<role>``. (A derived name differs already: the config's hash does.) In place."""
+    reference), checkpoints of its own where the user named the folder: ``<checkpoint.dir>-<role>`` beside it
+    (not inside it: ``checkpoint.resume=false`` moves the run's folder aside) or ``<run_name>-<role>``. (A
+    derived name differs already: the config's hash does.) In place."""
     c = cfg.get("checkpoint")
     if c is not None and c.get("dir"):
-        c.dir = str(Path(str(c.dir)) / role)
+        folder = Path(str(c.dir))
+        c.dir = str(folder.with_name(f"{folder.name}-{role}"))
     if cfg.get("run_name"):
         cfg.run_name = f"{cfg.run_name}-{role}"
 

@@ -168,11 +168,14 @@ def preflight(cfg: DictConfig, world_size: Optional[int] = None) -> DataSource:
     read) and the skipping windows against the run's length. Raises ValueError (a data file:
     DataFormatError / FileNotFoundError) with one line naming the key or file; ``python -m
     torchrec_herald.train`` runs it for the herald run and its baseline before either trains.
-    ``world_size``: default ``$WORLD_SIZE`` (torchrun sets it), else 1. Returns the data source."""
+    ``world_size``: default the process group's size, else ``$WORLD_SIZE`` (torchrun sets it), else 1. Returns the
+    data source."""
     from torchrec_herald.config import validate
     from torchrec_herald.run_identity import check_checkpoint_location, run_name
 
-    world = int(world_size if world_size is not None else os.environ.get("WORLD_SIZE", 1))
+    if world_size is None:  # the live process group's, else torchrun's
+        world_size = dist.get_world_size() if dist.is_initialized() else int(os.environ.get("WORLD_SIZE", 1))
+    world = int(world_size)
     typed = validate(cfg)
     run_name(cfg, world)  # run_name: a folder name
     check_checkpoint_location(cfg, world, writing=typed.checkpoint.every_n_steps is not None)

@@ -164,8 +164,8 @@ class SchedulingSwitch:
             self._delegate_src, self._delegate_it = it, islice(share, limit)
         try:
             out = self._delegate.progress(self._delegate_it)
-        except StopIteration:
-            self._delegate_src = self._delegate_it = None
+        except BaseException:  # (the data's end, or a batch that raised: it ended the generators feeding TorchRec's
+            self._delegate_src = self._delegate_it = None  # pipeline, so the next progress() starts new ones)
             raise
         self.host.stats.steps += 1
         return out

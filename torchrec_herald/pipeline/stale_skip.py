@@ -411,7 +411,7 @@ class LiveInputStream:
         if it is not self._src:  # a new pass over the data: nothing carried over
             self._src, self._left = it, None
         t0, reading, active = time.perf_counter(), 0.0, self.hook.skipping(train_step)
-        parts, n = ([self._left], self._left.labels.numel()) if self._left is not None else ([], 0)
+        parts, n = ([self._left], self._left.labels.shape[0]) if self._left is not None else ([], 0)
         self._left = None
         while n < self.size or not self.size:
             t_read = time.perf_counter()
@@ -421,11 +421,11 @@ class LiveInputStream:
                 break
             finally:
                 reading += time.perf_counter() - t_read
-            self.size = self.size or batch.labels.numel()
-            self.host.count_read(batch.labels.numel())
+            self.size = self.size or batch.labels.shape[0]
+            self.host.count_read(batch.labels.shape[0])
             batch = self.hook.filter_inputs(self.host, batch, train_step)
             parts.append(batch)
-            n += batch.labels.numel()
+            n += batch.labels.shape[0]
         take = self.size if n >= self.size else n - n % self.world
         if take == 0:
             raise StopIteration
@@ -478,7 +478,7 @@ class RankInputStream:
 
     def untrained(self) -> int:
         """Forget the carried live samples (the pass ended or the stream stops); returns (and logs) them."""
-        n = 0 if self._carry is None else int(self._carry.labels.numel())
+        n = 0 if self._carry is None else int(self._carry.labels.shape[0])
         if n:
             logger.info("input skipping: %d live sample(s) carried on this rank go untrained (the data pass or "
                         "scheduling off ended)", n)
@@ -500,8 +500,8 @@ class RankInputStream:
                 batch = self.feature_order(next(it))
             except StopIteration:
                 break
-            self.size = self.size or int(batch.labels.numel())
-            self.host.count_read(self.world * int(batch.labels.numel()))
+            self.size = self.size or int(batch.labels.shape[0])
+            self.host.count_read(self.world * int(batch.labels.shape[0]))
             slices.append(batch)
         if not slices:
             self.untrained()
@@ -520,7 +520,7 @@ class RankInputStream:
         # per sample of the carry then the slices: stale (dropped), and its lookups
         drop, lookups = [], []
         for b in parts:
-            n_b = int(b.labels.numel())
+            n_b = int(b.labels.shape[0])
             verdict = self.hook.classify_inputs(self.host, b, train_step) if b is not carry else None
             drop.append(verdict[0] if verdict is not None else torch.zeros(n_b, dtype=torch.bool))
             lookups.append(verdict[1] if verdict is not None else torch.zeros(n_b, dtype=torch.int64))

@@ -531,12 +531,15 @@ class HeraldTrainPipeline(TrainPipeline[Batch, Any]):
         step = first_step
         while True:
             try:
+                comm = self.stats.comm_s
                 if self.rank_inputs is not None:
                     batch = self.rank_inputs.next(mine, step)
                 else:
                     batch = next(mine)
             except StopIteration:
                 return
+            finally:  # the own-batch check's gathers, on the training thread here: scheduler time on the path
+                self.stats.scheduler_s += self.stats.comm_s - comm
             if self.skip_hook is not None and self.rank_inputs is None:
                 batch = self._feature_order(batch)
                 self.skip_hook.count_reads(self, torch.unique(self.batch_keys(batch.sparse_features)))
@@ -557,13 +560,13 @@ class HeraldTrainPipeline(TrainPipeline[Batch, Any]):
 
     def _my_slice(self, batch: Batch) -> Batch:
         """This rank's contiguous share of a whole global batch (stock's split)."""
-        B = batch.labels.numel() // self.env.world
+        B = batch.labels.shape[0] // self.env.world
         return select_samples(batch, torch.arange(self.env.rank * B, (self.env.rank + 1) * B))
 
     def _my_part(self, batch: Batch) -> Optional[Batch]:
         """This rank's contiguous part of ``batch``'s samples, split as evenly as whole samples allow
         (None if empty)."""
-        n, W, r = batch.labels.numel(), self.env.world, self.env.rank
+        n, W, r = batch.labels.shape[0], self.env.world, self.env.rank
         lo, hi = r * n // W, (r + 1) * n // W
         return select_samples(batch, torch.arange(lo, hi)) if hi > lo else None
 

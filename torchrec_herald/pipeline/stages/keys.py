@@ -27,7 +27,7 @@ _HEADER = ("present", "samples", "dense_columns", "label_values", "weighted", "f
 
 def _header(raw: Optional[Batch]) -> torch.Tensor:
     """This rank's batch described by :data:`_HEADER`'s fields (all 0: no batch; all -1: not a ``Batch``; -1
-    for dense columns or label values: not rows of the batch's samples)."""
+    for dense columns or label values: not one row a sample, samples first, as a move carries them)."""
     if raw is None:  # this rank's loader is dry
         return torch.zeros(len(_HEADER), dtype=torch.int64)
     if not isinstance(raw, Batch):
@@ -35,7 +35,7 @@ def _header(raw: Optional[Batch]) -> torch.Tensor:
     kjt = raw.sparse_features
     B = kjt.stride()
     dense = raw.dense_features
-    labels = raw.labels.numel() // B if B and raw.labels.numel() % B == 0 else -1
+    labels = raw.labels[0].numel() if raw.labels.dim() >= 1 and raw.labels.shape[0] == B > 0 else -1  # samples first
     return torch.tensor([1, B, dense.shape[1] if dense.dim() == 2 and dense.shape[0] == B else -1, labels,
                          int(kjt.weights_or_none() is not None), len(kjt.keys()),
                          zlib.crc32("\0".join(sorted(kjt.keys())).encode())], dtype=torch.int64)

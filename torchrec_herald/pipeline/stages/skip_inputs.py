@@ -19,7 +19,7 @@ def skip_inputs_stage(host: StageHost, ctx: HeraldBatchContext) -> None:
     if skip is None or skip.granularity != "input" or host.live_inputs is not None:
         return
     assert ctx.batch is not None
-    before = ctx.batch.labels.numel()
+    before = ctx.batch.labels.shape[0]
     ctx.batch = skip.filter_inputs(host, ctx.batch, ctx.train_step)
-    if ctx.batch.labels.numel() != before:
+    if ctx.batch.labels.shape[0] != before:
         ctx.keys = host.env.batch_keys(ctx.batch.sparse_features)
