@@ -16,7 +16,7 @@ import os
 import re
 import shutil
 from pathlib import Path
-from typing import Any, Dict, List, Optional, Sequence
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
@@ -32,6 +32,17 @@ _STEP_DIR = re.compile(r"^step_(\d{8,})$")
 
 class CheckpointMismatchError(ValueError):
     """A checkpoint's tables or shapes do not match the model it is loaded into."""
+
+
+def first_failure(error: BaseException) -> Optional[Tuple[int, BaseException]]:
+    """(rank, exception) of the lowest rank a DCP ``CheckpointException`` holds a failure of (torch keeps each
+    as (exception, traceback)); None for any other error."""
+    failures = getattr(error, "failures", None)
+    if not isinstance(failures, dict) or not failures:
+        return None
+    rank, failure = sorted(failures.items())[0]
+    first = failure[0] if isinstance(failure, tuple) and failure else failure
+    return (rank, first) if isinstance(first, BaseException) else None
 
 
 def _state(dmp: torch.nn.Module, optimizer: Any) -> Dict[str, Any]:
@@ -167,9 +178,8 @@ def load_checkpoint(path: Path, dmp: torch.nn.Module, optimizer: Any) -> Dict[st
     _check_shapes(path, state)
     try:
         dcp.load(state, checkpoint_id=str(path))
-    except dcp.api.CheckpointException as e:  # every rank's failures, each (exception, traceback)
-        rank, failure = sorted(e.failures.items())[0]
-        first = failure[0] if isinstance(failure, tuple) else failure
+    except dcp.api.CheckpointException as e:
+        rank, first = first_failure(e) or (-1, e)
         problem = " ".join(f"{type(first).__name__}: {first}".split()).removesuffix(":")
         raise ValueError(
             f"checkpoint {path} cannot be read (rank {rank}: {problem}); remove that folder to resume from an "

@@ -15,7 +15,7 @@ import torch
 
 from torchrec_herald.ops.hot_cold import local_block_rows, row_block_sizes
 
-__all__ = ["RowLayout", "cache_capacities", "cache_rows_for_budget", "layout_of"]
+__all__ = ["RowLayout", "cache_capacities", "cache_row_bytes", "cache_rows_for_budget", "layout_of"]
 
 
 @dataclass(frozen=True, eq=False)
@@ -219,6 +219,12 @@ def cache_capacities(layout: RowLayout, capacity_fraction: Optional[float],
             raise ValueError(f"table {t!r}: cache capacity must be in [1, {n[t]}] rows, got {c}")
         caps[t] = int(c)
     return caps
+
+
+def cache_row_bytes(dim: int) -> int:
+    """Bytes one cached row takes in a rank's row store: its ``dim`` float32 weights and its row-wise optimizer
+    state (one float32)."""
+    return (int(dim) + 1) * 4
 
 
 def cache_rows_for_budget(layout: RowLayout, budget_bytes: int, row_bytes: int) -> Dict[str, int]:

@@ -31,11 +31,11 @@ logger = logging.getLogger(__name__)
 def one_line(e: BaseException) -> str:
     """``"<Type>: <message>"`` on one line, with the first line of its cause when that adds something
     (Hydra's "Could not override 'foo'" is caused by "Key 'foo' not in 'TrainConfig'")."""
-    failures = getattr(e, "failures", None)  # DCP's CheckpointException: {rank: the exception there}
-    if isinstance(failures, dict) and failures:
-        rank, first = sorted(failures.items())[0]
-        first = first[0] if isinstance(first, tuple) and first else first  # (exception, traceback) in torch 2.x
-        e = first if isinstance(first, BaseException) else e
+    from torchrec_herald.checkpoint import first_failure
+
+    failed = first_failure(e)  # DCP's CheckpointException: the lowest rank's exception
+    if failed is not None:
+        e = failed[1]
     line = " ".join(f"{type(e).__name__}: {e}".split())
     cause = e.__cause__
     if cause is not None and str(cause).strip():

@@ -34,6 +34,7 @@ from tqdm import tqdm
 
 from torchrec_herald.data import DataSource, TrainStream, build_data_source
 from torchrec_herald.dist_utils import init_distributed
+from torchrec_herald.layout import cache_row_bytes
 from torchrec_herald.metrics import collect_metrics, evaluate, herald_traffic_report
 from torchrec_herald.model import build_dlrm_train, build_tables
 from torchrec_herald.pipeline.build import PIPELINES, TrainingPipeline
@@ -191,11 +192,11 @@ def preflight(cfg: DictConfig, world_size: Optional[int] = None) -> DataSource:
     if isinstance(typed.pipeline, HeraldPipelineConfig):
         total = getattr(data, "num_train_batches", None)
         typed.pipeline.check_run_length(None if total is None else int(total) * typed.epochs)
-        if world > 1 or not isinstance(typed.planner, HeraldPlannerConfig) or typed.planner.link_mbit != "auto":
-            # (at one rank, with the link left to measure, the model of time trains stock TABLE_WISE with
-            # TorchRec's pipeline: no window is filled)
+        if not (isinstance(typed.planner, HeraldPlannerConfig) and typed.planner.prices_one_rank_locally(world)):
+            # (where it does, the model of time trains stock TABLE_WISE with TorchRec's pipeline: no window is
+            # filled)
             check_window(data, typed.pipeline.window, world, typed.batch_size)
-        row_bytes = (typed.model.embedding_dim + 1) * 4  # a cached row: its weights and row-wise optimizer state
+        row_bytes = cache_row_bytes(typed.model.embedding_dim)
         if typed.pipeline.cache_bytes is not None and int(typed.pipeline.cache_bytes) < row_bytes:
             raise ValueError(f"pipeline.cache_bytes={typed.pipeline.cache_bytes} holds no cache row of {row_bytes} "
                              f"bytes; each herald table needs at least one")
@@ -207,7 +208,7 @@ def check_resumable(cfg: DictConfig, world_size: int) -> None:
     """The checkpoint a run would resume from (its folder's latest complete one, unless
     ``checkpoint.resume=false``) was saved by this run's settings and ranks: ValueError naming what differs
     otherwise, before anything is built or trained (every rank reads the same files)."""
-    from torchrec_herald.checkpoint import TRAINER_STATE, latest_checkpoint
+    from torchrec_herald.checkpoint import latest_checkpoint
     from torchrec_herald.run_identity import checkpoint_dir, resume_problem, training_identity
 
     c = cfg.get("checkpoint") or {}
@@ -216,10 +217,17 @@ def check_resumable(cfg: DictConfig, world_size: int) -> None:
     latest = latest_checkpoint(checkpoint_dir(cfg, world_size), TRAINER_KEYS)
     if latest is None:
         return
-    saved = json.loads((latest / TRAINER_STATE).read_text()).get("run")
-    problem = resume_problem(saved, training_identity(cfg, world_size), latest)
+    problem = resume_problem(saved_run(latest), training_identity(cfg, world_size), latest)
     if problem:
         raise ValueError(problem)
+
+
+def saved_run(path: Path) -> Any:
+    """The identity of the run that saved the checkpoint at ``path`` (its trainer state's ``run``), or None
+    where an older version saved it."""
+    from torchrec_herald.checkpoint import TRAINER_STATE
+
+    return json.loads((Path(path) / TRAINER_STATE).read_text()).get("run")
 
 
 def check_window(data: DataSource, window: int, world_size: int, batch_size: int) -> None:
@@ -320,10 +328,9 @@ class Checkpointing:
     def problem(self, path: Path) -> Optional[str]:
         """Why the checkpoint at ``path`` is another run's (one line naming what differs), or None
         (:func:`~torchrec_herald.run_identity.resume_problem`)."""
-        from torchrec_herald.checkpoint import TRAINER_STATE
         from torchrec_herald.run_identity import resume_problem
 
-        saved = json.loads((Path(path) / TRAINER_STATE).read_text()).get("run")
+        saved = saved_run(path)
         if saved is None:
             logger.warning("checkpoint %s does not record the run that saved it (an older version's): resuming it "
                            "without comparing its settings with this run's", path)

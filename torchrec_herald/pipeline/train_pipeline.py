@@ -33,7 +33,7 @@ from torchrec.distributed.train_pipeline import TrainPipeline, TrainPipelineSpar
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from torchrec_herald.data import TrainStream
-from torchrec_herald.layout import cache_rows_for_budget
+from torchrec_herald.layout import cache_row_bytes, cache_rows_for_budget
 from torchrec_herald.pipeline.auto_scheduling import SchedulingSwitch
 from torchrec_herald.pipeline.context import (EVERY_RANK, HeraldBatchContext, SchedulerStats, SchedulingEnv,
                                               find_herald_ebc, select_samples, stock_tables_beside)
@@ -100,8 +100,8 @@ class HeraldTrainPipeline(TrainPipeline[Batch, Any]):
         self.window, self.allocator, self.sync, self.move_penalty = c.window, c.allocator, c.sync, c.move_penalty
         self.staleness = c.staleness
         self.layout = self.ebc.layout
-        capacity_rows = (None if c.cache_bytes is None else  # the store keeps a cached row's weights + state
-                         cache_rows_for_budget(self.layout, c.cache_bytes, (self.ebc.embedding_dim + 1) * 4))
+        capacity_rows = (None if c.cache_bytes is None else
+                         cache_rows_for_budget(self.layout, c.cache_bytes, cache_row_bytes(self.ebc.embedding_dim)))
         self.by_home = c.planning == "by_home"
         self._allocator_on = build_allocator(c.allocator, **({"move_penalty": c.move_penalty}
                                                             if c.allocator == "greedy" else {}))

@@ -123,6 +123,12 @@ class HeraldPlannerConfig:
             raise ValueError(f"planner.top_fraction must be at most 1 (the share of each table's rows replicated), "
                              f"got {self.top_fraction}")
 
+    def prices_one_rank_locally(self, world_size: int) -> bool:
+        """At one rank with the link left to measure (``auto``), no embedding crosses a link: there is no rate to
+        measure, herald's plan saves nothing, and priced on a link that carries no bytes the model of time keeps
+        stock TABLE_WISE (an explicit ``link_mbit``, or null, is taken as given)."""
+        return world_size == 1 and self.link_mbit == "auto"
+
     @property
     def wants_probe(self) -> bool:
         """The link rate or the collective latency is to be measured at start (``auto``)."""

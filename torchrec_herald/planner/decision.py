@@ -55,10 +55,7 @@ def plan_model(config: Union[StockPlannerConfig, HeraldPlannerConfig], module: n
         except Exception as e:  # noqa: BLE001 - a failed probe must not stop training: the configured values
             logger.warning("planner: the link probe failed (%s); planning with the configured link values "
                            "(planner.link_mbit / planner.collective_latency_ms)", e)
-    # one rank: no embedding crosses a link, so there is no rate to measure and herald's plan saves nothing;
-    # priced on a link that carries no bytes, the model of time keeps stock TABLE_WISE (an explicit
-    # ``planner.link_mbit``, or null, is taken as given)
-    one_rank = world_size == 1 and config.link_mbit == "auto"
+    one_rank = config.prices_one_rank_locally(world_size)
     config = config.with_measured(probe)
     link = LinkModel.local(config.cpu_us_per_lookup) if one_rank else config.link_model()
     planner = HeraldPlanner(topology=make_topology(world_size, device.type), batch_size=local_batch_size,

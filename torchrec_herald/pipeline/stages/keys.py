@@ -21,6 +21,9 @@ from torchrec_herald.pipeline.stages import StageHost, register_stage
 __all__ = ["CheckedOwnBatches", "OwnBatchDescriptions", "describe_own_batch", "key_batch", "keys_stage",
            "settle_own_batch"]
 
+#: what a loader must yield, and why a weighted KJT is refused (the same words for own and whole batches)
+_A_BATCH = "a torchrec Batch (dense_features, sparse_features, labels)"
+_NO_WEIGHTS = "herald's sharding has none (plan weighted tables with a stock sharding type)"
 #: the fixed-size description of a rank's own batch that every rank gathers before any exchange sized by it
 _HEADER = ("present", "samples", "dense_columns", "label_values", "weighted", "features", "feature_names_crc")
 
@@ -117,8 +120,7 @@ def settle_own_batch(env: SchedulingEnv, described: OwnBatchDescriptions) -> boo
     if not_batches:
         raise on_every_rank(TypeError(
             f"HeraldTrainPipeline, batch {index}: the data loader of rank(s) {not_batches} yielded "
-            f"{type(raw).__name__ if not isinstance(raw, Batch) else 'something'} where a torchrec Batch "
-            f"(dense_features, sparse_features, labels) is expected"))
+            f"{type(raw).__name__ if not isinstance(raw, Batch) else 'something'} where {_A_BATCH} is expected"))
     dry = [r for r, p in enumerate(col["present"]) if not p]
     if len(dry) == env.world:
         return False
@@ -131,8 +133,7 @@ def settle_own_batch(env: SchedulingEnv, described: OwnBatchDescriptions) -> boo
     weighted = [r for r, w in enumerate(col["weighted"]) if w]
     if weighted:
         raise on_every_rank(ValueError(
-            f"{where}: the KJT of rank(s) {weighted} carries per-sample weights; herald's sharding has none "
-            f"(plan weighted tables with a stock sharding type)"))
+            f"{where}: the KJT of rank(s) {weighted} carries per-sample weights; {_NO_WEIGHTS}"))
 
     def differ(name: str, what: str) -> None:
         values = col[name]
@@ -167,13 +168,13 @@ def key_batch(env: SchedulingEnv, ctx: HeraldBatchContext, raw: Batch, whole_bat
     ``whole_batch``: every rank holds the same global batch, so a bad id is raised here by every rank
     alike, naming the rank whose share held it; otherwise it is recorded in ``ctx.bad`` for the
     allocate stage's exchange (``ctx.keys`` is then None)."""
-    if not isinstance(raw, Batch) or raw.sparse_features.weights_or_none() is not None:  # (own batches: checked
-        # by every rank already, CheckedOwnBatches) a whole global batch is every rank's: all raise alike
-        raise on_every_rank(TypeError(
-            f"HeraldTrainPipeline: the data loader yielded {type(raw).__name__} where a torchrec Batch "
-            f"(dense_features, sparse_features, labels) is expected") if not isinstance(raw, Batch) else ValueError(
-            "HeraldTrainPipeline: the batch's KJT carries per-sample weights; herald's sharding has none "
-            "(plan weighted tables with a stock sharding type)"))
+    # (own batches were checked by every rank already, CheckedOwnBatches; a whole global batch is every rank's,
+    # so all raise alike)
+    if not isinstance(raw, Batch):
+        raise on_every_rank(TypeError(f"HeraldTrainPipeline: the data loader yielded {type(raw).__name__} where "
+                                      f"{_A_BATCH} is expected"))
+    if raw.sparse_features.weights_or_none() is not None:
+        raise on_every_rank(ValueError(f"HeraldTrainPipeline: the batch's KJT carries per-sample weights; {_NO_WEIGHTS}"))
     if raw.labels.device.type != "cpu":  # scheduling runs on CPU: a batch the loader put on the device comes back
         raw = raw.to(torch.device("cpu"))
     full = env.ebc.batch_feature_order(raw.sparse_features)  # herald's features first, any others after
