@@ -14,7 +14,8 @@ import torch
 
 from torchrec_herald.checkpoint import TRAINER_STATE, latest_checkpoint, load_checkpoint, save_checkpoint
 from torchrec_herald.config import compose_config
-from torchrec_herald.run_identity import check_checkpoint_location, companion_run, resume_problem, training_identity
+from torchrec_herald.run_identity import (check_checkpoint_location, checkpoint_dir, companion_run, resume_problem,
+                                          run_name, training_identity)
 from torchrec_herald.trainer import TRAINER_KEYS, exact_reference_config
 
 from herald_harness import preflight_error  # tests/
@@ -78,6 +79,20 @@ def test_the_eval_split_may_change_on_resume_what_is_trained_may_not(tmp_path: P
     assert preflight_error(where + ["data.num_eval_batches=3"]) == "no error"
     assert preflight_error(where + ["data.num_train_batches=9"]).startswith(
         f"ValueError: checkpoint {path} was saved by another run (data.num_train_batches=9 here, 8 there): ")
+
+
+def test_the_derived_run_name_stays_when_only_what_a_resume_may_change_changes() -> None:
+    """Re-running the same command with more epochs or another eval split finds the run's checkpoints (the
+    derived folder must not move with those keys); what is trained still names another run."""
+    name = run_name(compose_config(BASE), 1)
+    for same in (["epochs=3"], ["data.num_eval_batches=3"], ["log_every=7"]):
+        assert run_name(compose_config(BASE + same), 1) == name, same
+        assert checkpoint_dir(compose_config(BASE + same), 1) == checkpoint_dir(compose_config(BASE), 1)
+    for other in (["optimizer.lr=0.5"], ["data.num_train_batches=9"], ["batch_size=32"]):
+        assert run_name(compose_config(BASE + other), 1) != name, other
+    assert run_name(compose_config(BASE), 2) != name
+    tsv = ["data=criteo_tsv", "data.paths=[/t.tsv]"]
+    assert run_name(compose_config(tsv + ["data.eval_paths=[/e.tsv]"]), 1) == run_name(compose_config(tsv), 1)
 
 
 def test_more_than_six_differences_are_counted() -> None:

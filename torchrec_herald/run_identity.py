@@ -3,7 +3,8 @@ command resumes it (torchx gives every launch a new app id, hence a new run dir)
 
 The name is ``<planner>-<pipeline>-<data>-w<ranks>x<local batch>-<hash>``: the hash covers the whole
 resolved config except the keys that do not change what is trained (where checkpoints go, how often
-to log, whether to evaluate, the comparison run). ``run_name=...`` names the run instead.
+to log, whether to evaluate, the comparison run) and those a resumed run may change (more epochs, the
+eval split), so that re-running with them changed finds the run. ``run_name=...`` names the run instead.
 """
 
 from __future__ import annotations
@@ -86,7 +87,15 @@ def run_name(cfg: DictConfig, world_size: int) -> str:
             raise ValueError(f"run_name={given!r} must be a folder name: letters, digits, '.', '_' and '-', "
                              f"not starting with '.' or '-'")
         return str(given)
-    digest = hashlib.sha1(json.dumps(_training_config(cfg), sort_keys=True, default=str).encode()).hexdigest()[:8]
+    named = _training_config(cfg)
+    for dotted in MAY_CHANGE_ON_RESUME:  # (the same run: the name must not move with them)
+        *parents, leaf = dotted.split(".")
+        node: Any = named
+        for part in parents:
+            node = node.get(part) if isinstance(node, dict) else None
+        if isinstance(node, dict):
+            node.pop(leaf, None)
+    digest = hashlib.sha1(json.dumps(named, sort_keys=True, default=str).encode()).hexdigest()[:8]
     planner = cfg.planner.name if cfg.planner.name != "stock" else f"stock_{cfg.planner.mode}"
     return f"{planner}-{cfg.pipeline.name}-{cfg.data.name}-w{int(world_size)}x{int(cfg.batch_size)}-{digest}"
 
