@@ -64,7 +64,11 @@ _error = preflight_error
      "ValueError: pipeline.staleness bounds the staleness of Herald scheduling's caches: it needs "
      "pipeline.scheduling=on or auto, got pipeline.scheduling=off"),
     (["planner=herald", "pipeline=herald", "pipeline.cache_bytes=1"],
-     "ValueError: pipeline.cache_bytes=1 holds no cache row of 68 bytes; each herald table needs at least one"),
+     "ValueError: pipeline.cache_bytes=1 holds 0 rows of 68 bytes; the 26 tables need at least one cache row each "
+     "(1768 bytes)"),
+    (["planner=herald", "pipeline=herald", "pipeline.cache_bytes=100"],  # one row, not one a table: the pipeline's
+     "ValueError: pipeline.cache_bytes=100 holds 1 rows of 68 bytes; the 26 tables need at least one cache row each "
+     "(1768 bytes)"),
     (["planner=herald", "pipeline=herald", "pipeline.planning=__init__"],
      "ValueError: unknown pipeline.planning '__init__'; known: ['auto', 'global', 'by_home']"),
     (["checkpoint.every_n_steps=0"], "ValueError: checkpoint.every_n_steps must be >= 1 (or null: no checkpoints), got 0"),

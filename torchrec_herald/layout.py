@@ -227,15 +227,21 @@ def cache_row_bytes(dim: int) -> int:
     return (int(dim) + 1) * 4
 
 
+def check_cache_budget(budget_bytes: int, num_tables: int, row_bytes: int) -> int:
+    """The rows a cache budget of ``budget_bytes`` per rank holds (``row_bytes`` a row); ValueError naming
+    ``pipeline.cache_bytes`` where that is not one row per table (preflight's check and the pipeline's)."""
+    rows = int(budget_bytes) // int(row_bytes)
+    if rows < int(num_tables):
+        raise ValueError(f"pipeline.cache_bytes={budget_bytes} holds {rows} rows of {row_bytes} bytes; the "
+                         f"{num_tables} tables need at least one cache row each ({num_tables * row_bytes} bytes)")
+    return rows
+
+
 def cache_rows_for_budget(layout: RowLayout, budget_bytes: int, row_bytes: int) -> Dict[str, int]:
     """Cache capacity in rows per table from a bytes budget per rank (``row_bytes``: one cached row,
     weights and optimizer state): the budget's rows shared in proportion to the tables' rows, at least
     one row per table, at most the table. Raises ValueError when the budget cannot hold one row per table."""
-    rows = int(budget_bytes) // int(row_bytes)
-    T = len(layout.tables)
-    if rows < T:
-        raise ValueError(f"pipeline.cache_bytes={budget_bytes} holds {rows} rows of {row_bytes} bytes; the "
-                         f"{T} tables need at least one cache row each ({T * row_bytes} bytes)")
+    rows = check_cache_budget(budget_bytes, len(layout.tables), row_bytes)
     total = layout.num_rows
     return {t: max(1, min(n, rows * n // total)) for t, n in zip(layout.tables, layout.num_embeddings)}
 

@@ -34,7 +34,7 @@ from tqdm import tqdm
 
 from torchrec_herald.data import DataSource, TrainStream, build_data_source
 from torchrec_herald.dist_utils import init_distributed
-from torchrec_herald.layout import cache_row_bytes
+from torchrec_herald.layout import cache_row_bytes, check_cache_budget
 from torchrec_herald.metrics import collect_metrics, evaluate, herald_traffic_report
 from torchrec_herald.model import build_dlrm_train, build_tables
 from torchrec_herald.pipeline.build import PIPELINES, TrainingPipeline
@@ -196,10 +196,9 @@ def preflight(cfg: DictConfig, world_size: Optional[int] = None) -> DataSource:
             # (where it does, the model of time trains stock TABLE_WISE with TorchRec's pipeline: no window is
             # filled)
             check_window(data, typed.pipeline.window, world, typed.batch_size)
-        row_bytes = cache_row_bytes(typed.model.embedding_dim)
-        if typed.pipeline.cache_bytes is not None and int(typed.pipeline.cache_bytes) < row_bytes:
-            raise ValueError(f"pipeline.cache_bytes={typed.pipeline.cache_bytes} holds no cache row of {row_bytes} "
-                             f"bytes; each herald table needs at least one")
+        if typed.pipeline.cache_bytes is not None:  # (every table may be herald's: one row each)
+            check_cache_budget(typed.pipeline.cache_bytes, len(data.feature_names),
+                               cache_row_bytes(typed.model.embedding_dim))
         typed.pipeline.scheduler_impl_choice()  # scheduler_impl=compiled without a build: one line naming the key
     return data
 
