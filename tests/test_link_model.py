@@ -138,6 +138,9 @@ def test_one_rank_trains_stock_table_wise_by_default_and_herald_where_told(tmp_p
 
 @pytest.mark.parametrize("metrics,label", [
     ({"link_decision": {"herald": False}}, "herald -> table_wise (link model)"),
+    ({"link_decision": {"herald": False, "chosen": "table_wise"}}, "herald -> table_wise (link model)"),
+    ({"link_decision": {"herald": False, "chosen": "default"}}, "herald -> default plan (link model)"),
+    ({"link_decision": {"herald": True, "chosen": "mixed"}}, "herald per table + scheduling"),
     ({"link_decision": {"herald": True}, "herald_pipeline": {"scheduling": {"decided": True, "mode": "on"}}},
      "herald + scheduling"),
     ({"herald_pipeline": {"scheduling": {"decided": True, "mode": "off"}}}, "herald (scheduling off: auto)"),

@@ -141,17 +141,19 @@ def _run(cfg: DictConfig, run_dir: Path) -> None:
 
 
 def run_label(cfg: DictConfig, metrics: Dict[str, Any]) -> str:
-    """The compared run's name, saying what it trained: herald's plan with or without scheduling, or the
-    TABLE_WISE plan the link model chose."""
+    """The compared run's name, saying what it trained: herald's plan (or herald's tables beside stock ones) with
+    or without scheduling, or the stock plan the model of time chose (TABLE_WISE or TorchRec's default)."""
     decision = metrics.get("link_decision") or {}
     if decision and not decision.get("herald", True):
-        return f"{cfg.planner.name} -> table_wise (link model)"
+        chosen = {"default": "default plan"}.get(decision.get("chosen"), decision.get("chosen") or "table_wise")
+        return f"{cfg.planner.name} -> {chosen} (link model)"
+    base = cfg.planner.name + (" per table" if decision.get("chosen") == "mixed" else "")
     if cfg.pipeline.name != "herald":
-        return cfg.planner.name
+        return base
     sched = metrics.get("herald_pipeline", {}).get("scheduling", {})
     if sched.get("decided") and sched.get("mode") == "off":
-        return f"{cfg.planner.name} (scheduling off: auto)"
-    return f"{cfg.planner.name} + scheduling"
+        return f"{base} (scheduling off: auto)"
+    return f"{base} + scheduling"
 
 
 def main() -> None:
