@@ -356,19 +356,24 @@ def test_the_probe_gives_every_rank_the_same_positive_figures() -> None:
                     for k in (1, 2)}
 
 
-def _train_probe_failing(rank: int, world: int, overrides: list, run_dir: str) -> tuple:
+def _train_probe_failing(rank: int, world: int, overrides: list, run_dir: str, failing_ranks: tuple = (0, 1)) -> tuple:
     import logging
 
     import torchrec_herald.planner.link_probe as link_probe
 
-    def broken(*args: object, **kwargs: object) -> None:
+    real = link_probe.probe_link
+
+    def broken(*args: object, **kwargs: object) -> object:
+        if rank not in failing_ranks:
+            return real(*args, **kwargs)
+        real(*args, **kwargs)  # (its collectives ran with the others': its own last wait timed out)
         raise RuntimeError("Timed out waiting 30000ms for send operation to complete")
 
     link_probe.probe_link = broken
     seen: list = []
     handler = logging.Handler()
     handler.emit = lambda record: seen.append(record.getMessage())  # type: ignore[method-assign]
-    logging.getLogger("torchrec_herald.planner.decision").addHandler(handler)
+    logging.getLogger("torchrec_herald.planner").addHandler(handler)  # (decision.py and link_probe.py)
     return _train(rank, world, overrides, run_dir), seen
 
 
@@ -393,3 +398,16 @@ def test_a_failed_probe_warns_once_and_keeps_the_configured_values(tmp_path: Pat
                         "planning with the configured link values (planner.link_mbit / "
                         "planner.collective_latency_ms)"]
     assert m["link_decision"] is None and set(m["plan"].values()) == {"herald_hot_row_wise"}  # rate unknown
+
+
+def test_a_probe_failing_on_one_rank_only_leaves_every_rank_on_the_configured_values(tmp_path: Path) -> None:
+    """Ranks planning apart (one on measured figures, one on the configured ones) could pick different plans and
+    wait in different collectives: a probe counts only where it succeeded on every rank."""
+    (m0, seen0), (m1, seen1) = run_multiprocess(_train_probe_failing, 2, DEFAULTS, str(tmp_path), (1,))
+    assert [s for s in seen0 if "probe failed" in s] == [
+        "planner: another rank's link probe failed; every rank plans with the configured link values "
+        "(planner.link_mbit / planner.collective_latency_ms)"]
+    assert [s for s in seen1 if "probe failed" in s] == [
+        "planner: the link probe failed (Timed out waiting 30000ms for send operation to complete); planning with "
+        "the configured link values (planner.link_mbit / planner.collective_latency_ms)"]
+    assert m0["link_decision"] is None and m1["link_decision"] is None and m0["plan"] == m1["plan"]

@@ -21,7 +21,7 @@ from typing import Any, Dict, Optional
 import torch
 import torch.distributed as dist
 
-__all__ = ["LinkProbe", "probe_link"]
+__all__ = ["LinkProbe", "agree_on_probe", "probe_link"]
 
 logger = logging.getLogger(__name__)
 
@@ -105,3 +105,26 @@ def probe_link(pg: Optional[dist.ProcessGroup], *, budget_s: float = 1.0, timeou
     rate_mbit = sent * len(times) * 8 / max(sum(times) - len(times) * latency, 1e-6) / 1e6
     return LinkProbe(link_mbit=rate_mbit, latency_ms=latency * 1e3, bytes_per_rank=sent * len(times),
                      seconds=time.perf_counter() - start)
+
+
+def agree_on_probe(probe: Optional[LinkProbe], pg: Optional[dist.ProcessGroup],
+                   timeout_s: float = 30.0) -> Optional[LinkProbe]:
+    """``probe`` where every rank's probe succeeded, else None on every rank (collective). A probe can fail on
+    one rank alone (its last wait timing out as the others' finish): that rank would plan with the configured
+    values and the others with measured ones, and ranks planning apart can wait in different collectives.
+
+    Raises:
+        RuntimeError: the process group cannot carry one small all-reduce after the probe (naming the probe).
+    """
+    ok = torch.tensor([0 if probe is None else 1], dtype=torch.int32)
+    try:
+        dist.all_reduce(ok, op=dist.ReduceOp.MIN, group=pg, async_op=True).wait(timedelta(seconds=timeout_s))
+    except Exception as e:  # noqa: BLE001 - one line naming where the job's process group failed
+        raise RuntimeError(f"the process group failed right after the start-up link probe ({e}); check the "
+                           f"ranks' network, or give planner.link_mbit and planner.collective_latency_ms") from e
+    if int(ok.item()) == 1:
+        return probe
+    if probe is not None:
+        logger.warning("planner: another rank's link probe failed; every rank plans with the configured link "
+                       "values (planner.link_mbit / planner.collective_latency_ms)")
+    return None
