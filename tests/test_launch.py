@@ -4,6 +4,9 @@ code (signal) and log file when it died without writing torchelastic's error fil
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -29,3 +32,16 @@ def test_a_rank_killed_by_a_signal_names_the_signal_and_its_log(tmp_path: Path, 
     assert failure_line(1, failure, "run7") == ("rank 1 died with exit code -9 (SIGKILL) before reporting an error; "
                                                 "its log: outputs/run7/logs/rank1.log")
     assert failure_line(0, failure, None) == "rank 0 died with exit code -9 (SIGKILL) before reporting an error"
+
+
+def test_a_failing_rank_exits_at_once_while_a_worker_thread_waits(tmp_path: Path) -> None:
+    """A run-ahead job may wait in a collective that the other ranks never join: the failing rank must not wait
+    for it at exit (a normal exit joins every worker thread, here forever)."""
+    script = ("import threading, concurrent.futures as cf\n"
+              "from torchrec_herald.train import fail\n"
+              "never = threading.Event()\n"
+              "cf.ThreadPoolExecutor(1).submit(never.wait)\n"
+              "fail(ValueError('data.paths: no such file'), None)\n")
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "RANK": "0"})
+    assert (done.returncode, done.stderr.strip().splitlines()[-1]) == (1, "ERROR: ValueError: data.paths: no such file")

@@ -48,7 +48,8 @@ def one_line(e: BaseException) -> str:
 def fail(e: BaseException, log_file: Optional[Path] = None) -> NoReturn:
     """End this rank with one readable line: the traceback to ``log_file`` (the rank's log), the line to
     torchelastic's error file (torchrun's / torchx's root cause) and, from rank 0 or a rank failing on
-    its own, to stderr; exit code 1."""
+    its own, to stderr; exit code 1, at once: a worker thread of herald's (a run-ahead job) may be waiting in a
+    collective that the other ranks will never join, and a normal exit would wait for it until gloo's timeout."""
     line = one_line(e)
     where = f" (traceback: {log_file})" if log_file is not None else ""
     if log_file is not None:
@@ -62,9 +63,10 @@ def fail(e: BaseException, log_file: Optional[Path] = None) -> NoReturn:
             json.dump({"message": {"message": line + where, "extraInfo": {"timestamp": str(int(time.time()))}}}, f)
     elif os.environ.get("RANK", "0") == "0" or not _collective(e):
         sys.stderr.write(f"ERROR: {line}{where}\n")
-        sys.stderr.flush()
+    sys.stdout.flush()
+    sys.stderr.flush()
     logging.shutdown()
-    sys.exit(1)
+    os._exit(1)  # (not sys.exit: it joins every worker thread)
 
 
 def _collective(e: BaseException) -> bool:
