@@ -185,6 +185,32 @@ def test_the_planner_decides_the_fallback_itself_with_a_typed_decision() -> None
         assert torch.is_tensor(next(iter(planner.last_choices.values())).hot_ids)
 
 
+def test_the_stock_candidates_keep_the_users_constraints() -> None:
+    """A user's ``ParameterConstraints`` given to ``HeraldPlanner`` hold in the stock plan the model of time
+    may train instead (TorchRec's default or TABLE_WISE), as stock TorchRec would plan with them; they were
+    dropped there."""
+    from torchrec.distributed.planner import ParameterConstraints
+
+    from torchrec_herald.data import SyntheticCriteo
+    from torchrec_herald.model import build_dlrm_train, build_tables
+    from torchrec_herald.planner import HeraldPlanner
+    from torchrec_herald.planner.topology import make_topology
+    from torchrec_herald.sharding import HeraldEmbeddingBagCollectionSharder
+
+    data = SyntheticCriteo(scale=0.001)
+    tables = build_tables(data.feature_names, data.num_embeddings, 16)
+    model = build_dlrm_train(tables, data.num_dense, [64, 16], [64, 1], device="meta")
+    sample = [b.sparse_features for _, b in zip(range(5), data.train_batches(0, 1, 128))]
+    pinned = tables[3].name
+    planner = HeraldPlanner(topology=make_topology(2, "cpu"), batch_size=64, sample_batches=sample,
+                            link=LinkModel(link_mbit=100_000, collective_latency_ms=0.02),
+                            constraints={pinned: ParameterConstraints(sharding_types=["row_wise"])})
+    d = planner.decide(model, [HeraldEmbeddingBagCollectionSharder()])
+    types = {t: ps.sharding_type for plan in d.plan.plan.values() for t, ps in plan.items()}
+    assert d.link is not None and d.link.chosen in ("table_wise", "default")  # (a fast link: a stock plan)
+    assert types[pinned] == "row_wise" and set(types.values()) - {"row_wise"}, (d.link.chosen, types)
+
+
 def test_each_table_goes_where_it_costs_less_time_and_the_mix_pays_its_collectives() -> None:
     """Per table: herald where it saves bytes for its extra work per lookup (a: 1e5 + 600 lookups vs 6e5),
     the cheaper stock type otherwise (b: ROW_WISE's 3e5 < TABLE_WISE's 4e5 < herald's 4e5 + 4000 lookups;

@@ -192,7 +192,9 @@ class HeraldPlanner(EmbeddingShardingPlanner):
         dense = dense_allreduce_bytes(module, W)
         stock_sharders = [_as_stock(s) for s in sharders]
         device = torch.device("cuda" if self._topology.compute_device == "cuda" else "cpu")
-        default = stock_plan(module, tables, stock_sharders, "default", W, self._batch_size, device, pg)
+        user = {"topology": self._topology, "storage_reservation": self._storage_reservation,
+                "constraints": self._constraints}  # (the stock candidates are what TorchRec plans for them)
+        default = stock_plan(module, tables, stock_sharders, "default", W, self._batch_size, device, pg, **user)
         default_types = describe_plan(default)
         load = default_plan_load(default_types, expected,
                                  {t.name: 4.0 * t.num_embeddings * t.embedding_dim for t in tables}, W, dense)
@@ -207,13 +209,13 @@ class HeraldPlanner(EmbeddingShardingPlanner):
             return PlanDecision(plan=plan, sharders=sharders, dense_sync=self.dense_sync, link=link)
         if link.chosen == "mixed":  # TABLE_WISE planned only for tables whose default-plan type is another
             needs_tw = any(k not in ("herald", default_types[n]) for n, k in pick.items())
-            table_wise = (stock_plan(module, tables, stock_sharders, "table_wise", W, self._batch_size, device, pg)
-                          if needs_tw else None)
+            table_wise = (stock_plan(module, tables, stock_sharders, "table_wise", W, self._batch_size, device, pg,
+                                     **user) if needs_tw else None)
             return PlanDecision(plan=mixed_plan(plan, pick, default, table_wise), sharders=sharders,
                                 dense_sync=self.dense_sync, link=link)
         if link.chosen == "default":
             return PlanDecision(plan=default, sharders=stock_sharders, dense_sync="ddp", link=link)
-        table_wise = stock_plan(module, tables, stock_sharders, "table_wise", W, self._batch_size, device, pg)
+        table_wise = stock_plan(module, tables, stock_sharders, "table_wise", W, self._batch_size, device, pg, **user)
         return PlanDecision(plan=table_wise, sharders=stock_sharders, dense_sync="ddp", link=link)
 
     def access_stats(self, tables: List[EmbeddingBagConfig]) -> AccessStats:

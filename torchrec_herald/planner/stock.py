@@ -3,13 +3,15 @@ on every table (the fair TABLE_WISE reference of docs/design.md §2)."""
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from typing import Dict, List, Optional
 
 import torch
 import torch.distributed as dist
 from torch import nn
-from torchrec.distributed.planner import EmbeddingShardingPlanner, ParameterConstraints
+from torchrec.distributed.planner import EmbeddingShardingPlanner, ParameterConstraints, Topology
+from torchrec.distributed.planner.types import StorageReservation
 from torchrec.distributed.types import ModuleSharder, ShardingPlan, ShardingType
 from torchrec.modules.embedding_configs import EmbeddingBagConfig
 
@@ -25,25 +27,37 @@ STOCK_MODES: Dict[str, Optional[str]] = {
 }
 
 
-def stock_constraints(tables: List[EmbeddingBagConfig], mode: str) -> Optional[Dict[str, ParameterConstraints]]:
-    """ParameterConstraints forcing ``mode``'s sharding type on every table (None for ``default``)."""
+def stock_constraints(tables: List[EmbeddingBagConfig], mode: str,
+                      given: Optional[Dict[str, ParameterConstraints]] = None
+                      ) -> Optional[Dict[str, ParameterConstraints]]:
+    """ParameterConstraints forcing ``mode``'s sharding type on every table (None for ``default``). ``given``, a
+    user's constraints, stay as they are: a table whose sharding types they name keeps them, and the mode's
+    type is added to the others' constraints."""
     if mode not in STOCK_MODES:
         raise ValueError(f"unknown planner.mode {mode!r}; expected one of {sorted(STOCK_MODES)}")
     forced = STOCK_MODES[mode]
     if forced is None:
-        return None
-    return {t.name: ParameterConstraints(sharding_types=[forced]) for t in tables}
+        return dict(given) if given else None
+    given = given or {}
+    out = {t.name: ParameterConstraints(sharding_types=[forced]) for t in tables}
+    for name, c in given.items():
+        out[name] = c if c.sharding_types else dataclasses.replace(c, sharding_types=[forced])
+    return out
 
 
 def stock_plan(module: nn.Module, tables: List[EmbeddingBagConfig], sharders: List[ModuleSharder],
                mode: str, world_size: int, local_batch_size: int, device: torch.device,
-               pg: Optional[dist.ProcessGroup] = None) -> ShardingPlan:
-    """Plan ``module`` with TorchRec's own planner (collectively when a process group is given)."""
+               pg: Optional[dist.ProcessGroup] = None, *, topology: Optional[Topology] = None,
+               storage_reservation: Optional[StorageReservation] = None,
+               constraints: Optional[Dict[str, ParameterConstraints]] = None) -> ShardingPlan:
+    """Plan ``module`` with TorchRec's own planner (collectively when a process group is given). ``topology``,
+    ``storage_reservation`` and ``constraints``: a user's, as given to :class:`HeraldPlanner` (the defaults
+    otherwise), so that the stock candidates it weighs are the plans stock TorchRec would make for them."""
     planner = EmbeddingShardingPlanner(
-        topology=make_topology(world_size, device.type),
+        topology=topology or make_topology(world_size, device.type),
         batch_size=local_batch_size,
-        storage_reservation=default_storage_reservation(),
-        constraints=stock_constraints(tables, mode),
+        storage_reservation=storage_reservation or default_storage_reservation(),
+        constraints=stock_constraints(tables, mode, constraints),
     )
     with _DataParallelSpecNotice() as notice:
         plan = planner.collective_plan(module, sharders, pg) if pg is not None else planner.plan(module, sharders)
