@@ -172,3 +172,43 @@ def test_a_kill_during_a_save_leaves_the_previous_checkpoint_loadable(results: t
     (root / ".tmp-step_00000008" / "__0_0.distcp").write_bytes(b"partial")
     assert latest_checkpoint(root) == good
     assert json.loads((good / "trainer_state.json").read_text())["step"] == 4
+
+
+def _save_failing_on_rank0(rank: int, world: int, root: str) -> str:
+    import os as _os
+
+    from torchrec_herald import checkpoint
+
+    model = torch.nn.Linear(2, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    if rank == 0:
+        def full(src: str, dst: str) -> None:
+            raise OSError(28, "No space left on device", dst)
+
+        _os.replace = full  # (this spawned rank's own os module)
+    try:
+        checkpoint.save_checkpoint(Path(root), 1, model, opt, {"epoch": 0})
+    except OSError as e:
+        return str(e)
+    return "saved"
+
+
+def test_a_save_failing_on_rank_0_raises_its_line_on_every_rank(tmp_path: Path) -> None:
+    got = run_multiprocess(_save_failing_on_rank0, 2, str(tmp_path))
+    line = f"cannot finish the checkpoint {tmp_path}/step_00000001: No space left on device ({tmp_path}/step_00000001)"
+    assert got == [line, line]
+
+
+def test_pruning_keeps_the_newest_complete_checkpoints_and_never_touches_a_folder_it_cannot_read(
+        tmp_path: Path) -> None:
+    from torchrec_herald.checkpoint import save_checkpoint
+
+    foreign = tmp_path / "step_00000099"  # not a checkpoint this code can read: left alone, not counted
+    foreign.mkdir()
+    (foreign / "notes.txt").write_text("mine")
+    model = torch.nn.Linear(2, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    for step in (1, 2, 3):
+        save_checkpoint(tmp_path, step, model, opt, {"epoch": 0}, keep=2)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step_00000002", "step_00000003", "step_00000099"]
+    assert (foreign / "notes.txt").read_text() == "mine"

@@ -371,11 +371,13 @@ def test_options_of_the_run_ahead_path_are_checked() -> None:
 
 def test_hydra_defaults_schedule_ahead_with_skipping_too_and_staleness_keeps_the_plan_on() -> None:
     """The trainer's stream can read whole global batches: the defaults then schedule ahead and probe."""
-    from torchrec_herald.config import compose_config
-    from torchrec_herald.trainer import herald_pipeline_config
+    from torchrec_herald.config import compose_config, validate
+    from torchrec_herald.pipeline.options import HeraldPipelineConfig
 
     def decided(overrides: List[str]) -> Tuple[Any, ...]:
-        c, _ = herald_pipeline_config(compose_config(["planner=herald", "pipeline=herald", *overrides])).resolve(True, 2)
+        pipeline = validate(compose_config(["planner=herald", "pipeline=herald", *overrides])).pipeline
+        assert isinstance(pipeline, HeraldPipelineConfig)
+        c, _ = pipeline.resolve(True, 2)
         return c.global_batches, c.run_ahead, c.scheduling
 
     assert decided([]) == (True, True, "auto")

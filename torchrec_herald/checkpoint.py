@@ -16,7 +16,7 @@ import os
 import re
 import shutil
 from pathlib import Path
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
@@ -70,11 +70,6 @@ def _rank() -> int:
     return dist.get_rank() if dist.is_initialized() else 0
 
 
-def _barrier() -> None:
-    if dist.is_initialized():
-        dist.barrier()
-
-
 def save_checkpoint(directory: Path, step: int, dmp: torch.nn.Module, optimizer: Any, trainer_state: Dict[str, Any],
                     keep: int = 2) -> Path:
     """Save (collective) into ``directory/step_<step>``: DCP writes every rank's shards into a temporary
@@ -84,24 +79,46 @@ def save_checkpoint(directory: Path, step: int, dmp: torch.nn.Module, optimizer:
     directory = Path(directory)
     final = directory / f"step_{step:08d}"
     tmp = directory / f".tmp-step_{step:08d}"
-    if _rank() == 0:
+
+    def prepare() -> None:
         directory.mkdir(parents=True, exist_ok=True)
         shutil.rmtree(tmp, ignore_errors=True)  # a save of this step that was interrupted earlier
         tmp.mkdir()
-    _barrier()
-    dcp.save(_state(dmp, optimizer), checkpoint_id=str(tmp))
-    if _rank() == 0:
+
+    def publish() -> None:
         with open(tmp / TRAINER_STATE, "w") as f:
             json.dump(dict(trainer_state, step=step), f)
             f.flush()
             os.fsync(f.fileno())
         shutil.rmtree(final, ignore_errors=True)
         os.replace(tmp, final)  # atomic: a reader sees the whole checkpoint or none of it
-        for old in checkpoints(directory)[:-max(int(keep), 1)]:
+        complete = [p for p in checkpoints(directory) if _incomplete(p) is None]  # (never a folder it cannot read)
+        for old in complete[:-max(int(keep), 1)]:
             shutil.rmtree(old, ignore_errors=True)
         logger.info("saved checkpoint %s", final)
-    _barrier()
+
+    _on_rank0(prepare, f"cannot make the checkpoint folder {tmp}")
+    dcp.save(_state(dmp, optimizer), checkpoint_id=str(tmp))
+    _on_rank0(publish, f"cannot finish the checkpoint {final}")
     return final
+
+
+def _on_rank0(work: Callable[[], None], what: str) -> None:
+    """Run ``work`` on rank 0 and give its outcome to every rank (collective): an OSError there (a full disk, a
+    folder turned read-only) raises the same line on every rank, where a barrier would leave the others waiting
+    for rank 0 until the process group's timeout."""
+    error: Optional[str] = None
+    if _rank() == 0:
+        try:
+            work()
+        except OSError as e:
+            error = f"{what}: {e.strerror or e}" + (f" ({e.filename})" if getattr(e, "filename", None) else "")
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        shared: List[Optional[str]] = [error]
+        dist.broadcast_object_list(shared, src=0)
+        error = shared[0]
+    if error is not None:
+        raise OSError(error)
 
 
 def checkpoints(directory: Path) -> List[Path]:

@@ -154,13 +154,6 @@ def train_stream(data: DataSource, rank: int, world: int, batch_size: int, start
     return TrainStream(data, rank, world, batch_size, start=start, whole=False)
 
 
-def herald_pipeline_config(cfg: DictConfig) -> HeraldPipelineConfig:
-    """The ``pipeline=herald`` group as a validated :class:`HeraldPipelineConfig` (the first skip measuring
-    window must end inside the run)."""
-    total = getattr(cfg.data, "num_train_batches", None)
-    return HeraldPipelineConfig.from_hydra(cfg.pipeline, None if total is None else int(total) * int(cfg.epochs))
-
-
 def preflight(cfg: DictConfig, world_size: Optional[int] = None) -> DataSource:
     """Every check of a run's config that needs no model, no process group and no training step: every
     group validates itself (``torchrec_herald.config.validate``), then what spans groups and the data:

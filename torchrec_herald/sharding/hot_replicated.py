@@ -750,16 +750,6 @@ class ShardedHeraldEmbeddingBagCollection(
         return {t: dict(zip(("ids", "pooled", "grads", "hot_sync"), traffic[i].tolist()))
                 for i, t in enumerate(self._tables)}
 
-    def reset_traffic(self) -> None:
-        on_gpu = self._cold_sent.is_cuda  # counted on TorchRec's data-dist stream: no add may cross the reset
-        if on_gpu:
-            torch.cuda.synchronize(self._device)
-        self._traffic.zero_()
-        self._cold_sent.zero_()
-        self._hot_sparse_sent.zero_()
-        if on_gpu:
-            torch.cuda.synchronize(self._device)
-
     def _raise_on_bad_ids(self, bad_ranks: List[int], values: torch.Tensor, features: torch.Tensor) -> None:
         """Some ranks flagged an id outside its table (``bad_ranks``, known to every rank): each rank finds its
         own first one among ``values`` (each of feature ``features``; a host read: this error path only), all
@@ -1079,17 +1069,6 @@ class ShardedHeraldEmbeddingBagCollection(
     @property
     def fused_optimizer(self) -> FusedOptimizer:
         return self._optim
-
-    def full_table(self, t: int) -> torch.Tensor:
-        """Table t as ``[n, dim]`` (collective: all-gathers the cold blocks; hot rows from the replica)."""
-        n, block = self._num_embeddings[t], self.layout.block_sizes[t]
-        mine = torch.zeros(block, self._dim, device=self._device)
-        mine[: self.store.block_rows[t]] = self.store.cold_block(t)
-        gathered = torch.empty(self._world * block, self._dim, device=self._device)
-        dist.all_gather_into_tensor(gathered, mine, group=self._pg)
-        full = gathered[:n].clone()
-        full[self.layout.hot_ids[t].to(self._device)] = self.store.hot_block(t)
-        return full
 
     def _load_full(self, tables: Dict[str, torch.Tensor]) -> None:
         """Copy full ``[n, dim]`` tables into this rank's cold blocks and hot replicas (tables absent
