@@ -1,6 +1,6 @@
 """torchrec_herald: a TorchRec plugin that ships fewer embeddings per step and trains the same model.
 
-Adopting it in a TorchRec script takes three edits (README, "Adopt it in your TorchRec script")::
+Adopting it in a TorchRec script takes three edits (README, "Adopt it in your TorchRec code")::
 
     from torchrec_herald import HeraldEmbeddingBagCollectionSharder, HeraldPlanner, HeraldTrainPipeline
 

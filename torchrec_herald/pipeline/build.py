@@ -114,7 +114,7 @@ def build_pipeline(config: Any, model: nn.Module, optimizer: Any, device: torch.
                    herald_sharded: bool = True) -> TrainingPipeline:
     """The pipeline ``config`` (the ``pipeline`` group: a ``HeraldPipelineConfig`` or TorchRec's
     pipeline's name) asks for. ``herald_sharded``: the planner sharded the model with herald's sharder
-    (False where the link model chose stock TABLE_WISE: herald's pipeline then has nothing to schedule,
+    (False where the model of time chose a stock plan: herald's pipeline then has nothing to schedule,
     and TorchRec's ``TrainPipelineSparseDist`` trains)."""
     if isinstance(config, HeraldPipelineConfig):
         if not herald_sharded:

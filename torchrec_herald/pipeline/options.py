@@ -27,8 +27,9 @@ ALLOCATORS = ("auto", "greedy", "identity")
 SYNC_MODES = ("lazy", "eager")
 #: ``pipeline.scheduling`` values: ``on`` = the allocator and ``sync`` as configured; ``off`` = hot
 #: replication alone (samples stay where loaded, herald's per-step path); ``auto`` = time both on the
-#: first steps and keep scheduling where it is the faster by ``auto_scheduling.ON_MARGIN`` (where
-#: batches are global and the plan exact; else ``on``)
+#: first steps and keep scheduling where it is the faster by ``auto_scheduling.ON_MARGIN`` (where every
+#: rank agrees on each batch's samples, whole global batches or planning by home, and the plan is exact;
+#: else ``on``)
 SCHEDULING = ("on", "off", "auto")
 
 
@@ -106,7 +107,8 @@ class HeraldPipelineConfig:
             are per rank (a loader of this rank's own batches, or ``planning=by_home``) the scheduling's
             exchanges then run on a gloo process group of their own. ``None`` (default): on.
         scheduling: ``on``, ``off`` (hot replication alone) or ``auto`` (default: measure both, keep the
-            faster; ``on`` where the batches are per rank, or with ``staleness``, which relaxes the plan).
+            faster, with whole global batches or planning by home; ``on`` where the batches are per rank and
+            planned globally, or with ``staleness``, which relaxes the plan).
         probe_steps: ``auto``: steps timed in each mode (after ``probe_steps // 2`` unmeasured ones).
         planning: ``global`` (every rank plans every row), ``by_home`` (each rank plans its own rows from
             the keys the readers send it; needs ``allocator=identity``, per-rank batches, the exact plan
@@ -197,8 +199,8 @@ class HeraldPipelineConfig:
                 if not ok]
             if clash:
                 raise ValueError(f"pipeline.planning=by_home keeps no global view of the caches: it needs "
-                                 f"allocator=identity, global_batches=false, sync=lazy, staleness=null, skip=null "
-                                 f"and scheduling=on; got pipeline.{', pipeline.'.join(clash)}")
+                                 f"allocator=identity (or auto), global_batches=false, sync=lazy, staleness=null, "
+                                 f"skip=null and scheduling on or auto; got pipeline.{', pipeline.'.join(clash)}")
         if int(self.probe_steps) < 2:
             raise ValueError(f"pipeline.probe_steps must be >= 2, got {self.probe_steps}")
         self.probe_steps, self.window = int(self.probe_steps), int(self.window)

@@ -8,7 +8,7 @@ same constructor arguments, ``progress(dataloader_iter)``. Opt-in approximate mo
 staleness (``staleness=s``) and Slipstream's stale-update skipping (``skip="input"|"row"``, a hook).
 
 This module holds the window loop. Each batch entering the window runs the stages of
-``pipeline/stages/`` (keys → allocate → reads) as the scheduling strategy (``pipeline/strategies.py``:
+``pipeline/stages/`` (keys → allocate → reads) as the scheduling strategy (``pipeline/strategies/``:
 whole global batches, gathered per-rank batches, or planning by home) says; each step then plans
 (``stages/plan.py``) and trains (:meth:`HeraldTrainPipeline.train_step`). A batch's state between stages
 is its :class:`~torchrec_herald.pipeline.context.HeraldBatchContext` (a TorchRec ``TrainPipelineContext``).

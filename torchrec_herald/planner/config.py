@@ -66,13 +66,15 @@ class HeraldPlannerConfig:
         hot_memory_budget_bytes: per rank, hot replica weights + row-wise Adagrad state; null: no limit.
         stats_batches: global batches sampled for the access statistics.
         selector: ``cost_model`` or ``top_fraction`` (the top ``top_fraction`` of each table, dense sync).
+        top_fraction: the share of each table's rows ``selector=top_fraction`` replicates, in [0, 1].
         mode: the cold layout, stock ROW_WISE blocks (kept for a common planner schema).
         dense_sync: ``forward_ordered`` (each dense layer's gradient sum waited for at its next forward,
-            ``sharding/dense_sync.py``) or ``ddp``; DDP where the link model falls back to stock TABLE_WISE.
+            ``sharding/dense_sync.py``) or ``ddp``; DDP where the model of time picks a stock plan.
         link_mbit: each rank's link rate in Mbit/s; ``auto`` (the default): measured at start by a timed
             collective on the job's process group (``planner/link_probe.py``); null: unknown (herald's plan
-            is kept). With a rate the planner keeps herald's plan only where it is predicted faster than
-            stock TABLE_WISE.
+            is kept). With a rate the planner trains the candidate the model of time predicts fastest
+            (``planner/time_model.py``): herald's plan, stock TABLE_WISE, TorchRec's default plan, or a
+            per-table mix.
         collective_latency_ms: time a collective costs beyond its bytes; ``auto`` (the default): measured
             at start with the rate (1 ms, gloo on 2 shared cores, when it cannot be).
         cpu_us_per_lookup: herald's extra CPU per lookup over stock's fused kernels (measured here).

@@ -1,9 +1,10 @@
 """What the planner decides for a model, typed: the plan, the sharders that shard it, how the dense layers
-sync, and, when a link rate is known, herald's plan against stock TABLE_WISE with their predicted times.
+sync, and, when a link rate is known, the candidates the model of time weighed (herald's plan, stock TABLE_WISE,
+TorchRec's default plan, herald's tables beside stock ones) with their predicted times.
 
 :func:`plan_model` is the one entry point from a ``planner`` config (``planner/config.py``): TorchRec's
 own planner for ``planner=stock|table_wise|row_wise``, :class:`~torchrec_herald.planner.HeraldPlanner`
-for ``planner=herald`` (which prices the link and falls back to stock TABLE_WISE itself).
+for ``planner=herald`` (which prices the link and trains the fastest candidate itself).
 """
 
 from __future__ import annotations

@@ -72,8 +72,9 @@ class HeraldPlanner(EmbeddingShardingPlanner):
     budget that would): still a herald plan, whose cold rows ``pipeline=herald`` caches and plans; a
     budget larger than a rank's memory is an error. ``last_choices`` /
     :meth:`describe` explain the plan: per table the hot rows, replica bytes per rank and the
-    expected traffic per step, stock vs herald. :meth:`decide` also prices the link and may choose
-    stock TABLE_WISE instead (a typed :class:`~torchrec_herald.planner.types.PlanDecision`).
+    expected traffic per step, stock vs herald. :meth:`decide` also prices the link and may choose a
+    stock plan (TABLE_WISE or TorchRec's default) or a per-table mix instead (a typed
+    :class:`~torchrec_herald.planner.types.PlanDecision`).
     """
 
     def __init__(self, *args: Any, access_stats: Optional[AccessStats] = None,

@@ -112,8 +112,9 @@ PLAN_LABELS = {"herald": "herald's plan", "table_wise": "stock TABLE_WISE", "def
 
 @dataclass(frozen=True)
 class LinkDecision:
-    """The plan the model of time chose (``herald``, ``table_wise`` or ``default``: TorchRec's default
-    plan), with every candidate's predicted per-rank step."""
+    """The plan the model of time chose (``herald``, ``table_wise``, ``default``: TorchRec's default plan, or
+    ``mixed``: herald's tables beside stock ones, :attr:`per_table`), with every candidate's predicted per-rank
+    step."""
 
     chosen: str
     predictions: Dict[str, StepPrediction]

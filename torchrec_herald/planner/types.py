@@ -34,8 +34,8 @@ class PlanDecision:
         plan: the ``ShardingPlan`` for ``DistributedModelParallel``.
         sharders: the sharders that shard it (herald's, or TorchRec's EBC sharder on any device).
         dense_sync: ``ddp`` or ``forward_ordered`` (``sharding/dense_sync.py``).
-        link: herald's plan vs stock TABLE_WISE on the link, with both predicted times (None when the
-            rate is unknown, or for a stock planner).
+        link: the model of time's choice among herald's plan and the stock candidates on the link, with
+            every candidate's predicted time (None when the rate is unknown, or for a stock planner).
         probe: what the start-up link probe measured (None when nothing was measured).
     """
 

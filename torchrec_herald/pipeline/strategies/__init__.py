@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import abc
 import logging
-from typing import Any, Callable, ClassVar, Dict, List, Optional, Type
+from typing import Any, Callable, ClassVar, Dict, List, Mapping, Optional, Type
 
 import torch
 
@@ -123,7 +123,7 @@ def exchange_words(env: SchedulingEnv) -> Callable[[Any], Any]:
     return exchange
 
 
-def build_planner(config: Any, env: SchedulingEnv, capacity_rows: Optional[int]) -> CommPlanner:
+def build_planner(config: Any, env: SchedulingEnv, capacity_rows: Optional[Mapping[str, int]]) -> CommPlanner:
     """The communication planner of ``config``: by home (each rank its own rows, exchanging words through
     ``env``), bounded staleness, or the exact lazy plan; each compiled or the Python reference, by
     ``pipeline.scheduler_impl``."""
