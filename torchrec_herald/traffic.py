@@ -233,12 +233,14 @@ class TrafficMeter:
         return {k: v.as_dict() for k, v in sorted(self._by_tag.items())}
 
     def total(self) -> Dict[str, float]:
+        """Every kind of collective's counters summed (calls, bytes, embedding vectors)."""
         tot = CollectiveStats()
         for v in self._by_kind.values():
             tot.add(v)
         return tot.as_dict()
 
     def reset(self) -> None:
+        """Forget everything counted so far."""
         self._by_kind.clear()
         self._by_tag.clear()
         self.wait_s = 0.0

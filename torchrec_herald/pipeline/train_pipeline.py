@@ -161,6 +161,7 @@ class HeraldTrainPipeline(TrainPipeline[Batch, Any]):
 
     @property
     def planner(self) -> CommPlanner:
+        """The sync planner in use (the exact lazy plan, HET's bounded staleness, or the eager path)."""
         return self.env.planner
 
     @property
@@ -508,6 +509,7 @@ class HeraldTrainPipeline(TrainPipeline[Batch, Any]):
         return queued
 
     def stop_collecting_reads(self) -> None:
+        """Stop recording each batch's reads (stale-update skipping needs them only while it measures)."""
         self._reads_needed = False
 
     def off_stream(self, it: Iterator[Batch], first_step: int) -> Iterator[Batch]:
@@ -582,6 +584,7 @@ class HeraldTrainPipeline(TrainPipeline[Batch, Any]):
         return self.layout.hot_keys
 
     def hot_values(self) -> torch.Tensor:
+        """This rank's hot replicas, every herald table's in one tensor (stale-update skipping reads them)."""
         return self.ebc.hot_values()
 
     def freeze_hot(self, stale: Optional[torch.Tensor], keys: torch.Tensor) -> None:
@@ -592,6 +595,7 @@ class HeraldTrainPipeline(TrainPipeline[Batch, Any]):
         self.ebc.set_frozen_keys(keys)
 
     def unfreeze_hot(self) -> None:
+        """Train every hot row and key again (stale-update skipping's freeze lifted)."""
         self.ebc.set_frozen_hot(None)
         self.ebc.set_frozen_keys(torch.empty(0, dtype=torch.int64))
 

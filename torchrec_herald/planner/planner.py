@@ -155,6 +155,9 @@ class HeraldPlanner(EmbeddingShardingPlanner):
         return constraints
 
     def plan(self, module: nn.Module, sharders: List[ModuleSharder[nn.Module]]) -> ShardingPlan:
+        """Herald's plan of ``module``: TorchRec's planner lays every table out row-wise (the cold blocks; a user's
+        other constraints kept), and each table gets herald's type with the hot set the selector picks under
+        the memory budget (``last_choices``)."""
         tables = embedding_bag_configs(module)
         # stock planning components only know stock sharding types
         stock_sharders = [_as_stock(s) for s in sharders]

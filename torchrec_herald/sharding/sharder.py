@@ -29,15 +29,19 @@ class HeraldEmbeddingBagCollectionSharder(CpuEmbeddingBagCollectionSharder):
     """
 
     def sharding_types(self, compute_device_type: str) -> List[str]:
+        """TorchRec's EBC sharding types and herald's (hot rows replicated, cold rows row-wise)."""
         return super().sharding_types(compute_device_type) + [HERALD_HOT_ROW_WISE]
 
     def compute_kernels(self, sharding_type: str, compute_device_type: str) -> List[str]:
+        """Herald's type runs fbgemm's fused TBE (its cold lookups); the stock types keep TorchRec's kernels."""
         if sharding_type == HERALD_HOT_ROW_WISE:
             return [EmbeddingComputeKernel.FUSED.value]
         return super().compute_kernels(sharding_type, compute_device_type)
 
     def shard(self, module: EmbeddingBagCollection, params: Dict[str, ParameterSharding], env: ShardingEnv,
               device: Optional[torch.device] = None, module_fqn: Optional[str] = None) -> ShardedModule:
+        """Herald's sharded EBC where the plan gives some of its tables herald's type (the rest sharded by
+        TorchRec's types beside them in the same module), else TorchRec's own sharded EBC."""
         herald = [name for name, ps in params.items() if ps.sharding_type == HERALD_HOT_ROW_WISE]
         if not herald:
             return super().shard(module, params, env, device, module_fqn)
