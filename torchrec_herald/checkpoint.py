@@ -27,7 +27,8 @@ logger = logging.getLogger(__name__)
 __all__ = ["CheckpointMismatchError", "checkpoints", "latest_checkpoint", "load_checkpoint", "save_checkpoint"]
 
 TRAINER_STATE = "trainer_state.json"
-_STEP_DIR = re.compile(r"^step_(\d{8,})$")
+#: a checkpoint's folder name: ``step_<8+ digits>``
+STEP_DIR = re.compile(r"^step_(\d{8,})$")
 
 
 class CheckpointMismatchError(ValueError):
@@ -126,7 +127,7 @@ def checkpoints(directory: Path) -> List[Path]:
     directory = Path(directory)
     if not directory.is_dir():
         return []
-    found = [(int(m.group(1)), p) for p in directory.iterdir() if (m := _STEP_DIR.match(p.name)) and p.is_dir()]
+    found = [(int(m.group(1)), p) for p in directory.iterdir() if (m := STEP_DIR.match(p.name)) and p.is_dir()]
     return [p for _, p in sorted(found)]
 
 

@@ -18,7 +18,7 @@ from torchrec_herald.traffic import traffic_tag
 __all__ = [
     "FLOAT_BYTES", "INDEX_BYTES", "OPTIMIZER_STATE_BYTES", "SCORE_BYTES", "STOCK_ID_BYTES", "STOCK_LENGTH_BYTES",
     "LocalWork", "RowsInFlight", "all_gather_varlen", "all_reduce_async", "all_to_all_rows", "all_to_all_rows_async",
-    "await_variable_all_to_all", "is_one_rank", "start_variable_all_to_all", "variable_all_to_all",
+    "await_variable_all_to_all", "is_one_rank", "ring_allreduce_bytes", "row_with_state_bytes", "start_variable_all_to_all", "variable_all_to_all",
 ]
 
 #: bytes of one embedding element (fp32 weights, pooled vectors and gradients)
@@ -33,6 +33,18 @@ STOCK_ID_BYTES = 8
 STOCK_LENGTH_BYTES = 4
 #: optimizer state per replicated or transferred row (row-wise Adagrad: one float)
 OPTIMIZER_STATE_BYTES = 4
+
+
+def row_with_state_bytes(embedding_dim: int) -> int:
+    """Bytes of one stored row with its optimizer state: ``4D`` weights and row-wise Adagrad's one float (a hot
+    replica, a cached row)."""
+    return int(embedding_dim) * FLOAT_BYTES + OPTIMIZER_STATE_BYTES
+
+
+def ring_allreduce_bytes(nbytes: float, world_size: int) -> float:
+    """Bytes one rank sends in a ring all-reduce of ``nbytes``: ``2·(W−1)/W·nbytes`` (what TrafficMeter counts
+    at the call)."""
+    return 2.0 * (world_size - 1) / world_size * nbytes
 
 
 class LocalWork:

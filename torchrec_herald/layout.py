@@ -13,6 +13,7 @@ from typing import Dict, List, Mapping, Optional, Tuple
 
 import torch
 
+from torchrec_herald.comm import row_with_state_bytes
 from torchrec_herald.ops.hot_cold import local_block_rows, row_block_sizes
 
 __all__ = ["RowLayout", "cache_capacities", "cache_row_bytes", "cache_rows_for_budget", "layout_of"]
@@ -224,7 +225,7 @@ def cache_capacities(layout: RowLayout, capacity_fraction: Optional[float],
 def cache_row_bytes(dim: int) -> int:
     """Bytes one cached row takes in a rank's row store: its ``dim`` float32 weights and its row-wise optimizer
     state (one float32)."""
-    return (int(dim) + 1) * 4
+    return row_with_state_bytes(dim)
 
 
 def check_cache_budget(budget_bytes: int, num_tables: int, row_bytes: int) -> int:

@@ -27,7 +27,6 @@ NOT_TRAINING_KEYS = ("checkpoint", "log_every", "eval", "compare_with", "run_nam
 #: change no trained batch (a bad eval file, fixed, is evaluated again)
 MAY_CHANGE_ON_RESUME = ("epochs", "data.eval_paths", "data.num_eval_batches")
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
-_STEP_DIR = re.compile(r"^step_\d{8,}$")
 
 
 def _training_config(cfg: DictConfig) -> Dict[str, Any]:
@@ -127,6 +126,8 @@ def check_checkpoint_location(cfg: DictConfig, world_size: int, writing: bool) -
     ``checkpoint.dir`` (or ``checkpoint.root``) and what is wrong; returns the folder."""
     import tempfile
 
+    from torchrec_herald.checkpoint import STEP_DIR
+
     c = cfg.get("checkpoint") or {}
     key = "checkpoint.dir" if c.get("dir") else "checkpoint.root"
     given = Path(str(c.get("dir") or c.get("root") or "outputs/checkpoints"))
@@ -135,7 +136,7 @@ def check_checkpoint_location(cfg: DictConfig, world_size: int, writing: bool) -
         if p.exists() and not p.is_dir():
             what = "is a file" if p == given else f"lies under {p}, which is a file"
             raise ValueError(f"{key}={given} {what}, not a directory; give a directory")
-        if _STEP_DIR.match(p.name) and (p / ".metadata").is_file():  # (a run would save inside a checkpoint)
+        if STEP_DIR.match(p.name) and (p / ".metadata").is_file():  # (a run would save inside a checkpoint)
             raise ValueError(f"{key}={given} is {'' if p == given else 'inside '}one checkpoint ({p.name}); "
                              f"give the folder that holds the run's checkpoints: {p.parent}")
     if not writing:

@@ -32,6 +32,7 @@ from torchrec.optim import RowWiseAdagrad, apply_optimizer_in_backward
 from torchrec.optim.keyed import CombinedOptimizer
 from tqdm import tqdm
 
+from torchrec_herald.config import OPTIMIZER_NAMES
 from torchrec_herald.data import DataSource, TrainStream, build_data_source
 from torchrec_herald.dist_utils import init_distributed
 from torchrec_herald.layout import cache_row_bytes, check_cache_budget
@@ -58,6 +59,7 @@ OPTIMIZERS: Dict[str, tuple[type, type]] = {
     "rowwise_adagrad": (RowWiseAdagrad, torch.optim.Adagrad),  # fused: EXACT_ROWWISE_ADAGRAD
     "sgd": (torch.optim.SGD, torch.optim.SGD),  # fused: EXACT_SGD
 }
+assert set(OPTIMIZERS) == set(OPTIMIZER_NAMES), "config.OPTIMIZER_NAMES (what validates) and OPTIMIZERS must agree"
 
 
 class _ConsoleFilter(logging.Filter):

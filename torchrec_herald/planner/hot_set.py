@@ -47,6 +47,8 @@ from torchrec_herald.comm import (  # noqa: F401  (re-exported: the cost model s
     OPTIMIZER_STATE_BYTES,
     STOCK_ID_BYTES,
     STOCK_LENGTH_BYTES,
+    ring_allreduce_bytes,
+    row_with_state_bytes,
 )
 from torchrec_herald.planner.pricing import ByteCount, Pricing
 from torchrec_herald.planner.stats import AccessStats
@@ -88,7 +90,7 @@ def cold_lookup_bytes(embedding_dim: int) -> int:
 
 def hot_row_bytes(embedding_dim: int) -> int:
     """Memory of one replicated row on every rank: ``4D`` weights + 4 B row-wise Adagrad state."""
-    return embedding_dim * FLOAT_BYTES + OPTIMIZER_STATE_BYTES
+    return row_with_state_bytes(embedding_dim)
 
 
 def touch_probability(sample_prob: torch.Tensor, local_batch_size: int) -> torch.Tensor:
@@ -104,7 +106,7 @@ def replication_saving(lookups_per_step: torch.Tensor, world_size: int, embeddin
 
 def dense_sync_row_cost(world_size: int, embedding_dim: int) -> float:
     """A hot row's share of the dense ring all-reduce: ``2·(W−1)·4D`` bytes."""
-    return 2.0 * (world_size - 1) * embedding_dim * FLOAT_BYTES
+    return ring_allreduce_bytes(embedding_dim * FLOAT_BYTES, world_size) * world_size  # (every rank's)
 
 
 def sparse_sync_row_cost(touch_prob: torch.Tensor, world_size: int, embedding_dim: int) -> torch.Tensor:

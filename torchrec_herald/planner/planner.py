@@ -22,6 +22,7 @@ from torchrec.modules.embedding_configs import EmbeddingBagConfig
 from torchrec.modules.embedding_modules import EmbeddingBagCollection
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
+from torchrec_herald.comm import FLOAT_BYTES, ring_allreduce_bytes
 from torchrec_herald.planner.convert import herald_plan_from_row_wise
 from torchrec_herald.planner.hot_set import (
     CostModelHotSetSelector,
@@ -201,7 +202,8 @@ class HeraldPlanner(EmbeddingShardingPlanner):
         default = stock_plan(module, tables, stock_sharders, "default", W, self._batch_size, device, pg, **user)
         default_types = describe_plan(default)
         load = default_plan_load(default_types, expected,
-                                 {t.name: 4.0 * t.num_embeddings * t.embedding_dim for t in tables}, W, dense)
+                                 {t.name: float(FLOAT_BYTES * t.num_embeddings * t.embedding_dim) for t in tables}, W,
+                                 dense)
         pick = per_table_choice(expected, default_types, W, self.link, dense, self.dense_sync)
         mixed = None  # per table: only where some tables go each way (else it is one of the whole plans)
         if len({k == "herald" for k in pick.values()}) == 2:
@@ -259,10 +261,10 @@ def dense_allreduce_bytes(module: nn.Module, world_size: int) -> float:
     EBCs; a ring all-reduce sends 2·(W−1)/W of the payload), as TrafficMeter counts them."""
     tables = {id(p) for m in module.modules() if isinstance(m, EmbeddingBagCollection) for p in m.parameters()}
     payload = sum(p.numel() * p.element_size() for p in module.parameters() if id(p) not in tables)
-    return 2.0 * (world_size - 1) / world_size * payload
+    return ring_allreduce_bytes(payload, world_size)
 
 
-def link_from_topology(topology: Any, cpu_us_per_lookup: float = 0.6) -> Optional[LinkModel]:
+def link_from_topology(topology: Any, cpu_us_per_lookup: float = LinkModel.cpu_us_per_lookup) -> Optional[LinkModel]:
     """The link a user stated in TorchRec's ``Topology``: ``inter_host_bw`` when the ranks span hosts,
     else ``intra_host_bw`` (TorchRec's unit, bytes per ms); None when both are TorchRec's defaults (not
     stated)."""

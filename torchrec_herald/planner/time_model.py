@@ -22,6 +22,7 @@ import math
 from dataclasses import asdict, dataclass, field
 from typing import Any, Dict, Iterable, List, Mapping, Optional, Tuple
 
+from torchrec_herald.comm import ring_allreduce_bytes
 from torchrec_herald.planner.pricing import HERALD_COLLECTIVES, STOCK_TW_COLLECTIVES, LinkModel
 
 __all__ = ["LinkDecision", "MIXABLE_STOCK", "PLAN_LABELS", "PlanLoad", "StepPrediction", "StepTimeModel", "choose_plan",
@@ -229,7 +230,7 @@ def default_plan_load(sharding_types: Mapping[str, str], expected: Mapping[str, 
     for name, st in sharding_types.items():
         e = expected.get(name, {})
         if st == "data_parallel":
-            total += 2 * (W - 1) / W * table_bytes.get(name, 0.0) * W  # all ranks, ring all-reduce
+            total += ring_allreduce_bytes(table_bytes.get(name, 0.0), W) * W  # all ranks
             kinds.add("data_parallel")
         elif st == "row_wise":
             total += e.get("stock_row_wise", 0.0)

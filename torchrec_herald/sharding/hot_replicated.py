@@ -38,7 +38,7 @@ from torchrec.sparse.jagged_tensor import KeyedJaggedTensor, KeyedTensor
 from torchrec.streamable import Multistreamable
 
 from torchrec_herald.comm import (FLOAT_BYTES, INDEX_BYTES, RowsInFlight, all_reduce_async, all_to_all_rows_async,
-                                   await_variable_all_to_all, start_variable_all_to_all)
+                                   await_variable_all_to_all, ring_allreduce_bytes, start_variable_all_to_all)
 from torchrec_herald.layout import RowLayout
 from torchrec_herald.native import load_if_built
 from torchrec_herald.ops.hot_cold import (HotColdSplit, bags_of_values, invalid_ids, key_offset_and_spare,
@@ -928,7 +928,7 @@ class ShardedHeraldEmbeddingBagCollection(
         self._dense_slot = torch.where(pos >= 0, pos, rows.numel()).to(self._device)
         # bytes this rank sends per table and step for them (ring all-reduce), as TrafficMeter counts
         per_table = torch.bincount(self.layout.hot_slot_table[rows], minlength=len(self._tables)).double()
-        self._dense_sync_bytes = per_table * (2 * (self._world - 1) * FLOAT_BYTES * self._dim / self._world)
+        self._dense_sync_bytes = per_table * ring_allreduce_bytes(FLOAT_BYTES * self._dim, self._world)
 
     def _sync_and_update_hot(self, unique: torch.Tensor, sparse_idx: torch.Tensor, sparse_from: List[int],
                              rows: torch.Tensor) -> None:
