@@ -180,3 +180,12 @@ def test_herald_pipeline_defaults_resolve_alike_from_python_and_the_command_line
     assert decided(HeraldPipelineConfig(skip=SkipConfig("input")), True) == (True, True, "auto")
     assert decided(HeraldPipelineConfig(staleness=1), True) == (True, True, "on")
     assert decided(HeraldPipelineConfig(global_batches=True), False) == (True, True, "auto")  # the caller says so
+
+
+def test_every_data_option_has_a_source_and_every_source_an_option() -> None:
+    """``data=<option>`` (its config class) and the source built from it are registered in two tables (the
+    configs import no source module): they must name the same options."""
+    from torchrec_herald.data import base
+    from torchrec_herald.data.config import DATA_CONFIGS
+
+    assert set(DATA_CONFIGS) == set(base._SOURCES)

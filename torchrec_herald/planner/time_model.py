@@ -208,7 +208,7 @@ def decide(expected: Iterable[Mapping[str, float]], world_size: int, model: Link
     lookups = sum(e.get("lookups", 0.0) for e in expected) / world_size
     stock_bytes = sum(e.get("stock_table_wise", 0.0) for e in expected) / world_size
     herald_bytes = sum(e.get("herald_total", 0.0) for e in expected) / world_size
-    overlapped = dense_bytes if dense_sync == "forward_ordered" else 0.0
+    overlapped = overlapped_dense_bytes(dense_bytes, dense_sync)
     loads = [PlanLoad("herald", herald_bytes + dense_bytes - overlapped, overlapped, HERALD_COLLECTIVES, lookups),
              PlanLoad("table_wise", stock_bytes + dense_bytes, 0.0, STOCK_TW_COLLECTIVES)]
     if default_plan is not None:
@@ -283,6 +283,12 @@ def per_table_choice(expected: Mapping[str, Mapping[str, float]], stock_types: M
     return {n: best[n] for n in expected}
 
 
+def overlapped_dense_bytes(dense_bytes: float, dense_sync: str) -> float:
+    """The dense all-reduce's bytes that overlap compute: all of them under herald's forward-ordered sync (each
+    group's sum waited for at its next forward), none under DDP's (waited for before the optimizer)."""
+    return dense_bytes if dense_sync == "forward_ordered" else 0.0
+
+
 def mixed_plan_load(expected: Mapping[str, Mapping[str, float]], pick: Mapping[str, str], world_size: int,
                     dense_bytes: float, dense_sync: str = "forward_ordered") -> PlanLoad:
     """The per-table candidate (``mixed``) as a :class:`PlanLoad`: the herald tables' bytes, the stock
@@ -297,7 +303,7 @@ def mixed_plan_load(expected: Mapping[str, Mapping[str, float]], pick: Mapping[s
     crit = sum(expected[n].get("herald_total", 0.0) for n in herald)
     crit += sum(_stock_bytes(k, expected[n]) for n, k in pick.items() if k != "herald")
     kinds = {k for k in pick.values() if k != "herald"}
-    overlapped = dense_bytes if dense_sync == "forward_ordered" else 0.0
+    overlapped = overlapped_dense_bytes(dense_bytes, dense_sync)
     collectives = (HERALD_COLLECTIVES if herald else 0) + STOCK_TW_COLLECTIVES * len(kinds)
     return PlanLoad("mixed", crit / W + dense_bytes - overlapped, overlapped, collectives,
                     sum(e.get("lookups", 0.0) for e in expected.values()) / W if herald else 0.0)
