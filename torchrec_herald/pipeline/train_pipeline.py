@@ -37,7 +37,7 @@ from torchrec_herald.layout import cache_row_bytes, cache_rows_for_budget
 from torchrec_herald.pipeline.auto_scheduling import SchedulingSwitch
 from torchrec_herald.pipeline.context import (EVERY_RANK, HeraldBatchContext, SchedulerStats, SchedulingEnv,
                                               find_herald_ebc, select_samples, stock_tables_beside)
-from torchrec_herald.pipeline.input_allocator import build_allocator
+from torchrec_herald.pipeline.input_allocator import InputAllocator, build_allocator
 from torchrec_herald.pipeline.options import (ALLOCATORS, AUTO_MAX_PRICED_PENALTY, CACHE_POLICIES,
                                               GLOBAL_PLANNING_MAX_WORLD, PER_RANK_ALLOCATOR_REASON, SYNC_MODES,
                                               HeraldPipelineConfig)
@@ -45,7 +45,7 @@ from torchrec_herald.pipeline.run_ahead import RunAhead
 from torchrec_herald.pipeline.stages import batch_stages
 from torchrec_herald.pipeline.stages.keys import CheckedOwnBatches
 from torchrec_herald.pipeline.stages.plan import make_plan, plan_head
-from torchrec_herald.pipeline.stale_skip import LiveInputStream, RankInputStream, StaleSkipHook
+from torchrec_herald.pipeline.stale_skip import LiveInputStream, RankInputStream, StaleSkipHook, StaleSkipper
 from torchrec_herald.pipeline.strategies import SchedulingStrategy, build_planner, build_strategy, strategy_name
 from torchrec_herald.plans import CommPlanner, SyncCounters
 
@@ -165,12 +165,12 @@ class HeraldTrainPipeline(TrainPipeline[Batch, Any]):
         return self.env.planner
 
     @property
-    def input_allocator(self) -> Any:
+    def input_allocator(self) -> InputAllocator:
         """The input allocator in use (identity while scheduling is off)."""
         return self.env.allocator
 
     @property
-    def skipper(self) -> Any:
+    def skipper(self) -> Optional[StaleSkipper]:
         """The stale-update skipper's per-run state (None when skipping is off)."""
         return self.skip_hook.skipper if self.skip_hook is not None else None
 
