@@ -4,6 +4,8 @@ naming the key; through the driver a fast link trains TABLE_WISE and says so, a 
 
 from __future__ import annotations
 
+import json
+
 from pathlib import Path
 
 import pytest
@@ -151,6 +153,42 @@ def test_the_compared_run_is_named_after_what_it_trained(metrics: dict, label: s
     from torchrec_herald.train import run_label
 
     assert run_label(compose_config(["planner=herald", "pipeline=herald"]), metrics) == label
+
+
+@pytest.mark.parametrize("overrides,metrics,label", [
+    (["pipeline.staleness=1"], {"link_decision": {"herald": True}}, "herald + scheduling + staleness=1"),
+    (["pipeline.skip=input"], {"link_decision": {"herald": False, "chosen": "table_wise"}},
+     "herald -> table_wise (link model; skip=input not applied)"),
+])
+def test_an_approximate_run_is_named_with_its_mode(overrides: list, metrics: dict, label: str) -> None:
+    from torchrec_herald.config import compose_config
+    from torchrec_herald.train import run_label
+
+    assert run_label(compose_config(["planner=herald", "pipeline=herald", *overrides]), metrics) == label
+
+
+def _train_logged(rank: int, world: int, overrides: list, run_dir: str) -> tuple:
+    import logging
+
+    seen: list = []
+    handler = logging.Handler()
+    handler.emit = lambda record: seen.append(record.getMessage())  # type: ignore[method-assign]
+    logging.getLogger("torchrec_herald.pipeline.build").addHandler(handler)
+    return _train(rank, world, overrides, run_dir), seen
+
+
+def test_an_approximate_mode_on_a_link_where_a_stock_plan_wins_says_it_is_not_applied(tmp_path: Path) -> None:
+    """The model of time may pick a stock plan, which has no cache or hot row for HET or Slipstream to relax:
+    the run says so in one warning and in metrics.json, where it trained the stock plan silently."""
+    (m, seen), _ = run_multiprocess(_train_logged, 2, DEFAULTS + ["planner.link_mbit=100000", "pipeline.staleness=1",
+                                                                  "pipeline.reference=false", "eval=false"],
+                                    str(tmp_path))
+    reason = ("pipeline.staleness=1 not applied: the model of time chose a stock plan on this link (see the planner's "
+              "line), which has no herald cache or hot row to relax; planner.link_mbit=null keeps herald's plan")
+    assert m["approximate"] == {"applied": False, "reason": reason}
+    assert [s for s in seen if "not applied" in s] == [f"pipeline=herald: {reason}"]
+    assert m["summary"]["eval_auc"] is None
+    json.loads((tmp_path / "metrics.json").read_text(), parse_constant=lambda c: pytest.fail(f"{c} in metrics.json"))
 
 
 def test_the_planner_decides_the_fallback_itself_with_a_typed_decision() -> None:

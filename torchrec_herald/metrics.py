@@ -130,8 +130,9 @@ def _approximate(own: Dict[str, Any], eval_metrics: Dict[str, float],
                             "samples_per_s": reference["samples_per_s"],
                             "bytes_per_step": reference["traffic_per_step_total"]["bytes"],
                             "embedding_bytes_per_step": embedding_bytes_per_step(reference)}
-        out["auc_delta"] = eval_metrics.get("auc", float("nan")) - ref_eval.get("auc", float("nan"))
-        out["logloss_delta"] = eval_metrics.get("logloss", float("nan")) - ref_eval.get("logloss", float("nan"))
+        for key in ("auc", "logloss"):  # (null without an eval pass: metrics.json stays strict JSON)
+            mine, theirs = eval_metrics.get(key), ref_eval.get(key)
+            out[f"{key}_delta"] = None if mine is None or theirs is None else mine - theirs
     return out
 
 

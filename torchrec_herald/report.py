@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 from collections import Counter
 from pathlib import Path
-from typing import Any, Dict, List, Sequence, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 __all__ = ["TRAFFIC_GROUPS", "embedding_bytes_per_step", "format_comparison_table", "format_metrics_table", "headline",
            "plot_training", "traffic_groups", "write_comparison"]
@@ -36,7 +36,7 @@ def traffic_groups(m: Dict[str, Any]) -> Dict[str, float]:
             "scheduling": sched, "dense all-reduce": dense}
 
 
-def headline(m: Dict[str, Any]) -> Dict[str, float]:
+def headline(m: Dict[str, Any]) -> Dict[str, Optional[float]]:
     """The headline figures of a run under keys that say scope and unit (``metrics.json`` → ``summary``).
 
     ``embedding_vectors_per_step_all_ranks``: TrafficMeter's count, float payload bytes on the wire
@@ -57,8 +57,8 @@ def headline(m: Dict[str, Any]) -> Dict[str, float]:
         **{f"step_{k}_ms_mean": v for k, v in m.get("step_time_breakdown_ms", {}).items()},
         "train_time_s": m["train_time_s"],
         "steps": float(steps),
-        "eval_auc": m.get("eval", {}).get("auc", float("nan")),
-        "eval_logloss": m.get("eval", {}).get("logloss", float("nan")),
+        "eval_auc": m.get("eval", {}).get("auc"),  # (null without an eval pass: strict JSON)
+        "eval_logloss": m.get("eval", {}).get("logloss"),
     }
 
 
@@ -228,17 +228,17 @@ def format_comparison_table(runs: Dict[str, Dict[str, Any]]) -> str:
          [decision_cell(m) for m in ms], None),
         ("predicted step ms (this run's compute + the model's link part)", [predicted_step_cell(m) for m in ms], None),
         ("train logloss (last)", [m["train_logloss"] for m in ms], "diff"),
-        ("eval AUC", [m["eval"].get("auc", float("nan")) for m in ms], "diff"),
-        ("eval logloss", [m["eval"].get("logloss", float("nan")) for m in ms], "diff"),
+        ("eval AUC", [m["eval"].get("auc") for m in ms], "diff"),  # (None: not evaluated)
+        ("eval logloss", [m["eval"].get("logloss") for m in ms], "diff"),
     ]
     head = "| metric | " + " | ".join(names) + f" | {names[-1]} vs {names[0]} |"
     lines = [head, "|" + "---|" * (len(names) + 2)]
     for label, vals, kind in rows:
         cells = [f"{v:.4f}" if isinstance(v, float) and abs(v) < 10 else
-                 (f"{v:.1f}" if isinstance(v, float) else str(v)) for v in vals]
+                 (f"{v:.1f}" if isinstance(v, float) else "–" if v is None else str(v)) for v in vals]
         if kind == "ratio" and vals[0]:
             cmp = f"{vals[-1] / vals[0]:.3f}× ({100 * (vals[-1] / vals[0] - 1):+.1f} %)"
-        elif kind == "diff":
+        elif kind == "diff" and vals[0] is not None and vals[-1] is not None:
             cmp = f"{vals[-1] - vals[0]:+.4f}"
         else:
             cmp = ""
@@ -258,8 +258,8 @@ def format_metrics_table(metrics: Dict[str, Any]) -> str:
                                      f"{metrics['step_time_s']['p90'] * 1e3:.1f}"),
         ("step ms = compute + comm wait + scheduler (ahead: off the path)", breakdown_cell(metrics)),
         ("train logloss first → last", f"{metrics['train_logloss_first']:.4f} → {metrics['train_logloss']:.4f}"),
-        ("eval AUC", f"{ev.get('auc', float('nan')):.4f}"),
-        ("eval logloss", f"{ev.get('logloss', float('nan')):.4f}"),
+        ("eval AUC", f"{ev['auc']:.4f}" if "auc" in ev else "– (not evaluated)"),
+        ("eval logloss", f"{ev['logloss']:.4f}" if "logloss" in ev else "– (not evaluated)"),
         ("KiB sent per step (all ranks)", f"{tot['bytes'] / 1024:.1f}"),
         ("embedding vectors per step", f"{tot['embedding_vectors']:.0f}"),
     ]

@@ -144,18 +144,21 @@ def _run(cfg: DictConfig, run_dir: Path) -> None:
 
 def run_label(cfg: DictConfig, metrics: Dict[str, Any]) -> str:
     """The compared run's name, saying what it trained: herald's plan (or herald's tables beside stock ones) with
-    or without scheduling, or the stock plan the model of time chose (TABLE_WISE or TorchRec's default)."""
+    or without scheduling and with its approximate mode, or the stock plan the model of time chose (TABLE_WISE
+    or TorchRec's default; an approximate mode asked for is then said not to run)."""
     decision = metrics.get("link_decision") or {}
+    approx = ", ".join(f"{k}={cfg.pipeline.get(k)}" for k in ("staleness", "skip")
+                       if cfg.pipeline.name == "herald" and cfg.pipeline.get(k) is not None)
     if decision and not decision.get("herald", True):
         chosen = {"default": "default plan"}.get(decision.get("chosen"), decision.get("chosen") or "table_wise")
-        return f"{cfg.planner.name} -> {chosen} (link model)"
+        return f"{cfg.planner.name} -> {chosen} (link model{'; ' + approx + ' not applied' if approx else ''})"
     base = cfg.planner.name + (" per table" if decision.get("chosen") == "mixed" else "")
     if cfg.pipeline.name != "herald":
         return base
     sched = metrics.get("herald_pipeline", {}).get("scheduling", {})
     if sched.get("decided") and sched.get("mode") == "off":
-        return f"{base} (scheduling off: auto)"
-    return f"{base} + scheduling"
+        return f"{base} (scheduling off: auto)" + (f" + {approx}" if approx else "")
+    return f"{base} + scheduling" + (f" + {approx}" if approx else "")
 
 
 def main() -> None:

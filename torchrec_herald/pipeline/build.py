@@ -71,8 +71,10 @@ class TorchRecPipeline:
 
     plan_mode = False
 
-    def __init__(self, inner: Union[TrainPipelineSparseDist, TrainPipelineBase], model: nn.Module) -> None:
+    def __init__(self, inner: Union[TrainPipelineSparseDist, TrainPipelineBase], model: nn.Module,
+                 not_applied: Optional[str] = None) -> None:
         self.inner, self._model = inner, model
+        self._not_applied = not_applied  # an approximate mode asked for and not run: why
 
     def progress(self, dataloader_iter: Iterator[Any]) -> Any:
         return self.inner.progress(dataloader_iter)
@@ -99,7 +101,7 @@ class TorchRecPipeline:
         return {}
 
     def approximate_report(self, since: Any = None) -> Dict[str, Any]:
-        return {}
+        return {} if self._not_applied is None else {"applied": False, "reason": self._not_applied}
 
     def scheduler_seconds(self, since: Any = None) -> Tuple[float, float]:
         return 0.0, 0.0
@@ -120,7 +122,15 @@ def build_pipeline(config: Any, model: nn.Module, optimizer: Any, device: torch.
         if not herald_sharded:
             logger.info("pipeline=herald: the model of time chose a stock plan (see the planner's line), training "
                         "with TorchRec's TrainPipelineSparseDist")
-            return TorchRecPipeline(TrainPipelineSparseDist(model, optimizer, device), model)
+            not_applied = None
+            if config.approximate:  # (an opt-in mode of herald's scheduling: a stock plan has none to relax)
+                asked = ", ".join(f"pipeline.{k}={v}" for k, v in (("staleness", config.staleness),
+                                                                   ("skip", config.skip)) if v is not None)
+                not_applied = (f"{asked} not applied: the model of time chose a stock plan on this link (see the "
+                               f"planner's line), which has no herald cache or hot row to relax; "
+                               f"planner.link_mbit=null keeps herald's plan")
+                logger.warning("pipeline=herald: %s", not_applied)
+            return TorchRecPipeline(TrainPipelineSparseDist(model, optimizer, device), model, not_applied)
         return HeraldTrainPipeline(model, optimizer, device, config=config)
     name = getattr(config, "name", config)
     if name not in PIPELINES:
