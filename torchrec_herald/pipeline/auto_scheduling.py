@@ -176,6 +176,22 @@ class SchedulingSwitch:
         yield from queued
         yield from self.host.off_stream(it, first_step + len(queued))
 
+    def batches_in_flight(self) -> int:
+        """The batches TorchRec's pipeline holds ahead (their input dists started)."""
+        return len(getattr(self._delegate, "batches", None) or ())
+
+    def eval_in_flight(self, it: Iterator[Any]) -> Any:
+        """An eval step while TorchRec's pipeline holds training batches in flight: its own step, forward only
+        (TorchRec's semantics: the batches in flight first, then ``it``'s)."""
+        assert self._delegate is not None
+        return self._delegate.progress(it)
+
+    def pause_delegate(self) -> None:
+        """Hand the model's own forwards back for a while (an eval pass): TorchRec's pipeline keeps its batches
+        in flight and re-attaches itself at its next ``progress``."""
+        if self._delegate is not None:
+            self._delegate.detach()
+
     def drop_delegate(self) -> None:
         """Detach and forget TorchRec's pipeline (it holds no batch between phases of the probe)."""
         if self._delegate is not None:

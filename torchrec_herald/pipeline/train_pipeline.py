@@ -86,6 +86,7 @@ class HeraldTrainPipeline(TrainPipeline[Batch, Any]):
             raise ValueError(f"pass either config or keyword options, not both (got {sorted(options)})")
         super().__init__()
         self._model, self._optimizer, self._device = model, optimizer, device
+        self._warned_eval_in_flight = False
         self.ebc = find_herald_ebc(model)
         # planning (global or by home) and the allocator follow from the world size (and, at the first
         # loader, from whether it gives whole global batches: _resolve, from the settings as given)
@@ -366,12 +367,15 @@ class HeraldTrainPipeline(TrainPipeline[Batch, Any]):
 
     # ------------------------------------------------------------------ a step
     def progress(self, dataloader_iter: Iterator[Batch]) -> Any:
-        """Train one global batch; returns the model's output (as ``TrainPipelineSparseDist`` does).
+        """Train one global batch; returns the model's output (as ``TrainPipelineSparseDist`` does). With the
+        model in eval mode (``model.eval()``), :meth:`eval_step` instead: a forward of the loader's next batch.
 
         Raises:
             StopIteration: the loader and the window are empty (copies flushed first).
             ValueError: the first window cannot be filled (``window`` > batches left), bad ids (every rank).
         """
+        if not self._model.training:
+            return self.eval_step(dataloader_iter)
         self._resolve(dataloader_iter)
         self._raise_ahead_error()  # (the last step found a bad batch ahead: nothing of this step has run)
         if self.switch is not None:
@@ -399,6 +403,33 @@ class HeraldTrainPipeline(TrainPipeline[Batch, Any]):
         out = self.train_step(head)
         self._checkpoint_next = False
         return out
+
+    def eval_step(self, dataloader_iter: Iterator[Any]) -> Any:
+        """The model's output on the loader's next batch (this rank's), forward only, no gradient and no update,
+        as TorchRec's pipelines do with the model in eval mode (collective: the forward's input dist). Herald's
+        caches are flushed first (collective), so the forward reads every row's current value; the window's
+        training batches stay where they are and train when ``model.train()`` is back.
+
+        Raises:
+            StopIteration: the loader is empty.
+        """
+        self._collect_ahead()
+        if self.switch is not None and self.switch.batches_in_flight():
+            # scheduling off mid-epoch: TorchRec's pipeline has started the input dists of its next training
+            # batches in herald's module; it evaluates them first, as TrainPipelineSparseDist does
+            if not self._warned_eval_in_flight:
+                logger.warning("model.eval() with %d training batch(es) in flight in TorchRec's pipeline "
+                               "(scheduling off): they are evaluated, not trained, as TrainPipelineSparseDist "
+                               "does; evaluate after progress() raised StopIteration to train every batch",
+                               self.switch.batches_in_flight())
+                self._warned_eval_in_flight = True
+            return self.switch.eval_in_flight(dataloader_iter)
+        if self.switch is not None:
+            self.switch.pause_delegate()  # (TorchRec's pipeline rewrote the forwards)
+        self.flush()
+        batch = next(dataloader_iter)
+        with torch.no_grad():
+            return self._model(batch.to(self._device, non_blocking=True))
 
     def checkpoint_after_next_step(self) -> None:
         """The trainer saves a checkpoint after the next :meth:`progress` (and calls :meth:`reset_window`):

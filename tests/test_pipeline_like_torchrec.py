@@ -1,0 +1,94 @@
+"""``HeraldTrainPipeline`` used the way TorchRec's own pipelines are, compared with stock TorchRec on the same
+batches (2 ranks): an eval pass with ``model.eval()`` between training steps (TorchRec's ``dlrm_main``
+pattern) runs a forward only and reads every row's current value; training then goes on as stock. (The
+reference is stock TorchRec in a plain loop: TorchRec's ``TrainPipelineSparseDist`` would evaluate the two
+training batches it holds in flight before the eval loader's.)"""
+
+from __future__ import annotations
+
+import itertools
+from typing import Any, Dict, List
+
+import pytest
+import torch
+
+from herald_harness import build, weight_rtol
+from torchrec_herald.dist_utils import run_multiprocess
+
+STEPS = 12
+
+
+def _train_eval_train(rank: int, world: int, cfg: Dict[str, Any], pipeline: Any) -> Dict[str, List[float]]:
+    """4 training steps, an eval pass of 3 batches (model.eval(), no_grad, through progress()), the rest of the
+    training iterator; the per-step losses of each part. ``pipeline``: herald's options, or ``plain``."""
+    from torchrec.distributed.train_pipeline import TrainPipelineSparseDist
+
+    from torchrec_herald.data import SyntheticCriteo
+    from torchrec_herald.pipeline import HeraldTrainPipeline
+
+    b = build(world, cfg)
+    dmp, opt = b["dmp"], b["optimizer"]
+    if pipeline in ("plain", "stock"):
+        pipe = _PlainLoop(dmp, opt) if pipeline == "plain" else TrainPipelineSparseDist(dmp, opt, b["device"])
+    else:
+        pipe = HeraldTrainPipeline(dmp, opt, b["device"], **pipeline)
+    it = b["data"].train_batches(rank, world, b["batch_size"])
+    out: Dict[str, List[float]] = {"before": [], "eval": [], "after": []}
+    for _ in range(4):
+        out["before"].append(pipe.progress(it)[0].item())
+    evals = SyntheticCriteo(scale=b["data"].scale, num_train_batches=3, seed=7).train_batches(rank, world,
+                                                                                              b["batch_size"])
+    dmp.eval()
+    with torch.no_grad():
+        for _ in itertools.count():
+            try:
+                out["eval"].append(pipe.progress(evals)[0].item())
+            except StopIteration:
+                break
+    dmp.train()
+    while True:
+        try:
+            out["after"].append(pipe.progress(it)[0].item())
+        except StopIteration:
+            break
+    return out
+
+
+class _PlainLoop:
+    """Stock TorchRec with nothing in flight: a forward (and, training, the backward and the step) per batch."""
+
+    def __init__(self, dmp: Any, optimizer: Any) -> None:
+        self.dmp, self.optimizer = dmp, optimizer
+
+    def progress(self, it: Any) -> Any:
+        batch = next(it)
+        out = self.dmp(batch)
+        if self.dmp.training:
+            self.optimizer.zero_grad()
+            out[0].backward()
+            self.optimizer.step()
+        return out
+
+
+@pytest.mark.parametrize("options", [dict(scheduling="on"), dict()], ids=["scheduling_on", "defaults"])
+def test_an_eval_pass_between_training_steps_trains_nothing_and_reads_current_rows(options: Dict[str, Any]) -> None:
+    cfg = {"planner": "herald", "optimizer": "rowwise_adagrad", "steps": STEPS, "hot_min_count": 2}
+    stock_cfg = {**cfg, "planner": "table_wise"}
+    herald = run_multiprocess(_train_eval_train, 2, cfg, {"window": 3, **options})
+    stock = run_multiprocess(_train_eval_train, 2, stock_cfg, "plain")
+    for h, s in zip(herald, stock):
+        assert len(h["eval"]) == 3 and [len(h[k]) for k in ("before", "after")] == [4, STEPS - 4]
+        for part in ("before", "eval", "after"):
+            assert h[part] == pytest.approx(s[part], rel=weight_rtol("rowwise_adagrad")), part
+
+
+def test_an_eval_pass_with_scheduling_off_is_torchrecs_own() -> None:
+    """Scheduling off, TorchRec's pipeline trains hot replication and holds two training batches in flight:
+    they are evaluated first, then the eval loader's, exactly as stock ``TrainPipelineSparseDist`` does."""
+    cfg = {"planner": "herald", "optimizer": "rowwise_adagrad", "steps": STEPS, "hot_min_count": 2}
+    herald = run_multiprocess(_train_eval_train, 2, cfg, {"window": 3, "scheduling": "off"})
+    stock = run_multiprocess(_train_eval_train, 2, {**cfg, "planner": "table_wise"}, "stock")
+    for h, s in zip(herald, stock):
+        assert [len(h[k]) for k in ("before", "eval", "after")] == [4, 2 + 3, STEPS - 4 - 2]
+        for part in ("before", "eval", "after"):
+            assert h[part] == pytest.approx(s[part], rel=weight_rtol("rowwise_adagrad")), part
