@@ -62,9 +62,10 @@ class _PlainLoop:
 
     def progress(self, it: Any) -> Any:
         batch = next(it)
+        if self.dmp.training:  # (before the forward, as TorchRec's pipelines: the fused kernels take the learning
+            self.optimizer.zero_grad()  # rate it sets at the forward)
         out = self.dmp(batch)
         if self.dmp.training:
-            self.optimizer.zero_grad()
             out[0].backward()
             self.optimizer.step()
         return out
@@ -92,3 +93,40 @@ def test_an_eval_pass_with_scheduling_off_is_torchrecs_own() -> None:
         assert [len(h[k]) for k in ("before", "eval", "after")] == [4, 2 + 3, STEPS - 4 - 2]
         for part in ("before", "eval", "after"):
             assert h[part] == pytest.approx(s[part], rel=weight_rtol("rowwise_adagrad")), part
+
+
+def _train_with_lr_schedule(rank: int, world: int, cfg: Dict[str, Any], pipeline: Any, schedule: bool = True
+                            ) -> List[float]:
+    """Every step's loss, the learning rate of every param group (the fused embedding optimizer's included)
+    halved every 3 steps by torch's StepLR, as a TorchRec user's scheduler does."""
+    from torchrec_herald.pipeline import HeraldTrainPipeline
+
+    b = build(world, cfg)
+    dmp, opt = b["dmp"], b["optimizer"]
+    pipe = _PlainLoop(dmp, opt) if pipeline == "plain" else HeraldTrainPipeline(dmp, opt, b["device"], **pipeline)
+    scheduler = torch.optim.lr_scheduler.StepLR(opt, step_size=3, gamma=0.5) if schedule else None
+    it = b["data"].train_batches(rank, world, b["batch_size"])
+    losses = []
+    while True:
+        try:
+            losses.append(pipe.progress(it)[0].item())
+        except StopIteration:
+            break
+        if scheduler is not None:
+            scheduler.step()
+    return losses
+
+
+@pytest.mark.parametrize("options", [dict(scheduling="on"), dict(scheduling="off")], ids=["scheduling_on", "off"])
+def test_a_learning_rate_schedule_reaches_the_embedding_rows(options: Dict[str, Any]) -> None:
+    """The fused embedding optimizer's param group carries ``lr`` (TorchRec's does): a scheduler changing it
+    changes every embedding update, hot and cold rows alike, from the next step (it was ignored, and
+    torch's schedulers raised KeyError 'lr')."""
+    cfg = {"planner": "herald", "optimizer": "rowwise_adagrad", "steps": STEPS, "hot_min_count": 2, "lr": 0.2}
+    stock_cfg = {**cfg, "planner": "table_wise"}
+    herald = run_multiprocess(_train_with_lr_schedule, 2, cfg, {"window": 3, **options})
+    stock = run_multiprocess(_train_with_lr_schedule, 2, stock_cfg, "plain")
+    for h, s in zip(herald, stock):
+        assert len(h) == STEPS and h == pytest.approx(s, rel=weight_rtol("rowwise_adagrad"))
+    constant = run_multiprocess(_train_with_lr_schedule, 2, stock_cfg, "plain", False)[0]
+    assert constant[-1] != pytest.approx(stock[0][-1], rel=1e-4)  # (the schedule changes the losses)

@@ -306,7 +306,8 @@ def fused_params_of(module: EmbeddingBagCollection, sharder_fused_params: Option
 class HeraldFusedOptimizer(FusedOptimizer):
     """The herald EBC's embedding optimizer as TorchRec sees it: cold rows are updated in backward (fused
     TBE); the hot rows' gradient sum, started there by a hook, is applied by the next use of the rows or
-    of this optimizer's state; ``step`` and ``zero_grad`` do nothing. Its state is each table's
+    of this optimizer's state; ``step`` and ``zero_grad`` apply a changed learning rate (``param_groups[0]["lr"]``,
+    as TorchRec's fused optimizer and torch's LR schedulers set it) and nothing else. Its state is each table's
     row-wise Adagrad ``momentum1`` as a ShardedTensor in stock ROW_WISE's layout (keys as stock's), so
     optimizer state moves between herald and stock ROW_WISE models like TorchRec's own."""
 
@@ -319,11 +320,18 @@ class HeraldFusedOptimizer(FusedOptimizer):
             params[f"embedding_bags.{name}.weight"] = weight
             momentum = store.cold_block_state(t)
             state[weight] = {} if momentum is None else {f"{name}.momentum1": module.sharded_block(t, momentum)}
-        super().__init__(params, state, [{"params": list(params.values())}])
+        super().__init__(params, state, [{"params": list(params.values()), "lr": store.lr}])
         self._module = module
 
+    def _apply_learning_rate(self) -> None:
+        """A learning rate changed in ``param_groups`` takes effect from the next update: a hot-row update still
+        in flight (the last step's) is applied first, at the rate it was computed under."""
+        lr = float(self.param_groups[0]["lr"])
+        if lr != self._module._store.lr:  # (not .store: that settles the hot sync, at every step)
+            self._module.store.set_learning_rate(lr)  # (.store: the update in flight applied first)
+
     def zero_grad(self, set_to_none: bool = False) -> None:
-        return None
+        self._apply_learning_rate()
 
     @property  # type: ignore[override]
     def state(self) -> Dict[Any, Any]:
@@ -342,7 +350,7 @@ class HeraldFusedOptimizer(FusedOptimizer):
         """Cold rows were updated inside backward. The hot rows' gradient sum, started there, is applied
         at the rows' next use (:attr:`ShardedHeraldEmbeddingBagCollection.store`), not here: it travels
         while the dense layers step and the next batch starts."""
-        return None
+        self._apply_learning_rate()
 
     def post_load_state_dict(self) -> None:
         self._module.refresh_hot_from_blocks()

@@ -92,7 +92,7 @@ class RowStore(nn.Module):
         self.layout, self.rank, self.dim, self.device = layout, rank, dim, device
         self.optimizer: EmbOptimType = fused_params["optimizer"]
         self.adagrad = self.optimizer == EmbOptimType.EXACT_ROWWISE_ADAGRAD
-        self.lr = float(fused_params.get("learning_rate", 0.01))
+        self.lr = float(fused_params.get("learning_rate", 0.01))  # (set_learning_rate changes it)
         self.eps = float(fused_params.get("eps", 1e-8))
         self.block_rows: List[int] = layout.block_rows[rank].tolist()
         self.cold = fused_cold_tbe(sum(self.block_rows), dim, fused_params, device)
@@ -125,6 +125,12 @@ class RowStore(nn.Module):
         self.native_locate: Optional[Any] = load_if_built()
 
     # ------------------------------------------------------------------ views
+
+    def set_learning_rate(self, lr: float) -> None:
+        """The embedding optimizer's learning rate from now on: the cold TBE's fused update (as TorchRec's
+        fused optimizer sets it) and every update herald applies itself (hot rows, the plan's reduces)."""
+        self.lr = float(lr)
+        self.cold.set_learning_rate(self.lr)
     def hot_weights(self) -> torch.Tensor:
         """``[max(num_hot, 1), D]`` view of the hot replica buffer."""
         return self.hot.weights.detach().view(-1, self.dim)
