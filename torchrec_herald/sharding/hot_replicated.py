@@ -503,6 +503,7 @@ class ShardedHeraldEmbeddingBagCollection(
         if self._executor is not None and self._executor.active:
             values, lengths = self._ids_of(ctx, features, B)
             return self._plan_input_dist(ctx, values, lengths, B)
+        self._check_flushed("a forward outside HeraldTrainPipeline.progress()")
         if self._world == 1 and not self._num_hot:
             return KJTListSplitsAwaitable([self._one_rank_input_dist(ctx, features, B)], ctx)
         if self.input_dist_in_thread:
@@ -1094,12 +1095,23 @@ class ShardedHeraldEmbeddingBagCollection(
                 self.store.hot_block(t).copy_(full[self.layout.hot_ids[t].to(full.device)])
             self.store.mirror_hot_into_cold()
 
+    def _check_flushed(self, what: str) -> None:
+        """Herald scheduling's caches may hold rows newer than the tables between two steps: ``what`` would read
+        the tables (home blocks and hot replicas) stale, so it is refused, naming the flush that makes them
+        current."""
+        if self._executor is not None and self._executor.unflushed:
+            raise RuntimeError(f"herald EBC: {what} between two steps of Herald scheduling, whose caches hold rows "
+                               f"newer than the tables: call HeraldTrainPipeline.flush() first (collective; training "
+                               f"then goes on as before), or evaluate through pipeline.progress() with model.eval(), "
+                               f"which flushes itself")
+
     def state_dict(self, destination: Optional[Dict[str, Any]] = None, prefix: str = "",
                    keep_vars: bool = False) -> Dict[str, Any]:  # type: ignore[override]
         """``{prefix}embedding_bags.<table>.weight`` → a ShardedTensor in stock ROW_WISE's layout whose
         local shard is this rank's block (a view: ``torch.distributed.checkpoint`` loads into it in place;
         call :meth:`refresh_hot_from_blocks` after such a load). The blocks hold every row's current
         value, hot rows included; in plan mode flush first (``HeraldTrainPipeline.flush``)."""
+        self._check_flushed("state_dict()")
         destination = {} if destination is None else destination
         for t, name in enumerate(self._tables):
             destination[f"{prefix}embedding_bags.{name}.weight"] = self.sharded_block(t, self.store.cold_block(t))

@@ -109,6 +109,9 @@ class PlanExecutor:
         self.width = self.D + (1 if store.adagrad else 0)  # floats per transferred row
         # the step in flight: its plan, the rows its forward reads (sorted keys) and their values
         self.plan: Optional[ExecPlan] = None
+        #: a plan ran since the last :meth:`flush`: rows may be newer in caches than at home, hot replicas
+        #: outdated (the tables and a forward off the plan read the home blocks)
+        self.unflushed = False
         self.ws: Optional[torch.Tensor] = None
         self.ws_keys = torch.empty(0, dtype=torch.int64)
         self.frozen_keys = torch.empty(0, dtype=torch.int64)  # stale-update skipping: rows read, not updated
@@ -150,6 +153,7 @@ class PlanExecutor:
             self._update_rows(plan, planned)
         self.before_forward(plan)
         self.plan = plan
+        self.unflushed = True
         self._reduce_route = route
         self._check, self.ws = None, None
         if whole:
@@ -595,5 +599,6 @@ class PlanExecutor:
         self.store.drop(fp.dropped[self.rank])
         self.store.drop_cache()
         self.store.mirror_hot_into_cold()
+        self.unflushed = False
         if self.store.track_base:
             self.store.rebase_hot()
