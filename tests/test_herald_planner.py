@@ -215,3 +215,56 @@ def test_the_default_plans_data_parallel_tables_are_one_info_line_not_a_warning_
     [line] = [r.getMessage() for r in caplog.records if "DATA_PARALLEL table(s)" in r.getMessage()]
     assert line.startswith(f"TorchRec's default plan: {len(dp)} DATA_PARALLEL table(s) ({', '.join(dp)})")
     assert not logging.getLogger().filters  # the fold is scoped to the planning
+
+
+def test_tables_constrained_to_stock_types_keep_them_beside_herald_tables() -> None:
+    """``ParameterConstraints`` naming sharding types without ROW_WISE keep their tables stock, in the same
+    EBC (they were overridden to herald's type silently); every other table is herald's."""
+    from torchrec.distributed.planner import ParameterConstraints, Topology
+
+    from torchrec_herald.planner import HeraldPlanner
+    from torchrec_herald.sharding import HeraldEmbeddingBagCollectionSharder
+    from torchrec_herald.sharding.types import HERALD_HOT_ROW_WISE
+
+    p = _planned()
+    names = [t.name for t in p["tables"]]
+    constraints = {names[0]: ParameterConstraints(sharding_types=["data_parallel"]),
+                   names[1]: ParameterConstraints(sharding_types=["table_wise"]),
+                   names[2]: ParameterConstraints(sharding_types=["row_wise", "table_wise"])}  # row-wise allowed
+    planner = HeraldPlanner(topology=Topology(world_size=W, compute_device="cpu"), batch_size=p["batch_size"],
+                            access_stats=p["stats"], constraints=constraints)
+    types = {t: ps.sharding_type for t, ps in _module_plan(planner.plan(p["model"],
+                                                                         [HeraldEmbeddingBagCollectionSharder()])).items()}
+    assert (types[names[0]], types[names[1]]) == ("data_parallel", "table_wise")
+    assert {types[n] for n in names[2:]} == {HERALD_HOT_ROW_WISE}
+    assert set(planner.last_choices) == set(names[2:])  # hot sets chosen for herald's tables only
+
+
+def test_an_embedding_collection_beside_the_ebc_is_planned_by_torchrec() -> None:
+    """A model with an ``EmbeddingCollection`` (sequence embeddings) beside its EBC: herald plans the EBC and
+    leaves the EC's plan to TorchRec (it turned the EC's tables into herald's type, which TorchRec's EC sharder
+    refused inside DMP)."""
+    from torch import nn
+    from torchrec.distributed.embedding import EmbeddingCollectionSharder
+    from torchrec.distributed.planner import Topology
+    from torchrec.modules.embedding_configs import EmbeddingBagConfig, EmbeddingConfig
+    from torchrec.modules.embedding_modules import EmbeddingBagCollection, EmbeddingCollection
+    from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
+
+    from torchrec_herald.planner import HeraldPlanner
+    from torchrec_herald.sharding import HeraldEmbeddingBagCollectionSharder
+    from torchrec_herald.sharding.types import HERALD_HOT_ROW_WISE
+
+    class TwoKinds(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.ebc = EmbeddingBagCollection([EmbeddingBagConfig(name="b", embedding_dim=8, num_embeddings=100,
+                                                                  feature_names=["fb"])], device=torch.device("meta"))
+            self.ec = EmbeddingCollection([EmbeddingConfig(name="s", embedding_dim=8, num_embeddings=100,
+                                                           feature_names=["fs"])], device=torch.device("meta"))
+
+    kjt = KeyedJaggedTensor.from_lengths_sync(["fb"], torch.arange(16) % 100, torch.ones(16, dtype=torch.int32))
+    planner = HeraldPlanner.from_batches([kjt] * 3, world_size=W, compute_device="cpu")
+    plan = planner.plan(TwoKinds(), [HeraldEmbeddingBagCollectionSharder(), EmbeddingCollectionSharder()])
+    assert {t: ps.sharding_type for t, ps in plan.plan["ebc"].items()} == {"b": HERALD_HOT_ROW_WISE}
+    assert plan.plan["ec"]["s"].sharding_type in ("row_wise", "table_wise", "column_wise", "data_parallel")

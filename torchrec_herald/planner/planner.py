@@ -146,6 +146,12 @@ class HeraldPlanner(EmbeddingShardingPlanner):
     def _check_budget_fits(self) -> None:
         check_hot_budget_fits(self._budget, self._topology)
 
+    def _kept_stock(self, tables: List[EmbeddingBagConfig]) -> set:
+        """Tables whose user constraints name sharding types, none of them ROW_WISE or herald's."""
+        own = {ShardingType.ROW_WISE.value, HERALD_HOT_ROW_WISE}
+        return {t.name for t in tables if (c := (self._constraints or {}).get(t.name)) is not None
+                and c.sharding_types and not own & set(c.sharding_types)}
+
     def _row_wise_constraints(self, tables: List[EmbeddingBagConfig]) -> Dict[str, ParameterConstraints]:
         constraints = copy.deepcopy(self._constraints) if self._constraints else {}
         for t in tables:
@@ -156,16 +162,23 @@ class HeraldPlanner(EmbeddingShardingPlanner):
         return constraints
 
     def plan(self, module: nn.Module, sharders: List[ModuleSharder[nn.Module]]) -> ShardingPlan:
-        """Herald's plan of ``module``: TorchRec's planner lays every table out row-wise (the cold blocks; a user's
-        other constraints kept), and each table gets herald's type with the hot set the selector picks under
-        the memory budget (``last_choices``)."""
-        tables = embedding_bag_configs(module)
-        # stock planning components only know stock sharding types
-        stock_sharders = [_as_stock(s) for s in sharders]
+        """Herald's plan of ``module``: TorchRec's planner lays every EBC table out row-wise (the cold blocks; a
+        user's other constraints kept), and each gets herald's type with the hot set the selector picks under
+        the memory budget (``last_choices``). A table whose ``ParameterConstraints`` name sharding types
+        without ROW_WISE (or herald's) keeps the stock type TorchRec picks among them, in the same EBC; other
+        modules (an ``EmbeddingCollection``) are planned by TorchRec as they are."""
+        stock_sharders = [_as_stock(s) for s in sharders]  # stock planning components know stock types only
+        every = embedding_bag_configs(module)
+        kept = self._kept_stock(every)
+        tables = [t for t in every if t.name not in kept]
         if not tables:
             return super().plan(module, stock_sharders)
-        stats = self.access_stats(tables)
-        stats.validate(tables)
+        if kept:
+            logger.info("HeraldPlanner: %d table(s) keep the stock sharding types their constraints name: %s",
+                        len(kept), ", ".join(sorted(kept)))
+        stats = self.access_stats(every)
+        stats.validate(every)
+        stats = stats.only(t.name for t in tables) if kept else stats
         choices = self._selector.select(stats, tables, self._topology.world_size, self._batch_size, self._budget)
         self.last_choices = choices
         # cold layout: TorchRec's own planner with every table ROW_WISE (its enumerator is built with
@@ -174,7 +187,8 @@ class HeraldPlanner(EmbeddingShardingPlanner):
                                             storage_reservation=self._storage_reservation,
                                             constraints=self._row_wise_constraints(tables)).plan(module, stock_sharders)
         hot = {name: HotSpec(c.hot_ids, sync=c.sync, expected=c.expected.as_dict()) for name, c in choices.items()}
-        plan = herald_plan_from_row_wise(row_wise, hot)
+        ebcs = {fqn for fqn, m in module.named_modules() if isinstance(m, EmbeddingBagCollection)}
+        plan = herald_plan_from_row_wise(row_wise, hot, modules=ebcs, keep=kept)
         logger.info("HeraldPlanner: %s tables\n%s", len(tables), self.describe())
         return plan
 

@@ -19,6 +19,7 @@ plus ``num_batches`` and ``num_samples`` (sum of the KJT strides). Everything is
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import math
@@ -298,6 +299,18 @@ class AccessStats:
         return "\n".join(lines)
 
     # ------------------------------------------------------------------ checks
+
+    def only(self, names: Iterable[str]) -> "AccessStats":
+        """These counts for the tables ``names`` alone (copies)."""
+        wanted = set(names)
+        keep = [t for t in self.tables if t in wanted]
+
+        def pick(d: Optional[Dict[str, Any]]) -> Optional[Dict[str, Any]]:
+            return None if d is None else {t: d[t] for t in keep if t in d}
+
+        return dataclasses.replace(self, tables=keep, num_embeddings=pick(self.num_embeddings),
+                                   feature_names=pick(self.feature_names), counts=pick(self.counts),
+                                   sample_counts=pick(self.sample_counts), presence=pick(self.presence))
 
     def validate(self, tables: Sequence[EmbeddingBagConfig]) -> None:
         """Raise ``ValueError`` unless these stats describe exactly ``tables`` (same table names, row
