@@ -101,6 +101,12 @@ def _worker(rank: int, world: int) -> Dict[str, Any]:
     dmp = DistributedModelParallel(model, device=torch.device("cpu"), plan=plan, sharders=[sharder])
     out["mixed"] = [(type(m).__name__, m.herald_tables, m.stock_tables) for m in dmp.modules()
                     if hasattr(m, "stock_tables")]
+    # each rank its own hot set (a plan made on each rank from its own batches): refused on every rank
+    model = build_dlrm_train(tables, data.num_dense, [16, 8], [16, 1], seed=0, device="cpu")
+    apart = herald_plan_from_row_wise(row_wise, {t.name: HotSpec(torch.arange(2 + rank if t.name == "t_cat_7" else 2))
+                                                 for t in tables})
+    out["plans_apart"] = _error(lambda: DistributedModelParallel(model, device=torch.device("cpu"), plan=apart,
+                                                                 sharders=[sharder]))
     return out
 
 
@@ -285,3 +291,30 @@ def test_planner_from_batches_rejects_what_it_cannot_count() -> None:
         HeraldPlanner.from_batches(iter([]))
     with pytest.raises(ValueError, match="expected Batch or KeyedJaggedTensor items, got Tensor"):
         HeraldPlanner.from_batches([torch.zeros(3)])
+
+
+def test_an_embedding_optimizer_herald_cannot_reproduce_names_the_tables_and_the_way_out() -> None:
+    from torchrec.modules.embedding_configs import EmbeddingBagConfig
+    from torchrec.modules.embedding_modules import EmbeddingBagCollection
+    from torchrec.optim.apply_optimizer_in_backward import apply_optimizer_in_backward
+
+    from torchrec_herald.sharding.hot_replicated import fused_params_of
+
+    ebc = EmbeddingBagCollection([EmbeddingBagConfig(name=n, embedding_dim=8, num_embeddings=10, feature_names=[f])
+                                  for n, f in (("ta", "fa"), ("tb", "fb"))], device=torch.device("meta"))
+    apply_optimizer_in_backward(torch.optim.Adagrad, ebc.parameters(), {"lr": 0.1})
+    with pytest.raises(ValueError) as e:
+        fused_params_of(ebc, None)
+    assert str(e.value) == (
+        "herald_hot_row_wise reproduces ['EXACT_SGD', 'EXACT_ROWWISE_ADAGRAD'] exactly; the EBC of tables ta, tb uses "
+        "exact_adagrad: use SGD or RowWiseAdagrad, or keep these tables stock (ParameterConstraints(sharding_types="
+        "[...]) without row_wise, given to HeraldPlanner)")
+
+
+def test_ranks_sharding_with_different_hot_sets_are_refused_on_every_rank() -> None:
+    """Plans made on each rank from its own batches can differ: the ranks' collectives would then not match (gloo
+    aborted, NCCL would hang). Every rank names the table as the module is built."""
+    line = ("ValueError: table t_cat_7: the ranks shard it with different hot sets ([2, 3] hot rows by rank, or other "
+            "rows): every rank must use one plan. Plan with HeraldPlanner.collective_plan(model, sharders, pg) "
+            "(rank 0 plans, every rank gets its plan), as TorchRec's planner")
+    assert [r["plans_apart"] for r in results()] == [line, line]

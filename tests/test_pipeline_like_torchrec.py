@@ -186,3 +186,34 @@ def test_between_steps_the_tables_are_refused_until_flushed_then_current() -> No
         for k in h["tables"]:
             torch.testing.assert_close(h["tables"][k], s["tables"][k], rtol=weight_rtol("rowwise_adagrad"), atol=1e-6)
         assert h["losses"] == pytest.approx(s["losses"], rel=weight_rtol("rowwise_adagrad"))
+
+
+def _short_epochs(rank: int, world: int, cfg: Dict[str, Any], pipeline: Any) -> List[List[float]]:
+    """Epochs of 3, 2 and 1 batches (each a new iterator), shorter than the window: every batch's loss."""
+    from torchrec_herald.pipeline import HeraldTrainPipeline
+
+    b = build(world, cfg)
+    dmp, opt = b["dmp"], b["optimizer"]
+    pipe = _PlainLoop(dmp, opt) if pipeline == "plain" else HeraldTrainPipeline(dmp, opt, b["device"], **pipeline)
+    batches = list(b["data"].train_batches(rank, world, b["batch_size"]))
+    epochs, start = [], 0
+    for n in (3, 2, 1):
+        it, losses = iter(batches[start: start + n]), []
+        start += n
+        while True:
+            try:
+                losses.append(pipe.progress(it)[0].item())
+            except StopIteration:
+                break
+        epochs.append(losses)
+    return epochs
+
+
+def test_loaders_shorter_than_the_window_train_every_batch() -> None:
+    """A short last epoch or a small loader trains like stock (it was refused: window larger than the loader)."""
+    cfg = {"planner": "herald", "optimizer": "rowwise_adagrad", "steps": 6, "hot_min_count": 2}
+    herald = run_multiprocess(_short_epochs, 2, cfg, {"window": 5, "scheduling": "on"})
+    stock = run_multiprocess(_short_epochs, 2, {**cfg, "planner": "table_wise"}, "plain")
+    for h, s in zip(herald, stock):
+        assert [len(e) for e in h] == [3, 2, 1]
+        assert sum(h, []) == pytest.approx(sum(s, []), rel=weight_rtol("rowwise_adagrad"))

@@ -253,10 +253,7 @@ class HeraldTrainPipeline(TrainPipeline[Batch, Any]):
             t0 = time.perf_counter()
             ctx = self.schedule_next(it, self.stats.steps + len(self._queue))
             self.stats.scheduler_s += time.perf_counter() - t0
-            if ctx is None:
-                if not self._started and not self._refill and self._queue:  # (none at all: StopIteration)
-                    raise ValueError(f"pipeline.window={self.window} is larger than the {len(self._queue)} "
-                                     f"batch(es) the data loader has left; lower pipeline.window")
+            if ctx is None:  # (a loader shorter than the window trains every batch, as at any epoch's end)
                 break
             self._queue.append(ctx)
         self._started = True
@@ -372,7 +369,7 @@ class HeraldTrainPipeline(TrainPipeline[Batch, Any]):
 
         Raises:
             StopIteration: the loader and the window are empty (copies flushed first).
-            ValueError: the first window cannot be filled (``window`` > batches left), bad ids (every rank).
+            ValueError: bad ids (every rank).
         """
         if not self._model.training:
             return self.eval_step(dataloader_iter)
@@ -720,9 +717,11 @@ class HeraldTrainPipeline(TrainPipeline[Batch, Any]):
 
     # ------------------------------------------------------------------ checkpoints
     def reset_window(self) -> None:
-        """Flush (collective) and forget the window: the next :meth:`progress` refills it from the
-        iterator it is given (a checkpoint's data position); the next batch is allocated as the
-        ``stats.steps``-th. A run resumed from a checkpoint taken here trains like one never stopped."""
+        """Flush (collective) and forget the window: the batches read ahead into it are dropped, and the next
+        :meth:`progress` refills it from the iterator it is given, which must start at the checkpoint's data
+        position (the batch after the ``stats.steps`` trained; the iterator given so far has been read past
+        it). The next batch is allocated as the ``stats.steps``-th. A run resumed from a checkpoint taken here
+        trains like one never stopped."""
         self._cancel_ahead()
         if self.switch is not None:
             self.switch.drop_delegate()
@@ -736,7 +735,10 @@ class HeraldTrainPipeline(TrainPipeline[Batch, Any]):
         """What a checkpoint keeps of the pipeline (JSON-able): its counters; take it after
         :meth:`reset_window`."""
         if self._queue:
-            raise RuntimeError("HeraldTrainPipeline.state_dict with batches in the window: call reset_window first")
+            raise RuntimeError(f"HeraldTrainPipeline.state_dict with {len(self._queue)} batch(es) read ahead into the "
+                               f"window: a checkpoint is taken at a window boundary. Call reset_window() (it drops "
+                               f"them), then give progress() an iterator that starts at the batch after the "
+                               f"{self.stats.steps} trained (stats.steps), as the trainer does at each checkpoint")
         probe = self.switch.probe if self.switch is not None else self._restored_probe
         return {"stats": asdict(self.stats), "alloc_step": self.env.alloc_step, "mode": self.mode, "probe": probe}
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import logging
+import zlib
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Tuple
@@ -277,6 +278,26 @@ class _HandOffAwaitable(Awaitable[Awaitable[HeraldContext]]):
         return self._module._finish_handoff(self._handoff)
 
 
+def _check_every_rank_has_the_plan(tables: List[str], specs: List[HotSpec], pg: Optional[dist.ProcessGroup],
+                                   world: int, device: torch.device) -> None:
+    """Every rank shards with the same hot sets (collective: one small all-gather as the module is built). A plan
+    made on each rank from its own batches (``HeraldPlanner.plan`` there, not ``collective_plan``) can pick
+    other rows on each, and the ranks' collectives would then not match (gloo aborts, NCCL hangs): ValueError on
+    every rank naming the first table that differs, instead."""
+    if world < 2:
+        return
+    digest = torch.tensor([[s.hot_ids.numel(), int(s.hot_ids.sum()), int((s.hot_ids * s.hot_ids).sum()),
+                            zlib.crc32(str(s.sync).encode())] for s in specs], dtype=torch.int64, device=device)
+    every = [torch.empty_like(digest) for _ in range(world)]
+    dist.all_gather(every, digest, group=pg)
+    for t, name in enumerate(tables):
+        if any(not torch.equal(every[0][t], other[t]) for other in every[1:]):
+            counts = [int(d[t, 0]) for d in every]
+            raise ValueError(f"table {name}: the ranks shard it with different hot sets ({counts} hot rows by rank, "
+                             f"or other rows): every rank must use one plan. Plan with HeraldPlanner.collective_plan"
+                             f"(model, sharders, pg) (rank 0 plans, every rank gets its plan), as TorchRec's planner")
+
+
 def fused_params_of(module: EmbeddingBagCollection, sharder_fused_params: Optional[Dict[str, Any]]
                     ) -> Dict[str, Any]:
     """The embedding optimizer, set the TorchRec way: ``apply_optimizer_in_backward`` on the EBC's
@@ -298,8 +319,11 @@ def fused_params_of(module: EmbeddingBagCollection, sharder_fused_params: Option
         raise ValueError("no embedding optimizer: use torchrec.optim.apply_optimizer_in_backward on the "
                          "EmbeddingBagCollection's parameters or the sharder's fused_params={'optimizer': ...}")
     if merged["optimizer"] not in SUPPORTED_OPTIMIZERS:
-        raise ValueError(f"herald reproduces {[o.name for o in SUPPORTED_OPTIMIZERS]} exactly; "
-                         f"got {merged['optimizer']}")
+        tables = ", ".join(c.name for c in module.embedding_bag_configs())
+        raise ValueError(f"herald_hot_row_wise reproduces {[o.name for o in SUPPORTED_OPTIMIZERS]} exactly; the EBC "
+                         f"of tables {tables} uses {merged['optimizer']}: use SGD or RowWiseAdagrad, or keep these "
+                         f"tables stock (ParameterConstraints(sharding_types=[...]) without row_wise, given to "
+                         f"HeraldPlanner)")
     return merged
 
 
@@ -399,6 +423,7 @@ class ShardedHeraldEmbeddingBagCollection(
             if spec.hot_ids.numel() and (spec.hot_ids[0] < 0 or spec.hot_ids[-1] >= c.num_embeddings):
                 raise ValueError(f"table {c.name}: hot ids outside [0, {c.num_embeddings})")
             specs.append(spec)
+        _check_every_rank_has_the_plan([c.name for c in configs], specs, self._pg, self._world, self._device)
         self._syncs = [s.sync for s in specs]
         self._fused_params = fused_params_of(module, fused_params)
         self._optimizer: EmbOptimType = self._fused_params["optimizer"]
