@@ -84,6 +84,36 @@ def test_a_bad_eval_file_found_after_training_keeps_the_training_figures(tmp_pat
     assert len(json.loads((run / "losses.json").read_text())) == 3
 
 
+def test_a_finished_run_is_evaluated_again_after_a_bad_eval_file_is_fixed_or_the_split_changes(tmp_path: Path
+                                                                                                 ) -> None:
+    """Re-running a finished run reports its figures; where its eval did not finish (a bad eval file, then fixed)
+    or the eval split changed, the finished model is evaluated on the split given now, nothing retrains; where
+    the figures beside its checkpoints are another attempt's, one line says so."""
+    good = "1\t" + "\t".join(["1"] * 13) + "\t" + "\t".join(["a"] * 26)
+    train, evals = tmp_path / "train.tsv", tmp_path / "eval.tsv"
+    train.write_text("\n".join([good] * 24) + "\n")
+    evals.write_text("\n".join([good] * 8 + ["0\tnot-a-number"]) + "\n")
+    common = ["data=criteo_tsv", f"data.paths={train}", f"data.eval_paths={evals}", "batch_size=4",
+              "checkpoint.every_n_steps=3", f"checkpoint.dir={tmp_path / 'ckpt'}"]
+    with pytest.raises(RuntimeError, match=r"eval\.tsv:9"):
+        run_multiprocess(_train, 2, common, str(tmp_path / "run1"), timeout_s=120)
+    evals.write_text("\n".join([good] * 8) + "\n")  # fixed
+    fixed = run_multiprocess(_train, 2, common, str(tmp_path / "run2"), timeout_s=120)[0]["metrics"]
+    assert fixed["steps"] == 3 and fixed["steps_this_attempt"] == 3 and fixed["eval"]["samples"] == 8
+    other = tmp_path / "other_eval.tsv"
+    other.write_text("\n".join([good] * 16) + "\n")
+    again = run_multiprocess(_train, 2, common + [f"data.eval_paths={other}"], str(tmp_path / "run3"),
+                             timeout_s=120)[0]["metrics"]
+    assert again["eval"]["samples"] == 16 and again["steps_this_attempt"] == 3  # (the finished attempt's figures)
+    assert json.loads((tmp_path / "run3" / "metrics.json").read_text())["eval"] == again["eval"]
+    saved = tmp_path / "ckpt" / "metrics.json"
+    saved.write_text(json.dumps(dict(json.loads(saved.read_text()), steps=2)))  # another attempt's figures
+    with pytest.raises(RuntimeError, match=r"the run is already complete at step 3 \(checkpoint .*step_00000003\), "
+                                           r"but its training figures for that step are not beside it \(those there "
+                                           r"are of 2 steps, another attempt's"):
+        run_multiprocess(_train, 2, common, str(tmp_path / "run4"), timeout_s=120)
+
+
 def test_herald_pipeline_trains_every_epoch_and_reports_scheduler(tmp_path: Path) -> None:
     """pipeline=herald through the driver: every epoch is trained (the window restarts on each epoch's
     iterator), and metrics.json carries the scheduler's counters, consistent with TrafficMeter's tags."""

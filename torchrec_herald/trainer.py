@@ -448,11 +448,47 @@ class Trainer:
         bar.close()
         steps, attempt_steps = len(losses), len(losses) - restored
         if attempt_steps == 0 and resumed is not None:
-            return _already_complete(ckpt, resumed, rank, self.run_dir)
+            return self._already_complete(resumed)
         if steps == 0:
             raise RuntimeError(f"no training step ran: {self.data.describe()} yielded no full global batch of "
                                f"{self.world} × {cfg.batch_size} samples (data.*, batch_size)")
         return self._finish(losses, step_times, meter, train_time, steps, attempt_steps, resumed, since)
+
+    def _already_complete(self, resumed: Dict[str, Any]) -> Dict[str, Any]:
+        """A re-run whose latest checkpoint is the run's end: report the finished run's figures, left beside its
+        checkpoints for that step, instead of figures over zero steps; the loaded model is evaluated again where
+        the eval split changed or the last eval did not finish (a bad eval file, fixed). Without this step's
+        figures (the attempt ended between its last checkpoint and its figures), say how to train it again."""
+        ckpt, rank, cfg, step = self.checkpoints, self.rank, self.cfg, int(resumed["step"])
+        metrics = ckpt.completed_metrics()
+        if metrics is None or int(metrics.get("steps", -1)) != step:
+            why = ("none were recorded" if metrics is None else
+                   f"those there are of {metrics.get('steps')} steps, another attempt's")
+            raise ValueError(f"the run is already complete at step {step} (checkpoint {resumed['path']}), but its "
+                             f"training figures for that step are not beside it ({why}: the attempt ended after its "
+                             f"last checkpoint); checkpoint.resume=false trains it again")
+        config = OmegaConf.to_container(cfg, resolve=True)
+        assert isinstance(config, dict)
+        evaluated = bool(metrics.get("eval")) or not (metrics.get("config") or {}).get("eval", True)
+        if not evaluated or _eval_identity(metrics.get("config") or {}) != _eval_identity(config):
+            eval_metrics = (evaluate(self.dmp, self.data.eval_batches(rank, self.world, cfg.batch_size), self.device)
+                            if cfg.eval else {})
+            metrics = dict(metrics, eval=eval_metrics, config=config)
+            metrics["summary"] = headline(metrics)
+            if rank == 0:
+                logger.warning("the run already finished at step %d (checkpoint %s); its model evaluated again on "
+                               "this run's eval split, its training figures from %s", step, resumed["path"],
+                               ckpt.dir / "metrics.json")
+                (self.run_dir / "metrics.json").write_text(json.dumps(metrics, indent=2))
+                shutil.copyfile(ckpt.dir / "losses.json", self.run_dir / "losses.json")
+                ckpt.record_completion(self.run_dir)
+        elif rank == 0:
+            logger.warning("the run already finished at step %d (checkpoint %s); reporting its figures from %s",
+                           step, resumed["path"], ckpt.dir / "metrics.json")
+            for name in ("metrics.json", "losses.json"):
+                shutil.copyfile(ckpt.dir / name, self.run_dir / name)
+        dist.barrier()
+        return metrics
 
     def _finish(self, losses: List[float], step_times: List[float], meter: TrafficMeter, train_time: float,
                 steps: int, attempt_steps: int, resumed: Optional[Dict[str, Any]], since: Any) -> Dict[str, Any]:
@@ -487,6 +523,8 @@ class Trainer:
             if rank == 0:
                 (self.run_dir / "metrics.json").write_text(json.dumps(figures({}), indent=2))
                 (self.run_dir / "losses.json").write_text(json.dumps(loss_t.tolist()))
+                # beside the checkpoints too: a re-run after a failed eval evaluates them, not trains again
+                self.checkpoints.record_completion(self.run_dir)
             else:
                 figures({})
             try:
@@ -507,6 +545,12 @@ class Trainer:
         return metrics
 
 
+def _eval_identity(config: Dict[str, Any]) -> tuple:
+    """What of a resolved config decides its eval figures: whether it evaluates and the eval split's keys."""
+    data = config.get("data") or {}
+    return (config.get("eval", True), json.dumps(data.get("eval_paths"), default=str), data.get("num_eval_batches"))
+
+
 def run_training(cfg: DictConfig, run_dir: Path, show_progress: bool = True) -> Dict[str, Any]:
     """``Trainer(cfg, run_dir).build().train()``. An approximate run (``pipeline.staleness`` /
     ``pipeline.skip``) with ``pipeline.reference`` first trains the exact mode on the same batches (into
@@ -516,20 +560,3 @@ def run_training(cfg: DictConfig, run_dir: Path, show_progress: bool = True) -> 
     if is_approximate(cfg) and cfg.pipeline.get("reference", True):
         reference = run_training(exact_reference_config(cfg), Path(run_dir) / "exact_reference", show_progress)
     return Trainer(cfg, run_dir, show_progress, reference, data).build().train()
-
-
-def _already_complete(ckpt: Checkpointing, resumed: Dict[str, Any], rank: int, run_dir: Path) -> Dict[str, Any]:
-    """A re-run whose latest checkpoint is the run's end: report the finished run's metrics, left beside
-    its checkpoints (copied into this run dir), instead of figures over zero steps; without them, say
-    how to train it again."""
-    metrics = ckpt.completed_metrics()
-    if metrics is None:
-        raise ValueError(f"the run is already complete at step {resumed['step']} (checkpoint {resumed['path']}): "
-                         f"nothing to train; checkpoint.resume=false trains it again")
-    if rank == 0:
-        logger.warning("the run already finished at step %d (checkpoint %s); reporting its figures from %s",
-                       resumed["step"], resumed["path"], ckpt.dir / "metrics.json")
-        for name in ("metrics.json", "losses.json"):
-            shutil.copyfile(ckpt.dir / name, run_dir / name)
-    dist.barrier()
-    return metrics
