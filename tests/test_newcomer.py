@@ -72,6 +72,11 @@ _error = preflight_error
     (["planner=herald", "pipeline=herald", "pipeline.planning=__init__"],
      "ValueError: unknown pipeline.planning '__init__'; known: ['auto', 'global', 'by_home']"),
     (["checkpoint.every_n_steps=0"], "ValueError: checkpoint.every_n_steps must be >= 1 (or null: no checkpoints), got 0"),
+    (["planner=herald", "pipeline=herald", "+pipeline.stalenes=1"],  # a typo added with +: it was ignored silently
+     "ValueError: unknown key pipeline.stalenes: pipeline has no such key (known: allocator, cache, "),
+    (["+new_key=1"], "ValueError: unknown key new_key: the config has no such key (known: batch_size, "),
+    (["~eval"], "ValueError: eval was deleted (~eval): every key has a default; set it instead"),  # (it crashed
+    (["~log_every"], "ValueError: log_every was deleted (~log_every): every key has a default; set it instead"),
     (["checkpoint.keep=0"], "ValueError: checkpoint.keep must be >= 1, got 0"),
     (["planner=herald", "pipeline=herald", "pipeline.staleness=1", "checkpoint.every_n_steps=10"],
      "ValueError: checkpoint.every_n_steps with pipeline.staleness / pipeline.skip is not supported"),
@@ -259,3 +264,23 @@ def test_a_run_folder_that_cannot_be_made_is_named_before_hydra_starts(tmp_path:
         check_overrides(["hydra.run.dir=/proc/herald_out"])
     check_overrides([f"hydra.run.dir={tmp_path}/run"])
     assert (tmp_path / "run").is_dir()
+
+
+@pytest.mark.parametrize("argv", [["--cfg", "job"], ["-c", "job", "batch_size=64"], ["--info", "config"],
+                                  ["-m", "batch_size=64,128", "planner=herald,table_wise"],
+                                  ["-m", "data.num_train_batches=range(2,4)"]])
+def test_hydras_own_flags_and_a_multiruns_sweeps_pass_the_early_check(argv: List[str]) -> None:
+    """``--cfg job`` and friends are Hydra's; a multirun's sweep values are checked by their first value (each
+    was refused: 'missing EQUAL', 'Ambiguous value ... add --multirun')."""
+    from torchrec_herald.train import check_overrides
+
+    check_overrides(argv)
+
+
+def test_a_multiruns_bad_key_still_fails_the_early_check() -> None:
+    from hydra.errors import ConfigCompositionException
+
+    from torchrec_herald.train import check_overrides
+
+    with pytest.raises(ConfigCompositionException, match="planer"):
+        check_overrides(["-m", "planer=herald,table_wise"])

@@ -23,6 +23,7 @@ error naming its key; :func:`compose_config` composes one outside ``@hydra.main`
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass, field
 from typing import Any, List, Optional, Sequence
@@ -177,12 +178,36 @@ def validate(cfg: DictConfig) -> TrainConfig:
     its cross-group rules; the first bad value raises ValueError naming its key."""
     from omegaconf.errors import MissingMandatoryValue
 
+    _check_keys(cfg)
     try:
         typed = OmegaConf.to_object(cfg)
     except MissingMandatoryValue as e:
         raise ValueError(f"mandatory value missing (???): {e.full_key} (set it on the command line)") from None
     assert isinstance(typed, TrainConfig), type(typed)
     return typed
+
+
+def _check_keys(node: DictConfig, path: str = "") -> None:
+    """Every key of each typed group is one of its dataclass's fields, and none is missing: a key added with
+    ``+`` (a typo: ``+pipeline.stalenes=1``) would be ignored silently, and one deleted with ``~`` read by
+    the trainer after the typed check had filled in its default. ValueError naming the key."""
+    kind = OmegaConf.get_type(node)
+    if not (isinstance(kind, type) and dataclasses.is_dataclass(kind)):
+        return  # (a free-form mapping, e.g. data.sparse)
+    fields = [f.name for f in dataclasses.fields(kind)]
+    keys = list(node.keys())
+    extra = [str(k) for k in keys if k not in fields]
+    if extra:
+        raise ValueError(f"unknown key {path}{extra[0]}: {path.rstrip('.') or 'the config'} has no such key (known: "
+                         f"{', '.join(sorted(fields))})")
+    deleted = [f for f in fields if f not in keys]
+    if deleted:
+        raise ValueError(f"{path}{deleted[0]} was deleted (~{path}{deleted[0]}): every key has a default; set it "
+                         f"instead")
+    for k in keys:
+        child = node._get_node(k)
+        if isinstance(child, DictConfig) and not child._is_none():
+            _check_keys(child, f"{path}{k}.")
 
 
 def compose_config(overrides: Sequence[str] = ()) -> DictConfig:

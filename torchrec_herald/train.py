@@ -77,12 +77,27 @@ def _collective(e: BaseException) -> bool:
     return isinstance(e, (ValueError, FileNotFoundError, DataFormatError))
 
 
+#: Hydra's flags that print, or compose another config than ``train``: the command line is Hydra's alone then
+_HYDRA_OWN_FLAGS = ("--cfg", "-c", "--info", "-i", "--help", "-h", "--hydra-help", "--package", "-p", "--config-name",
+                    "-cn", "--config-path", "-cp", "--config-dir", "-cd", "--experimental-rerun", "--shell-completion",
+                    "-sc")
+
+
 def check_overrides(overrides: Sequence[str]) -> None:
     """Compose ``conf/train.yaml`` with the command line's overrides (Hydra's compose API), so a bad key
-    or group option fails with Hydra's one-line message before anything starts."""
+    or group option fails with Hydra's one-line message before anything starts. Hydra's own flags pass: those
+    that print or pick another config (``--cfg job``, ``--info``, ``--config-name``) leave it all to Hydra, and
+    a multirun's sweeps (``-m batch_size=64,128``) are checked with each sweep's first value."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
     from torchrec_herald.config import compose_config
 
-    compose_config([o for o in overrides if not o.startswith(("-", "hydra.", "hydra/", "+hydra", "~hydra"))])
+    if any(a.split("=", 1)[0] in _HYDRA_OWN_FLAGS for a in overrides):
+        return
+    words = [o for o in overrides if not o.startswith(("-", "hydra.", "hydra/", "+hydra", "~hydra"))]
+    first = [f"{o.get_key_element()}={next(iter(o.sweep_string_iterator()))}" if o.is_sweep_override()
+             else (o.input_line or "") for o in OverridesParser.create().parse_overrides(words)]
+    compose_config(first)
     for o in overrides:  # the run folder, which Hydra would make with a traceback of its own
         if o.startswith("hydra.run.dir=") and "${" not in o:
             folder = o.split("=", 1)[1]
