@@ -76,6 +76,8 @@ _error = preflight_error
      "ValueError: unknown key pipeline.stalenes: pipeline has no such key (known: allocator, cache, "),
     (["+new_key=1"], "ValueError: unknown key new_key: the config has no such key (known: batch_size, "),
     (["~eval"], "ValueError: eval was deleted (~eval): every key has a default; set it instead"),  # (it crashed
+    (["planner=herald", "planner.link_mbit=200", "pipeline=herald", "pipeline.window=20"],  # (found after the
+     "ValueError: pipeline.window=20 is larger than the 15 steps scheduling=auto probes with scheduling on "),  # baseline)
     (["~log_every"], "ValueError: log_every was deleted (~log_every): every key has a default; set it instead"),
     (["checkpoint.keep=0"], "ValueError: checkpoint.keep must be >= 1, got 0"),
     (["planner=herald", "pipeline=herald", "pipeline.staleness=1", "checkpoint.every_n_steps=10"],

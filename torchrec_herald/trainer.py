@@ -191,6 +191,7 @@ def preflight(cfg: DictConfig, world_size: Optional[int] = None) -> DataSource:
             # (where it does, the model of time trains stock TABLE_WISE with TorchRec's pipeline: no window is
             # filled)
             check_window(data, typed.pipeline.window, world, typed.batch_size)
+            typed.pipeline.resolve(True, world)  # (its settings' rules: the window within scheduling=auto's probe)
         if typed.pipeline.cache_bytes is not None:  # (every table may be herald's: one row each)
             check_cache_budget(typed.pipeline.cache_bytes, len(data.feature_names),
                                cache_row_bytes(typed.model.embedding_dim))
