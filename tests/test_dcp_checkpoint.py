@@ -212,3 +212,22 @@ def test_pruning_keeps_the_newest_complete_checkpoints_and_never_touches_a_folde
         save_checkpoint(tmp_path, step, model, opt, {"epoch": 0}, keep=2)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["step_00000002", "step_00000003", "step_00000099"]
     assert (foreign / "notes.txt").read_text() == "mine"
+
+
+def test_a_save_that_cannot_be_written_names_the_checkpoint_and_keeps_the_earlier_ones(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from torchrec_herald import checkpoint
+
+    model = torch.nn.Linear(2, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    checkpoint.save_checkpoint(tmp_path, 1, model, opt, {"epoch": 0})
+
+    def full(*args: Any, **kwargs: Any) -> None:
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(checkpoint.dcp, "save", full)
+    with pytest.raises(OSError) as e:
+        checkpoint.save_checkpoint(tmp_path, 2, model, opt, {"epoch": 0})
+    assert str(e.value) == (f"cannot write the checkpoint {tmp_path}/step_00000002 (No space left on device; "
+                            f"checkpoint.dir / checkpoint.root); the checkpoints saved before it are kept")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step_00000001"]  # (the partial save removed)

@@ -45,3 +45,18 @@ def test_a_failing_rank_exits_at_once_while_a_worker_thread_waits(tmp_path: Path
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120,
                           env={**os.environ, "RANK": "0"})
     assert (done.returncode, done.stderr.strip().splitlines()[-1]) == (1, "ERROR: ValueError: data.paths: no such file")
+
+
+def test_a_rank_killed_by_a_signal_is_the_root_cause_before_its_peers_errors(tmp_path: Path) -> None:
+    """Rank 0 SIGKILLed: rank 1 then fails with gloo's 'connection reset by peer', and its error file is written
+    before the agent notices rank 0 (torchelastic's first failure by timestamp blamed rank 1)."""
+    from torchrec_herald.launch import root_failure
+
+    f = tmp_path / "error.json"
+    f.write_text(json.dumps({"message": {"message": "RuntimeError: Connection reset by peer",
+                                         "extraInfo": {"timestamp": "1"}}}))
+    peer = ProcessFailure(local_rank=1, pid=8, exitcode=1, error_file=str(f))
+    killed = ProcessFailure(local_rank=0, pid=7, exitcode=-9, error_file=str(tmp_path / "none.json"))
+    killed.timestamp = peer.timestamp + 5
+    assert root_failure({0: killed, 1: peer}) == (0, killed)
+    assert root_failure({1: peer}) == (1, peer)

@@ -99,7 +99,16 @@ def save_checkpoint(directory: Path, step: int, dmp: torch.nn.Module, optimizer:
         logger.info("saved checkpoint %s", final)
 
     _on_rank0(prepare, f"cannot make the checkpoint folder {tmp}")
-    dcp.save(_state(dmp, optimizer), checkpoint_id=str(tmp))
+    try:
+        dcp.save(_state(dmp, optimizer), checkpoint_id=str(tmp))
+    except Exception as e:  # (DCP raises on every rank alike, its per-rank failures inside)
+        failed = first_failure(e)
+        cause = failed[1] if failed is not None else e
+        if _rank() == 0:
+            shutil.rmtree(tmp, ignore_errors=True)  # (a save that did not finish: its space back, e.g. a full disk)
+        what = getattr(cause, "strerror", None) or f"{type(cause).__name__}: {cause}"
+        raise OSError(f"cannot write the checkpoint {final} ({what}; checkpoint.dir / checkpoint.root); the "
+                      f"checkpoints saved before it are kept") from e
     _on_rank0(publish, f"cannot finish the checkpoint {final}")
     return final
 

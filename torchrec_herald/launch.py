@@ -17,9 +17,9 @@ import logging
 import os
 import sys
 from pathlib import Path
-from typing import List, Optional
+from typing import Any, Dict, List, Optional, Tuple
 
-__all__ = ["failure_line", "main"]
+__all__ = ["failure_line", "main", "root_failure"]
 
 #: torchelastic's own reports of a failure, which the one line below replaces
 _ELASTIC_FAILURE_LOGS = ("failed (exitcode", "Sending process")
@@ -74,6 +74,17 @@ def _dump_error_file_atomically(handler: object, child_file: str, exitcode: int)
     os.replace(tmp, target)
 
 
+def root_failure(failures: Dict[int, Any]) -> Tuple[int, Any]:
+    """The rank whose failure to report: one killed by a signal (a lost rank: the others' errors, a peer's
+    connection reset, follow from it), else the first to fail. Torchelastic's first failure goes by timestamp,
+    and a rank killed by a signal gets its timestamp when the agent notices it, after its peers' error files."""
+    killed = sorted(r for r, f in failures.items() if isinstance(getattr(f, "exitcode", None), int) and f.exitcode < 0)
+    if killed:
+        return killed[0], failures[killed[0]]
+    rank = min(failures, key=lambda r: (getattr(failures[r], "timestamp", 0), r))
+    return rank, failures[rank]
+
+
 def main(argv: Optional[List[str]] = None) -> None:
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, get_error_handler
     from torch.distributed.run import parse_args, run
@@ -83,7 +94,7 @@ def main(argv: Optional[List[str]] = None) -> None:
     try:
         run(args)
     except ChildFailedError as e:
-        rank, failure = e.get_first_failure()
+        rank, failure = root_failure(e.failures)
         if _has_error_file(failure):  # torchx's status reads the launcher's error file: the root cause's
             _dump_error_file_atomically(get_error_handler(), failure.error_file, failure.exitcode)
         sys.stderr.write(f"{e.name} failed on rank {rank}: "
