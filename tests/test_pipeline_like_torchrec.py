@@ -42,9 +42,11 @@ def _train_eval_train(rank: int, world: int, cfg: Dict[str, Any], pipeline: Any)
     with torch.no_grad():
         for _ in itertools.count():
             try:
-                out["eval"].append(pipe.progress(evals)[0].item())
+                loss, logits, labels = pipe.progress(evals)  # (dlrm_main unpacks the model's output so)
             except StopIteration:
                 break
+            assert logits.shape == labels.shape
+            out["eval"].append(loss.item())
     dmp.train()
     while True:
         try:
@@ -64,14 +66,16 @@ class _PlainLoop:
         batch = next(it)
         if self.dmp.training:  # (before the forward, as TorchRec's pipelines: the fused kernels take the learning
             self.optimizer.zero_grad()  # rate it sets at the forward)
-        out = self.dmp(batch)
+        loss, out = self.dmp(batch)
         if self.dmp.training:
-            out[0].backward()
+            loss.backward()
             self.optimizer.step()
         return out
 
 
-@pytest.mark.parametrize("options", [dict(scheduling="on"), dict()], ids=["scheduling_on", "defaults"])
+@pytest.mark.parametrize("options", [dict(scheduling="on"), dict(),
+                                     dict(scheduling="auto", planning="by_home", probe_steps=8)],
+                         ids=["scheduling_on", "defaults", "probing_scheduling_on"])
 def test_an_eval_pass_between_training_steps_trains_nothing_and_reads_current_rows(options: Dict[str, Any]) -> None:
     cfg = {"planner": "herald", "optimizer": "rowwise_adagrad", "steps": STEPS, "hot_min_count": 2}
     stock_cfg = {**cfg, "planner": "table_wise"}
@@ -83,11 +87,15 @@ def test_an_eval_pass_between_training_steps_trains_nothing_and_reads_current_ro
             assert h[part] == pytest.approx(s[part], rel=weight_rtol("rowwise_adagrad")), part
 
 
-def test_an_eval_pass_with_scheduling_off_is_torchrecs_own() -> None:
-    """Scheduling off, TorchRec's pipeline trains hot replication and holds two training batches in flight:
-    they are evaluated first, then the eval loader's, exactly as stock ``TrainPipelineSparseDist`` does."""
+@pytest.mark.parametrize("options", [dict(scheduling="off"), dict(scheduling="auto", planning="by_home",
+                                                                    probe_steps=2)], ids=["off", "probing_off"])
+def test_an_eval_pass_with_scheduling_off_is_torchrecs_own(options: Dict[str, Any]) -> None:
+    """Scheduling off (or scheduling=auto's probe in its off phase), TorchRec's pipeline trains hot replication
+    and holds two training batches in flight: they are evaluated first, then the eval loader's, exactly as
+    stock ``TrainPipelineSparseDist`` does; training then goes on over the rest (in the probe, the eval used up
+    two of its steps' batches and the epoch ended early)."""
     cfg = {"planner": "herald", "optimizer": "rowwise_adagrad", "steps": STEPS, "hot_min_count": 2}
-    herald = run_multiprocess(_train_eval_train, 2, cfg, {"window": 3, "scheduling": "off"})
+    herald = run_multiprocess(_train_eval_train, 2, cfg, {"window": 3, **options})
     stock = run_multiprocess(_train_eval_train, 2, {**cfg, "planner": "table_wise"}, "stock")
     for h, s in zip(herald, stock):
         assert [len(h[k]) for k in ("before", "eval", "after")] == [4, 2 + 3, STEPS - 4 - 2]

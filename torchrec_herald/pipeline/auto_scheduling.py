@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import logging
 import time
-from itertools import islice
 from typing import Any, Callable, Dict, Iterator, List, Optional, Protocol, Tuple
 
 import torch
@@ -59,6 +58,28 @@ class SwitchHost(Protocol):
         """This rank's batches from ``it`` for TorchRec's pipeline, the first training at ``first_step``."""
 
 
+class _Feed:
+    """``source``'s items, at most ``limit`` of them (None: all), a limit that can grow (an ``islice`` whose end
+    moves: the batches TorchRec's pipeline evaluated instead of training are given again)."""
+
+    def __init__(self, source: Iterator[Any], limit: Optional[int]) -> None:
+        self._source, self._left = source, limit
+
+    def __iter__(self) -> "_Feed":
+        return self
+
+    def __next__(self) -> Any:
+        if self._left is not None:
+            if self._left <= 0:
+                raise StopIteration
+            self._left -= 1
+        return next(self._source)
+
+    def extend(self, n: int) -> None:
+        if self._left is not None:
+            self._left += int(n)
+
+
 class SchedulingSwitch:
     """``off`` or ``auto`` scheduling of one herald pipeline.
 
@@ -84,6 +105,7 @@ class SchedulingSwitch:
         self._delegate: Optional[TrainPipelineSparseDist] = None
         self._delegate_src: Optional[Iterator[Batch]] = None
         self._delegate_it: Optional[Iterator[Batch]] = None
+        self._evaluating = False  # an eval pass through TorchRec's pipeline began (eval_in_flight)
 
     # ------------------------------------------------------------------ the probe
     def _phase(self, step: int) -> Tuple[str, bool]:
@@ -153,6 +175,7 @@ class SchedulingSwitch:
         window's batches (this rank's share, already read), then this rank's slice of each global batch.
         While ``auto`` probes, it is fed exactly the batches of the probe's remaining steps, so it is empty
         when the probe decides (whichever mode wins, no batch is skipped or trained twice)."""
+        self._evaluating = False
         if self._delegate is None:
             self.host.settle()
             self._delegate = self._make_delegate()
@@ -161,7 +184,7 @@ class SchedulingSwitch:
             probing = self.probe is not None and not self.probe["decided"]
             limit = self.probe_length() - self.host.stats.steps if probing else None
             share = self._my_share(queued, it, self.host.stats.steps)
-            self._delegate_src, self._delegate_it = it, islice(share, limit)
+            self._delegate_src, self._delegate_it = it, _Feed(share, limit)
         try:
             out = self._delegate.progress(self._delegate_it)
         except BaseException:  # (the data's end, or a batch that raised: it ended the generators feeding TorchRec's
@@ -182,9 +205,22 @@ class SchedulingSwitch:
 
     def eval_in_flight(self, it: Iterator[Any]) -> Any:
         """An eval step while TorchRec's pipeline holds training batches in flight: its own step, forward only
-        (TorchRec's semantics: the batches in flight first, then ``it``'s)."""
+        (TorchRec's semantics: the batches in flight first, then ``it``'s). The training batches it evaluates
+        train no step, so a probe's feed gives as many more (its limit counts the steps trained), and the
+        eval's time is no probe step's."""
         assert self._delegate is not None
-        return self._delegate.progress(it)
+        if not self._evaluating:  # the pass's first step: the training batches in flight will be evaluated
+            self._evaluating = True
+            if isinstance(self._delegate_it, _Feed):  # (they train no step of the probe's: as many more)
+                self._delegate_it.extend(self.batches_in_flight())
+        try:
+            return self._delegate.progress(it)
+        finally:
+            self.restart_clock()
+
+    def restart_clock(self) -> None:
+        """The time until the next step is no step's (an eval pass between training steps)."""
+        self._step_started = None
 
     def pause_delegate(self) -> None:
         """Hand the model's own forwards back for a while (an eval pass): TorchRec's pipeline keeps its batches

@@ -423,10 +423,12 @@ class HeraldTrainPipeline(TrainPipeline[Batch, Any]):
             return self.switch.eval_in_flight(dataloader_iter)
         if self.switch is not None:
             self.switch.pause_delegate()  # (TorchRec's pipeline rewrote the forwards)
+            self.switch.restart_clock()  # (the eval's time is no probe step's)
         self.flush()
         batch = next(dataloader_iter)
         with torch.no_grad():
-            return self._model(batch.to(self._device, non_blocking=True))
+            _, output = self._model(batch.to(self._device, non_blocking=True))
+        return output  # (as the training step and TorchRec's pipelines: the model's second output)
 
     def checkpoint_after_next_step(self) -> None:
         """The trainer saves a checkpoint after the next :meth:`progress` (and calls :meth:`reset_window`):
