@@ -225,7 +225,9 @@ def test_a_save_that_cannot_be_written_names_the_checkpoint_and_keeps_the_earlie
     def full(*args: Any, **kwargs: Any) -> None:
         raise OSError(28, "No space left on device")
 
-    monkeypatch.setattr(checkpoint.dcp, "save", full)
+    from torch.distributed.checkpoint import filesystem
+
+    monkeypatch.setattr(filesystem, "_write_files_from_queue", full)  # (inside DCP's writer: CheckpointException)
     with pytest.raises(OSError) as e:
         checkpoint.save_checkpoint(tmp_path, 2, model, opt, {"epoch": 0})
     assert str(e.value) == (f"cannot write the checkpoint {tmp_path}/step_00000002 (No space left on device; "

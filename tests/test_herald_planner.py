@@ -228,16 +228,24 @@ def test_tables_constrained_to_stock_types_keep_them_beside_herald_tables() -> N
 
     p = _planned()
     names = [t.name for t in p["tables"]]
-    constraints = {names[0]: ParameterConstraints(sharding_types=["data_parallel"]),
+    constraints = {names[0]: ParameterConstraints(sharding_types=["data_parallel", "column_wise"]),
                    names[1]: ParameterConstraints(sharding_types=["table_wise"]),
                    names[2]: ParameterConstraints(sharding_types=["row_wise", "table_wise"])}  # row-wise allowed
     planner = HeraldPlanner(topology=Topology(world_size=W, compute_device="cpu"), batch_size=p["batch_size"],
                             access_stats=p["stats"], constraints=constraints)
     types = {t: ps.sharding_type for t, ps in _module_plan(planner.plan(p["model"],
                                                                          [HeraldEmbeddingBagCollectionSharder()])).items()}
-    assert (types[names[0]], types[names[1]]) == ("data_parallel", "table_wise")
+    assert (types[names[0]], types[names[1]]) == ("column_wise", "table_wise")  # (no DATA_PARALLEL beside herald)
     assert {types[n] for n in names[2:]} == {HERALD_HOT_ROW_WISE}
     assert set(planner.last_choices) == set(names[2:])  # hot sets chosen for herald's tables only
+    alone = {names[0]: ParameterConstraints(sharding_types=["data_parallel"])}
+    with pytest.raises(ValueError) as e:
+        HeraldPlanner(topology=Topology(world_size=W, compute_device="cpu"), batch_size=p["batch_size"],
+                      access_stats=p["stats"], constraints=alone).plan(p["model"], [HeraldEmbeddingBagCollectionSharder()])
+    assert str(e.value) == (f"table {names[0]}: its ParameterConstraints allow ['data_parallel'], which cannot sit beside "
+                            f"herald tables in one EBC (its own DDP would sync it outside herald's dense sync); allow "
+                            f"one of ['table_wise', 'row_wise', 'column_wise', 'table_row_wise', 'table_column_wise'], "
+                            f"or put it in an EBC of its own")
 
 
 def test_an_embedding_collection_beside_the_ebc_is_planned_by_torchrec() -> None:

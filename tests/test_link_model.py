@@ -239,14 +239,16 @@ def test_the_stock_candidates_keep_the_users_constraints() -> None:
     tables = build_tables(data.feature_names, data.num_embeddings, 16)
     model = build_dlrm_train(tables, data.num_dense, [64, 16], [64, 1], device="meta")
     sample = [b.sparse_features for _, b in zip(range(5), data.train_batches(0, 1, 128))]
-    pinned = tables[3].name
+    pinned, herald_type = tables[3].name, tables[4].name
     planner = HeraldPlanner(topology=make_topology(2, "cpu"), batch_size=64, sample_batches=sample,
                             link=LinkModel(link_mbit=100_000, collective_latency_ms=0.02),
-                            constraints={pinned: ParameterConstraints(sharding_types=["row_wise"])})
+                            constraints={pinned: ParameterConstraints(sharding_types=["row_wise"]),
+                                         herald_type: ParameterConstraints(sharding_types=["herald_hot_row_wise"])})
     d = planner.decide(model, [HeraldEmbeddingBagCollectionSharder()])
     types = {t: ps.sharding_type for plan in d.plan.plan.values() for t, ps in plan.items()}
     assert d.link is not None and d.link.chosen in ("table_wise", "default")  # (a fast link: a stock plan)
     assert types[pinned] == "row_wise" and set(types.values()) - {"row_wise"}, (d.link.chosen, types)
+    assert types[herald_type] == "row_wise"  # (herald's type allowed: its row-wise layout, for TorchRec's planner)
 
 
 def test_each_table_goes_where_it_costs_less_time_and_the_mix_pays_its_collectives() -> None:

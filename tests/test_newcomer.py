@@ -270,7 +270,8 @@ def test_a_run_folder_that_cannot_be_made_is_named_before_hydra_starts(tmp_path:
 
 @pytest.mark.parametrize("argv", [["--cfg", "job"], ["-c", "job", "batch_size=64"], ["--info", "config"],
                                   ["-m", "batch_size=64,128", "planner=herald,table_wise"],
-                                  ["-m", "data.num_train_batches=range(2,4)"]])
+                                  ["-m", "data.num_train_batches=range(2,4)"], ["-m", "optimizer.lr=interval(0.1,1)"],
+                                  ["-m", "planner=glob(*)"]])
 def test_hydras_own_flags_and_a_multiruns_sweeps_pass_the_early_check(argv: List[str]) -> None:
     """``--cfg job`` and friends are Hydra's; a multirun's sweep values are checked by their first value (each
     was refused: 'missing EQUAL', 'Ambiguous value ... add --multirun')."""

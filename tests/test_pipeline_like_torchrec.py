@@ -154,7 +154,7 @@ def _state_between_steps(rank: int, world: int, cfg: Dict[str, Any], pipeline: A
     refused = []
     if pipeline != "plain":
         probe = next(SyntheticCriteo_batches(b, rank, world))
-        for attempt in (dmp.state_dict, lambda: dmp(probe)):
+        for attempt in (dmp.state_dict, lambda: dmp(probe), opt.state_dict):
             try:
                 attempt()
                 refused.append("none")
@@ -189,7 +189,8 @@ def test_between_steps_the_tables_are_refused_until_flushed_then_current() -> No
             "through pipeline.progress() with model.eval(), which flushes itself")
     for h, s in zip(herald, stock):
         assert h["refused"] == [line.format("state_dict()"),
-                                line.format("a forward outside HeraldTrainPipeline.progress()")]
+                                line.format("a forward outside HeraldTrainPipeline.progress()"),
+                                line.format("the fused optimizer's state (its state_dict())")]
         assert h["tables"].keys() == s["tables"].keys()
         for k in h["tables"]:
             torch.testing.assert_close(h["tables"][k], s["tables"][k], rtol=weight_rtol("rowwise_adagrad"), atol=1e-6)

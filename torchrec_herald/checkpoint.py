@@ -21,6 +21,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
 
 logger = logging.getLogger(__name__)
 
@@ -98,10 +99,11 @@ def save_checkpoint(directory: Path, step: int, dmp: torch.nn.Module, optimizer:
             shutil.rmtree(old, ignore_errors=True)
         logger.info("saved checkpoint %s", final)
 
+    state = _state(dmp, optimizer)  # (its own errors are not the disk's)
     _on_rank0(prepare, f"cannot make the checkpoint folder {tmp}")
     try:
-        dcp.save(_state(dmp, optimizer), checkpoint_id=str(tmp))
-    except Exception as e:  # (DCP raises on every rank alike, its per-rank failures inside)
+        dcp.save(state, checkpoint_id=str(tmp))
+    except (Exception, CheckpointException) as e:  # (DCP's is a BaseException, raised on every rank alike)
         failed = first_failure(e)
         cause = failed[1] if failed is not None else e
         if _rank() == 0:

@@ -74,11 +74,16 @@ def _dump_error_file_atomically(handler: object, child_file: str, exitcode: int)
     os.replace(tmp, target)
 
 
+#: exit codes of a rank lost to a signal of its own (SIGKILL: the OOM killer or a kill; SIGSEGV; SIGBUS), not the
+#: abort or termination that follows a peer's failure (NCCL's watchdog aborts; torchrun terminates the others)
+_LOST = (-9, -11, -7)
+
+
 def root_failure(failures: Dict[int, Any]) -> Tuple[int, Any]:
-    """The rank whose failure to report: one killed by a signal (a lost rank: the others' errors, a peer's
-    connection reset, follow from it), else the first to fail. Torchelastic's first failure goes by timestamp,
+    """The rank whose failure to report: one killed by SIGKILL, SIGSEGV or SIGBUS (a lost rank: the others'
+    errors, a peer's connection reset, follow from it), else the first to fail. Torchelastic's first failure goes by timestamp,
     and a rank killed by a signal gets its timestamp when the agent notices it, after its peers' error files."""
-    killed = sorted(r for r, f in failures.items() if isinstance(getattr(f, "exitcode", None), int) and f.exitcode < 0)
+    killed = sorted(r for r, f in failures.items() if getattr(f, "exitcode", None) in _LOST)
     if killed:
         return killed[0], failures[killed[0]]
     rank = min(failures, key=lambda r: (getattr(failures[r], "timestamp", 0), r))

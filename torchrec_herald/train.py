@@ -95,8 +95,15 @@ def check_overrides(overrides: Sequence[str]) -> None:
     if any(a.split("=", 1)[0] in _HYDRA_OWN_FLAGS for a in overrides):
         return
     words = [o for o in overrides if not o.startswith(("-", "hydra.", "hydra/", "+hydra", "~hydra"))]
-    first = [f"{o.get_key_element()}={next(iter(o.sweep_string_iterator()))}" if o.is_sweep_override()
-             else (o.input_line or "") for o in OverridesParser.create().parse_overrides(words)]
+    first = []
+    for o in OverridesParser.create().parse_overrides(words):
+        if o.is_sweep_override():
+            try:
+                first.append(f"{o.get_key_element()}={next(iter(o.sweep_string_iterator()))}")
+            except Exception:  # noqa: BLE001 - a sweep only Hydra's sweeper expands (glob, interval): Hydra checks
+                return
+        else:
+            first.append(o.input_line or "")
     compose_config(first)
     for o in overrides:  # the run folder, which Hydra would make with a traceback of its own
         if o.startswith("hydra.run.dir=") and "${" not in o:

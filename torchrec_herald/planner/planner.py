@@ -34,7 +34,7 @@ from torchrec_herald.planner.pricing import LinkModel
 from torchrec_herald.planner.types import PlanDecision, herald_tables
 from torchrec_herald.planner.stats import AccessStats
 from torchrec_herald.planner.topology import default_storage_reservation, make_topology
-from torchrec_herald.sharding.types import HERALD_HOT_ROW_WISE, HotSpec
+from torchrec_herald.sharding.types import HERALD_HOT_ROW_WISE, MIXABLE_STOCK_TYPES, HotSpec
 
 logger = logging.getLogger(__name__)
 
@@ -152,8 +152,36 @@ class HeraldPlanner(EmbeddingShardingPlanner):
         return {t.name for t in tables if (c := (self._constraints or {}).get(t.name)) is not None
                 and c.sharding_types and not own & set(c.sharding_types)}
 
-    def _row_wise_constraints(self, tables: List[EmbeddingBagConfig]) -> Dict[str, ParameterConstraints]:
+    def _beside_herald(self, module: nn.Module, kept: set) -> Dict[str, List[str]]:
+        """Of the ``kept`` tables, those in an EBC with herald tables, each with the sharding types its
+        constraints allow that can sit beside them (:data:`MIXABLE_STOCK_TYPES`). ValueError naming a table whose
+        constraints allow none (DATA_PARALLEL alone)."""
+        out: Dict[str, List[str]] = {}
+        for m in module.modules():
+            if not isinstance(m, EmbeddingBagCollection):
+                continue
+            names = [c.name for c in m.embedding_bag_configs()]
+            if all(n in kept for n in names):
+                continue  # (an EBC of stock tables alone: TorchRec shards it, any type)
+            for n in names:
+                if n not in kept:
+                    continue
+                given = (self._constraints or {})[n].sharding_types or []
+                allowed = [t for t in given if t in MIXABLE_STOCK_TYPES]
+                if not allowed:
+                    raise ValueError(f"table {n}: its ParameterConstraints allow {given}, which cannot sit beside "
+                                     f"herald tables in one EBC (its own DDP would sync it outside herald's dense "
+                                     f"sync); allow one of {list(MIXABLE_STOCK_TYPES)}, or put it in an EBC of its own")
+                out[n] = allowed
+        return out
+
+    def _row_wise_constraints(self, tables: List[EmbeddingBagConfig], beside: Optional[Dict[str, List[str]]] = None
+                              ) -> Dict[str, ParameterConstraints]:
+        """The constraints of the plan of herald's cold blocks: every herald table ROW_WISE, the kept tables
+        beside them their mixable types (``beside``), a user's other fields kept."""
         constraints = copy.deepcopy(self._constraints) if self._constraints else {}
+        for name, allowed in (beside or {}).items():
+            constraints[name].sharding_types = list(allowed)
         for t in tables:
             pc = constraints.get(t.name, ParameterConstraints())
             pc.sharding_types = [ShardingType.ROW_WISE.value]
@@ -176,6 +204,7 @@ class HeraldPlanner(EmbeddingShardingPlanner):
         if kept:
             logger.info("HeraldPlanner: %d table(s) keep the stock sharding types their constraints name: %s",
                         len(kept), ", ".join(sorted(kept)))
+        beside = self._beside_herald(module, kept)
         stats = self.access_stats(every)
         stats.validate(every)
         stats = stats.only(t.name for t in tables) if kept else stats
@@ -185,7 +214,8 @@ class HeraldPlanner(EmbeddingShardingPlanner):
         # the constraints, hence a second planner rather than swapping ours)
         row_wise = EmbeddingShardingPlanner(topology=self._topology, batch_size=self._batch_size,
                                             storage_reservation=self._storage_reservation,
-                                            constraints=self._row_wise_constraints(tables)).plan(module, stock_sharders)
+                                            constraints=self._row_wise_constraints(tables, beside)
+                                            ).plan(module, stock_sharders)
         hot = {name: HotSpec(c.hot_ids, sync=c.sync, expected=c.expected.as_dict()) for name, c in choices.items()}
         ebcs = {fqn for fqn, m in module.named_modules() if isinstance(m, EmbeddingBagCollection)}
         plan = herald_plan_from_row_wise(row_wise, hot, modules=ebcs, keep=kept)

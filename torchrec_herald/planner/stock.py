@@ -16,6 +16,7 @@ from torchrec.distributed.types import ModuleSharder, ShardingPlan, ShardingType
 from torchrec.modules.embedding_configs import EmbeddingBagConfig
 
 from torchrec_herald.planner.topology import default_storage_reservation, make_topology
+from torchrec_herald.sharding.types import HERALD_HOT_ROW_WISE
 
 logger = logging.getLogger(__name__)
 
@@ -35,6 +36,11 @@ def stock_constraints(tables: List[EmbeddingBagConfig], mode: str,
     type is added to the others' constraints."""
     if mode not in STOCK_MODES:
         raise ValueError(f"unknown planner.mode {mode!r}; expected one of {sorted(STOCK_MODES)}")
+    if given:  # herald's own type, where a user allowed it, is ROW_WISE's layout for TorchRec's planner
+        given = {n: c if HERALD_HOT_ROW_WISE not in (c.sharding_types or []) else dataclasses.replace(
+            c, sharding_types=list(dict.fromkeys(ShardingType.ROW_WISE.value if t == HERALD_HOT_ROW_WISE else t
+                                                 for t in c.sharding_types)))
+                 for n, c in given.items()}
     forced = STOCK_MODES[mode]
     if forced is None:
         return dict(given) if given else None

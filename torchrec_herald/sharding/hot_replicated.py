@@ -345,14 +345,15 @@ class HeraldFusedOptimizer(FusedOptimizer):
             momentum = store.cold_block_state(t)
             state[weight] = {} if momentum is None else {f"{name}.momentum1": module.sharded_block(t, momentum)}
         super().__init__(params, state, [{"params": list(params.values()), "lr": store.lr}])
-        self._module = module
+        self._module, self._lr = module, store.lr
 
     def _apply_learning_rate(self) -> None:
-        """A learning rate changed in ``param_groups`` takes effect from the next update: a hot-row update still
-        in flight (the last step's) is applied first, at the rate it was computed under."""
+        """A learning rate changed in ``param_groups`` takes effect from the next update; a hot-row update still
+        in flight (the last step's) applies the rate it was computed under (:meth:`set_learning_rate`)."""
         lr = float(self.param_groups[0]["lr"])
-        if lr != self._module._store.lr:  # (not .store: that settles the hot sync, at every step)
-            self._module.store.set_learning_rate(lr)  # (.store: the update in flight applied first)
+        if lr != self._lr:
+            self._module.set_learning_rate(lr)
+            self._lr = lr
 
     def zero_grad(self, set_to_none: bool = False) -> None:
         self._apply_learning_rate()
@@ -363,6 +364,7 @@ class HeraldFusedOptimizer(FusedOptimizer):
         mirrored into these blocks then)."""
         module = self.__dict__.get("_module")
         if module is not None:
+            module._check_flushed("the fused optimizer's state (its state_dict())")
             module.store.flush_mirror()  # (settles the hot sync first) the blocks' hot-row state up to date
         return self.__dict__["_herald_state"]
 
@@ -442,6 +444,7 @@ class ShardedHeraldEmbeddingBagCollection(
             self._store = RowStore(lay, self._rank, self._dim, self._fused_params, self._device)
         self._configs = list(configs)
         self._pending_hot: Optional[_PendingHotSync] = None  # hot-row gradient sum in flight
+        self._lr_after_settle: Optional[float] = None  # herald's own rate once that sum is applied
         for p in self._store.parameters():
             p._in_backward_optimizers = [EmptyFusedOptimizer()]  # updated in backward: keep dense optimizers off
         self._optim: FusedOptimizer = HeraldFusedOptimizer(self)
@@ -1033,6 +1036,15 @@ class ShardedHeraldEmbeddingBagCollection(
                 grads.append(torch.zeros(unique.numel(), self._dim, device=got.device).index_add_(0, slot, got[:, 1:]))
         if rows:  # (one part, as with one sync mode: no copy)
             self._store.update_hot_rows(*((rows[0], grads[0]) if len(rows) == 1 else (torch.cat(rows), torch.cat(grads))))
+        if self._lr_after_settle is not None:  # (a learning rate set while this update was in flight)
+            self._store.lr, self._lr_after_settle = self._lr_after_settle, None
+
+    def set_learning_rate(self, lr: float) -> None:
+        """The embedding learning rate from now on: the cold rows' fused update from the next backward, herald's
+        own updates too, except the hot-row update in flight, computed under the old rate, which applies it at
+        its settle (not waited for here: it keeps overlapping the next step's start)."""
+        self._store.set_learning_rate(lr, own_updates=self._pending_hot is None)
+        self._lr_after_settle = None if self._pending_hot is None else float(lr)
 
     def reset_parameters(self) -> None:
         """Initialise every row this rank holds exactly as stock TorchRec's ROW_WISE sharding of the same

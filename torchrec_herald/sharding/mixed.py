@@ -29,15 +29,10 @@ from torchrec.optim.keyed import CombinedOptimizer, KeyedOptimizer
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor, KeyedTensor
 from torchrec.streamable import Multistreamable
 
-from torchrec_herald.sharding.types import HERALD_HOT_ROW_WISE, table_of_state_key
+from torchrec_herald.sharding.types import HERALD_HOT_ROW_WISE, MIXABLE_STOCK_TYPES, table_of_state_key
 
 __all__ = ["MIXABLE_STOCK_TYPES", "ShardedMixedEmbeddingBagCollection", "sub_collection"]
 
-#: stock sharding types a table may have beside herald tables in one EBC (DATA_PARALLEL is left out:
-#: its own DDP would sync the replicated tables outside herald's dense sync; a herald table whose rows
-#: are all hot is the same replication, synced with the other hot rows)
-MIXABLE_STOCK_TYPES = (ShardingType.TABLE_WISE.value, ShardingType.ROW_WISE.value, ShardingType.COLUMN_WISE.value,
-                       ShardingType.TABLE_ROW_WISE.value, ShardingType.TABLE_COLUMN_WISE.value)
 
 
 def sub_collection(module: EmbeddingBagCollection, names: List[str]) -> EmbeddingBagCollection:

@@ -126,11 +126,13 @@ class RowStore(nn.Module):
 
     # ------------------------------------------------------------------ views
 
-    def set_learning_rate(self, lr: float) -> None:
+    def set_learning_rate(self, lr: float, own_updates: bool = True) -> None:
         """The embedding optimizer's learning rate from now on: the cold TBE's fused update (as TorchRec's
-        fused optimizer sets it) and every update herald applies itself (hot rows, the plan's reduces)."""
-        self.lr = float(lr)
-        self.cold.set_learning_rate(self.lr)
+        fused optimizer sets it) and, with ``own_updates``, every update herald applies itself (hot rows, the
+        plan's reduces)."""
+        self.cold.set_learning_rate(float(lr))
+        if own_updates:
+            self.lr = float(lr)
     def hot_weights(self) -> torch.Tensor:
         """``[max(num_hot, 1), D]`` view of the hot replica buffer."""
         return self.hot.weights.detach().view(-1, self.dim)

@@ -11,10 +11,15 @@ from dataclasses import dataclass, field
 from typing import Any, Dict, Optional
 
 import torch
-from torchrec.distributed.types import ParameterSharding
+from torchrec.distributed.types import ParameterSharding, ShardingType
 
 #: sharding type string of a herald table (hot rows replicated, cold rows row-wise, variable-size dists)
 HERALD_HOT_ROW_WISE = "herald_hot_row_wise"
+#: stock sharding types a table may have beside herald tables in one EBC (DATA_PARALLEL is left out:
+#: its own DDP would sync the replicated tables outside herald's dense sync; a herald table whose rows
+#: are all hot is the same replication, synced with the other hot rows)
+MIXABLE_STOCK_TYPES = (ShardingType.TABLE_WISE.value, ShardingType.ROW_WISE.value, ShardingType.COLUMN_WISE.value,
+                       ShardingType.TABLE_ROW_WISE.value, ShardingType.TABLE_COLUMN_WISE.value)
 #: how hot-row gradients are summed across ranks
 SYNC_MODES = ("dense", "sparse", "none")
 
