@@ -63,3 +63,6 @@ def test_a_rank_killed_by_a_signal_is_the_root_cause_before_its_peers_errors(tmp
     aborted = ProcessFailure(local_rank=0, pid=9, exitcode=-6, error_file=str(tmp_path / "none.json"))  # SIGABRT
     aborted.timestamp = peer.timestamp + 5  # (a watchdog's abort after the peer's failure: not the root cause)
     assert root_failure({0: aborted, 1: peer}) == (1, peer)
+    terminated = ProcessFailure(local_rank=0, pid=10, exitcode=-15, error_file=str(tmp_path / "none.json"))
+    terminated.timestamp = peer.timestamp - 5  # (torchrun's SIGTERM after the peer's error: no error of its own)
+    assert root_failure({0: terminated, 1: peer}) == (1, peer)

@@ -81,12 +81,14 @@ _LOST = (-9, -11, -7)
 
 def root_failure(failures: Dict[int, Any]) -> Tuple[int, Any]:
     """The rank whose failure to report: one killed by SIGKILL, SIGSEGV or SIGBUS (a lost rank: the others'
-    errors, a peer's connection reset, follow from it), else the first to fail. Torchelastic's first failure goes by timestamp,
+    errors, a peer's connection reset, follow from it), else the first to fail that reported its error (a rank
+    torchrun terminated because another failed first reported none), else the first to fail. Torchelastic's first failure goes by timestamp,
     and a rank killed by a signal gets its timestamp when the agent notices it, after its peers' error files."""
     killed = sorted(r for r, f in failures.items() if getattr(f, "exitcode", None) in _LOST)
     if killed:
         return killed[0], failures[killed[0]]
-    rank = min(failures, key=lambda r: (getattr(failures[r], "timestamp", 0), r))
+    reported = [r for r, f in failures.items() if _has_error_file(f)] or list(failures)
+    rank = min(reported, key=lambda r: (getattr(failures[r], "timestamp", 0), r))
     return rank, failures[rank]
 
 
