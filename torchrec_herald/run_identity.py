@@ -99,12 +99,19 @@ def run_name(cfg: DictConfig, world_size: int) -> str:
     return f"{planner}-{cfg.pipeline.name}-{cfg.data.name}-w{int(world_size)}x{int(cfg.batch_size)}-{digest}"
 
 
+def _default_root() -> str:
+    """``checkpoint.root``'s default (a config composed without the group: the Python API's partial configs)."""
+    from torchrec_herald.config import CheckpointConfig
+
+    return CheckpointConfig.root
+
+
 def checkpoint_dir(cfg: DictConfig, world_size: int) -> Path:
     """Where the run's checkpoints live: ``checkpoint.dir`` if set, else ``checkpoint.root/<run name>``."""
     c = cfg.get("checkpoint") or {}
     if c.get("dir"):
         return Path(str(c.dir))
-    return Path(str(c.get("root") or "outputs/checkpoints")) / run_name(cfg, world_size)
+    return Path(str(c.get("root") or _default_root())) / run_name(cfg, world_size)
 
 
 def companion_run(cfg: DictConfig, role: str) -> None:
@@ -130,7 +137,7 @@ def check_checkpoint_location(cfg: DictConfig, world_size: int, writing: bool) -
 
     c = cfg.get("checkpoint") or {}
     key = "checkpoint.dir" if c.get("dir") else "checkpoint.root"
-    given = Path(str(c.get("dir") or c.get("root") or "outputs/checkpoints"))
+    given = Path(str(c.get("dir") or c.get("root") or _default_root()))
     folder = checkpoint_dir(cfg, world_size)
     for p in (given, *given.parents):
         if p.exists() and not p.is_dir():

@@ -32,7 +32,7 @@ from torchrec.optim import RowWiseAdagrad, apply_optimizer_in_backward
 from torchrec.optim.keyed import CombinedOptimizer
 from tqdm import tqdm
 
-from torchrec_herald.config import OPTIMIZER_NAMES
+from torchrec_herald.config import OPTIMIZER_NAMES, CheckpointConfig
 from torchrec_herald.data import DataSource, TrainStream, build_data_source
 from torchrec_herald.dist_utils import init_distributed
 from torchrec_herald.layout import cache_row_bytes, check_cache_budget
@@ -207,7 +207,7 @@ def check_resumable(cfg: DictConfig, world_size: int) -> None:
     from torchrec_herald.run_identity import checkpoint_dir, resume_problem, training_identity
 
     c = cfg.get("checkpoint") or {}
-    if not bool(c.get("resume", True)):
+    if not bool(c.get("resume", CheckpointConfig.resume)):
         return
     latest = latest_checkpoint(checkpoint_dir(cfg, world_size), TRAINER_KEYS)
     if latest is None:
@@ -279,8 +279,8 @@ class Checkpointing:
 
         c = cfg.get("checkpoint") or {}
         self.every = c.get("every_n_steps")
-        self.keep = int(c.get("keep") if c.get("keep") is not None else 2)
-        self.resume_enabled = bool(c.get("resume", True))
+        self.keep = int(c.get("keep") if c.get("keep") is not None else CheckpointConfig.keep)
+        self.resume_enabled = bool(c.get("resume", CheckpointConfig.resume))
         self.dir = checkpoint_dir(cfg, world_size)
         self.identity = training_identity(cfg, world_size)  # recorded in every save, compared at a resume
         self.dmp, self.optimizer, self.pipeline = dmp, optimizer, pipeline
