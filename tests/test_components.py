@@ -467,7 +467,7 @@ def test_e2e_resume_false_starts_fresh_and_keeps_the_earlier_checkpoints(tmp_pat
     finally:
         shutil.rmtree(REPO / "outputs" / rid, ignore_errors=True)
     assert "starting fresh; the earlier checkpoints of this run were moved to" in outs[2]
-    folders = sorted(p.name for p in tmp_path.iterdir())
+    folders = sorted(p.name for p in tmp_path.iterdir() if not p.name.startswith("."))  # (a run's lock beside its folder)
     name = Path(outs[1]["checkpoint_dir"]).name
     assert folders[0] == name and len(folders) == 2 and folders[1].startswith(f"{name}.set-aside-")
     assert (tmp_path / folders[1] / "step_00000006").is_dir()  # the first run's checkpoints, kept

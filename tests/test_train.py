@@ -129,3 +129,28 @@ def test_herald_pipeline_trains_every_epoch_and_reports_scheduler(tmp_path: Path
     # reduce messages carry one gradient (dim floats) each and travel only in the plan's reduce exchange
     assert m["traffic_per_step_by_tag"]["herald_reduce"]["embedding_vectors"] == pytest.approx(hp["reduce"])
     assert "herald_pooled" not in m["traffic_per_step_by_tag"]
+
+
+def test_a_checkpoint_folder_in_use_by_a_running_run_is_refused(tmp_path: Path) -> None:
+    """Two runs given one checkpoint folder at the same time would overwrite each other's checkpoints (or one
+    would move them aside): the second stops on every rank, naming the folder and the process holding it."""
+    import fcntl
+    import os
+
+    folder = tmp_path / "ckpt"
+    overrides = ["data.num_train_batches=4", "data.num_eval_batches=1", "batch_size=32", "checkpoint.every_n_steps=2",
+                 f"checkpoint.dir={folder}", "eval=false"]
+    fd = os.open(tmp_path / ".ckpt.lock", os.O_RDWR | os.O_CREAT)
+    os.write(fd, b"pid 1234 on elsewhere since 2026-11-28 05:00:00")
+    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # (a run training in that folder now)
+    try:
+        with pytest.raises(RuntimeError, match=(rf"ValueError: checkpoint folder {folder} is in use by another run "
+                                                rf"\(pid 1234 on elsewhere since 2026-11-28 05:00:00\): give this run a "
+                                                rf"folder of its own \(checkpoint.dir or run_name\), or re-run it once "
+                                                rf"that one ends")):
+            run_multiprocess(_train, 2, overrides, str(tmp_path / "run1"), timeout_s=120)
+    finally:
+        os.close(fd)  # (that run ends)
+    assert not folder.exists()  # (nothing was written there)
+    m = run_multiprocess(_train, 2, overrides, str(tmp_path / "run2"), timeout_s=120)[0]["metrics"]
+    assert m["steps"] == 4 and sorted(p.name for p in folder.glob("step_*")) == ["step_00000002", "step_00000004"]

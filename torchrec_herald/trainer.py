@@ -284,6 +284,50 @@ class Checkpointing:
         self.dir = checkpoint_dir(cfg, world_size)
         self.identity = training_identity(cfg, world_size)  # recorded in every save, compared at a resume
         self.dmp, self.optimizer, self.pipeline = dmp, optimizer, pipeline
+        self._lock_fd: Optional[int] = None
+
+    def claim(self) -> None:
+        """Make the checkpoint folder this run's while it trains (collective; rank 0 holds an exclusive lock on
+        ``.<folder>.lock`` beside it, which the system drops when the process ends): a second run given the same
+        folder at the same time (``checkpoint.dir`` or ``run_name``) would overwrite its checkpoints, or move
+        them aside. ValueError on every rank naming the folder and the process that holds it."""
+        if not self.every:
+            return
+        import fcntl
+        import socket
+
+        error: Optional[str] = None
+        if dist.get_rank() == 0:
+            lock = self.dir.parent / f".{self.dir.name}.lock"
+            try:
+                lock.parent.mkdir(parents=True, exist_ok=True)
+                fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o644)
+            except OSError as e:
+                error = f"cannot make {lock}, the lock of checkpoint folder {self.dir}: {e.strerror or e}"
+            else:
+                try:
+                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                except OSError:
+                    holder = os.read(fd, 200).decode(errors="replace").strip() or "another process"
+                    os.close(fd)
+                    error = (f"checkpoint folder {self.dir} is in use by another run ({holder}): give this run a "
+                             f"folder of its own (checkpoint.dir or run_name), or re-run it once that one ends")
+                else:
+                    os.ftruncate(fd, 0)
+                    os.write(fd, f"pid {os.getpid()} on {socket.gethostname()} since "
+                                 f"{time.strftime('%Y-%m-%d %H:%M:%S')}".encode())
+                    self._lock_fd = fd
+        shared: List[Optional[str]] = [error]
+        dist.broadcast_object_list(shared, src=0)
+        if shared[0] is not None:
+            self.release()
+            raise ValueError(shared[0])
+
+    def release(self) -> None:
+        """Let the checkpoint folder go (rank 0's lock; the end of :meth:`Trainer.train`, or of the process)."""
+        if self._lock_fd is not None:
+            os.close(self._lock_fd)
+            self._lock_fd = None
 
     def due(self, step: int) -> bool:
         return bool(self.every) and step % int(self.every) == 0
@@ -402,6 +446,15 @@ class Trainer:
         return train_stream(self.data, self.rank, self.world, self.cfg.batch_size, start=start)
 
     def train(self) -> Dict[str, Any]:
+        """Train (resuming the run's latest checkpoint), evaluate and write the figures; the run's checkpoint
+        folder is this run's alone meanwhile (:meth:`Checkpointing.claim`)."""
+        self.checkpoints.claim()
+        try:
+            return self._train()
+        finally:
+            self.checkpoints.release()
+
+    def _train(self) -> Dict[str, Any]:
         cfg, rank, pipeline, ckpt = self.cfg, self.rank, self.pipeline, self.checkpoints
         losses: List[float] = []
         step_times: List[float] = []
