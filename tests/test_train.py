@@ -154,3 +154,26 @@ def test_a_checkpoint_folder_in_use_by_a_running_run_is_refused(tmp_path: Path) 
     assert not folder.exists()  # (nothing was written there)
     m = run_multiprocess(_train, 2, overrides, str(tmp_path / "run2"), timeout_s=120)[0]["metrics"]
     assert m["steps"] == 4 and sorted(p.name for p in folder.glob("step_*")) == ["step_00000002", "step_00000004"]
+
+
+def _train_without_locks(rank: int, world: int, overrides: List[str], run_dir: str) -> Dict[str, Any]:
+    import errno
+    import fcntl
+
+    def no_locks(fd: int, op: int) -> None:
+        raise OSError(errno.ENOLCK, "No locks available")
+
+    fcntl.flock = no_locks  # (this spawned rank's own module: a file system without locks)
+    return _train(rank, world, overrides, run_dir)
+
+
+def test_a_file_system_without_locks_trains_unguarded() -> None:
+    """Where the checkpoint folder cannot be locked (a file system without flock), the run trains, with one
+    warning, instead of calling the folder in use."""
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as tmp:
+        overrides = ["data.num_train_batches=4", "data.num_eval_batches=1", "batch_size=32", "eval=false",
+                     "checkpoint.every_n_steps=2", f"checkpoint.dir={tmp}/ckpt"]
+        m = run_multiprocess(_train_without_locks, 2, overrides, f"{tmp}/run", timeout_s=120)[0]["metrics"]
+        assert m["steps"] == 4

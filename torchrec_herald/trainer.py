@@ -293,6 +293,7 @@ class Checkpointing:
         them aside. ValueError on every rank naming the folder and the process that holds it."""
         if not self.every:
             return
+        import errno
         import fcntl
         import socket
 
@@ -307,11 +308,15 @@ class Checkpointing:
             else:
                 try:
                     fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                except OSError:
-                    holder = os.read(fd, 200).decode(errors="replace").strip() or "another process"
+                except OSError as e:
+                    if e.errno in (errno.EWOULDBLOCK, errno.EAGAIN):
+                        holder = os.read(fd, 200).decode(errors="replace").strip() or "another process"
+                        error = (f"checkpoint folder {self.dir} is in use by another run ({holder}): give this run "
+                                 f"a folder of its own (checkpoint.dir or run_name), or re-run it once that one ends")
+                    else:  # (a file system without locks: train unguarded, and say so)
+                        logger.warning("checkpoint folder %s cannot be locked (%s): nothing stops another run from "
+                                       "using it at the same time", self.dir, e.strerror or e)
                     os.close(fd)
-                    error = (f"checkpoint folder {self.dir} is in use by another run ({holder}): give this run a "
-                             f"folder of its own (checkpoint.dir or run_name), or re-run it once that one ends")
                 else:
                     os.ftruncate(fd, 0)
                     os.write(fd, f"pid {os.getpid()} on {socket.gethostname()} since "
