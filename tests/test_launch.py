@@ -66,3 +66,6 @@ def test_a_rank_killed_by_a_signal_is_the_root_cause_before_its_peers_errors(tmp
     terminated = ProcessFailure(local_rank=0, pid=10, exitcode=-15, error_file=str(tmp_path / "none.json"))
     terminated.timestamp = peer.timestamp - 5  # (torchrun's SIGTERM after the peer's error: no error of its own)
     assert root_failure({0: terminated, 1: peer}) == (1, peer)
+    crashed = ProcessFailure(local_rank=0, pid=11, exitcode=-6, error_file=str(tmp_path / "none.json"))  # SIGABRT
+    crashed.timestamp = peer.timestamp - 1  # (a C++ abort first; the peer's connection error follows)
+    assert root_failure({0: crashed, 1: peer}) == (0, crashed)

@@ -177,3 +177,28 @@ def test_a_file_system_without_locks_trains_unguarded() -> None:
                      "checkpoint.every_n_steps=2", f"checkpoint.dir={tmp}/ckpt"]
         m = run_multiprocess(_train_without_locks, 2, overrides, f"{tmp}/run", timeout_s=120)[0]["metrics"]
         assert m["steps"] == 4
+
+
+def _train_lock_unwritable(rank: int, world: int, overrides: List[str], run_dir: str) -> Dict[str, Any]:
+    import errno
+    import os
+
+    real = os.open
+
+    def refused(path: Any, *args: Any, **kwargs: Any) -> int:
+        if str(path).endswith(".lock"):
+            raise PermissionError(errno.EACCES, "Permission denied", str(path))
+        return real(path, *args, **kwargs)
+
+    os.open = refused  # (this spawned rank's own module: the folder's parent is not writable, e.g. a mount point)
+    return _train(rank, world, overrides, run_dir)
+
+
+def test_a_checkpoint_folder_whose_lock_cannot_be_made_trains_unguarded() -> None:
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as tmp:
+        overrides = ["data.num_train_batches=4", "data.num_eval_batches=1", "batch_size=32", "eval=false",
+                     "checkpoint.every_n_steps=2", f"checkpoint.dir={tmp}/ckpt"]
+        m = run_multiprocess(_train_lock_unwritable, 2, overrides, f"{tmp}/run", timeout_s=120)[0]["metrics"]
+        assert m["steps"] == 4

@@ -81,13 +81,17 @@ _LOST = (-9, -11, -7)
 
 def root_failure(failures: Dict[int, Any]) -> Tuple[int, Any]:
     """The rank whose failure to report: one killed by SIGKILL, SIGSEGV or SIGBUS (a lost rank: the others'
-    errors, a peer's connection reset, follow from it), else the first to fail that reported its error (a rank
-    torchrun terminated because another failed first reported none), else the first to fail. Torchelastic's first failure goes by timestamp,
+    errors, a peer's connection reset, follow from it), else the first to fail, leaving out ranks torchrun
+    terminated (SIGTERM, no error of their own) because another failed first. Torchelastic's timestamps are
+    whole seconds: of two failures in one second, the lower rank is reported. Torchelastic's first failure goes by timestamp,
     and a rank killed by a signal gets its timestamp when the agent notices it, after its peers' error files."""
     killed = sorted(r for r, f in failures.items() if getattr(f, "exitcode", None) in _LOST)
     if killed:
         return killed[0], failures[killed[0]]
-    reported = [r for r, f in failures.items() if _has_error_file(f)] or list(failures)
+    # (only a rank torchrun terminated, SIGTERM without an error of its own, gives way: a rank that died of
+    # another signal, or exited without an error file, may be the cause)
+    reported = [r for r, f in failures.items()
+                if _has_error_file(f) or getattr(f, "exitcode", None) != -15] or list(failures)
     rank = min(reported, key=lambda r: (getattr(failures[r], "timestamp", 0), r))
     return rank, failures[rank]
 

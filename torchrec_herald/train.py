@@ -59,8 +59,10 @@ def fail(e: BaseException, log_file: Optional[Path] = None) -> NoReturn:
             f.write("".join(traceback.format_exception(type(e), e, e.__traceback__)))
     error_file = os.environ.get("TORCHELASTIC_ERROR_FILE")
     if error_file:  # under torchrun: the line is its root cause (and torchx's final status), once
-        with open(error_file, "w") as f:
+        tmp = f"{error_file}.{os.getpid()}.tmp"  # (whole or absent: torchrun may terminate this rank meanwhile)
+        with open(tmp, "w") as f:
             json.dump({"message": {"message": line + where, "extraInfo": {"timestamp": str(int(time.time()))}}}, f)
+        os.replace(tmp, error_file)
     elif os.environ.get("RANK", "0") == "0" or not _collective(e):
         sys.stderr.write(f"ERROR: {line}{where}\n")
     sys.stdout.flush()

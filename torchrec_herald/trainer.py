@@ -303,14 +303,18 @@ class Checkpointing:
             try:
                 lock.parent.mkdir(parents=True, exist_ok=True)
                 fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o644)
-            except OSError as e:
-                error = f"cannot make {lock}, the lock of checkpoint folder {self.dir}: {e.strerror or e}"
+            except OSError as e:  # (a folder whose parent is not writable, e.g. a mount point: train unguarded)
+                logger.warning("checkpoint folder %s cannot be locked (%s cannot be made: %s): nothing stops another "
+                               "run from using it at the same time", self.dir, lock, e.strerror or e)
             else:
                 try:
                     fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
                 except OSError as e:
                     if e.errno in (errno.EWOULDBLOCK, errno.EAGAIN):
-                        holder = os.read(fd, 200).decode(errors="replace").strip() or "another process"
+                        try:
+                            holder = os.read(fd, 200).decode(errors="replace").strip() or "another process"
+                        except OSError:
+                            holder = "another process"
                         error = (f"checkpoint folder {self.dir} is in use by another run ({holder}): give this run "
                                  f"a folder of its own (checkpoint.dir or run_name), or re-run it once that one ends")
                     else:  # (a file system without locks: train unguarded, and say so)
@@ -318,10 +322,13 @@ class Checkpointing:
                                        "using it at the same time", self.dir, e.strerror or e)
                     os.close(fd)
                 else:
-                    os.ftruncate(fd, 0)
-                    os.write(fd, f"pid {os.getpid()} on {socket.gethostname()} since "
-                                 f"{time.strftime('%Y-%m-%d %H:%M:%S')}".encode())
                     self._lock_fd = fd
+                    try:  # (who holds it, for the message a second run prints; best effort on a full disk)
+                        os.ftruncate(fd, 0)
+                        os.write(fd, f"pid {os.getpid()} on {socket.gethostname()} since "
+                                     f"{time.strftime('%Y-%m-%d %H:%M:%S')}".encode())
+                    except OSError:
+                        pass
         shared: List[Optional[str]] = [error]
         dist.broadcast_object_list(shared, src=0)
         if shared[0] is not None:
@@ -520,6 +527,7 @@ class Trainer:
         figures (the attempt ended between its last checkpoint and its figures), say how to train it again."""
         ckpt, rank, cfg, step = self.checkpoints, self.rank, self.cfg, int(resumed["step"])
         metrics = ckpt.completed_metrics()
+        dist.barrier()  # (every rank has read them before rank 0 may write them again below)
         if metrics is None or int(metrics.get("steps", -1)) != step:
             why = ("none were recorded" if metrics is None else
                    f"those there are of {metrics.get('steps')} steps, another attempt's")
