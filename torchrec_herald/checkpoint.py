@@ -23,6 +23,8 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 
+from torchrec_herald.dist_utils import rank0_outcome
+
 logger = logging.getLogger(__name__)
 
 __all__ = ["CheckpointMismatchError", "checkpoints", "latest_checkpoint", "load_checkpoint", "save_checkpoint"]
@@ -119,16 +121,14 @@ def _on_rank0(work: Callable[[], None], what: str) -> None:
     """Run ``work`` on rank 0 and give its outcome to every rank (collective): an OSError there (a full disk, a
     folder turned read-only) raises the same line on every rank, where a barrier would leave the others waiting
     for rank 0 until the process group's timeout."""
-    error: Optional[str] = None
-    if _rank() == 0:
+    def line() -> Optional[str]:
         try:
             work()
         except OSError as e:
-            error = f"{what}: {e.strerror or e}" + (f" ({e.filename})" if getattr(e, "filename", None) else "")
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        shared: List[Optional[str]] = [error]
-        dist.broadcast_object_list(shared, src=0)
-        error = shared[0]
+            return f"{what}: {e.strerror or e}" + (f" ({e.filename})" if getattr(e, "filename", None) else "")
+        return None
+
+    error = rank0_outcome(line)
     if error is not None:
         raise OSError(error)
 

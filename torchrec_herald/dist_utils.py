@@ -24,6 +24,18 @@ BACKEND_ENV = "HERALD_DIST_BACKEND"
 BACKENDS = ("gloo", "nccl", "cpu:gloo,cuda:nccl")
 
 
+def rank0_outcome(work: Callable[[], Optional[str]]) -> Optional[str]:
+    """Run ``work`` on rank 0 alone and give every rank what it returned, one line of error or None (collective
+    where a process group of several ranks is up): every rank can then raise the same error, where rank 0
+    raising alone would leave the others waiting for it in their next collective."""
+    outcome = work() if not dist.is_initialized() or dist.get_rank() == 0 else None
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        shared: List[Optional[str]] = [outcome]
+        dist.broadcast_object_list(shared, src=0)
+        outcome = shared[0]
+    return outcome
+
+
 def default_backend() -> str:
     """``cpu:gloo,cuda:nccl`` when CUDA is present (CUDA tensors over nccl; the scheduler's CPU metadata
     and the trainer's CPU reductions over gloo, in the same process group), gloo otherwise.

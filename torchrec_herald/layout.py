@@ -13,10 +13,9 @@ from typing import Dict, List, Mapping, Optional, Tuple
 
 import torch
 
-from torchrec_herald.comm import row_with_state_bytes
 from torchrec_herald.ops.hot_cold import local_block_rows, row_block_sizes
 
-__all__ = ["RowLayout", "cache_capacities", "cache_row_bytes", "cache_rows_for_budget", "layout_of"]
+__all__ = ["RowLayout", "cache_capacities", "cache_rows_for_budget", "check_cache_budget", "layout_of"]
 
 
 @dataclass(frozen=True, eq=False)
@@ -220,12 +219,6 @@ def cache_capacities(layout: RowLayout, capacity_fraction: Optional[float],
             raise ValueError(f"table {t!r}: cache capacity must be in [1, {n[t]}] rows, got {c}")
         caps[t] = int(c)
     return caps
-
-
-def cache_row_bytes(dim: int) -> int:
-    """Bytes one cached row takes in a rank's row store: its ``dim`` float32 weights and its row-wise optimizer
-    state (one float32)."""
-    return row_with_state_bytes(dim)
 
 
 def check_cache_budget(budget_bytes: int, num_tables: int, row_bytes: int) -> int:

@@ -14,18 +14,20 @@ import json
 import os
 import re
 from pathlib import Path
-from typing import Any, Dict, Optional
+from typing import Any, Dict, Optional, Tuple
 
 from omegaconf import DictConfig, OmegaConf
 
-__all__ = ["MAY_CHANGE_ON_RESUME", "NOT_TRAINING_KEYS", "check_checkpoint_location", "checkpoint_dir", "companion_run",
-           "resume_problem", "run_name", "training_identity"]
+__all__ = ["EVAL_SPLIT_KEYS", "MAY_CHANGE_ON_RESUME", "NOT_TRAINING_KEYS", "check_checkpoint_location", "checkpoint_dir",
+           "companion_run", "eval_identity", "resume_problem", "run_name", "training_identity"]
 
 #: top-level config keys that do not change the trained model (a re-run differing in them resumes)
 NOT_TRAINING_KEYS = ("checkpoint", "log_every", "eval", "compare_with", "run_name")
-#: training keys a resumed run may change: more epochs train the same run on; the eval split's own files and size
-#: change no trained batch (a bad eval file, fixed, is evaluated again)
-MAY_CHANGE_ON_RESUME = ("epochs", "data.eval_paths", "data.num_eval_batches")
+#: the eval split's own keys (its files, its size): they change no trained batch
+EVAL_SPLIT_KEYS = ("data.eval_paths", "data.num_eval_batches")
+#: training keys a resumed run may change: more epochs train the same run on; the eval split's keys (a bad eval
+#: file, fixed, is evaluated again)
+MAY_CHANGE_ON_RESUME = ("epochs", *EVAL_SPLIT_KEYS)
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
 
 
@@ -50,6 +52,13 @@ def training_identity(cfg: DictConfig, world_size: int) -> Dict[str, Any]:
     changes what is trained, dotted (``optimizer.lr``), so that a resume can name what differs."""
     identity = {"world_size": int(world_size), "config": _flat(_training_config(cfg))}
     return json.loads(json.dumps(identity, default=str))  # as it reads back from trainer_state.json
+
+
+def eval_identity(config: Dict[str, Any]) -> Tuple[Any, ...]:
+    """What of a resolved config (a plain dict) decides its eval figures: whether it evaluates, and the eval
+    split's keys."""
+    flat = _flat(config)
+    return (flat.get("eval", True), *(flat.get(k) for k in EVAL_SPLIT_KEYS))
 
 
 def resume_problem(saved: Any, current: Dict[str, Any], path: Path) -> Optional[str]:

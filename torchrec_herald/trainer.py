@@ -32,10 +32,11 @@ from torchrec.optim import RowWiseAdagrad, apply_optimizer_in_backward
 from torchrec.optim.keyed import CombinedOptimizer
 from tqdm import tqdm
 
+from torchrec_herald.comm import row_with_state_bytes
 from torchrec_herald.config import OPTIMIZER_NAMES, CheckpointConfig
 from torchrec_herald.data import DataSource, TrainStream, build_data_source
-from torchrec_herald.dist_utils import init_distributed
-from torchrec_herald.layout import cache_row_bytes, check_cache_budget
+from torchrec_herald.dist_utils import init_distributed, rank0_outcome
+from torchrec_herald.layout import check_cache_budget
 from torchrec_herald.metrics import collect_metrics, evaluate, herald_traffic_report
 from torchrec_herald.model import build_dlrm_train, build_tables
 from torchrec_herald.pipeline.build import PIPELINES, TrainingPipeline
@@ -194,7 +195,7 @@ def preflight(cfg: DictConfig, world_size: Optional[int] = None) -> DataSource:
             typed.pipeline.resolve(True, world)  # (its settings' rules: the window within scheduling=auto's probe)
         if typed.pipeline.cache_bytes is not None:  # (every table may be herald's: one row each)
             check_cache_budget(typed.pipeline.cache_bytes, len(data.feature_names),
-                               cache_row_bytes(typed.model.embedding_dim))
+                               row_with_state_bytes(typed.model.embedding_dim))
         typed.pipeline.scheduler_impl_choice()  # scheduler_impl=compiled without a build: one line naming the key
     return data
 
@@ -297,43 +298,42 @@ class Checkpointing:
         import fcntl
         import socket
 
-        error: Optional[str] = None
-        if dist.get_rank() == 0:
-            lock = self.dir.parent / f".{self.dir.name}.lock"
+        def lock() -> Optional[str]:  # (rank 0: its error line, or None)
+            path = self.dir.parent / f".{self.dir.name}.lock"
             try:
-                lock.parent.mkdir(parents=True, exist_ok=True)
-                fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o644)
+                path.parent.mkdir(parents=True, exist_ok=True)
+                fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
             except OSError as e:  # (a folder whose parent is not writable, e.g. a mount point: train unguarded)
                 logger.warning("checkpoint folder %s cannot be locked (%s cannot be made: %s): nothing stops another "
-                               "run from using it at the same time", self.dir, lock, e.strerror or e)
-            else:
+                               "run from using it at the same time", self.dir, path, e.strerror or e)
+                return None
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except OSError as e:
+                os.close(fd)
+                if e.errno not in (errno.EWOULDBLOCK, errno.EAGAIN):  # (a file system without locks: unguarded)
+                    logger.warning("checkpoint folder %s cannot be locked (%s): nothing stops another run from "
+                                   "using it at the same time", self.dir, e.strerror or e)
+                    return None
                 try:
-                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                except OSError as e:
-                    if e.errno in (errno.EWOULDBLOCK, errno.EAGAIN):
-                        try:
-                            holder = os.read(fd, 200).decode(errors="replace").strip() or "another process"
-                        except OSError:
-                            holder = "another process"
-                        error = (f"checkpoint folder {self.dir} is in use by another run ({holder}): give this run "
-                                 f"a folder of its own (checkpoint.dir or run_name), or re-run it once that one ends")
-                    else:  # (a file system without locks: train unguarded, and say so)
-                        logger.warning("checkpoint folder %s cannot be locked (%s): nothing stops another run from "
-                                       "using it at the same time", self.dir, e.strerror or e)
-                    os.close(fd)
-                else:
-                    self._lock_fd = fd
-                    try:  # (who holds it, for the message a second run prints; best effort on a full disk)
-                        os.ftruncate(fd, 0)
-                        os.write(fd, f"pid {os.getpid()} on {socket.gethostname()} since "
-                                     f"{time.strftime('%Y-%m-%d %H:%M:%S')}".encode())
-                    except OSError:
-                        pass
-        shared: List[Optional[str]] = [error]
-        dist.broadcast_object_list(shared, src=0)
-        if shared[0] is not None:
+                    holder = path.read_text(errors="replace").strip()[:200] or "another process"
+                except OSError:
+                    holder = "another process"
+                return (f"checkpoint folder {self.dir} is in use by another run ({holder}): give this run a folder of "
+                        f"its own (checkpoint.dir or run_name), or re-run it once that one ends")
+            self._lock_fd = fd
+            try:  # (who holds it, for the message a second run prints; best effort on a full disk)
+                os.ftruncate(fd, 0)
+                os.write(fd, f"pid {os.getpid()} on {socket.gethostname()} since "
+                             f"{time.strftime('%Y-%m-%d %H:%M:%S')}".encode())
+            except OSError:
+                pass
+            return None
+
+        error = rank0_outcome(lock)
+        if error is not None:
             self.release()
-            raise ValueError(shared[0])
+            raise ValueError(error)
 
     def release(self) -> None:
         """Let the checkpoint folder go (rank 0's lock; the end of :meth:`Trainer.train`, or of the process)."""
@@ -525,6 +525,8 @@ class Trainer:
         checkpoints for that step, instead of figures over zero steps; the loaded model is evaluated again where
         the eval split changed or the last eval did not finish (a bad eval file, fixed). Without this step's
         figures (the attempt ended between its last checkpoint and its figures), say how to train it again."""
+        from torchrec_herald.run_identity import eval_identity
+
         ckpt, rank, cfg, step = self.checkpoints, self.rank, self.cfg, int(resumed["step"])
         metrics = ckpt.completed_metrics()
         dist.barrier()  # (every rank has read them before rank 0 may write them again below)
@@ -537,7 +539,7 @@ class Trainer:
         config = OmegaConf.to_container(cfg, resolve=True)
         assert isinstance(config, dict)
         evaluated = bool(metrics.get("eval")) or not (metrics.get("config") or {}).get("eval", True)
-        if not evaluated or _eval_identity(metrics.get("config") or {}) != _eval_identity(config):
+        if not evaluated or eval_identity(metrics.get("config") or {}) != eval_identity(config):
             eval_metrics = (evaluate(self.dmp, self.data.eval_batches(rank, self.world, cfg.batch_size), self.device)
                             if cfg.eval else {})
             metrics = dict(metrics, eval=eval_metrics, config=config)
@@ -610,12 +612,6 @@ class Trainer:
             self.checkpoints.record_completion(self.run_dir)
         dist.barrier()
         return metrics
-
-
-def _eval_identity(config: Dict[str, Any]) -> tuple:
-    """What of a resolved config decides its eval figures: whether it evaluates and the eval split's keys."""
-    data = config.get("data") or {}
-    return (config.get("eval", True), json.dumps(data.get("eval_paths"), default=str), data.get("num_eval_batches"))
 
 
 def run_training(cfg: DictConfig, run_dir: Path, show_progress: bool = True) -> Dict[str, Any]:

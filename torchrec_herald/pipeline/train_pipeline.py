@@ -32,8 +32,9 @@ from torchrec.datasets.utils import Batch
 from torchrec.distributed.train_pipeline import TrainPipeline, TrainPipelineSparseDist
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
+from torchrec_herald.comm import row_with_state_bytes
 from torchrec_herald.data import TrainStream
-from torchrec_herald.layout import cache_row_bytes, cache_rows_for_budget
+from torchrec_herald.layout import cache_rows_for_budget
 from torchrec_herald.pipeline.auto_scheduling import SchedulingSwitch
 from torchrec_herald.pipeline.context import (EVERY_RANK, HeraldBatchContext, SchedulerStats, SchedulingEnv,
                                               find_herald_ebc, select_samples, stock_tables_beside)
@@ -101,8 +102,8 @@ class HeraldTrainPipeline(TrainPipeline[Batch, Any]):
         self.window, self.allocator, self.sync, self.move_penalty = c.window, c.allocator, c.sync, c.move_penalty
         self.staleness = c.staleness
         self.layout = self.ebc.layout
-        capacity_rows = (None if c.cache_bytes is None else
-                         cache_rows_for_budget(self.layout, c.cache_bytes, cache_row_bytes(self.ebc.embedding_dim)))
+        row_bytes = row_with_state_bytes(self.ebc.embedding_dim)
+        capacity_rows = None if c.cache_bytes is None else cache_rows_for_budget(self.layout, c.cache_bytes, row_bytes)
         self.by_home = c.planning == "by_home"
         self._allocator_on = build_allocator(c.allocator, **({"move_penalty": c.move_penalty}
                                                             if c.allocator == "greedy" else {}))
