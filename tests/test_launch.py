@@ -69,3 +69,28 @@ def test_a_rank_killed_by_a_signal_is_the_root_cause_before_its_peers_errors(tmp
     crashed = ProcessFailure(local_rank=0, pid=11, exitcode=-6, error_file=str(tmp_path / "none.json"))  # SIGABRT
     crashed.timestamp = peer.timestamp - 1  # (a C++ abort first; the peer's connection error follows)
     assert root_failure({0: crashed, 1: peer}) == (0, crashed)
+
+
+def test_two_failures_in_one_second_go_by_the_exact_time_each_rank_recorded(tmp_path: Path) -> None:
+    """Torchelastic's timestamps are whole seconds; herald's error file records the exact time of failure, so of
+    two errors in one second the first is the root cause, whichever rank it was on (the lower rank was blamed)."""
+    from torchrec_herald.launch import root_failure
+
+    failures = {}
+    for rank, (when, message) in enumerate(((1000.9, "RuntimeError: Connection closed by peer"),
+                                            (1000.2, "ValueError: data.paths: no such file"))):
+        script = ("import time, torchrec_herald.train as t\n"
+                  f"time.time = lambda: {when}\n"
+                  f"t.fail({message.split(': ')[0]}({message.split(': ', 1)[1]!r}), None)\n")
+        error_file = tmp_path / f"error{rank}.json"
+        done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120,
+                              env={**os.environ, "RANK": str(rank), "TORCHELASTIC_ERROR_FILE": str(error_file)})
+        assert done.returncode == 1, done.stderr
+        failures[rank] = ProcessFailure(local_rank=rank, pid=rank, exitcode=1, error_file=str(error_file))
+    assert [f.timestamp for f in failures.values()] == [1000, 1000]
+    assert root_failure(failures) == (1, failures[1])
+    assert failure_line(1, failures[1]) == "ValueError: data.paths: no such file"
+    other = tmp_path / "other.json"  # (an error file of another writer, no exact time: after those that record one)
+    other.write_text(json.dumps({"message": {"message": "x", "extraInfo": {"timestamp": "1000"}}}))
+    failures[0] = ProcessFailure(local_rank=0, pid=0, exitcode=1, error_file=str(other))
+    assert root_failure(failures) == (1, failures[1])

@@ -7,7 +7,7 @@ training batches it holds in flight before the eval loader's.)"""
 from __future__ import annotations
 
 import itertools
-from typing import Any, Dict, List
+from typing import Any, Dict, List, Optional
 
 import pytest
 import torch
@@ -18,9 +18,11 @@ from torchrec_herald.dist_utils import run_multiprocess
 STEPS = 12
 
 
-def _train_eval_train(rank: int, world: int, cfg: Dict[str, Any], pipeline: Any) -> Dict[str, List[float]]:
-    """4 training steps, an eval pass of 3 batches (model.eval(), no_grad, through progress()), the rest of the
-    training iterator; the per-step losses of each part. ``pipeline``: herald's options, or ``plain``."""
+def _train_eval_train(rank: int, world: int, cfg: Dict[str, Any], pipeline: Any, eval_steps: Optional[int] = None
+                      ) -> Dict[str, List[float]]:
+    """4 training steps, an eval pass over a loader of 3 batches (model.eval(), no_grad, through progress()) to
+    its end or for ``eval_steps`` steps, the rest of the training iterator; the per-step losses of each part.
+    ``pipeline``: herald's options, or ``plain``."""
     from torchrec.distributed.train_pipeline import TrainPipelineSparseDist
 
     from torchrec_herald.data import SyntheticCriteo
@@ -40,7 +42,7 @@ def _train_eval_train(rank: int, world: int, cfg: Dict[str, Any], pipeline: Any)
                                                                                               b["batch_size"])
     dmp.eval()
     with torch.no_grad():
-        for _ in itertools.count():
+        for _ in itertools.count() if eval_steps is None else range(eval_steps):
             try:
                 loss, logits, labels = pipe.progress(evals)  # (dlrm_main unpacks the model's output so)
             except StopIteration:
@@ -99,6 +101,21 @@ def test_an_eval_pass_with_scheduling_off_is_torchrecs_own(options: Dict[str, An
     stock = run_multiprocess(_train_eval_train, 2, {**cfg, "planner": "table_wise"}, "stock")
     for h, s in zip(herald, stock):
         assert [len(h[k]) for k in ("before", "eval", "after")] == [4, 2 + 3, STEPS - 4 - 2]
+        for part in ("before", "eval", "after"):
+            assert h[part] == pytest.approx(s[part], rel=weight_rtol("rowwise_adagrad")), part
+
+
+def test_an_eval_pass_stopped_early_in_the_probe_leaves_torchrecs_batches_as_stock_does() -> None:
+    """An eval pass of one step while the probe's off phase holds two training batches in flight evaluates one of
+    them, as stock ``TrainPipelineSparseDist`` does; the other (and the eval batch TorchRec queued behind it) then
+    trains. The probe's feed gives back the one batch evaluated, not the two in flight: every training batch is
+    trained or evaluated once, as stock's."""
+    cfg = {"planner": "herald", "optimizer": "rowwise_adagrad", "steps": STEPS, "hot_min_count": 2}
+    options = dict(window=3, scheduling="auto", planning="by_home", probe_steps=2)
+    herald = run_multiprocess(_train_eval_train, 2, cfg, options, 1)
+    stock = run_multiprocess(_train_eval_train, 2, {**cfg, "planner": "table_wise"}, "stock", 1)
+    for h, s in zip(herald, stock):
+        assert [len(h[k]) for k in ("before", "eval", "after")] == [len(s[k]) for k in ("before", "eval", "after")]
         for part in ("before", "eval", "after"):
             assert h[part] == pytest.approx(s[part], rel=weight_rtol("rowwise_adagrad")), part
 

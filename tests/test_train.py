@@ -149,9 +149,16 @@ def test_a_checkpoint_folder_in_use_by_a_running_run_is_refused(tmp_path: Path) 
                                                 rf"folder of its own \(checkpoint.dir or run_name\), or re-run it once "
                                                 rf"that one ends")):
             run_multiprocess(_train, 2, overrides, str(tmp_path / "run1"), timeout_s=120)
+        assert not folder.exists()  # (nothing was written there)
+        folder.mkdir()
+        aliased = tmp_path / "ckpt_link"  # (the same folder by another path: the same lock)
+        aliased.symlink_to(folder, target_is_directory=True)
+        with pytest.raises(RuntimeError, match=rf"ValueError: checkpoint folder {aliased} is in use by another run"):
+            run_multiprocess(_train, 2, overrides[:-2] + [f"checkpoint.dir={aliased}", "eval=false"],
+                             str(tmp_path / "run1b"), timeout_s=120)
     finally:
         os.close(fd)  # (that run ends)
-    assert not folder.exists()  # (nothing was written there)
+    assert not any(folder.iterdir())
     m = run_multiprocess(_train, 2, overrides, str(tmp_path / "run2"), timeout_s=120)[0]["metrics"]
     assert m["steps"] == 4 and sorted(p.name for p in folder.glob("step_*")) == ["step_00000002", "step_00000004"]
 

@@ -79,12 +79,18 @@ def _dump_error_file_atomically(handler: object, child_file: str, exitcode: int)
 _LOST = (-9, -11, -7)
 
 
+#: the exact time of failure herald's error file records (``extraInfo``), beside torchelastic's whole-second
+#: ``timestamp``
+FAILED_AT_KEY = "herald_failed_at"
+
+
 def root_failure(failures: Dict[int, Any]) -> Tuple[int, Any]:
     """The rank whose failure to report: one killed by SIGKILL, SIGSEGV or SIGBUS (a lost rank: the others'
     errors, a peer's connection reset, follow from it), else the first to fail, leaving out ranks torchrun
-    terminated (SIGTERM, no error of their own) because another failed first. Torchelastic's timestamps are
-    whole seconds: of two failures in one second, the lower rank is reported. Torchelastic's first failure goes by timestamp,
-    and a rank killed by a signal gets its timestamp when the agent notices it, after its peers' error files."""
+    terminated (SIGTERM, no error of their own) because another failed first. Torchelastic's first failure goes
+    by its whole-second timestamps, and a rank killed by a signal gets its timestamp when the agent notices it,
+    after its peers' error files. Two failures in one second go by the exact time herald's error file records
+    (:func:`torchrec_herald.train.fail`), else by rank."""
     killed = sorted(r for r, f in failures.items() if getattr(f, "exitcode", None) in _LOST)
     if killed:
         return killed[0], failures[killed[0]]
@@ -92,8 +98,19 @@ def root_failure(failures: Dict[int, Any]) -> Tuple[int, Any]:
     # another signal, or exited without an error file, may be the cause)
     reported = [r for r, f in failures.items()
                 if _has_error_file(f) or getattr(f, "exitcode", None) != -15] or list(failures)
-    rank = min(reported, key=lambda r: (getattr(failures[r], "timestamp", 0), r))
+    rank = min(reported, key=lambda r: (getattr(failures[r], "timestamp", 0), _failed_at(failures[r]), r))
     return rank, failures[rank]
+
+
+def _failed_at(failure: object) -> float:
+    """The exact time herald's error file records for ``failure`` (``inf`` without one: an error file of
+    another writer, or none)."""
+    message = getattr(failure, "message", None)
+    info = message.get("extraInfo") if isinstance(message, dict) else None
+    try:
+        return float(info[FAILED_AT_KEY]) if _has_error_file(failure) and isinstance(info, dict) else float("inf")
+    except (KeyError, TypeError, ValueError):
+        return float("inf")
 
 
 def main(argv: Optional[List[str]] = None) -> None:

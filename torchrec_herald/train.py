@@ -25,6 +25,8 @@ import hydra
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
 
+from torchrec_herald.launch import FAILED_AT_KEY
+
 logger = logging.getLogger(__name__)
 
 
@@ -61,7 +63,9 @@ def fail(e: BaseException, log_file: Optional[Path] = None) -> NoReturn:
     if error_file:  # under torchrun: the line is its root cause (and torchx's final status), once
         tmp = f"{error_file}.{os.getpid()}.tmp"  # (whole or absent: torchrun may terminate this rank meanwhile)
         with open(tmp, "w") as f:
-            json.dump({"message": {"message": line + where, "extraInfo": {"timestamp": str(int(time.time()))}}}, f)
+            now = time.time()  # (torchelastic reads the whole seconds; the launcher orders ties by the exact time)
+            json.dump({"message": {"message": line + where,
+                                   "extraInfo": {"timestamp": str(int(now)), FAILED_AT_KEY: repr(now)}}}, f)
         os.replace(tmp, error_file)
     elif os.environ.get("RANK", "0") == "0" or not _collective(e):
         sys.stderr.write(f"ERROR: {line}{where}\n")

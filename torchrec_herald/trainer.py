@@ -289,9 +289,10 @@ class Checkpointing:
 
     def claim(self) -> None:
         """Make the checkpoint folder this run's while it trains (collective; rank 0 holds an exclusive lock on
-        ``.<folder>.lock`` beside it, which the system drops when the process ends): a second run given the same
-        folder at the same time (``checkpoint.dir`` or ``run_name``) would overwrite its checkpoints, or move
-        them aside. ValueError on every rank naming the folder and the process that holds it."""
+        ``.<folder>.lock`` beside the folder's resolved path, which the system drops when the process ends): a
+        second run given the same folder at the same time, by any path (``checkpoint.dir`` or ``run_name``), would
+        overwrite its checkpoints, or move them aside. ValueError on every rank naming the folder and the process
+        that holds it."""
         if not self.every:
             return
         import errno
@@ -299,7 +300,8 @@ class Checkpointing:
         import socket
 
         def lock() -> Optional[str]:  # (rank 0: its error line, or None)
-            path = self.dir.parent / f".{self.dir.name}.lock"
+            real = self.dir.resolve()  # (one folder reached by two paths, a link or `..`, is one lock)
+            path = real.parent / f".{real.name}.lock"
             try:
                 path.parent.mkdir(parents=True, exist_ok=True)
                 fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)

@@ -59,8 +59,8 @@ class SwitchHost(Protocol):
 
 
 class _Feed:
-    """``source``'s items, at most ``limit`` of them (None: all), a limit that can grow (an ``islice`` whose end
-    moves: the batches TorchRec's pipeline evaluated instead of training are given again)."""
+    """``source``'s items, at most ``limit`` of them (None: all), a limit that can be set again (an ``islice``
+    whose end moves: an eval pass changes which batches TorchRec's pipeline holds in flight)."""
 
     def __init__(self, source: Iterator[Any], limit: Optional[int]) -> None:
         self._source, self._left = source, limit
@@ -75,9 +75,10 @@ class _Feed:
             self._left -= 1
         return next(self._source)
 
-    def extend(self, n: int) -> None:
+    def limit_to(self, n: int) -> None:
+        """At most ``n`` more items (none where it had no limit)."""
         if self._left is not None:
-            self._left += int(n)
+            self._left = max(0, int(n))
 
 
 class SchedulingSwitch:
@@ -175,16 +176,20 @@ class SchedulingSwitch:
         window's batches (this rank's share, already read), then this rank's slice of each global batch.
         While ``auto`` probes, it is fed exactly the batches of the probe's remaining steps, so it is empty
         when the probe decides (whichever mode wins, no batch is skipped or trained twice)."""
-        self._evaluating = False
         if self._delegate is None:
             self.host.settle()
             self._delegate = self._make_delegate()
+        probing = self.probe is not None and not self.probe["decided"]
+        # (each of the probe's remaining steps trains one batch: one TorchRec's pipeline holds in flight, else one
+        # the feed gives)
+        remaining = self.probe_length() - self.host.stats.steps - self.batches_in_flight() if probing else None
         if self._delegate_src is not it:
             queued = self.host.take_window_batches()
-            probing = self.probe is not None and not self.probe["decided"]
-            limit = self.probe_length() - self.host.stats.steps if probing else None
             share = self._my_share(queued, it, self.host.stats.steps)
-            self._delegate_src, self._delegate_it = it, _Feed(share, limit)
+            self._delegate_src, self._delegate_it = it, _Feed(share, remaining)
+        elif self._evaluating and isinstance(self._delegate_it, _Feed) and remaining is not None:  # (an eval pass evaluated batches in flight, and queued
+            self._delegate_it.limit_to(remaining)  # its own behind them, which train: stock TorchRec's semantics)
+        self._evaluating = False
         try:
             out = self._delegate.progress(self._delegate_it)
         except BaseException:  # (the data's end, or a batch that raised: it ended the generators feeding TorchRec's
@@ -205,14 +210,11 @@ class SchedulingSwitch:
 
     def eval_in_flight(self, it: Iterator[Any]) -> Any:
         """An eval step while TorchRec's pipeline holds training batches in flight: its own step, forward only
-        (TorchRec's semantics: the batches in flight first, then ``it``'s). The training batches it evaluates
-        train no step, so a probe's feed gives as many more (its limit counts the steps trained), and the
-        eval's time is no probe step's."""
+        (TorchRec's semantics: the batches in flight first, then ``it``'s; a pass stopped early leaves eval batches
+        in flight, which then train). The next training step sets a probe's feed to what its remaining steps then
+        need, and the eval's time is no probe step's."""
         assert self._delegate is not None
-        if not self._evaluating:  # the pass's first step: the training batches in flight will be evaluated
-            self._evaluating = True
-            if isinstance(self._delegate_it, _Feed):  # (they train no step of the probe's: as many more)
-                self._delegate_it.extend(self.batches_in_flight())
+        self._evaluating = True
         try:
             return self._delegate.progress(it)
         finally:
