@@ -97,9 +97,12 @@ def load_of(row: Dict[str, Any], kind: str) -> Tuple[PlanLoad, float]:
                     host_bound_ms=floor), unl["step"]
 
 
-def validate() -> Dict[str, Any]:
+def validate(validated: Optional[List[str]] = None) -> Dict[str, Any]:
+    """Each measured point of ``validated`` (``bench_bandwidth`` JSONs in ``results/``, default
+    :data:`VALIDATED`: herald's defaults beside a stock baseline) against the model's prediction."""
+    validated = validated or VALIDATED
     probe = {(r["world_size"], r["rate_mbit"]): r["link_decision"]["measured"]
-             for n in VALIDATED for r in _rows(n) if r["config"] == "herald_defaults"}
+             for n in validated for r in _rows(n) if r["config"] == "herald_defaults"}
     latency = probe[(2, 0)]["collective_latency_ms"]
 
     def model(W: int, rate: int, efficiency: float) -> StepTimeModel:
@@ -112,7 +115,7 @@ def validate() -> Dict[str, Any]:
     path_ms = cal["breakdown_ms"]["step"] - cal_load.compute_ms - cal_load.collectives * latency
     efficiency = cal_load.critical_bytes * 8 / (path_ms * 1e3) / 200
     points = []
-    for n in VALIDATED:
+    for n in validated:
         rows = _rows(n)
         for r in rows:
             if r["config"] == "herald_defaults":
@@ -361,10 +364,12 @@ def main(argv: Optional[List[str]] = None) -> None:
     ap.add_argument("--gpu-stock", default="gpu_step3_stock.json", help="stock's GPU step JSON in results/")
     ap.add_argument("--gpu-herald", default="gpu_step3_hot.json",
                     help="herald's GPU step JSON in results/, measured beside --gpu-stock")
+    ap.add_argument("--validated", nargs="+", default=None,
+                    help=f"bench_bandwidth JSONs in results/ (no .json) to validate on (default: {' '.join(VALIDATED)})")
     a = ap.parse_args(argv)
     gpu = (a.gpu_stock, a.gpu_herald)
     command = "python benchmarks/time_model.py" + (" " + " ".join(argv) if argv else "")
-    result = {"command": command, "validation": validate(), "projection": project(a.world_sizes, a.links_gbit, a.dims, gpu),
+    result = {"command": command, "validation": validate(a.validated), "projection": project(a.world_sizes, a.links_gbit, a.dims, gpu),
               "per_table": project_per_table(a.world_sizes, a.links_gbit, a.dims, gpu)}
     out = Path(a.out)
     out.write_text(json.dumps(result, indent=1))
