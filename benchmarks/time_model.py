@@ -76,6 +76,15 @@ def trained(row: Dict[str, Any]) -> str:
     return "scheduling" if {"herald_pull", "herald_push_pull"} & set(row["by_label"]) else "hot"
 
 
+def use_unlimited_runs(names: List[str]) -> None:
+    """Take each plan's compute at the unlimited link from ``names`` (``bench_bandwidth`` JSONs in ``results/``:
+    their rows at rate 0, by what each trained), where they have it, instead of :data:`UNLIMITED`'s runs."""
+    for name in names:
+        for r in _rows(name):
+            if r["rate_mbit"] == 0:
+                UNLIMITED[(trained(r), r["world_size"])] = (name, r["config"])
+
+
 def load_of(row: Dict[str, Any], kind: str) -> Tuple[PlanLoad, float]:
     """The row's plan as a PlanLoad (measured bytes and collectives per rank and step, measured compute at
     the unlimited link), and that unlimited step."""
@@ -366,7 +375,11 @@ def main(argv: Optional[List[str]] = None) -> None:
                     help="herald's GPU step JSON in results/, measured beside --gpu-stock")
     ap.add_argument("--validated", nargs="+", default=None,
                     help=f"bench_bandwidth JSONs in results/ (no .json) to validate on (default: {' '.join(VALIDATED)})")
+    ap.add_argument("--unlimited", nargs="+", default=[],
+                    help="bench_bandwidth JSONs in results/ (no .json) whose unlimited-link rows give each plan's "
+                         "compute (default: the runs UNLIMITED names)")
     a = ap.parse_args(argv)
+    use_unlimited_runs(a.unlimited)
     gpu = (a.gpu_stock, a.gpu_herald)
     command = "python benchmarks/time_model.py" + (" " + " ".join(argv) if argv else "")
     result = {"command": command, "validation": validate(a.validated), "projection": project(a.world_sizes, a.links_gbit, a.dims, gpu),

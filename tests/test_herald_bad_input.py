@@ -311,6 +311,41 @@ def test_an_embedding_optimizer_herald_cannot_reproduce_names_the_tables_and_the
         "[...]) without row_wise, given to HeraldPlanner)")
 
 
+@pytest.mark.parametrize("via", ["fused_params", "apply_optimizer_in_backward"])
+def test_an_optimizer_setting_herald_would_ignore_is_refused_naming_the_tables(via: str) -> None:
+    """Gradient clipping, weight decay or max norm change stock TorchRec's update (fbgemm's TBE); herald's would
+    have trained without them, silently: refused at sharding, naming the setting and the tables."""
+    from torchrec.modules.embedding_configs import EmbeddingBagConfig
+    from torchrec.modules.embedding_modules import EmbeddingBagCollection
+    from fbgemm_gpu.split_embedding_configs import EmbOptimType
+    from torchrec.optim.apply_optimizer_in_backward import apply_optimizer_in_backward
+
+    from torchrec_herald.sharding.hot_replicated import fused_params_of
+
+    def ebc() -> EmbeddingBagCollection:
+        return EmbeddingBagCollection([EmbeddingBagConfig(name=n, embedding_dim=8, num_embeddings=10,
+                                                          feature_names=[f]) for n, f in (("ta", "fa"), ("tb", "fb"))],
+                                      device=torch.device("meta"))
+
+    cases = ((dict(gradient_clipping=True, max_gradient=1e-3), "gradient_clipping=True"),
+             (dict(weight_decay=0.01), "weight_decay=0.01"), (dict(max_norm=1.0), "max_norm=1.0"))
+    for extra, named in cases if via == "fused_params" else cases[1:2]:  # (torch's SGD takes weight_decay alone)
+        module, params = ebc(), {"optimizer": EmbOptimType.EXACT_SGD, "learning_rate": 0.1, **extra}
+        if via == "apply_optimizer_in_backward":
+            apply_optimizer_in_backward(torch.optim.SGD, module.parameters(), {"lr": 0.1, **extra})
+            params = None
+        with pytest.raises(ValueError) as e:
+            fused_params_of(module, params)
+        assert str(e.value) == (
+            f"herald_hot_row_wise does not reproduce the embedding optimizer's {named} (the EBC of tables ta, tb): drop "
+            f"it from fused_params / apply_optimizer_in_backward's arguments, or keep these tables stock "
+            f"(ParameterConstraints(sharding_types=[...]) without row_wise, given to HeraldPlanner)")
+    module = ebc()  # (their defaults given explicitly change nothing: accepted)
+    params = fused_params_of(module, {"optimizer": EmbOptimType.EXACT_SGD, "learning_rate": 0.1,
+                                      "gradient_clipping": False, "weight_decay": 0.0, "max_norm": 0.0})
+    assert params["optimizer"] == EmbOptimType.EXACT_SGD
+
+
 def test_ranks_sharding_with_different_hot_sets_are_refused_on_every_rank() -> None:
     """Plans made on each rank from its own batches can differ: the ranks' collectives would then not match (gloo
     aborted, NCCL would hang). Every rank names the table as the module is built."""

@@ -298,6 +298,13 @@ def _check_every_rank_has_the_plan(tables: List[str], specs: List[HotSpec], pg: 
                              f"(model, sharders, pg) (rank 0 plans, every rank gets its plan), as TorchRec's planner")
 
 
+#: fbgemm TBE optimizer arguments that change SGD's or row-wise Adagrad's update, and the value at which they do
+#: not: herald's cold lookup and hot-row update would ignore any other value, training silently otherwise
+UPDATE_KEYS_NOT_REPRODUCED: Dict[str, Any] = {
+    "gradient_clipping": False, "weight_decay": 0.0, "max_norm": 0.0, "counter_based_regularization": None,
+    "cowclip_regularization": None, "global_weight_decay": None}
+
+
 def fused_params_of(module: EmbeddingBagCollection, sharder_fused_params: Optional[Dict[str, Any]]
                     ) -> Dict[str, Any]:
     """The embedding optimizer, set the TorchRec way: ``apply_optimizer_in_backward`` on the EBC's
@@ -318,8 +325,15 @@ def fused_params_of(module: EmbeddingBagCollection, sharder_fused_params: Option
     if not merged or "optimizer" not in merged:
         raise ValueError("no embedding optimizer: use torchrec.optim.apply_optimizer_in_backward on the "
                          "EmbeddingBagCollection's parameters or the sharder's fused_params={'optimizer': ...}")
+    tables = ", ".join(c.name for c in module.embedding_bag_configs())
+    changed = [f"{k}={merged[k]!r}" for k, default in UPDATE_KEYS_NOT_REPRODUCED.items()
+               if k in merged and merged[k] is not None and merged[k] != default]
+    if changed:  # (the cold TBE and the hot rows' update take the optimizer, its learning rate and eps alone)
+        raise ValueError(f"herald_hot_row_wise does not reproduce the embedding optimizer's {', '.join(changed)} (the "
+                         f"EBC of tables {tables}): drop it from fused_params / apply_optimizer_in_backward's "
+                         f"arguments, or keep these tables stock (ParameterConstraints(sharding_types=[...]) without "
+                         f"row_wise, given to HeraldPlanner)")
     if merged["optimizer"] not in SUPPORTED_OPTIMIZERS:
-        tables = ", ".join(c.name for c in module.embedding_bag_configs())
         raise ValueError(f"herald_hot_row_wise reproduces {[o.name for o in SUPPORTED_OPTIMIZERS]} exactly; the EBC "
                          f"of tables {tables} uses {merged['optimizer']}: use SGD or RowWiseAdagrad, or keep these "
                          f"tables stock (ParameterConstraints(sharding_types=[...]) without row_wise, given to "
