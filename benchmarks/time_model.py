@@ -119,7 +119,9 @@ def validate(validated: Optional[List[str]] = None) -> Dict[str, Any]:
         return StepTimeModel(link_mbit=mbit, collective_latency_ms=latency)
 
     # calibration: the link efficiency that puts stock TABLE_WISE at W=2, 200 Mbit/s on its measured step
-    cal = _row("bandwidth_w2_probe_limited", "tw", 2, 200)
+    cal_name = next((n for n in validated if any((r["config"], r["world_size"], r["rate_mbit"]) == ("tw", 2, 200)
+                                                 for r in _rows(n))), "bandwidth_w2_probe_limited")
+    cal = _row(cal_name, "tw", 2, 200)
     cal_load, _ = load_of(cal, "table_wise")
     path_ms = cal["breakdown_ms"]["step"] - cal_load.compute_ms - cal_load.collectives * latency
     efficiency = cal_load.critical_bytes * 8 / (path_ms * 1e3) / 200
@@ -137,7 +139,7 @@ def validate(validated: Optional[List[str]] = None) -> Dict[str, Any]:
             ms, mh = r["breakdown_ms"]["step"], h["breakdown_ms"]["step"]
             points.append({
                 "world_size": W, "rate_mbit": rate, "baseline": trained(r), "herald_trained": trained(h),
-                "link_mbit_used": m.link_mbit, "calibration_point": r is cal,
+                "link_mbit_used": m.link_mbit, "calibration_point": (n, r["config"], W, rate) == (cal_name, "tw", 2, 200),
                 "stock_step_ms": {"measured": ms, "predicted": ps, "error": ps / ms - 1},
                 "herald_step_ms": {"measured": mh, "predicted": ph, "error": ph / mh - 1},
                 # samples/s ratio herald / stock: the measured one is bench_bandwidth's (median runs)
