@@ -145,3 +145,14 @@ def test_validate_mismatch_errors() -> None:
     with pytest.raises(ValueError) as e:
         s.validate([TABLES[0]])
     assert str(e.value) == "access stats tables ['t_b'] are not in the model (model tables: ['t_a'])"
+
+
+def test_a_feature_two_tables_read_is_counted_for_each() -> None:
+    """Two EBCs may read one KJT key (a two-tower model's shared feature): each table counts its accesses, as if
+    it alone read it (it was refused as 'served by two tables')."""
+    both = [table("user_geo_u", 5, ["geo"]), table("user_geo_i", 6, ["geo", "fi"])]
+    s = AccessStats.from_batches([kjt({"geo": [[1, 1], [4]], "fi": [[5], []]})], both)
+    assert torch.equal(s.counts["user_geo_u"], i64([0, 2, 0, 0, 1]))
+    assert torch.equal(s.counts["user_geo_i"], i64([0, 2, 0, 0, 1, 1]))
+    with pytest.raises(ValueError, match=r"batch 0: table 'user_geo_u' feature 'geo': id 5 is outside \[0, 5\)"):
+        AccessStats.from_batches([kjt({"geo": [[5]], "fi": [[0]]})], both)

@@ -276,3 +276,46 @@ def test_an_embedding_collection_beside_the_ebc_is_planned_by_torchrec() -> None
     plan = planner.plan(TwoKinds(), [HeraldEmbeddingBagCollectionSharder(), EmbeddingCollectionSharder()])
     assert {t: ps.sharding_type for t, ps in plan.plan["ebc"].items()} == {"b": HERALD_HOT_ROW_WISE}
     assert plan.plan["ec"]["s"].sharding_type in ("row_wise", "table_wise", "column_wise", "data_parallel")
+
+
+def test_two_towers_sharing_a_feature_are_planned_and_a_table_name_two_ebcs_use_is_named() -> None:
+    """A two-tower model whose EBCs both read one KJT key: each tower's table gets the hot rows of its own
+    counts (it was refused as a feature 'served by two tables'). Two EBCs naming a table alike are refused
+    with one line naming both EBCs and the table (herald plans tables by name)."""
+    from torch import nn
+    from torchrec.modules.embedding_configs import EmbeddingBagConfig
+    from torchrec.modules.embedding_modules import EmbeddingBagCollection
+    from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
+
+    from torchrec_herald.planner import HeraldPlanner
+    from torchrec_herald.sharding import HeraldEmbeddingBagCollectionSharder
+    from torchrec_herald.sharding.types import HERALD_HOT_ROW_WISE
+
+    def tower(*tables: tuple) -> EmbeddingBagCollection:
+        return EmbeddingBagCollection([EmbeddingBagConfig(name=n, embedding_dim=8, num_embeddings=rows,
+                                                          feature_names=[f]) for n, f, rows in tables],
+                                      device=torch.device("meta"))
+
+    class TwoTowers(nn.Module):
+        def __init__(self, user_table: str) -> None:
+            super().__init__()
+            self.user = nn.Module()
+            self.user.ebc = tower((user_table, "geo", 64), ("uid", "uid", 100))
+            self.item = tower(("item_geo", "geo", 64), ("iid", "iid", 100))
+
+    geo = torch.tensor([3, 3, 3, 3, 7, 7, 7, 1, 2, 5, 9, 11, 13, 17, 19, 23])  # (3 and 7 are hot)
+    kjt = KeyedJaggedTensor.from_lengths_sync(["geo", "uid", "iid"], torch.cat([geo, torch.arange(16), torch.arange(16)]),
+                                              torch.ones(48, dtype=torch.int32))
+    planner = HeraldPlanner.from_batches([kjt] * 4, world_size=W, compute_device="cpu", hot_memory_budget_bytes=4096)
+    plan = planner.plan(TwoTowers("user_geo"), [HeraldEmbeddingBagCollectionSharder()])
+    assert {t: ps.sharding_type for m in ("user.ebc", "item") for t, ps in plan.plan[m].items()} == {
+        t: HERALD_HOT_ROW_WISE for t in ("user_geo", "uid", "item_geo", "iid")}
+    stats = planner.access_stats([c for m in (TwoTowers("user_geo").user.ebc, TwoTowers("user_geo").item)
+                                  for c in m.embedding_bag_configs()])
+    assert torch.equal(stats.counts["user_geo"], stats.counts["item_geo"])
+    assert torch.equal(planner.last_choices["user_geo"].hot_ids, planner.last_choices["item_geo"].hot_ids)
+    assert {3, 7} <= set(planner.last_choices["user_geo"].hot_ids.tolist())
+    with pytest.raises(ValueError) as e:
+        planner.plan(TwoTowers("item_geo"), [HeraldEmbeddingBagCollectionSharder()])
+    assert str(e.value) == ("HeraldPlanner: EBCs 'user.ebc' and 'item' both have a table named 'item_geo'; herald plans "
+                            "the tables of every EBC by name (hot sets, constraints): give each table a name of its own")

@@ -43,8 +43,21 @@ DEFAULT_HOT_MEMORY_BUDGET_BYTES = 64 * 1024 * 1024
 
 
 def embedding_bag_configs(module: nn.Module) -> List[EmbeddingBagConfig]:
-    """All EmbeddingBagConfigs of the EBCs inside ``module`` (herald plans every EBC's tables)."""
-    return [c for m in module.modules() if isinstance(m, EmbeddingBagCollection) for c in m.embedding_bag_configs()]
+    """All EmbeddingBagConfigs of the EBCs inside ``module`` (herald plans every EBC's tables, by name: a name two
+    EBCs give their tables is refused, naming both)."""
+    where: Dict[str, str] = {}
+    configs = []
+    for fqn, m in module.named_modules():
+        if not isinstance(m, EmbeddingBagCollection):
+            continue
+        for c in m.embedding_bag_configs():
+            if c.name in where:
+                raise ValueError(f"HeraldPlanner: EBCs {where[c.name] or '(the model)'!r} and {fqn or '(the model)'!r} "
+                                 f"both have a table named {c.name!r}; herald plans the tables of every EBC by name "
+                                 f"(hot sets, constraints): give each table a name of its own")
+            where[c.name] = fqn
+            configs.append(c)
+    return configs
 
 
 def check_hot_budget_fits(budget: Optional[int], topology: Topology, key: str = "hot_memory_budget_bytes") -> None:

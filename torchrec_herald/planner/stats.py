@@ -44,20 +44,16 @@ PathLike = Union[str, "os.PathLike[str]"]
 
 
 def _table_layout(tables: Sequence[EmbeddingBagConfig]) -> Tuple[List[str], Dict[str, int], Dict[str, List[str]]]:
-    """(table names in order, rows per table, features per table); rejects duplicate names/features."""
+    """(table names in order, rows per table, features per table); rejects duplicate table names. A feature may
+    be served by several tables (two EBCs reading one KJT key): each counts its accesses."""
     names: List[str] = []
     rows: Dict[str, int] = {}
     features: Dict[str, List[str]] = {}
-    owner: Dict[str, str] = {}
     for cfg in tables:
         if cfg.name in rows:
             raise ValueError(f"duplicate table name {cfg.name!r}")
         if cfg.num_embeddings < 1:
             raise ValueError(f"table {cfg.name!r}: num_embeddings must be >= 1, got {cfg.num_embeddings}")
-        for f in cfg.feature_names:
-            if f in owner:
-                raise ValueError(f"feature {f!r} is served by two tables: {owner[f]!r} and {cfg.name!r}")
-            owner[f] = cfg.name
         names.append(cfg.name)
         rows[cfg.name] = int(cfg.num_embeddings)
         features[cfg.name] = list(cfg.feature_names)
@@ -174,11 +170,14 @@ class AccessStats:
         index = self.num_batches
         if kjt.variable_stride_per_key():
             raise ValueError(f"batch {index}: variable-stride (VBE) KJTs are not supported")
-        feature_table = {f: t for t in self.tables for f in self.feature_names[t]}
+        feature_tables: Dict[str, List[str]] = {}  # (a KJT key two EBCs read: each table counts it)
+        for t in self.tables:
+            for f in self.feature_names[t]:
+                feature_tables.setdefault(f, []).append(t)
         stride = int(kjt.stride())
-        unserved = [key for key in kjt.keys() if key not in feature_table]
+        unserved = [key for key in kjt.keys() if key not in feature_tables]
         if unserved:
-            kjt = kjt.permute([i for i, key in enumerate(kjt.keys()) if key in feature_table])
+            kjt = kjt.permute([i for i, key in enumerate(kjt.keys()) if key in feature_tables])
         keys = kjt.keys()
         values = kjt.values().detach().to("cpu", torch.int64)
         lengths = kjt.lengths().detach().to("cpu", torch.int64)
@@ -189,17 +188,17 @@ class AccessStats:
         ids_of: Dict[str, List[torch.Tensor]] = {}
         lengths_of: Dict[str, List[torch.Tensor]] = {}
         for key, v, ln in zip(keys, per_key_values, per_key_lengths):
-            t = feature_table[key]
-            n = self.num_embeddings[t]
-            if v.numel():
-                lo, hi = torch.aminmax(v)
-                if int(lo) < 0 or int(hi) >= n:
-                    bad = (v < 0) | (v >= n)
-                    bad_id = int(v[int(bad.nonzero()[0, 0])])
-                    raise ValueError(f"batch {index}: table {t!r} feature {key!r}: id {bad_id} is outside "
-                                     f"[0, {n})")
-            ids_of.setdefault(t, []).append(v)
-            lengths_of.setdefault(t, []).append(ln)
+            for t in feature_tables[key]:
+                n = self.num_embeddings[t]
+                if v.numel():
+                    lo, hi = torch.aminmax(v)
+                    if int(lo) < 0 or int(hi) >= n:
+                        bad = (v < 0) | (v >= n)
+                        bad_id = int(v[int(bad.nonzero()[0, 0])])
+                        raise ValueError(f"batch {index}: table {t!r} feature {key!r}: id {bad_id} is outside "
+                                         f"[0, {n})")
+                ids_of.setdefault(t, []).append(v)
+                lengths_of.setdefault(t, []).append(ln)
         for t, parts in ids_of.items():
             ids = parts[0] if len(parts) == 1 else torch.cat(parts)
             if ids.numel() == 0:
