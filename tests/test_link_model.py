@@ -345,6 +345,32 @@ def test_the_bandwidth_stated_in_torchrecs_topology_is_the_link() -> None:
     assert given.link.link_mbit == 50  # an explicit link wins
 
 
+def test_a_topology_stating_the_other_hosts_bandwidth_only_gives_no_link(caplog: pytest.LogCaptureFixture) -> None:
+    """Ranks across hosts with only ``intra_host_bw`` stated (or one host with only ``inter_host_bw``): the ranks'
+    own link is TorchRec's default, not the user's; no link is taken, with one warning naming the key to state
+    (TorchRec's default inter-host rate was taken as the link)."""
+    import logging
+    import warnings
+
+    from torchrec.distributed.planner.types import Topology
+
+    from torchrec_herald.planner.planner import link_from_topology
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        across = Topology(world_size=4, compute_device="cpu", local_world_size=2, intra_host_bw=25_000.0)
+        within = Topology(world_size=2, compute_device="cpu", local_world_size=2, inter_host_bw=25_000.0)
+    with caplog.at_level(logging.WARNING, logger="torchrec_herald.planner.planner"):
+        assert link_from_topology(across) is None and link_from_topology(within) is None
+    assert [r.getMessage() for r in caplog.records if r.name == "torchrec_herald.planner.planner"] == [
+        "HeraldPlanner: the Topology states intra_host_bw, but its 4 ranks span hosts of 2: their link is "
+        "inter_host_bw, which it leaves at TorchRec's default; no link is taken from it (state inter_host_bw, or give "
+        "link=)",
+        "HeraldPlanner: the Topology states inter_host_bw, but its 2 ranks share one host: their link is "
+        "intra_host_bw, which it leaves at TorchRec's default; no link is taken from it (state intra_host_bw, or give "
+        "link=)"]
+
+
 def test_the_cost_model_prices_in_time_on_a_known_link_and_picks_the_rows_bytes_pick() -> None:
     """The hot-set cost model prices rows through the planner's pricing (bytes, or ms on a link). Time
     here is linear in bytes, so the hot sets are the same; the nets are in the pricing's unit."""

@@ -462,9 +462,11 @@ class CostModelHotSetSelector(HotSetSelector):
     table re-picks the cheaper sync mode for the rows it kept (a no-op unless the budget cut rows).
     A budget smaller than one row leaves every table empty and logs a warning.
 
-    ``pricing`` (``planner/pricing.py``) turns the bytes into the unit the nets are compared in: bytes
+    ``pricing`` (``planner/pricing.py``) turns the bytes into the unit the nets are reported in: bytes
     (:class:`~torchrec_herald.planner.pricing.ByteCount`, the default) or milliseconds on a link
-    (:class:`~torchrec_herald.planner.pricing.LinkModel`).
+    (:class:`~torchrec_herald.planner.pricing.LinkModel`). Every term is bytes, so the rows chosen are the same
+    in either unit: the link decides whether herald's plan trains at all (``HeraldPlanner.decide``), not which
+    rows it replicates.
     """
 
     def __init__(self, pricing: Optional[Pricing] = None) -> None:

@@ -323,15 +323,22 @@ def dense_allreduce_bytes(module: nn.Module, world_size: int) -> float:
 
 def link_from_topology(topology: Any, cpu_us_per_lookup: float = LinkModel.cpu_us_per_lookup) -> Optional[LinkModel]:
     """The link a user stated in TorchRec's ``Topology``: ``inter_host_bw`` when the ranks span hosts,
-    else ``intra_host_bw`` (TorchRec's unit, bytes per ms); None when both are TorchRec's defaults (not
-    stated)."""
+    else ``intra_host_bw`` (TorchRec's unit, bytes per ms); None when that one is TorchRec's default (not
+    stated; a warning where the other was stated: it is not the ranks' link)."""
     from torchrec.distributed.planner.constants import CROSS_NODE_BANDWIDTH, INTRA_NODE_BANDWIDTH
 
     intra, inter = float(topology.intra_host_bw), float(topology.inter_host_bw)
-    if intra == INTRA_NODE_BANDWIDTH and inter == CROSS_NODE_BANDWIDTH:
-        return None
     spans_hosts = topology.world_size > (topology.local_world_size or topology.world_size)
-    bw = inter if spans_hosts else intra
+    bw, default = (inter, CROSS_NODE_BANDWIDTH) if spans_hosts else (intra, INTRA_NODE_BANDWIDTH)
+    if bw == default:
+        if (intra, inter) != (INTRA_NODE_BANDWIDTH, CROSS_NODE_BANDWIDTH):
+            stated, missing = ("intra_host_bw", "inter_host_bw") if spans_hosts else ("inter_host_bw", "intra_host_bw")
+            logger.warning("HeraldPlanner: the Topology states %s, but its %d ranks %s: their link is %s, which it "
+                           "leaves at TorchRec's default; no link is taken from it (state %s, or give link=)",
+                           stated, topology.world_size,
+                           f"span hosts of {topology.local_world_size}" if spans_hosts else "share one host",
+                           missing, missing)
+        return None
     return LinkModel(link_mbit=bw * 1000 * 8 / 1e6, collective_latency_ms=LinkModel.collective_latency_ms,
                      cpu_us_per_lookup=cpu_us_per_lookup)
 
