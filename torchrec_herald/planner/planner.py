@@ -188,13 +188,41 @@ class HeraldPlanner(EmbeddingShardingPlanner):
                 out[n] = allowed
         return out
 
+    def _other_dims(self, module: nn.Module, kept: set, stats: AccessStats) -> Dict[str, List[str]]:
+        """Herald's sharding holds one embedding dim an EBC: of an EBC whose tables (``kept`` aside) have several,
+        the dim whose tables' sampled lookups move the most bytes (lookups × dim) is herald's; the others' tables
+        keep a stock type that can sit beside them (their constraints' mixable types, else any mixable type), said in
+        one line."""
+        out: Dict[str, List[str]] = {}
+        for fqn, m in module.named_modules():
+            if not isinstance(m, EmbeddingBagCollection):
+                continue
+            by_dim: Dict[int, List[str]] = {}
+            for c in m.embedding_bag_configs():
+                if c.name not in kept:
+                    by_dim.setdefault(int(c.embedding_dim), []).append(c.name)
+            if len(by_dim) < 2:
+                continue
+            herald_dim = max(by_dim, key=lambda d: (d * sum(stats.total_lookups(n) for n in by_dim[d]),
+                                                    len(by_dim[d]), -d))
+            for d, names in by_dim.items():
+                for n in names if d != herald_dim else []:
+                    given = (self._constraints or {}).get(n)
+                    allowed = [t for t in (given.sharding_types or []) if t in MIXABLE_STOCK_TYPES] if given else []
+                    out[n] = allowed or list(MIXABLE_STOCK_TYPES)
+            logger.info("HeraldPlanner: EBC %r has tables of embedding dims %s; herald's sharding holds one dim an EBC: "
+                        "dim %d is herald's (its tables' sampled lookups move the most bytes), %s keep a stock type",
+                        fqn or "(the model)", sorted(by_dim), herald_dim,
+                        ", ".join(n for d, names in sorted(by_dim.items()) if d != herald_dim for n in names))
+        return out
+
     def _row_wise_constraints(self, tables: List[EmbeddingBagConfig], beside: Optional[Dict[str, List[str]]] = None
                               ) -> Dict[str, ParameterConstraints]:
         """The constraints of the plan of herald's cold blocks: every herald table ROW_WISE, the kept tables
         beside them their mixable types (``beside``), a user's other fields kept."""
         constraints = copy.deepcopy(self._constraints) if self._constraints else {}
         for name, allowed in (beside or {}).items():
-            constraints[name].sharding_types = list(allowed)
+            constraints.setdefault(name, ParameterConstraints()).sharding_types = list(allowed)
         for t in tables:
             pc = constraints.get(t.name, ParameterConstraints())
             pc.sharding_types = [ShardingType.ROW_WISE.value]
@@ -211,8 +239,7 @@ class HeraldPlanner(EmbeddingShardingPlanner):
         stock_sharders = [_as_stock(s) for s in sharders]  # stock planning components know stock types only
         every = embedding_bag_configs(module)
         kept = self._kept_stock(every)
-        tables = [t for t in every if t.name not in kept]
-        if not tables:
+        if all(t.name in kept for t in every):
             return super().plan(module, stock_sharders)
         if kept:
             logger.info("HeraldPlanner: %d table(s) keep the stock sharding types their constraints name: %s",
@@ -220,6 +247,9 @@ class HeraldPlanner(EmbeddingShardingPlanner):
         beside = self._beside_herald(module, kept)
         stats = self.access_stats(every)
         stats.validate(every)
+        other_dims = self._other_dims(module, kept, stats)
+        kept, beside = kept | set(other_dims), {**beside, **other_dims}
+        tables = [t for t in every if t.name not in kept]
         stats = stats.only(t.name for t in tables) if kept else stats
         choices = self._selector.select(stats, tables, self._topology.world_size, self._batch_size, self._budget)
         self.last_choices = choices
