@@ -156,6 +156,11 @@ def test_a_checkpoint_folder_in_use_by_a_running_run_is_refused(tmp_path: Path) 
         with pytest.raises(RuntimeError, match=rf"ValueError: checkpoint folder {aliased} is in use by another run"):
             run_multiprocess(_train, 2, overrides[:-2] + [f"checkpoint.dir={aliased}", "eval=false"],
                              str(tmp_path / "run1b"), timeout_s=120)
+        # (a run that saves nothing but would move the folder aside, checkpoint.resume=false: refused too)
+        unsaved = [o for o in overrides if not o.startswith("checkpoint.every_n_steps")] + ["checkpoint.resume=false"]
+        with pytest.raises(RuntimeError, match=rf"ValueError: checkpoint folder {folder} is in use by another run"):
+            run_multiprocess(_train, 2, unsaved, str(tmp_path / "run1c"), timeout_s=120)
+        assert folder.is_dir() and not list(tmp_path.glob("ckpt.set-aside-*"))
     finally:
         os.close(fd)  # (that run ends)
     assert not any(folder.iterdir())

@@ -291,9 +291,10 @@ class Checkpointing:
         """Make the checkpoint folder this run's while it trains (collective; rank 0 holds an exclusive lock on
         ``.<folder>.lock`` beside the folder's resolved path, which the system drops when the process ends): a
         second run given the same folder at the same time, by any path (``checkpoint.dir`` or ``run_name``), would
-        overwrite its checkpoints, or move them aside. ValueError on every rank naming the folder and the process
-        that holds it."""
-        if not self.every:
+        overwrite its checkpoints, or move them aside. A run that saves none takes the lock only where it would move
+        the folder aside (``checkpoint.resume=false``); one that resumes from it and saves nothing only reads it.
+        ValueError on every rank naming the folder and the process that holds it."""
+        if not self.every and (self.resume_enabled or not self.dir.exists()):
             return
         import errno
         import fcntl
