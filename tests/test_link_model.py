@@ -448,6 +448,31 @@ def test_the_probe_gives_every_rank_the_same_positive_figures() -> None:
                     for k in (1, 2)}
 
 
+def _measured(rank: int, world: int, fail_on: int = -1) -> object:
+    import torchrec_herald.planner.link_probe as link_probe
+
+    real = link_probe.probe_link
+
+    def probe(*args: object, **kwargs: object) -> object:
+        out = real(*args, **kwargs)
+        if rank == fail_on:  # (its collectives ran with the others': its own last wait timed out)
+            raise RuntimeError("Timed out waiting 30000ms for send operation to complete")
+        return out
+
+    link_probe.probe_link = probe
+    link = link_probe.measured_link(None)
+    return None if link is None else (link.link_mbit, link.collective_latency_ms, link.cpu_us_per_lookup)
+
+
+def test_measured_link_gives_every_rank_the_same_link_model_or_none_where_a_probe_failed() -> None:
+    """The API's one call for the link (``HeraldPlanner(link=measured_link(pg))``): the probe's rate and latency as
+    a LinkModel, alike on every rank; where one rank's probe fails, None on every rank (planning with the
+    Topology's stated bandwidth), never one rank pricing apart."""
+    a, b = run_multiprocess(_measured, 2)
+    assert a == b and a[0] > 0 and a[1] > 0 and a[2] == LinkModel.cpu_us_per_lookup
+    assert run_multiprocess(_measured, 2, 1) == [None, None]
+
+
 def _train_probe_failing(rank: int, world: int, overrides: list, run_dir: str, failing_ranks: tuple = (0, 1)) -> tuple:
     import logging
 

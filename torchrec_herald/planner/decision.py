@@ -48,15 +48,9 @@ def plan_model(config: Union[StockPlannerConfig, HeraldPlannerConfig], module: n
         return PlanDecision(plan=plan, sharders=sharders, dense_sync=config.dense_sync)
     probe = None
     if config.wants_probe and pg is not None and world_size > 1:
-        from torchrec_herald.planner import link_probe
+        from torchrec_herald.planner.link_probe import probe_on_every_rank
 
-        try:
-            probe = link_probe.probe_link(pg)
-            logger.info("planner: %s", probe.describe())
-        except Exception as e:  # noqa: BLE001 - a failed probe must not stop training: the configured values
-            logger.warning("planner: the link probe failed (%s); planning with the configured link values "
-                           "(planner.link_mbit / planner.collective_latency_ms)", e)
-        probe = link_probe.agree_on_probe(probe, pg)  # (on every rank, or on none)
+        probe = probe_on_every_rank(pg)  # (on every rank, or on none)
     one_rank = config.prices_one_rank_locally(world_size)
     config = config.with_measured(probe)
     link = LinkModel.local(config.cpu_us_per_lookup) if one_rank else config.link_model()

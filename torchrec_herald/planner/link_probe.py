@@ -21,7 +21,7 @@ from typing import Any, Dict, Optional
 import torch
 import torch.distributed as dist
 
-__all__ = ["LinkProbe", "agree_on_probe", "probe_link"]
+__all__ = ["LinkProbe", "agree_on_probe", "measured_link", "probe_link", "probe_on_every_rank"]
 
 logger = logging.getLogger(__name__)
 
@@ -128,3 +128,31 @@ def agree_on_probe(probe: Optional[LinkProbe], pg: Optional[dist.ProcessGroup],
         logger.warning("planner: another rank's link probe failed; every rank plans with the configured link "
                        "values (planner.link_mbit / planner.collective_latency_ms)")
     return None
+
+
+def probe_on_every_rank(pg: Optional[dist.ProcessGroup]) -> Optional[LinkProbe]:
+    """:func:`probe_link` on ``pg`` (collective), logged in one line; None on every rank where it failed on any
+    (one warning: the planner then plans with the configured link values)."""
+    probe = None
+    try:
+        probe = probe_link(pg)
+        logger.info("planner: %s", probe.describe())
+    except Exception as e:  # noqa: BLE001 - a failed probe must not stop training: the configured values
+        logger.warning("planner: the link probe failed (%s); planning with the configured link values "
+                       "(planner.link_mbit / planner.collective_latency_ms)", e)
+    return agree_on_probe(probe, pg)
+
+
+def measured_link(pg: Optional[dist.ProcessGroup], cpu_us_per_lookup: Optional[float] = None) -> Optional[Any]:
+    """The link ``pg`` runs on, measured (collective, about a second), as the model of time prices it: a
+    :class:`~torchrec_herald.planner.pricing.LinkModel` for ``HeraldPlanner(link=...)``, the same on every rank, so
+    that :meth:`HeraldPlanner.decide` picks herald's plan or a stock one as the command line does. None on every rank
+    where the probe failed on any (one warning): the planner then takes the ``Topology``'s stated bandwidth, if
+    any."""
+    from torchrec_herald.planner.pricing import LinkModel
+
+    probe = probe_on_every_rank(pg)
+    if probe is None:
+        return None
+    extra = {} if cpu_us_per_lookup is None else {"cpu_us_per_lookup": float(cpu_us_per_lookup)}
+    return LinkModel(link_mbit=probe.link_mbit, collective_latency_ms=probe.latency_ms, **extra)
