@@ -65,8 +65,8 @@ class TwoTowers(nn.Module):
         self.dense = nn.Linear(4, 1)
 
     def forward(self, batch: Any) -> Any:
-        u, i = (torch.cat([d[f] for f in sorted(d)], 1) for d in (m(batch.sparse_features).to_dict()
-                                                                  for m in (self.user, self.item)))
+        user, item = self.user(batch.sparse_features).to_dict(), self.item(batch.sparse_features).to_dict()
+        u, i = torch.cat([user["f0"], user["f1"]], 1), torch.cat([item["f1"], item["f2"]], 1)  # (fx-traceable)
         logits = (u * i).sum(1) + self.dense(batch.dense_features).squeeze(1)
         return _loss(logits, batch.labels)
 
@@ -85,7 +85,7 @@ def _batch(step: int, rank: int) -> Any:
                  labels=torch.randint(0, 2, (B,), generator=g).float())
 
 
-def _train(rank: int, world: int, model_name: str, herald: bool) -> Dict[str, Any]:
+def _train(rank: int, world: int, model_name: str, herald: bool, for_model: bool = False) -> Dict[str, Any]:
     import torch.distributed as dist
     from torch.distributed._shard.sharded_tensor import ShardedTensor
     from torchrec.distributed import DistributedModelParallel
@@ -121,7 +121,18 @@ def _train(rank: int, world: int, model_name: str, herald: bool) -> Dict[str, An
                                   lambda ps: torch.optim.SGD(ps, lr=0.1))
     optimizer = CombinedOptimizer([dmp.fused_optimizer, dense])
     losses: List[float] = []
-    for step in range(STEPS):
+    pipeline = None
+    if for_model:  # (the pipeline for whatever the plan is: TorchRec's where no one EBC is herald's)
+        from torchrec_herald import HeraldTrainPipeline
+
+        pipeline = HeraldTrainPipeline.for_model(dmp, optimizer, torch.device("cpu"))
+        it = iter([_batch(step, rank) for step in range(STEPS)])
+        while True:
+            try:
+                losses.append(float(pipeline.progress(it)[0]))
+            except StopIteration:
+                break
+    for step in range(STEPS if pipeline is None else 0):
         optimizer.zero_grad()
         loss, _ = dmp(_batch(step, rank))
         loss.backward()
@@ -136,11 +147,11 @@ def _train(rank: int, world: int, model_name: str, herald: bool) -> Dict[str, An
             v = full
         state[k.replace("_dmp_wrapped_module.", "").replace("module.", "")] = v.detach().clone()
     types = {t: ps.sharding_type for mp in plan.plan.values() for t, ps in mp.items()}
-    return {"losses": losses, "state": state, "types": types}
+    return {"losses": losses, "state": state, "types": types, "pipeline": type(pipeline).__name__}
 
 
-def _both(rank: int, world: int, model_name: str) -> Dict[str, Any]:
-    return {"herald": _train(rank, world, model_name, True), "stock": _train(rank, world, model_name, False)}
+def _both(rank: int, world: int, model_name: str, for_model: bool = False) -> Dict[str, Any]:
+    return {"herald": _train(rank, world, model_name, True, for_model), "stock": _train(rank, world, model_name, False)}
 
 
 @pytest.mark.parametrize("model_name,herald_tables", [("mixed_dims", {"t1"}), ("two_towers", {"u0", "u1", "i0", "i1"})])
@@ -150,6 +161,19 @@ def test_a_model_other_than_dlrm_trains_as_stock(model_name: str, herald_tables:
         assert {t for t, kind in h["types"].items() if kind == "herald_hot_row_wise"} == herald_tables
         assert h["losses"] == pytest.approx(s["losses"], rel=1e-5)
         assert set(h["state"]) == set(s["state"])
+        for k, v in s["state"].items():
+            err = float((h["state"][k] - v).abs().max() / v.abs().max().clamp(min=1e-12))
+            assert err <= weight_rtol("rowwise_adagrad"), (k, err)
+
+
+def test_the_pipeline_for_a_two_tower_model_is_torchrecs_and_trains_as_stock() -> None:
+    """``HeraldTrainPipeline.for_model``: a model with two herald EBCs (or none: a stock plan) gets TorchRec's
+    ``TrainPipelineSparseDist``, which trains herald's hot replication as stock trains (herald's scheduling drives
+    one EBC); the per-rank losses and every weight as the plain loop's stock run."""
+    for r in run_multiprocess(_both, 2, "two_towers", True, timeout_s=300):
+        h, s = r["herald"], r["stock"]
+        assert h["pipeline"] == "TrainPipelineSparseDist"
+        assert h["losses"] == pytest.approx(s["losses"], rel=1e-5) and len(h["losses"]) == STEPS
         for k, v in s["state"].items():
             err = float((h["state"][k] - v).abs().max() / v.abs().max().clamp(min=1e-12))
             assert err <= weight_rtol("rowwise_adagrad"), (k, err)

@@ -79,6 +79,24 @@ class HeraldTrainPipeline(TrainPipeline[Batch, Any]):
             same dataclass with the same defaults.
     """
 
+    @classmethod
+    def for_model(cls, model: nn.Module, optimizer: torch.optim.Optimizer, device: torch.device,
+                  **options: Any) -> TrainPipeline:
+        """The pipeline for whatever ``model``'s plan is (``HeraldPlanner.decide`` may pick a stock plan): this
+        pipeline where one EBC is herald-sharded, else TorchRec's ``TrainPipelineSparseDist`` (herald's options
+        then have nothing to act on), said in one line."""
+        from torchrec_herald.sharding.hot_replicated import ShardedHeraldEmbeddingBagCollection
+
+        found = sum(isinstance(m, ShardedHeraldEmbeddingBagCollection) for m in model.modules())
+        if found == 1:
+            return cls(model, optimizer, device, **options)
+        logger.log(logging.WARNING if options else logging.INFO,
+                   "HeraldTrainPipeline.for_model: %s; training with TorchRec's TrainPipelineSparseDist%s",
+                   "no herald-sharded EBC (a stock plan)" if found == 0 else
+                   f"{found} herald-sharded EBCs (herald's scheduling drives one; their hot replication trains "
+                   f"under TorchRec's pipeline)", f" (options {sorted(options)} not applied)" if options else "")
+        return TrainPipelineSparseDist(model, optimizer, device)
+
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, device: torch.device,
                  execute_all_batches: bool = True, apply_jit: bool = False, *,
                  config: Optional[HeraldPipelineConfig] = None, **options: Any) -> None:
