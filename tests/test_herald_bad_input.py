@@ -311,13 +311,15 @@ def test_an_embedding_optimizer_herald_cannot_reproduce_names_the_tables_and_the
         "[...]) without row_wise, given to HeraldPlanner)")
 
 
-@pytest.mark.parametrize("via", ["fused_params", "apply_optimizer_in_backward"])
-def test_an_optimizer_setting_herald_would_ignore_is_refused_naming_the_tables(via: str) -> None:
-    """Gradient clipping, weight decay or max norm change stock TorchRec's update (fbgemm's TBE); herald's would
-    have trained without them, silently: refused at sharding, naming the setting and the tables."""
+def test_an_optimizer_setting_herald_would_ignore_is_refused_naming_the_tables() -> None:
+    """Gradient clipping, max norm or weight decay with a decay mode change stock TorchRec's update (fbgemm's TBE);
+    herald's would have trained without them, silently: refused at sharding, naming the setting and the tables.
+    ``weight_decay`` without a mode (fbgemm's default NONE) changes nothing in stock's update either: accepted,
+    through ``fused_params`` and through ``apply_optimizer_in_backward`` (torch's SGD takes it)."""
+    from fbgemm_gpu.split_embedding_configs import EmbOptimType
+    from fbgemm_gpu.split_table_batched_embeddings_ops_training import WeightDecayMode
     from torchrec.modules.embedding_configs import EmbeddingBagConfig
     from torchrec.modules.embedding_modules import EmbeddingBagCollection
-    from fbgemm_gpu.split_embedding_configs import EmbOptimType
     from torchrec.optim.apply_optimizer_in_backward import apply_optimizer_in_backward
 
     from torchrec_herald.sharding.hot_replicated import fused_params_of
@@ -327,23 +329,24 @@ def test_an_optimizer_setting_herald_would_ignore_is_refused_naming_the_tables(v
                                                           feature_names=[f]) for n, f in (("ta", "fa"), ("tb", "fb"))],
                                       device=torch.device("meta"))
 
-    cases = ((dict(gradient_clipping=True, max_gradient=1e-3), "gradient_clipping=True"),
-             (dict(weight_decay=0.01), "weight_decay=0.01"), (dict(max_norm=1.0), "max_norm=1.0"))
-    for extra, named in cases if via == "fused_params" else cases[1:2]:  # (torch's SGD takes weight_decay alone)
-        module, params = ebc(), {"optimizer": EmbOptimType.EXACT_SGD, "learning_rate": 0.1, **extra}
-        if via == "apply_optimizer_in_backward":
-            apply_optimizer_in_backward(torch.optim.SGD, module.parameters(), {"lr": 0.1, **extra})
-            params = None
+    sgd = {"optimizer": EmbOptimType.EXACT_SGD, "learning_rate": 0.1}
+    for extra, named in ((dict(gradient_clipping=True, max_gradient=1e-3), "gradient_clipping=True"),
+                         (dict(max_norm=1.0), "max_norm=1.0"),
+                         (dict(weight_decay=0.01, weight_decay_mode=WeightDecayMode.L2),
+                          "weight_decay=0.01 with weight_decay_mode=L2")):
         with pytest.raises(ValueError) as e:
-            fused_params_of(module, params)
+            fused_params_of(ebc(), {**sgd, **extra})
         assert str(e.value) == (
             f"herald_hot_row_wise does not reproduce the embedding optimizer's {named} (the EBC of tables ta, tb): drop "
             f"it from fused_params / apply_optimizer_in_backward's arguments, or keep these tables stock "
             f"(ParameterConstraints(sharding_types=[...]) without row_wise, given to HeraldPlanner)")
-    module = ebc()  # (their defaults given explicitly change nothing: accepted)
-    params = fused_params_of(module, {"optimizer": EmbOptimType.EXACT_SGD, "learning_rate": 0.1,
-                                      "gradient_clipping": False, "weight_decay": 0.0, "max_norm": 0.0})
-    assert params["optimizer"] == EmbOptimType.EXACT_SGD
+    # (their defaults given explicitly, and a weight decay without a mode, change nothing: accepted)
+    accepted = fused_params_of(ebc(), {**sgd, "gradient_clipping": False, "weight_decay": 0.01, "max_norm": 0.0,
+                                       "weight_decay_mode": WeightDecayMode.NONE})
+    assert accepted["optimizer"] == EmbOptimType.EXACT_SGD
+    module = ebc()
+    apply_optimizer_in_backward(torch.optim.SGD, module.parameters(), {"lr": 0.1, "weight_decay": 0.01})
+    assert fused_params_of(module, None)["optimizer"] == EmbOptimType.EXACT_SGD
 
 
 def test_ranks_sharding_with_different_hot_sets_are_refused_on_every_rank() -> None:

@@ -319,3 +319,44 @@ def test_two_towers_sharing_a_feature_are_planned_and_a_table_name_two_ebcs_use_
         planner.plan(TwoTowers("item_geo"), [HeraldEmbeddingBagCollectionSharder()])
     assert str(e.value) == ("HeraldPlanner: EBCs 'user.ebc' and 'item' both have a table named 'item_geo'; herald plans "
                             "the tables of every EBC by name (hot sets, constraints): give each table a name of its own")
+
+    class OneTowerTwoReaders(nn.Module):  # (TorchRec allows two tables of one EBC to read one key)
+        def __init__(self) -> None:
+            super().__init__()
+            self.ebc = tower(("geo_a", "geo", 64), ("geo_b", "geo", 64), ("uid", "uid", 100))
+
+    with pytest.raises(ValueError) as e:
+        HeraldPlanner.from_batches([kjt] * 4, world_size=W, compute_device="cpu").plan(
+            OneTowerTwoReaders(), [HeraldEmbeddingBagCollectionSharder()])
+    assert str(e.value) == ("HeraldPlanner: EBC 'ebc': feature 'geo' is read by two of its tables, 'geo_a' and 'geo_b'; "
+                            "herald's sharding maps a feature to one table: keep one of them stock "
+                            "(ParameterConstraints(sharding_types=[...]) without row_wise), or put it in an EBC of its own")
+
+
+def _collective_plan_error(rank: int, world: int) -> str:
+    from torch import nn
+    from torchrec.modules.embedding_configs import EmbeddingBagConfig
+    from torchrec.modules.embedding_modules import EmbeddingBagCollection
+    from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
+
+    from torchrec_herald.planner import HeraldPlanner
+    from torchrec_herald.sharding import HeraldEmbeddingBagCollectionSharder
+
+    model = nn.Module()
+    model.ebc = EmbeddingBagCollection([EmbeddingBagConfig(name=n, embedding_dim=8, num_embeddings=64,
+                                                           feature_names=["geo"]) for n in ("geo_a", "geo_b")],
+                                       device=torch.device("meta"))
+    kjt = KeyedJaggedTensor.from_lengths_sync(["geo"], torch.arange(16) % 64, torch.ones(16, dtype=torch.int32))
+    try:
+        HeraldPlanner.from_batches([kjt] * 2, compute_device="cpu").collective_plan(
+            model, [HeraldEmbeddingBagCollectionSharder()])
+    except ValueError as e:
+        return str(e)
+    return "planned"
+
+
+def test_a_planning_error_is_raised_on_every_rank_alike() -> None:
+    """``collective_plan``: rank 0 plans; its ValueError reaches every rank (TorchRec's broadcast left the other
+    ranks waiting for a plan, until rank 0's process ended)."""
+    errors = run_multiprocess(_collective_plan_error, 2, timeout_s=120)
+    assert errors[0] == errors[1] and errors[0].startswith("HeraldPlanner: EBC 'ebc': feature 'geo' is read by two")

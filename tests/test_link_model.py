@@ -363,12 +363,12 @@ def test_a_topology_stating_the_other_hosts_bandwidth_only_gives_no_link(caplog:
     with caplog.at_level(logging.WARNING, logger="torchrec_herald.planner.planner"):
         assert link_from_topology(across) is None and link_from_topology(within) is None
     assert [r.getMessage() for r in caplog.records if r.name == "torchrec_herald.planner.planner"] == [
-        "HeraldPlanner: the Topology states intra_host_bw, but its 4 ranks span hosts of 2: their link is "
-        "inter_host_bw, which it leaves at TorchRec's default; no link is taken from it (state inter_host_bw, or give "
-        "link=)",
-        "HeraldPlanner: the Topology states inter_host_bw, but its 2 ranks share one host: their link is "
-        "intra_host_bw, which it leaves at TorchRec's default; no link is taken from it (state intra_host_bw, or give "
-        "link=)"]
+        "HeraldPlanner: the Topology states intra_host_bw, but its 4 ranks span hosts of 2 (local_world_size=2): their "
+        "link is inter_host_bw, which it leaves at TorchRec's default; no link is taken from it (state inter_host_bw, "
+        "set local_world_size to the ranks per host, or give link=)",
+        "HeraldPlanner: the Topology states inter_host_bw, but its 2 ranks share one host (local_world_size=2): their "
+        "link is intra_host_bw, which it leaves at TorchRec's default; no link is taken from it (state intra_host_bw, "
+        "set local_world_size to the ranks per host, or give link=)"]
 
 
 def test_the_cost_model_prices_in_time_on_a_known_link_and_picks_the_rows_bytes_pick() -> None:

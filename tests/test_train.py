@@ -160,12 +160,25 @@ def test_a_checkpoint_folder_in_use_by_a_running_run_is_refused(tmp_path: Path) 
         unsaved = [o for o in overrides if not o.startswith("checkpoint.every_n_steps")] + ["checkpoint.resume=false"]
         with pytest.raises(RuntimeError, match=rf"ValueError: checkpoint folder {folder} is in use by another run"):
             run_multiprocess(_train, 2, unsaved, str(tmp_path / "run1c"), timeout_s=120)
+        # (rank 0 alone decides whether to lock: a rank that does not see the folder, another host's disk, waits
+        # for its outcome instead of training on; both hung)
+        with pytest.raises(RuntimeError, match=rf"ValueError: checkpoint folder {folder} is in use by another run"):
+            run_multiprocess(_train_folder_unseen_off_rank0, 2, unsaved, str(tmp_path / "run1d"), timeout_s=120)
         assert folder.is_dir() and not list(tmp_path.glob("ckpt.set-aside-*"))
     finally:
         os.close(fd)  # (that run ends)
     assert not any(folder.iterdir())
     m = run_multiprocess(_train, 2, overrides, str(tmp_path / "run2"), timeout_s=120)[0]["metrics"]
     assert m["steps"] == 4 and sorted(p.name for p in folder.glob("step_*")) == ["step_00000002", "step_00000004"]
+
+
+def _train_folder_unseen_off_rank0(rank: int, world: int, overrides: List[str], run_dir: str) -> Dict[str, Any]:
+    import pathlib
+
+    if rank > 0:  # (this spawned rank's own module: the checkpoint folder is not on its disk)
+        real = pathlib.Path.exists
+        pathlib.Path.exists = lambda self, *a, **k: False if self.name == "ckpt" else real(self, *a, **k)  # type: ignore
+    return _train(rank, world, overrides, run_dir)
 
 
 def _train_without_locks(rank: int, world: int, overrides: List[str], run_dir: str) -> Dict[str, Any]:

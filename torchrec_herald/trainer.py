@@ -294,14 +294,19 @@ class Checkpointing:
         overwrite its checkpoints, or move them aside. A run that saves none takes the lock only where it would move
         the folder aside (``checkpoint.resume=false``); one that resumes from it and saves nothing only reads it.
         ValueError on every rank naming the folder and the process that holds it."""
-        if not self.every and (self.resume_enabled or not self.dir.exists()):
+        if not self.every and self.resume_enabled:
             return
         import errno
         import fcntl
         import socket
 
         def lock() -> Optional[str]:  # (rank 0: its error line, or None)
-            real = self.dir.resolve()  # (one folder reached by two paths, a link or `..`, is one lock)
+            if not self.every and not self.dir.exists():  # (resume=false with nothing to move aside: no lock)
+                return None
+            try:
+                real = self.dir.resolve()  # (one folder reached by two paths, a link or `..`, is one lock)
+            except (OSError, RuntimeError):  # (a symlink loop: the path as given)
+                real = self.dir.absolute()
             path = real.parent / f".{real.name}.lock"
             try:
                 path.parent.mkdir(parents=True, exist_ok=True)

@@ -81,7 +81,7 @@ class HeraldTrainPipeline(TrainPipeline[Batch, Any]):
 
     @classmethod
     def for_model(cls, model: nn.Module, optimizer: torch.optim.Optimizer, device: torch.device,
-                  **options: Any) -> TrainPipeline:
+                  execute_all_batches: bool = True, apply_jit: bool = False, **options: Any) -> TrainPipeline:
         """The pipeline for whatever ``model``'s plan is (``HeraldPlanner.decide`` may pick a stock plan): this
         pipeline where one EBC is herald-sharded, else TorchRec's ``TrainPipelineSparseDist`` (herald's options
         then have nothing to act on), said in one line."""
@@ -89,13 +89,14 @@ class HeraldTrainPipeline(TrainPipeline[Batch, Any]):
 
         found = sum(isinstance(m, ShardedHeraldEmbeddingBagCollection) for m in model.modules())
         if found == 1:
-            return cls(model, optimizer, device, **options)
+            return cls(model, optimizer, device, execute_all_batches, apply_jit, **options)
         logger.log(logging.WARNING if options else logging.INFO,
                    "HeraldTrainPipeline.for_model: %s; training with TorchRec's TrainPipelineSparseDist%s",
                    "no herald-sharded EBC (a stock plan)" if found == 0 else
                    f"{found} herald-sharded EBCs (herald's scheduling drives one; their hot replication trains "
-                   f"under TorchRec's pipeline)", f" (options {sorted(options)} not applied)" if options else "")
-        return TrainPipelineSparseDist(model, optimizer, device)
+                   f"under TorchRec's pipeline)", f" (herald's options {sorted(options)} not applied)" if options else "")
+        return TrainPipelineSparseDist(model, optimizer, device, execute_all_batches=execute_all_batches,
+                                       apply_jit=apply_jit)
 
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, device: torch.device,
                  execute_all_batches: bool = True, apply_jit: bool = False, *,

@@ -8,6 +8,7 @@ default) picks each table's replicated hot rows under a per-rank memory budget; 
 from __future__ import annotations
 
 import copy
+import dataclasses
 import itertools
 import logging
 from typing import Any, Dict, Iterable, List, Optional, Sequence, Union
@@ -58,6 +59,30 @@ def embedding_bag_configs(module: nn.Module) -> List[EmbeddingBagConfig]:
             where[c.name] = fqn
             configs.append(c)
     return configs
+
+
+@dataclasses.dataclass(frozen=True)
+class _PlanningError:
+    """Rank 0's planning error, broadcast to every rank (:meth:`HeraldPlanner.collective_plan`)."""
+
+    message: str
+
+
+def _check_one_table_a_feature(module: nn.Module, kept: set) -> None:
+    """Herald's sharding maps each KJT key to one table of its EBC: ValueError naming the EBC, the key and the
+    tables where two of one EBC's herald tables read one key (TorchRec allows it; two EBCs may)."""
+    for fqn, m in module.named_modules():
+        if not isinstance(m, EmbeddingBagCollection):
+            continue
+        reader: Dict[str, str] = {}
+        for c in m.embedding_bag_configs():
+            for f in c.feature_names if c.name not in kept else []:
+                if f in reader:
+                    raise ValueError(f"HeraldPlanner: EBC {fqn or '(the model)'!r}: feature {f!r} is read by two of its "
+                                     f"tables, {reader[f]!r} and {c.name!r}; herald's sharding maps a feature to one "
+                                     f"table: keep one of them stock (ParameterConstraints(sharding_types=[...]) without "
+                                     f"row_wise), or put it in an EBC of its own")
+                reader[f] = c.name
 
 
 def check_hot_budget_fits(budget: Optional[int], topology: Topology, key: str = "hot_memory_budget_bytes") -> None:
@@ -230,6 +255,26 @@ class HeraldPlanner(EmbeddingShardingPlanner):
             constraints[t.name] = pc
         return constraints
 
+    def collective_plan(self, module: nn.Module, sharders: Optional[List[ModuleSharder[nn.Module]]] = None,
+                        pg: Optional[dist.ProcessGroup] = None) -> ShardingPlan:
+        """TorchRec's: rank 0 plans, every rank gets its plan. A ValueError of rank 0's planning (a constraint, a
+        table name, a feature, the access stats) is raised on every rank alike, where TorchRec's would leave the
+        others waiting in the broadcast until rank 0's process ended (or, under NCCL, its timeout)."""
+        from torchrec.distributed.collective_utils import invoke_on_rank_and_broadcast_result
+        from torchrec.distributed.sharding_plan import get_default_sharders
+
+        def plan_or_error() -> Union[ShardingPlan, _PlanningError]:
+            try:
+                return self.plan(module, sharders if sharders is not None else get_default_sharders())
+            except ValueError as e:
+                return _PlanningError(str(e))
+
+        outcome = invoke_on_rank_and_broadcast_result(pg if pg is not None else dist.GroupMember.WORLD, 0,
+                                                      plan_or_error)
+        if isinstance(outcome, _PlanningError):
+            raise ValueError(outcome.message)
+        return outcome
+
     def plan(self, module: nn.Module, sharders: List[ModuleSharder[nn.Module]]) -> ShardingPlan:
         """Herald's plan of ``module``: TorchRec's planner lays every EBC table out row-wise (the cold blocks; a
         user's other constraints kept), and each gets herald's type with the hot set the selector picks under
@@ -249,6 +294,7 @@ class HeraldPlanner(EmbeddingShardingPlanner):
         stats.validate(every)
         other_dims = self._other_dims(module, kept, stats)
         kept, beside = kept | set(other_dims), {**beside, **other_dims}
+        _check_one_table_a_feature(module, kept)
         tables = [t for t in every if t.name not in kept]
         stats = stats.only(t.name for t in tables) if kept else stats
         choices = self._selector.select(stats, tables, self._topology.world_size, self._batch_size, self._budget)
@@ -363,11 +409,12 @@ def link_from_topology(topology: Any, cpu_us_per_lookup: float = LinkModel.cpu_u
     if bw == default:
         if (intra, inter) != (INTRA_NODE_BANDWIDTH, CROSS_NODE_BANDWIDTH):
             stated, missing = ("intra_host_bw", "inter_host_bw") if spans_hosts else ("inter_host_bw", "intra_host_bw")
-            logger.warning("HeraldPlanner: the Topology states %s, but its %d ranks %s: their link is %s, which it "
-                           "leaves at TorchRec's default; no link is taken from it (state %s, or give link=)",
+            logger.warning("HeraldPlanner: the Topology states %s, but its %d ranks %s (local_world_size=%s): their "
+                           "link is %s, which it leaves at TorchRec's default; no link is taken from it (state %s, "
+                           "set local_world_size to the ranks per host, or give link=)",
                            stated, topology.world_size,
                            f"span hosts of {topology.local_world_size}" if spans_hosts else "share one host",
-                           missing, missing)
+                           topology.local_world_size, missing, missing)
         return None
     return LinkModel(link_mbit=bw * 1000 * 8 / 1e6, collective_latency_ms=LinkModel.collective_latency_ms,
                      cpu_us_per_lookup=cpu_us_per_lookup)

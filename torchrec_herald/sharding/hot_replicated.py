@@ -298,11 +298,23 @@ def _check_every_rank_has_the_plan(tables: List[str], specs: List[HotSpec], pg: 
                              f"(model, sharders, pg) (rank 0 plans, every rank gets its plan), as TorchRec's planner")
 
 
-#: fbgemm TBE optimizer arguments that change SGD's or row-wise Adagrad's update, and the value at which they do
+#: fbgemm TBE optimizer arguments that can change SGD's or row-wise Adagrad's update, and the value at which they do
 #: not: herald's cold lookup and hot-row update would ignore any other value, training silently otherwise
+#: (``weight_decay`` acts only with a ``weight_decay_mode`` other than NONE, fbgemm's default: see
+#: :func:`_settings_not_reproduced`)
 UPDATE_KEYS_NOT_REPRODUCED: Dict[str, Any] = {
-    "gradient_clipping": False, "weight_decay": 0.0, "max_norm": 0.0, "counter_based_regularization": None,
+    "gradient_clipping": False, "max_norm": 0.0, "counter_based_regularization": None,
     "cowclip_regularization": None, "global_weight_decay": None}
+
+
+def _settings_not_reproduced(params: Dict[str, Any]) -> List[str]:
+    """The settings in ``params`` (fused params, fbgemm's names) that would change the update herald makes."""
+    changed = [f"{k}={params[k]!r}" for k, default in UPDATE_KEYS_NOT_REPRODUCED.items()
+               if k in params and params[k] is not None and params[k] != default]
+    mode = params.get("weight_decay_mode")
+    if params.get("weight_decay") and mode is not None and int(getattr(mode, "value", mode)) != 0:
+        changed.append(f"weight_decay={params['weight_decay']!r} with weight_decay_mode={getattr(mode, 'name', mode)}")
+    return changed
 
 
 def fused_params_of(module: EmbeddingBagCollection, sharder_fused_params: Optional[Dict[str, Any]]
@@ -326,8 +338,7 @@ def fused_params_of(module: EmbeddingBagCollection, sharder_fused_params: Option
         raise ValueError("no embedding optimizer: use torchrec.optim.apply_optimizer_in_backward on the "
                          "EmbeddingBagCollection's parameters or the sharder's fused_params={'optimizer': ...}")
     tables = ", ".join(c.name for c in module.embedding_bag_configs())
-    changed = [f"{k}={merged[k]!r}" for k, default in UPDATE_KEYS_NOT_REPRODUCED.items()
-               if k in merged and merged[k] is not None and merged[k] != default]
+    changed = _settings_not_reproduced(merged)
     if changed:  # (the cold TBE and the hot rows' update take the optimizer, its learning rate and eps alone)
         raise ValueError(f"herald_hot_row_wise does not reproduce the embedding optimizer's {', '.join(changed)} (the "
                          f"EBC of tables {tables}): drop it from fused_params / apply_optimizer_in_backward's "
@@ -443,6 +454,13 @@ class ShardedHeraldEmbeddingBagCollection(
         self._syncs = [s.sync for s in specs]
         self._fused_params = fused_params_of(module, fused_params)
         self._optimizer: EmbOptimType = self._fused_params["optimizer"]
+        reader: Dict[str, str] = {}
+        for c in configs:  # (the layout maps each feature to one table)
+            for f in c.feature_names:
+                if f in reader:
+                    raise ValueError(f"herald sharding maps a feature to one table; feature {f!r} is read by tables "
+                                     f"{reader[f]!r} and {c.name!r} (keep one of them stock, or in an EBC of its own)")
+                reader[f] = c.name
 
         # the global row space (P²RES hot/cold layout) and this rank's rows
         self.layout = RowLayout.build(self._world, {c.name: c.num_embeddings for c in configs},
