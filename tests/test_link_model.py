@@ -471,6 +471,9 @@ def test_measured_link_gives_every_rank_the_same_link_model_or_none_where_a_prob
     a, b = run_multiprocess(_measured, 2)
     assert a == b and a[0] > 0 and a[1] > 0 and a[2] == LinkModel.cpu_us_per_lookup
     assert run_multiprocess(_measured, 2, 1) == [None, None]
+    from torchrec_herald.planner.link_probe import measured_link  # (one rank, no process group: nothing to measure)
+
+    assert measured_link(None) == LinkModel.local(LinkModel.cpu_us_per_lookup)
 
 
 def _train_probe_failing(rank: int, world: int, overrides: list, run_dir: str, failing_ranks: tuple = (0, 1)) -> tuple:

@@ -148,11 +148,13 @@ def measured_link(pg: Optional[dist.ProcessGroup], cpu_us_per_lookup: Optional[f
     :class:`~torchrec_herald.planner.pricing.LinkModel` for ``HeraldPlanner(link=...)``, the same on every rank, so
     that :meth:`HeraldPlanner.decide` picks herald's plan or a stock one as the command line does. None on every rank
     where the probe failed on any (one warning): the planner then takes the ``Topology``'s stated bandwidth, if
-    any."""
+    any. One rank (or no process group) has no link to measure: :meth:`LinkModel.local`, nothing probed."""
     from torchrec_herald.planner.pricing import LinkModel
 
+    extra = {} if cpu_us_per_lookup is None else {"cpu_us_per_lookup": float(cpu_us_per_lookup)}
+    if not dist.is_initialized() or dist.get_world_size(pg) < 2:
+        return LinkModel.local(extra.get("cpu_us_per_lookup", LinkModel.cpu_us_per_lookup))
     probe = probe_on_every_rank(pg)
     if probe is None:
         return None
-    extra = {} if cpu_us_per_lookup is None else {"cpu_us_per_lookup": float(cpu_us_per_lookup)}
     return LinkModel(link_mbit=probe.link_mbit, collective_latency_ms=probe.latency_ms, **extra)
