@@ -187,8 +187,10 @@ class SchedulingSwitch:
             queued = self.host.take_window_batches()
             share = self._my_share(queued, it, self.host.stats.steps)
             self._delegate_src, self._delegate_it = it, _Feed(share, remaining)
-        elif self._evaluating and isinstance(self._delegate_it, _Feed) and remaining is not None:  # (an eval pass evaluated batches in flight, and queued
-            self._delegate_it.limit_to(remaining)  # its own behind them, which train: stock TorchRec's semantics)
+        elif self._evaluating and isinstance(self._delegate_it, _Feed) and remaining is not None:
+            # (an eval pass evaluated batches in flight and queued its own behind them, which train: stock
+            # TorchRec's semantics)
+            self._delegate_it.limit_to(remaining)
         self._evaluating = False
         try:
             out = self._delegate.progress(self._delegate_it)

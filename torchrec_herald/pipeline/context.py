@@ -228,11 +228,16 @@ def select_samples(batch: Batch, index: torch.Tensor) -> Batch:
                  labels=batch.labels.index_select(0, index))
 
 
-def find_herald_ebc(model: nn.Module) -> Any:
-    """The one herald-sharded EBC inside ``model`` (a DMP)."""
+def herald_ebcs(model: nn.Module) -> List[Any]:
+    """The herald-sharded EBCs inside ``model`` (a DMP)."""
     from torchrec_herald.sharding.hot_replicated import ShardedHeraldEmbeddingBagCollection
 
-    found = [m for m in model.modules() if isinstance(m, ShardedHeraldEmbeddingBagCollection)]
+    return [m for m in model.modules() if isinstance(m, ShardedHeraldEmbeddingBagCollection)]
+
+
+def find_herald_ebc(model: nn.Module) -> Any:
+    """The one herald-sharded EBC inside ``model`` (a DMP)."""
+    found = herald_ebcs(model)
     if len(found) != 1:
         raise ValueError(f"HeraldTrainPipeline needs a model with exactly one EmbeddingBagCollection sharded by "
                          f"HeraldEmbeddingBagCollectionSharder (planner=herald); found {len(found)}")

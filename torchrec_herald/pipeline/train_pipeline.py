@@ -37,7 +37,7 @@ from torchrec_herald.data import TrainStream
 from torchrec_herald.layout import cache_rows_for_budget
 from torchrec_herald.pipeline.auto_scheduling import SchedulingSwitch
 from torchrec_herald.pipeline.context import (EVERY_RANK, HeraldBatchContext, SchedulerStats, SchedulingEnv,
-                                              find_herald_ebc, select_samples, stock_tables_beside)
+                                              find_herald_ebc, herald_ebcs, select_samples, stock_tables_beside)
 from torchrec_herald.pipeline.input_allocator import InputAllocator, build_allocator
 from torchrec_herald.pipeline.options import (ALLOCATORS, AUTO_MAX_PRICED_PENALTY, CACHE_POLICIES,
                                               GLOBAL_PLANNING_MAX_WORLD, PER_RANK_ALLOCATOR_REASON, SYNC_MODES,
@@ -85,9 +85,7 @@ class HeraldTrainPipeline(TrainPipeline[Batch, Any]):
         """The pipeline for whatever ``model``'s plan is (``HeraldPlanner.decide`` may pick a stock plan): this
         pipeline where one EBC is herald-sharded, else TorchRec's ``TrainPipelineSparseDist`` (herald's options
         then have nothing to act on), said in one line."""
-        from torchrec_herald.sharding.hot_replicated import ShardedHeraldEmbeddingBagCollection
-
-        found = sum(isinstance(m, ShardedHeraldEmbeddingBagCollection) for m in model.modules())
+        found = len(herald_ebcs(model))
         if found == 1:
             return cls(model, optimizer, device, execute_all_batches, apply_jit, **options)
         logger.log(logging.WARNING if options else logging.INFO,

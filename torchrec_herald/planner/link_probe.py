@@ -16,12 +16,15 @@ import statistics
 import time
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any, Dict, Optional
+from typing import TYPE_CHECKING, Any, Dict, Optional
 
 import torch
 import torch.distributed as dist
 
 __all__ = ["LinkProbe", "agree_on_probe", "measured_link", "probe_link", "probe_on_every_rank"]
+
+if TYPE_CHECKING:
+    from torchrec_herald.planner.pricing import LinkModel
 
 logger = logging.getLogger(__name__)
 
@@ -143,7 +146,8 @@ def probe_on_every_rank(pg: Optional[dist.ProcessGroup]) -> Optional[LinkProbe]:
     return agree_on_probe(probe, pg)
 
 
-def measured_link(pg: Optional[dist.ProcessGroup], cpu_us_per_lookup: Optional[float] = None) -> Optional[Any]:
+def measured_link(pg: Optional[dist.ProcessGroup], cpu_us_per_lookup: Optional[float] = None
+                  ) -> Optional["LinkModel"]:
     """The link ``pg`` runs on, measured (collective, about a second), as the model of time prices it: a
     :class:`~torchrec_herald.planner.pricing.LinkModel` for ``HeraldPlanner(link=...)``, the same on every rank, so
     that :meth:`HeraldPlanner.decide` picks herald's plan or a stock one as the command line does. None on every rank
@@ -151,10 +155,10 @@ def measured_link(pg: Optional[dist.ProcessGroup], cpu_us_per_lookup: Optional[f
     any. One rank (or no process group) has no link to measure: :meth:`LinkModel.local`, nothing probed."""
     from torchrec_herald.planner.pricing import LinkModel
 
-    extra = {} if cpu_us_per_lookup is None else {"cpu_us_per_lookup": float(cpu_us_per_lookup)}
+    cpu = LinkModel.cpu_us_per_lookup if cpu_us_per_lookup is None else float(cpu_us_per_lookup)
     if not dist.is_initialized() or dist.get_world_size(pg) < 2:
-        return LinkModel.local(extra.get("cpu_us_per_lookup", LinkModel.cpu_us_per_lookup))
+        return LinkModel.local(cpu)
     probe = probe_on_every_rank(pg)
     if probe is None:
         return None
-    return LinkModel(link_mbit=probe.link_mbit, collective_latency_ms=probe.latency_ms, **extra)
+    return LinkModel(link_mbit=probe.link_mbit, collective_latency_ms=probe.latency_ms, cpu_us_per_lookup=cpu)

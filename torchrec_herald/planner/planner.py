@@ -35,7 +35,7 @@ from torchrec_herald.planner.pricing import LinkModel
 from torchrec_herald.planner.types import PlanDecision, herald_tables
 from torchrec_herald.planner.stats import AccessStats
 from torchrec_herald.planner.topology import default_storage_reservation, make_topology
-from torchrec_herald.sharding.types import HERALD_HOT_ROW_WISE, MIXABLE_STOCK_TYPES, HotSpec
+from torchrec_herald.sharding.types import HERALD_HOT_ROW_WISE, MIXABLE_STOCK_TYPES, HotSpec, feature_read_twice
 
 logger = logging.getLogger(__name__)
 
@@ -74,15 +74,12 @@ def _check_one_table_a_feature(module: nn.Module, kept: set) -> None:
     for fqn, m in module.named_modules():
         if not isinstance(m, EmbeddingBagCollection):
             continue
-        reader: Dict[str, str] = {}
-        for c in m.embedding_bag_configs():
-            for f in c.feature_names if c.name not in kept else []:
-                if f in reader:
-                    raise ValueError(f"HeraldPlanner: EBC {fqn or '(the model)'!r}: feature {f!r} is read by two of its "
-                                     f"tables, {reader[f]!r} and {c.name!r}; herald's sharding maps a feature to one "
-                                     f"table: keep one of them stock (ParameterConstraints(sharding_types=[...]) without "
-                                     f"row_wise), or put it in an EBC of its own")
-                reader[f] = c.name
+        twice = feature_read_twice(c for c in m.embedding_bag_configs() if c.name not in kept)
+        if twice is not None:
+            raise ValueError(f"HeraldPlanner: EBC {fqn or '(the model)'!r}: feature {twice[0]!r} is read by two of its "
+                             f"tables, {twice[1]!r} and {twice[2]!r}; herald's sharding maps a feature to one table: "
+                             f"keep one of them stock (ParameterConstraints(sharding_types=[...]) without row_wise), "
+                             f"or put it in an EBC of its own")
 
 
 def check_hot_budget_fits(budget: Optional[int], topology: Topology, key: str = "hot_memory_budget_bytes") -> None:

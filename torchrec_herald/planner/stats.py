@@ -188,15 +188,14 @@ class AccessStats:
         ids_of: Dict[str, List[torch.Tensor]] = {}
         lengths_of: Dict[str, List[torch.Tensor]] = {}
         for key, v, ln in zip(keys, per_key_values, per_key_lengths):
+            lo, hi = (int(x) for x in torch.aminmax(v)) if v.numel() else (0, -1)
             for t in feature_tables[key]:
                 n = self.num_embeddings[t]
-                if v.numel():
-                    lo, hi = torch.aminmax(v)
-                    if int(lo) < 0 or int(hi) >= n:
-                        bad = (v < 0) | (v >= n)
-                        bad_id = int(v[int(bad.nonzero()[0, 0])])
-                        raise ValueError(f"batch {index}: table {t!r} feature {key!r}: id {bad_id} is outside "
-                                         f"[0, {n})")
+                if lo < 0 or hi >= n:
+                    bad = (v < 0) | (v >= n)
+                    bad_id = int(v[int(bad.nonzero()[0, 0])])
+                    raise ValueError(f"batch {index}: table {t!r} feature {key!r}: id {bad_id} is outside "
+                                     f"[0, {n})")
                 ids_of.setdefault(t, []).append(v)
                 lengths_of.setdefault(t, []).append(ln)
         for t, parts in ids_of.items():

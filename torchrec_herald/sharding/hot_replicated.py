@@ -47,7 +47,7 @@ from torchrec_herald.ops.hot_cold import (HotColdSplit, bags_of_values, invalid_
 from torchrec_herald.ops.tbe import SUPPORTED_OPTIMIZERS, dense_lookup
 from torchrec_herald.sharding.plan_exec import PlanExecutor
 from torchrec_herald.sharding.row_store import RowStore, add_rows_in_order
-from torchrec_herald.sharding.types import HERALD_HOT_ROW_WISE, HotSpec, hot_spec_of
+from torchrec_herald.sharding.types import HERALD_HOT_ROW_WISE, HotSpec, feature_read_twice, hot_spec_of
 from torchrec_herald.traffic import traffic_tag
 
 logger = logging.getLogger(__name__)
@@ -454,13 +454,10 @@ class ShardedHeraldEmbeddingBagCollection(
         self._syncs = [s.sync for s in specs]
         self._fused_params = fused_params_of(module, fused_params)
         self._optimizer: EmbOptimType = self._fused_params["optimizer"]
-        reader: Dict[str, str] = {}
-        for c in configs:  # (the layout maps each feature to one table)
-            for f in c.feature_names:
-                if f in reader:
-                    raise ValueError(f"herald sharding maps a feature to one table; feature {f!r} is read by tables "
-                                     f"{reader[f]!r} and {c.name!r} (keep one of them stock, or in an EBC of its own)")
-                reader[f] = c.name
+        twice = feature_read_twice(configs)
+        if twice is not None:
+            raise ValueError(f"herald sharding maps a feature to one table; feature {twice[0]!r} is read by tables "
+                             f"{twice[1]!r} and {twice[2]!r} (keep one of them stock, or in an EBC of its own)")
 
         # the global row space (P²RES hot/cold layout) and this rank's rows
         self.layout = RowLayout.build(self._world, {c.name: c.num_embeddings for c in configs},

@@ -8,7 +8,7 @@ The per-table hot set rides on a ``ParameterSharding`` subclass, so it travels i
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Dict, Optional
+from typing import Any, Dict, Iterable, Optional, Tuple
 
 import torch
 from torchrec.distributed.types import ParameterSharding, ShardingType
@@ -83,3 +83,16 @@ class HeraldParameterSharding(ParameterSharding):
 def hot_spec_of(ps: ParameterSharding) -> Optional[HotSpec]:
     """The HotSpec of a herald ParameterSharding, None for a stock one."""
     return ps.hot if isinstance(ps, HeraldParameterSharding) else None
+
+
+def feature_read_twice(configs: Iterable[Any]) -> Optional[Tuple[str, str, str]]:
+    """``(feature, first table, second table)`` where two of ``configs`` (``EmbeddingBagConfig`` s of one EBC's
+    herald tables) read one KJT key, which herald's layout cannot hold (it maps a feature to one table); None
+    otherwise."""
+    reader: Dict[str, str] = {}
+    for c in configs:
+        for f in c.feature_names:
+            if f in reader:
+                return f, reader[f], c.name
+            reader[f] = c.name
+    return None
