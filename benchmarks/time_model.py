@@ -106,7 +106,25 @@ def load_of(row: Dict[str, Any], kind: str) -> Tuple[PlanLoad, float]:
                     host_bound_ms=floor), unl["step"]
 
 
-def validate(validated: Optional[List[str]] = None) -> Dict[str, Any]:
+def link_efficiency(row: Dict[str, Any], latency_ms: float) -> float:
+    """The share of the ``tc`` rate that puts a stock row (TABLE_WISE at W=2) on its measured step: its bytes on
+    the path over the step less its compute and its collectives' latency. One such figure, at 200 Mbit/s, is
+    the validation's calibration."""
+    load, _ = load_of(row, trained(row))
+    path_ms = row["breakdown_ms"]["step"] - load.compute_ms - load.collectives * latency_ms
+    return load.critical_bytes * 8 / (path_ms * 1e3) / row["rate_mbit"]
+
+
+def efficiency_by_rate(names: List[str], latency_ms: float) -> List[Dict[str, Any]]:
+    """:func:`link_efficiency` at every rate-limited stock TABLE_WISE row at W=2 of ``names`` (``bench_bandwidth``
+    JSONs in ``results/``): how the share of the rate the step's traffic gets moves with the rate."""
+    rows = [(n, r) for n in names for r in _rows(n)
+            if r["config"] == "tw" and r["world_size"] == 2 and r["rate_mbit"] > 0]
+    return [{"rate_mbit": r["rate_mbit"], "step_ms": r["breakdown_ms"]["step"], "from": n,
+             "link_efficiency": link_efficiency(r, latency_ms)} for n, r in sorted(rows, key=lambda x: -x[1]["rate_mbit"])]
+
+
+def validate(validated: Optional[List[str]] = None, rate_sweep: Optional[List[str]] = None) -> Dict[str, Any]:
     """Each measured point of ``validated`` (``bench_bandwidth`` JSONs in ``results/``, default
     :data:`VALIDATED`: herald's defaults beside a stock baseline) against the model's prediction."""
     validated = validated or VALIDATED
@@ -121,10 +139,7 @@ def validate(validated: Optional[List[str]] = None) -> Dict[str, Any]:
     # calibration: the link efficiency that puts stock TABLE_WISE at W=2, 200 Mbit/s on its measured step
     cal_name = next((n for n in validated if any((r["config"], r["world_size"], r["rate_mbit"]) == ("tw", 2, 200)
                                                  for r in _rows(n))), "bandwidth_w2_probe_limited")
-    cal = _row(cal_name, "tw", 2, 200)
-    cal_load, _ = load_of(cal, "table_wise")
-    path_ms = cal["breakdown_ms"]["step"] - cal_load.compute_ms - cal_load.collectives * latency
-    efficiency = cal_load.critical_bytes * 8 / (path_ms * 1e3) / 200
+    efficiency = link_efficiency(_row(cal_name, "tw", 2, 200), latency)
     points = []
     for n in validated:
         rows = _rows(n)
@@ -147,7 +162,8 @@ def validate(validated: Optional[List[str]] = None) -> Dict[str, Any]:
                           "measured_from_steps": ms / mh},
             })
             points[-1]["ratio"]["error"] = points[-1]["ratio"]["predicted"] / points[-1]["ratio"]["measured"] - 1
-    return {"link_efficiency": efficiency, "collective_latency_ms": latency, "points": points}
+    return {"link_efficiency": efficiency, "collective_latency_ms": latency, "points": points,
+            "efficiency_by_rate": efficiency_by_rate(list(validated) + list(rate_sweep or []), latency)}
 
 
 def gpu_steps(gpu: Tuple[str, str], B: int) -> Tuple[float, float, str]:
@@ -289,6 +305,10 @@ def markdown(result: Dict[str, Any], command: str) -> str:
                      f"{s['measured']:.1f} / {s['predicted']:.1f} ({100 * s['error']:+.0f} %){mark} | "
                      f"{h['measured']:.1f} / {h['predicted']:.1f} ({100 * h['error']:+.0f} %) | "
                      f"{r['measured']:.2f}× / {r['predicted']:.2f}× ({100 * r['error']:+.0f} %) |")
+    by_rate = v.get("efficiency_by_rate") or []
+    if len(by_rate) > 1:
+        lines += ["", "The link efficiency that puts stock TABLE_WISE at W=2 on its measured step, by rate: " + ", ".join(
+            f"{e['rate_mbit']} Mbit/s {e['link_efficiency']:.2f}" for e in by_rate) + "."]
     pr = result["projection"]
     lines += ["", f"Projection (GPU step {pr['inputs']['gpu_stock_step_ms']:.1f} ms stock, "
               f"{pr['inputs']['gpu_herald_step_ms']:.1f} ms herald, from {pr['inputs']['gpu']}; the model's pick vs TorchRec's "
@@ -380,11 +400,14 @@ def main(argv: Optional[List[str]] = None) -> None:
     ap.add_argument("--unlimited", nargs="+", default=[],
                     help="bench_bandwidth JSONs in results/ (no .json) whose unlimited-link rows give each plan's "
                          "compute (default: the runs UNLIMITED names)")
+    ap.add_argument("--rate-sweep", nargs="+", default=[],
+                    help="more bench_bandwidth JSONs in results/ (no .json) with stock TABLE_WISE at W=2 at other rates: "
+                         "the link efficiency at each rate is reported beside the validation (not used by it)")
     a = ap.parse_args(argv)
     use_unlimited_runs(a.unlimited)
     gpu = (a.gpu_stock, a.gpu_herald)
     command = "python benchmarks/time_model.py" + (" " + " ".join(argv) if argv else "")
-    result = {"command": command, "validation": validate(a.validated), "projection": project(a.world_sizes, a.links_gbit, a.dims, gpu),
+    result = {"command": command, "validation": validate(a.validated, a.rate_sweep), "projection": project(a.world_sizes, a.links_gbit, a.dims, gpu),
               "per_table": project_per_table(a.world_sizes, a.links_gbit, a.dims, gpu)}
     out = Path(a.out)
     out.write_text(json.dumps(result, indent=1))
