@@ -124,7 +124,8 @@ def efficiency_by_rate(names: List[str], latency_ms: float) -> List[Dict[str, An
              "link_efficiency": link_efficiency(r, latency_ms)} for n, r in sorted(rows, key=lambda x: -x[1]["rate_mbit"])]
 
 
-def validate(validated: Optional[List[str]] = None, rate_sweep: Optional[List[str]] = None) -> Dict[str, Any]:
+def validate(validated: Optional[List[str]] = None, rate_sweep: Optional[List[str]] = None,
+             efficiency: Optional[float] = None) -> Dict[str, Any]:
     """Each measured point of ``validated`` (``bench_bandwidth`` JSONs in ``results/``, default
     :data:`VALIDATED`: herald's defaults beside a stock baseline) against the model's prediction."""
     validated = validated or VALIDATED
@@ -139,7 +140,10 @@ def validate(validated: Optional[List[str]] = None, rate_sweep: Optional[List[st
     # calibration: the link efficiency that puts stock TABLE_WISE at W=2, 200 Mbit/s on its measured step
     cal_name = next((n for n in validated if any((r["config"], r["world_size"], r["rate_mbit"]) == ("tw", 2, 200)
                                                  for r in _rows(n))), "bandwidth_w2_probe_limited")
-    efficiency = link_efficiency(_row(cal_name, "tw", 2, 200), latency)
+    if efficiency is None:
+        efficiency = link_efficiency(_row(cal_name, "tw", 2, 200), latency)
+    else:  # given: no point is the calibration
+        cal_name = ""
     points = []
     for n in validated:
         rows = _rows(n)
@@ -293,8 +297,9 @@ def _kaggle_sizes() -> Tuple[List[str], List[int]]:
 def markdown(result: Dict[str, Any], command: str) -> str:
     v = result["validation"]
     lines = [f"Command: `{command}`", "",
-             f"Validation: link efficiency {v['link_efficiency']:.2f} of the tc rate (calibrated on stock "
-             f"TABLE_WISE, W=2, 200 Mbit/s), latency {v['collective_latency_ms']:.2f} ms per collective.", "",
+             f"Validation: link efficiency {v['link_efficiency']:.2f} of the tc rate ("
+             + ("calibrated on stock TABLE_WISE, W=2, 200 Mbit/s" if any(p["calibration_point"] for p in v["points"])
+                else "given") + f"), latency {v['collective_latency_ms']:.2f} ms per collective.", "",
              "| ranks | link | stock trained | herald trained | stock step measured / predicted (err) | "
              "herald step measured / predicted (err) | ratio measured / predicted (err) |", "|---|---|---|---|---|---|---|"]
     for p in v["points"]:
@@ -403,11 +408,13 @@ def main(argv: Optional[List[str]] = None) -> None:
     ap.add_argument("--rate-sweep", nargs="+", default=[],
                     help="more bench_bandwidth JSONs in results/ (no .json) with stock TABLE_WISE at W=2 at other rates: "
                          "the link efficiency at each rate is reported beside the validation (not used by it)")
+    ap.add_argument("--efficiency", type=float, default=None,
+                    help="the link efficiency to validate with, instead of calibrating it on stock TABLE_WISE at W=2, 200 Mbit/s")
     a = ap.parse_args(argv)
     use_unlimited_runs(a.unlimited)
     gpu = (a.gpu_stock, a.gpu_herald)
     command = "python benchmarks/time_model.py" + (" " + " ".join(argv) if argv else "")
-    result = {"command": command, "validation": validate(a.validated, a.rate_sweep), "projection": project(a.world_sizes, a.links_gbit, a.dims, gpu),
+    result = {"command": command, "validation": validate(a.validated, a.rate_sweep, a.efficiency), "projection": project(a.world_sizes, a.links_gbit, a.dims, gpu),
               "per_table": project_per_table(a.world_sizes, a.links_gbit, a.dims, gpu)}
     out = Path(a.out)
     out.write_text(json.dumps(result, indent=1))
