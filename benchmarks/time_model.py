@@ -76,21 +76,27 @@ def trained(row: Dict[str, Any]) -> str:
     return "scheduling" if {"herald_pull", "herald_push_pull"} & set(row["by_label"]) else "hot"
 
 
-def use_unlimited_runs(names: List[str]) -> None:
-    """Take each plan's compute at the unlimited link from ``names`` (``bench_bandwidth`` JSONs in ``results/``:
-    their rows at rate 0, by what each trained), where they have it, instead of :data:`UNLIMITED`'s runs."""
+Unlimited = Dict[Tuple[str, int], Tuple[str, str]]
+
+
+def unlimited_runs(names: List[str]) -> Unlimited:
+    """Where each plan's compute at the unlimited link is taken from: :data:`UNLIMITED`'s runs, except where
+    ``names`` (``bench_bandwidth`` JSONs in ``results/``: their rows at rate 0, by what each trained) have it."""
+    runs = dict(UNLIMITED)
     for name in names:
         for r in _rows(name):
             if r["rate_mbit"] == 0:
-                UNLIMITED[(trained(r), r["world_size"])] = (name, r["config"])
+                runs[(trained(r), r["world_size"])] = (name, r["config"])
+    return runs
 
 
-def load_of(row: Dict[str, Any], kind: str) -> Tuple[PlanLoad, float]:
+def load_of(row: Dict[str, Any], kind: str, unlimited: Optional[Unlimited] = None) -> Tuple[PlanLoad, float]:
     """The row's plan as a PlanLoad (measured bytes and collectives per rank and step, measured compute at
     the unlimited link), and that unlimited step."""
     W = row["world_size"]
     base = "hot" if kind == "scheduling" else kind
-    unl = _row(UNLIMITED[(base, W)][0], UNLIMITED[(base, W)][1], W, 0)["breakdown_ms"]
+    name, config = (unlimited or UNLIMITED)[(base, W)]
+    unl = _row(name, config, W, 0)["breakdown_ms"]
     dense = row["by_label"].get("dense_allreduce", {}).get("bytes", 0.0)
     herald = kind in ("hot", "scheduling")
     if herald:
@@ -106,26 +112,27 @@ def load_of(row: Dict[str, Any], kind: str) -> Tuple[PlanLoad, float]:
                     host_bound_ms=floor), unl["step"]
 
 
-def link_efficiency(row: Dict[str, Any], latency_ms: float) -> float:
+def link_efficiency(row: Dict[str, Any], latency_ms: float, unlimited: Optional[Unlimited] = None) -> float:
     """The share of the ``tc`` rate that puts a stock row (TABLE_WISE at W=2) on its measured step: its bytes on
     the path over the step less its compute and its collectives' latency. One such figure, at 200 Mbit/s, is
     the validation's calibration."""
-    load, _ = load_of(row, trained(row))
+    load, _ = load_of(row, trained(row), unlimited)
     path_ms = row["breakdown_ms"]["step"] - load.compute_ms - load.collectives * latency_ms
     return load.critical_bytes * 8 / (path_ms * 1e3) / row["rate_mbit"]
 
 
-def efficiency_by_rate(names: List[str], latency_ms: float) -> List[Dict[str, Any]]:
+def efficiency_by_rate(names: List[str], latency_ms: float, unlimited: Optional[Unlimited] = None
+                       ) -> List[Dict[str, Any]]:
     """:func:`link_efficiency` at every rate-limited stock TABLE_WISE row at W=2 of ``names`` (``bench_bandwidth``
     JSONs in ``results/``): how the share of the rate the step's traffic gets moves with the rate."""
     rows = [(n, r) for n in names for r in _rows(n)
             if r["config"] == "tw" and r["world_size"] == 2 and r["rate_mbit"] > 0]
     return [{"rate_mbit": r["rate_mbit"], "step_ms": r["breakdown_ms"]["step"], "from": n,
-             "link_efficiency": link_efficiency(r, latency_ms)} for n, r in sorted(rows, key=lambda x: -x[1]["rate_mbit"])]
+             "link_efficiency": link_efficiency(r, latency_ms, unlimited)} for n, r in sorted(rows, key=lambda x: -x[1]["rate_mbit"])]
 
 
 def validate(validated: Optional[List[str]] = None, rate_sweep: Optional[List[str]] = None,
-             efficiency: Optional[float] = None) -> Dict[str, Any]:
+             efficiency: Optional[float] = None, unlimited: Optional[Unlimited] = None) -> Dict[str, Any]:
     """Each measured point of ``validated`` (``bench_bandwidth`` JSONs in ``results/``, default
     :data:`VALIDATED`: herald's defaults beside a stock baseline) against the model's prediction."""
     validated = validated or VALIDATED
@@ -141,7 +148,7 @@ def validate(validated: Optional[List[str]] = None, rate_sweep: Optional[List[st
     cal_name = next((n for n in validated if any((r["config"], r["world_size"], r["rate_mbit"]) == ("tw", 2, 200)
                                                  for r in _rows(n))), "bandwidth_w2_probe_limited")
     if efficiency is None:
-        efficiency = link_efficiency(_row(cal_name, "tw", 2, 200), latency)
+        efficiency = link_efficiency(_row(cal_name, "tw", 2, 200), latency, unlimited)
     else:  # given: no point is the calibration
         cal_name = ""
     points = []
@@ -153,7 +160,7 @@ def validate(validated: Optional[List[str]] = None, rate_sweep: Optional[List[st
             h = next(x for x in rows if x["config"] == "herald_defaults" and x["rate_mbit"] == r["rate_mbit"])
             W, rate = r["world_size"], r["rate_mbit"]
             m = model(W, rate, efficiency)
-            (sl, _), (hl, _) = load_of(r, trained(r)), load_of(h, trained(h))
+            (sl, _), (hl, _) = load_of(r, trained(r), unlimited), load_of(h, trained(h), unlimited)
             ps, ph = m.predict(sl).step_ms, m.predict(hl).step_ms
             ms, mh = r["breakdown_ms"]["step"], h["breakdown_ms"]["step"]
             points.append({
@@ -167,7 +174,7 @@ def validate(validated: Optional[List[str]] = None, rate_sweep: Optional[List[st
             })
             points[-1]["ratio"]["error"] = points[-1]["ratio"]["predicted"] / points[-1]["ratio"]["measured"] - 1
     return {"link_efficiency": efficiency, "collective_latency_ms": latency, "points": points,
-            "efficiency_by_rate": efficiency_by_rate(list(validated) + list(rate_sweep or []), latency)}
+            "efficiency_by_rate": efficiency_by_rate(list(validated) + list(rate_sweep or []), latency, unlimited)}
 
 
 def gpu_steps(gpu: Tuple[str, str], B: int) -> Tuple[float, float, str]:
@@ -411,10 +418,9 @@ def main(argv: Optional[List[str]] = None) -> None:
     ap.add_argument("--efficiency", type=float, default=None,
                     help="the link efficiency to validate with, instead of calibrating it on stock TABLE_WISE at W=2, 200 Mbit/s")
     a = ap.parse_args(argv)
-    use_unlimited_runs(a.unlimited)
     gpu = (a.gpu_stock, a.gpu_herald)
     command = "python benchmarks/time_model.py" + (" " + " ".join(argv) if argv else "")
-    result = {"command": command, "validation": validate(a.validated, a.rate_sweep, a.efficiency), "projection": project(a.world_sizes, a.links_gbit, a.dims, gpu),
+    result = {"command": command, "validation": validate(a.validated, a.rate_sweep, a.efficiency, unlimited_runs(a.unlimited)), "projection": project(a.world_sizes, a.links_gbit, a.dims, gpu),
               "per_table": project_per_table(a.world_sizes, a.links_gbit, a.dims, gpu)}
     out = Path(a.out)
     out.write_text(json.dumps(result, indent=1))
