@@ -349,6 +349,31 @@ def test_an_optimizer_setting_herald_would_ignore_is_refused_naming_the_tables()
     assert fused_params_of(module, None)["optimizer"] == EmbOptimType.EXACT_SGD
 
 
+def test_a_table_of_another_precision_given_heralds_sharding_is_refused_naming_it() -> None:
+    """Herald's rows are FP32: an FP16 table given herald's sharding would train in another precision than stock's
+    (whose TBE keeps FP16 rows), silently. Herald's sharder refuses such a plan before building anything, naming
+    the EBC and the table; HeraldPlanner keeps such tables stock (``tests/test_model_shapes.py``)."""
+    from torchrec.distributed.types import ParameterSharding, ShardingEnv
+    from torchrec.modules.embedding_configs import DataType, EmbeddingBagConfig
+    from torchrec.modules.embedding_modules import EmbeddingBagCollection
+
+    from torchrec_herald import HeraldEmbeddingBagCollectionSharder
+    from torchrec_herald.sharding.types import HERALD_HOT_ROW_WISE
+
+    module = EmbeddingBagCollection([EmbeddingBagConfig(name=n, embedding_dim=8, num_embeddings=10, feature_names=[f],
+                                                        data_type=dt)
+                                     for n, f, dt in (("ta", "fa", DataType.FP32), ("tb", "fb", DataType.FP16))],
+                                    device=torch.device("meta"))
+    params = {n: ParameterSharding(sharding_type=HERALD_HOT_ROW_WISE, compute_kernel="fused", ranks=[0])
+              for n in ("ta", "tb")}
+    with pytest.raises(ValueError) as e:
+        HeraldEmbeddingBagCollectionSharder().shard(module, params, ShardingEnv(1, 0), torch.device("cpu"), "sparse")
+    assert str(e.value) == (
+        "EBC 'sparse': the plan gives herald's sharding tables tb (FP16), whose rows herald would hold and update in "
+        "FP32 where stock TorchRec keeps their data_type: plan them with a stock sharding type (HeraldPlanner does), "
+        "or make them FP32")
+
+
 def test_ranks_sharding_with_different_hot_sets_are_refused_on_every_rank() -> None:
     """Plans made on each rank from its own batches can differ: the ranks' collectives would then not match (gloo
     aborted, NCCL would hang). Every rank names the table as the module is built."""

@@ -19,7 +19,7 @@ from torch import nn
 from torchrec.distributed.planner import EmbeddingShardingPlanner, ParameterConstraints
 from torchrec.distributed.planner.types import Stats, Topology
 from torchrec.distributed.types import ModuleSharder, ShardingPlan, ShardingType
-from torchrec.modules.embedding_configs import EmbeddingBagConfig
+from torchrec.modules.embedding_configs import DataType, EmbeddingBagConfig
 from torchrec.modules.embedding_modules import EmbeddingBagCollection
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
@@ -187,16 +187,17 @@ class HeraldPlanner(EmbeddingShardingPlanner):
         return {t.name for t in tables if (c := (self._constraints or {}).get(t.name)) is not None
                 and c.sharding_types and not own & set(c.sharding_types)}
 
-    def _beside_herald(self, module: nn.Module, kept: set) -> Dict[str, List[str]]:
-        """Of the ``kept`` tables, those in an EBC with herald tables, each with the sharding types its
-        constraints allow that can sit beside them (:data:`MIXABLE_STOCK_TYPES`). ValueError naming a table whose
-        constraints allow none (DATA_PARALLEL alone)."""
+    def _beside_herald(self, module: nn.Module, kept: set, also_stock: Iterable[str] = ()) -> Dict[str, List[str]]:
+        """Of the ``kept`` tables, those in an EBC with herald tables (tables neither ``kept`` nor ``also_stock``),
+        each with the sharding types its constraints allow that can sit beside them (:data:`MIXABLE_STOCK_TYPES`).
+        ValueError naming a table whose constraints allow none (DATA_PARALLEL alone)."""
+        stock = set(kept) | set(also_stock)
         out: Dict[str, List[str]] = {}
         for m in module.modules():
             if not isinstance(m, EmbeddingBagCollection):
                 continue
             names = [c.name for c in m.embedding_bag_configs()]
-            if all(n in kept for n in names):
+            if all(n in stock for n in names):
                 continue  # (an EBC of stock tables alone: TorchRec shards it, any type)
             for n in names:
                 if n not in kept:
@@ -208,6 +209,31 @@ class HeraldPlanner(EmbeddingShardingPlanner):
                                      f"herald tables in one EBC (its own DDP would sync it outside herald's dense "
                                      f"sync); allow one of {list(MIXABLE_STOCK_TYPES)}, or put it in an EBC of its own")
                 out[n] = allowed
+        return out
+
+    def _mixable(self, name: str) -> List[str]:
+        """The stock types table ``name`` may take beside herald's tables in one EBC: its constraints' mixable types,
+        else any mixable type."""
+        given = (self._constraints or {}).get(name)
+        allowed = [t for t in (given.sharding_types or []) if t in MIXABLE_STOCK_TYPES] if given else []
+        return allowed or list(MIXABLE_STOCK_TYPES)
+
+    def _not_fp32(self, module: nn.Module, kept: set) -> Dict[str, Optional[List[str]]]:
+        """Herald's rows are FP32: each table (``kept`` aside) of another ``data_type`` (FP16, INT8, ...) keeps a
+        stock type, which stores and updates it in its own precision, said in one line. The value: the types it may
+        take beside herald's tables in its EBC (None: its EBC has none, TorchRec picks any)."""
+        out: Dict[str, Optional[List[str]]] = {}
+        for m in module.modules():
+            if not isinstance(m, EmbeddingBagCollection):
+                continue
+            configs = m.embedding_bag_configs()
+            low = [c.name for c in configs if c.name not in kept and c.data_type != DataType.FP32]
+            alone = all(c.name in kept or c.name in low for c in configs)
+            out.update({n: None if alone else self._mixable(n) for n in low})
+        if out:
+            logger.info("HeraldPlanner: herald's sharding holds FP32 rows; %s keep a stock type in their own precision",
+                        ", ".join(f"{t.name} ({t.data_type.name})" for t in embedding_bag_configs(module)
+                                  if t.name in out))
         return out
 
     def _other_dims(self, module: nn.Module, kept: set, stats: AccessStats) -> Dict[str, List[str]]:
@@ -229,9 +255,7 @@ class HeraldPlanner(EmbeddingShardingPlanner):
                                                     len(by_dim[d]), -d))
             for d, names in by_dim.items():
                 for n in names if d != herald_dim else []:
-                    given = (self._constraints or {}).get(n)
-                    allowed = [t for t in (given.sharding_types or []) if t in MIXABLE_STOCK_TYPES] if given else []
-                    out[n] = allowed or list(MIXABLE_STOCK_TYPES)
+                    out[n] = self._mixable(n)
             logger.info("HeraldPlanner: EBC %r has tables of embedding dims %s; herald's sharding holds one dim an EBC: "
                         "dim %d is herald's (its tables' sampled lookups move the most bytes), %s keep a stock type",
                         fqn or "(the model)", sorted(by_dim), herald_dim,
@@ -276,19 +300,22 @@ class HeraldPlanner(EmbeddingShardingPlanner):
         """Herald's plan of ``module``: TorchRec's planner lays every EBC table out row-wise (the cold blocks; a
         user's other constraints kept), and each gets herald's type with the hot set the selector picks under
         the memory budget (``last_choices``). A table whose ``ParameterConstraints`` name sharding types
-        without ROW_WISE (or herald's) keeps the stock type TorchRec picks among them, in the same EBC; other
+        without ROW_WISE (or herald's) keeps the stock type TorchRec picks among them, in the same EBC, as does a
+        table of another precision than FP32 and a table of another embedding dim than its EBC's herald dim; other
         modules (an ``EmbeddingCollection``) are planned by TorchRec as they are."""
         stock_sharders = [_as_stock(s) for s in sharders]  # stock planning components know stock types only
         every = embedding_bag_configs(module)
         kept = self._kept_stock(every)
-        if all(t.name in kept for t in every):
+        precision = self._not_fp32(module, kept)
+        if all(t.name in kept or t.name in precision for t in every):
             return super().plan(module, stock_sharders)
         if kept:
             logger.info("HeraldPlanner: %d table(s) keep the stock sharding types their constraints name: %s",
                         len(kept), ", ".join(sorted(kept)))
-        beside = self._beside_herald(module, kept)
+        beside = self._beside_herald(module, kept, precision)
         stats = self.access_stats(every)
         stats.validate(every)
+        kept, beside = kept | set(precision), {**beside, **{n: t for n, t in precision.items() if t is not None}}
         other_dims = self._other_dims(module, kept, stats)
         kept, beside = kept | set(other_dims), {**beside, **other_dims}
         _check_one_table_a_feature(module, kept)

@@ -7,6 +7,7 @@ from typing import Dict, List, Optional
 import torch
 from torchrec.distributed.embedding_types import EmbeddingComputeKernel
 from torchrec.distributed.types import ParameterSharding, ShardedModule, ShardingEnv
+from torchrec.modules.embedding_configs import DataType
 from torchrec.modules.embedding_modules import EmbeddingBagCollection
 
 from torchrec_herald.sharding.hot_replicated import ShardedHeraldEmbeddingBagCollection
@@ -49,6 +50,12 @@ class HeraldEmbeddingBagCollectionSharder(CpuEmbeddingBagCollectionSharder):
             raise ValueError(f"EBC {module_fqn or ''!r} is weighted (is_weighted=True), and the plan gives its tables "
                              f"{sorted(herald)} herald's sharding, which has no per-sample weights: plan them with "
                              f"a stock sharding type")
+        low = [f"{c.name} ({c.data_type.name})" for c in module.embedding_bag_configs()
+               if c.name in herald and c.data_type != DataType.FP32]
+        if low:  # (herald's row store and update are FP32: it would train these rows in another precision than stock)
+            raise ValueError(f"EBC {module_fqn or ''!r}: the plan gives herald's sharding tables {', '.join(low)}, whose "
+                             f"rows herald would hold and update in FP32 where stock TorchRec keeps their data_type: "
+                             f"plan them with a stock sharding type (HeraldPlanner does), or make them FP32")
         if len(herald) != len(params):  # per-table decisions: herald tables beside stock-sharded ones
             return ShardedMixedEmbeddingBagCollection(
                 module, params, env, device,
