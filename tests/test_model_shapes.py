@@ -5,13 +5,15 @@ loop, 2 ranks): per-rank losses within 1e-5 and every final weight within :func:
 * one EBC whose tables have three embedding dims: herald takes the dim whose tables' lookups move the most bytes,
   the others keep a stock type in the same EBC (herald's sharding refused the plan herald's planner made);
 * a two-tower model whose EBCs both read one KJT key (the planner refused the feature as 'served by two tables');
+* a head with a batch norm, trained by herald's pipeline with scheduling on: the input allocator keeps each rank's
+  samples (moving them changed what the batch norm computed, and the losses left stock's);
 * one EBC with an FP16 table beside FP32 ones: the FP16 table keeps a stock type and its FP16 rows (herald held and
   updated it in FP32, silently: losses left stock's by 7e-5, weights by 1e-2).
 """
 
 from __future__ import annotations
 
-from typing import Any, Dict, List
+from typing import Any, Dict, List, Optional
 
 import pytest
 import torch
@@ -70,6 +72,21 @@ class MixedPrecision(nn.Module):
                      batch.labels)
 
 
+class BatchNormHead(MixedPrecision):
+    """Three FP32 tables of dim 8 and a ``BatchNorm1d`` in the head: its output depends on which samples share a
+    rank's batch."""
+
+    def __init__(self) -> None:
+        from torchrec.modules.embedding_configs import EmbeddingBagConfig
+        from torchrec.modules.embedding_modules import EmbeddingBagCollection
+
+        super().__init__()
+        self.sparse = EmbeddingBagCollection([EmbeddingBagConfig(name=f"t{i}", embedding_dim=8, num_embeddings=n,
+                                                                 feature_names=[f])
+                                              for i, (f, n) in enumerate(FEATURES.items())], device=torch.device("cpu"))
+        self.head = nn.Sequential(nn.Linear(3 * 8 + 4, 8), nn.BatchNorm1d(8), nn.ReLU(), nn.Linear(8, 1))
+
+
 class TwoTowers(nn.Module):
     """A user and an item tower, each its own EBC; both read ``f1``."""
 
@@ -108,7 +125,8 @@ def _batch(step: int, rank: int) -> Any:
                  labels=torch.randint(0, 2, (B,), generator=g).float())
 
 
-def _train(rank: int, world: int, model_name: str, herald: bool, for_model: bool = False) -> Dict[str, Any]:
+def _train(rank: int, world: int, model_name: str, herald: bool, for_model: bool = False,
+           options: Optional[Dict[str, Any]] = None) -> Dict[str, Any]:
     import torch.distributed as dist
     from torch.distributed._shard.sharded_tensor import ShardedTensor
     from torchrec.distributed import DistributedModelParallel
@@ -123,7 +141,8 @@ def _train(rank: int, world: int, model_name: str, herald: bool, for_model: bool
     from torchrec_herald.sharding import CpuEmbeddingBagCollectionSharder
 
     torch.manual_seed(0)
-    model = {"mixed_dims": MixedDims, "two_towers": TwoTowers, "mixed_precision": MixedPrecision}[model_name]()
+    model = {"mixed_dims": MixedDims, "two_towers": TwoTowers, "mixed_precision": MixedPrecision,
+             "batch_norm": BatchNormHead}[model_name]()
     initial = {k: v.detach().clone() for k, v in model.state_dict().items()}
     ebcs = [m for m in model.modules() if isinstance(m, EmbeddingBagCollection)]
     apply_optimizer_in_backward(RowWiseAdagrad, [p for m in ebcs for p in m.parameters()], {"lr": 0.1})
@@ -148,7 +167,7 @@ def _train(rank: int, world: int, model_name: str, herald: bool, for_model: bool
     if for_model:  # (the pipeline for whatever the plan is: TorchRec's where no one EBC is herald's)
         from torchrec_herald import HeraldTrainPipeline
 
-        pipeline = HeraldTrainPipeline.for_model(dmp, optimizer, torch.device("cpu"))
+        pipeline = HeraldTrainPipeline.for_model(dmp, optimizer, torch.device("cpu"), **(options or {}))
         it = iter([_batch(step, rank) for step in range(STEPS)])
         while True:
             try:
@@ -173,8 +192,10 @@ def _train(rank: int, world: int, model_name: str, herald: bool, for_model: bool
     return {"losses": losses, "state": state, "types": types, "pipeline": type(pipeline).__name__}
 
 
-def _both(rank: int, world: int, model_name: str, for_model: bool = False) -> Dict[str, Any]:
-    return {"herald": _train(rank, world, model_name, True, for_model), "stock": _train(rank, world, model_name, False)}
+def _both(rank: int, world: int, model_name: str, for_model: bool = False,
+          options: Optional[Dict[str, Any]] = None) -> Dict[str, Any]:
+    return {"herald": _train(rank, world, model_name, True, for_model, options),
+            "stock": _train(rank, world, model_name, False)}
 
 
 @pytest.mark.parametrize("model_name,herald_tables", [("mixed_dims", {"t1"}), ("two_towers", {"u0", "u1", "i0", "i1"}),
@@ -202,3 +223,34 @@ def test_the_pipeline_for_a_two_tower_model_is_torchrecs_and_trains_as_stock() -
         for k, v in s["state"].items():
             err = float((h["state"][k] - v).abs().max() / v.abs().max().clamp(min=1e-12))
             assert err <= weight_rtol("rowwise_adagrad"), (k, err)
+
+
+def test_a_batch_norm_keeps_each_ranks_samples_under_heralds_scheduling() -> None:
+    """A batch norm normalises by its rank's batch, so the input allocator must not move samples between ranks:
+    with scheduling on and the allocator at ``auto``, herald's pipeline keeps each rank's samples (one log line
+    says why) and trains stock's model, per-rank losses and every weight (running statistics included)."""
+    for r in run_multiprocess(_both, 2, "batch_norm", True, {"scheduling": "on", "window": 3}, timeout_s=300):
+        h, s = r["herald"], r["stock"]
+        assert h["pipeline"] == "HeraldTrainPipeline"
+        assert h["losses"] == pytest.approx(s["losses"], rel=1e-5) and len(h["losses"]) == STEPS
+        assert any("running_mean" in k for k in s["state"])
+        for k, v in s["state"].items():
+            err = float((h["state"][k] - v).abs().max().float() / v.abs().max().float().clamp(min=1e-12))
+            assert err <= weight_rtol("rowwise_adagrad"), (k, err)
+
+
+def _greedy_with_batch_norm(rank: int, world: int) -> str:
+    try:
+        _train(rank, world, "batch_norm", True, True, {"allocator": "greedy"})
+    except ValueError as e:
+        return str(e)
+    return "trained"
+
+
+def test_the_greedy_allocator_with_a_batch_norm_is_refused_naming_the_layer() -> None:
+    """``allocator=greedy`` set explicitly would move samples under the batch norm: refused as the pipeline is
+    built, on every rank, naming the layer and the key."""
+    assert run_multiprocess(_greedy_with_batch_norm, 2, timeout_s=300) == [
+        "pipeline.allocator=greedy moves samples between ranks, and the model's head.1 (BatchNorm1d) normalise by "
+        "each rank's own batch: it would train another model than stock TorchRec. Use pipeline.allocator=identity (or "
+        "auto), or SyncBatchNorm"] * 2

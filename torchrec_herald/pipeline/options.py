@@ -84,7 +84,11 @@ class HeraldPipelineConfig:
             (default: greedy under global planning, identity by home; on per-rank batches, where a move
             sends the sample, the greedy allocator moves samples only in batches whose priced penalty is at
             most :data:`AUTO_MAX_PRICED_PENALTY`: one lookup made local must save more bytes than the
-            sample sends, ``benchmarks/allocator_sweep.py``).
+            sample sends, ``benchmarks/allocator_sweep.py``; identity where the model has a batch norm that
+            normalises by its rank's batch). Moving samples keeps the global batch, so the mean loss over ranks
+            and every weight are stock's for a loss that is a mean of per-sample terms; a loss that couples a
+            rank's samples (in-batch negatives) needs ``identity``, and each rank's own loss is that of the
+            samples it trained.
         sync: ``lazy`` (caches + plan) or ``eager`` (herald's per-step path, e.g. to measure the allocator alone).
         cache: cache eviction policy (``lru``).
         cache_fraction: cache capacity per rank per table as a fraction of the table's rows, in (0, 1].

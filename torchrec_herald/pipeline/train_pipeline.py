@@ -19,6 +19,7 @@ The run-ahead worker (``pipeline/run_ahead.py``) schedules the next batch while 
 from __future__ import annotations
 
 import copy
+import dataclasses
 import logging
 import time
 from collections import deque
@@ -51,6 +52,21 @@ from torchrec_herald.pipeline.strategies import SchedulingStrategy, build_planne
 from torchrec_herald.plans import CommPlanner, SyncCounters
 
 logger = logging.getLogger(__name__)
+
+
+def batch_statistics_layers(model: nn.Module) -> List[str]:
+    """The layers of ``model`` whose training output depends on which samples share a rank's batch: batch norms
+    that normalise by their own rank's batch (``SyncBatchNorm``, over every rank's, does not). Moving samples
+    between ranks (the greedy input allocator) would change what they compute; stock TorchRec keeps each rank's
+    batch as its loader gave it."""
+    while True:  # (the user's names, inside DMP's and DDP's wrappers)
+        inner = getattr(model, "_dmp_wrapped_module", None)
+        if isinstance(inner, nn.Module) or isinstance(model, nn.parallel.DistributedDataParallel):
+            model = inner if isinstance(inner, nn.Module) else model.module
+            continue
+        break
+    return [f"{name or '(the model)'} ({type(m).__name__})" for name, m in model.named_modules()
+            if isinstance(m, nn.modules.batchnorm._BatchNorm) and not isinstance(m, nn.SyncBatchNorm)]
 
 __all__ = ["ALLOCATORS", "CACHE_POLICIES", "SYNC_MODES", "HeraldBatchContext", "HeraldTrainPipeline", "SchedulerStats",
            "select_samples"]
@@ -110,6 +126,16 @@ class HeraldTrainPipeline(TrainPipeline[Batch, Any]):
         # loader, from whether it gives whole global batches: _resolve, from the settings as given)
         self._config_set = self.config
         self.config, self.planning_reason = self.config.resolve_planning(self.ebc.world_size)
+        batch_norms = batch_statistics_layers(model) if self.config.allocator == "greedy" else []
+        if batch_norms and self._config_set.allocator == "greedy":
+            raise ValueError(f"pipeline.allocator=greedy moves samples between ranks, and the model's "
+                             f"{', '.join(batch_norms)} normalise by each rank's own batch: it would train another "
+                             f"model than stock TorchRec. Use pipeline.allocator=identity (or auto), or SyncBatchNorm")
+        if batch_norms:  # (auto: the samples stay where loaded, as stock's)
+            self._config_set = dataclasses.replace(self._config_set, allocator="identity")
+            self.config, self.planning_reason = self._config_set.resolve_planning(self.ebc.world_size)
+            logger.info("pipeline.allocator=auto -> identity: the model's %s normalise by each rank's own batch, "
+                        "which moving samples between ranks would change", ", ".join(batch_norms))
         # auto planning globally past the ranks where it would plan by home, for a setting that needs it: a
         # cost a step that grows with W (the reason says which setting)
         scale_cost = (self._config_set.planning == "auto" and self.config.planning == "global"
