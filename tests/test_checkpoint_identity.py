@@ -121,6 +121,59 @@ def test_a_checkpoint_folder_given_as_one_checkpoint_is_named(tmp_path: Path) ->
         check_checkpoint_location(compose_config(BASE + [f"checkpoint.dir={path}"]), 1, writing=True)
 
 
+def test_a_checkpoint_folder_holding_a_users_files_is_refused_before_training_naming_them(tmp_path: Path) -> None:
+    """A run saves into its checkpoint folder, overwrites metrics.json and losses.json there at its end, and with
+    ``checkpoint.resume=false`` moves the folder aside: a user's own files there (or another run's folder under a
+    ``checkpoint.root``, or a Hydra run folder) are refused, naming them, where a run would save or move them. What
+    a run leaves there itself is accepted, and a folder only read (resuming, saving nothing) is not checked."""
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    (mine / "metrics.json").write_text('{"my": "analysis"}')
+    (mine / "notes.txt").write_text("mine")
+    tail = ("a run saves there, writes metrics.json and losses.json at its end and, with checkpoint.resume=false, "
+            "moves the folder aside. Give the checkpoints a folder of their own (new or empty)")
+    for extra in (["checkpoint.every_n_steps=2"], ["checkpoint.resume=false"]):
+        with pytest.raises(ValueError) as e:
+            check_checkpoint_location(compose_config(BASE + [f"checkpoint.dir={mine}"] + extra), 1,
+                                      writing=bool(extra[0].startswith("checkpoint.every")))
+        assert str(e.value) == (f"checkpoint.dir={mine} holds files that are not this trainer's checkpoints "
+                                f"(metrics.json, notes.txt): " + tail)
+    assert check_checkpoint_location(compose_config(BASE + [f"checkpoint.dir={mine}"]), 1, writing=False) == mine
+    # a run's own folder: checkpoints, a finished run's figures beside them, a save in progress
+    ours = tmp_path / "ours"
+    _saved_run(ours, BASE)
+    (ours / "metrics.json").write_text("{}")
+    (ours / "losses.json").write_text("[]")
+    (ours / ".tmp-step_00000006").mkdir()
+    assert check_checkpoint_location(compose_config(BASE + [f"checkpoint.dir={ours}", "checkpoint.every_n_steps=2"]),
+                                     1, writing=True) == ours
+    # a checkpoint.root, given as another run's checkpoint.dir; a Hydra run folder
+    root = tmp_path / "root"
+    _saved_run(root / "run_a", BASE)
+    hydra = tmp_path / "outputs"
+    (hydra / ".hydra").mkdir(parents=True)
+    (hydra / "logs").mkdir()
+    for folder, named, why in ((root, "run_a", ""), (hydra, ".hydra, logs", " (it is a Hydra run folder: hydra.run.dir, "
+                                                                           "where the run writes its logs and metrics)")):
+        with pytest.raises(ValueError) as e:
+            check_checkpoint_location(compose_config(BASE + [f"checkpoint.dir={folder}", "checkpoint.every_n_steps=2"]),
+                                      1, writing=True)
+        assert str(e.value) == f"checkpoint.dir={folder} holds files that are not this trainer's checkpoints ({named}){why}: " + tail
+
+
+def test_the_current_folder_as_checkpoint_folder_is_refused_naming_the_key(tmp_path: Path,
+                                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    """``checkpoint.dir=.`` would save into the current folder and, with ``checkpoint.resume=false``, fail to move it
+    aside (``PosixPath('.') has an empty name``, after training had begun): refused before, naming the key."""
+    monkeypatch.chdir(tmp_path)
+    for given in (".", ".."):
+        with pytest.raises(ValueError) as e:
+            check_checkpoint_location(compose_config(BASE + [f"checkpoint.dir={given}"]), 1, writing=False)
+        assert str(e.value) == (f"checkpoint.dir={given} is not a folder of its own (the run would save into, and with "
+                                f"checkpoint.resume=false move aside, {Path(given).resolve()}); give a named folder, "
+                                f"e.g. checkpoint.dir=checkpoints/<name>")
+
+
 def test_a_trainer_state_missing_a_key_is_skipped_for_an_older_checkpoint(tmp_path: Path,
                                                                             caplog: pytest.LogCaptureFixture) -> None:
     older = _saved_run(tmp_path, BASE, step=2)

@@ -18,7 +18,7 @@ from typing import Any, Dict, Optional, Tuple
 
 from omegaconf import DictConfig, OmegaConf
 
-__all__ = ["EVAL_SPLIT_KEYS", "MAY_CHANGE_ON_RESUME", "NOT_TRAINING_KEYS", "check_checkpoint_location", "checkpoint_dir",
+__all__ = ["EVAL_SPLIT_KEYS", "MAY_CHANGE_ON_RESUME", "NOT_TRAINING_KEYS", "check_checkpoint_location", "check_folder_is_the_runs", "checkpoint_dir",
            "companion_run", "eval_identity", "resume_problem", "run_name", "training_identity"]
 
 #: top-level config keys that do not change the trained model (a re-run differing in them resumes)
@@ -136,6 +136,34 @@ def companion_run(cfg: DictConfig, role: str) -> None:
         cfg.run_name = f"{cfg.run_name}-{role}"
 
 
+#: what a run writes in its checkpoint folder besides its ``step_*`` checkpoints (a finished run's figures; a save
+#: in progress)
+RUN_FILES = ("metrics.json", "losses.json")
+TEMPORARY = re.compile(r"^(\.tmp-step_\d{8,}|\.herald-write-check-.*)$")  # (the latter: another rank's check)
+
+
+def check_folder_is_the_runs(folder: Path, key: str, given: Path) -> None:
+    """The checkpoint folder holds nothing but what a run writes there (``step_*`` checkpoints, a save in progress,
+    and beside checkpoints a finished run's ``metrics.json`` and ``losses.json``): a run saves into it, overwrites
+    those two files at its end, and with ``checkpoint.resume=false`` moves the whole folder aside. A user's own files
+    there (or another run's folder, or a Hydra run folder) would be overwritten or moved: ValueError naming them."""
+    from torchrec_herald.checkpoint import STEP_DIR
+
+    if not folder.is_dir():
+        return
+    entries = sorted(p.name for p in folder.iterdir())
+    steps = [n for n in entries if STEP_DIR.match(n)]
+    foreign = [n for n in entries if not (STEP_DIR.match(n) or TEMPORARY.match(n) or (steps and n in RUN_FILES))]
+    if not foreign:
+        return
+    shown = ", ".join(foreign[:5]) + (f" and {len(foreign) - 5} more" if len(foreign) > 5 else "")
+    hydra = " (it is a Hydra run folder: hydra.run.dir, where the run writes its logs and metrics)" \
+        if ".hydra" in foreign else ""
+    raise ValueError(f"{key}={given} holds files that are not this trainer's checkpoints ({shown}){hydra}: a run "
+                     f"saves there, writes metrics.json and losses.json at its end and, with checkpoint.resume=false, "
+                     f"moves the folder aside. Give the checkpoints a folder of their own (new or empty)")
+
+
 def check_checkpoint_location(cfg: DictConfig, world_size: int, writing: bool) -> Path:
     """Before anything trains: the checkpoint folder is a directory (or can be made one) and, when the
     run will save checkpoints (``writing``), a file can be created in it. Raises ValueError naming
@@ -155,6 +183,12 @@ def check_checkpoint_location(cfg: DictConfig, world_size: int, writing: bool) -
         if STEP_DIR.match(p.name) and (p / ".metadata").is_file():  # (a run would save inside a checkpoint)
             raise ValueError(f"{key}={given} is {'' if p == given else 'inside '}one checkpoint ({p.name}); "
                              f"give the folder that holds the run's checkpoints: {p.parent}")
+    if not folder.name or folder.name in (".", ".."):
+        raise ValueError(f"{key}={given} is not a folder of its own (the run would save into, and with "
+                         f"checkpoint.resume=false move aside, {folder.resolve()}); give a named folder, e.g. "
+                         f"{key}=checkpoints/<name>")
+    if writing or not bool(c.get("resume", True)):  # (it saves there, or moves the folder's checkpoints aside)
+        check_folder_is_the_runs(folder, key, given)
     if not writing:
         return folder
     existing = next(p for p in (folder, *folder.parents) if p.exists())

@@ -405,7 +405,8 @@ class Checkpointing:
         re-run reports them instead of training nothing)."""
         if self.every and dist.get_rank() == 0 and self.dir.is_dir():
             for name in ("metrics.json", "losses.json"):
-                shutil.copyfile(run_dir / name, self.dir / name)
+                if (self.dir / name).resolve() != (run_dir / name).resolve():  # (the run's own folder: there already)
+                    shutil.copyfile(run_dir / name, self.dir / name)
 
     def save(self, step: int, epoch: int, batch_in_epoch: int, losses: List[float], it: Iterator[Any],
              restart: Any) -> Iterator[Any]:
