@@ -102,6 +102,9 @@ def test_out_of_range_id_without_hashing(tmp_path: Path) -> None:
         ("a,1,0,nan,1,1", "column 'd1': expected a finite number, got 'nan'"),
         ("a,1,0,0,1.5,1", "column 'item': expected integer id(s), got '1.5'"),
         ("a,1,0,0,1,3|", "column 'tags': expected integer id(s), got '3|'"),
+        ("a,1,1e300,0,1,1", "column 'd0': '1e300' overflows float32, the dense features' type (largest 3.403e+38)"),
+        ("a,1,0,0,1," + "1|" * 70000 + "1", f"field larger than field limit ({131072}): a field of more than 131072 "
+                                            "characters (a long multi-hot list); give such data as Parquet"),
     ],
 )
 def test_csv_malformed_rows(tmp_path: Path, row: str, problem: str) -> None:
@@ -212,3 +215,10 @@ def test_a_file_that_is_not_parquet_is_named(tmp_path: Path) -> None:
     path.write_text("y,d0\n1,2\n")
     with pytest.raises(DataFormatError, match=r"t.parquet:after record 0: the file cannot be read on: ArrowInvalid: "):
         ColumnarSource(str(path), **COLUMNS).check()
+
+
+def test_a_dense_value_beyond_float32_is_accepted_where_log1p_brings_it_in(tmp_path: Path) -> None:
+    """``log1p_dense`` makes 1e300 about 690: it trains as a finite number, so it is not refused."""
+    path = write_csv(tmp_path / "t.csv", CSV_ROWS[:1] + ["a,1,1e300,2,3,1"] * 2)
+    (b,) = list(ColumnarSource(path, eval_paths=path, log1p_dense=True, **COLUMNS).train_batches(0, 1, 2))
+    assert torch.isfinite(b.dense_features).all() and float(b.dense_features[0, 0]) == pytest.approx(690.7755, rel=1e-6)

@@ -79,6 +79,9 @@ def test_gzip_and_multiple_files_stream_as_one(tmp_path: Path) -> None:
         (line("1", ["0", "1.5"] + ["0"] * 11), "field 3 (int_1): expected an integer, got '1.5'"),
         (line("1", None, ["zz"] + ["0"] * 25), "field 15 (cat_0): expected a hexadecimal id, got 'zz'"),
         (line("1", None, ["0"] * 25 + ["12g"]), "field 40 (cat_25): expected a hexadecimal id, got '12g'"),
+        (line("1", ["0", "9" * 400] + ["0"] * 11),
+         f"field 3 (int_1): {chr(39)}{'9' * 58}{chr(39)}... (400 characters) is beyond an int64 count (400 characters)"),
+        (line("\x00" * 100), "field 1 (label): expected 0 or 1, got '" + "\\x00" * 14 + "'... (100 characters)"),
     ],
 )
 def test_malformed_line_raises_with_file_and_line(tmp_path: Path, bad: str, problem: str) -> None:
@@ -186,3 +189,31 @@ def test_bytes_that_are_not_utf8_are_named_with_the_file(tmp_path: Path, where: 
     read = src.check if where == "first" else lambda: list(src.train_batches(0, 1, 10))
     with pytest.raises(DataFormatError, match=r"t.tsv:after record \d+: the file cannot be read on: UnicodeDecodeError: "):
         read()
+
+
+def test_a_tar_archive_and_a_directory_are_named_before_reading(tmp_path: Path) -> None:
+    """Criteo Kaggle ships ``dac.tar.gz``: read as a gzip'd TSV its first record is glued to the tar header (a
+    2,000-character line of NULs; with ``on_error=skip`` it trained on, one record short). ``check`` names it as an
+    archive. A directory or an unexpanded pattern in ``paths`` is named as such (it was 'not found')."""
+    import io
+    import tarfile
+
+    body = "".join(line() for _ in range(4)).encode()
+    archive = tmp_path / "dac.tar.gz"
+    with tarfile.open(archive, "w:gz") as tar:
+        info = tarfile.TarInfo("train.txt")
+        info.size = len(body)
+        tar.addfile(info, io.BytesIO(body))
+    for on_error in ("raise", "skip"):
+        with pytest.raises(DataFormatError) as err:
+            CriteoTSV(str(archive), eval_paths=str(archive), on_error=on_error).check()
+        assert str(err.value) == (f"{archive}:1: the file is a tar archive: extract its files (tar -xzf) and give those "
+                                  f"(Criteo Kaggle's dac.tar.gz holds train.txt)")
+    with pytest.raises(FileNotFoundError) as missing:
+        CriteoTSV(str(tmp_path), eval_paths=str(tmp_path))
+    assert str(missing.value) == (f"data path(s) {tmp_path} are directories: give their files, as a list "
+                                  f"(data.paths=[a.tsv,b.tsv])")
+    with pytest.raises(FileNotFoundError) as pattern:
+        CriteoTSV(f"{tmp_path}/*.tsv", eval_paths=f"{tmp_path}/*.tsv")
+    assert str(pattern.value) == (f"data file(s) not found: {tmp_path}/*.tsv (a pattern is not "
+                                  f"expanded: give the files as a list, data.paths=[a.tsv,b.tsv])")

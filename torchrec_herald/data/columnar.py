@@ -29,6 +29,7 @@ logger = logging.getLogger(__name__)
 ColumnarSample = Tuple[float, List[float], List[List[int]]]
 _FORMATS = {".parquet": "parquet", ".pq": "parquet", ".csv": "csv", ".csv.gz": "csv"}
 _PARQUET_BATCH_ROWS = 65536
+_FLOAT32_MAX = float(torch.finfo(torch.float32).max)
 
 
 def _label(v: Any) -> float:
@@ -144,6 +145,8 @@ class ColumnarSource(FileSource[ColumnarSample]):
             dense: List[float] = []
             for column, v in zip(self.dense, cells[1:]):
                 dense.append(_number(v))
+                if not self.log1p_dense and abs(dense[-1]) > _FLOAT32_MAX:  # (it would train as inf: a nan loss)
+                    raise ValueError(f"{v!r} overflows float32, the dense features' type (largest {_FLOAT32_MAX:.4g})")
             sparse: List[List[int]] = []
             for column, v, n in zip(self.feature_names, cells[1 + self.num_dense :], self.num_embeddings):
                 sparse.append(self._ids(v, n))
@@ -177,7 +180,17 @@ class ColumnarSource(FileSource[ColumnarSample]):
                 raise DataFormatError(path, 1, "empty file; a header row is required")
             self._missing_columns(path, 1, header)
             index = [header.index(c) for c in self._columns]
-            for row in reader:
+            while True:
+                try:
+                    row = next(reader)
+                except StopIteration:
+                    break
+                except csv.Error as e:  # (one record: the reader goes on at the next line)
+                    limit = "field larger than field limit" in str(e)
+                    yield DataFormatError(path, reader.line_num, f"{e}" + (
+                        f": a field of more than {csv.field_size_limit()} characters (a long multi-hot list); give "
+                        f"such data as Parquet" if limit else ""))
+                    continue
                 if not row:  # blank line
                     continue
                 if len(row) != len(header):

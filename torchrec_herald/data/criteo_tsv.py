@@ -23,11 +23,12 @@ from torchrec_herald.data.base import (
     kjt_from_ids,
     scaled_num_embeddings,
 )
-from torchrec_herald.data.files import FileSource, PathLike, open_text
+from torchrec_herald.data.files import FileSource, PathLike, open_text, shown
 
 logger = logging.getLogger(__name__)
 
 NUM_FIELDS = 1 + INT_FEATURE_COUNT + CAT_FEATURE_COUNT
+_INT64_MAX = 2**63 - 1
 #: A parsed line: (label, 13 raw integer dense values, 26 ids with -1 for missing).
 TSVSample = Tuple[int, List[int], List[int]]
 
@@ -65,6 +66,8 @@ class CriteoTSV(FileSource[TSVSample]):
         if len(fields) != NUM_FIELDS or fields[0] not in ("0", "1"):
             raise ValueError
         dense = [int(x) if x else 0 for x in fields[1 : 1 + INT_FEATURE_COUNT]]
+        if any(abs(d) > _INT64_MAX for d in dense):  # (a count past int64 overflows the dense tensor when collated)
+            raise ValueError
         cats = fields[1 + INT_FEATURE_COUNT :]
         ids = [int(x, 16) % n if x else -1 for x, n in zip(cats, self.num_embeddings)]
         return int(fields[0]), dense, ids
@@ -75,16 +78,18 @@ class CriteoTSV(FileSource[TSVSample]):
         if len(fields) != NUM_FIELDS:
             return f"expected {NUM_FIELDS} tab-separated fields, got {len(fields)}"
         if fields[0] not in ("0", "1"):
-            return f"field 1 (label): expected 0 or 1, got {fields[0]!r}"
+            return f"field 1 (label): expected 0 or 1, got {shown(fields[0])}"
         for i, x in enumerate(fields[1:], start=2):
             dense = i <= 1 + INT_FEATURE_COUNT
             try:
-                int(x, 10 if dense else 16) if x else 0
+                value = int(x, 10 if dense else 16) if x else 0
             except ValueError:
                 if dense:
-                    return f"field {i} ({DEFAULT_INT_NAMES[i - 2]}): expected an integer, got {x!r}"
+                    return f"field {i} ({DEFAULT_INT_NAMES[i - 2]}): expected an integer, got {shown(x)}"
                 name = DEFAULT_CAT_NAMES[i - 2 - INT_FEATURE_COUNT]
-                return f"field {i} ({name}): expected a hexadecimal id, got {x!r}"
+                return f"field {i} ({name}): expected a hexadecimal id, got {shown(x)}"
+            if dense and abs(value) > _INT64_MAX:
+                return f"field {i} ({DEFAULT_INT_NAMES[i - 2]}): {shown(x)} is beyond an int64 count ({len(x)} characters)"
         return "malformed line"  # unreachable unless _parse and _diagnose disagree
 
     def _read(self, path: str) -> Iterator[Union[TSVSample, DataFormatError]]:

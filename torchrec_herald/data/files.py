@@ -29,6 +29,30 @@ PathLike = Union[str, "os.PathLike[str]"]
 _MAX_SKIP_WARNINGS = 10
 
 
+def shown(value: str, limit: int = 60) -> str:
+    """``repr(value)`` for an error line, cut at ``limit`` characters (a record glued to binary data, a huge field)."""
+    if len(repr(value)) <= limit:
+        return repr(value)
+    cut = value[:limit]
+    while len(repr(cut)) > limit:  # (whole characters: an escape is not cut in two)
+        cut = cut[:-1]
+    return f"{cut!r}... ({len(value)} characters)"
+
+
+def _is_tar(path: PathLike) -> bool:
+    """Whether ``path`` (or its gzip'd content) is a tar archive: the ``ustar`` magic of its first header block."""
+    try:
+        with (gzip.open(path, "rb") if _is_gzip(path) else open(path, "rb")) as f:
+            return f.read(512)[257:262] == b"ustar"
+    except (OSError, EOFError):
+        return False  # (unreadable: the records' own reading says why)
+
+
+def _is_gzip(path: PathLike) -> bool:
+    with open(path, "rb") as f:
+        return f.read(2) == b"\x1f\x8b"
+
+
 def open_text(path: PathLike, newline: Optional[str] = None, encoding: str = "utf-8") -> IO[str]:
     """Open a text file for streaming, transparently decompressing ``*.gz``."""
     if str(path).endswith(".gz"):
@@ -75,9 +99,16 @@ class FileSource(DataSource, Generic[Sample]):
             raise ValueError(f"on_error must be 'raise' or 'skip', got {on_error!r}")
         if not self.eval_paths and int(holdout_every) < 2:
             raise ValueError(f"holdout_every must be >= 2 without eval_paths, got {holdout_every}")
-        missing = [p for p in [*self.paths, *self.eval_paths] if not os.path.isfile(p)]
+        given = list(dict.fromkeys([*self.paths, *self.eval_paths]))
+        folders = [p for p in given if os.path.isdir(p)]
+        if folders:
+            raise FileNotFoundError(f"data path(s) {', '.join(map(str, folders))} are directories: give their files, as "
+                                    f"a list (data.paths=[a.tsv,b.tsv])")
+        missing = [p for p in given if not os.path.isfile(p)]
         if missing:  # fail before the model is built and sharded, on every rank alike
-            raise FileNotFoundError(f"data file(s) not found: {', '.join(map(str, missing))}")
+            wild = any(c in str(p) for p in missing for c in "*?[")
+            raise FileNotFoundError(f"data file(s) not found: {', '.join(map(str, missing))}" + (
+                " (a pattern is not expanded: give the files as a list, data.paths=[a.tsv,b.tsv])" if wild else ""))
         self.holdout_every, self.on_error = int(holdout_every), on_error
         self._skipped: Set[Tuple[str, Union[int, str]]] = set()
         self._dropped: Dict[str, int] = {"train": 0, "eval": 0}
@@ -152,6 +183,9 @@ class FileSource(DataSource, Generic[Sample]):
         for path in [*self.paths, *self.eval_paths]:
             if os.path.getsize(path) == 0:
                 raise DataFormatError(path, 1, "the file is empty")
+            if _is_tar(path):  # (Criteo Kaggle ships dac.tar.gz: its first record would be glued to the tar header)
+                raise DataFormatError(path, 1, "the file is a tar archive: extract its files (tar -xzf) and give those "
+                                               "(Criteo Kaggle's dac.tar.gz holds train.txt)")
             for n, item in enumerate(self._records(path)):
                 if not isinstance(item, DataFormatError):
                     break
