@@ -218,7 +218,8 @@ def test_compiled_sampling_takes_upper_bounds_at_exact_cdf_values_and_clamps_pas
 @pytest.mark.parametrize("key, value, message", [
     ("zipf_alpha", float("nan"), "data.zipf_alpha must be a finite number >= 0, got nan"),
     ("zipf_alpha", float("inf"), "data.zipf_alpha must be a finite number >= 0, got inf"),
-    ("scale", 0.0, "data.scale must be > 0, got 0.0"),
+    ("scale", 0.0, "data.scale must be a finite number > 0, got 0.0"),
+    ("scale", float("inf"), "data.scale must be a finite number > 0, got inf"),
     ("missing_rate", 1.0, r"data.missing_rate must be in \[0, 1\), got 1.0"),
 ])
 def test_a_bad_synthetic_value_is_named_by_its_config_key(key: str, value: float, message: str) -> None:
@@ -226,3 +227,20 @@ def test_a_bad_synthetic_value_is_named_by_its_config_key(key: str, value: float
 
     with pytest.raises(ValueError, match=f"^{message}$"):
         build_data_source({"name": "synthetic", key: value})
+
+
+def test_a_scale_whose_generator_would_not_fit_in_memory_is_named_by_its_key(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``data.scale=1e9`` failed in an allocation of 2.7e17 bytes naming no key: the generator's rows (20 bytes
+    each, every rank) are checked against the host's memory first (here a host of 0.5 GiB, so a scale of 1, 0.6 GiB,
+    is refused)."""
+    from torchrec_herald.data import build_data_source
+    from torchrec_herald.data import synthetic
+
+    monkeypatch.setattr(synthetic, "_host_memory_bytes", lambda: 2**29)
+    rows = sum(synthetic.scaled_num_embeddings(1.0))
+    with pytest.raises(ValueError) as e:
+        build_data_source({"name": "synthetic", "scale": 1.0})
+    assert str(e.value) == (f"data.scale=1 gives {rows:,} rows in all; the synthetic generator holds 20 bytes a row on "
+                            f"every rank ({20 * rows / 2**30:,.1f} GiB), more than this host's 0.5 GiB: lower it (1.0 is "
+                            f"Criteo Kaggle's size)")
+    assert build_data_source({"name": "synthetic", "scale": 0.01}).num_embeddings == synthetic.scaled_num_embeddings(0.01)

@@ -287,3 +287,19 @@ def test_a_multiruns_bad_key_still_fails_the_early_check() -> None:
 
     with pytest.raises(ConfigCompositionException, match="planer"):
         check_overrides(["-m", "planer=herald,table_wise"])
+
+
+def test_tables_that_no_plan_can_hold_fail_in_preflight_naming_them_and_the_key(tmp_path: Path) -> None:
+    """A table of 10 billion rows failed in TorchRec's planner, after the model was built, with a line about shard
+    storage naming neither the table nor the key: the tables with their optimizer state are checked against the
+    memory TorchRec's Topology gives every rank (128 GiB of DDR a CPU rank here) first."""
+    csv = tmp_path / "t.csv"
+    csv.write_text("label,item,tags\n" + "1,3,1\n" * 4)
+    common = ["data=columnar", f"data.paths={csv}", "data.sparse={item:10000000000,tags:50}", "eval=false"]
+    need = (10_000_000_000 + 50) * (16 * 4 + 4) / 2**30
+    assert _error(common) == (
+        f"ValueError: the embedding tables need {need:,.0f} GiB with their optimizer state at dim 16 (largest item: "
+        f"10,000,000,000 rows, tags: 50 rows; data.sparse.<column>), more than the 1 rank(s)' 128 GiB (TorchRec's "
+        f"Topology: HBM + DDR a rank): lower the tables' sizes or add ranks")
+    assert _error(["data=columnar", f"data.paths={csv}", "data.sparse={item:1000000,tags:50}", "eval=false"]) == \
+        "no error"

@@ -184,6 +184,7 @@ def preflight(cfg: DictConfig, world_size: Optional[int] = None) -> DataSource:
         check_hot_budget_fits(typed.planner.hot_memory_budget_bytes, make_topology(world),
                               "planner.hot_memory_budget_bytes")
     data = build_data_source(cfg.data)
+    check_tables_fit(data, typed.model.embedding_dim, world, str(cfg.data.name))
     data.check()
     if isinstance(typed.pipeline, HeraldPipelineConfig):
         total = getattr(data, "num_train_batches", None)
@@ -224,6 +225,28 @@ def saved_run(path: Path) -> Any:
     from torchrec_herald.checkpoint import TRAINER_STATE
 
     return json.loads((Path(path) / TRAINER_STATE).read_text()).get("run")
+
+
+#: the config key that sizes each data source's tables
+TABLE_SIZE_KEYS = {"columnar": "data.sparse.<column>", "criteo_tsv": "data.num_embeddings / data.scale",
+                   "synthetic": "data.scale"}
+
+
+def check_tables_fit(data: DataSource, embedding_dim: int, world_size: int, data_name: str) -> None:
+    """The embedding tables, with their optimizer state, fit in the memory TorchRec's ``Topology`` gives the ranks
+    (HBM + DDR a rank, over every rank: no plan can hold more): ValueError naming the largest tables and the key that
+    sizes them, where TorchRec's planner would fail with a line about shard storage that names neither."""
+    from torchrec_herald.planner.topology import make_topology
+
+    capacity = sum(d.storage.hbm + d.storage.ddr for d in make_topology(world_size).devices)
+    sizes = sorted(zip(data.num_embeddings, data.feature_names), reverse=True)
+    need = sum(n for n, _ in sizes) * row_with_state_bytes(embedding_dim)
+    if need > capacity:
+        largest = ", ".join(f"{name}: {n:,} rows" for n, name in sizes[:3])
+        raise ValueError(f"the embedding tables need {need / 2**30:,.0f} GiB with their optimizer state at dim "
+                         f"{embedding_dim} (largest {largest}; {TABLE_SIZE_KEYS.get(data_name, 'data.*')}), more than "
+                         f"the {world_size} rank(s)' {capacity / 2**30:,.0f} GiB (TorchRec's Topology: HBM + DDR a rank): "
+                         f"lower the tables' sizes or add ranks")
 
 
 def check_window(data: DataSource, window: int, world_size: int, batch_size: int) -> None:

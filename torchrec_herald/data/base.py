@@ -56,8 +56,8 @@ def scaled_num_embeddings(
     feature has fewer than 16, e.g. cat_8 with 3), so that tiny features are not collapsed into
     one or two rows. ``scale=1`` gives the full Kaggle cardinalities.
     """
-    if not scale > 0:
-        raise ValueError(f"scale must be > 0, got {scale}")
+    if not 0 < scale < math.inf:
+        raise ValueError(f"scale must be a finite number > 0, got {scale}")
     # the 1e-9 keeps float noise (e.g. 0.07 * 100 = 7.000000000000001) from adding a row
     return [max(math.ceil(c * scale - 1e-9), min(c, MIN_TABLE_ROWS)) for c in cardinalities]
 

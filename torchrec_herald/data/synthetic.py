@@ -36,6 +36,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import math
+import os
 from typing import Dict, Iterator, List, Optional, Sequence, Tuple
 
 import torch
@@ -183,6 +184,18 @@ class _InverseCdfSampler:
             logits += row
 
 
+#: what the generator holds a row, every table, on every rank: a float64 CDF, an int64 permutation, a float32 effect
+GENERATOR_BYTES_PER_ROW = 8 + 8 + 4
+
+
+def _host_memory_bytes() -> int:
+    """This host's physical memory (0 where the system does not say)."""
+    try:
+        return int(os.sysconf("SC_PAGE_SIZE")) * int(os.sysconf("SC_PHYS_PAGES"))
+    except (ValueError, OSError, AttributeError):
+        return 0
+
+
 class SyntheticCriteo(DataSource):
     """Deterministic Criteo-Kaggle-like generator (see the module docstring for the model).
 
@@ -215,6 +228,12 @@ class SyntheticCriteo(DataSource):
         self.feature_names: List[str] = list(DEFAULT_CAT_NAMES)
         self.num_embeddings: List[int] = scaled_num_embeddings(self.scale)
         self.num_dense: int = INT_FEATURE_COUNT
+        need, host = GENERATOR_BYTES_PER_ROW * sum(self.num_embeddings), _host_memory_bytes()
+        if host and need > host:  # (it would fail in an allocation of its own, naming no key)
+            raise ValueError(f"scale={self.scale:g} gives {sum(self.num_embeddings):,} rows in all; the synthetic "
+                             f"generator holds {GENERATOR_BYTES_PER_ROW} bytes a row on every rank ({need / 2**30:,.1f} "
+                             f"GiB), more than this host's {host / 2**30:,.1f} GiB: lower it (1.0 is Criteo Kaggle's "
+                             f"size)")
 
         g = torch.Generator().manual_seed(_seed(self.seed, "model"))
         self._sampler = _InverseCdfSampler(self.num_embeddings, self.zipf_alpha, g)

@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torchrec.distributed.planner import EmbeddingShardingPlanner, ParameterConstraints
-from torchrec.distributed.planner.types import Stats, Topology
+from torchrec.distributed.planner.types import PlannerError, Stats, Topology
 from torchrec.distributed.types import ModuleSharder, ShardingPlan, ShardingType
 from torchrec.modules.embedding_configs import DataType, EmbeddingBagConfig
 from torchrec.modules.embedding_modules import EmbeddingBagCollection
@@ -279,7 +279,7 @@ class HeraldPlanner(EmbeddingShardingPlanner):
     def collective_plan(self, module: nn.Module, sharders: Optional[List[ModuleSharder[nn.Module]]] = None,
                         pg: Optional[dist.ProcessGroup] = None) -> ShardingPlan:
         """TorchRec's: rank 0 plans, every rank gets its plan. A ValueError of rank 0's planning (a constraint, a
-        table name, a feature, the access stats) is raised on every rank alike, where TorchRec's would leave the
+        table name, a feature, the access stats; TorchRec's PlannerError: no plan fits) is raised on every rank alike, where TorchRec's would leave the
         others waiting in the broadcast until rank 0's process ended (or, under NCCL, its timeout)."""
         from torchrec.distributed.collective_utils import invoke_on_rank_and_broadcast_result
         from torchrec.distributed.sharding_plan import get_default_sharders
@@ -287,7 +287,7 @@ class HeraldPlanner(EmbeddingShardingPlanner):
         def plan_or_error() -> Union[ShardingPlan, _PlanningError]:
             try:
                 return self.plan(module, sharders if sharders is not None else get_default_sharders())
-            except ValueError as e:
+            except (ValueError, PlannerError) as e:  # (TorchRec's: no plan fits its storage)
                 return _PlanningError(str(e))
 
         outcome = invoke_on_rank_and_broadcast_result(pg if pg is not None else dist.GroupMember.WORLD, 0,
