@@ -303,3 +303,24 @@ def test_tables_that_no_plan_can_hold_fail_in_preflight_naming_them_and_the_key(
         f"Topology: HBM + DDR a rank): lower the tables' sizes or add ranks")
     assert _error(["data=columnar", f"data.paths={csv}", "data.sparse={item:1000000,tags:50}", "eval=false"]) == \
         "no error"
+
+
+def test_a_setting_of_another_group_option_is_named_with_the_option_it_belongs_to() -> None:
+    """``pipeline.window=3`` with the default pipeline: Hydra's message asked for ``+pipeline.window=3``, which then
+    failed as an unknown key. Both now say which option the key belongs to; a key no option has keeps Hydra's."""
+    from hydra.errors import ConfigCompositionException
+
+    from torchrec_herald.train import check_overrides
+
+    for given, message in ((["pipeline.window=3"], "pipeline.window is a setting of pipeline=herald: choose that option "
+                                                    "(pipeline=herald) with it"),
+                           (["data.paths=x.tsv"], "data.paths is a setting of data=criteo_tsv / data=columnar: choose "
+                                                  "that option (data=criteo_tsv) with it")):
+        with pytest.raises(ValueError) as e:
+            check_overrides(given)
+        assert str(e.value) == f"Could not override '{given[0].split('=')[0]}': {message}"
+    assert _error(["+pipeline.window=3"]) == (
+        "ValueError: unknown key pipeline.window: pipeline has no such key (known: name); pipeline.window is a setting "
+        "of pipeline=herald: choose that option (pipeline=herald) with it")
+    with pytest.raises(ConfigCompositionException, match="Could not override 'pipeline.bogus'"):
+        check_overrides(["pipeline.bogus=1"])

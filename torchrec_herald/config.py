@@ -26,7 +26,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from dataclasses import dataclass, field
-from typing import Any, List, Optional, Sequence
+from typing import Any, Dict, List, Optional, Sequence
 
 from hydra import compose, initialize_config_module
 from hydra.core.config_store import ConfigStore
@@ -152,6 +152,28 @@ class TrainConfig:
                              "(their state is not checkpointed); use the exact herald pipeline")
 
 
+def _group_options() -> Dict[str, Dict[str, type]]:
+    """Each config group's options and the dataclass of each (what :func:`register_configs` stores)."""
+    return {"data": dict(DATA_CONFIGS),
+            "planner": {"stock": StockPlannerConfig, "table_wise": StockPlannerConfig, "row_wise": StockPlannerConfig,
+                        "herald": HeraldPlannerConfig},
+            "pipeline": {**{name: TorchRecPipelineConfig for name in TORCHREC_PIPELINES}, "herald": HeraldPipelineConfig}}
+
+
+def key_of_another_option(dotted: str) -> Optional[str]:
+    """For ``group.key`` where ``key`` is a setting of some of ``group``'s options (``pipeline.window`` of
+    ``pipeline=herald``), the line that says so; else None. Hydra's own message for such a key asks for ``+``,
+    which then fails as an unknown key."""
+    group, _, key = dotted.partition(".")
+    key = key.split(".")[0]
+    options = _group_options().get(group, {})
+    having = [name for name, cls in options.items() if key in {f.name for f in dataclasses.fields(cls)}]
+    if not key or not having:
+        return None
+    return (f"{group}.{key} is a setting of {' / '.join(f'{group}={n}' for n in having)}: choose that option "
+            f"({group}={having[0]}) with it")
+
+
 def register_configs() -> None:
     """Put every group option into Hydra's ConfigStore (idempotent)."""
     cs = ConfigStore.instance()
@@ -198,8 +220,9 @@ def _check_keys(node: DictConfig, path: str = "") -> None:
     keys = list(node.keys())
     extra = [str(k) for k in keys if k not in fields]
     if extra:
+        elsewhere = key_of_another_option(f"{path}{extra[0]}") if path.count(".") == 1 else None
         raise ValueError(f"unknown key {path}{extra[0]}: {path.rstrip('.') or 'the config'} has no such key (known: "
-                         f"{', '.join(sorted(fields))})")
+                         f"{', '.join(sorted(fields))})" + (f"; {elsewhere}" if elsewhere else ""))
     deleted = [f for f in fields if f not in keys]
     if deleted:
         raise ValueError(f"{path}{deleted[0]} was deleted (~{path}{deleted[0]}): every key has a default; set it "

@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
 import sys
 import time
 import traceback
@@ -96,7 +97,7 @@ def check_overrides(overrides: Sequence[str]) -> None:
     a multirun's sweeps (``-m batch_size=64,128``) are checked with each sweep's first value."""
     from hydra.core.override_parser.overrides_parser import OverridesParser
 
-    from torchrec_herald.config import compose_config
+    from torchrec_herald.config import compose_config, key_of_another_option
 
     if any(a.split("=", 1)[0] in _HYDRA_OWN_FLAGS for a in overrides):
         return
@@ -110,7 +111,14 @@ def check_overrides(overrides: Sequence[str]) -> None:
                 return
         else:
             first.append(o.input_line or "")
-    compose_config(first)
+    try:
+        compose_config(first)
+    except Exception as e:  # noqa: BLE001 - Hydra's "Could not override": a key of another group option is named
+        key = re.match(r"Could not override '([\w.]+)'", str(e))
+        elsewhere = key_of_another_option(key.group(1)) if key else None
+        if elsewhere is None:
+            raise
+        raise ValueError(f"Could not override '{key.group(1)}': {elsewhere}") from None
     for o in overrides:  # the run folder, which Hydra would make with a traceback of its own
         if o.startswith("hydra.run.dir=") and "${" not in o:
             folder = o.split("=", 1)[1]
