@@ -22,6 +22,12 @@ _error = preflight_error
 @pytest.mark.parametrize("overrides, message", [
     (["optimizer.name=adam"], "ValueError: unknown optimizer.name 'adam'; expected one of ['rowwise_adagrad', 'sgd']"),
     (["batch_size=0"], "ValueError: batch_size must be >= 1, got 0"),
+    (["planner=herald", "planner.link_mbit=[200,100]"],
+     "ValueError: planner.link_mbit must be > 0 Mbit/s, auto (measured at start) or null (unknown), got [200, 100]"),
+    (["planner=herald", "planner.collective_latency_ms={a:1}"],
+     "ValueError: planner.collective_latency_ms must be > 0 ms or auto (measured at start), got {'a': 1}"),
+    (["compare_with=nope"], "ValueError: compare_with='nope' is not a planner option; one of ['herald', 'row_wise', "
+                            "'stock', 'table_wise']"),
     (["planner.mode=bogus"], "ValueError: unknown planner.mode 'bogus'"),
     (["planner=herald", "planner.selector=best"], "ValueError: unknown planner.selector 'best'"),
     (["planner=herald", "planner.hot_memory_budget_bytes=-1"],

@@ -143,6 +143,9 @@ class TrainConfig:
         for key in ("batch_size", "epochs", "log_every"):
             if int(getattr(self, key)) < 1:
                 raise ValueError(f"{key} must be >= 1, got {getattr(self, key)}")
+        planners = sorted(_group_options()["planner"])
+        if self.compare_with is not None and self.compare_with not in planners:
+            raise ValueError(f"compare_with={self.compare_with!r} is not a planner option; one of {planners}")
         herald_pipeline = isinstance(self.pipeline, HeraldPipelineConfig)
         if herald_pipeline and not isinstance(self.planner, HeraldPlannerConfig):
             raise ValueError(f"pipeline=herald needs planner=herald (its embeddings must be herald-sharded); "

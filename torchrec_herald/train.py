@@ -155,11 +155,11 @@ def _run(cfg: DictConfig, run_dir: Path) -> None:
     if cfg.compare_with:
         # the same job with planner=<compare_with> and TorchRec's pipeline: same data, same global
         # batches, same initial weights
+        preflight(cfg)  # the herald run's settings (compare_with's value too) fail here, before the baseline trains
         overrides = [o for o in hc.overrides.task if not o.startswith(("planner", "pipeline", "compare_with"))]
         base_cfg = compose(config_name="train", overrides=overrides + [f"planner={cfg.compare_with}"])
         base_cfg.compare_with = None
         companion_run(base_cfg, f"baseline_{cfg.compare_with}")  # never the herald run's checkpoints
-        preflight(cfg)  # the herald run's settings fail here, before the baseline trains
         baseline = run_training(base_cfg, run_dir / f"baseline_{cfg.compare_with}")
     metrics = run_training(cfg, run_dir)
     if dist.get_rank() == 0:
