@@ -65,8 +65,10 @@ def test_parquet_exact(tmp_path: Path) -> None:
 
 def test_log1p_dense_and_format_key(tmp_path: Path) -> None:
     path = write_csv(tmp_path / "t.data", CSV_ROWS)
-    with pytest.raises(ValueError, match="cannot infer format"):
+    with pytest.raises(ValueError) as e:
         ColumnarSource(path, **COLUMNS)
+    assert str(e.value) == (f"{path}: cannot infer the format from its suffix (known: ['.csv', '.csv.gz', '.parquet', "
+                            f"'.pq']); set data.format=csv or data.format=parquet")
     src = ColumnarSource(path, eval_paths=path, format="csv", log1p_dense=True, **COLUMNS)
     (b,) = list(src.train_batches(0, 1, 3))
     assert torch.equal(b.dense_features, torch.tensor([[0.5, 2.0], [0.0, 0.0], [3.0, 4.0]]).log1p())

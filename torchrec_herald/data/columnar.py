@@ -119,7 +119,8 @@ class ColumnarSource(FileSource[ColumnarSample]):
         for suffix, fmt in _FORMATS.items():
             if path.lower().endswith(suffix):
                 return fmt
-        raise ValueError(f"{path}: cannot infer format from suffix (known: {sorted(_FORMATS)}); set format:")
+        raise ValueError(f"{path}: cannot infer the format from its suffix (known: {sorted(_FORMATS)}); set "
+                         f"data.format=csv or data.format=parquet")
 
     def _ids(self, v: Any, n: int) -> List[int]:
         if v is None or v == "" or (isinstance(v, float) and math.isnan(v)):
