@@ -330,3 +330,29 @@ def test_a_setting_of_another_group_option_is_named_with_the_option_it_belongs_t
         "of pipeline=herald: choose that option (pipeline=herald) with it")
     with pytest.raises(ConfigCompositionException, match="Could not override 'pipeline.bogus'"):
         check_overrides(["pipeline.bogus=1"])
+
+
+def test_settings_nothing_reads_are_warned_and_an_approximate_mode_at_one_rank_is_refused(
+        caplog: pytest.LogCaptureFixture) -> None:
+    """A setting away from its default that nothing reads (a ``skip_*`` without ``skip``, ``move_penalty`` with the
+    identity allocator, ``reference=false`` without an approximate mode, ``top_fraction`` with the cost model) was
+    accepted silently: one warning each, in preflight. An approximate mode at one rank, where the model of time
+    trains stock TABLE_WISE, warned only after its exact reference run had trained: refused in preflight."""
+    import logging
+
+    herald = ["planner=herald", "pipeline=herald"]
+    with caplog.at_level(logging.WARNING, logger="torchrec_herald.trainer"):
+        assert _error(herald + ["pipeline.skip_target=0.5", "pipeline.move_penalty=5", "pipeline.allocator=identity",
+                                "pipeline.reference=false", "planner.top_fraction=0.5"]) == "no error"
+    assert [r.getMessage() for r in caplog.records if r.name == "torchrec_herald.trainer"] == [
+        "planner.top_fraction=0.5 is not applied: it sizes the hot set of planner.selector=top_fraction, and the "
+        "selector is cost_model",
+        "pipeline.skip_target=0.5 is not applied: it tunes pipeline.skip, which is null",
+        "pipeline.move_penalty=5 is not applied: pipeline.allocator=identity moves no sample",
+        "pipeline.reference=false is not applied: it skips the exact reference run of an approximate mode "
+        "(pipeline.staleness or pipeline.skip), and none is set"]
+    refused = ("ValueError: pipeline.staleness / pipeline.skip at one rank: the model of time trains stock TABLE_WISE "
+               "there (no link to save on), so there is nothing to approximate; train at several ranks, or declare the "
+               "link (planner.link_mbit) to train herald's plan")
+    assert _error(herald + ["pipeline.staleness=2"]) == refused
+    assert _error(herald + ["pipeline.staleness=2", "planner.link_mbit=200"]) == "no error"

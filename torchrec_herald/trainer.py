@@ -177,6 +177,9 @@ def preflight(cfg: DictConfig, world_size: Optional[int] = None) -> DataSource:
     run_name(cfg, world)  # run_name: a folder name
     check_checkpoint_location(cfg, world, writing=typed.checkpoint.every_n_steps is not None)
     check_resumable(cfg, world)
+    for group in (typed.planner, typed.pipeline):
+        for line in getattr(group, "not_applied", list)():
+            logger.warning("%s", line)
     if isinstance(typed.planner, HeraldPlannerConfig):
         from torchrec_herald.planner.planner import check_hot_budget_fits
         from torchrec_herald.planner.topology import make_topology
@@ -198,6 +201,11 @@ def preflight(cfg: DictConfig, world_size: Optional[int] = None) -> DataSource:
             check_cache_budget(typed.pipeline.cache_bytes, len(data.feature_names),
                                row_with_state_bytes(typed.model.embedding_dim))
         typed.pipeline.scheduler_impl_choice()  # scheduler_impl=compiled without a build: one line naming the key
+    if (isinstance(typed.pipeline, HeraldPipelineConfig) and typed.pipeline.approximate
+            and isinstance(typed.planner, HeraldPlannerConfig) and typed.planner.prices_one_rank_locally(world)):
+        raise ValueError("pipeline.staleness / pipeline.skip at one rank: the model of time trains stock TABLE_WISE "
+                         "there (no link to save on), so there is nothing to approximate; train at several ranks, "
+                         "or declare the link (planner.link_mbit) to train herald's plan")
     return data
 
 

@@ -310,6 +310,22 @@ class HeraldPipelineConfig:
             why.append(fallback)
         return dataclasses.replace(c, global_batches=gb, run_ahead=ra, scheduling=scheduling), why
 
+    def not_applied(self) -> List[str]:
+        """One line for each option set away from its default where nothing reads it (a ``skip_*`` without
+        ``skip``, ``move_penalty`` with the identity allocator, ``reference=false`` without an approximate mode):
+        the trainer logs them as warnings before it builds anything."""
+        lines = []
+        if self.skip is None:
+            lines += [f"pipeline.{key}={getattr(self, key)} is not applied: it tunes pipeline.skip, which is null"
+                      for key in _SKIP_FIELDS.values() if getattr(self, key) != _SKIP_DEFAULTS[key.split("_", 1)[1]]]
+        if self.move_penalty is not None and self.allocator == "identity":
+            lines.append(f"pipeline.move_penalty={self.move_penalty} is not applied: pipeline.allocator=identity "
+                         f"moves no sample")
+        if not self.reference and not self.approximate:
+            lines.append("pipeline.reference=false is not applied: it skips the exact reference run of an "
+                         "approximate mode (pipeline.staleness or pipeline.skip), and none is set")
+        return lines
+
     def check_run_length(self, total_steps: Optional[int]) -> None:
         """With ``total_steps`` (the run's steps, if known) the first skip measuring window must end inside
         the run; raises ValueError naming the keys."""

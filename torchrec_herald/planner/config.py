@@ -7,7 +7,7 @@ from __future__ import annotations
 import math
 
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING, Any, Dict, Optional
+from typing import TYPE_CHECKING, Any, Dict, List, Optional
 
 from torchrec_herald.planner.pricing import LinkModel
 from torchrec_herald.planner.planner import DEFAULT_HOT_MEMORY_BUDGET_BYTES
@@ -128,6 +128,15 @@ class HeraldPlannerConfig:
         if float(self.top_fraction) > 1:
             raise ValueError(f"planner.top_fraction must be at most 1 (the share of each table's rows replicated), "
                              f"got {self.top_fraction}")
+
+    def not_applied(self) -> List[str]:
+        """One line for each option set away from its default where nothing reads it (``top_fraction`` with the
+        cost model's selector)."""
+        default = HeraldPlannerConfig.__dataclass_fields__["top_fraction"].default
+        if self.selector != "top_fraction" and self.top_fraction != default:
+            return [f"planner.top_fraction={self.top_fraction} is not applied: it sizes the hot set of "
+                    f"planner.selector=top_fraction, and the selector is {self.selector}"]
+        return []
 
     def prices_one_rank_locally(self, world_size: int) -> bool:
         """At one rank with the link left to measure (``auto``), no embedding crosses a link: there is no rate to
