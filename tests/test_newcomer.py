@@ -26,6 +26,7 @@ _error = preflight_error
      "ValueError: planner.link_mbit must be > 0 Mbit/s, auto (measured at start) or null (unknown), got [200, 100]"),
     (["planner=herald", "planner.collective_latency_ms={a:1}"],
      "ValueError: planner.collective_latency_ms must be > 0 ms or auto (measured at start), got {'a': 1}"),
+    (["data.num_train_batches=0"], "ValueError: data.num_train_batches=0 leaves nothing to train; give at least 1"),
     (["compare_with=nope"], "ValueError: compare_with='nope' is not a planner option; one of ['herald', 'row_wise', "
                             "'stock', 'table_wise']"),
     (["planner.mode=bogus"], "ValueError: unknown planner.mode 'bogus'"),
@@ -165,7 +166,7 @@ def test_bad_data_file_is_named_in_preflight(tmp_path: Path, content: str, probl
     good = tmp_path / "good.tsv"
     good.write_text(GOOD_TSV_LINE + "\n")
     assert _error(["data=criteo_tsv", f"data.paths=[{good},{f}]"]) == f"DataFormatError: {f}:1: {problem}"
-    assert _error(["data=criteo_tsv", f"data.paths={good}"]) == "no error"
+    assert _error(["data=criteo_tsv", f"data.paths={good}", "batch_size=1"]) == "no error"
 
 
 def test_a_file_of_only_bad_records_is_named_even_when_skipping(tmp_path: Path) -> None:
@@ -180,8 +181,9 @@ def test_too_few_samples_for_a_global_batch_names_the_source(tmp_path: Path) -> 
 
     f = tmp_path / "small.tsv"
     f.write_text((GOOD_TSV_LINE + "\n") * 3)
-    with pytest.raises(RuntimeError, match=r"no training step ran: CriteoTSV\(small\.tsv\) yielded no full global "
-                                           r"batch of 1 × 256 samples \(data\.\*, batch_size\)"):
+    # (in preflight, before the model is built: it failed after training had begun, 'no training step ran')
+    with pytest.raises(RuntimeError, match=r"ValueError: CriteoTSV\(small\.tsv\) holds no full global batch of 1 × 256 "
+                                           r"samples to train \(data\.paths\); lower batch_size or give more data"):
         run_multiprocess(_train, 1, ["data=criteo_tsv", f"data.paths={f}", "eval=false"], str(tmp_path / "run"),
                          timeout_s=120)
 
@@ -307,8 +309,8 @@ def test_tables_that_no_plan_can_hold_fail_in_preflight_naming_them_and_the_key(
         f"ValueError: the embedding tables need {need:,.0f} GiB with their optimizer state at dim 16 (largest item: "
         f"10,000,000,000 rows, tags: 50 rows; data.sparse.<column>), more than the 1 rank(s)' 128 GiB (TorchRec's "
         f"Topology: HBM + DDR a rank): lower the tables' sizes or add ranks")
-    assert _error(["data=columnar", f"data.paths={csv}", "data.sparse={item:1000000,tags:50}", "eval=false"]) == \
-        "no error"
+    assert _error(["data=columnar", f"data.paths={csv}", "data.sparse={item:1000000,tags:50}", "eval=false",
+                   "batch_size=2"]) == "no error"
 
 
 def test_a_setting_of_another_group_option_is_named_with_the_option_it_belongs_to() -> None:
@@ -356,3 +358,24 @@ def test_settings_nothing_reads_are_warned_and_an_approximate_mode_at_one_rank_i
                "link (planner.link_mbit) to train herald's plan")
     assert _error(herald + ["pipeline.staleness=2"]) == refused
     assert _error(herald + ["pipeline.staleness=2", "planner.link_mbit=200"]) == "no error"
+
+
+def test_a_file_with_no_full_global_batch_fails_in_preflight_under_any_pipeline(tmp_path: Path) -> None:
+    """A Criteo file of fewer records than one global batch failed under TorchRec's pipeline after the model was
+    built and sharded ('no training step ran'); herald's pipeline caught it in preflight (its window): both now."""
+    tsv = tmp_path / "small.tsv"
+    tsv.write_text("\n".join([GOOD_TSV_LINE] * 10) + "\n")
+    for pipeline in ([], ["planner=herald", "pipeline=herald"]):
+        assert _error(["data=criteo_tsv", f"data.paths={tsv}", "eval=false", "batch_size=16"] + pipeline) == (
+            f"ValueError: CriteoTSV(small.tsv) holds no full global batch of 1 × 16 samples to train (data.paths); lower "
+            f"batch_size or give more data")
+
+
+def test_metrics_json_is_strict_json_with_nan_figures_as_null() -> None:
+    """An eval split with no batch gives NaN AUC and logloss: metrics.json held bare NaN literals, which strict JSON
+    readers refuse; they are null there now (the printed table says not evaluated)."""
+    from torchrec_herald.metrics import strict_json
+
+    text = strict_json({"eval": {"auc": float("nan"), "logloss": float("inf"), "samples": 0}, "steps": [1.5, float("nan")]})
+    assert json.loads(text, parse_constant=lambda c: pytest.fail(f"non-strict constant {c}")) == {
+        "eval": {"auc": None, "logloss": None, "samples": 0}, "steps": [1.5, None]}

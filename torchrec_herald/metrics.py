@@ -5,7 +5,9 @@ an approximate mode's accuracy against its exact reference."""
 
 from __future__ import annotations
 
+import json
 import logging
+import math
 import resource
 from typing import Any, Dict, Iterator, List, Optional
 
@@ -18,8 +20,23 @@ from torchrec_herald.report import embedding_bytes_per_step, headline
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["collect_metrics", "evaluate", "herald_traffic_report", "peak_rss_mib_by_rank", "percentiles",
+__all__ = ["collect_metrics", "evaluate", "herald_traffic_report", "peak_rss_mib_by_rank", "percentiles", "strict_json",
            "step_time_breakdown"]
+
+
+def strict_json(metrics: Any) -> str:
+    """``metrics`` as strict JSON (indented): a NaN or infinite figure (an eval split with no batch) becomes null,
+    where ``json.dumps`` writes ``NaN``, which strict readers refuse."""
+    def finite(x: Any) -> Any:
+        if isinstance(x, float) and not math.isfinite(x):
+            return None
+        if isinstance(x, dict):
+            return {k: finite(v) for k, v in x.items()}
+        if isinstance(x, (list, tuple)):
+            return [finite(v) for v in x]
+        return x
+
+    return json.dumps(finite(metrics), indent=2)
 
 
 def percentiles(xs: List[float]) -> Dict[str, float]:
@@ -62,7 +79,8 @@ def evaluate(dmp: nn.Module, batches: Iterator[Any], device: torch.device) -> Di
     if loss_sum[1] == 0:
         if dist.get_rank() == 0:
             logger.warning("evaluation: the held-out split holds no full global batch, so AUC and logloss are NaN "
-                           "(data.eval_paths / data.holdout_every against batch_size × ranks)")
+                           "(data.num_eval_batches of synthetic data; data.eval_paths / data.holdout_every of files, "
+                           "against batch_size × ranks)")
         return {"auc": float("nan"), "logloss": float("nan"), "samples": 0}
     return {"auc": auroc.compute().item(), "logloss": (loss_sum[0] / loss_sum[1]).item(),
             "samples": int(loss_sum[1].item())}

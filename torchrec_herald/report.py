@@ -258,8 +258,8 @@ def format_metrics_table(metrics: Dict[str, Any]) -> str:
                                      f"{metrics['step_time_s']['p90'] * 1e3:.1f}"),
         ("step ms = compute + comm wait + scheduler (ahead: off the path)", breakdown_cell(metrics)),
         ("train logloss first → last", f"{metrics['train_logloss_first']:.4f} → {metrics['train_logloss']:.4f}"),
-        ("eval AUC", f"{ev['auc']:.4f}" if "auc" in ev else "– (not evaluated)"),
-        ("eval logloss", f"{ev['logloss']:.4f}" if "logloss" in ev else "– (not evaluated)"),
+        ("eval AUC", f"{ev['auc']:.4f}" if ev.get("auc") is not None else "– (not evaluated)"),
+        ("eval logloss", f"{ev['logloss']:.4f}" if ev.get("logloss") is not None else "– (not evaluated)"),
         ("KiB sent per step (all ranks)", f"{tot['bytes'] / 1024:.1f}"),
         ("embedding vectors per step", f"{tot['embedding_vectors']:.0f}"),
     ]

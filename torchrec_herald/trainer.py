@@ -37,7 +37,7 @@ from torchrec_herald.config import OPTIMIZER_NAMES, CheckpointConfig
 from torchrec_herald.data import DataSource, TrainStream, build_data_source
 from torchrec_herald.dist_utils import init_distributed, rank0_outcome
 from torchrec_herald.layout import check_cache_budget
-from torchrec_herald.metrics import collect_metrics, evaluate, herald_traffic_report
+from torchrec_herald.metrics import collect_metrics, evaluate, herald_traffic_report, strict_json
 from torchrec_herald.model import build_dlrm_train, build_tables
 from torchrec_herald.pipeline.build import PIPELINES, TrainingPipeline
 from torchrec_herald.pipeline.build import build_pipeline as build_configured_pipeline
@@ -189,6 +189,7 @@ def preflight(cfg: DictConfig, world_size: Optional[int] = None) -> DataSource:
     data = build_data_source(cfg.data)
     check_tables_fit(data, typed.model.embedding_dim, world, str(cfg.data.name))
     data.check()
+    check_something_to_train(data, world, typed.batch_size)
     if isinstance(typed.pipeline, HeraldPipelineConfig):
         total = getattr(data, "num_train_batches", None)
         typed.pipeline.check_run_length(None if total is None else int(total) * typed.epochs)
@@ -255,6 +256,17 @@ def check_tables_fit(data: DataSource, embedding_dim: int, world_size: int, data
                          f"{embedding_dim} (largest {largest}; {TABLE_SIZE_KEYS.get(data_name, 'data.*')}), more than "
                          f"the {world_size} rank(s)' {capacity / 2**30:,.0f} GiB (TorchRec's Topology: HBM + DDR a rank): "
                          f"lower the tables' sizes or add ranks")
+
+
+def check_something_to_train(data: DataSource, world_size: int, batch_size: int) -> None:
+    """The data gives at least one full global batch to train: ValueError naming the key otherwise (it failed after
+    the model was built and sharded)."""
+    total = getattr(data, "num_train_batches", None)
+    if total is not None and int(total) == 0:
+        raise ValueError("data.num_train_batches=0 leaves nothing to train; give at least 1")
+    if total is None and data.count_train_batches(world_size, batch_size, at_least=1) == 0:
+        raise ValueError(f"{data.describe()} holds no full global batch of {world_size} × {batch_size} samples to "
+                         f"train (data.paths); lower batch_size or give more data")
 
 
 def check_window(data: DataSource, window: int, world_size: int, batch_size: int) -> None:
@@ -588,7 +600,7 @@ class Trainer:
                 logger.warning("the run already finished at step %d (checkpoint %s); its model evaluated again on "
                                "this run's eval split, its training figures from %s", step, resumed["path"],
                                ckpt.dir / "metrics.json")
-                (self.run_dir / "metrics.json").write_text(json.dumps(metrics, indent=2))
+                (self.run_dir / "metrics.json").write_text(strict_json(metrics))
                 shutil.copyfile(ckpt.dir / "losses.json", self.run_dir / "losses.json")
                 ckpt.record_completion(self.run_dir)
         elif rank == 0:
@@ -630,7 +642,7 @@ class Trainer:
             # the training figures first: an eval file is checked only as it is read, and a bad record found
             # there (every rank raises it) must not take the trained run's figures with it
             if rank == 0:
-                (self.run_dir / "metrics.json").write_text(json.dumps(figures({}), indent=2))
+                (self.run_dir / "metrics.json").write_text(strict_json(figures({})))
                 (self.run_dir / "losses.json").write_text(json.dumps(loss_t.tolist()))
                 # beside the checkpoints too: a re-run after a failed eval evaluates them, not trains again
                 self.checkpoints.record_completion(self.run_dir)
@@ -645,7 +657,7 @@ class Trainer:
                 raise
         metrics = figures(eval_metrics)
         if rank == 0:
-            (self.run_dir / "metrics.json").write_text(json.dumps(metrics, indent=2))
+            (self.run_dir / "metrics.json").write_text(strict_json(metrics))
             (self.run_dir / "losses.json").write_text(json.dumps(loss_t.tolist()))
             plot_training(self.run_dir, loss_t.tolist(), metrics)
             logger.info("wrote %s", self.run_dir / "metrics.json")
