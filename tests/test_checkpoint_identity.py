@@ -125,7 +125,8 @@ def test_a_checkpoint_folder_holding_a_users_files_is_refused_before_training_na
     """A run saves into its checkpoint folder, overwrites metrics.json and losses.json there at its end, and with
     ``checkpoint.resume=false`` moves the folder aside: a user's own files there (or another run's folder under a
     ``checkpoint.root``, or a Hydra run folder) are refused, naming them, where a run would save or move them. What
-    a run leaves there itself is accepted, and a folder only read (resuming, saving nothing) is not checked."""
+    a run leaves there itself is accepted, and a folder only read (resuming, saving nothing), or not moved (no
+    checkpoint to move aside), is not checked."""
     mine = tmp_path / "mine"
     mine.mkdir()
     (mine / "metrics.json").write_text('{"my": "analysis"}')
@@ -133,11 +134,14 @@ def test_a_checkpoint_folder_holding_a_users_files_is_refused_before_training_na
     tail = ("a run saves there, writes metrics.json and losses.json at its end and, with checkpoint.resume=false, "
             "moves the folder aside. Give the checkpoints a folder of their own (new or empty)")
     for extra in (["checkpoint.every_n_steps=2"], ["checkpoint.resume=false"]):
+        where = compose_config(BASE + [f"checkpoint.dir={mine}"] + extra)
+        if extra == ["checkpoint.resume=false"]:  # (nothing to move aside: not checked)
+            assert check_checkpoint_location(where, 1, writing=False) == mine
+            _saved_run(mine, BASE)
         with pytest.raises(ValueError) as e:
-            check_checkpoint_location(compose_config(BASE + [f"checkpoint.dir={mine}"] + extra), 1,
-                                      writing=bool(extra[0].startswith("checkpoint.every")))
-        assert str(e.value) == (f"checkpoint.dir={mine} holds files that are not this trainer's checkpoints "
-                                f"(metrics.json, notes.txt): " + tail)
+            check_checkpoint_location(where, 1, writing=bool(extra[0].startswith("checkpoint.every")))
+        named = "metrics.json, notes.txt" if extra != ["checkpoint.resume=false"] else "notes.txt"  # (beside steps)
+        assert str(e.value) == f"checkpoint.dir={mine} holds files that are not this trainer's checkpoints ({named}): " + tail
     assert check_checkpoint_location(compose_config(BASE + [f"checkpoint.dir={mine}"]), 1, writing=False) == mine
     # a run's own folder: checkpoints, a finished run's figures beside them, a save in progress
     ours = tmp_path / "ours"

@@ -360,3 +360,29 @@ def test_a_planning_error_is_raised_on_every_rank_alike() -> None:
     ranks waiting for a plan, until rank 0's process ended)."""
     errors = run_multiprocess(_collective_plan_error, 2, timeout_s=120)
     assert errors[0] == errors[1] and errors[0].startswith("HeraldPlanner: EBC 'ebc': feature 'geo' is read by two")
+
+
+def test_an_fp16_table_whose_constraints_allow_only_heralds_type_is_refused_naming_it() -> None:
+    """An FP16 table keeps a stock type beside herald's tables; one whose ``ParameterConstraints`` allow herald's type
+    alone got ``row_wise`` silently (a user's explicit setting overridden): refused, naming the table and its type."""
+    from torchrec.distributed.planner import ParameterConstraints, Topology
+    from torchrec.modules.embedding_configs import DataType, EmbeddingBagConfig
+    from torchrec.modules.embedding_modules import EmbeddingBagCollection
+
+    from torchrec_herald.planner import AccessStats, HeraldPlanner
+    from torchrec_herald.sharding import HeraldEmbeddingBagCollectionSharder
+    from torchrec_herald.sharding.types import HERALD_HOT_ROW_WISE
+
+    tables = [EmbeddingBagConfig(name=n, embedding_dim=8, num_embeddings=20, feature_names=[f], data_type=dt)
+              for n, f, dt in (("t0", "f0", DataType.FP32), ("t1", "f1", DataType.FP16))]
+    model = torch.nn.Module()
+    model.sparse = EmbeddingBagCollection(tables, device=torch.device("meta"))
+    stats = AccessStats.empty(tables)
+    planner = HeraldPlanner(topology=Topology(world_size=W, compute_device="cpu"), batch_size=4, access_stats=stats,
+                            constraints={"t1": ParameterConstraints(sharding_types=[HERALD_HOT_ROW_WISE])})
+    with pytest.raises(ValueError) as e:
+        planner.plan(model, [HeraldEmbeddingBagCollectionSharder()])
+    assert str(e.value) == (
+        "table t1: its ParameterConstraints allow ['herald_hot_row_wise'], but it is FP16, and herald's sharding holds "
+        "FP32 rows; allow a stock type that can sit beside herald's tables (['table_wise', 'row_wise', 'column_wise', "
+        "'table_row_wise', 'table_column_wise']), or make it FP32")

@@ -253,4 +253,18 @@ def test_the_greedy_allocator_with_a_batch_norm_is_refused_naming_the_layer() ->
     assert run_multiprocess(_greedy_with_batch_norm, 2, timeout_s=300) == [
         "pipeline.allocator=greedy moves samples between ranks, and the model's head.1 (BatchNorm1d) normalise by "
         "each rank's own batch: it would train another model than stock TorchRec. Use pipeline.allocator=identity (or "
-        "auto), or SyncBatchNorm"] * 2
+        "auto), or SyncBatchNorm (on GPUs)"] * 2
+
+
+def test_batch_norms_are_found_inside_wrappers_torchscript_and_compiled_modules() -> None:
+    """What the allocator check looks for: batch norms by their user-facing names (inside DMP's and DDP's wrappers:
+    the 2-rank tests above), in a TorchScript-ed head (its class known by name alone) and under ``torch.compile``;
+    ``SyncBatchNorm`` (global statistics) and per-sample norms are not flagged."""
+    from torchrec_herald.pipeline.train_pipeline import batch_statistics_layers
+
+    model = nn.Module()
+    model.eager = nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4), nn.LayerNorm(4), nn.GroupNorm(2, 4))
+    model.scripted = torch.jit.script(nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4)))
+    model.synced = nn.SyncBatchNorm(4)
+    assert batch_statistics_layers(model) == ["eager.1 (BatchNorm1d)", "scripted.1 (BatchNorm1d)"]
+    assert batch_statistics_layers(torch.compile(nn.Sequential(nn.BatchNorm2d(3)))) == ["_orig_mod.0 (BatchNorm2d)"]

@@ -379,3 +379,74 @@ def test_metrics_json_is_strict_json_with_nan_figures_as_null() -> None:
     text = strict_json({"eval": {"auc": float("nan"), "logloss": float("inf"), "samples": 0}, "steps": [1.5, float("nan")]})
     assert json.loads(text, parse_constant=lambda c: pytest.fail(f"non-strict constant {c}")) == {
         "eval": {"auc": None, "logloss": None, "samples": 0}, "steps": [1.5, None]}
+
+
+def test_a_run_that_saved_no_checkpoint_leaves_its_folder_as_it_was_and_runs_again(tmp_path: Path) -> None:
+    """A run given a (new, empty) ``checkpoint.dir`` that ends before its first save copied its metrics.json and
+    losses.json there, and the checkpoint-folder check then refused the same command. They are left beside
+    checkpoints only; the folder stays empty and the command runs again."""
+    from torchrec_herald.dist_utils import run_multiprocess
+
+    folder = tmp_path / "ckpt"
+    folder.mkdir()
+    run = ["data.num_train_batches=4", "batch_size=16", "eval=false", f"checkpoint.dir={folder}",
+           "checkpoint.every_n_steps=100"]
+    for attempt in ("first", "again"):
+        (result,) = run_multiprocess(_train, 1, run, str(tmp_path / attempt), timeout_s=300)
+        assert result["steps"] == 4
+        assert list(folder.iterdir()) == []
+
+
+def test_the_run_folder_as_checkpoint_folder_is_refused_before_training(tmp_path: Path) -> None:
+    """The run writes its logs, metrics and plots into its own folder: given as ``checkpoint.dir`` too, a re-run
+    (or a resume after a kill) found them among the checkpoints and was refused. Refused at the first run."""
+    from torchrec_herald.trainer import run_training
+
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    with pytest.raises(ValueError) as e:
+        run_training(compose_config(["data.num_train_batches=4", "batch_size=16", "eval=false",
+                                     f"checkpoint.dir={run_dir}", "checkpoint.every_n_steps=2"]), run_dir)
+    assert str(e.value) == (f"checkpoint.dir={run_dir} is the run's output folder (hydra.run.dir), where it writes its "
+                            f"logs and metrics: give the checkpoints a folder of their own")
+
+
+def test_the_exact_reference_of_a_tuned_skip_run_warns_of_nothing(caplog: pytest.LogCaptureFixture) -> None:
+    """The exact reference of ``pipeline.skip=input pipeline.skip_target=0.5`` dropped ``skip`` but kept its tuning,
+    so its preflight warned that the user's ``skip_target`` was not applied: the reference takes the defaults."""
+    import logging
+
+    from torchrec_herald.trainer import exact_reference_config
+
+    approx = compose_config(["planner=herald", "pipeline=herald", "pipeline.skip=input", "pipeline.skip_target=0.5",
+                             "planner.link_mbit=200"])
+    ref = exact_reference_config(approx)
+    assert ref.pipeline.skip is None and ref.pipeline.skip_target == 0.3 and approx.pipeline.skip_target == 0.5
+    with caplog.at_level(logging.WARNING, logger="torchrec_herald.trainer"):
+        from torchrec_herald.trainer import preflight
+
+        preflight(ref, 2)
+    assert [r.getMessage() for r in caplog.records if "not applied" in r.getMessage()] == []
+
+
+def test_a_nested_key_under_a_setting_keeps_hydras_message() -> None:
+    """``planner.link_mbit.a=1`` under ``planner=herald`` was told to choose planner=herald, which it had."""
+    from hydra.errors import ConfigCompositionException
+
+    from torchrec_herald.config import key_of_another_option
+    from torchrec_herald.train import check_overrides
+
+    assert key_of_another_option("planner.link_mbit.a") is None
+    with pytest.raises(ConfigCompositionException, match="Could not override 'planner.link_mbit.a'"):
+        check_overrides(["planner=herald", "planner.link_mbit.a=1"])
+
+
+def test_the_tables_fit_check_counts_optimizer_state_only_for_rowwise_adagrad(tmp_path: Path) -> None:
+    """SGD keeps no state a row: 7e9 rows of dim 4 (104 GiB) fit the 128 GiB TorchRec's planner plans, where the
+    check had counted 130 GiB with row-wise Adagrad's state and refused them."""
+    csv = tmp_path / "t.csv"
+    csv.write_text("label,item\n" + "1,3\n" * 4)
+    common = ["data=columnar", f"data.paths={csv}", "data.sparse={item:7000000000}", "eval=false", "batch_size=2",
+              "model.embedding_dim=4", "model.dense_arch=[8,4]"]
+    assert _error(common + ["optimizer=sgd"]) == "no error"
+    assert _error(common).startswith("ValueError: the embedding tables need 130 GiB with their optimizer state at dim 4")

@@ -168,7 +168,8 @@ def key_of_another_option(dotted: str) -> Optional[str]:
     ``pipeline=herald``), the line that says so; else None. Hydra's own message for such a key asks for ``+``,
     which then fails as an unknown key."""
     group, _, key = dotted.partition(".")
-    key = key.split(".")[0]
+    if "." in key:  # (a key nested under a setting: the setting's own option is chosen already, or Hydra says)
+        return None
     options = _group_options().get(group, {})
     having = [name for name, cls in options.items() if key in {f.name for f in dataclasses.fields(cls)}]
     if not key or not having:

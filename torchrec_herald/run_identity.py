@@ -159,7 +159,8 @@ def check_folder_is_the_runs(folder: Path, key: str, given: Path) -> None:
     shown = ", ".join(foreign[:5]) + (f" and {len(foreign) - 5} more" if len(foreign) > 5 else "")
     hydra = " (it is a Hydra run folder: hydra.run.dir, where the run writes its logs and metrics)" \
         if ".hydra" in foreign else ""
-    raise ValueError(f"{key}={given} holds files that are not this trainer's checkpoints ({shown}){hydra}: a run "
+    where = f"{key}={given}" + ("" if folder == given else f": its run's folder {folder}")
+    raise ValueError(f"{where} holds files that are not this trainer's checkpoints ({shown}){hydra}: a run "
                      f"saves there, writes metrics.json and losses.json at its end and, with checkpoint.resume=false, "
                      f"moves the folder aside. Give the checkpoints a folder of their own (new or empty)")
 
@@ -187,7 +188,9 @@ def check_checkpoint_location(cfg: DictConfig, world_size: int, writing: bool) -
         raise ValueError(f"{key}={given} is not a folder of its own (the run would save into, and with "
                          f"checkpoint.resume=false move aside, {folder.resolve()}); give a named folder, e.g. "
                          f"{key}=checkpoints/<name>")
-    if writing or not bool(c.get("resume", True)):  # (it saves there, or moves the folder's checkpoints aside)
+    from torchrec_herald.checkpoint import checkpoints
+
+    if writing or (not bool(c.get("resume", True)) and checkpoints(folder)):  # (it saves there, or moves it aside)
         check_folder_is_the_runs(folder, key, given)
     if not writing:
         return folder

@@ -11,6 +11,7 @@ runs are comparable step by step. The trainer drives any pipeline through one na
 from __future__ import annotations
 
 import copy
+import dataclasses
 import itertools
 import json
 import logging
@@ -187,7 +188,7 @@ def preflight(cfg: DictConfig, world_size: Optional[int] = None) -> DataSource:
         check_hot_budget_fits(typed.planner.hot_memory_budget_bytes, make_topology(world),
                               "planner.hot_memory_budget_bytes")
     data = build_data_source(cfg.data)
-    check_tables_fit(data, typed.model.embedding_dim, world, str(cfg.data.name))
+    check_tables_fit(data, typed.model.embedding_dim, world, str(cfg.data.name), typed.optimizer.name)
     data.check()
     check_something_to_train(data, world, typed.batch_size)
     if isinstance(typed.pipeline, HeraldPipelineConfig):
@@ -241,7 +242,8 @@ TABLE_SIZE_KEYS = {"columnar": "data.sparse.<column>", "criteo_tsv": "data.num_e
                    "synthetic": "data.scale"}
 
 
-def check_tables_fit(data: DataSource, embedding_dim: int, world_size: int, data_name: str) -> None:
+def check_tables_fit(data: DataSource, embedding_dim: int, world_size: int, data_name: str,
+                     optimizer: str = "rowwise_adagrad") -> None:
     """The embedding tables, with their optimizer state, fit in the memory TorchRec's ``Topology`` gives the ranks
     (HBM + DDR a rank, over every rank: no plan can hold more): ValueError naming the largest tables and the key that
     sizes them, where TorchRec's planner would fail with a line about shard storage that names neither."""
@@ -249,13 +251,25 @@ def check_tables_fit(data: DataSource, embedding_dim: int, world_size: int, data
 
     capacity = sum(d.storage.hbm + d.storage.ddr for d in make_topology(world_size).devices)
     sizes = sorted(zip(data.num_embeddings, data.feature_names), reverse=True)
-    need = sum(n for n, _ in sizes) * row_with_state_bytes(embedding_dim)
+    row = row_with_state_bytes(embedding_dim) if optimizer == "rowwise_adagrad" else 4 * embedding_dim  # (SGD: none)
+    need = sum(n for n, _ in sizes) * row
     if need > capacity:
         largest = ", ".join(f"{name}: {n:,} rows" for n, name in sizes[:3])
         raise ValueError(f"the embedding tables need {need / 2**30:,.0f} GiB with their optimizer state at dim "
                          f"{embedding_dim} (largest {largest}; {TABLE_SIZE_KEYS.get(data_name, 'data.*')}), more than "
                          f"the {world_size} rank(s)' {capacity / 2**30:,.0f} GiB (TorchRec's Topology: HBM + DDR a rank): "
                          f"lower the tables' sizes or add ranks")
+
+
+def check_not_the_run_folder(cfg: DictConfig, run_dir: Path) -> None:
+    """The checkpoint folder is not the run's output folder, where the run writes its logs, metrics and plots (a
+    re-run would find them among its checkpoints): ValueError naming both keys."""
+    from torchrec_herald.run_identity import checkpoint_dir
+
+    folder = checkpoint_dir(cfg, dist.get_world_size() if dist.is_initialized() else int(os.environ.get("WORLD_SIZE", 1)))
+    if (cfg.get("checkpoint") or {}).get("every_n_steps") and folder.resolve() == Path(run_dir).resolve():
+        raise ValueError(f"checkpoint.dir={folder} is the run's output folder (hydra.run.dir), where it writes its logs "
+                         f"and metrics: give the checkpoints a folder of their own")
 
 
 def check_something_to_train(data: DataSource, world_size: int, batch_size: int) -> None:
@@ -300,6 +314,9 @@ def exact_reference_config(cfg: DictConfig) -> DictConfig:
     ref = copy.deepcopy(cfg)  # keeps the typed (structured) nodes
     ref.pipeline.staleness = None
     ref.pipeline.skip = None
+    for key, value in dataclasses.asdict(HeraldPipelineConfig()).items():  # (skipping's tuning has nothing to tune)
+        if key.startswith("skip_"):
+            ref.pipeline[key] = value
     companion_run(ref, "exact_reference")  # never the approximate run's checkpoints
     if cfg.pipeline.get("staleness") is not None:  # HET's run keeps its plan on: so does its reference
         ref.pipeline.scheduling = "on"
@@ -446,10 +463,11 @@ class Checkpointing:
     def record_completion(self, run_dir: Path) -> None:
         """Rank 0: leave the finished run's ``metrics.json`` and ``losses.json`` beside its checkpoints (a
         re-run reports them instead of training nothing)."""
-        if self.every and dist.get_rank() == 0 and self.dir.is_dir():
-            for name in ("metrics.json", "losses.json"):
-                if (self.dir / name).resolve() != (run_dir / name).resolve():  # (the run's own folder: there already)
-                    shutil.copyfile(run_dir / name, self.dir / name)
+        from torchrec_herald.checkpoint import checkpoints
+
+        if self.every and dist.get_rank() == 0 and checkpoints(self.dir):  # (beside checkpoints only: a folder the
+            for name in ("metrics.json", "losses.json"):                     # run saved none into stays as it was)
+                shutil.copyfile(run_dir / name, self.dir / name)
 
     def save(self, step: int, epoch: int, batch_in_epoch: int, losses: List[float], it: Iterator[Any],
              restart: Any) -> Iterator[Any]:
@@ -672,6 +690,7 @@ def run_training(cfg: DictConfig, run_dir: Path, show_progress: bool = True) -> 
     ``run_dir/exact_reference``) and records it and the deltas under ``metrics["approximate"]``."""
     reference = None
     data = preflight(cfg)  # the approximate run's settings fail before its reference trains
+    check_not_the_run_folder(cfg, run_dir)
     if is_approximate(cfg) and cfg.pipeline.get("reference", True):
         reference = run_training(exact_reference_config(cfg), Path(run_dir) / "exact_reference", show_progress)
     return Trainer(cfg, run_dir, show_progress, reference, data).build().train()

@@ -89,7 +89,7 @@ class CriteoTSV(FileSource[TSVSample]):
                 name = DEFAULT_CAT_NAMES[i - 2 - INT_FEATURE_COUNT]
                 return f"field {i} ({name}): expected a hexadecimal id, got {shown(x)}"
             if dense and abs(value) > _INT64_MAX:
-                return f"field {i} ({DEFAULT_INT_NAMES[i - 2]}): {shown(x)} is beyond an int64 count ({len(x)} characters)"
+                return f"field {i} ({DEFAULT_INT_NAMES[i - 2]}): {shown(x)} is beyond an int64 count"
         return "malformed line"  # unreachable unless _parse and _diagnose disagree
 
     def _read(self, path: str) -> Iterator[Union[TSVSample, DataFormatError]]:

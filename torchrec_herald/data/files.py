@@ -16,6 +16,7 @@ import abc
 import gzip
 import logging
 import os
+import zlib
 from typing import IO, Dict, Generic, Iterator, List, Optional, Sequence, Set, Tuple, TypeVar, Union
 
 from torchrec.datasets.utils import Batch
@@ -44,7 +45,7 @@ def _is_tar(path: PathLike) -> bool:
     try:
         with (gzip.open(path, "rb") if _is_gzip(path) else open(path, "rb")) as f:
             return f.read(512)[257:262] == b"ustar"
-    except (OSError, EOFError):
+    except (OSError, EOFError, zlib.error):
         return False  # (unreadable: the records' own reading says why)
 
 
@@ -103,12 +104,12 @@ class FileSource(DataSource, Generic[Sample]):
         folders = [p for p in given if os.path.isdir(p)]
         if folders:
             raise FileNotFoundError(f"data path(s) {', '.join(map(str, folders))} are directories: give their files, as "
-                                    f"a list (data.paths=[a.tsv,b.tsv])")
+                                    f"a list ([a.tsv,b.tsv])")
         missing = [p for p in given if not os.path.isfile(p)]
         if missing:  # fail before the model is built and sharded, on every rank alike
             wild = any(c in str(p) for p in missing for c in "*?[")
             raise FileNotFoundError(f"data file(s) not found: {', '.join(map(str, missing))}" + (
-                " (a pattern is not expanded: give the files as a list, data.paths=[a.tsv,b.tsv])" if wild else ""))
+                " (a pattern is not expanded: give the files as a list, [a.tsv,b.tsv])" if wild else ""))
         self.holdout_every, self.on_error = int(holdout_every), on_error
         self._skipped: Set[Tuple[str, Union[int, str]]] = set()
         self._dropped: Dict[str, int] = {"train": 0, "eval": 0}
@@ -132,7 +133,7 @@ class FileSource(DataSource, Generic[Sample]):
                 yield item
         except DataFormatError:
             raise
-        except (OSError, EOFError, ValueError) as e:  # (UnicodeDecodeError and pyarrow's ArrowInvalid are ValueErrors)
+        except (OSError, EOFError, ValueError, zlib.error) as e:  # (UnicodeDecodeError, ArrowInvalid: ValueErrors)
             raise DataFormatError(path, f"after record {n}", f"the file cannot be read on: {type(e).__name__}: {e}") from e
 
     def _samples(self, paths: Sequence[str]) -> Iterator[Sample]:

@@ -228,12 +228,13 @@ class SyntheticCriteo(DataSource):
         self.feature_names: List[str] = list(DEFAULT_CAT_NAMES)
         self.num_embeddings: List[int] = scaled_num_embeddings(self.scale)
         self.num_dense: int = INT_FEATURE_COUNT
-        need, host = GENERATOR_BYTES_PER_ROW * sum(self.num_embeddings), _host_memory_bytes()
+        ranks = int(os.environ.get("LOCAL_WORLD_SIZE", 1))  # (the ranks of this host each hold one)
+        need, host = GENERATOR_BYTES_PER_ROW * sum(self.num_embeddings) * ranks, _host_memory_bytes()
         if host and need > host:  # (it would fail in an allocation of its own, naming no key)
             raise ValueError(f"scale={self.scale:g} gives {sum(self.num_embeddings):,} rows in all; the synthetic "
-                             f"generator holds {GENERATOR_BYTES_PER_ROW} bytes a row on every rank ({need / 2**30:,.1f} "
-                             f"GiB), more than this host's {host / 2**30:,.1f} GiB: lower it (1.0 is Criteo Kaggle's "
-                             f"size)")
+                             f"generator holds {GENERATOR_BYTES_PER_ROW} bytes a row on each of this host's {ranks} "
+                             f"rank(s) ({need / 2**30:,.1f} GiB), more than its {host / 2**30:,.1f} GiB: lower it (1.0 is "
+                             f"Criteo Kaggle's size)")
 
         g = torch.Generator().manual_seed(_seed(self.seed, "model"))
         self._sampler = _InverseCdfSampler(self.num_embeddings, self.zipf_alpha, g)

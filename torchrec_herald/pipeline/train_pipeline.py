@@ -65,8 +65,13 @@ def batch_statistics_layers(model: nn.Module) -> List[str]:
             model = inner if isinstance(inner, nn.Module) else model.module
             continue
         break
-    return [f"{name or '(the model)'} ({type(m).__name__})" for name, m in model.named_modules()
-            if isinstance(m, nn.modules.batchnorm._BatchNorm) and not isinstance(m, nn.SyncBatchNorm)]
+    def batch_norm(m: nn.Module) -> Optional[str]:  # (a TorchScript-ed one says its class by name alone)
+        if isinstance(m, nn.modules.batchnorm._BatchNorm):
+            return None if isinstance(m, nn.SyncBatchNorm) else type(m).__name__
+        name = getattr(m, "original_name", "") if isinstance(m, torch.jit.RecursiveScriptModule) else ""
+        return name if name in ("BatchNorm1d", "BatchNorm2d", "BatchNorm3d") else None
+
+    return [f"{name or '(the model)'} ({kind})" for name, m in model.named_modules() if (kind := batch_norm(m))]
 
 __all__ = ["ALLOCATORS", "CACHE_POLICIES", "SYNC_MODES", "HeraldBatchContext", "HeraldTrainPipeline", "SchedulerStats",
            "select_samples"]
@@ -130,7 +135,7 @@ class HeraldTrainPipeline(TrainPipeline[Batch, Any]):
         if batch_norms and self._config_set.allocator == "greedy":
             raise ValueError(f"pipeline.allocator=greedy moves samples between ranks, and the model's "
                              f"{', '.join(batch_norms)} normalise by each rank's own batch: it would train another "
-                             f"model than stock TorchRec. Use pipeline.allocator=identity (or auto), or SyncBatchNorm")
+                             f"model than stock TorchRec. Use pipeline.allocator=identity (or auto), or SyncBatchNorm (on GPUs)")
         if batch_norms:  # (auto: the samples stay where loaded, as stock's)
             self._config_set = dataclasses.replace(self._config_set, allocator="identity")
             self.config, self.planning_reason = self._config_set.resolve_planning(self.ebc.world_size)

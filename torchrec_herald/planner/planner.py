@@ -229,6 +229,13 @@ class HeraldPlanner(EmbeddingShardingPlanner):
             configs = m.embedding_bag_configs()
             low = [c.name for c in configs if c.name not in kept and c.data_type != DataType.FP32]
             alone = all(c.name in kept or c.name in low for c in configs)
+            for c in configs:
+                given = (self._constraints or {}).get(c.name)
+                types = (given.sharding_types or []) if given else []
+                if c.name in low and types and not (alone or any(t in MIXABLE_STOCK_TYPES for t in types)):
+                    raise ValueError(f"table {c.name}: its ParameterConstraints allow {types}, but it is "
+                                     f"{c.data_type.name}, and herald's sharding holds FP32 rows; allow a stock type "
+                                     f"that can sit beside herald's tables ({list(MIXABLE_STOCK_TYPES)}), or make it FP32")
             out.update({n: None if alone else self._mixable(n) for n in low})
         if out:
             logger.info("HeraldPlanner: herald's sharding holds FP32 rows; %s keep a stock type in their own precision",
