@@ -146,7 +146,11 @@ def test_one_rank_trains_stock_table_wise_by_default_and_herald_where_told(tmp_p
     ({"link_decision": {"herald": True}, "herald_pipeline": {"scheduling": {"decided": True, "mode": "on"}}},
      "herald + scheduling"),
     ({"herald_pipeline": {"scheduling": {"decided": True, "mode": "off"}}}, "herald (scheduling off: auto)"),
-    ({"herald_pipeline": {"scheduling": {"decided": False, "mode": "off"}}}, "herald + scheduling"),
+    ({"herald_pipeline": {"scheduling": {"setting": "off", "mode": "off"}}}, "herald (scheduling off: set)"),
+    ({"herald_pipeline": {"scheduling": {"decided": False, "mode": "off", "why": "the run ended before its probe"}}},
+     "herald (scheduling off: the probe did not finish)"),
+    ({"herald_pipeline": {"scheduling": {"decided": False, "mode": "on", "why": "the run ended before its probe"}}},
+     "herald + scheduling"),
 ])
 def test_the_compared_run_is_named_after_what_it_trained(metrics: dict, label: str) -> None:
     from torchrec_herald.config import compose_config

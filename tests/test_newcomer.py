@@ -450,3 +450,34 @@ def test_the_tables_fit_check_counts_optimizer_state_only_for_rowwise_adagrad(tm
               "model.embedding_dim=4", "model.dense_arch=[8,4]"]
     assert _error(common + ["optimizer=sgd"]) == "no error"
     assert _error(common).startswith("ValueError: the embedding tables need 130 GiB with their optimizer state at dim 4")
+
+
+def test_the_printed_decision_names_the_link_it_priced() -> None:
+    """With ``planner.link_mbit=200`` the probe still times collectives (``collective_latency_ms=auto``): the table
+    named the probe's 5,430 Mbit/s as 'measured link' where the model had priced the declared 200."""
+    from torchrec_herald.report import decision_cell
+
+    preds = {"herald": {"step_ms": 8.9}, "table_wise": {"step_ms": 24.2}}
+    declared = {"link_decision": {"predicted": preds, "chosen": "herald", "link_mbit": 200.0,
+                                  "measured": {"link_mbit": 5430.0, "collective_latency_ms": 0.22}}}
+    assert decision_cell(declared) == "herald 8.9, TW 24.2 -> herald (given link 200 Mbit/s)"
+    probed = {"link_decision": {**declared["link_decision"], "link_mbit": 5430.0, "chosen": "table_wise"}}
+    assert decision_cell(probed) == "herald 8.9, TW 24.2 -> TW (measured link 5,430 Mbit/s)"
+
+
+def test_a_run_shorter_than_the_scheduling_probe_says_no_choice_was_made(tmp_path: Path) -> None:
+    """``scheduling=auto`` probes on its first steps; a run that ends before the probe decides said nothing, and its
+    comparison column read 'herald + scheduling'. metrics.json (and the log) now say why no choice was made."""
+    from torchrec_herald.dist_utils import run_multiprocess
+    from torchrec_herald.train import run_label
+
+    overrides = ["planner=herald", "pipeline=herald", "planner.link_mbit=200", "data.num_train_batches=8",
+                 "batch_size=16", "eval=false"]
+    first, _ = run_multiprocess(_train, 2, overrides, str(tmp_path / "run"), timeout_s=300)
+    sched = first["herald_pipeline"]["scheduling"]
+    assert (sched["setting"], sched["decided"], sched["mode"]) == ("auto", False, "on")  # (8 steps: the on phase)
+    assert sched["why"] == ("pipeline.scheduling=auto: the run ended before its probe's 32 steps "
+                            "(pipeline.probe_steps=10) decided; no choice was made")
+    assert run_label(compose_config(overrides), first) == "herald + scheduling"
+    ended_off = {**first, "herald_pipeline": {"scheduling": {**sched, "mode": "off"}}}  # (ended in the off phase)
+    assert run_label(compose_config(overrides), ended_off) == "herald (scheduling off: the probe did not finish)"

@@ -216,7 +216,7 @@ def load_checkpoint(path: Path, dmp: torch.nn.Module, optimizer: Any) -> Dict[st
     dmp.load_state_dict(dict(state["model"]))  # in place already; this lets herald refresh its hot replicas
     optimizer.load_state_dict(_merged(optimizer.state_dict(), state.get("optim", {})))
     trainer_state = json.loads((path / TRAINER_STATE).read_text())
-    logger.info("resumed from checkpoint %s (step %d)", path, trainer_state["step"])
+    logger.debug("loaded checkpoint %s (step %d)", path, trainer_state["step"])  # (the trainer says it in one line)
     return trainer_state
 
 

@@ -191,8 +191,9 @@ def decision_cell(m: Dict[str, Any]) -> str:
     cands = ", ".join(f"{names.get(n, n)} {p['step_ms']:.1f}" for n, p in preds.items())
     if d.get("one_rank"):
         return f"{cands} -> {names.get(d.get('chosen'), d.get('chosen'))} (one rank: no link)"
-    link = (d.get("measured") or {}).get("link_mbit", d.get("link_mbit"))
-    src = "measured" if d.get("measured") else "given"
+    measured = (d.get("measured") or {}).get("link_mbit")
+    link = d.get("link_mbit") if d.get("link_mbit") is not None else measured  # (the link it priced)
+    src = "measured" if measured is not None and link == measured else "given"  # (a declared rate beside a probe)
     return f"{cands} -> {names.get(d.get('chosen'), d.get('chosen'))} ({src} link {link:,.0f} Mbit/s)"
 
 

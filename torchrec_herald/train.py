@@ -192,8 +192,9 @@ def run_label(cfg: DictConfig, metrics: Dict[str, Any]) -> str:
     if cfg.pipeline.name != "herald":
         return base
     sched = metrics.get("herald_pipeline", {}).get("scheduling", {})
-    if sched.get("decided") and sched.get("mode") == "off":
-        return f"{base} (scheduling off: auto)" + (f" + {approx}" if approx else "")
+    if sched.get("mode") == "off":  # (auto chose off, or a run shorter than the probe ended with it off)
+        why = "auto" if sched.get("decided") else "the probe did not finish" if "why" in sched else "set"
+        return f"{base} (scheduling off: {why})" + (f" + {approx}" if approx else "")
     return f"{base} + scheduling" + (f" + {approx}" if approx else "")
 
 

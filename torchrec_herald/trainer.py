@@ -634,6 +634,8 @@ class Trainer:
         """Figures of this attempt (collectives, in the same order on every rank), the eval pass, the files."""
         cfg, rank, pipeline = self.cfg, self.rank, self.pipeline
         pipeline_report = pipeline.report(since, train_time / attempt_steps)
+        if (pipeline_report.get("scheduling") or {}).get("why") and dist.get_rank() == 0:
+            logger.info("%s", pipeline_report["scheduling"]["why"])  # (a run shorter than scheduling=auto's probe)
         approximate_own = pipeline.approximate_report(since)
         scheduler_s = pipeline.scheduler_seconds(since)
         traffic = reduce_summaries(meter.summary())

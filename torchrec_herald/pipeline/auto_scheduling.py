@@ -248,4 +248,8 @@ class SchedulingSwitch:
         """``metrics.json`` ``herald_pipeline.scheduling``: the probe's figures (for ``auto``)."""
         if self.probe is None:
             return {}
-        return {k: v for k, v in self.probe.items() if k in ("decided", "on_ms_per_step", "off_ms_per_step")}
+        out = {k: v for k, v in self.probe.items() if k in ("decided", "on_ms_per_step", "off_ms_per_step")}
+        if not self.probe["decided"]:  # (a run shorter than the probe: nothing was chosen)
+            out["why"] = (f"pipeline.scheduling=auto: the run ended before its probe's {self.probe_length()} steps "
+                          f"(pipeline.probe_steps={self.probe_steps}) decided; no choice was made")
+        return out
