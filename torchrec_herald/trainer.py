@@ -158,6 +158,11 @@ def train_stream(data: DataSource, rank: int, world: int, batch_size: int, start
     return TrainStream(data, rank, world, batch_size, start=start, whole=False)
 
 
+def _world_size() -> int:
+    """The live process group's size, else torchrun's ``$WORLD_SIZE``, else 1."""
+    return dist.get_world_size() if dist.is_initialized() else int(os.environ.get("WORLD_SIZE", 1))
+
+
 def preflight(cfg: DictConfig, world_size: Optional[int] = None) -> DataSource:
     """Every check of a run's config that needs no model, no process group and no training step: every
     group validates itself (``torchrec_herald.config.validate``), then what spans groups and the data:
@@ -171,9 +176,7 @@ def preflight(cfg: DictConfig, world_size: Optional[int] = None) -> DataSource:
     from torchrec_herald.config import validate
     from torchrec_herald.run_identity import check_checkpoint_location, run_name
 
-    if world_size is None:  # the live process group's, else torchrun's
-        world_size = dist.get_world_size() if dist.is_initialized() else int(os.environ.get("WORLD_SIZE", 1))
-    world = int(world_size)
+    world = int(_world_size() if world_size is None else world_size)
     typed = validate(cfg)
     run_name(cfg, world)  # run_name: a folder name
     check_checkpoint_location(cfg, world, writing=typed.checkpoint.every_n_steps is not None)
@@ -266,7 +269,7 @@ def check_not_the_run_folder(cfg: DictConfig, run_dir: Path) -> None:
     re-run would find them among its checkpoints): ValueError naming both keys."""
     from torchrec_herald.run_identity import checkpoint_dir
 
-    folder = checkpoint_dir(cfg, dist.get_world_size() if dist.is_initialized() else int(os.environ.get("WORLD_SIZE", 1)))
+    folder = checkpoint_dir(cfg, _world_size())
     if (cfg.get("checkpoint") or {}).get("every_n_steps") and folder.resolve() == Path(run_dir).resolve():
         raise ValueError(f"checkpoint.dir={folder} is the run's output folder (hydra.run.dir), where it writes its logs "
                          f"and metrics: give the checkpoints a folder of their own")
@@ -285,7 +288,8 @@ def check_something_to_train(data: DataSource, world_size: int, batch_size: int)
 
 def check_window(data: DataSource, window: int, world_size: int, batch_size: int) -> None:
     """``pipeline.window`` fits in one pass over the data: ValueError naming the key otherwise (a source
-    that cannot count its batches, none here, is checked as it is read)."""
+    that cannot count its batches, none here, is checked as it is read). Data with no batch at all is
+    :func:`check_something_to_train`'s, which preflight runs first."""
     total = getattr(data, "num_train_batches", None)
     if total is not None:
         if window > int(total):
@@ -293,9 +297,6 @@ def check_window(data: DataSource, window: int, world_size: int, batch_size: int
                              f"loader has (data.num_train_batches); lower pipeline.window")
         return
     found = data.count_train_batches(world_size, batch_size, at_least=window)
-    if found == 0:  # (no window is small enough)
-        raise ValueError(f"{data.describe()} holds no full global batch of {world_size} × {batch_size} samples to "
-                         f"train (data.paths); lower batch_size or give more data")
     if found is not None and found < window:
         raise ValueError(f"pipeline.window={window} is larger than the {found} global batch(es) of {world_size} × "
                          f"{batch_size} samples that {data.describe()} holds (data.paths); lower pipeline.window")

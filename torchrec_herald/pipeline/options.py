@@ -317,7 +317,7 @@ class HeraldPipelineConfig:
         lines = []
         if self.skip is None:
             lines += [f"pipeline.{key}={getattr(self, key)} is not applied: it tunes pipeline.skip, which is null"
-                      for key in _SKIP_FIELDS.values() if getattr(self, key) != _SKIP_DEFAULTS[key.split("_", 1)[1]]]
+                      for attr, key in _SKIP_FIELDS.items() if getattr(self, key) != _SKIP_DEFAULTS[attr]]
         if self.move_penalty is not None and self.allocator == "identity":
             lines.append(f"pipeline.move_penalty={self.move_penalty} is not applied: pipeline.allocator=identity "
                          f"moves no sample")

@@ -53,6 +53,9 @@ from torchrec_herald.plans import CommPlanner, SyncCounters
 
 logger = logging.getLogger(__name__)
 
+__all__ = ["ALLOCATORS", "CACHE_POLICIES", "SYNC_MODES", "HeraldBatchContext", "HeraldTrainPipeline", "SchedulerStats",
+           "batch_statistics_layers", "select_samples"]
+
 
 def batch_statistics_layers(model: nn.Module) -> List[str]:
     """The layers of ``model`` whose training output depends on which samples share a rank's batch: batch norms
@@ -65,6 +68,7 @@ def batch_statistics_layers(model: nn.Module) -> List[str]:
             model = inner if isinstance(inner, nn.Module) else model.module
             continue
         break
+
     def batch_norm(m: nn.Module) -> Optional[str]:  # (a TorchScript-ed one says its class by name alone)
         if isinstance(m, nn.modules.batchnorm._BatchNorm):
             return None if isinstance(m, nn.SyncBatchNorm) else type(m).__name__
@@ -72,9 +76,6 @@ def batch_statistics_layers(model: nn.Module) -> List[str]:
         return name if name in ("BatchNorm1d", "BatchNorm2d", "BatchNorm3d") else None
 
     return [f"{name or '(the model)'} ({kind})" for name, m in model.named_modules() if (kind := batch_norm(m))]
-
-__all__ = ["ALLOCATORS", "CACHE_POLICIES", "SYNC_MODES", "HeraldBatchContext", "HeraldTrainPipeline", "SchedulerStats",
-           "select_samples"]
 
 
 class HeraldTrainPipeline(TrainPipeline[Batch, Any]):

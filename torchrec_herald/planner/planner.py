@@ -223,24 +223,28 @@ class HeraldPlanner(EmbeddingShardingPlanner):
         stock type, which stores and updates it in its own precision, said in one line. The value: the types it may
         take beside herald's tables in its EBC (None: its EBC has none, TorchRec picks any)."""
         out: Dict[str, Optional[List[str]]] = {}
+        said: List[str] = []
         for m in module.modules():
             if not isinstance(m, EmbeddingBagCollection):
                 continue
             configs = m.embedding_bag_configs()
-            low = [c.name for c in configs if c.name not in kept and c.data_type != DataType.FP32]
-            alone = all(c.name in kept or c.name in low for c in configs)
-            for c in configs:
+            low = [c for c in configs if c.name not in kept and c.data_type != DataType.FP32]
+            alone = all(c.name in kept or c in low for c in configs)
+            for c in low:
+                said.append(f"{c.name} ({c.data_type.name})")
+                if alone:  # (no herald table beside it: TorchRec picks any type)
+                    out[c.name] = None
+                    continue
                 given = (self._constraints or {}).get(c.name)
                 types = (given.sharding_types or []) if given else []
-                if c.name in low and types and not (alone or any(t in MIXABLE_STOCK_TYPES for t in types)):
+                if types and not any(t in MIXABLE_STOCK_TYPES for t in types):
                     raise ValueError(f"table {c.name}: its ParameterConstraints allow {types}, but it is "
                                      f"{c.data_type.name}, and herald's sharding holds FP32 rows; allow a stock type "
                                      f"that can sit beside herald's tables ({list(MIXABLE_STOCK_TYPES)}), or make it FP32")
-            out.update({n: None if alone else self._mixable(n) for n in low})
-        if out:
+                out[c.name] = self._mixable(c.name)
+        if said:
             logger.info("HeraldPlanner: herald's sharding holds FP32 rows; %s keep a stock type in their own precision",
-                        ", ".join(f"{t.name} ({t.data_type.name})" for t in embedding_bag_configs(module)
-                                  if t.name in out))
+                        ", ".join(said))
         return out
 
     def _other_dims(self, module: nn.Module, kept: set, stats: AccessStats) -> Dict[str, List[str]]:
