@@ -386,3 +386,31 @@ def test_an_fp16_table_whose_constraints_allow_only_heralds_type_is_refused_nami
         "table t1: its ParameterConstraints allow ['herald_hot_row_wise'], but it is FP16, and herald's sharding holds "
         "FP32 rows; allow a stock type that can sit beside herald's tables (['table_wise', 'row_wise', 'column_wise', "
         "'table_row_wise', 'table_column_wise']), or make it FP32")
+
+
+def test_a_table_of_another_dim_whose_constraints_allow_only_heralds_type_is_refused_naming_it() -> None:
+    """A table of an EBC's other embedding dim keeps a stock type beside herald's tables; one whose
+    ``ParameterConstraints`` allow herald's type alone got any stock type silently (a user's explicit setting
+    overridden): refused, naming the table, its dim and herald's."""
+    from torchrec.distributed.planner import ParameterConstraints, Topology
+    from torchrec.modules.embedding_configs import EmbeddingBagConfig
+    from torchrec.modules.embedding_modules import EmbeddingBagCollection
+
+    from torchrec_herald.planner import AccessStats, HeraldPlanner
+    from torchrec_herald.sharding import HeraldEmbeddingBagCollectionSharder
+    from torchrec_herald.sharding.types import HERALD_HOT_ROW_WISE
+
+    tables = [EmbeddingBagConfig(name=n, embedding_dim=d, num_embeddings=20, feature_names=[f])
+              for n, f, d in (("t0", "f0", 16), ("t1", "f1", 16), ("t2", "f2", 8))]
+    model = torch.nn.Module()
+    model.sparse = EmbeddingBagCollection(tables, device=torch.device("meta"))
+    stats = AccessStats.empty(tables)
+    planner = HeraldPlanner(topology=Topology(world_size=W, compute_device="cpu"), batch_size=4, access_stats=stats,
+                            constraints={"t2": ParameterConstraints(sharding_types=[HERALD_HOT_ROW_WISE])})
+    with pytest.raises(ValueError) as e:
+        planner.plan(model, [HeraldEmbeddingBagCollectionSharder()])
+    assert str(e.value) == (
+        "table t2: its ParameterConstraints allow ['herald_hot_row_wise'], but it is of dim 8, and herald's sharding "
+        "holds one dim an EBC (dim 16 there: its tables' sampled lookups move the most bytes); allow a stock type that "
+        "can sit beside herald's tables (['table_wise', 'row_wise', 'column_wise', 'table_row_wise', "
+        "'table_column_wise']), or give it dim 16, or put it in an EBC of its own")

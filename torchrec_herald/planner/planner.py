@@ -211,11 +211,16 @@ class HeraldPlanner(EmbeddingShardingPlanner):
                 out[n] = allowed
         return out
 
-    def _mixable(self, name: str) -> List[str]:
+    def _mixable(self, name: str, why: str, fix: str) -> List[str]:
         """The stock types table ``name`` may take beside herald's tables in one EBC: its constraints' mixable types,
-        else any mixable type."""
+        else (no types given) any mixable type. ValueError naming the table where its constraints name types and none
+        of them can sit there (herald's alone, say): ``why`` it cannot be herald's, ``fix`` the other way out."""
         given = (self._constraints or {}).get(name)
-        allowed = [t for t in (given.sharding_types or []) if t in MIXABLE_STOCK_TYPES] if given else []
+        types = (given.sharding_types or []) if given else []
+        allowed = [t for t in types if t in MIXABLE_STOCK_TYPES]
+        if types and not allowed:
+            raise ValueError(f"table {name}: its ParameterConstraints allow {types}, but {why}; allow a stock type that "
+                             f"can sit beside herald's tables ({list(MIXABLE_STOCK_TYPES)}), or {fix}")
         return allowed or list(MIXABLE_STOCK_TYPES)
 
     def _not_fp32(self, module: nn.Module, kept: set) -> Dict[str, Optional[List[str]]]:
@@ -235,13 +240,8 @@ class HeraldPlanner(EmbeddingShardingPlanner):
                 if alone:  # (no herald table beside it: TorchRec picks any type)
                     out[c.name] = None
                     continue
-                given = (self._constraints or {}).get(c.name)
-                types = (given.sharding_types or []) if given else []
-                if types and not any(t in MIXABLE_STOCK_TYPES for t in types):
-                    raise ValueError(f"table {c.name}: its ParameterConstraints allow {types}, but it is "
-                                     f"{c.data_type.name}, and herald's sharding holds FP32 rows; allow a stock type "
-                                     f"that can sit beside herald's tables ({list(MIXABLE_STOCK_TYPES)}), or make it FP32")
-                out[c.name] = self._mixable(c.name)
+                out[c.name] = self._mixable(c.name, f"it is {c.data_type.name}, and herald's sharding holds FP32 rows",
+                                            "make it FP32")
         if said:
             logger.info("HeraldPlanner: herald's sharding holds FP32 rows; %s keep a stock type in their own precision",
                         ", ".join(said))
@@ -250,8 +250,8 @@ class HeraldPlanner(EmbeddingShardingPlanner):
     def _other_dims(self, module: nn.Module, kept: set, stats: AccessStats) -> Dict[str, List[str]]:
         """Herald's sharding holds one embedding dim an EBC: of an EBC whose tables (``kept`` aside) have several,
         the dim whose tables' sampled lookups move the most bytes (lookups × dim) is herald's; the others' tables
-        keep a stock type that can sit beside them (their constraints' mixable types, else any mixable type), said in
-        one line."""
+        keep a stock type that can sit beside them (their constraints' mixable types, else any; ValueError where they
+        allow none), said in one line."""
         out: Dict[str, List[str]] = {}
         for fqn, m in module.named_modules():
             if not isinstance(m, EmbeddingBagCollection):
@@ -266,7 +266,9 @@ class HeraldPlanner(EmbeddingShardingPlanner):
                                                     len(by_dim[d]), -d))
             for d, names in by_dim.items():
                 for n in names if d != herald_dim else []:
-                    out[n] = self._mixable(n)
+                    out[n] = self._mixable(n, f"it is of dim {d}, and herald's sharding holds one dim an EBC (dim "
+                                              f"{herald_dim} there: its tables' sampled lookups move the most bytes)",
+                                           f"give it dim {herald_dim}, or put it in an EBC of its own")
             logger.info("HeraldPlanner: EBC %r has tables of embedding dims %s; herald's sharding holds one dim an EBC: "
                         "dim %d is herald's (its tables' sampled lookups move the most bytes), %s keep a stock type",
                         fqn or "(the model)", sorted(by_dim), herald_dim,
