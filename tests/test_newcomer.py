@@ -155,6 +155,30 @@ def test_data_without_one_full_global_batch_is_named_not_the_window(tmp_path: Pa
         "batch_size or give more data")
 
 
+def test_preflight_counts_a_files_first_global_batches_once(tmp_path: Path, monkeypatch: Any) -> None:
+    """A herald pipeline's preflight needs a full global batch and a full window: one count of the file's first
+    ``window`` global batches serves both checks (it parsed them twice)."""
+    from torchrec_herald.data.files import FileSource
+
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    f = tmp_path / "day_0.tsv"
+    f.write_text((GOOD_TSV_LINE + "\n") * 300)
+    calls: List[Any] = []
+    count = FileSource.count_train_batches
+    monkeypatch.setattr(FileSource, "count_train_batches",
+                        lambda self, *a, **k: calls.append(k.get("at_least")) or count(self, *a, **k))
+    overrides = ["planner=herald", "planner.link_mbit=null", "pipeline=herald", "batch_size=32", "data=criteo_tsv",
+                 f"data.paths={f}"]
+    assert _error(overrides + ["pipeline.window=4"]) == "no error"
+    assert calls == [4]
+    assert _error(overrides + ["pipeline.window=5"]) == (
+        "ValueError: pipeline.window=5 is larger than the 4 global batch(es) of 2 × 32 samples that "
+        "CriteoTSV(day_0.tsv) holds (data.paths); lower pipeline.window")
+    assert calls == [4, 5]
+    assert _error(["batch_size=32", "data=criteo_tsv", f"data.paths={f}"]) == "no error"  # (stock: one batch asked)
+    assert calls == [4, 5, 1]
+
+
 @pytest.mark.parametrize("content, problem", [
     ("", "the file is empty"),
     ("0\tnot-a-number\n", "expected 40 tab-separated fields, got 2"),

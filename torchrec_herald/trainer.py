@@ -193,14 +193,18 @@ def preflight(cfg: DictConfig, world_size: Optional[int] = None) -> DataSource:
     data = build_data_source(cfg.data)
     check_tables_fit(data, typed.model.embedding_dim, world, str(cfg.data.name), typed.optimizer.name)
     data.check()
-    check_something_to_train(data, world, typed.batch_size)
+    # (where the planner prices one rank locally, the model of time trains stock TABLE_WISE with TorchRec's
+    # pipeline: no window is filled)
+    fills_window = isinstance(typed.pipeline, HeraldPipelineConfig) and not (
+        isinstance(typed.planner, HeraldPlannerConfig) and typed.planner.prices_one_rank_locally(world))
+    # one count of the first global batches serves both checks (a file source parses them to count)
+    found = count_batches(data, world, typed.batch_size, typed.pipeline.window if fills_window else 1)
+    check_something_to_train(data, world, typed.batch_size, found)
     if isinstance(typed.pipeline, HeraldPipelineConfig):
         total = getattr(data, "num_train_batches", None)
         typed.pipeline.check_run_length(None if total is None else int(total) * typed.epochs)
-        if not (isinstance(typed.planner, HeraldPlannerConfig) and typed.planner.prices_one_rank_locally(world)):
-            # (where it does, the model of time trains stock TABLE_WISE with TorchRec's pipeline: no window is
-            # filled)
-            check_window(data, typed.pipeline.window, world, typed.batch_size)
+        if fills_window:
+            check_window(data, typed.pipeline.window, world, typed.batch_size, found)
             typed.pipeline.resolve(True, world)  # (its settings' rules: the window within scheduling=auto's probe)
         if typed.pipeline.cache_bytes is not None:  # (every table may be herald's: one row each)
             check_cache_budget(typed.pipeline.cache_bytes, len(data.feature_names),
@@ -275,28 +279,36 @@ def check_not_the_run_folder(cfg: DictConfig, run_dir: Path) -> None:
                          f"and metrics: give the checkpoints a folder of their own")
 
 
-def check_something_to_train(data: DataSource, world_size: int, batch_size: int) -> None:
+def count_batches(data: DataSource, world_size: int, batch_size: int, at_least: int) -> Optional[int]:
+    """The global batches of ``world_size × batch_size`` samples the data holds, counted up to ``at_least`` (a
+    source that states ``num_train_batches``: None, nothing read; a source that cannot count: None)."""
+    if getattr(data, "num_train_batches", None) is not None:
+        return None
+    return data.count_train_batches(world_size, batch_size, at_least=max(1, int(at_least)))
+
+
+def check_something_to_train(data: DataSource, world_size: int, batch_size: int, found: Optional[int]) -> None:
     """The data gives at least one full global batch to train: ValueError naming the key otherwise (it failed after
-    the model was built and sharded)."""
+    the model was built and sharded). ``found``: :func:`count_batches`'s count, at least 1 asked."""
     total = getattr(data, "num_train_batches", None)
     if total is not None and int(total) == 0:
         raise ValueError("data.num_train_batches=0 leaves nothing to train; give at least 1")
-    if total is None and data.count_train_batches(world_size, batch_size, at_least=1) == 0:
+    if total is None and found == 0:
         raise ValueError(f"{data.describe()} holds no full global batch of {world_size} × {batch_size} samples to "
                          f"train (data.paths); lower batch_size or give more data")
 
 
-def check_window(data: DataSource, window: int, world_size: int, batch_size: int) -> None:
+def check_window(data: DataSource, window: int, world_size: int, batch_size: int, found: Optional[int]) -> None:
     """``pipeline.window`` fits in one pass over the data: ValueError naming the key otherwise (a source
     that cannot count its batches, none here, is checked as it is read). Data with no batch at all is
-    :func:`check_something_to_train`'s, which preflight runs first."""
+    :func:`check_something_to_train`'s, which preflight runs first. ``found``: :func:`count_batches`'s count,
+    at least ``window`` asked."""
     total = getattr(data, "num_train_batches", None)
     if total is not None:
         if window > int(total):
             raise ValueError(f"pipeline.window={window} is larger than the {int(total)} batch(es) the data "
                              f"loader has (data.num_train_batches); lower pipeline.window")
         return
-    found = data.count_train_batches(world_size, batch_size, at_least=window)
     if found is not None and found < window:
         raise ValueError(f"pipeline.window={window} is larger than the {found} global batch(es) of {world_size} × "
                          f"{batch_size} samples that {data.describe()} holds (data.paths); lower pipeline.window")
