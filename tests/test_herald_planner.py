@@ -11,7 +11,7 @@ from __future__ import annotations
 import functools
 import pickle
 from pathlib import Path
-from typing import Any, Dict
+from typing import Any, Dict, List, Tuple
 
 import pytest
 import torch
@@ -362,9 +362,22 @@ def test_a_planning_error_is_raised_on_every_rank_alike() -> None:
     assert errors[0] == errors[1] and errors[0].startswith("HeraldPlanner: EBC 'ebc': feature 'geo' is read by two")
 
 
-def test_an_fp16_table_whose_constraints_allow_only_heralds_type_is_refused_naming_it() -> None:
-    """An FP16 table keeps a stock type beside herald's tables; one whose ``ParameterConstraints`` allow herald's type
-    alone got ``row_wise`` silently (a user's explicit setting overridden): refused, naming the table and its type."""
+_MIXABLE = "['table_wise', 'row_wise', 'column_wise', 'table_row_wise', 'table_column_wise']"
+
+
+@pytest.mark.parametrize("tables, why, fix", [
+    # an FP16 table beside FP32 ones: herald's sharding holds FP32 rows
+    ([("t0", 8, "FP32"), ("t1", 8, "FP16")], "it is FP16, and herald's sharding holds FP32 rows", "make it FP32"),
+    # a table of the EBC's other embedding dim: herald's sharding holds one dim an EBC
+    ([("t0", 16, "FP32"), ("t2", 16, "FP32"), ("t1", 8, "FP32")],
+     "it is of dim 8, and herald's sharding holds one dim an EBC (dim 16 there: its tables' sampled lookups move the "
+     "most bytes)", "give it dim 16, or put it in an EBC of its own"),
+])
+def test_a_table_kept_stock_whose_constraints_allow_only_heralds_type_is_refused_naming_it(
+        tables: List[Tuple[str, int, str]], why: str, fix: str) -> None:
+    """A table herald cannot hold beside the EBC's herald tables (FP16, or of the other embedding dim) keeps a stock
+    type there; one whose ``ParameterConstraints`` allow herald's type alone got a stock type silently (a user's
+    explicit setting overridden): refused, naming the table and why it cannot be herald's."""
     from torchrec.distributed.planner import ParameterConstraints, Topology
     from torchrec.modules.embedding_configs import DataType, EmbeddingBagConfig
     from torchrec.modules.embedding_modules import EmbeddingBagCollection
@@ -373,44 +386,14 @@ def test_an_fp16_table_whose_constraints_allow_only_heralds_type_is_refused_nami
     from torchrec_herald.sharding import HeraldEmbeddingBagCollectionSharder
     from torchrec_herald.sharding.types import HERALD_HOT_ROW_WISE
 
-    tables = [EmbeddingBagConfig(name=n, embedding_dim=8, num_embeddings=20, feature_names=[f], data_type=dt)
-              for n, f, dt in (("t0", "f0", DataType.FP32), ("t1", "f1", DataType.FP16))]
+    configs = [EmbeddingBagConfig(name=n, embedding_dim=d, num_embeddings=20, feature_names=[f"f_{n}"],
+                                  data_type=DataType[dt]) for n, d, dt in tables]
     model = torch.nn.Module()
-    model.sparse = EmbeddingBagCollection(tables, device=torch.device("meta"))
-    stats = AccessStats.empty(tables)
-    planner = HeraldPlanner(topology=Topology(world_size=W, compute_device="cpu"), batch_size=4, access_stats=stats,
+    model.sparse = EmbeddingBagCollection(configs, device=torch.device("meta"))
+    planner = HeraldPlanner(topology=Topology(world_size=W, compute_device="cpu"), batch_size=4,
+                            access_stats=AccessStats.empty(configs),
                             constraints={"t1": ParameterConstraints(sharding_types=[HERALD_HOT_ROW_WISE])})
     with pytest.raises(ValueError) as e:
         planner.plan(model, [HeraldEmbeddingBagCollectionSharder()])
-    assert str(e.value) == (
-        "table t1: its ParameterConstraints allow ['herald_hot_row_wise'], but it is FP16, and herald's sharding holds "
-        "FP32 rows; allow a stock type that can sit beside herald's tables (['table_wise', 'row_wise', 'column_wise', "
-        "'table_row_wise', 'table_column_wise']), or make it FP32")
-
-
-def test_a_table_of_another_dim_whose_constraints_allow_only_heralds_type_is_refused_naming_it() -> None:
-    """A table of an EBC's other embedding dim keeps a stock type beside herald's tables; one whose
-    ``ParameterConstraints`` allow herald's type alone got any stock type silently (a user's explicit setting
-    overridden): refused, naming the table, its dim and herald's."""
-    from torchrec.distributed.planner import ParameterConstraints, Topology
-    from torchrec.modules.embedding_configs import EmbeddingBagConfig
-    from torchrec.modules.embedding_modules import EmbeddingBagCollection
-
-    from torchrec_herald.planner import AccessStats, HeraldPlanner
-    from torchrec_herald.sharding import HeraldEmbeddingBagCollectionSharder
-    from torchrec_herald.sharding.types import HERALD_HOT_ROW_WISE
-
-    tables = [EmbeddingBagConfig(name=n, embedding_dim=d, num_embeddings=20, feature_names=[f])
-              for n, f, d in (("t0", "f0", 16), ("t1", "f1", 16), ("t2", "f2", 8))]
-    model = torch.nn.Module()
-    model.sparse = EmbeddingBagCollection(tables, device=torch.device("meta"))
-    stats = AccessStats.empty(tables)
-    planner = HeraldPlanner(topology=Topology(world_size=W, compute_device="cpu"), batch_size=4, access_stats=stats,
-                            constraints={"t2": ParameterConstraints(sharding_types=[HERALD_HOT_ROW_WISE])})
-    with pytest.raises(ValueError) as e:
-        planner.plan(model, [HeraldEmbeddingBagCollectionSharder()])
-    assert str(e.value) == (
-        "table t2: its ParameterConstraints allow ['herald_hot_row_wise'], but it is of dim 8, and herald's sharding "
-        "holds one dim an EBC (dim 16 there: its tables' sampled lookups move the most bytes); allow a stock type that "
-        "can sit beside herald's tables (['table_wise', 'row_wise', 'column_wise', 'table_row_wise', "
-        "'table_column_wise']), or give it dim 16, or put it in an EBC of its own")
+    assert str(e.value) == (f"table t1: its ParameterConstraints allow ['herald_hot_row_wise'], but {why}; allow a "
+                            f"stock type that can sit beside herald's tables ({_MIXABLE}), or {fix}")
