@@ -397,3 +397,33 @@ def test_a_table_kept_stock_whose_constraints_allow_only_heralds_type_is_refused
         planner.plan(model, [HeraldEmbeddingBagCollectionSharder()])
     assert str(e.value) == (f"table t1: its ParameterConstraints allow ['herald_hot_row_wise'], but {why}; allow a "
                             f"stock type that can sit beside herald's tables ({_MIXABLE}), or {fix}")
+
+
+def test_a_weighted_ebcs_tables_keep_a_stock_type_beside_a_herald_ebc(caplog: pytest.LogCaptureFixture) -> None:
+    """Herald's sharding has no per-sample weights: HeraldPlanner gave a weighted EBC's tables herald's type, and
+    herald's own sharder then refused the plan. They keep a stock type, said in one line; the other EBC is herald's."""
+    import logging
+
+    from torchrec.distributed.planner import Topology
+    from torchrec.modules.embedding_configs import EmbeddingBagConfig
+    from torchrec.modules.embedding_modules import EmbeddingBagCollection
+
+    from torchrec_herald.planner import AccessStats, HeraldPlanner
+    from torchrec_herald.sharding import HeraldEmbeddingBagCollectionSharder
+    from torchrec_herald.sharding.types import HERALD_HOT_ROW_WISE
+
+    def tables(*names: str) -> List[EmbeddingBagConfig]:
+        return [EmbeddingBagConfig(name=n, embedding_dim=8, num_embeddings=20, feature_names=[f"f_{n}"]) for n in names]
+
+    model = torch.nn.Module()
+    model.weighted = EmbeddingBagCollection(tables("w0"), is_weighted=True, device=torch.device("meta"))
+    model.plain = EmbeddingBagCollection(tables("u1", "u2"), device=torch.device("meta"))
+    planner = HeraldPlanner(topology=Topology(world_size=W, compute_device="cpu"), batch_size=4,
+                            access_stats=AccessStats.empty(tables("w0", "u1", "u2")))
+    with caplog.at_level(logging.INFO, logger="torchrec_herald.planner.planner"):
+        plan = planner.plan(model, [HeraldEmbeddingBagCollectionSharder()])
+    types = {t: ps.sharding_type for fqn in ("weighted", "plain") for t, ps in plan.plan[fqn].items()}
+    assert types["u1"] == types["u2"] == HERALD_HOT_ROW_WISE
+    assert types["w0"] != HERALD_HOT_ROW_WISE
+    assert ("HeraldPlanner: EBC 'weighted' is weighted (is_weighted=True), and herald's sharding has no per-sample "
+            "weights: its tables w0 keep a stock type") in caplog.messages

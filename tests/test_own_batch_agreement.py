@@ -108,7 +108,8 @@ EXPECTED = {
     "extra_feature": "ValueError: HeraldTrainPipeline, batch 2: every rank's batch must have the same features (in any "
                      "order); rank 0's KJT has [",
     "weighted": "ValueError: HeraldTrainPipeline, batch 2: the KJT of rank(s) [1] carries per-sample weights; herald's "
-                "sharding has none (plan weighted tables with a stock sharding type)",
+                "tables t_cat_0, t_cat_1, t_cat_2, t_cat_3, … (26 in all) (features cat_0, cat_1, cat_2, cat_3, … (26 in "
+                "all)) read it, and herald's sharding has no per-sample weights",
     "dense_columns": "ValueError: HeraldTrainPipeline, batch 2: every rank's batch must have the same number of dense "
                      "features (dense_features of shape [samples, columns]) (rank 0: 13, rank 1: 2)",
     "not_a_batch": "TypeError: HeraldTrainPipeline, batch 2: the data loader of rank(s) [1] yielded ",

@@ -223,6 +223,21 @@ class HeraldPlanner(EmbeddingShardingPlanner):
                              f"can sit beside herald's tables ({list(MIXABLE_STOCK_TYPES)}), or {fix}")
         return allowed or list(MIXABLE_STOCK_TYPES)
 
+    def _weighted(self, module: nn.Module, kept: set) -> Dict[str, None]:
+        """Herald's sharding has no per-sample weights: the tables (``kept`` aside) of a weighted EBC
+        (``is_weighted=True``) keep the stock types TorchRec picks for them (the value None: no herald table sits in
+        that EBC), said in one line (herald's sharder refuses a plan giving them its type)."""
+        out: Dict[str, None] = {}
+        for fqn, m in module.named_modules():
+            if isinstance(m, EmbeddingBagCollection) and m.is_weighted():
+                names = [c.name for c in m.embedding_bag_configs() if c.name not in kept]
+                out.update(dict.fromkeys(names))
+                if names:
+                    logger.info("HeraldPlanner: EBC %r is weighted (is_weighted=True), and herald's sharding has no "
+                                "per-sample weights: its tables %s keep a stock type", fqn or "(the model)",
+                                ", ".join(names))
+        return out
+
     def _not_fp32(self, module: nn.Module, kept: set) -> Dict[str, Optional[List[str]]]:
         """Herald's rows are FP32: each table (``kept`` aside) of another ``data_type`` (FP16, INT8, ...) keeps a
         stock type, which stores and updates it in its own precision, said in one line. The value: the types it may
@@ -314,12 +329,14 @@ class HeraldPlanner(EmbeddingShardingPlanner):
         user's other constraints kept), and each gets herald's type with the hot set the selector picks under
         the memory budget (``last_choices``). A table whose ``ParameterConstraints`` name sharding types
         without ROW_WISE (or herald's) keeps the stock type TorchRec picks among them, in the same EBC, as does a
-        table of another precision than FP32 and a table of another embedding dim than its EBC's herald dim; other
+        table of another precision than FP32, a weighted EBC's table, and a table of another embedding dim than its
+        EBC's herald dim; other
         modules (an ``EmbeddingCollection``) are planned by TorchRec as they are."""
         stock_sharders = [_as_stock(s) for s in sharders]  # stock planning components know stock types only
         every = embedding_bag_configs(module)
         kept = self._kept_stock(every)
-        precision = self._not_fp32(module, kept)
+        weighted = self._weighted(module, kept)
+        precision = {**self._not_fp32(module, kept | set(weighted)), **weighted}
         if all(t.name in kept or t.name in precision for t in every):
             return super().plan(module, stock_sharders)
         if kept:

@@ -554,8 +554,7 @@ class ShardedHeraldEmbeddingBagCollection(
         self.settle_hot_sync()
         features = self.in_feature_order(features)
         if features.weights_or_none() is not None:
-            raise ValueError("herald_hot_row_wise does not support per-sample weights (weighted KJT); "
-                             "plan weighted tables with a stock sharding type")
+            raise ValueError(f"the KJT this EBC reads carries per-sample weights; {self.no_weights()}")
         B = features.stride()
         if self._executor is not None and self._executor.active:
             values, lengths = self._ids_of(ctx, features, B)
@@ -828,6 +827,17 @@ class ShardedHeraldEmbeddingBagCollection(
             dist.all_gather(codes, code, group=self._pg)
         feature_plus_one, value = codes[bad_ranks[0]].tolist()
         raise self.bad_id_error(bad_ranks, feature_plus_one - 1, value)
+
+    def no_weights(self) -> str:
+        """Why a KJT with per-sample weights cannot reach this EBC, naming its herald tables and features, and the
+        two ways out (a weighted EBC's KJT reaching an unweighted EBC is the usual cause)."""
+        def some(names: List[str]) -> str:
+            return ", ".join(names[:4]) + (f", … ({len(names)} in all)" if len(names) > 4 else "")
+
+        return (f"herald's tables {some(self._tables)} (features {some(self._feature_names)}) read it, and herald's "
+                f"sharding has no per-sample weights (TorchRec's sharded EBC applies a KJT's weights even where "
+                f"is_weighted=False): give their EBC a KJT without weights (a weighted EBC a KJT of its own), or keep "
+                f"these tables stock (ParameterConstraints without row_wise)")
 
     def bad_id_error(self, bad_ranks: List[int], feature: int, value: int) -> ValueError:
         """The error every rank raises for an id outside its table: ``value`` of feature index ``feature``

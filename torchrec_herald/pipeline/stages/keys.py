@@ -23,7 +23,6 @@ __all__ = ["CheckedOwnBatches", "OwnBatchDescriptions", "describe_own_batch", "k
 
 #: what a loader must yield, and why a weighted KJT is refused (the same words for own and whole batches)
 _A_BATCH = "a torchrec Batch (dense_features, sparse_features, labels)"
-_NO_WEIGHTS = "herald's sharding has none (plan weighted tables with a stock sharding type)"
 #: the fixed-size description of a rank's own batch that every rank gathers before any exchange sized by it
 _HEADER = ("present", "samples", "dense_columns", "label_values", "weighted", "features", "feature_names_crc")
 
@@ -133,7 +132,7 @@ def settle_own_batch(env: SchedulingEnv, described: OwnBatchDescriptions) -> boo
     weighted = [r for r, w in enumerate(col["weighted"]) if w]
     if weighted:
         raise on_every_rank(ValueError(
-            f"{where}: the KJT of rank(s) {weighted} carries per-sample weights; {_NO_WEIGHTS}"))
+            f"{where}: the KJT of rank(s) {weighted} carries per-sample weights; {env.ebc.no_weights()}"))
 
     def differ(name: str, what: str) -> None:
         values = col[name]
@@ -174,7 +173,8 @@ def key_batch(env: SchedulingEnv, ctx: HeraldBatchContext, raw: Batch, whole_bat
         raise on_every_rank(TypeError(f"HeraldTrainPipeline: the data loader yielded {type(raw).__name__} where "
                                       f"{_A_BATCH} is expected"))
     if raw.sparse_features.weights_or_none() is not None:
-        raise on_every_rank(ValueError(f"HeraldTrainPipeline: the batch's KJT carries per-sample weights; {_NO_WEIGHTS}"))
+        raise on_every_rank(ValueError(f"HeraldTrainPipeline: the batch's KJT carries per-sample weights; "
+                                       f"{env.ebc.no_weights()}"))
     if raw.labels.device.type != "cpu":  # scheduling runs on CPU: a batch the loader put on the device comes back
         raw = raw.to(torch.device("cpu"))
     full = env.ebc.batch_feature_order(raw.sparse_features)  # herald's features first, any others after
