@@ -405,10 +405,10 @@ def test_metrics_json_is_strict_json_with_nan_figures_as_null() -> None:
         "eval": {"auc": None, "logloss": None, "samples": 0}, "steps": [1.5, None]}
 
 
-def test_a_run_that_saved_no_checkpoint_leaves_its_folder_as_it_was_and_runs_again(tmp_path: Path) -> None:
-    """A run given a (new, empty) ``checkpoint.dir`` that ends before its first save copied its metrics.json and
-    losses.json there, and the checkpoint-folder check then refused the same command. They are left beside
-    checkpoints only; the folder stays empty and the command runs again."""
+def test_a_run_shorter_than_its_checkpoint_interval_saves_its_end_and_runs_again(tmp_path: Path) -> None:
+    """A run given a (new, empty) ``checkpoint.dir`` that ends before its first periodic save: it copied its
+    metrics.json and losses.json there with no checkpoint, and the checkpoint-folder check then refused the same
+    command. Its end is saved now, its figures beside it, and the same command reports them."""
     from torchrec_herald.dist_utils import run_multiprocess
 
     folder = tmp_path / "ckpt"
@@ -417,8 +417,8 @@ def test_a_run_that_saved_no_checkpoint_leaves_its_folder_as_it_was_and_runs_aga
            "checkpoint.every_n_steps=100"]
     for attempt in ("first", "again"):
         (result,) = run_multiprocess(_train, 1, run, str(tmp_path / attempt), timeout_s=300)
-        assert result["steps"] == 4
-        assert list(folder.iterdir()) == []
+        assert result["steps"] == 4 and result["steps_this_attempt"] == 4
+        assert sorted(p.name for p in folder.iterdir()) == ["losses.json", "metrics.json", "step_00000004"]
 
 
 def test_the_run_folder_as_checkpoint_folder_is_refused_before_training(tmp_path: Path) -> None:

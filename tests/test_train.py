@@ -114,6 +114,23 @@ def test_a_finished_run_is_evaluated_again_after_a_bad_eval_file_is_fixed_or_the
         run_multiprocess(_train, 2, common, str(tmp_path / "run4"), timeout_s=120)
 
 
+def test_the_runs_end_is_saved_and_a_rerun_reports_it_without_training(tmp_path: Path) -> None:
+    """``checkpoint.every_n_steps`` that does not divide the run's steps: the model at the end is saved too (it was
+    saved nowhere, and re-running the finished run trained its tail again from the last periodic checkpoint,
+    overwriting the finished run's figures). The save at the end changes no figure of the run."""
+    common = ["data.num_train_batches=7", "data.num_eval_batches=2", "batch_size=64", "planner=herald",
+              "planner.link_mbit=null", "pipeline=herald", "pipeline.window=2"]
+    plain = run_multiprocess(_train, 2, common, str(tmp_path / "plain"))[0]
+    ckpt = common + ["checkpoint.every_n_steps=3", f"checkpoint.dir={tmp_path / 'ckpt'}"]
+    first = run_multiprocess(_train, 2, ckpt, str(tmp_path / "run1"))[0]
+    assert sorted(p.name for p in (tmp_path / "ckpt").glob("step_*")) == [
+        "step_00000006", "step_00000007"]  # (checkpoint.keep=2)
+    assert first["losses"] == plain["losses"] and first["metrics"]["eval"] == plain["metrics"]["eval"]
+    again = run_multiprocess(_train, 2, ckpt, str(tmp_path / "run2"))[0]
+    assert again["metrics"]["steps_this_attempt"] == 7 and again["metrics"]["resumed_from_step"] is None
+    assert again["metrics"] == first["metrics"] and again["losses"] == first["losses"]
+
+
 def test_herald_pipeline_trains_every_epoch_and_reports_scheduler(tmp_path: Path) -> None:
     """pipeline=herald through the driver: every epoch is trained (the window restarts on each epoch's
     iterator), and metrics.json carries the scheduler's counters, consistent with TrafficMeter's tags."""

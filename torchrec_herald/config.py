@@ -108,7 +108,7 @@ class CheckpointConfig:
     """``torch.distributed.checkpoint`` saves; re-running the same command resumes from the latest
     complete one (``torchrec_herald/run_identity.py`` names the run's folder)."""
 
-    every_n_steps: Optional[int] = None  # null: no checkpoints; n >= 1: save every n steps
+    every_n_steps: Optional[int] = None  # null: no checkpoints; n >= 1: save every n steps and at the end
     dir: Optional[str] = None  # null: <root>/<run name>
     root: str = "outputs/checkpoints"
     resume: bool = True  # false: start fresh (the run's earlier checkpoints are moved aside, not deleted)

@@ -341,8 +341,8 @@ TRAINER_KEYS = ("step", "epoch", "batch_in_epoch", "losses_by_rank", "rng", "pip
 
 
 class Checkpointing:
-    """The trainer's checkpoints (``checkpoint.*``): every ``every_n_steps`` steps a DCP save of the model,
-    the optimizers and the position (epoch, batch, every rank's losses, RNG, herald's pipeline counters)
+    """The trainer's checkpoints (``checkpoint.*``): every ``every_n_steps`` steps and at the run's end, a DCP save
+    of the model, the optimizers and the position (epoch, batch, every rank's losses, RNG, herald's pipeline counters)
     into the run's own folder (:func:`~torchrec_herald.run_identity.checkpoint_dir`: derived from the
     config, so re-running the same command finds it); at start, a resume from its latest complete
     checkpoint (``checkpoint.resume``). A herald pipeline flushes and restarts its window at a save, in an
@@ -596,6 +596,9 @@ class Trainer:
         train_time = time.perf_counter() - train_start
         bar.close()
         steps, attempt_steps = len(losses), len(losses) - restored
+        if ckpt.every and attempt_steps and not ckpt.due(steps):  # (the model at the run's end, saved: a re-run
+            # of the finished run reports it rather than training its tail again from the last periodic checkpoint)
+            ckpt.save(steps, epoch, batch_in_epoch, losses, iter(()), lambda: iter(()))
         if attempt_steps == 0 and resumed is not None:
             return self._already_complete(resumed)
         if steps == 0:
