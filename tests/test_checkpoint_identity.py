@@ -200,3 +200,41 @@ def test_a_truncated_shard_is_named_with_its_checkpoint(tmp_path: Path) -> None:
                                          rf"folder to resume from an older checkpoint, or checkpoint.resume=false "
                                          rf"to start fresh$"):
         load_checkpoint(path, model, torch.optim.SGD(model.parameters(), lr=0.1))
+
+
+def test_giving_or_dropping_eval_files_on_resume_is_refused_as_it_moves_the_training_batches(tmp_path: Path) -> None:
+    """The eval split's keys may change on resume, but a file source without ``data.eval_paths`` holds every
+    ``holdout_every``-th training batch out: giving eval files at a resume trained a batch twice and another never
+    (the saved position then points into another stream). Refused naming the key; other eval files may still be
+    given."""
+    good = "1\t" + "\t".join(["1"] * 13) + "\t" + "\t".join(["a"] * 26)
+    train, evals, other = tmp_path / "train.tsv", tmp_path / "eval.tsv", tmp_path / "other.tsv"
+    for f in (train, evals, other):
+        f.write_text("\n".join([good] * 64) + "\n")
+    ckpt = tmp_path / "ckpt"
+    where = ["data=criteo_tsv", f"data.paths={train}", "batch_size=4", f"checkpoint.dir={ckpt}",
+             "checkpoint.every_n_steps=2"]
+    path = _saved_run(ckpt, where)
+    assert preflight_error(where + [f"data.eval_paths={evals}"]) == (
+        f"ValueError: checkpoint {path} was saved by another run (data.eval_paths given here, empty there (without "
+        f"eval files every data.holdout_every-th training batch is held out, so the trained batches differ)): "
+        f"resuming it would train that run on with these settings. Give this run a folder of its own (checkpoint.dir "
+        f"or run_name), or checkpoint.resume=false to start fresh (the checkpoints there are moved aside, not "
+        f"deleted)")
+    with_eval = tmp_path / "ckpt_eval"
+    _saved_run(with_eval, where[:-2] + [f"checkpoint.dir={with_eval}", "checkpoint.every_n_steps=2",
+                                        f"data.eval_paths={evals}"])
+    assert preflight_error(where[:-2] + [f"checkpoint.dir={with_eval}", "checkpoint.every_n_steps=2",
+                                         f"data.eval_paths={other}"]) == "no error"
+    assert preflight_error(where[:-2] + [f"checkpoint.dir={with_eval}", "checkpoint.every_n_steps=2"]).startswith(
+        f"ValueError: checkpoint {with_eval}/step_00000004 was saved by another run (data.eval_paths empty here, "
+        f"given there (")
+
+
+def test_a_changed_group_option_leads_the_list_of_what_differs(tmp_path: Path) -> None:
+    """A resume refused for another planner listed the option's keys alphabetically and cut the list after six,
+    leaving out ``planner.name``, the key the user changed: it leads now."""
+    where = BASE + [f"checkpoint.dir={tmp_path}", "checkpoint.every_n_steps=2"]
+    path = _saved_run(tmp_path, where)
+    assert preflight_error(where + ["planner=herald"]).startswith(
+        f"ValueError: checkpoint {path} was saved by another run (planner.name=herald here, stock there; ")
