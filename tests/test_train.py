@@ -244,3 +244,31 @@ def test_a_checkpoint_folder_whose_lock_cannot_be_made_trains_unguarded() -> Non
                      "checkpoint.every_n_steps=2", f"checkpoint.dir={tmp}/ckpt"]
         m = run_multiprocess(_train_lock_unwritable, 2, overrides, f"{tmp}/run", timeout_s=120)[0]["metrics"]
         assert m["steps"] == 4
+
+
+def test_a_finished_runs_unreadable_figures_are_named_and_written_whole(tmp_path: Path) -> None:
+    """A full disk at a run's end left an empty metrics.json beside its checkpoints, and the re-run failed with a
+    bare JSONDecodeError naming no file (a truncated losses.json was copied on silently). The files are written
+    whole or not at all; one that cannot be read is named with the two ways on."""
+    from torchrec_herald.trainer import copy_whole
+
+    ckpt = tmp_path / "ckpt"
+    run = ["data.num_train_batches=4", "batch_size=16", "eval=false", f"checkpoint.dir={ckpt}",
+           "checkpoint.every_n_steps=2"]
+    run_multiprocess(_train, 1, run, str(tmp_path / "first"), timeout_s=300)
+    for name, content in (("metrics.json", ""), ("losses.json", "[0.69, 0.6")):
+        good = (ckpt / name).read_text()
+        (ckpt / name).write_text(content)
+        with pytest.raises(RuntimeError) as e:
+            run_multiprocess(_train, 1, run, str(tmp_path / f"again_{name}"), timeout_s=300)
+        assert (f"ValueError: {ckpt / name}, the finished run's figures beside its checkpoints, cannot be read "
+                f"(JSONDecodeError: ") in str(e.value), str(e.value)[-2000:]
+        assert (f"remove {name} there to evaluate the finished model again, or checkpoint.resume=false to train the "
+                f"run again") in str(e.value)
+        (ckpt / name).write_text(good)
+    # a copy that fails midway (its source gone) leaves the earlier file, and no temporary one
+    copy_whole(tmp_path / "first" / "metrics.json", tmp_path / "copy.json")
+    with pytest.raises(FileNotFoundError):
+        copy_whole(tmp_path / "missing.json", tmp_path / "copy.json")
+    assert (tmp_path / "copy.json").read_text() == (tmp_path / "first" / "metrics.json").read_text()
+    assert not (tmp_path / ".copy.json.tmp").exists()

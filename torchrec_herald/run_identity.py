@@ -155,7 +155,8 @@ def companion_run(cfg: DictConfig, role: str) -> None:
 #: what a run writes in its checkpoint folder besides its ``step_*`` checkpoints (a finished run's figures; a save
 #: in progress)
 RUN_FILES = ("metrics.json", "losses.json")
-TEMPORARY = re.compile(r"^(\.tmp-step_\d{8,}|\.herald-write-check-.*)$")  # (the latter: another rank's check)
+#: a save in progress, another rank's write check, a figures file being written (``trainer.copy_whole``)
+TEMPORARY = re.compile(r"^(\.tmp-step_\d{8,}|\.herald-write-check-.*|\.(metrics|losses)\.json\.tmp)$")
 
 
 def check_folder_is_the_runs(folder: Path, key: str, given: Path) -> None:

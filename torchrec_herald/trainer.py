@@ -469,9 +469,22 @@ class Checkpointing:
         return resume_problem(saved, self.identity, Path(path))
 
     def completed_metrics(self) -> Optional[Dict[str, Any]]:
-        """The metrics a run that already finished left in its checkpoint folder, or None."""
+        """The metrics a run that already finished left in its checkpoint folder, or None; ValueError naming
+        ``metrics.json`` or ``losses.json`` there where one cannot be read (written whole or not at all since
+        2026-11-28: a full disk left an empty one)."""
         path = self.dir / "metrics.json"
-        return json.loads(path.read_text()) if path.is_file() else None
+        if not path.is_file():
+            return None
+        for name in ("metrics.json", "losses.json"):
+            try:
+                parsed = json.loads((self.dir / name).read_text())
+            except (OSError, ValueError) as e:
+                raise ValueError(f"{self.dir / name}, the finished run's figures beside its checkpoints, cannot be "
+                                 f"read ({type(e).__name__}: {e}); remove {name} there to evaluate the finished "
+                                 f"model again, or checkpoint.resume=false to train the run again") from e
+            if name == "metrics.json":
+                metrics = parsed
+        return metrics
 
     def record_completion(self, run_dir: Path) -> None:
         """Rank 0: leave the finished run's ``metrics.json`` and ``losses.json`` beside its checkpoints (a
@@ -480,7 +493,7 @@ class Checkpointing:
 
         if self.every and dist.get_rank() == 0 and checkpoints(self.dir):  # (beside checkpoints only: a folder the
             for name in ("metrics.json", "losses.json"):                     # run saved none into stays as it was)
-                shutil.copyfile(run_dir / name, self.dir / name)
+                copy_whole(run_dir / name, self.dir / name)
 
     def save(self, step: int, epoch: int, batch_in_epoch: int, losses: List[float], it: Iterator[Any],
              restart: Any) -> Iterator[Any]:
@@ -496,6 +509,17 @@ class Checkpointing:
                  "pipeline": self.pipeline.state_dict(), "run": self.identity}
         save_checkpoint(self.dir, step, self.dmp, self.optimizer, state, self.keep)
         return it
+
+
+def copy_whole(src: Path, dst: Path) -> None:
+    """Copy ``src`` to ``dst`` whole or not at all (a temporary file beside ``dst``, then a rename): a full disk
+    or a kill midway leaves the earlier ``dst`` or none, never a truncated one that a re-run would read."""
+    tmp = dst.with_name(f".{dst.name}.tmp")
+    try:
+        shutil.copyfile(src, tmp)
+        os.replace(tmp, dst)
+    finally:
+        tmp.unlink(missing_ok=True)
 
 
 def fault_injection(step: int, rank: int) -> None:
