@@ -104,6 +104,21 @@ def test_checkpoint_dir_that_is_a_file_fails_in_preflight_naming_the_key(tmp_pat
     assert _error([f"checkpoint.root={f}"]).startswith(f"ValueError: checkpoint.root={f} is a file")
 
 
+def test_checkpoint_dir_that_is_a_link_to_nothing_fails_in_preflight_naming_the_key(tmp_path: Path) -> None:
+    """A ``checkpoint.dir`` linking to a folder that is gone passed the checks (the write check ran in its parent)
+    and failed at the first save, after training, with "File exists"."""
+    link = tmp_path / "dangling"
+    link.symlink_to(tmp_path / "gone" / "ckpts")
+    assert _error([f"checkpoint.dir={link}", "checkpoint.every_n_steps=5"]) == (
+        f"ValueError: checkpoint.dir={link} is a link to {tmp_path / 'gone' / 'ckpts'}, which does not exist; make "
+        f"that folder, or give another")
+    assert _error([f"checkpoint.dir={link}/run1", "checkpoint.every_n_steps=5"]) == (
+        f"ValueError: checkpoint.dir={link}/run1 lies under {link}, which is a link to {tmp_path / 'gone' / 'ckpts'}, "
+        f"which does not exist; make that folder, or give another")
+    (tmp_path / "gone" / "ckpts").mkdir(parents=True)
+    assert _error([f"checkpoint.dir={link}", "checkpoint.every_n_steps=5"]) == "no error"
+
+
 def test_unwritable_checkpoint_dir_fails_in_preflight_naming_the_key() -> None:
     """/proc refuses new files even to root (a chmod would not stop root)."""
     d = "/proc/herald-checkpoints"

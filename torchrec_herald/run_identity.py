@@ -195,6 +195,9 @@ def check_checkpoint_location(cfg: DictConfig, world_size: int, writing: bool) -
     given = Path(str(c.get("dir") or c.get("root") or _default_root()))
     folder = checkpoint_dir(cfg, world_size)
     for p in (given, *given.parents):
+        if p.is_symlink() and not p.exists():  # (a link to a folder that is gone: saving there fails, "File exists")
+            raise ValueError(f"{key}={given}{'' if p == given else f' lies under {p}, which'} is a link to "
+                             f"{os.readlink(p)}, which does not exist; make that folder, or give another")
         if p.exists() and not p.is_dir():
             what = "is a file" if p == given else f"lies under {p}, which is a file"
             raise ValueError(f"{key}={given} {what}, not a directory; give a directory")
