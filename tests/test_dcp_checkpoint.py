@@ -9,6 +9,7 @@ import functools
 import json
 import logging
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any, Dict
 
 import pytest
@@ -233,3 +234,21 @@ def test_a_save_that_cannot_be_written_names_the_checkpoint_and_keeps_the_earlie
     assert str(e.value) == (f"cannot write the checkpoint {tmp_path}/step_00000002 (No space left on device; "
                             f"checkpoint.dir / checkpoint.root); the checkpoints saved before it are kept")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["step_00000001"]  # (the partial save removed)
+
+    # torch's own writer reports a short write on a full disk as "unexpected pos", never the disk's error: the line
+    # says how full the disk is
+    def short_write(*args: Any, **kwargs: Any) -> None:
+        raise RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 704 vs 598")
+
+    monkeypatch.setattr(filesystem, "_write_files_from_queue", short_write)
+    monkeypatch.setattr(checkpoint.shutil, "disk_usage", lambda path: SimpleNamespace(free=3 << 19))
+    with pytest.raises(OSError) as e:
+        checkpoint.save_checkpoint(tmp_path, 2, model, opt, {"epoch": 0})
+    assert str(e.value) == (f"cannot write the checkpoint {tmp_path}/step_00000002 (RuntimeError: [enforce fail at "
+                            f"inline_container.cc:672] . unexpected pos 704 vs 598; its file system has 1.5 MiB free: "
+                            f"No space left on device?; checkpoint.dir / checkpoint.root); the checkpoints saved "
+                            f"before it are kept")
+    monkeypatch.setattr(checkpoint.shutil, "disk_usage", lambda path: SimpleNamespace(free=1 << 40))
+    with pytest.raises(OSError) as e:  # (plenty of room: the writer's own error alone)
+        checkpoint.save_checkpoint(tmp_path, 2, model, opt, {"epoch": 0})
+    assert "unexpected pos 704 vs 598; checkpoint.dir" in str(e.value)

@@ -108,13 +108,24 @@ def save_checkpoint(directory: Path, step: int, dmp: torch.nn.Module, optimizer:
     except (Exception, CheckpointException) as e:  # (DCP's is a BaseException, raised on every rank alike)
         failed = first_failure(e)
         cause = failed[1] if failed is not None else e
+        what = getattr(cause, "strerror", None) or f"{type(cause).__name__}: {cause}"
+        if not getattr(cause, "strerror", None):  # (torch's writer reports a short write as "unexpected pos ...",
+            try:                                  # never the disk's error: say how full the disk is, before the
+                free = shutil.disk_usage(tmp if tmp.exists() else directory).free  # partial save is removed)
+            except OSError:
+                free = None
+            if free is not None and free < FULL_DISK_BYTES:
+                what += f"; its file system has {free / 2**20:.1f} MiB free: No space left on device?"
         if _rank() == 0:
             shutil.rmtree(tmp, ignore_errors=True)  # (a save that did not finish: its space back, e.g. a full disk)
-        what = getattr(cause, "strerror", None) or f"{type(cause).__name__}: {cause}"
         raise OSError(f"cannot write the checkpoint {final} ({what}; checkpoint.dir / checkpoint.root); the "
                       f"checkpoints saved before it are kept") from e
     _on_rank0(publish, f"cannot finish the checkpoint {final}")
     return final
+
+
+#: free bytes under which a save's failure that names no disk error is said to be a full disk
+FULL_DISK_BYTES = 64 << 20
 
 
 def _on_rank0(work: Callable[[], None], what: str) -> None:
