@@ -272,3 +272,28 @@ def test_a_finished_runs_unreadable_figures_are_named_and_written_whole(tmp_path
         copy_whole(tmp_path / "missing.json", tmp_path / "copy.json")
     assert (tmp_path / "copy.json").read_text() == (tmp_path / "first" / "metrics.json").read_text()
     assert not (tmp_path / ".copy.json.tmp").exists()
+
+
+def test_a_resume_past_the_data_or_the_epochs_names_what_changed(tmp_path: Path) -> None:
+    """A checkpoint without its run's figures (the attempt ended after its last save) met by a re-run whose data
+    is now shorter than the checkpoint's position, or whose ``epochs`` ends before it, was reported as "already
+    complete": the line names the data (and its key) or ``epochs`` instead."""
+    good = "1\t" + "\t".join(["1"] * 13) + "\t" + "\t".join(["a"] * 26)
+    train = tmp_path / "train.tsv"
+    train.write_text("\n".join([good] * 40) + "\n")  # 10 global batches of 1 × 4, every 10th held out: 9 trained
+    ckpt = tmp_path / "ckpt"
+    run = ["data=criteo_tsv", f"data.paths={train}", "batch_size=4", "eval=false", f"checkpoint.dir={ckpt}",
+           "checkpoint.every_n_steps=4", "epochs=2"]
+    assert run_multiprocess(_train, 1, run, str(tmp_path / "first"), timeout_s=300)[0]["metrics"]["steps"] == 18
+    for name in ("metrics.json", "losses.json"):  # (as an attempt killed after its last save leaves it)
+        (ckpt / name).unlink()
+    with pytest.raises(RuntimeError) as e:
+        run_multiprocess(_train, 1, run[:-1] + ["epochs=1"], str(tmp_path / "fewer_epochs"), timeout_s=300)
+    assert (f"ValueError: epochs=1 ends before the checkpoint {ckpt}/step_00000018 (step 18, in epoch 2): give "
+            f"epochs >= 2 to train the run on, or checkpoint.resume=false to train it again") in str(e.value)
+    train.write_text("\n".join([good] * 20) + "\n")  # now 5 global batches of 1 × 4, all trained
+    with pytest.raises(RuntimeError) as e:
+        run_multiprocess(_train, 1, run, str(tmp_path / "shorter"), timeout_s=300)
+    assert (f"ValueError: CriteoTSV(train.tsv) now holds 5 global batch(es) of 1 × 4 samples, fewer than the "
+            f"checkpoint {ckpt}/step_00000018 trained of it (9 in epoch 2): the data changed since (data.paths); give "
+            f"the run's data, or checkpoint.resume=false to train it again") in str(e.value), str(e.value)[-1500:]

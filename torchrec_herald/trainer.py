@@ -641,6 +641,17 @@ class Trainer:
         metrics = ckpt.completed_metrics()
         dist.barrier()  # (every rank has read them before rank 0 may write them again below)
         if metrics is None or int(metrics.get("steps", -1)) != step:
+            epoch, position = int(resumed["epoch"]), int(resumed["batch_in_epoch"])
+            if epoch >= cfg.epochs:
+                raise ValueError(f"epochs={cfg.epochs} ends before the checkpoint {resumed['path']} (step {step}, in "
+                                 f"epoch {epoch + 1}): give epochs >= {epoch + 1} to train the run on, or "
+                                 f"checkpoint.resume=false to train it again")
+            found = self.data.count_train_batches(self.world, cfg.batch_size, at_least=position + 1)
+            if found is not None and found < position:
+                raise ValueError(f"{self.data.describe()} now holds {found} global batch(es) of {self.world} × "
+                                 f"{cfg.batch_size} samples, fewer than the checkpoint {resumed['path']} trained of it "
+                                 f"({position} in epoch {epoch + 1}): the data changed since (data.paths); give the "
+                                 f"run's data, or checkpoint.resume=false to train it again")
             why = ("none were recorded" if metrics is None else
                    f"those there are of {metrics.get('steps')} steps, another attempt's")
             raise ValueError(f"the run is already complete at step {step} (checkpoint {resumed['path']}), but its "
