@@ -238,3 +238,17 @@ def test_a_changed_group_option_leads_the_list_of_what_differs(tmp_path: Path) -
     path = _saved_run(tmp_path, where)
     assert preflight_error(where + ["planner=herald"]).startswith(
         f"ValueError: checkpoint {path} was saved by another run (planner.name=herald here, stock there; ")
+
+
+def test_a_file_named_as_a_checkpoint_is_not_taken_for_one(tmp_path: Path) -> None:
+    """A file named ``step_00000008`` in the checkpoint folder passed the folder check as a checkpoint; the run then
+    trained and failed at that save ("Not a directory"). It is named before training as a file that is not this
+    trainer's."""
+    folder = tmp_path / "ckpt"
+    folder.mkdir()
+    (folder / "step_00000008").write_text("not a checkpoint")
+    with pytest.raises(ValueError) as e:
+        check_checkpoint_location(compose_config(BASE + [f"checkpoint.dir={folder}", "checkpoint.every_n_steps=2"]),
+                                  1, writing=True)
+    assert str(e.value).startswith(f"checkpoint.dir={folder} holds files that are not this trainer's checkpoints "
+                                   f"(step_00000008): ")

@@ -169,8 +169,8 @@ def check_folder_is_the_runs(folder: Path, key: str, given: Path) -> None:
     if not folder.is_dir():
         return
     entries = sorted(p.name for p in folder.iterdir())
-    steps = [n for n in entries if STEP_DIR.match(n)]
-    foreign = [n for n in entries if not (STEP_DIR.match(n) or TEMPORARY.match(n) or (steps and n in RUN_FILES))]
+    steps = [n for n in entries if STEP_DIR.match(n) and (folder / n).is_dir()]  # (a file of that name is not one)
+    foreign = [n for n in entries if not (n in steps or TEMPORARY.match(n) or (steps and n in RUN_FILES))]
     if not foreign:
         return
     shown = ", ".join(foreign[:5]) + (f" and {len(foreign) - 5} more" if len(foreign) > 5 else "")
