@@ -162,6 +162,10 @@ def test_interrupted_saves_are_skipped_with_a_warning(tmp_path: Path, caplog: py
     assert any(".tmp-step_00000030: a save that did not finish" in m for m in msgs), msgs
     assert any("step_00000025: no .metadata" in m for m in msgs), msgs
     assert any("step_00000020: trainer_state.json is truncated" in m for m in msgs), msgs
+    # the checks before training and the resume each look: each folder is said once a process (it was three times)
+    with caplog.at_level(logging.WARNING, logger="torchrec_herald.checkpoint"):
+        assert latest_checkpoint(tmp_path) is None
+    assert [r.getMessage() for r in caplog.records] == msgs
 
 
 def test_a_kill_during_a_save_leaves_the_previous_checkpoint_loadable(results: tuple) -> None:

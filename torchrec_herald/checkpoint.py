@@ -173,18 +173,28 @@ def _incomplete(path: Path, required: Sequence[str] = ("step",)) -> Optional[str
     return None
 
 
+_WARNED: set = set()
+
+
+def _warn_once(line: str) -> None:
+    """One warning a process for each skipped folder (the checks before training and the resume each look)."""
+    if line not in _WARNED:
+        _WARNED.add(line)
+        logger.warning("%s", line)
+
+
 def latest_checkpoint(directory: Path, required: Sequence[str] = ("step",)) -> Optional[Path]:
     """The newest complete checkpoint under ``directory`` (its trainer state holding the keys ``required``);
     every newer incomplete one and every interrupted save is skipped with a warning naming it."""
     directory = Path(directory)
     if directory.is_dir():
         for tmp in sorted(p for p in directory.iterdir() if p.name.startswith(".tmp-step_")):
-            logger.warning("skipping %s: a save that did not finish", tmp)
+            _warn_once(f"skipping {tmp}: a save that did not finish")
     for path in reversed(checkpoints(directory)):
         why = _incomplete(path, required)
         if why is None:
             return path
-        logger.warning("skipping checkpoint %s: %s; using an older one", path, why)
+        _warn_once(f"skipping checkpoint {path}: {why}; using an older one")
     return None
 
 
