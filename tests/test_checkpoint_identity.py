@@ -252,3 +252,29 @@ def test_a_file_named_as_a_checkpoint_is_not_taken_for_one(tmp_path: Path) -> No
                                   1, writing=True)
     assert str(e.value).startswith(f"checkpoint.dir={folder} holds files that are not this trainer's checkpoints "
                                    f"(step_00000008): ")
+
+
+def test_resume_false_on_a_folder_that_cannot_be_moved_is_refused_naming_the_key(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``checkpoint.resume=false`` renames the folder holding checkpoints in its parent: on a read-only parent it
+    failed after the model was built with a bare ``OSError: [Errno 30] Read-only file system``. Refused first."""
+    import errno
+    import tempfile
+
+    folder = tmp_path / "ro" / "ckpt"
+    _saved_run(folder, BASE)
+    real = tempfile.mkstemp
+
+    def read_only(*args: Any, dir: Any = None, **kwargs: Any) -> Any:
+        if Path(dir) == folder.parent:
+            raise OSError(errno.EROFS, "Read-only file system")
+        return real(*args, dir=dir, **kwargs)
+
+    monkeypatch.setattr(tempfile, "mkstemp", read_only)
+    where = compose_config(BASE + [f"checkpoint.dir={folder}", "checkpoint.resume=false"])
+    with pytest.raises(ValueError) as e:
+        check_checkpoint_location(where, 1, writing=False)
+    assert str(e.value) == (f"checkpoint.resume=false would move {folder}'s checkpoints aside, but its parent "
+                            f"{folder.parent} is not writable (Read-only file system); give checkpoint.dir a writable "
+                            f"folder, or resume (checkpoint.resume=true)")
+    assert check_checkpoint_location(compose_config(BASE + [f"checkpoint.dir={folder}"]), 1, writing=False) == folder

@@ -34,7 +34,10 @@ _error = preflight_error
     (["planner=herald", "planner.hot_memory_budget_bytes=-1"],
      "ValueError: planner.hot_memory_budget_bytes must be >= 0, got -1"),
     (["pipeline=herald"], "ValueError: pipeline=herald needs planner=herald (its embeddings must be herald-sharded); "
-                          "got planner.name='stock'"),
+                          "got planner=stock"),
+    # (it said planner.name='stock', a value the user never typed)
+    (["planner=table_wise", "pipeline=herald"], "ValueError: pipeline=herald needs planner=herald (its embeddings must "
+                                                "be herald-sharded); got planner=table_wise"),
     (["planner=herald", "planner.link_mbit=null", "pipeline=herald", "pipeline.window=100000"],
      "ValueError: pipeline.window=100000 is larger than the 1000 batch(es) the data loader has "
      "(data.num_train_batches); lower pipeline.window"),

@@ -148,8 +148,9 @@ class TrainConfig:
             raise ValueError(f"compare_with={self.compare_with!r} is not a planner option; one of {planners}")
         herald_pipeline = isinstance(self.pipeline, HeraldPipelineConfig)
         if herald_pipeline and not isinstance(self.planner, HeraldPlannerConfig):
+            mode = getattr(self.planner, "mode", "default")  # (planner=table_wise is the stock planner's mode)
             raise ValueError(f"pipeline=herald needs planner=herald (its embeddings must be herald-sharded); "
-                             f"got planner.name={getattr(self.planner, 'name', None)!r}")
+                             f"got planner={'stock' if mode == 'default' else mode}")
         if self.checkpoint.every_n_steps is not None and herald_pipeline and self.pipeline.approximate:
             raise ValueError("checkpoint.every_n_steps with pipeline.staleness / pipeline.skip is not supported "
                              "(their state is not checkpointed); use the exact herald pipeline")

@@ -210,8 +210,18 @@ def check_checkpoint_location(cfg: DictConfig, world_size: int, writing: bool) -
                          f"{key}=checkpoints/<name>")
     from torchrec_herald.checkpoint import checkpoints
 
-    if writing or (not bool(c.get("resume", True)) and checkpoints(folder)):  # (it saves there, or moves it aside)
+    moves_aside = not bool(c.get("resume", True)) and bool(checkpoints(folder))
+    if writing or moves_aside:  # (it saves there, or moves it aside)
         check_folder_is_the_runs(folder, key, given)
+    if moves_aside:  # (the folder is renamed in its parent)
+        try:
+            fd, probe = tempfile.mkstemp(prefix=".herald-write-check-", dir=folder.parent)
+            os.close(fd)
+            os.unlink(probe)
+        except OSError as e:
+            raise ValueError(f"checkpoint.resume=false would move {folder}'s checkpoints aside, but its parent "
+                             f"{folder.parent} is not writable ({e.strerror or e}); give {key} a writable folder, or "
+                             f"resume (checkpoint.resume=true)") from None
     if not writing:
         return folder
     existing = next(p for p in (folder, *folder.parents) if p.exists())
