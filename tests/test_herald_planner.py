@@ -355,6 +355,38 @@ def _collective_plan_error(rank: int, world: int) -> str:
     return "planned"
 
 
+def _torchrec_runtime_error(rank: int, world: int) -> str:
+    from torch import nn
+    from torchrec.distributed.planner import ParameterConstraints
+    from torchrec.modules.embedding_configs import EmbeddingBagConfig
+    from torchrec.modules.embedding_modules import EmbeddingBagCollection
+    from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
+
+    from torchrec_herald.planner import HeraldPlanner
+    from torchrec_herald.sharding import HeraldEmbeddingBagCollectionSharder
+
+    model = nn.Module()
+    model.ebc = EmbeddingBagCollection([EmbeddingBagConfig(name=n, embedding_dim=8, num_embeddings=64,
+                                                           feature_names=[n]) for n in ("a", "b")],
+                                       device=torch.device("meta"))
+    kjt = KeyedJaggedTensor.from_lengths_sync(["a", "b"], torch.arange(16) % 64, torch.ones(16, dtype=torch.int32))
+    # a stock type with a kernel no CPU sharder offers: TorchRec's enumerator raises a RuntimeError
+    constraints = {"b": ParameterConstraints(sharding_types=["table_wise"], compute_kernels=["quant"])}
+    try:
+        HeraldPlanner.from_batches([kjt] * 2, compute_device="cpu", constraints=constraints).collective_plan(
+            model, [HeraldEmbeddingBagCollectionSharder()])
+    except RuntimeError as e:
+        return str(e)
+    return "planned"
+
+
+def test_torchrecs_planning_runtime_error_is_raised_on_every_rank_alike() -> None:
+    """TorchRec's planner raises a RuntimeError for a table whose constraints allow no sharding type and kernel:
+    rank 0 alone raised it, and rank 1 saw its connection close (under NCCL: a wait until the timeout)."""
+    errors = run_multiprocess(_torchrec_runtime_error, 2, timeout_s=120)
+    assert errors[0] == errors[1] and "No available sharding type and compute kernel combination" in errors[0], errors
+
+
 def test_a_planning_error_is_raised_on_every_rank_alike() -> None:
     """``collective_plan``: rank 0 plans; its ValueError reaches every rank (TorchRec's broadcast left the other
     ranks waiting for a plan, until rank 0's process ended)."""
@@ -404,7 +436,7 @@ def test_a_weighted_ebcs_tables_keep_a_stock_type_beside_a_herald_ebc(caplog: py
     herald's own sharder then refused the plan. They keep a stock type, said in one line; the other EBC is herald's."""
     import logging
 
-    from torchrec.distributed.planner import Topology
+    from torchrec.distributed.planner import ParameterConstraints, Topology
     from torchrec.modules.embedding_configs import EmbeddingBagConfig
     from torchrec.modules.embedding_modules import EmbeddingBagCollection
 
@@ -427,3 +459,13 @@ def test_a_weighted_ebcs_tables_keep_a_stock_type_beside_a_herald_ebc(caplog: py
     assert types["w0"] != HERALD_HOT_ROW_WISE
     assert ("HeraldPlanner: EBC 'weighted' is weighted (is_weighted=True), and herald's sharding has no per-sample "
             "weights: its tables w0 keep a stock type") in caplog.messages
+    # one whose constraints allow herald's type alone: refused naming it (it reached TorchRec's planner, whose
+    # RuntimeError named no reason)
+    planner = HeraldPlanner(topology=Topology(world_size=W, compute_device="cpu"), batch_size=4,
+                            access_stats=AccessStats.empty(tables("w0", "u1", "u2")),
+                            constraints={"w0": ParameterConstraints(sharding_types=[HERALD_HOT_ROW_WISE])})
+    with pytest.raises(ValueError) as e:
+        planner.plan(model, [HeraldEmbeddingBagCollectionSharder()])
+    assert str(e.value) == ("table w0: its ParameterConstraints allow ['herald_hot_row_wise'], but its EBC 'weighted' "
+                            "is weighted (is_weighted=True), and herald's sharding has no per-sample weights; allow a "
+                            "stock sharding type")

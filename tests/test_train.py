@@ -263,15 +263,29 @@ def test_a_finished_runs_unreadable_figures_are_named_and_written_whole(tmp_path
             run_multiprocess(_train, 1, run, str(tmp_path / f"again_{name}"), timeout_s=300)
         assert (f"ValueError: {ckpt / name}, the finished run's figures beside its checkpoints, cannot be read "
                 f"(JSONDecodeError: ") in str(e.value), str(e.value)[-2000:]
-        assert (f"remove {name} there to evaluate the finished model again, or checkpoint.resume=false to train the "
-                f"run again") in str(e.value)
+        assert ("restore it (the run folder of the attempt that finished holds a copy), or checkpoint.resume=false "
+                "to train the run again") in str(e.value)
         (ckpt / name).write_text(good)
-    # a copy that fails midway (its source gone) leaves the earlier file, and no temporary one
-    copy_whole(tmp_path / "first" / "metrics.json", tmp_path / "copy.json")
-    with pytest.raises(FileNotFoundError):
-        copy_whole(tmp_path / "missing.json", tmp_path / "copy.json")
-    assert (tmp_path / "copy.json").read_text() == (tmp_path / "first" / "metrics.json").read_text()
+    # a copy that fails once its data is written (the disk full at the rename) leaves the earlier file whole, and
+    # no temporary one
+    import os
+
+    (tmp_path / "copy.json").write_text("earlier")
+
+    def full(*args: Any) -> None:
+        raise OSError(28, "No space left on device")
+
+    real = os.replace
+    os.replace = full
+    try:
+        with pytest.raises(OSError):
+            copy_whole(tmp_path / "first" / "metrics.json", tmp_path / "copy.json")
+    finally:
+        os.replace = real
+    assert (tmp_path / "copy.json").read_text() == "earlier"
     assert not (tmp_path / ".copy.json.tmp").exists()
+    copy_whole(tmp_path / "first" / "metrics.json", tmp_path / "copy.json")
+    assert (tmp_path / "copy.json").read_text() == (tmp_path / "first" / "metrics.json").read_text()
 
 
 def test_a_resume_past_the_data_or_the_epochs_names_what_changed(tmp_path: Path) -> None:
@@ -285,12 +299,16 @@ def test_a_resume_past_the_data_or_the_epochs_names_what_changed(tmp_path: Path)
     run = ["data=criteo_tsv", f"data.paths={train}", "batch_size=4", "eval=false", f"checkpoint.dir={ckpt}",
            "checkpoint.every_n_steps=4", "epochs=2"]
     assert run_multiprocess(_train, 1, run, str(tmp_path / "first"), timeout_s=300)[0]["metrics"]["steps"] == 18
-    for name in ("metrics.json", "losses.json"):  # (as an attempt killed after its last save leaves it)
-        (ckpt / name).unlink()
-    with pytest.raises(RuntimeError) as e:
-        run_multiprocess(_train, 1, run[:-1] + ["epochs=1"], str(tmp_path / "fewer_epochs"), timeout_s=300)
-    assert (f"ValueError: epochs=1 ends before the checkpoint {ckpt}/step_00000018 (step 18, in epoch 2): give "
-            f"epochs >= 2 to train the run on, or checkpoint.resume=false to train it again") in str(e.value)
+    for figures in ("there", "gone"):  # (with the figures there it reported the 2-epoch run as the 1-epoch command's)
+        if figures == "gone":
+            for name in ("metrics.json", "losses.json"):  # (as an attempt killed after its last save leaves it)
+                (ckpt / name).unlink()
+        with pytest.raises(RuntimeError) as e:
+            run_multiprocess(_train, 1, run[:-1] + ["epochs=1"], str(tmp_path / f"fewer_epochs_{figures}"),
+                             timeout_s=300)
+        assert (f"ValueError: epochs=1 ends before the checkpoint {ckpt}/step_00000018 (step 18, in epoch 2): give "
+                f"epochs >= 2 to train the run on (or report it), or checkpoint.resume=false to train it again"
+                ) in str(e.value)
     train.write_text("\n".join([good] * 20) + "\n")  # now 5 global batches of 1 × 4, all trained
     with pytest.raises(RuntimeError) as e:
         run_multiprocess(_train, 1, run, str(tmp_path / "shorter"), timeout_s=300)

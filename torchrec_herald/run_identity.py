@@ -83,15 +83,15 @@ def resume_problem(saved: Any, current: Dict[str, Any], path: Path) -> Optional[
     unset = "<unset>"
     # (a group's choice first, `planner.name`: the key the user changed, above the keys of the option it brings)
     for key in sorted(set(mine) | set(theirs), key=lambda k: (not k.endswith(".name"), k)):
-        if key == EVAL_FILES_GIVEN and key not in theirs:
-            continue  # (saved before it was recorded)
+        if key == EVAL_FILES_GIVEN:
+            if "data.eval_paths" in mine and "data.eval_paths" in theirs:  # (both file sources; a checkpoint saved
+                here, there = bool(mine["data.eval_paths"]), bool(theirs["data.eval_paths"])  # before the key too)
+                if here != there:
+                    said = {True: "given", False: "empty"}
+                    diffs.append(f"data.eval_paths {said[here]} here, {said[there]} there (without eval files every "
+                                 f"data.holdout_every-th training batch is held out, so the trained batches differ)")
+            continue
         if key not in MAY_CHANGE_ON_RESUME and mine.get(key, unset) != theirs.get(key, unset):
-            if key == EVAL_FILES_GIVEN:
-                said = {True: "given", False: "empty"}
-                diffs.append(f"data.eval_paths {said[bool(mine.get(key))]} here, {said[bool(theirs[key])]} there "
-                             f"(without eval files every data.holdout_every-th training batch is held out, so the "
-                             f"trained batches differ)")
-                continue
             diffs.append(f"{key}={mine.get(key, unset)} here, {theirs.get(key, unset)} there")
     if not diffs:
         return None

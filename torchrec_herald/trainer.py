@@ -480,8 +480,8 @@ class Checkpointing:
                 parsed = json.loads((self.dir / name).read_text())
             except (OSError, ValueError) as e:
                 raise ValueError(f"{self.dir / name}, the finished run's figures beside its checkpoints, cannot be "
-                                 f"read ({type(e).__name__}: {e}); remove {name} there to evaluate the finished "
-                                 f"model again, or checkpoint.resume=false to train the run again") from e
+                                 f"read ({type(e).__name__}: {e}); restore it (the run folder of the attempt that "
+                                 f"finished holds a copy), or checkpoint.resume=false to train the run again") from e
             if name == "metrics.json":
                 metrics = parsed
         return metrics
@@ -634,24 +634,26 @@ class Trainer:
         """A re-run whose latest checkpoint is the run's end: report the finished run's figures, left beside its
         checkpoints for that step, instead of figures over zero steps; the loaded model is evaluated again where
         the eval split changed or the last eval did not finish (a bad eval file, fixed). Without this step's
-        figures (the attempt ended between its last checkpoint and its figures), say how to train it again."""
+        figures (the attempt ended between its last checkpoint and its figures), say how to train it again. A
+        checkpoint past this run's ``epochs`` or past its (now shorter) data is another run's end: ValueError naming
+        the key, whether or not its figures are there."""
         from torchrec_herald.run_identity import eval_identity
 
         ckpt, rank, cfg, step = self.checkpoints, self.rank, self.cfg, int(resumed["step"])
+        epoch, position = int(resumed["epoch"]), int(resumed["batch_in_epoch"])
+        if epoch >= cfg.epochs:  # (a finished run's figures are another run's: more epochs than asked for)
+            raise ValueError(f"epochs={cfg.epochs} ends before the checkpoint {resumed['path']} (step {step}, in "
+                             f"epoch {epoch + 1}): give epochs >= {epoch + 1} to train the run on (or report it), or "
+                             f"checkpoint.resume=false to train it again")
+        found = self.data.count_train_batches(self.world, cfg.batch_size, at_least=position + 1)
+        if found is not None and found < position:
+            raise ValueError(f"{self.data.describe()} now holds {found} global batch(es) of {self.world} × "
+                             f"{cfg.batch_size} samples, fewer than the checkpoint {resumed['path']} trained of it "
+                             f"({position} in epoch {epoch + 1}): the data changed since (data.paths); give the "
+                             f"run's data, or checkpoint.resume=false to train it again")
         metrics = ckpt.completed_metrics()
         dist.barrier()  # (every rank has read them before rank 0 may write them again below)
         if metrics is None or int(metrics.get("steps", -1)) != step:
-            epoch, position = int(resumed["epoch"]), int(resumed["batch_in_epoch"])
-            if epoch >= cfg.epochs:
-                raise ValueError(f"epochs={cfg.epochs} ends before the checkpoint {resumed['path']} (step {step}, in "
-                                 f"epoch {epoch + 1}): give epochs >= {epoch + 1} to train the run on, or "
-                                 f"checkpoint.resume=false to train it again")
-            found = self.data.count_train_batches(self.world, cfg.batch_size, at_least=position + 1)
-            if found is not None and found < position:
-                raise ValueError(f"{self.data.describe()} now holds {found} global batch(es) of {self.world} × "
-                                 f"{cfg.batch_size} samples, fewer than the checkpoint {resumed['path']} trained of it "
-                                 f"({position} in epoch {epoch + 1}): the data changed since (data.paths); give the "
-                                 f"run's data, or checkpoint.resume=false to train it again")
             why = ("none were recorded" if metrics is None else
                    f"those there are of {metrics.get('steps')} steps, another attempt's")
             raise ValueError(f"the run is already complete at step {step} (checkpoint {resumed['path']}), but its "

@@ -66,6 +66,7 @@ class _PlanningError:
     """Rank 0's planning error, broadcast to every rank (:meth:`HeraldPlanner.collective_plan`)."""
 
     message: str
+    kind: str = "ValueError"
 
 
 def _check_one_table_a_feature(module: nn.Module, kept: set) -> None:
@@ -231,6 +232,12 @@ class HeraldPlanner(EmbeddingShardingPlanner):
         for fqn, m in module.named_modules():
             if isinstance(m, EmbeddingBagCollection) and m.is_weighted():
                 names = [c.name for c in m.embedding_bag_configs() if c.name not in kept]
+                for n in names:  # (kept: constraints that name stock types; these name herald's alone, or none)
+                    types = getattr((self._constraints or {}).get(n), "sharding_types", None) or []
+                    if types and all(t == HERALD_HOT_ROW_WISE for t in types):
+                        raise ValueError(f"table {n}: its ParameterConstraints allow {types}, but its EBC "
+                                         f"{fqn or '(the model)'!r} is weighted (is_weighted=True), and herald's "
+                                         f"sharding has no per-sample weights; allow a stock sharding type")
                 out.update(dict.fromkeys(names))
                 if names:
                     logger.info("HeraldPlanner: EBC %r is weighted (is_weighted=True), and herald's sharding has no "
@@ -307,7 +314,8 @@ class HeraldPlanner(EmbeddingShardingPlanner):
     def collective_plan(self, module: nn.Module, sharders: Optional[List[ModuleSharder[nn.Module]]] = None,
                         pg: Optional[dist.ProcessGroup] = None) -> ShardingPlan:
         """TorchRec's: rank 0 plans, every rank gets its plan. A ValueError of rank 0's planning (a constraint, a
-        table name, a feature, the access stats; TorchRec's PlannerError: no plan fits) is raised on every rank alike, where TorchRec's would leave the
+        table name, a feature, the access stats; TorchRec's PlannerError, no plan fits) or TorchRec's RuntimeError (no
+        sharding type a table's constraints allow) is raised on every rank alike, where TorchRec's would leave the
         others waiting in the broadcast until rank 0's process ended (or, under NCCL, its timeout)."""
         from torchrec.distributed.collective_utils import invoke_on_rank_and_broadcast_result
         from torchrec.distributed.sharding_plan import get_default_sharders
@@ -315,13 +323,13 @@ class HeraldPlanner(EmbeddingShardingPlanner):
         def plan_or_error() -> Union[ShardingPlan, _PlanningError]:
             try:
                 return self.plan(module, sharders if sharders is not None else get_default_sharders())
-            except (ValueError, PlannerError) as e:  # (TorchRec's: no plan fits its storage)
-                return _PlanningError(str(e))
+            except (ValueError, PlannerError, RuntimeError) as e:  # (TorchRec's: no plan fits its storage; no type
+                return _PlanningError(str(e), type(e).__name__)      # its constraints allow)
 
         outcome = invoke_on_rank_and_broadcast_result(pg if pg is not None else dist.GroupMember.WORLD, 0,
                                                       plan_or_error)
         if isinstance(outcome, _PlanningError):
-            raise ValueError(outcome.message)
+            raise (RuntimeError if outcome.kind == "RuntimeError" else ValueError)(outcome.message)
         return outcome
 
     def plan(self, module: nn.Module, sharders: List[ModuleSharder[nn.Module]]) -> ShardingPlan:
