@@ -131,6 +131,21 @@ def test_the_runs_end_is_saved_and_a_rerun_reports_it_without_training(tmp_path:
     assert again["metrics"] == first["metrics"] and again["losses"] == first["losses"]
 
 
+def test_a_run_killed_between_its_final_save_and_its_figures_trains_its_tail_again(tmp_path: Path) -> None:
+    """An attempt that ended after saving the run's end but before writing its figures beside it left a re-run
+    that could only train everything again (``checkpoint.resume=false``). The re-run resumes from the checkpoint
+    before the end and trains the tail again: the same losses and figures as the finished run."""
+    common = ["data.num_train_batches=7", "data.num_eval_batches=2", "batch_size=64",
+              "checkpoint.every_n_steps=3", f"checkpoint.dir={tmp_path / 'ckpt'}"]
+    first = run_multiprocess(_train, 2, common, str(tmp_path / "run1"))[0]
+    for name in ("metrics.json", "losses.json"):  # (as an attempt killed right after the final save leaves it)
+        (tmp_path / "ckpt" / name).unlink()
+    again = run_multiprocess(_train, 2, common, str(tmp_path / "run2"))[0]
+    assert again["metrics"]["resumed_from_step"] == 6 and again["metrics"]["steps_this_attempt"] == 1
+    assert again["losses"] == first["losses"] and again["metrics"]["eval"] == first["metrics"]["eval"]
+    assert json.loads((tmp_path / "ckpt" / "metrics.json").read_text())["steps"] == 7
+
+
 def test_herald_pipeline_trains_every_epoch_and_reports_scheduler(tmp_path: Path) -> None:
     """pipeline=herald through the driver: every epoch is trained (the window restarts on each epoch's
     iterator), and metrics.json carries the scheduler's counters, consistent with TrafficMeter's tags."""
@@ -299,19 +314,21 @@ def test_a_resume_past_the_data_or_the_epochs_names_what_changed(tmp_path: Path)
     run = ["data=criteo_tsv", f"data.paths={train}", "batch_size=4", "eval=false", f"checkpoint.dir={ckpt}",
            "checkpoint.every_n_steps=4", "epochs=2"]
     assert run_multiprocess(_train, 1, run, str(tmp_path / "first"), timeout_s=300)[0]["metrics"]["steps"] == 18
-    for figures in ("there", "gone"):  # (with the figures there it reported the 2-epoch run as the 1-epoch command's)
+    # with the figures there it reported the 2-epoch run as the 1-epoch command's; without them (an attempt killed
+    # after its final save) the re-run resumes the checkpoint before the end, step 16, which is past epochs=1 too
+    for figures, step in (("there", 18), ("gone", 16)):
         if figures == "gone":
-            for name in ("metrics.json", "losses.json"):  # (as an attempt killed after its last save leaves it)
+            for name in ("metrics.json", "losses.json"):
                 (ckpt / name).unlink()
         with pytest.raises(RuntimeError) as e:
             run_multiprocess(_train, 1, run[:-1] + ["epochs=1"], str(tmp_path / f"fewer_epochs_{figures}"),
                              timeout_s=300)
-        assert (f"ValueError: epochs=1 ends before the checkpoint {ckpt}/step_00000018 (step 18, in epoch 2): give "
-                f"epochs >= 2 to train the run on (or report it), or checkpoint.resume=false to train it again"
+        assert (f"ValueError: epochs=1 ends before the checkpoint {ckpt}/step_{step:08d} (step {step}, in epoch 2): "
+                f"give epochs >= 2 to train the run on (or report it), or checkpoint.resume=false to train it again"
                 ) in str(e.value)
     train.write_text("\n".join([good] * 20) + "\n")  # now 5 global batches of 1 × 4, all trained
     with pytest.raises(RuntimeError) as e:
         run_multiprocess(_train, 1, run, str(tmp_path / "shorter"), timeout_s=300)
     assert (f"ValueError: CriteoTSV(train.tsv) now holds 5 global batch(es) of 1 × 4 samples, fewer than the "
-            f"checkpoint {ckpt}/step_00000018 trained of it (9 in epoch 2): the data changed since (data.paths); give "
+            f"checkpoint {ckpt}/step_00000016 trained of it (7 in epoch 2): the data changed since (data.paths); give "
             f"the run's data, or checkpoint.resume=false to train it again") in str(e.value), str(e.value)[-1500:]

@@ -183,14 +183,19 @@ def _warn_once(line: str) -> None:
         logger.warning("%s", line)
 
 
-def latest_checkpoint(directory: Path, required: Sequence[str] = ("step",)) -> Optional[Path]:
-    """The newest complete checkpoint under ``directory`` (its trainer state holding the keys ``required``);
-    every newer incomplete one and every interrupted save is skipped with a warning naming it."""
+def latest_checkpoint(directory: Path, required: Sequence[str] = ("step",), before: Optional[Path] = None
+                      ) -> Optional[Path]:
+    """The newest complete checkpoint under ``directory`` (its trainer state holding the keys ``required``;
+    ``before``: older than that one); every newer incomplete one and every interrupted save is skipped with a
+    warning naming it."""
     directory = Path(directory)
     if directory.is_dir():
         for tmp in sorted(p for p in directory.iterdir() if p.name.startswith(".tmp-step_")):
             _warn_once(f"skipping {tmp}: a save that did not finish")
-    for path in reversed(checkpoints(directory)):
+    found = checkpoints(directory)
+    if before is not None:
+        found = found[:found.index(before)] if before in found else found
+    for path in reversed(found):
         why = _incomplete(path, required)
         if why is None:
             return path

@@ -440,6 +440,8 @@ class Checkpointing:
                 logger.warning("checkpoint.resume=false: starting fresh; the earlier checkpoints of this run were "
                                "moved to %s", aside)
                 latest = None
+            if latest is not None and self.resume_enabled:
+                latest = self._unless_an_end_without_figures(latest)
             choice[0] = str(latest or "")
             choice[1] = self.problem(latest) if latest is not None else None
         dist.broadcast_object_list(choice, src=0)
@@ -456,6 +458,29 @@ class Checkpointing:
         logger.warning("resuming from checkpoint %s: step %d (epoch %d, batch %d of it); checkpoint.resume=false "
                        "starts fresh", choice[0], state["step"], state["epoch"], state["batch_in_epoch"])
         return dict(state, path=choice[0])
+
+    def _unless_an_end_without_figures(self, latest: Path) -> Path:
+        """``latest``, unless it is a run's end (saved after its last step) whose figures are not beside it (the
+        attempt ended between that save and writing them): then the newest complete checkpoint before it, whose
+        resume trains the run's tail again, the same losses (one warning). Where there is none, ``latest``
+        (:meth:`Trainer._already_complete` says how to train it again)."""
+        from torchrec_herald.checkpoint import TRAINER_STATE, latest_checkpoint
+
+        state = json.loads((latest / TRAINER_STATE).read_text())
+        if not state.get("final"):
+            return latest
+        try:
+            metrics = self.completed_metrics()
+        except ValueError:
+            metrics = None
+        if metrics is not None and int(metrics.get("steps", -1)) == int(state["step"]):
+            return latest
+        earlier = latest_checkpoint(self.dir, TRAINER_KEYS, before=latest)
+        if earlier is None:
+            return latest
+        logger.warning("checkpoint %s is the run's end, but its figures were not written beside it (the attempt "
+                       "ended first): resuming from %s to train the run's tail again", latest, earlier)
+        return earlier
 
     def problem(self, path: Path) -> Optional[str]:
         """Why the checkpoint at ``path`` is another run's (one line naming what differs), or None
@@ -496,9 +521,9 @@ class Checkpointing:
                 copy_whole(run_dir / name, self.dir / name)
 
     def save(self, step: int, epoch: int, batch_in_epoch: int, losses: List[float], it: Iterator[Any],
-             restart: Any) -> Iterator[Any]:
+             restart: Any, final: bool = False) -> Iterator[Any]:
         """Save (collective); returns the iterator to go on with (a herald pipeline's window restarts at
-        the data position, from ``restart()``)."""
+        the data position, from ``restart()``). ``final``: the run's end (after its last step)."""
         from torchrec_herald.checkpoint import rng_state, save_checkpoint
 
         if self.pipeline.prepare_checkpoint():
@@ -506,7 +531,7 @@ class Checkpointing:
         by_rank: List[Any] = [None] * dist.get_world_size()
         dist.all_gather_object(by_rank, losses)
         state = {"epoch": epoch, "batch_in_epoch": batch_in_epoch, "losses_by_rank": by_rank, "rng": rng_state(),
-                 "pipeline": self.pipeline.state_dict(), "run": self.identity}
+                 "pipeline": self.pipeline.state_dict(), "run": self.identity, "final": final}
         save_checkpoint(self.dir, step, self.dmp, self.optimizer, state, self.keep)
         return it
 
@@ -622,7 +647,7 @@ class Trainer:
         steps, attempt_steps = len(losses), len(losses) - restored
         if ckpt.every and attempt_steps and not ckpt.due(steps):  # (the model at the run's end, saved: a re-run
             # of the finished run reports it rather than training its tail again from the last periodic checkpoint)
-            ckpt.save(steps, epoch, batch_in_epoch, losses, iter(()), lambda: iter(()))
+            ckpt.save(steps, epoch, batch_in_epoch, losses, iter(()), lambda: iter(()), final=True)
         if attempt_steps == 0 and resumed is not None:
             return self._already_complete(resumed)
         if steps == 0:
