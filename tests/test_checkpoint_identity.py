@@ -280,10 +280,11 @@ def test_resume_false_on_a_folder_that_cannot_be_moved_is_refused_naming_the_key
     assert check_checkpoint_location(compose_config(BASE + [f"checkpoint.dir={folder}"]), 1, writing=False) == folder
 
 
-def test_eval_files_given_at_a_resume_of_a_checkpoint_saved_before_the_key_are_refused_too(tmp_path: Path) -> None:
-    """A checkpoint saved before ``data.eval_paths_given`` was recorded still records ``data.eval_paths``: giving eval
-    files at its resume is refused as for a newer one (it resumed silently). A synthetic run meeting a file run's
-    checkpoint says that its data differs, not "data.eval_paths empty here, empty there"."""
+def test_eval_files_given_at_a_resume_are_refused_from_the_recorded_paths_and_only_between_file_sources(
+        tmp_path: Path) -> None:
+    """Whether eval files are given is read from the ``data.eval_paths`` every checkpoint records (those saved before
+    this check too: it resumed silently), not from a key of its own. A synthetic run meeting a file run's checkpoint
+    says that its data differs, not "data.eval_paths empty here, empty there"."""
     good = "1\t" + "\t".join(["1"] * 13) + "\t" + "\t".join(["a"] * 26)
     train, evals = tmp_path / "train.tsv", tmp_path / "eval.tsv"
     for f in (train, evals):
@@ -291,12 +292,8 @@ def test_eval_files_given_at_a_resume_of_a_checkpoint_saved_before_the_key_are_r
     ckpt = tmp_path / "ckpt"
     where = ["data=criteo_tsv", f"data.paths={train}", "batch_size=4", f"checkpoint.dir={ckpt}",
              "checkpoint.every_n_steps=2"]
-    model = torch.nn.Linear(2, 1)
-    run = training_identity(compose_config(where), 1)
-    del run["config"]["data.eval_paths_given"]  # (as a checkpoint saved before it was recorded)
-    path = save_checkpoint(ckpt, 4, model, torch.optim.SGD(model.parameters(), lr=0.1),
-                           {"epoch": 0, "batch_in_epoch": 4, "losses_by_rank": [[0.5] * 4], "rng": {},
-                            "pipeline": None, "run": run})
+    path = _saved_run(ckpt, where)
+    assert "data.eval_paths" in json.loads((path / TRAINER_STATE).read_text())["run"]["config"]
     assert preflight_error(where + [f"data.eval_paths={evals}"]).startswith(
         f"ValueError: checkpoint {path} was saved by another run (data.eval_paths given here, empty there (without "
         f"eval files every data.holdout_every-th training batch is held out, so the trained batches differ)): ")

@@ -28,9 +28,6 @@ EVAL_SPLIT_KEYS = ("data.eval_paths", "data.num_eval_batches")
 #: training keys a resumed run may change: more epochs train the same run on; the eval split's keys (a bad eval
 #: file, fixed, is evaluated again)
 MAY_CHANGE_ON_RESUME = ("epochs", *EVAL_SPLIT_KEYS)
-#: recorded beside the config: whether ``data.eval_paths`` names files (without, the training stream holds every
-#: ``holdout_every``-th global batch out, so giving or dropping them changes the trained batches)
-EVAL_FILES_GIVEN = "data.eval_paths_given"
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
 
 
@@ -53,11 +50,7 @@ def _flat(d: Dict[str, Any], prefix: str = "") -> Dict[str, Any]:
 def training_identity(cfg: DictConfig, world_size: int) -> Dict[str, Any]:
     """What a checkpoint records of the run that saved it (JSON-able): the number of ranks and every key that
     changes what is trained, dotted (``optimizer.lr``), so that a resume can name what differs."""
-    flat = _flat(_training_config(cfg))
-    if "data.eval_paths" in flat:  # (a file source without eval files holds every k-th training batch out: adding or
-        # removing them moves every later training batch, though the eval split's keys may change on resume)
-        flat[EVAL_FILES_GIVEN] = bool(flat["data.eval_paths"])
-    identity = {"world_size": int(world_size), "config": flat}
+    identity = {"world_size": int(world_size), "config": _flat(_training_config(cfg))}
     return json.loads(json.dumps(identity, default=str))  # as it reads back from trainer_state.json
 
 
@@ -83,13 +76,12 @@ def resume_problem(saved: Any, current: Dict[str, Any], path: Path) -> Optional[
     unset = "<unset>"
     # (a group's choice first, `planner.name`: the key the user changed, above the keys of the option it brings)
     for key in sorted(set(mine) | set(theirs), key=lambda k: (not k.endswith(".name"), k)):
-        if key == EVAL_FILES_GIVEN:
-            if "data.eval_paths" in mine and "data.eval_paths" in theirs:  # (both file sources; a checkpoint saved
-                here, there = bool(mine["data.eval_paths"]), bool(theirs["data.eval_paths"])  # before the key too)
-                if here != there:
-                    said = {True: "given", False: "empty"}
-                    diffs.append(f"data.eval_paths {said[here]} here, {said[there]} there (without eval files every "
-                                 f"data.holdout_every-th training batch is held out, so the trained batches differ)")
+        if key == "data.eval_paths" and key in mine and key in theirs:  # (both file sources: other eval files may be
+            here, there = bool(mine[key]), bool(theirs[key])  # given, but without any every holdout_every-th training
+            if here != there:                                   # batch is held out, so giving or dropping them moves
+                said = {True: "given", False: "empty"}          # the trained batches)
+                diffs.append(f"data.eval_paths {said[here]} here, {said[there]} there (without eval files every "
+                             f"data.holdout_every-th training batch is held out, so the trained batches differ)")
             continue
         if key not in MAY_CHANGE_ON_RESUME and mine.get(key, unset) != theirs.get(key, unset):
             diffs.append(f"{key}={mine.get(key, unset)} here, {theirs.get(key, unset)} there")
