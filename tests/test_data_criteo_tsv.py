@@ -150,6 +150,20 @@ def test_holdout_every(tmp_path: Path) -> None:
     assert src.stats()["train_dropped_tail_samples"] == 0
 
 
+def test_a_count_after_a_whole_pass_reads_nothing_again(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A resume at the run's end passes over the whole training stream, then counts its batches (is the data as
+    long as the checkpoint's position?): that count is the pass's, with no second parse of the files."""
+    path = write(tmp_path / "train.tsv", numbered(57))
+    src = CriteoTSV(path, holdout_every=3)
+    assert src.count_train_batches(2, 5) == 4  # (global batches of 10: 0, 1, 3, 4 trained)
+    assert len(list(src.train_batches_from(0, 2, 5, 3))) == 1  # a pass from batch 3 to the end
+    monkeypatch.setattr(CriteoTSV, "_samples", lambda *a: pytest.fail("parsed again"))
+    assert src.count_train_batches(2, 5, at_least=5) == 4
+    assert src.count_train_batches(1, 10) == 4  # (the same global batches, split otherwise)
+    monkeypatch.undo()
+    assert src.count_train_batches(2, 3) == 6  # (another global batch size: counted; 9, every 3rd held out)
+
+
 def test_config(tmp_path: Path) -> None:
     path = write(tmp_path / "train.tsv", numbered(4))
     cfg = OmegaConf.structured(DATA_CONFIGS["criteo_tsv"])

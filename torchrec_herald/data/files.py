@@ -113,6 +113,8 @@ class FileSource(DataSource, Generic[Sample]):
         self.holdout_every, self.on_error = int(holdout_every), on_error
         self._skipped: Set[Tuple[str, Union[int, str]]] = set()
         self._dropped: Dict[str, int] = {"train": 0, "eval": 0}
+        #: global batch size -> the training batches a complete pass found (a count needs no second pass)
+        self._passed: Dict[int, int] = {}
 
     @abc.abstractmethod
     def _read(self, path: str) -> Iterator[Union[Sample, DataFormatError]]:
@@ -172,6 +174,8 @@ class FileSource(DataSource, Generic[Sample]):
                     returned += 1
                 block, index = [], index + 1
         self._dropped[split] = len(block) if block and wanted(index) else 0
+        if split == "train":
+            self._passed[size] = returned
         if self._dropped[split]:
             logger.info(
                 "%s: dropped incomplete trailing global batch of %d samples (global batch size %d)",
@@ -198,8 +202,11 @@ class FileSource(DataSource, Generic[Sample]):
     def count_train_batches(self, world_size: int, batch_size: int, at_least: Optional[int] = None) -> Optional[int]:
         """Count the training stream's global batches by parsing its records (held-out batches and, with
         ``on_error="skip"``, malformed records excluded), stopping once ``at_least`` are found: a check
-        of the first records only. A malformed record met on the way raises naming its file and line."""
+        of the first records only. A malformed record met on the way raises naming its file and line. Once a pass of
+        the training stream has ended, its count (nothing parsed again)."""
         size = int(world_size) * int(batch_size)
+        if size in self._passed:  # (a pass of the training stream has counted them: a resume at its end, say)
+            return self._passed[size]
         holdout, k = not self.eval_paths, self.holdout_every
         in_block = index = trained = 0
         for _ in self._samples(self.paths):
