@@ -182,11 +182,15 @@ class HeraldPlanner(EmbeddingShardingPlanner):
     def _check_budget_fits(self) -> None:
         check_hot_budget_fits(self._budget, self._topology)
 
+    def _types_given(self, name: str) -> List[str]:
+        """The sharding types table ``name``'s ``ParameterConstraints`` name ([]: none given)."""
+        given = (self._constraints or {}).get(name)
+        return (given.sharding_types or []) if given is not None else []
+
     def _kept_stock(self, tables: List[EmbeddingBagConfig]) -> set:
         """Tables whose user constraints name sharding types, none of them ROW_WISE or herald's."""
         own = {ShardingType.ROW_WISE.value, HERALD_HOT_ROW_WISE}
-        return {t.name for t in tables if (c := (self._constraints or {}).get(t.name)) is not None
-                and c.sharding_types and not own & set(c.sharding_types)}
+        return {t.name for t in tables if (types := self._types_given(t.name)) and not own & set(types)}
 
     def _beside_herald(self, module: nn.Module, kept: set, also_stock: Iterable[str] = ()) -> Dict[str, List[str]]:
         """Of the ``kept`` tables, those in an EBC with herald tables (tables neither ``kept`` nor ``also_stock``),
@@ -203,7 +207,7 @@ class HeraldPlanner(EmbeddingShardingPlanner):
             for n in names:
                 if n not in kept:
                     continue
-                given = (self._constraints or {})[n].sharding_types or []
+                given = self._types_given(n)
                 allowed = [t for t in given if t in MIXABLE_STOCK_TYPES]
                 if not allowed:
                     raise ValueError(f"table {n}: its ParameterConstraints allow {given}, which cannot sit beside "
@@ -216,8 +220,7 @@ class HeraldPlanner(EmbeddingShardingPlanner):
         """The stock types table ``name`` may take beside herald's tables in one EBC: its constraints' mixable types,
         else (no types given) any mixable type. ValueError naming the table where its constraints name types and none
         of them can sit there (herald's alone, say): ``why`` it cannot be herald's, ``fix`` the other way out."""
-        given = (self._constraints or {}).get(name)
-        types = (given.sharding_types or []) if given else []
+        types = self._types_given(name)
         allowed = [t for t in types if t in MIXABLE_STOCK_TYPES]
         if types and not allowed:
             raise ValueError(f"table {name}: its ParameterConstraints allow {types}, but {why}; allow a stock type that "
@@ -233,7 +236,7 @@ class HeraldPlanner(EmbeddingShardingPlanner):
             if isinstance(m, EmbeddingBagCollection) and m.is_weighted():
                 names = [c.name for c in m.embedding_bag_configs() if c.name not in kept]
                 for n in names:  # (kept: constraints that name stock types; these name herald's alone, or none)
-                    types = getattr((self._constraints or {}).get(n), "sharding_types", None) or []
+                    types = self._types_given(n)
                     if types and all(t == HERALD_HOT_ROW_WISE for t in types):
                         raise ValueError(f"table {n}: its ParameterConstraints allow {types}, but its EBC "
                                          f"{fqn or '(the model)'!r} is weighted (is_weighted=True), and herald's "
