@@ -12,6 +12,7 @@ from omegaconf import OmegaConf
 from torchrec_herald.data import ColumnarSource, DataFormatError, build_data_source
 
 from torchrec_herald.data.config import DATA_CONFIGS
+from torchrec_herald.data.files import shown
 COLUMNS: Dict[str, Any] = {"label": "y", "dense": ["d0", "d1"], "sparse": {"item": 10, "tags": 7}}
 
 CSV_ROWS = [
@@ -224,3 +225,72 @@ def test_a_dense_value_beyond_float32_is_accepted_where_log1p_brings_it_in(tmp_p
     path = write_csv(tmp_path / "t.csv", CSV_ROWS[:1] + ["a,1,1e300,2,3,1"] * 2)
     (b,) = list(ColumnarSource(path, eval_paths=path, log1p_dense=True, **COLUMNS).train_batches(0, 1, 2))
     assert torch.isfinite(b.dense_features).all() and float(b.dense_features[0, 0]) == pytest.approx(690.7755, rel=1e-6)
+
+
+@pytest.mark.parametrize("on_error", ["raise", "skip"])
+def test_an_unmatched_quote_is_named_at_its_line_whatever_on_error_says(tmp_path: Path, on_error: str) -> None:
+    """A stray '"' took every later line into one record: on_error=skip trained 50 of 199 good rows and counted
+    one skipped line, and on_error=raise named the file's last line."""
+    rows = ["y,d0,d1,item,tags"] + [f"{i % 2},{i},0,{i % 10},1" for i in range(200)]
+    rows[51] = '1,"50,0,0,1'
+    path = write_csv(tmp_path / "t.csv", rows)
+    with pytest.raises(DataFormatError) as err:
+        list(ColumnarSource(path, eval_paths=path, on_error=on_error, **COLUMNS).train_batches(0, 1, 10))
+    assert str(err.value) == (f"{path}:52: a quoted field opened on this line runs to line 201, taking 150 lines into one "
+                              f"record (expected 5 comma-separated fields, got 2): an unmatched '\"'?")
+
+def test_a_quoted_field_over_several_lines_is_one_record_and_said_once(tmp_path: Path,
+                                                                        caplog: pytest.LogCaptureFixture) -> None:
+    rows = ["y,d0,d1,item,tags,note"] + [f"{i % 2},{i},0,{i % 10},1,x" for i in range(6)]
+    rows[2], rows[4] = '1,1,0,1,1,"a\nb"', '1,3,0,3,1,"c\nd"'
+    path = write_csv(tmp_path / "t.csv", rows)
+    with caplog.at_level("WARNING"):
+        (b,) = list(ColumnarSource(path, eval_paths=path, **COLUMNS).train_batches(0, 1, 6))
+    assert b.dense_features[:, 0].tolist() == [0.0, 1.0, 2.0, 3.0, 4.0, 5.0]
+    assert [r.getMessage() for r in caplog.records] == [
+        f"{path}:3: a quoted field runs from this line to line 4 (one record of 2 lines)"]
+
+
+def test_an_id_written_as_a_whole_float_reads_and_one_int_would_misread_is_refused(tmp_path: Path) -> None:
+    """pandas writes an int column with missing values as '3.0'; int() read '1_3' as id 13, and a bool column as
+    ids 0 and 1."""
+    path = write_csv(tmp_path / "t.csv", ["y,d0,d1,item,tags", "1,0,0,3.0,4"])
+    (b,) = list(ColumnarSource(path, eval_paths=path, **COLUMNS).train_batches(0, 1, 1))
+    assert b.sparse_features.values().tolist() == [3, 4]
+    for cell in ("1_3", " 3"):
+        bad = write_csv(tmp_path / "bad.csv", ["y,d0,d1,item,tags", f"1,0,0,{cell},4"])
+        with pytest.raises(DataFormatError, match=rf"bad\.csv:2: column 'item': expected integer id\(s\), got '{cell}'"):
+            list(ColumnarSource(bad, eval_paths=bad, **COLUMNS).train_batches(0, 1, 1))
+    flags = write_parquet(tmp_path / "b.parquet", y=[1], d0=[0.0], d1=[0.0], item=[True], tags=[1])
+    with pytest.raises(DataFormatError, match=r"b\.parquet:row 1: column 'item': expected integer id\(s\), got True"):
+        list(ColumnarSource(flags, eval_paths=flags, **COLUMNS).train_batches(0, 1, 1))
+
+
+def test_a_file_without_records_among_others_is_passed_over_and_alone_is_refused(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """Spark writes a header-only part (or a zero-row Parquet one) for an empty partition: such a file was refused,
+    so a Spark output folder could not be given."""
+    head = write_csv(tmp_path / "part-0.csv", CSV_ROWS[:1])
+    full = write_csv(tmp_path / "part-1.csv", CSV_ROWS)
+    empty_pq = write_parquet(tmp_path / "part-2.parquet", y=pa.array([], pa.int8()), d0=pa.array([], pa.float64()),
+                             d1=pa.array([], pa.float64()), item=pa.array([], pa.int64()), tags=pa.array([], pa.int64()))
+    src = ColumnarSource([head, full, empty_pq], eval_paths=full, **COLUMNS)
+    with caplog.at_level("WARNING"):
+        src.check()
+    assert [r.getMessage() for r in caplog.records] == [
+        f"data.paths: 2 file(s) hold no records and are passed over: {head}, {empty_pq}"]
+    check_expected(src)
+    with pytest.raises(DataFormatError, match=r"part-0\.csv:1: the file holds no records, nor do the other 1 file\(s\) "
+                                              r"of data\.paths"):
+        ColumnarSource([head, empty_pq], eval_paths=full, **COLUMNS).check()
+    with pytest.raises(DataFormatError, match=r"part-0\.csv:1: the file holds no records$"):
+        ColumnarSource(full, eval_paths=head, **COLUMNS).check()
+
+
+def test_a_tsv_given_as_csv_names_its_columns_in_a_line_of_bounded_length(tmp_path: Path) -> None:
+    path = write_csv(tmp_path / "t.csv", ["\t".join(["1"] * 14 + ["a" * 8] * 26)] * 2)
+    with pytest.raises(DataFormatError) as err:
+        list(ColumnarSource(path, **COLUMNS).train_batches(0, 1, 1))
+    first = "\t".join(["1"] * 14 + ["a" * 8] * 26)  # one column: the whole line, cut
+    assert str(err.value) == f"{path}:1: missing column(s) ['y', 'd0', 'd1', 'item', 'tags']; found [{shown(first, 40)}]"
+    assert shown(first, 40).endswith("... (261 characters)")

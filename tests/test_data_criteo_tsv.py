@@ -234,3 +234,106 @@ def test_a_tar_archive_and_a_directory_are_named_before_reading(tmp_path: Path) 
     corrupt.write_bytes(gzip.compress(body)[:12] + b"\xff" * 64)
     with pytest.raises(DataFormatError, match=rf"^{corrupt}:after record 0: the file cannot be read on: error: Error -3"):
         CriteoTSV(str(corrupt), eval_paths=str(corrupt)).check()
+
+
+@pytest.mark.parametrize("cell, field, problem", [
+    ("-1a", 15, "expected a hexadecimal id, got '-1a'"), ("0x1a", 15, "expected a hexadecimal id, got '0x1a'"),
+    (" 1a", 15, "expected a hexadecimal id, got ' 1a'"), ("1_a", 15, "expected a hexadecimal id, got '1_a'"),
+    ("+5", 2, "expected an integer, got '+5'"), ("1_000", 2, "expected an integer, got '1_000'"),
+    ("\u0663\u0663", 2, "expected an integer, got '\u0663\u0663'"), ("-", 2, "expected an integer, got '-'"),
+    ("7 ", 2, "expected an integer, got '7 '"),
+])
+def test_a_cell_python_int_would_read_past_is_refused_naming_its_field(tmp_path: Path, cell: str, field: int,
+                                                                         problem: str) -> None:
+    """Python's int() takes a sign, 0x, _, spaces and non-ASCII digits: '-1a' was id 974 of a 1000-row table and
+    '1_000' the count 1000, with no word. The format has ASCII digits (a minus on a count) and hexadecimal ids."""
+    fields = line().rstrip("\n").split("\t")
+    fields[field] = cell
+    path = write(tmp_path / "train.tsv", [line(), "\t".join(fields) + "\n"])
+    name = f"cat_{field - 14}" if field >= 14 else f"int_{field - 1}"
+    with pytest.raises(DataFormatError) as err:
+        list(CriteoTSV(path, eval_paths=path).train_batches(0, 1, 1))
+    assert str(err.value) == f"{path}:2: field {field + 1} ({name}): {problem}"
+    ok = line("1", ["-3"] + ["0"] * 12, ["00ff"] * 26)  # a negative count and an id's leading zeros still read
+    assert len(list(CriteoTSV(write(tmp_path / "ok.tsv", [ok]), eval_paths=path).train_batches(0, 1, 1))) == 1
+
+
+def test_blank_lines_hold_no_record_and_later_lines_keep_their_numbers(tmp_path: Path) -> None:
+    """A blank line (a file's trailing one, say) failed the run after a whole epoch; it holds no record, as a CSV's."""
+    lines = numbered(6)
+    lines[3:3] = ["\n"]
+    path = write(tmp_path / "train.tsv", lines + ["\n", "\r\n"])
+    assert sample_ids(CriteoTSV(path, eval_paths=path).train_batches(0, 1, 2)) == list(range(6))
+    bad = write(tmp_path / "bad.tsv", ["\n", line(), "\n", "zz\n"])
+    with pytest.raises(DataFormatError, match=r"bad\.tsv:4: expected 40 tab-separated fields, got 1"):
+        list(CriteoTSV(bad, eval_paths=path).train_batches(0, 1, 1))
+
+
+def test_a_file_listed_twice_is_refused_naming_the_key(tmp_path: Path) -> None:
+    """Listed twice, a file trained each epoch's rows twice, with no word."""
+    path = write(tmp_path / "train.tsv", numbered(4))
+    other = write(tmp_path / "eval.tsv", numbered(4))
+    with pytest.raises(ValueError, match=r"^data\.paths lists .*train\.tsv more than once: each file is read once"):
+        CriteoTSV([path, str(tmp_path / "." / "train.tsv")], eval_paths=other)
+    with pytest.raises(ValueError, match=r"^data\.eval_paths lists .*eval\.tsv more than once"):
+        CriteoTSV(path, eval_paths=[other, other])
+
+
+def test_gzip_data_is_read_whatever_its_name_and_other_compression_is_named(tmp_path: Path) -> None:
+    import bz2
+
+    data = "".join(numbered(4)).encode()
+    (tmp_path / "day_0.tsv").write_bytes(gzip.compress(data))
+    src = CriteoTSV(tmp_path / "day_0.tsv", eval_paths=tmp_path / "day_0.tsv")
+    src.check()
+    assert sample_ids(src.train_batches(0, 1, 2)) == list(range(4))
+    (tmp_path / "day_1.tsv").write_bytes(bz2.compress(data))
+    with pytest.raises(DataFormatError, match=r"day_1\.tsv:1: the file is bzip2-compressed, which is not read here: "
+                                              r"decompress it \(bunzip2\), or give it gzip'd"):
+        CriteoTSV(tmp_path / "day_1.tsv", eval_paths=tmp_path / "day_0.tsv").check()
+
+
+def test_an_evaluation_pads_the_last_global_batch_and_scores_every_sample_once(tmp_path: Path) -> None:
+    """The eval split's incomplete last global batch was dropped (5 of 37 rows unscored); with ``pad_tail`` it is
+    filled up with its own samples labelled PADDED_LABEL, which the metrics leave out."""
+    from torchrec_herald.data.base import PADDED_LABEL
+
+    path = write(tmp_path / "eval.tsv", numbered(37))
+    src = CriteoTSV(write(tmp_path / "train.tsv", numbered(8)), eval_paths=path)
+    per_rank = [list(src.eval_batches(r, 2, 4, pad_tail=True)) for r in range(2)]
+    assert [len(b) for b in per_rank] == [5, 5] and src.stats()["eval_dropped_tail_samples"] == 0
+    scored = [i for r in range(2) for b in per_rank[r] for i, y in zip(sample_ids([b]), b.labels.tolist())
+              if y != PADDED_LABEL]
+    assert sorted(scored) == list(range(37))
+    last = [per_rank[r][-1].labels.tolist() for r in range(2)]
+    assert last == [[0.0, 1.0, 0.0, 1.0], [0.0, PADDED_LABEL, PADDED_LABEL, PADDED_LABEL]]
+    assert len(list(src.eval_batches(0, 2, 4))) == 4 and src.stats()["eval_dropped_tail_samples"] == 5  # (default)
+
+
+def test_a_held_out_split_holds_a_sample_once_the_data_reaches_its_first_held_out_batch(tmp_path: Path) -> None:
+    path = write(tmp_path / "train.tsv", numbered(21))
+    assert CriteoTSV(path, holdout_every=3).holds_eval_samples(2, 5)  # batch 2 holds sample 20
+    assert not CriteoTSV(path, holdout_every=4).holds_eval_samples(2, 5)  # batch 3 would start at 30
+    assert CriteoTSV(path, eval_paths=write(tmp_path / "e.tsv", numbered(1))).holds_eval_samples(2, 5)
+
+
+def test_a_rewound_stream_returns_its_kept_batches_without_reading_the_source_again(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A herald pipeline's window starts again at the data's position at every checkpoint: the stream went back to
+    the source, which parsed the file from the pass's start each time (a checkpoint near the end of a Criteo day
+    re-parsed the whole day on every rank)."""
+    path = write(tmp_path / "train.tsv", numbered(40))
+    src = CriteoTSV(path, eval_paths=path)
+    reads: List[int] = []
+    opened = CriteoTSV.train_batches_from
+    monkeypatch.setattr(CriteoTSV, "train_batches_from", lambda self, *a: reads.append(a[-1]) or opened(self, *a))
+    stream = TrainStream(src, 1, 2, 2, keep=3)
+    first = [sample_ids([next(stream)]) for _ in range(5)]
+    assert first == [[2 * g * 2 + 2, 2 * g * 2 + 3] for g in range(5)] and reads == [0]
+    assert [sample_ids([b]) for b in stream.rewind(2)] == first[2:] + [[22, 23], [26, 27], [30, 31], [34, 35], [38, 39]]
+    assert reads == [0]  # batches 2-4 came from memory, the rest from the same reader
+    stream.rewind(6)
+    assert sample_ids([next(stream)]) == [26, 27] and reads == [0, 6]  # 4 back, 3 kept: read from the source
+    stream.rewind(7)
+    stream.whole = True  # kept as slices, wanted whole: read again, in the wanted form
+    assert sample_ids([next(stream)]) == [28, 29, 30, 31] and reads == [0, 6, 7]

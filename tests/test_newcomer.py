@@ -145,13 +145,40 @@ def test_window_is_checked_against_a_files_batches_before_training(tmp_path: Pat
     f.write_text((GOOD_TSV_LINE + "\n") * records)
     got = _error(["planner=herald", "planner.link_mbit=null", "pipeline=herald", "pipeline.window=3", "batch_size=64",
                   "data=criteo_tsv",
-                  f"data.paths={f}", f"data.holdout_every={holdout}"])
+                  f"data.paths={f}", f"data.holdout_every={holdout}", "eval=false"])
     if ok:
         assert got == "no error"
     else:
         found = (records // 128) - (records // 128) // int(holdout)
         assert got == (f"ValueError: pipeline.window=3 is larger than the {found} global batch(es) of 2 × 64 "
                        f"samples that CriteoTSV(day_0.tsv) holds (data.paths); lower pipeline.window")
+
+
+def test_an_eval_split_without_a_sample_or_of_training_files_fails_in_preflight(tmp_path: Path, monkeypatch: Any
+                                                                                  ) -> None:
+    """Each trained to its end, then reported an AUC of NaN (no held-out sample), or of 0.996 (the eval file was a
+    training file)."""
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    f, e = tmp_path / "day_0.tsv", tmp_path / "day_1.tsv"
+    f.write_text((GOOD_TSV_LINE + "\n") * 200)  # 25 global batches of 2 × 4
+    e.write_text((GOOD_TSV_LINE + "\n") * 3)
+    tsv = ["data=criteo_tsv", f"data.paths={f}", "batch_size=4"]
+    assert _error(tsv + ["data.holdout_every=30"]) == (
+        "ValueError: CriteoTSV(day_0.tsv) holds out no sample to evaluate: data.holdout_every=30 holds out every 30th "
+        "global batch of 2 × 4 samples, and data.paths holds fewer than 29 and a sample; lower data.holdout_every, give "
+        "data.eval_paths, or eval=false")
+    assert _error(tsv + ["data.holdout_every=25"]) == "no error"  # (batch 24 is held out)
+    assert _error(tsv + ["data.holdout_every=30", "eval=false"]) == "no error"
+    assert _error(tsv + [f"data.eval_paths={e}"]) == "no error"  # (3 samples: one padded global batch)
+    assert _error(tsv + [f"data.eval_paths=[{e},{tmp_path}/./day_0.tsv]"]) == (
+        f"ValueError: {tmp_path}/./day_0.tsv is in data.paths and in data.eval_paths: the eval would score rows the "
+        f"model trained on; give held-out files as data.eval_paths, or leave it out to hold out every "
+        f"data.holdout_every-th global batch of data.paths")
+    assert _error(tsv + [f"data.paths=[{f},{f}]"]) == (
+        f"ValueError: data.paths lists {f} more than once: each file is read once a pass; give it once")
+    assert _error(["data.num_eval_batches=0"]) == (
+        "ValueError: data.num_eval_batches=0 leaves nothing to evaluate; give at least 1, or eval=false")
+    assert _error(["data.num_eval_batches=0", "eval=false"]) == "no error"
 
 
 def test_good_settings_pass_preflight() -> None:
@@ -186,14 +213,14 @@ def test_preflight_counts_a_files_first_global_batches_once(tmp_path: Path, monk
     monkeypatch.setattr(FileSource, "count_train_batches",
                         lambda self, *a, **k: calls.append(k.get("at_least")) or count(self, *a, **k))
     overrides = ["planner=herald", "planner.link_mbit=null", "pipeline=herald", "batch_size=32", "data=criteo_tsv",
-                 f"data.paths={f}"]
+                 f"data.paths={f}", "eval=false"]
     assert _error(overrides + ["pipeline.window=4"]) == "no error"
     assert calls == [4]
     assert _error(overrides + ["pipeline.window=5"]) == (
         "ValueError: pipeline.window=5 is larger than the 4 global batch(es) of 2 × 32 samples that "
         "CriteoTSV(day_0.tsv) holds (data.paths); lower pipeline.window")
     assert calls == [4, 5]
-    assert _error(["batch_size=32", "data=criteo_tsv", f"data.paths={f}"]) == "no error"  # (stock: one batch asked)
+    assert _error(["batch_size=32", "data=criteo_tsv", f"data.paths={f}", "eval=false"]) == "no error"  # (stock: one batch asked)
     assert calls == [4, 5, 1]
 
 
@@ -208,7 +235,7 @@ def test_bad_data_file_is_named_in_preflight(tmp_path: Path, content: str, probl
     good = tmp_path / "good.tsv"
     good.write_text(GOOD_TSV_LINE + "\n")
     assert _error(["data=criteo_tsv", f"data.paths=[{good},{f}]"]) == f"DataFormatError: {f}:1: {problem}"
-    assert _error(["data=criteo_tsv", f"data.paths={good}", "batch_size=1"]) == "no error"
+    assert _error(["data=criteo_tsv", f"data.paths={good}", "batch_size=1", "eval=false"]) == "no error"
 
 
 def test_a_file_of_only_bad_records_is_named_even_when_skipping(tmp_path: Path) -> None:

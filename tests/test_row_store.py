@@ -406,3 +406,27 @@ def test_compiled_grouping_by_kind_of_row_matches_the_torch_ops_and_names_every_
             store._slots(torch.cat([own[:1], absent[:2], cached[:1], absent[2:]]))
         errors.append(str(e.value))
     assert errors == [f"rank 1: plan reads rows it does not hold: keys {absent.tolist()}"] * 2
+
+
+@pytest.mark.parametrize("dim", [4, 12, 16, 24, 128])
+def test_the_hot_rows_adagrad_update_rounds_as_fbgemms_cpu_kernel_bit_for_bit(dim: int) -> None:
+    """Herald's row-wise Adagrad update of the rows it holds (hot replicas, a plan's rows) against fbgemm's fused CPU
+    kernel given the same rows, state and summed gradients. ``s + g.pow(2).mean(1)`` summed the squares in another
+    order, and torch's float ``sqrt`` and ``lr / t`` (a reciprocal times lr) round otherwise: 11 states and 10,468 of
+    32,000 weights differed by an ulp at dim 16, differences the steps of Adagrad then grow."""
+    from fbgemm_gpu.split_table_batched_embeddings_ops_common import PoolingMode
+    from fbgemm_gpu.split_table_batched_embeddings_ops_training import (
+        ComputeDevice, EmbeddingLocation, SplitTableBatchedEmbeddingBagsCodegen)
+
+    torch.manual_seed(dim)
+    n, lr, eps = 2000, 0.05, 1e-8
+    tbe = SplitTableBatchedEmbeddingBagsCodegen([(n, dim, EmbeddingLocation.HOST, ComputeDevice.CPU)], pooling_mode=PoolingMode.SUM,
+                                                optimizer=EmbOptimType.EXACT_ROWWISE_ADAGRAD, learning_rate=lr, eps=eps)
+    w0 = tbe.split_embedding_weights()[0].detach().clone()
+    s0 = torch.rand(n) * 0.1
+    tbe.split_optimizer_states()[0][0].copy_(s0)
+    grad = torch.randn(n, dim) * 0.01
+    tbe(torch.arange(n), torch.arange(n + 1)).backward(grad)  # one bag a row: each row's summed gradient is its own
+    w, s = exact_update(w0, s0, grad, EmbOptimType.EXACT_ROWWISE_ADAGRAD, lr, eps)
+    assert torch.equal(s, tbe.split_optimizer_states()[0][0])
+    assert torch.equal(w, tbe.split_embedding_weights()[0])

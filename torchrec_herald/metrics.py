@@ -16,6 +16,7 @@ import torch.distributed as dist
 from omegaconf import DictConfig, OmegaConf
 from torch import nn
 
+from torchrec_herald.data.base import PADDED_LABEL
 from torchrec_herald.report import embedding_bytes_per_step, headline
 
 logger = logging.getLogger(__name__)
@@ -71,6 +72,11 @@ def evaluate(dmp: nn.Module, batches: Iterator[Any], device: torch.device) -> Di
     for batch in batches:
         _, (_, logits, labels) = dmp(batch.to(device))
         logits, labels = logits.float().view(-1), labels.float().view(-1)
+        real = labels != PADDED_LABEL  # (the padding of a last global batch: every rank ran it, no rank scores it)
+        if not bool(real.all()):
+            logits, labels = logits[real], labels[real]
+            if not labels.numel():
+                continue
         auroc.update(torch.sigmoid(logits), labels.long())
         loss_sum += torch.tensor([nn.functional.binary_cross_entropy_with_logits(
             logits, labels, reduction="sum").item(), labels.numel()], dtype=torch.float64)

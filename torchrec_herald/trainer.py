@@ -151,11 +151,13 @@ def build_pipeline(cfg: DictConfig, dmp: nn.Module, optimizer: Any, device: torc
                                      herald_sharded=decision is None or decision.herald)
 
 
-def train_stream(data: DataSource, rank: int, world: int, batch_size: int, start: int = 0) -> TrainStream:
+def train_stream(data: DataSource, rank: int, world: int, batch_size: int, start: int = 0, keep: int = 0
+                 ) -> TrainStream:
     """The train batches from global batch ``start``: this rank's slice of each global batch. The source
     is deterministic and seekable, so a herald pipeline that schedules whole global batches switches the
-    stream to read them whole (and back to slices while its scheduling is off)."""
-    return TrainStream(data, rank, world, batch_size, start=start, whole=False)
+    stream to read them whole (and back to slices while its scheduling is off). ``keep``: the last batches kept
+    for a rewind (a herald pipeline's window at a checkpoint)."""
+    return TrainStream(data, rank, world, batch_size, start=start, whole=False, keep=keep)
 
 
 def _world_size() -> int:
@@ -191,6 +193,8 @@ def preflight(cfg: DictConfig, world_size: Optional[int] = None) -> DataSource:
         check_hot_budget_fits(typed.planner.hot_memory_budget_bytes, make_topology(world),
                               "planner.hot_memory_budget_bytes")
     data = build_data_source(cfg.data)
+    if typed.eval:
+        check_eval_held_out(data)
     check_tables_fit(data, typed.model.embedding_dim, world, str(cfg.data.name), typed.optimizer.name)
     data.check()
     # (where the planner prices one rank locally, the model of time trains stock TABLE_WISE with TorchRec's
@@ -200,6 +204,8 @@ def preflight(cfg: DictConfig, world_size: Optional[int] = None) -> DataSource:
     # one count of the first global batches serves both checks (a file source parses them to count)
     found = count_batches(data, world, typed.batch_size, typed.pipeline.window if fills_window else 1)
     check_something_to_train(data, world, typed.batch_size, found)
+    if typed.eval:
+        check_something_to_evaluate(data, world, typed.batch_size)
     if isinstance(typed.pipeline, HeraldPipelineConfig):
         total = getattr(data, "num_train_batches", None)
         typed.pipeline.check_run_length(None if total is None else int(total) * typed.epochs)
@@ -296,6 +302,32 @@ def check_something_to_train(data: DataSource, world_size: int, batch_size: int,
     if total is None and found == 0:
         raise ValueError(f"{data.describe()} holds no full global batch of {world_size} × {batch_size} samples to "
                          f"train (data.paths); lower batch_size or give more data")
+
+
+def check_eval_held_out(data: DataSource) -> None:
+    """No eval file is a training file: ValueError naming it and both keys (its AUC scored rows the model trained
+    on: 0.996 for a model of 50 steps)."""
+    from torchrec_herald.data.files import files_in_both
+
+    both = files_in_both(getattr(data, "paths", []), getattr(data, "eval_paths", []))
+    if both:
+        raise ValueError(f"{', '.join(both)} is in data.paths and in data.eval_paths: the eval would score rows the "
+                         f"model trained on; give held-out files as data.eval_paths, or leave it out to hold out every "
+                         f"data.holdout_every-th global batch of data.paths")
+
+
+def check_something_to_evaluate(data: DataSource, world_size: int, batch_size: int) -> None:
+    """The held-out split holds a sample to evaluate (``eval=true``): ValueError naming the keys otherwise (the run
+    trained to its end, then reported an AUC of NaN)."""
+    n = getattr(data, "num_eval_batches", None)
+    if n is not None and int(n) == 0:
+        raise ValueError("data.num_eval_batches=0 leaves nothing to evaluate; give at least 1, or eval=false")
+    holds = getattr(data, "holds_eval_samples", None)
+    if holds is not None and not holds(world_size, batch_size):
+        k = data.holdout_every
+        raise ValueError(f"{data.describe()} holds out no sample to evaluate: data.holdout_every={k} holds out every "
+                         f"{k}th global batch of {world_size} × {batch_size} samples, and data.paths holds fewer than "
+                         f"{k - 1} and a sample; lower data.holdout_every, give data.eval_paths, or eval=false")
 
 
 def check_window(data: DataSource, window: int, world_size: int, batch_size: int, found: Optional[int]) -> None:
@@ -587,7 +619,10 @@ class Trainer:
         return self
 
     def _stream(self, start: int) -> TrainStream:
-        return train_stream(self.data, self.rank, self.world, self.cfg.batch_size, start=start)
+        # a herald pipeline reads its window ahead and, at a checkpoint, starts it again from the data's position:
+        # the batches it read are kept for that (a file would be parsed from the pass's start at every save)
+        keep = int(self.cfg.pipeline.window) + 2 if self.cfg.pipeline.name == "herald" else 0
+        return train_stream(self.data, self.rank, self.world, self.cfg.batch_size, start=start, keep=keep)
 
     def train(self) -> Dict[str, Any]:
         """Train (resuming the run's latest checkpoint), evaluate and write the figures; the run's checkpoint
@@ -636,7 +671,7 @@ class Trainer:
                 batch_in_epoch += 1
                 if ckpt.due(len(losses)):
                     it = ckpt.save(len(losses), epoch, batch_in_epoch, losses, it,
-                                   lambda: self._stream(batch_in_epoch))
+                                   lambda: it.rewind(batch_in_epoch))
                 fault_injection(len(losses), rank)
                 bar.update(1)
                 if len(losses) % cfg.log_every == 0:
@@ -654,6 +689,11 @@ class Trainer:
             raise RuntimeError(f"no training step ran: {self.data.describe()} yielded no full global batch of "
                                f"{self.world} × {cfg.batch_size} samples (data.*, batch_size)")
         return self._finish(losses, step_times, meter, train_time, steps, attempt_steps, resumed, since)
+
+    def _evaluate(self) -> Dict[str, float]:
+        """The eval pass (collective): every sample of the held-out split scored once (its last global batch padded)."""
+        return evaluate(self.dmp, self.data.eval_batches(self.rank, self.world, self.cfg.batch_size, pad_tail=True),
+                        self.device)
 
     def _already_complete(self, resumed: Dict[str, Any]) -> Dict[str, Any]:
         """A re-run whose latest checkpoint is the run's end: report the finished run's figures, left beside its
@@ -688,8 +728,7 @@ class Trainer:
         assert isinstance(config, dict)
         evaluated = bool(metrics.get("eval")) or not (metrics.get("config") or {}).get("eval", True)
         if not evaluated or eval_identity(metrics.get("config") or {}) != eval_identity(config):
-            eval_metrics = (evaluate(self.dmp, self.data.eval_batches(rank, self.world, cfg.batch_size), self.device)
-                            if cfg.eval else {})
+            eval_metrics = self._evaluate() if cfg.eval else {}
             metrics = dict(metrics, eval=eval_metrics, config=config)
             metrics["summary"] = headline(metrics)
             if rank == 0:
@@ -747,7 +786,7 @@ class Trainer:
             else:
                 figures({})
             try:
-                eval_metrics = evaluate(self.dmp, self.data.eval_batches(rank, self.world, cfg.batch_size), self.device)
+                eval_metrics = self._evaluate()
             except Exception:
                 if rank == 0:
                     logger.error("evaluation failed after training; the training figures (no eval) are in %s",

@@ -15,13 +15,14 @@ dropped (uneven per-rank batches break TorchRec's row-wise sharded backward) and
 from __future__ import annotations
 
 import abc
+import collections
 import importlib
 import inspect
 import itertools
 import logging
 import math
 import re
-from typing import Any, Dict, Iterator, List, Mapping, Optional, Sequence, Tuple, Union
+from typing import Any, Deque, Dict, Iterator, List, Mapping, Optional, Sequence, Tuple, Union
 
 import torch
 from torchrec.datasets.criteo import (  # noqa: F401 (re-exported)
@@ -62,6 +63,11 @@ def scaled_num_embeddings(
     return [max(math.ceil(c * scale - 1e-9), min(c, MIN_TABLE_ROWS)) for c in cardinalities]
 
 
+#: the label of a sample that only fills up an evaluation's last global batch (``eval_batches(pad_tail=True)``): every
+#: rank runs the same batches through the sharded model, and the metrics leave these out
+PADDED_LABEL = -1.0
+
+
 class DataFormatError(ValueError):
     """A malformed input record; the message reads ``<path>:<line or row>: <what is wrong>``."""
 
@@ -92,8 +98,10 @@ class DataSource(abc.ABC):
         """One pass over the training split: this rank's ``batch_size`` slice of each global batch."""
 
     @abc.abstractmethod
-    def eval_batches(self, rank: int, world_size: int, batch_size: int) -> Iterator[Batch]:
-        """One pass over the evaluation split, sharded like :meth:`train_batches`."""
+    def eval_batches(self, rank: int, world_size: int, batch_size: int, pad_tail: bool = False) -> Iterator[Batch]:
+        """One pass over the evaluation split, sharded like :meth:`train_batches`. ``pad_tail``: a source whose
+        split can end in an incomplete global batch yields it too, filled up to size with samples labelled
+        :data:`PADDED_LABEL`, which an evaluation leaves out."""
 
     def train_batches_from(self, rank: int, world_size: int, batch_size: int, start: int) -> Iterator[Batch]:
         """:meth:`train_batches` from global batch ``start`` on (a checkpoint's position, a stream that
@@ -129,30 +137,61 @@ class TrainStream(Iterator[Batch]):
     ``global_batches`` reads) or as this rank's slice. ``whole`` may change between batches: a pipeline
     whose scheduling is off reads only its own samples from then on, with no batch skipped or read twice.
 
+    ``keep``: the last batches returned are kept (at most this many), so that :meth:`rewind` to one of them, as a
+    herald pipeline's window needs at a checkpoint, returns them again without reading the source from the pass's
+    start (a file is a stream: a re-read parses every record before the position).
+
     Attributes:
         whole: read the next batch whole (True) or as this rank's slice.
         position: the global batch the next read returns (``start`` + batches returned so far).
     """
 
     def __init__(self, source: "DataSource", rank: int, world_size: int, batch_size: int, start: int = 0,
-                 whole: bool = False) -> None:
+                 whole: bool = False, keep: int = 0) -> None:
         global_batch_size(rank, world_size, batch_size)
         self.source, self.rank, self.world_size, self.batch_size = source, rank, world_size, batch_size
         self.whole, self.position = whole, start
         self._it: Optional[Iterator[Batch]] = None
         self._it_whole: Optional[bool] = None
+        #: (global batch, whole, batch) of the last ``keep`` returned; the ones to return again after a rewind
+        self._kept: Deque[Tuple[int, bool, Batch]] = collections.deque(maxlen=max(0, int(keep)))
+        self._again: Deque[Tuple[int, bool, Batch]] = collections.deque()
 
     def __iter__(self) -> "TrainStream":
         return self
 
     def __next__(self) -> Batch:
-        if self._it is None or self._it_whole != self.whole:  # (re)open at the position, in the wanted form
-            shape = (0, 1, self.world_size * self.batch_size) if self.whole else (
-                self.rank, self.world_size, self.batch_size)
-            self._it, self._it_whole = self.source.train_batches_from(*shape, self.position), self.whole
-        batch = next(self._it)
+        if self._again and self._again[0][1] != self.whole:  # (kept in the other form: read from the source)
+            self._again.clear()
+            self._it = None
+        if self._again:
+            _, whole, batch = self._again.popleft()
+        else:
+            if self._it is None or self._it_whole != self.whole:  # (re)open at the position, in the wanted form
+                shape = (0, 1, self.world_size * self.batch_size) if self.whole else (
+                    self.rank, self.world_size, self.batch_size)
+                self._it, self._it_whole = self.source.train_batches_from(*shape, self.position), self.whole
+            batch, whole = next(self._it), self.whole
+        if self._kept.maxlen:
+            self._kept.append((self.position, whole, batch))
         self.position += 1
         return batch
+
+    def rewind(self, position: int) -> "TrainStream":
+        """Go back to global batch ``position`` (at most :attr:`position`): the batches returned since come again,
+        from those kept where all of them are, else read from the source. Returns the stream."""
+        if not 0 <= position <= self.position:
+            raise ValueError(f"rewind to global batch {position}: the stream is at {self.position}")
+        back = self.position - position
+        if back and len(self._kept) >= back:
+            for _ in range(back):
+                self._again.appendleft(self._kept.pop())
+        elif back:
+            self._again.clear()
+            self._kept.clear()
+            self._it = None
+        self.position = position
+        return self
 
 
 def check_start(start: int) -> int:

@@ -21,7 +21,7 @@ import torch
 from torchrec.datasets.utils import Batch
 
 from torchrec_herald.data.base import DataFormatError, kjt_from_lists
-from torchrec_herald.data.files import FileSource, PathLike, open_text
+from torchrec_herald.data.files import FileSource, PathLike, open_text, shown
 
 logger = logging.getLogger(__name__)
 
@@ -55,12 +55,22 @@ def _number(v: Any) -> float:
 
 
 def _int(v: Any) -> int:
+    if isinstance(v, bool):  # (a bool column is no id column, though Python's bool is an int)
+        raise ValueError
     if isinstance(v, int):
         return v
     if isinstance(v, float) and v.is_integer():  # e.g. pandas' float columns with NaN
         return int(v)
     if isinstance(v, str):
-        return int(v)
+        if not v.isascii() or "_" in v or v != v.strip():  # (int() reads past these: '1_3' would be id 13)
+            raise ValueError
+        try:
+            return int(v)
+        except ValueError:
+            x = float(v)  # '3.0': how pandas writes an int column with missing values to CSV
+            if x.is_integer():
+                return int(x)
+            raise
     raise ValueError
 
 
@@ -158,7 +168,9 @@ class ColumnarSource(FileSource[ColumnarSample]):
     def _missing_columns(self, path: str, where: Union[int, str], names: Sequence[str]) -> None:
         missing = [c for c in self._columns if c not in names]
         if missing:  # a file-level problem: raised whatever on_error says
-            raise DataFormatError(path, where, f"missing column(s) {missing}; found {list(names)}")
+            found = list(names)  # (each cut: a TSV given as a CSV has one column, its whole first line)
+            raise DataFormatError(path, where, f"missing column(s) {missing}; found [{', '.join(shown(c, 40) for c in found[:20])}"
+                                               + (f", ... ({len(found)} columns)]" if len(found) > 20 else "]"))
         twice = sorted({c for c in self._columns if list(names).count(c) > 1})
         if twice:  # which of the copies is meant is not for us to guess
             raise DataFormatError(path, where, f"column(s) {twice} appear more than once in the header")
@@ -181,24 +193,37 @@ class ColumnarSource(FileSource[ColumnarSample]):
                 raise DataFormatError(path, 1, "empty file; a header row is required")
             self._missing_columns(path, 1, header)
             index = [header.index(c) for c in self._columns]
+            spanned = False
             while True:
+                first = reader.line_num + 1  # the record's first line (a quoted field may run over several)
                 try:
                     row = next(reader)
                 except StopIteration:
                     break
                 except csv.Error as e:  # (one record: the reader goes on at the next line)
                     limit = "field larger than field limit" in str(e)
-                    yield DataFormatError(path, reader.line_num, f"{e}" + (
+                    item = DataFormatError(path, reader.line_num, f"{e}" + (
                         f": a field of more than {csv.field_size_limit()} characters (a long multi-hot list); give "
                         f"such data as Parquet" if limit else ""))
-                    continue
-                if not row:  # blank line
-                    continue
-                if len(row) != len(header):
-                    problem = f"expected {len(header)} comma-separated fields, got {len(row)}"
-                    yield DataFormatError(path, reader.line_num, problem)
                 else:
-                    yield self._sample(path, reader.line_num, [row[i] for i in index])
+                    if not row:  # blank line
+                        continue
+                    if len(row) != len(header):
+                        item = DataFormatError(path, first, f"expected {len(header)} comma-separated fields, got "
+                                                            f"{len(row)}")
+                    else:
+                        item = self._sample(path, first, [row[i] for i in index])
+                if reader.line_num > first and not isinstance(item, DataFormatError) and not spanned:
+                    spanned = True  # (CSV allows it; a stray quote in a column not read looks the same: say it once)
+                    logger.warning("%s:%d: a quoted field runs from this line to line %d (one record of %d lines)",
+                                   path, first, reader.line_num, reader.line_num - first + 1)
+                if isinstance(item, DataFormatError) and reader.line_num > first:
+                    # a quote opened on one line and closed lines later (or never) took those lines into one bad
+                    # record: a file-level problem, raised whatever on_error says (skipping it would drop them all)
+                    raise DataFormatError(path, first, f"a quoted field opened on this line runs to line "
+                                                       f"{reader.line_num}, taking {reader.line_num - first + 1} lines "
+                                                       f"into one record ({item.problem}): an unmatched '\"'?")
+                yield item
 
     def _collate(self, samples: Sequence[ColumnarSample]) -> Batch:
         labels, dense, sparse = zip(*samples)

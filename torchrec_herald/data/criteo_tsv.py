@@ -9,6 +9,7 @@ are clamped at 0 and ``log1p``-transformed; categorical ids are ``int(hex, 16) %
 from __future__ import annotations
 
 import logging
+import re
 from typing import Iterator, List, Optional, Sequence, Tuple, Union
 
 import torch
@@ -29,6 +30,24 @@ logger = logging.getLogger(__name__)
 
 NUM_FIELDS = 1 + INT_FEATURE_COUNT + CAT_FEATURE_COUNT
 _INT64_MAX = 2**63 - 1
+#: What Python's ``int`` takes that the format has not: spaces and other whitespace around a value, ``_`` between
+#: digits, ``+``, and ``0x`` before an id (a minus before an id is checked apart; non-ASCII digits fail ``isascii``).
+_TOLERATED_BY_INT = (" ", "_", "+", "x", "X", "\x0b", "\x0c", "\r", "\x1c", "\x1d", "\x1e", "\x1f")
+
+
+def _odd(line: str) -> bool:
+    """Whether ``line`` holds a character ``int`` would read past (a substring test a character: the cheapest check
+    in Python, a third of a regular expression's scan)."""
+    if not line.isascii():
+        return True
+    for c in _TOLERATED_BY_INT:
+        if c in line:
+            return True
+    return False
+
+
+_DENSE = re.compile(r"-?[0-9]+")
+_HEX = re.compile(r"[0-9a-fA-F]+")
 #: A parsed line: (label, 13 raw integer dense values, 26 ids with -1 for missing).
 TSVSample = Tuple[int, List[int], List[int]]
 
@@ -62,13 +81,18 @@ class CriteoTSV(FileSource[TSVSample]):
         self.feature_names: List[str] = list(DEFAULT_CAT_NAMES)
         self.num_dense: int = INT_FEATURE_COUNT
 
-    def _parse(self, fields: List[str]) -> TSVSample:
+    def _parse(self, line: str) -> TSVSample:
+        if _odd(line):
+            raise ValueError
+        fields = line.split("\t")
         if len(fields) != NUM_FIELDS or fields[0] not in ("0", "1"):
             raise ValueError
         dense = [int(x) if x else 0 for x in fields[1 : 1 + INT_FEATURE_COUNT]]
         if any(abs(d) > _INT64_MAX for d in dense):  # (a count past int64 overflows the dense tensor when collated)
             raise ValueError
         cats = fields[1 + INT_FEATURE_COUNT :]
+        if "-" in line and any(x[:1] == "-" for x in cats):  # (a minus before an id: int(x, 16) would take it)
+            raise ValueError
         ids = [int(x, 16) % n if x else -1 for x, n in zip(cats, self.num_embeddings)]
         return int(fields[0]), dense, ids
 
@@ -81,13 +105,12 @@ class CriteoTSV(FileSource[TSVSample]):
             return f"field 1 (label): expected 0 or 1, got {shown(fields[0])}"
         for i, x in enumerate(fields[1:], start=2):
             dense = i <= 1 + INT_FEATURE_COUNT
-            try:
-                value = int(x, 10 if dense else 16) if x else 0
-            except ValueError:
+            if x and (_DENSE if dense else _HEX).fullmatch(x) is None:
                 if dense:
                     return f"field {i} ({DEFAULT_INT_NAMES[i - 2]}): expected an integer, got {shown(x)}"
                 name = DEFAULT_CAT_NAMES[i - 2 - INT_FEATURE_COUNT]
                 return f"field {i} ({name}): expected a hexadecimal id, got {shown(x)}"
+            value = int(x) if x and dense else 0
             if dense and abs(value) > _INT64_MAX:
                 return f"field {i} ({DEFAULT_INT_NAMES[i - 2]}): {shown(x)} is beyond an int64 count"
         return "malformed line"  # unreachable unless _parse and _diagnose disagree
@@ -96,11 +119,13 @@ class CriteoTSV(FileSource[TSVSample]):
         logger.info("reading Criteo TSV %s", path)
         with open_text(path) as f:
             for lineno, line in enumerate(f, start=1):
-                fields = line.rstrip("\r\n").split("\t")
+                line = line.rstrip("\r\n")
+                if not line:  # a blank line (a file's trailing one, say) holds no record, as in a CSV
+                    continue
                 try:
-                    sample: Union[TSVSample, DataFormatError] = self._parse(fields)
+                    sample: Union[TSVSample, DataFormatError] = self._parse(line)
                 except ValueError:
-                    sample = DataFormatError(path, lineno, self._diagnose(fields))
+                    sample = DataFormatError(path, lineno, self._diagnose(line.split("\t")))
                 yield sample
 
     def _collate(self, samples: Sequence[TSVSample]) -> Batch:

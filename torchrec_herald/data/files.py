@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import abc
 import gzip
+import itertools
 import logging
 import os
 import zlib
@@ -21,7 +22,7 @@ from typing import IO, Dict, Generic, Iterator, List, Optional, Sequence, Set, T
 
 from torchrec.datasets.utils import Batch
 
-from torchrec_herald.data.base import DataFormatError, DataSource, check_start, global_batch_size
+from torchrec_herald.data.base import PADDED_LABEL, DataFormatError, DataSource, check_start, global_batch_size
 
 logger = logging.getLogger(__name__)
 
@@ -54,9 +55,21 @@ def _is_gzip(path: PathLike) -> bool:
         return f.read(2) == b"\x1f\x8b"
 
 
+#: compressed formats the readers do not open, by their first bytes (gzip they do, whatever the file's name)
+_OTHER_COMPRESSION = {b"BZh": ("bzip2", "bunzip2"), b"\xfd7zXZ\x00": ("xz", "unxz"), b"\x28\xb5\x2f\xfd": ("zstd", "unzstd"),
+                      b"PK\x03\x04": ("zip", "unzip")}
+
+
+def _compression_not_read(path: PathLike) -> Optional[Tuple[str, str]]:
+    with open(path, "rb") as f:
+        head = f.read(6)
+    return next((what for magic, what in _OTHER_COMPRESSION.items() if head.startswith(magic)), None)
+
+
 def open_text(path: PathLike, newline: Optional[str] = None, encoding: str = "utf-8") -> IO[str]:
-    """Open a text file for streaming, transparently decompressing ``*.gz``."""
-    if str(path).endswith(".gz"):
+    """Open a text file for streaming, transparently decompressing gzip (``*.gz``, or gzip's first bytes under
+    another name)."""
+    if str(path).endswith(".gz") or _is_gzip(path):
         return gzip.open(path, "rt", encoding=encoding, newline=newline)
     return open(path, "r", encoding=encoding, newline=newline)
 
@@ -68,6 +81,25 @@ def as_paths(paths: Union[PathLike, Sequence[PathLike], None]) -> List[str]:
     if isinstance(paths, (str, os.PathLike)):
         return [os.fspath(paths)]
     return [os.fspath(p) for p in paths]
+
+
+def _check_each_file_once(paths: Sequence[str], eval_paths: Sequence[str]) -> None:
+    """Each list names a file once (a training file listed twice trains its rows twice a pass): ValueError naming the
+    file and the key. A file among both lists is the trainer's to refuse (:func:`files_in_both`): the Python API
+    may evaluate on training files on purpose."""
+    for key, group in (("data.paths", paths), ("data.eval_paths", eval_paths)):
+        seen: Set[str] = set()
+        for p in group:
+            real = os.path.realpath(p)
+            if real in seen:
+                raise ValueError(f"{key} lists {p} more than once: each file is read once a pass; give it once")
+            seen.add(real)
+
+
+def files_in_both(paths: Sequence[str], eval_paths: Sequence[str]) -> List[str]:
+    """The files of ``eval_paths`` that are training files too (by their real path)."""
+    train = {os.path.realpath(p) for p in paths}
+    return [p for p in eval_paths if os.path.realpath(p) in train]
 
 
 class FileSource(DataSource, Generic[Sample]):
@@ -110,6 +142,7 @@ class FileSource(DataSource, Generic[Sample]):
             wild = any(c in str(p) for p in missing for c in "*?[")
             raise FileNotFoundError(f"data file(s) not found: {', '.join(map(str, missing))}" + (
                 " (a pattern is not expanded: give the files as a list, [a.tsv,b.tsv])" if wild else ""))
+        _check_each_file_once(self.paths, self.eval_paths)
         self.holdout_every, self.on_error = int(holdout_every), on_error
         self._skipped: Set[Tuple[str, Union[int, str]]] = set()
         self._dropped: Dict[str, int] = {"train": 0, "eval": 0}
@@ -154,7 +187,8 @@ class FileSource(DataSource, Generic[Sample]):
                     if len(self._skipped) == _MAX_SKIP_WARNINGS:
                         logger.warning("further malformed records are skipped silently (see stats())")
 
-    def _batches(self, split: str, rank: int, world_size: int, batch_size: int, start: int = 0) -> Iterator[Batch]:
+    def _batches(self, split: str, rank: int, world_size: int, batch_size: int, start: int = 0,
+                 pad_tail: bool = False) -> Iterator[Batch]:
         size = global_batch_size(rank, world_size, batch_size)
         holdout = not self.eval_paths
         paths = self.eval_paths if split == "eval" and not holdout else self.paths
@@ -174,6 +208,14 @@ class FileSource(DataSource, Generic[Sample]):
                     returned += 1
                 block, index = [], index + 1
         self._dropped[split] = len(block) if block and wanted(index) else 0
+        if pad_tail and self._dropped[split]:  # (an eval pass: every sample scored once, see eval_batches)
+            real, self._dropped[split] = len(block), 0
+            block += [block[i % real] for i in range(size - real)]
+            batch = self._collate(block[rank * batch_size : (rank + 1) * batch_size])
+            batch.labels[max(0, real - rank * batch_size):] = PADDED_LABEL
+            logger.info("%s: the last global batch's %d samples padded to %d (the padding's labels %g: left out of "
+                        "the metrics)", split, real, size, PADDED_LABEL)
+            yield batch
         if split == "train":
             self._passed[size] = returned
         if self._dropped[split]:
@@ -184,20 +226,44 @@ class FileSource(DataSource, Generic[Sample]):
 
     def check(self) -> None:
         """Every file is non-empty and its first record parses (with ``on_error="raise"``; with ``skip`` a
-        file needs one good record among its first 1000): DataFormatError / ValueError naming the file."""
-        for path in [*self.paths, *self.eval_paths]:
-            if os.path.getsize(path) == 0:
-                raise DataFormatError(path, 1, "the file is empty")
-            if _is_tar(path):  # (Criteo Kaggle ships dac.tar.gz: its first record would be glued to the tar header)
-                raise DataFormatError(path, 1, "the file is a tar archive: extract its files (tar -xzf) and give those "
-                                               "(Criteo Kaggle's dac.tar.gz holds train.txt)")
-            for n, item in enumerate(self._records(path)):
-                if not isinstance(item, DataFormatError):
-                    break
-                if self.on_error == "raise" or n >= 999:
-                    raise item
-            else:
-                raise DataFormatError(path, 1, "the file holds no records")
+        file needs one good record among its first 1000): DataFormatError / ValueError naming the file. A file that
+        holds no record (a header-only CSV or a zero-row Parquet part, as Spark writes for an empty partition) is
+        passed over, in one warning, where another file of its split has records."""
+        for key, paths in (("data.paths", self.paths), ("data.eval_paths", self.eval_paths)):
+            recordless = [path for path in paths if not self._check_file(path)]
+            if recordless and len(recordless) == len(paths):
+                raise DataFormatError(recordless[0], 1, "the file holds no records" if len(paths) == 1 else
+                                      f"the file holds no records, nor do the other {len(paths) - 1} file(s) of {key}")
+            if recordless:
+                logger.warning("%s: %d file(s) hold no records and are passed over: %s", key, len(recordless),
+                               ", ".join(recordless[:5]) + (", ..." if len(recordless) > 5 else ""))
+
+    def _check_file(self, path: str) -> bool:
+        """:meth:`check` of one file: whether it holds a record (raising what is wrong with it)."""
+        if os.path.getsize(path) == 0:
+            raise DataFormatError(path, 1, "the file is empty")
+        other = _compression_not_read(path)
+        if other is not None:
+            raise DataFormatError(path, 1, f"the file is {other[0]}-compressed, which is not read here: decompress it "
+                                           f"({other[1]}), or give it gzip'd")
+        if _is_tar(path):  # (Criteo Kaggle ships dac.tar.gz: its first record would be glued to the tar header)
+            raise DataFormatError(path, 1, "the file is a tar archive: extract its files (tar -xzf) and give those "
+                                           "(Criteo Kaggle's dac.tar.gz holds train.txt)")
+        for n, item in enumerate(self._records(path)):
+            if not isinstance(item, DataFormatError):
+                return True
+            if self.on_error == "raise" or n >= 999:
+                raise item
+        return False
+
+    def holds_eval_samples(self, world_size: int, batch_size: int) -> bool:
+        """Whether the eval split holds a sample for global batches of ``world_size × batch_size`` (eval files: each
+        holds a record, :meth:`check`; held out: the training stream reaches its first held-out batch, whose
+        samples an evaluation scores even where the batch is incomplete, ``eval_batches(pad_tail=True)``)."""
+        if self.eval_paths:
+            return True
+        needed = (self.holdout_every - 1) * int(world_size) * int(batch_size) + 1
+        return sum(1 for _ in itertools.islice(self._samples(self.paths), needed)) == needed
 
     def count_train_batches(self, world_size: int, batch_size: int, at_least: Optional[int] = None) -> Optional[int]:
         """Count the training stream's global batches by parsing its records (held-out batches and, with
@@ -231,9 +297,12 @@ class FileSource(DataSource, Generic[Sample]):
         """:meth:`train_batches` from global batch ``start`` (the records before it are parsed, not collated)."""
         return self._batches("train", rank, world_size, batch_size, check_start(start))
 
-    def eval_batches(self, rank: int, world_size: int, batch_size: int) -> Iterator[Batch]:
-        """One pass over ``eval_paths``, or over the held-out global batches of the train stream."""
-        return self._batches("eval", rank, world_size, batch_size)
+    def eval_batches(self, rank: int, world_size: int, batch_size: int, pad_tail: bool = False) -> Iterator[Batch]:
+        """One pass over ``eval_paths``, or over the held-out global batches of the train stream. ``pad_tail``: an
+        incomplete last global batch is yielded too, filled up with its own samples again whose labels are
+        :data:`~torchrec_herald.data.base.PADDED_LABEL` (an evaluation leaves them out, and so scores every sample
+        once); without, it is dropped and counted, as the training split's."""
+        return self._batches("eval", rank, world_size, batch_size, pad_tail=pad_tail)
 
     def stats(self) -> Dict[str, int]:
         return {

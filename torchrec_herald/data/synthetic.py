@@ -310,6 +310,7 @@ class SyntheticCriteo(DataSource):
         first ``start`` are skipped without being generated."""
         return self._batches("train", self.num_train_batches, rank, world_size, batch_size, check_start(start))
 
-    def eval_batches(self, rank: int, world_size: int, batch_size: int) -> Iterator[Batch]:
-        """``num_eval_batches`` global batches of the (independent) eval stream."""
+    def eval_batches(self, rank: int, world_size: int, batch_size: int, pad_tail: bool = False) -> Iterator[Batch]:
+        """``num_eval_batches`` global batches of the (independent) eval stream (whole ones: ``pad_tail`` has
+        nothing to pad)."""
         return self._batches("eval", self.num_eval_batches, rank, world_size, batch_size)
