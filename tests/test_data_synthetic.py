@@ -236,7 +236,7 @@ def test_a_scale_whose_generator_would_not_fit_in_memory_is_named_by_its_key(mon
     from torchrec_herald.data import build_data_source
     from torchrec_herald.data import synthetic
 
-    monkeypatch.setattr(synthetic, "_host_memory_bytes", lambda: 2**29)
+    monkeypatch.setattr(synthetic, "host_memory_bytes", lambda: 2**29)
     monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
     rows = sum(synthetic.scaled_num_embeddings(1.0))
     with pytest.raises(ValueError) as e:
@@ -245,7 +245,7 @@ def test_a_scale_whose_generator_would_not_fit_in_memory_is_named_by_its_key(mon
                             f"each of this host's 1 rank(s) ({20 * rows / 2**30:,.1f} GiB), more than its 0.5 GiB: lower it "
                             f"(1.0 is Criteo Kaggle's size)")
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "8")  # (8 ranks on a host of 4 GiB: 8 generators of 0.6 GiB do not fit)
-    monkeypatch.setattr(synthetic, "_host_memory_bytes", lambda: 2**32)
+    monkeypatch.setattr(synthetic, "host_memory_bytes", lambda: 2**32)
     with pytest.raises(ValueError, match=r"on each of this host's 8 rank\(s\)"):
         build_data_source({"name": "synthetic", "scale": 1.0})
     assert build_data_source({"name": "synthetic", "scale": 0.01}).num_embeddings == synthetic.scaled_num_embeddings(0.01)

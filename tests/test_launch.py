@@ -94,3 +94,24 @@ def test_two_failures_in_one_second_go_by_the_exact_time_each_rank_recorded(tmp_
     other.write_text(json.dumps({"message": {"message": "x", "extraInfo": {"timestamp": "1000"}}}))
     failures[0] = ProcessFailure(local_rank=0, pid=0, exitcode=1, error_file=str(other))
     assert root_failure(failures) == (1, failures[1])
+
+
+def test_the_launcher_stopped_by_a_signal_says_so_in_one_line(monkeypatch: pytest.MonkeyPatch,
+                                                              capsys: pytest.CaptureFixture) -> None:
+    """Ctrl-C on ``torchx run`` printed torchelastic's SignalException traceback beside torchx's own."""
+    import signal
+
+    import torch.distributed.run
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+
+    from torchrec_herald import launch
+
+    def stopped(args: object) -> None:
+        raise SignalException(f"Process {os.getpid()} got signal: 2", sigval=signal.SIGINT)
+
+    monkeypatch.setattr(torch.distributed.run, "run", stopped)
+    with pytest.raises(SystemExit) as exit_:
+        launch.main(["--nproc_per_node", "1", "train.py"])
+    assert exit_.value.code == 130
+    assert capsys.readouterr().err == ("torchrec_herald.launch: stopped by signal SIGINT (the ranks were stopped too; a "
+                                       "run with checkpoints resumes from its latest by the same command)\n")

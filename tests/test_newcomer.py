@@ -50,6 +50,11 @@ _error = preflight_error
     (["planner=herald", "pipeline=herald", "pipeline.skip=row", "pipeline.skip_start=995"],
      "ValueError: pipeline.skip snapshots at steps 995 and 1005 are beyond the run's 1000 steps"),
     (["pipeline.name=bogus"], "ValueError: unknown pipeline.name 'bogus'"),
+    (["pipeline.name=herald"], "ValueError: pipeline.name 'herald' where this pipeline option's is one of TorchRec's "
+                               "['base', 'sparse_dist']: the option sets it; pick the pipeline with pipeline=<option> "
+                               "(pipeline=herald, pipeline=sparse_dist, pipeline=base)"),
+    (["planner.name=herald"], "ValueError: planner.name 'herald' where this planner option's is 'stock': the option "
+                              "sets it; pick the planner with planner=<option> (planner=herald, planner=table_wise, ...)"),
     (["model.embedding_dim=8"], "ValueError: model.dense_arch must end with model.embedding_dim=8, got [64, 16]"),
     (["model.pooling=MAX"], "ValueError: model.pooling must be SUM or MEAN, got 'MAX'"),
     (["model.dense_arch=[]"], "ValueError: model.dense_arch must be a non-empty list of layer sizes >= 1, got []"),
@@ -322,6 +327,28 @@ def test_comparison_report_files_hold_the_runs(tmp_path: Path) -> None:
     assert paths["png"].stat().st_size > 20_000  # a drawn figure, not an empty canvas
 
 
+def test_the_comparison_says_how_far_apart_the_losses_are_and_its_json_is_strict(tmp_path: Path) -> None:
+    """The figure's title said "the curves lie on each other" whatever they did, and the table's 4 decimals showed a
+    gap of 3e-4 as +0.0000; a run without an eval pass wrote NaN into comparison.json."""
+    import math
+
+    from torchrec_herald.report import format_comparison_table, loss_gap, write_comparison
+
+    base = [0.7 - 0.001 * i for i in range(60)]
+    off = base[:40] + [x + 9.4e-4 for x in base[40:]]
+    assert loss_gap({"a": base, "b": list(base)}) == "identical over 60 steps"
+    assert loss_gap({"a": base, "b": off}) == "largest gap 9.4e-04 (step 41 of 60)"
+    assert loss_gap({"a": base, "b": base[:50]}) == "runs of 60 and 50 steps"
+    stock = dict(STOCK, plan={"t": "table_wise"}, train_logloss=0.5, eval={"auc": float("nan"), "logloss": 0.5})
+    herald = dict(HERALD, plan={"t": "herald"}, train_logloss=0.50003, eval={"auc": float("nan"), "logloss": 0.5})
+    table = format_comparison_table({"tw": stock, "herald": herald}, {"tw": base, "herald": off})
+    assert "| train logloss (mean of the last steps) | 0.5000 | 0.5000 | +3.0e-05 |" in table
+    assert "| per-step train logloss, last run vs first | largest gap 9.4e-04 (step 41 of 60) | – |  |" in table
+    paths = write_comparison(tmp_path, {"tw": stock, "herald": herald}, {"tw": base, "herald": off}, table)
+    data = json.loads(paths["json"].read_text(), parse_constant=lambda c: pytest.fail(f"{c} in comparison.json"))
+    assert data["runs"]["tw"]["summary"]["eval_auc"] is None and not math.isnan(data["runs"]["tw"]["summary"]["eval_logloss"])
+
+
 def test_benchmark_plot_is_drawn_from_the_saved_rows(tmp_path: Path) -> None:
     import importlib.util
 
@@ -335,14 +362,49 @@ def test_benchmark_plot_is_drawn_from_the_saved_rows(tmp_path: Path) -> None:
     assert (tmp_path / "traffic.png").stat().st_size > 20_000
 
 
-def test_a_run_folder_that_cannot_be_made_is_named_before_hydra_starts(tmp_path: Path) -> None:
+def test_a_run_folder_that_cannot_be_made_is_named_before_hydra_starts(tmp_path: Path, monkeypatch: Any) -> None:
+    """A folder given, or the default ``outputs/<run id>`` (a file named ``outputs`` in the working directory), or
+    the fixed part of a folder named by an interpolation: Hydra made them with a traceback of its own."""
     from torchrec_herald.train import check_overrides
 
-    with pytest.raises(ValueError, match=r"^hydra\.run\.dir=/proc/herald_out cannot be made a run folder \(.+\); "
-                                         r"give a writable directory$"):
+    with pytest.raises(ValueError, match=r"^hydra\.run\.dir=/proc/herald_out cannot be made: /proc/herald_out \(.+\); "
+                                         r"give a writable directory \(hydra\.run\.dir=<folder>\)$"):
         check_overrides(["hydra.run.dir=/proc/herald_out"])
     check_overrides([f"hydra.run.dir={tmp_path}/run"])
     assert (tmp_path / "run").is_dir()
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "outputs").write_text("")
+    with pytest.raises(ValueError, match=r"^the run folder \(outputs/<run id>\) cannot be made: outputs \(File exists\); "
+                                         r"give a writable directory \(hydra\.run\.dir=<folder>\)$"):
+        check_overrides([])
+    with pytest.raises(ValueError, match=rf"^hydra\.run\.dir={tmp_path}/outputs/\$\{{now:%H\}} cannot be made: "
+                                         rf"{tmp_path}/outputs \(File exists\)"):
+        check_overrides([f"hydra.run.dir={tmp_path}/outputs/${{now:%H}}"])
+    check_overrides([f"hydra.run.dir={tmp_path}/runs/${{now:%H}}"])
+    assert (tmp_path / "runs").is_dir()
+
+
+def test_runs_started_alone_get_folders_of_their_own_and_a_jobs_ranks_share_one(monkeypatch: Any) -> None:
+    """Two runs started in the same second shared one folder (one wrote over the other's figures and logs), and the
+    ranks of one torchrun job each read their own clock for it."""
+    import os
+    import subprocess
+    import sys
+
+    from torchrec_herald.train import job_run_id
+
+    monkeypatch.delenv("LOCAL_RANK", raising=False)
+    mine = job_run_id()
+    assert mine is not None and mine.endswith(f"_{os.getpid()}")
+    code = "from torchrec_herald.train import job_run_id; print(job_run_id())"
+    env = dict(os.environ, LOCAL_RANK="0")  # a rank torchrun started: named by its starter, this process
+    ranks = {subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True).stdout.strip()
+             for _ in range(2)}
+    assert len(ranks) == 1 and ranks.pop() == mine
+    alone = [subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                            env={k: v for k, v in os.environ.items() if k != "LOCAL_RANK"}).stdout.strip()
+             for _ in range(2)]
+    assert alone[0] != alone[1] != mine
 
 
 @pytest.mark.parametrize("argv", [["--cfg", "job"], ["-c", "job", "batch_size=64"], ["--info", "config"],
@@ -366,10 +428,14 @@ def test_a_multiruns_bad_key_still_fails_the_early_check() -> None:
         check_overrides(["-m", "planer=herald,table_wise"])
 
 
-def test_tables_that_no_plan_can_hold_fail_in_preflight_naming_them_and_the_key(tmp_path: Path) -> None:
+def test_tables_that_no_plan_can_hold_fail_in_preflight_naming_them_and_the_key(tmp_path: Path, monkeypatch: Any
+                                                                                ) -> None:
     """A table of 10 billion rows failed in TorchRec's planner, after the model was built, with a line about shard
     storage naming neither the table nor the key: the tables with their optimizer state are checked against the
     memory TorchRec's Topology gives every rank (128 GiB of DDR a CPU rank here) first."""
+    from torchrec_herald.data import synthetic
+
+    monkeypatch.setattr(synthetic, "host_memory_bytes", lambda: 2**40)  # (a host of 1 TiB: the Topology's bound)
     csv = tmp_path / "t.csv"
     csv.write_text("label,item,tags\n" + "1,3,1\n" * 4)
     common = ["data=columnar", f"data.paths={csv}", "data.sparse={item:10000000000,tags:50}", "eval=false"]
@@ -380,6 +446,28 @@ def test_tables_that_no_plan_can_hold_fail_in_preflight_naming_them_and_the_key(
         f"Topology: HBM + DDR a rank): lower the tables' sizes or add ranks")
     assert _error(["data=columnar", f"data.paths={csv}", "data.sparse={item:1000000,tags:50}", "eval=false",
                    "batch_size=2"]) == "no error"
+
+
+def test_tables_past_the_hosts_memory_fail_in_preflight_though_the_topology_holds_them(tmp_path: Path,
+                                                                                         monkeypatch: Any) -> None:
+    """Tables of 13 GiB on a host of 8 passed the check (the Topology's 128 GiB of DDR a rank) and failed in the
+    allocator with a line naming no key, or in the OOM killer with none: on CPUs the ranks of a host share its
+    memory."""
+    from torchrec_herald.data import synthetic
+
+    monkeypatch.setattr(synthetic, "host_memory_bytes", lambda: 8 * 2**30)
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    csv = tmp_path / "t.csv"
+    csv.write_text("label,item\n" + "1,3\n" * 4)
+    common = ["data=columnar", f"data.paths={csv}", "eval=false", "batch_size=2"]
+    assert _error(common + ["data.sparse={item:200000000}"]) == (
+        "ValueError: the embedding tables need 13 GiB with their optimizer state at dim 16 (largest item: 200,000,000 "
+        "rows; data.sparse.<column>), more than this host's 8 GiB of memory, shared by its 2 rank(s): lower the "
+        "tables' sizes or add ranks")
+    assert _error(common + ["data.sparse={item:100000000}"]) == "no error"  # (6.3 GiB)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "1")  # two hosts of one rank each: 16 GiB
+    assert _error(common + ["data.sparse={item:200000000}"]) == "no error"
 
 
 def test_a_setting_of_another_group_option_is_named_with_the_option_it_belongs_to() -> None:
@@ -427,6 +515,15 @@ def test_settings_nothing_reads_are_warned_and_an_approximate_mode_at_one_rank_i
                "link (planner.link_mbit) to train herald's plan")
     assert _error(herald + ["pipeline.staleness=2"]) == refused
     assert _error(herald + ["pipeline.staleness=2", "planner.link_mbit=200"]) == "no error"
+    caplog.clear()  # scheduling off: no scheduler reads its settings; scheduling on: no probe runs
+    with caplog.at_level(logging.WARNING, logger="torchrec_herald.trainer"):
+        assert _error(herald + ["pipeline.scheduling=off", "pipeline.allocator=greedy", "pipeline.sync=eager",
+                                "pipeline.cache_fraction=0.5"]) == "no error"
+        assert _error(herald + ["pipeline.scheduling=on", "pipeline.probe_steps=4"]) == "no error"
+    assert [r.getMessage() for r in caplog.records if r.name == "torchrec_herald.trainer"] == [
+        f"pipeline.{kv} is not applied: it tunes Herald scheduling, and pipeline.scheduling=off"
+        for kv in ("allocator=greedy", "sync=eager", "cache_fraction=0.5")] + [
+        "pipeline.probe_steps=4 is not applied: it sizes scheduling=auto's probe, and pipeline.scheduling=on"]
 
 
 def test_a_file_with_no_full_global_batch_fails_in_preflight_under_any_pipeline(tmp_path: Path) -> None:
@@ -510,9 +607,13 @@ def test_a_nested_key_under_a_setting_keeps_hydras_message() -> None:
         check_overrides(["planner=herald", "planner.link_mbit.a=1"])
 
 
-def test_the_tables_fit_check_counts_optimizer_state_only_for_rowwise_adagrad(tmp_path: Path) -> None:
+def test_the_tables_fit_check_counts_optimizer_state_only_for_rowwise_adagrad(tmp_path: Path, monkeypatch: Any
+                                                                              ) -> None:
     """SGD keeps no state a row: 7e9 rows of dim 4 (104 GiB) fit the 128 GiB TorchRec's planner plans, where the
     check had counted 130 GiB with row-wise Adagrad's state and refused them."""
+    from torchrec_herald.data import synthetic
+
+    monkeypatch.setattr(synthetic, "host_memory_bytes", lambda: 2**40)
     csv = tmp_path / "t.csv"
     csv.write_text("label,item\n" + "1,3\n" * 4)
     common = ["data=columnar", f"data.paths={csv}", "data.sparse={item:7000000000}", "eval=false", "batch_size=2",

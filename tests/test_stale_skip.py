@@ -149,7 +149,7 @@ def test_phases() -> None:
     (dict(granularity="row", gap=0), "skip_gap >= 1"),
     (dict(granularity="row", gap=10, every=10), "skip_every > skip_gap"),
     (dict(granularity="row", start=-1), "pipeline.skip_start >= 0"),
-    (dict(granularity="row", t_max=0.0), "pipeline.skip_t_max must be > 0"),
+    (dict(granularity="row", t_max=0.0), "pipeline.skip_t_max must be in (0, 1000]"),
 ])
 def test_bad_skip_config_is_a_value_error(kwargs: Dict[str, Any], expected: str) -> None:
     msg = error_of(lambda: SkipConfig(**kwargs))
@@ -511,6 +511,8 @@ BAD = {
     "beyond": ["pipeline.skip=input", "pipeline.skip_start=8", "pipeline.skip_gap=4"],
     "beyond_default": ["pipeline.skip=row", "pipeline.skip_start=20", "pipeline.skip_gap=10"],
     "staleness_eager": ["pipeline.staleness=1", "pipeline.sync=eager"],
+    # refused by the approximate run's plan: before its exact reference trains (it was refused after)
+    "nohot": ["pipeline.skip=input", "planner.hot_memory_budget_bytes=0"],
 }
 
 
@@ -519,10 +521,18 @@ def _driver(rank: int, world: int, run_dir: str) -> Dict[str, Any]:
     from torchrec_herald.trainer import run_training
 
     out: Dict[str, Any] = {}
-    for name, extra in BAD.items():
+    tsv, evals = Path(run_dir) / "day_0.tsv", Path(run_dir) / "day_1.tsv"
+    if rank == 0:  # 5 global batches of 2 × 64: a file's data ending before the first measuring window
+        line = "1\t" + "\t".join(["1"] * 13) + "\t" + "\t".join(["a"] * 26) + "\n"
+        tsv.write_text(line * 640)
+        evals.write_text(line * 8)
+    torch.distributed.barrier()
+    bad = dict(BAD, file=["pipeline.skip=input", "data=criteo_tsv", f"data.paths={tsv}", f"data.eval_paths={evals}"])
+    for name, extra in bad.items():
         d = Path(run_dir) / f"bad_{name}"
-        out[name] = error_of(lambda: run_training(compose_config(SMALL + extra), d, show_progress=False))
-        out[f"{name}_trained"] = d.exists()
+        base = [o for o in SMALL if not o.startswith("data.num_")] if name == "file" else SMALL
+        out[name] = error_of(lambda: run_training(compose_config(base + extra), d, show_progress=False))
+        out[f"{name}_trained"] = (d / "exact_reference").exists() or (d / "metrics.json").exists()
     out["metrics"] = run_training(compose_config(SMALL + ["pipeline.skip=row", "optimizer=rowwise_adagrad"]),
                                   Path(run_dir) / "run", show_progress=False)
     return out
@@ -536,6 +546,10 @@ def test_driver_records_skipping_and_rejects_bad_options(tmp_path: Path) -> None
         "beyond": "pipeline.skip snapshots at steps 8 and 12 are beyond the run's 12 steps",
         "beyond_default": "pipeline.skip snapshots at steps 20 and 30 are beyond the run's 12 steps",
         "staleness_eager": "pipeline.staleness needs pipeline.sync=lazy",
+        "nohot": "pipeline.skip needs hot replication: this plan has no hot rows (planner=herald with a "
+                 "planner.hot_memory_budget_bytes that holds some rows)",
+        # skipping never started, with no word, where a file's data ended before its first measuring window
+        "file": "pipeline.skip snapshots at steps 2 and 5 are beyond the run's 5 steps",
     }
     for r in res:
         for name, msg in expected.items():

@@ -98,9 +98,11 @@ class TorchRecPipelineConfig:
     name: str = "sparse_dist"
 
     def __post_init__(self) -> None:
-        if self.name not in TORCHREC_PIPELINES:
-            raise ValueError(f"unknown pipeline.name {self.name!r}; expected one of "
-                             f"{sorted(TORCHREC_PIPELINES) + ['herald']}")
+        if self.name not in TORCHREC_PIPELINES:  # (pipeline.name=herald under pipeline=sparse_dist, say)
+            known = self.name == "herald"
+            raise ValueError(f"{'' if known else 'unknown '}pipeline.name {self.name!r} where this pipeline option's is "
+                             f"one of TorchRec's {sorted(TORCHREC_PIPELINES)}: the option sets it; pick the pipeline "
+                             f"with pipeline=<option> (pipeline=herald, pipeline=sparse_dist, pipeline=base)")
 
 
 @dataclass

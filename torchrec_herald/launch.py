@@ -114,6 +114,7 @@ def _failed_at(failure: object) -> float:
 
 
 def main(argv: Optional[List[str]] = None) -> None:
+    from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, get_error_handler
     from torch.distributed.run import parse_args, run
 
@@ -129,6 +130,11 @@ def main(argv: Optional[List[str]] = None) -> None:
                          f"{failure_line(rank, failure, os.environ.get('HERALD_RUN_ID'))}\n")
         sys.stderr.flush()
         sys.exit(1)
+    except SignalException as e:  # Ctrl-C or a kill of the launcher: its ranks are stopped; one line, no traceback
+        sys.stderr.write(f"torchrec_herald.launch: stopped by signal {e.sigval.name} (the ranks were stopped too; a "
+                         f"run with checkpoints resumes from its latest by the same command)\n")
+        sys.stderr.flush()
+        sys.exit(128 + int(e.sigval))
 
 
 if __name__ == "__main__":

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import json
 import logging
-import math
 import resource
 from typing import Any, Dict, Iterator, List, Optional
 
@@ -17,27 +16,12 @@ from omegaconf import DictConfig, OmegaConf
 from torch import nn
 
 from torchrec_herald.data.base import PADDED_LABEL
-from torchrec_herald.report import embedding_bytes_per_step, headline
+from torchrec_herald.report import embedding_bytes_per_step, headline, strict_json
 
 logger = logging.getLogger(__name__)
 
 __all__ = ["collect_metrics", "evaluate", "herald_traffic_report", "peak_rss_mib_by_rank", "percentiles", "strict_json",
            "step_time_breakdown"]
-
-
-def strict_json(metrics: Any) -> str:
-    """``metrics`` as strict JSON (indented): a NaN or infinite figure (an eval split with no batch) becomes null,
-    where ``json.dumps`` writes ``NaN``, which strict readers refuse."""
-    def finite(x: Any) -> Any:
-        if isinstance(x, float) and not math.isfinite(x):
-            return None
-        if isinstance(x, dict):
-            return {k: finite(v) for k, v in x.items()}
-        if isinstance(x, (list, tuple)):
-            return [finite(v) for v in x]
-        return x
-
-    return json.dumps(finite(metrics), indent=2)
 
 
 def percentiles(xs: List[float]) -> Dict[str, float]:

@@ -7,12 +7,14 @@ samples/s), so the embedding saving, the product's point, shows at a glance.
 from __future__ import annotations
 
 import json
+import math
 from collections import Counter
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
-__all__ = ["TRAFFIC_GROUPS", "embedding_bytes_per_step", "format_comparison_table", "format_metrics_table", "headline",
-           "plot_training", "traffic_groups", "write_comparison"]
+__all__ = ["TRAFFIC_GROUPS", "data_samples_per_s", "embedding_bytes_per_step", "format_comparison_table",
+           "format_metrics_table", "headline", "loss_gap", "plot_training", "strict_json", "traffic_groups",
+           "write_comparison"]
 
 #: TrafficMeter tags of the traffic that is not embedding traffic (everything else, TorchRec's own
 #: untagged all-to-alls included, is)
@@ -20,6 +22,44 @@ TRAFFIC_GROUPS: Dict[str, Tuple[str, ...]] = {
     "dense all-reduce": ("dense_allreduce",),
     "scheduling": ("herald_schedule_meta", "herald_samples", "herald_meta", "herald_skip_meta"),
 }
+
+
+def strict_json(data: Any) -> str:
+    """``data`` as strict JSON (indented): a NaN or infinite figure (an eval split with no batch) becomes null,
+    where ``json.dumps`` writes ``NaN``, which strict readers refuse."""
+    def finite(x: Any) -> Any:
+        if isinstance(x, float) and not math.isfinite(x):
+            return None
+        if isinstance(x, dict):
+            return {k: finite(v) for k, v in x.items()}
+        if isinstance(x, (list, tuple)):
+            return [finite(v) for v in x]
+        return x
+
+    return json.dumps(finite(data), indent=2)
+
+
+def loss_gap(losses: Dict[str, List[float]]) -> str:
+    """How far the runs' per-step losses are apart, in words: the largest gap of the last run from the first and
+    its step, or that they are identical, or their lengths where they differ (input skipping trains fewer steps an
+    epoch). The figure's title and a row of the comparison table say it, rather than assert it."""
+    runs = [xs for xs in losses.values() if xs]
+    if len(runs) < 2:
+        return ""
+    first, last = runs[0], runs[-1]
+    if len(first) != len(last):
+        return f"runs of {len(first)} and {len(last)} steps"
+    gaps = [abs(a - b) for a, b in zip(first, last)]
+    worst = max(range(len(gaps)), key=gaps.__getitem__)
+    if gaps[worst] == 0:
+        return f"identical over {len(gaps)} steps"
+    return f"largest gap {gaps[worst]:.1e} (step {worst + 1} of {len(gaps)})"
+
+
+def data_samples_per_s(m: Dict[str, Any]) -> float:
+    """The data's samples read per second: what an epoch's time follows. Input skipping reads more than it trains
+    (``approximate.data_samples_per_s``); every other run reads what it trains (``samples_per_s``)."""
+    return float((m.get("approximate") or {}).get("data_samples_per_s") or m["samples_per_s"])
 
 
 def traffic_groups(m: Dict[str, Any]) -> Dict[str, float]:
@@ -98,7 +138,7 @@ def write_comparison(run_dir: Path, runs: Dict[str, Dict[str, Any]], losses: Dic
             "ratio_last_to_first": ratios, "baseline": base, "compared": new}
     paths = {"md": run_dir / "comparison.md", "json": run_dir / "comparison.json", "png": run_dir / "comparison.png"}
     paths["md"].write_text(table_md + "\n")
-    paths["json"].write_text(json.dumps(data, indent=2))
+    paths["json"].write_text(strict_json(data))
 
     colors = {"embedding vectors": "#4c72b0", "ids and lengths": "#9db4d8", "scheduling": "#dd8452"}
     palette = ("#7f7f7f", "#c44e52", "#55a868", "#8172b2")
@@ -110,8 +150,9 @@ def write_comparison(run_dir: Path, runs: Dict[str, Dict[str, Any]], losses: Dic
             k = max(1, len(xs) // 50)
             a.plot(range(1, len(xs) + 1), _smooth(xs, k), label=n, color=color, lw=4 if i == 0 else 1.2,
                    alpha=0.45 if i == 0 else 1.0)
-    a.set(xlabel="step", ylabel=f"train logloss (mean over ranks, running mean)",
-          title="loss: the curves lie on each other")
+    gap = loss_gap(losses)
+    a.set(xlabel="step", ylabel=f"train logloss (mean over ranks, running mean of {max(1, max(map(len, losses.values()), default=0) // 50)})",
+          title=f"loss: {gap}" if gap else "loss")
     a.legend(fontsize=8)
     # traffic: one horizontal bar per run, its parts stacked; the dense all-reduce (the same in every
     # run) is written beside the bar, so the embedding saving stays visible
@@ -135,12 +176,13 @@ def write_comparison(run_dir: Path, runs: Dict[str, Dict[str, Any]], losses: Dic
     b.legend(fontsize=8, loc="lower right")
     b.set_xlim(0, max(sum(v for k, v in traffic_groups(runs[n]).items() if k != "dense all-reduce")
                       for n in names) / 1024 * 1.45)
-    sps = [heads[n]["samples_per_s_all_ranks"] for n in names]
+    read = any((runs[n].get("approximate") or {}).get("data_samples_per_s") for n in names)
+    sps = [data_samples_per_s(runs[n]) for n in names]
     c.bar(range(len(names)), sps, color=list(palette[: len(names)]))
     for i, v in enumerate(sps):
         c.text(i, v, f"{v:,.0f}", ha="center", va="bottom", fontsize=8)
     c.set_xticks(range(len(names)), [n.split(" (")[0] for n in names], fontsize=8)
-    c.set(ylabel="samples/s, all ranks")
+    c.set(ylabel="data samples read/s, all ranks (skipped ones too)" if read else "samples/s, all ranks")
     c.set_title(f"speed: {sps[-1] / sps[0]:.2f}×" if sps[0] else "speed", fontsize=11)
     fig.tight_layout()
     fig.savefig(paths["png"], dpi=110, bbox_inches="tight")
@@ -158,9 +200,8 @@ def plot_training(run_dir: Path, losses: List[float], metrics: Dict[str, Any]) -
 
     fig, (a, b) = plt.subplots(1, 2, figsize=(10, 3.5))
     k = max(1, len(losses) // 50)
-    smooth = [sum(losses[i:i + k]) / len(losses[i:i + k]) for i in range(0, len(losses), k)]
-    a.plot([i * k for i in range(len(smooth))], smooth)
-    a.set(xlabel="step", ylabel="train logloss (mean over ranks)", title="loss")
+    a.plot(range(1, len(losses) + 1), _smooth(losses, k))  # (the comparison figure's running mean)
+    a.set(xlabel="step", ylabel=f"train logloss (mean over ranks, running mean of {k})", title="loss")
     parts = traffic_groups(metrics)
     names = list(parts)[::-1]
     b.barh(names, [parts[n] / 1024 for n in names], color=["#d9d9d9", "#dd8452", "#9db4d8", "#4c72b0"])
@@ -209,10 +250,12 @@ def predicted_step_cell(m: Dict[str, Any]) -> str:
     return f"{step:.1f} (measured {b['step']:.1f}, {100 * (step / b['step'] - 1):+.0f} %)"
 
 
-def format_comparison_table(runs: Dict[str, Dict[str, Any]]) -> str:
-    """Markdown table, one column per run (e.g. stock baseline vs herald) and a last/first ratio."""
+def format_comparison_table(runs: Dict[str, Dict[str, Any]], losses: Optional[Dict[str, List[float]]] = None) -> str:
+    """Markdown table, one column per run (e.g. stock baseline vs herald) and a last/first ratio; with the runs'
+    per-step ``losses``, a row saying how far apart they are (:func:`loss_gap`)."""
     names = list(runs)
     ms = [runs[n] for n in names]
+    skipping = any((m.get("approximate") or {}).get("data_samples_per_s") for m in ms)
 
     def emb_kib(m: Dict[str, Any]) -> float:
         return embedding_bytes_per_step(m) / 1024
@@ -224,11 +267,15 @@ def format_comparison_table(runs: Dict[str, Dict[str, Any]]) -> str:
         ("embedding KiB per step", [emb_kib(m) for m in ms], "ratio"),
         ("embedding vectors per step", [m["traffic_per_step_total"]["embedding_vectors"] for m in ms], "ratio"),
         ("samples/s", [m["samples_per_s"] for m in ms], "ratio"),
+        *([("data samples read/s (skipped ones too: an epoch's time follows it)", [data_samples_per_s(m) for m in ms],
+            "ratio")] if skipping else []),
         ("step ms = compute + comm wait + scheduler (ahead: off the path)", [breakdown_cell(m) for m in ms], None),
         ("plan picked by the model of time (predicted ms per rank: link + collectives + herald's extra work)",
          [decision_cell(m) for m in ms], None),
         ("predicted step ms (this run's compute + the model's link part)", [predicted_step_cell(m) for m in ms], None),
-        ("train logloss (last)", [m["train_logloss"] for m in ms], "diff"),
+        ("train logloss (mean of the last steps)", [m["train_logloss"] for m in ms], "diff"),
+        *([("per-step train logloss, last run vs first", [loss_gap(losses)] + [None] * (len(ms) - 1), None)]
+          if losses and loss_gap(losses) else []),
         ("eval AUC", [m["eval"].get("auc") for m in ms], "diff"),  # (None: not evaluated)
         ("eval logloss", [m["eval"].get("logloss") for m in ms], "diff"),
     ]
@@ -240,7 +287,8 @@ def format_comparison_table(runs: Dict[str, Dict[str, Any]]) -> str:
         if kind == "ratio" and vals[0]:
             cmp = f"{vals[-1] / vals[0]:.3f}× ({100 * (vals[-1] / vals[0] - 1):+.1f} %)"
         elif kind == "diff" and vals[0] is not None and vals[-1] is not None:
-            cmp = f"{vals[-1] - vals[0]:+.4f}"
+            d = vals[-1] - vals[0]  # (a gap under the table's 4 decimals is shown, not rounded to +0.0000)
+            cmp = f"{d:+.4f}" if d == 0 or abs(d) >= 5e-5 else f"{d:+.1e}"
         else:
             cmp = ""
         lines.append(f"| {label} | " + " | ".join(cells) + f" | {cmp} |")

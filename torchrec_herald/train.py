@@ -119,14 +119,18 @@ def check_overrides(overrides: Sequence[str]) -> None:
         if elsewhere is None:
             raise
         raise ValueError(f"Could not override '{key.group(1)}': {elsewhere}") from None
-    for o in overrides:  # the run folder, which Hydra would make with a traceback of its own
-        if o.startswith("hydra.run.dir=") and "${" not in o:
-            folder = o.split("=", 1)[1]
-            try:
-                Path(folder).mkdir(parents=True, exist_ok=True)
-            except OSError as e:
-                raise ValueError(f"hydra.run.dir={folder} cannot be made a run folder ({e.strerror or e}); "
-                                 f"give a writable directory") from None
+    given = [o.split("=", 1)[1] for o in overrides if o.startswith("hydra.run.dir=")]
+    folder = given[-1] if given else "outputs/${oc.env:HERALD_RUN_ID}"  # (train.yaml's default)
+    # the run folder, which Hydra would make with a traceback of its own: as given, or the part before its first
+    # interpolation (a folder named by the time or the job is made below it)
+    fixed = folder if "${" not in folder else str(Path(folder.split("${", 1)[0] + "x").parent)
+    if fixed not in ("", "."):
+        try:
+            Path(fixed).mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            named = f"hydra.run.dir={folder}" if given else "the run folder (outputs/<run id>)"
+            raise ValueError(f"{named} cannot be made: {fixed} ({e.strerror or e}); give a writable directory "
+                             f"(hydra.run.dir=<folder>)") from None
 
 
 @hydra.main(version_base="1.3", config_path="conf", config_name="train")
@@ -168,9 +172,9 @@ def _run(cfg: DictConfig, run_dir: Path) -> None:
         else:
             name = run_label(cfg, metrics)
             runs = {f"{cfg.compare_with} (baseline)": baseline, name: metrics}
-            table = format_comparison_table(runs)
             losses = {n: json.loads((d / "losses.json").read_text()) for n, d in
                       zip(runs, (run_dir / f"baseline_{cfg.compare_with}", run_dir))}
+            table = format_comparison_table(runs, losses)
             paths = write_comparison(run_dir, runs, losses, table)
             sys.stdout.write(f"\n{table}\n\nmetrics: {run_dir / 'metrics.json'}\ncomparison: {paths['png']} "
                              f"(and {paths['md'].name}, {paths['json'].name})\n")
@@ -198,11 +202,33 @@ def run_label(cfg: DictConfig, metrics: Dict[str, Any]) -> str:
     return f"{base} + scheduling" + (f" + {approx}" if approx else "")
 
 
+def job_run_id() -> Optional[str]:
+    """The run folder's name (``outputs/<it>``) where no launcher gave one (``HERALD_RUN_ID``; the torchx component
+    does): the start time of the process that started this rank, and its pid. Every rank torchrun starts on a host
+    has one parent, its agent, so they share one folder (each resolved Hydra's ``${now:...}`` on its own clock, and
+    two ranks could straddle a second), and two runs started in the same second get two folders (one wrote over the
+    other's figures and logs). A lone process is its own starter. None where ``/proc`` cannot tell (Hydra's
+    ``${now:...}`` then)."""
+    pid = os.getppid() if "LOCAL_RANK" in os.environ else os.getpid()
+    try:
+        ticks = int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[19])  # field 22: starttime
+        boot = next(int(line.split()[1]) for line in Path("/proc/stat").read_text().splitlines()
+                    if line.startswith("btime "))
+    except (OSError, ValueError, IndexError, StopIteration):
+        return None
+    started = boot + ticks / os.sysconf("SC_CLK_TCK")
+    return f"{time.strftime('%Y-%m-%d_%H-%M-%S', time.localtime(started))}_{pid}"
+
+
 def main() -> None:
     try:
         check_overrides(sys.argv[1:])
     except Exception as e:  # noqa: BLE001 - Hydra's composition errors, one line
         fail(e)
+    if "HERALD_RUN_ID" not in os.environ:
+        run_id = job_run_id()
+        if run_id is not None:
+            os.environ["HERALD_RUN_ID"] = run_id
     _hydra_main()
 
 

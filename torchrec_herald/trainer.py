@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import gc
 import itertools
 import json
 import logging
@@ -204,11 +205,17 @@ def preflight(cfg: DictConfig, world_size: Optional[int] = None) -> DataSource:
     # one count of the first global batches serves both checks (a file source parses them to count)
     found = count_batches(data, world, typed.batch_size, typed.pipeline.window if fills_window else 1)
     check_something_to_train(data, world, typed.batch_size, found)
-    if typed.eval:
-        check_something_to_evaluate(data, world, typed.batch_size)
     if isinstance(typed.pipeline, HeraldPipelineConfig):
         total = getattr(data, "num_train_batches", None)
-        typed.pipeline.check_run_length(None if total is None else int(total) * typed.epochs)
+        steps = None if total is None else int(total) * typed.epochs
+        skip = typed.pipeline.skip_config
+        if steps is None and skip is not None:  # a file's batches, counted up to the first measuring window's end
+            # (skipping silently never started where the data ended before it)
+            need = skip.start + skip.gap + 1
+            n = count_batches(data, world, typed.batch_size, need)
+            if n is not None and n * typed.epochs < need:
+                steps = n * typed.epochs
+        typed.pipeline.check_run_length(steps)
         if fills_window:
             check_window(data, typed.pipeline.window, world, typed.batch_size, found)
             typed.pipeline.resolve(True, world)  # (its settings' rules: the window within scheduling=auto's probe)
@@ -216,6 +223,8 @@ def preflight(cfg: DictConfig, world_size: Optional[int] = None) -> DataSource:
             check_cache_budget(typed.pipeline.cache_bytes, len(data.feature_names),
                                row_with_state_bytes(typed.model.embedding_dim))
         typed.pipeline.scheduler_impl_choice()  # scheduler_impl=compiled without a build: one line naming the key
+    if typed.eval:
+        check_something_to_evaluate(data, world, typed.batch_size)
     if (isinstance(typed.pipeline, HeraldPipelineConfig) and typed.pipeline.approximate
             and isinstance(typed.planner, HeraldPlannerConfig) and typed.planner.prices_one_rank_locally(world)):
         raise ValueError("pipeline.staleness / pipeline.skip at one rank: the model of time trains stock TABLE_WISE "
@@ -260,9 +269,22 @@ def check_tables_fit(data: DataSource, embedding_dim: int, world_size: int, data
     """The embedding tables, with their optimizer state, fit in the memory TorchRec's ``Topology`` gives the ranks
     (HBM + DDR a rank, over every rank: no plan can hold more): ValueError naming the largest tables and the key that
     sizes them, where TorchRec's planner would fail with a line about shard storage that names neither."""
+    from torchrec_herald.data.synthetic import host_memory_bytes
     from torchrec_herald.planner.topology import make_topology
 
     capacity = sum(d.storage.hbm + d.storage.ddr for d in make_topology(world_size).devices)
+    where = f"the {world_size} rank(s)' {capacity / 2**30:,.0f} GiB (TorchRec's Topology: HBM + DDR a rank)"
+    host = host_memory_bytes()
+    if host and not torch.cuda.is_available():  # (on CPUs the tables are in the hosts' memory, which a host's ranks
+        # share; the Topology's 128 GiB of DDR a rank let tables past the host's memory through, to fail in the
+        # allocator or the OOM killer)
+        per_host = max(1, min(world_size, int(os.environ.get("LOCAL_WORLD_SIZE", world_size))))
+        hosts = -(-world_size // per_host)
+        if hosts * host < capacity:
+            capacity = hosts * host
+            owner = "the hosts'" if hosts > 1 else "this host's"
+            where = (f"{owner} {capacity / 2**30:,.0f} GiB of memory, shared by "
+                     f"{'their' if hosts > 1 else 'its'} {world_size} rank(s)")
     sizes = sorted(zip(data.num_embeddings, data.feature_names), reverse=True)
     row = row_with_state_bytes(embedding_dim) if optimizer == "rowwise_adagrad" else 4 * embedding_dim  # (SGD: none)
     need = sum(n for n, _ in sizes) * row
@@ -270,8 +292,7 @@ def check_tables_fit(data: DataSource, embedding_dim: int, world_size: int, data
         largest = ", ".join(f"{name}: {n:,} rows" for n, name in sizes[:3])
         raise ValueError(f"the embedding tables need {need / 2**30:,.0f} GiB with their optimizer state at dim "
                          f"{embedding_dim} (largest {largest}; {TABLE_SIZE_KEYS.get(data_name, 'data.*')}), more than "
-                         f"the {world_size} rank(s)' {capacity / 2**30:,.0f} GiB (TorchRec's Topology: HBM + DDR a rank): "
-                         f"lower the tables' sizes or add ranks")
+                         f"{where}: lower the tables' sizes or add ranks")
 
 
 def check_not_the_run_folder(cfg: DictConfig, run_dir: Path) -> None:
@@ -675,8 +696,9 @@ class Trainer:
                 fault_injection(len(losses), rank)
                 bar.update(1)
                 if len(losses) % cfg.log_every == 0:
-                    bar.set_postfix(loss=f"{sum(losses[-cfg.log_every:]) / cfg.log_every:.4f}")
-                    logger.info("step %d loss %.5f", len(losses), loss)
+                    # (this rank's samples: losses.json and the figures take the mean over ranks, at the end)
+                    bar.set_postfix({f"rank {rank} loss": f"{sum(losses[-cfg.log_every:]) / cfg.log_every:.4f}"})
+                    logger.info("step %d loss %.5f (this rank's samples)", len(losses), loss)
         train_time = time.perf_counter() - train_start
         bar.close()
         steps, attempt_steps = len(losses), len(losses) - restored
@@ -811,5 +833,10 @@ def run_training(cfg: DictConfig, run_dir: Path, show_progress: bool = True) -> 
     data = preflight(cfg)  # the approximate run's settings fail before its reference trains
     check_not_the_run_folder(cfg, run_dir)
     if is_approximate(cfg) and cfg.pipeline.get("reference", True):
+        # the approximate run's plan and pipeline are built first, so that what they refuse (no hot rows to skip,
+        # stock tables beside herald's) stops the job before its reference trains (it was refused after it had
+        # trained in full); then released, so that the two models are never held at once
+        Trainer(cfg, run_dir, show_progress, None, data).build()
+        gc.collect()
         reference = run_training(exact_reference_config(cfg), Path(run_dir) / "exact_reference", show_progress)
     return Trainer(cfg, run_dir, show_progress, reference, data).build().train()

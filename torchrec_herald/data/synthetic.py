@@ -188,7 +188,7 @@ class _InverseCdfSampler:
 GENERATOR_BYTES_PER_ROW = 8 + 8 + 4
 
 
-def _host_memory_bytes() -> int:
+def host_memory_bytes() -> int:
     """This host's physical memory (0 where the system does not say)."""
     try:
         return int(os.sysconf("SC_PAGE_SIZE")) * int(os.sysconf("SC_PHYS_PAGES"))
@@ -229,7 +229,7 @@ class SyntheticCriteo(DataSource):
         self.num_embeddings: List[int] = scaled_num_embeddings(self.scale)
         self.num_dense: int = INT_FEATURE_COUNT
         ranks = int(os.environ.get("LOCAL_WORLD_SIZE", 1))  # (the ranks of this host each hold one)
-        need, host = GENERATOR_BYTES_PER_ROW * sum(self.num_embeddings) * ranks, _host_memory_bytes()
+        need, host = GENERATOR_BYTES_PER_ROW * sum(self.num_embeddings) * ranks, host_memory_bytes()
         if host and need > host:  # (it would fail in an allocation of its own, naming no key)
             raise ValueError(f"scale={self.scale:g} gives {sum(self.num_embeddings):,} rows in all; the synthetic "
                              f"generator holds {GENERATOR_BYTES_PER_ROW} bytes a row on each of this host's {ranks} "

@@ -15,6 +15,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any, List, Optional, Tuple
 
+from torchrec_herald.option_types import check_bool, check_int, check_real
 from torchrec_herald.pipeline.stale_skip import SkipConfig
 
 __all__ = ["ALLOCATORS", "CACHE_POLICIES", "GLOBAL_PLANNING_MAX_WORLD", "HeraldPipelineConfig", "PLANNING",
@@ -161,6 +162,14 @@ class HeraldPipelineConfig:
                 setattr(self, key, getattr(given, attr))
         if self.name != "herald":
             raise ValueError(f"HeraldPipelineConfig is the pipeline=herald group, got pipeline.name={self.name!r}")
+        for key in ("window", "probe_steps"):
+            check_int(f"pipeline.{key}", getattr(self, key))
+        for key in ("cache_bytes", "move_penalty"):
+            check_int(f"pipeline.{key}", getattr(self, key), optional=True)
+        for key in ("global_batches", "run_ahead"):
+            check_bool(f"pipeline.{key}", getattr(self, key), optional=True)
+        check_bool("pipeline.reference", self.reference)
+        check_real("pipeline.cache_fraction", self.cache_fraction)
         if int(self.window) < 1:
             raise ValueError(f"pipeline.window must be >= 1, got {self.window}")
         if self.allocator not in ALLOCATORS:
@@ -324,6 +333,16 @@ class HeraldPipelineConfig:
         if not self.reference and not self.approximate:
             lines.append("pipeline.reference=false is not applied: it skips the exact reference run of an "
                          "approximate mode (pipeline.staleness or pipeline.skip), and none is set")
+        if self.scheduling == "off":  # (hot replication alone under TorchRec's pipeline: no scheduler runs)
+            default = HeraldPipelineConfig.__dataclass_fields__
+            lines += [f"pipeline.{key}={getattr(self, key)} is not applied: it tunes Herald scheduling, and "
+                      f"pipeline.scheduling=off" for key in ("allocator", "sync", "cache", "cache_fraction", "cache_bytes",
+                                                             "move_penalty", "planning", "scheduler_impl")
+                      if getattr(self, key) != default[key].default and not (key == "move_penalty" and
+                                                                             self.allocator == "identity")]
+        if self.scheduling == "on" and self.probe_steps != HeraldPipelineConfig.__dataclass_fields__["probe_steps"].default:
+            lines.append(f"pipeline.probe_steps={self.probe_steps} is not applied: it sizes scheduling=auto's probe, "
+                         f"and pipeline.scheduling=on")
         return lines
 
     def check_run_length(self, total_steps: Optional[int]) -> None:

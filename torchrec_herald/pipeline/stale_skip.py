@@ -20,6 +20,7 @@ from typing import Any, Callable, Iterator, List, Optional, Protocol, Tuple
 
 import torch
 
+from torchrec_herald.option_types import check_int, check_real
 from torchrec_herald.pipeline.context import concat_samples, select_samples
 
 logger = logging.getLogger(__name__)
@@ -33,6 +34,11 @@ GRANULARITIES = ("input", "row")
 REFILL_SLACK = 0.1
 #: :class:`RankInputStream` reads at most this many slices per step (a skip share of 75 % or more)
 MAX_REFILL_RATE = 4.0
+
+
+#: the largest ``pipeline.skip_t_max``: a row's movement (its values' largest change between two snapshots) is of the
+#: order of the values themselves, and the search's 40 halvings of (0, 1000] still resolve 1e-9
+T_MAX_LIMIT = 1000.0
 
 
 @dataclass
@@ -61,6 +67,10 @@ class SkipConfig:
     def __post_init__(self) -> None:
         if self.granularity not in GRANULARITIES:
             raise ValueError(f"unknown pipeline.skip {self.granularity!r}; known: {list(GRANULARITIES)} or null")
+        for attr in ("target", "tolerance", "t_max"):
+            check_real(f"pipeline.skip_{attr}", getattr(self, attr))
+        for attr in ("start", "gap", "every"):
+            check_int(f"pipeline.skip_{attr}", getattr(self, attr))
         if not 0.0 < float(self.target) < 1.0:
             raise ValueError(f"pipeline.skip_target must be in (0, 1), got {self.target}")
         if not 0.0 <= float(self.tolerance) < min(self.target, 1 - self.target):
@@ -68,8 +78,9 @@ class SkipConfig:
         if int(self.start) < 0 or int(self.gap) < 1 or int(self.every) <= int(self.gap):
             raise ValueError(f"pipeline.skip_start >= 0, skip_gap >= 1 and skip_every > skip_gap needed; got "
                              f"start={self.start}, gap={self.gap}, every={self.every}")
-        if not float(self.t_max) > 0.0:
-            raise ValueError(f"pipeline.skip_t_max must be > 0, got {self.t_max}")
+        if not 0.0 < float(self.t_max) <= T_MAX_LIMIT:  # (the search halves the range 40 times: from 1e30 it finds
+            # no threshold below 1e18, and every row counts as stale)
+            raise ValueError(f"pipeline.skip_t_max must be in (0, {T_MAX_LIMIT:g}], got {self.t_max}")
 
     def check_run_length(self, steps: Optional[int]) -> None:
         """Raise when the first measuring window does not end inside a run of ``steps`` steps."""

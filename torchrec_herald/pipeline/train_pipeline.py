@@ -162,13 +162,13 @@ class HeraldTrainPipeline(TrainPipeline[Batch, Any]):
                                  allocator=self._allocator_on)
         self.env.planner = build_planner(c, self.env, capacity_rows)
         stock_tables = stock_tables_beside(model)
-        if stock_tables and (c.skip is not None or c.staleness):
+        if stock_tables and c.approximate:
             raise ValueError(f"pipeline.skip and pipeline.staleness need every table of the EBC herald-sharded; the plan "
                              f"keeps tables {stock_tables} stock-sharded beside herald's (per-table decisions): train "
-                             f"them exactly (pipeline.skip=null pipeline.staleness=0) or plan every table with herald")
+                             f"them exactly (pipeline.skip=null pipeline.staleness=null) or plan every table with herald")
         if c.skip is not None and self.layout.num_hot == 0:
-            raise ValueError("pipeline.skip needs hot replication: this plan has no hot rows (use planner=herald "
-                             "with a hot-set budget that holds some rows)")
+            raise ValueError("pipeline.skip needs hot replication: this plan has no hot rows (planner=herald with a "
+                             "planner.hot_memory_budget_bytes that holds some rows)")
         self.skip_hook = StaleSkipHook(c.skip_config, self.layout.num_hot) if c.skip is not None else None
         #: input skipping on whole global batches (decided with them, in :meth:`_resolve`)
         self.live_inputs: Optional[LiveInputStream] = None
@@ -274,16 +274,21 @@ class HeraldTrainPipeline(TrainPipeline[Batch, Any]):
         if self.run_ahead and not self.strategy.can_run_ahead:
             raise ValueError(f"pipeline.run_ahead: the {self.strategy.name} scheduling strategy has collectives "
                              f"that must stay in step with training's; it cannot run ahead")
-        if self.strategy.scheduling_collectives and self.env.world > 1:
-            # the scheduler's collectives: on a gloo group of their own (collective: every rank resolves at its
-            # first step). Run ahead, they are the worker thread's and never interleave with training's; and
-            # their tensors are the host's, which a group the user made NCCL-only would refuse. The ranks of the
-            # EBC's group (made by those ranks alone: it may be a subgroup of the job)
+        if (self.strategy.scheduling_collectives or not isinstance(it, TrainStream)) and self.env.world > 1:
+            # the scheduler's collectives, and the check of a user's loader's batches with every rank's: on a gloo
+            # group of their own (collective: every rank resolves at its first step). Run ahead, they are the worker
+            # thread's and never interleave with training's; and their tensors are the host's, which a group the
+            # user made NCCL-only would refuse. The ranks of the EBC's group (made by those ranks alone: it may be a
+            # subgroup of the job)
             ranks = None if self.env.pg is None else dist.get_process_group_ranks(self.env.pg)
             self.env.sched_pg = dist.new_group(ranks=ranks, backend="gloo", use_local_synchronization=ranks is not None)
         self._ahead = RunAhead() if self.run_ahead else None
         if self.skip_hook is not None and self.skip_hook.granularity == "input" and self.global_batches:
             self.live_inputs = LiveInputStream(self.skip_hook, self, self.env.world, self._feature_order)
+        elif self.skip_hook is not None and self.skip_hook.granularity == "input" and config.scheduling == "on":
+            logger.warning("pipeline.skip=input on a loader of each rank's own batches with scheduling on: the stale "
+                           "inputs are dropped from each batch without a refill (the batches shrink, an epoch takes "
+                           "as many steps); whole global batches (global_batches=true) or scheduling off refill them")
         if config.scheduling in ("off", "auto"):
             if self.skip_hook is not None and self.skip_hook.granularity == "input":
                 self.rank_inputs = RankInputStream(self.skip_hook, self, self.env.world, self._feature_order)
@@ -315,9 +320,9 @@ class HeraldTrainPipeline(TrainPipeline[Batch, Any]):
         assert self.strategy is not None
         try:
             if self.live_inputs is not None:
-                raw = self.live_inputs.next(it, train_step)
+                raw = self.live_inputs.next(self._loader(it), train_step)
             else:
-                raw = next(it if self.strategy.whole_batches else self._own(it))
+                raw = next(self._loader(it))
         except StopIteration:  # (a loader of per-rank batches: every rank's is dry alike; one dry before the
             self._exhausted = True  # others raised on every rank)
             return None
@@ -602,13 +607,11 @@ class HeraldTrainPipeline(TrainPipeline[Batch, Any]):
         ``window`` batches fed are the threshold search's sample."""
         if isinstance(it, TrainStream):
             it.whole = False
-        mine: Iterator[Batch] = it
+        mine: Iterator[Batch] = self._loader(it)  # a loader's batches: every rank's checked alike
         if self.global_batches and not isinstance(it, TrainStream):
-            mine = (self._my_slice(b) for b in it)
-        else:
-            mine = self._own(it)  # a loader of this rank's own batches: every rank's checked alike
+            mine = (self._my_slice(b) for b in mine)
         if self.rank_inputs is not None and self.rank_inputs.source is not it:
-            left = self.live_inputs.take_left(it) if self.live_inputs is not None else None
+            left = self.live_inputs.take_left(self._loader(it)) if self.live_inputs is not None else None
             self.rank_inputs.start(it, self._my_part(left) if left is not None else None)
         step = first_step
         while True:
@@ -630,14 +633,16 @@ class HeraldTrainPipeline(TrainPipeline[Batch, Any]):
             yield batch
             step += 1
 
-    def _own(self, it: Iterator[Batch]) -> Iterator[Batch]:
-        """``it`` where it gives this rank's own batches (not the trainer's :class:`TrainStream`, whose ranks
-        read alike): one :class:`~torchrec_herald.pipeline.stages.keys.CheckedOwnBatches` over it, whichever
-        mode reads it, so that the batch it reads ahead is the next one either mode trains."""
+    def _loader(self, it: Iterator[Batch]) -> Iterator[Batch]:
+        """``it`` checked with every rank's where it is a user's loader (not the trainer's :class:`TrainStream`,
+        whose ranks read alike): one :class:`~torchrec_herald.pipeline.stages.keys.CheckedOwnBatches` over it,
+        whichever mode reads it, so that the batch it reads ahead is the next one either mode trains. With
+        ``global_batches`` its batches must be every rank's alike (a loader of each rank's own batches trained a
+        slice of each, silently)."""
         if isinstance(it, TrainStream):
             return it
         if self._checked is None or self._checked.source is not it:
-            self._checked = CheckedOwnBatches(self.env, it)
+            self._checked = CheckedOwnBatches(self.env, it, whole=self.global_batches)
         return self._checked
 
     def _my_slice(self, batch: Batch) -> Batch:

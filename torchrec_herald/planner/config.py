@@ -32,8 +32,11 @@ _LINK_DEFAULTS: Dict[str, Any] = {"collective_latency_ms": LinkModel.__dataclass
 
 
 def _check_name(name: str, expected: str) -> None:
-    if name != expected:
-        raise ValueError(f"unknown planner.name {name!r}; expected 'stock' or 'herald'")
+    if name != expected:  # (planner.name=herald under planner=table_wise: the option, not the key, picks the group)
+        known = name in ("stock", "herald")
+        raise ValueError(f"{'' if known else 'unknown '}planner.name {name!r} where this planner option's is "
+                         f"{expected!r}: the option sets it; pick the planner with planner=<option> (planner=herald, "
+                         f"planner=table_wise, ...)")
 
 
 #: ``planner.input_dist_thread`` values (``ShardedHeraldEmbeddingBagCollection.input_dist_in_thread``)

@@ -24,12 +24,15 @@ __all__ = ["CheckedOwnBatches", "OwnBatchDescriptions", "describe_own_batch", "k
 #: what a loader must yield, and why a weighted KJT is refused (the same words for own and whole batches)
 _A_BATCH = "a torchrec Batch (dense_features, sparse_features, labels)"
 #: the fixed-size description of a rank's own batch that every rank gathers before any exchange sized by it
-_HEADER = ("present", "samples", "dense_columns", "label_values", "weighted", "features", "feature_names_crc")
+_HEADER = ("present", "samples", "dense_columns", "label_values", "weighted", "features", "feature_names_crc",
+           "content_crc")
 
 
-def _header(raw: Optional[Batch]) -> torch.Tensor:
+def _header(raw: Optional[Batch], whole: bool = False) -> torch.Tensor:
     """This rank's batch described by :data:`_HEADER`'s fields (all 0: no batch; all -1: not a ``Batch``; -1
-    for dense columns or label values: not one row a sample, samples first, as a move carries them)."""
+    for dense columns or label values: not one row a sample, samples first, as a move carries them). ``whole``:
+    the batch is meant to be every rank's (``global_batches=True``), and a digest of its ids, lengths and labels
+    is added (0 otherwise)."""
     if raw is None:  # this rank's loader is dry
         return torch.zeros(len(_HEADER), dtype=torch.int64)
     if not isinstance(raw, Batch):
@@ -40,7 +43,16 @@ def _header(raw: Optional[Batch]) -> torch.Tensor:
     labels = raw.labels[0].numel() if raw.labels.dim() >= 1 and raw.labels.shape[0] == B > 0 else -1  # samples first
     return torch.tensor([1, B, dense.shape[1] if dense.dim() == 2 and dense.shape[0] == B else -1, labels,
                          int(kjt.weights_or_none() is not None), len(kjt.keys()),
-                         zlib.crc32("\0".join(sorted(kjt.keys())).encode())], dtype=torch.int64)
+                         zlib.crc32("\0".join(sorted(kjt.keys())).encode()), _content_crc(raw) if whole else 0],
+                        dtype=torch.int64)
+
+
+def _content_crc(raw: Batch) -> int:
+    """A digest of a batch's ids, bag lengths and labels (on the host: a whole global batch is the loader's)."""
+    crc = 0
+    for t in (raw.sparse_features.values(), raw.sparse_features.lengths(), raw.labels):
+        crc = zlib.crc32(t.detach().to("cpu").contiguous().numpy().tobytes(), crc)
+    return crc
 
 
 @dataclass
@@ -51,18 +63,21 @@ class OwnBatchDescriptions:
     index: int
     every: torch.Tensor
     work: Any = None
+    whole: bool = False
 
 
-def describe_own_batch(env: SchedulingEnv, raw: Optional[Batch], index: int) -> OwnBatchDescriptions:
+def describe_own_batch(env: SchedulingEnv, raw: Optional[Batch], index: int, whole: bool = False
+                       ) -> OwnBatchDescriptions:
     """(collective, fixed size, asynchronous) Start gathering every rank's description of its batch ``index``
-    (``raw``; None: this rank's loader is dry). :func:`settle_own_batch` waits for it and checks it."""
-    mine = _header(raw)
+    (``raw``; None: this rank's loader is dry; ``whole``: meant to be every rank's global batch).
+    :func:`settle_own_batch` waits for it and checks it."""
+    mine = _header(raw, whole)
     if env.world == 1:
-        return OwnBatchDescriptions(raw, index, mine.view(1, -1))
+        return OwnBatchDescriptions(raw, index, mine.view(1, -1), whole=whole)
     every = torch.empty(env.world * mine.numel(), dtype=torch.int64)
     with CommTimer(env.stats, "herald_schedule_meta"):
         work = dist.all_gather_into_tensor(every, mine, group=env.scheduling_group, async_op=True)
-    return OwnBatchDescriptions(raw, index, every.view(env.world, -1), work)
+    return OwnBatchDescriptions(raw, index, every.view(env.world, -1), work, whole)
 
 
 class CheckedOwnBatches:
@@ -74,8 +89,8 @@ class CheckedOwnBatches:
     (the run-ahead thread scheduling on, TorchRec's pipeline scheduling off) gets it. The loader is dry for
     good once every rank's is (StopIteration); a batch that raised is dropped, the next read goes on."""
 
-    def __init__(self, env: SchedulingEnv, source: Iterator[Batch]) -> None:
-        self.env, self.source = env, source
+    def __init__(self, env: SchedulingEnv, source: Iterator[Batch], whole: bool = False) -> None:
+        self.env, self.source, self.whole = env, source, whole
         self._pending: Optional[OwnBatchDescriptions] = None
         self._index, self._dry = 0, False
 
@@ -98,7 +113,7 @@ class CheckedOwnBatches:
         except StopIteration:
             raw = None
         self._index += 1
-        return describe_own_batch(self.env, raw, self._index - 1)
+        return describe_own_batch(self.env, raw, self._index - 1, self.whole)
 
 
 def settle_own_batch(env: SchedulingEnv, described: OwnBatchDescriptions) -> bool:
@@ -151,6 +166,12 @@ def settle_own_batch(env: SchedulingEnv, described: OwnBatchDescriptions) -> boo
             f"{names[0]}, rank {odd}'s {names[odd]}"))
     differ("dense_columns", "number of dense features (dense_features of shape [samples, columns])")
     differ("label_values", "number of label values per sample (labels of shape [samples] or [samples, tasks])")
+    odd = [r for r, c in enumerate(col["content_crc"]) if c != col["content_crc"][0]]
+    if described.whole and odd:  # (each rank would train its slice of a batch that is not the others')
+        raise on_every_rank(ValueError(
+            f"{where}: pipeline.global_batches=true says every rank's loader yields the same whole global batch, but "
+            f"the ids, lengths or labels of rank(s) {odd} differ from rank 0's; a loader of each rank's own batches "
+            f"needs global_batches=false (or null)"))
     return True
 
 
