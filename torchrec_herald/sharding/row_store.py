@@ -75,9 +75,13 @@ def exact_update(w: torch.Tensor, state: torch.Tensor, grad: torch.Tensor, optim
     ``w + g·(−lr/(sqrt(s) + eps))``, each step rounded as fbgemm's CPU kernel rounds it, bit for bit
     (:func:`mean_square_by_lanes`; the square root correctly rounded, which torch's vectorised float ``sqrt`` is not
     always; the step a division, where ``lr / t`` is torch's reciprocal times ``lr``). Returns the new
-    ``(w, state)`` (the state unchanged for SGD). A GPU's fused kernel reduces in another order still."""
+    ``(w, state)`` (the state unchanged for SGD). On a GPU, whose fused kernel reduces in another order still, the
+    short form, with fewer launches (a GPU's step is its host's)."""
     if optimizer == EmbOptimType.EXACT_SGD:
         return w - lr * grad, state
+    if grad.is_cuda:  # (a GPU's fused kernel sums its squares by warps, in neither order: the few launches, then)
+        state = state + grad.pow(2).mean(1)
+        return w - grad * (lr / (state.sqrt() + eps))[:, None], state
     state = state + mean_square_by_lanes(grad)
     step = torch.full_like(state, -lr) / (state.double().sqrt().to(state.dtype) + eps)
     return step[:, None] * grad + w, state
