@@ -343,7 +343,7 @@ def test_the_comparison_says_how_far_apart_the_losses_are_and_its_json_is_strict
     herald = dict(HERALD, plan={"t": "herald"}, train_logloss=0.50003, eval={"auc": float("nan"), "logloss": 0.5})
     table = format_comparison_table({"tw": stock, "herald": herald}, {"tw": base, "herald": off})
     assert "| train logloss (mean of the last steps) | 0.5000 | 0.5000 | +3.0e-05 |" in table
-    assert "| per-step train logloss, last run vs first | largest gap 9.4e-04 (step 41 of 60) | – |  |" in table
+    assert "| per-step train logloss, last run vs first |  |  | largest gap 9.4e-04 (step 41 of 60) |" in table
     paths = write_comparison(tmp_path, {"tw": stock, "herald": herald}, {"tw": base, "herald": off}, table)
     data = json.loads(paths["json"].read_text(), parse_constant=lambda c: pytest.fail(f"{c} in comparison.json"))
     assert data["runs"]["tw"]["summary"]["eval_auc"] is None and not math.isnan(data["runs"]["tw"]["summary"]["eval_logloss"])

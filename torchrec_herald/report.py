@@ -274,7 +274,7 @@ def format_comparison_table(runs: Dict[str, Dict[str, Any]], losses: Optional[Di
          [decision_cell(m) for m in ms], None),
         ("predicted step ms (this run's compute + the model's link part)", [predicted_step_cell(m) for m in ms], None),
         ("train logloss (mean of the last steps)", [m["train_logloss"] for m in ms], "diff"),
-        *([("per-step train logloss, last run vs first", [loss_gap(losses)] + [None] * (len(ms) - 1), None)]
+        *([("per-step train logloss, last run vs first", [""] * len(ms), f"note:{loss_gap(losses)}")]
           if losses and loss_gap(losses) else []),
         ("eval AUC", [m["eval"].get("auc") for m in ms], "diff"),  # (None: not evaluated)
         ("eval logloss", [m["eval"].get("logloss") for m in ms], "diff"),
@@ -284,7 +284,9 @@ def format_comparison_table(runs: Dict[str, Dict[str, Any]], losses: Optional[Di
     for label, vals, kind in rows:
         cells = [f"{v:.4f}" if isinstance(v, float) and abs(v) < 10 else
                  (f"{v:.1f}" if isinstance(v, float) else "–" if v is None else str(v)) for v in vals]
-        if kind == "ratio" and vals[0]:
+        if kind and kind.startswith("note:"):  # (a row whose words belong in the comparison's column)
+            cmp = kind[len("note:"):]
+        elif kind == "ratio" and vals[0]:
             cmp = f"{vals[-1] / vals[0]:.3f}× ({100 * (vals[-1] / vals[0] - 1):+.1f} %)"
         elif kind == "diff" and vals[0] is not None and vals[-1] is not None:
             d = vals[-1] - vals[0]  # (a gap under the table's 4 decimals is shown, not rounded to +0.0000)
