@@ -170,7 +170,7 @@ def test_an_eval_split_without_a_sample_or_of_training_files_fails_in_preflight(
     tsv = ["data=criteo_tsv", f"data.paths={f}", "batch_size=4"]
     assert _error(tsv + ["data.holdout_every=30"]) == (
         "ValueError: CriteoTSV(day_0.tsv) holds out no sample to evaluate: data.holdout_every=30 holds out every 30th "
-        "global batch of 2 × 4 samples, and data.paths holds fewer than 29 and a sample; lower data.holdout_every, give "
+        "global batch of 2 × 4 samples, and data.paths holds fewer than 29 global batches and one sample; lower data.holdout_every, give "
         "data.eval_paths, or eval=false")
     assert _error(tsv + ["data.holdout_every=25"]) == "no error"  # (batch 24 is held out)
     assert _error(tsv + ["data.holdout_every=30", "eval=false"]) == "no error"
@@ -455,7 +455,10 @@ def test_tables_past_the_hosts_memory_fail_in_preflight_though_the_topology_hold
     memory."""
     from torchrec_herald.data import synthetic
 
+    import torch
+
     monkeypatch.setattr(synthetic, "host_memory_bytes", lambda: 8 * 2**30)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)  # (on a GPU host the tables are in HBM)
     monkeypatch.setenv("WORLD_SIZE", "2")
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
     csv = tmp_path / "t.csv"
@@ -467,6 +470,8 @@ def test_tables_past_the_hosts_memory_fail_in_preflight_though_the_topology_hold
         "tables' sizes or add ranks")
     assert _error(common + ["data.sparse={item:100000000}"]) == "no error"  # (6.3 GiB)
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "1")  # two hosts of one rank each: 16 GiB
+    assert _error(common + ["data.sparse={item:200000000}"]) == "no error"
+    monkeypatch.delenv("LOCAL_WORLD_SIZE")  # a launcher that does not say how many ranks a host holds: not capped
     assert _error(common + ["data.sparse={item:200000000}"]) == "no error"
 
 

@@ -498,7 +498,7 @@ def test_global_batches_from_a_loader_of_each_ranks_own_batches_are_refused_on_e
     else:
         assert got[0] == got[1] == (
             "ValueError: HeraldTrainPipeline, batch 0: pipeline.global_batches=true says every rank's loader yields the "
-            "same whole global batch, but the ids, lengths or labels of rank(s) [1] differ from rank 0's; a loader of "
+            "same whole global batch, but the labels or dense features of rank(s) [1] differ from rank 0's; a loader of "
             "each rank's own batches needs global_batches=false (or null)")
 
 

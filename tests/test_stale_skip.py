@@ -535,6 +535,10 @@ def _driver(rank: int, world: int, run_dir: str) -> Dict[str, Any]:
         out[f"{name}_trained"] = (d / "exact_reference").exists() or (d / "metrics.json").exists()
     out["metrics"] = run_training(compose_config(SMALL + ["pipeline.skip=row", "optimizer=rowwise_adagrad"]),
                                   Path(run_dir) / "run", show_progress=False)
+    off = Path(run_dir) / "row_off"  # scheduling off trains eagerly, whatever pipeline.sync (lazy) says
+    out["row_off"] = run_training(compose_config(SMALL + ["pipeline.skip=row", "pipeline.scheduling=off"]), off,
+                                  show_progress=False)
+    out["row_off_losses"] = [json.loads((d / "losses.json").read_text()) for d in (off, off / "exact_reference")]
     return out
 
 
@@ -565,3 +569,8 @@ def test_driver_records_skipping_and_rejects_bad_options(tmp_path: Path) -> None
     ref = json.loads((tmp_path / "run" / "exact_reference" / "metrics.json").read_text())
     assert ref["config"]["pipeline"]["skip"] is None and ref["eval"] == a["reference"]["eval"]
     assert res[1]["metrics"]["approximate"]["skip_thresholds"] == a["skip_thresholds"]
+    # skip=row with scheduling off froze nothing under the default sync=lazy: it reported a skipped share and
+    # trained the exact model, loss for loss
+    assert res[0]["row_off"]["approximate"]["skipped_update_share"] > 0
+    skipped, exact = res[0]["row_off_losses"]
+    assert skipped[:5] == exact[:5] and skipped != exact  # (exact until the first skip, at step 5)

@@ -351,6 +351,10 @@ def test_an_eval_split_ending_in_a_short_global_batch_is_scored_whole(tmp_path: 
     m = run_multiprocess(_train, 2, ["data=criteo_tsv", f"data.paths={train}", f"data.eval_paths={evals}",
                                      "batch_size=4"], str(tmp_path / "run"), timeout_s=120)[0]["metrics"]
     assert m["eval"]["samples"] == 37 and m["data_stats"]["eval_dropped_tail_samples"] == 0
+    evals.write_text(_tsv_rows(3, 1))  # rank 1's slice all padding: it scores nothing, and the gather still runs
+    m = run_multiprocess(_train, 2, ["data=criteo_tsv", f"data.paths={train}", f"data.eval_paths={evals}",
+                                     "batch_size=4"], str(tmp_path / "run3"), timeout_s=120)[0]["metrics"]
+    assert m["eval"]["samples"] == 3
 
 
 def test_checkpoints_of_a_herald_window_read_a_file_once_and_change_no_loss(tmp_path: Path) -> None:

@@ -57,10 +57,8 @@ def evaluate(dmp: nn.Module, batches: Iterator[Any], device: torch.device) -> Di
         _, (_, logits, labels) = dmp(batch.to(device))
         logits, labels = logits.float().view(-1), labels.float().view(-1)
         real = labels != PADDED_LABEL  # (the padding of a last global batch: every rank ran it, no rank scores it)
-        if not bool(real.all()):
-            logits, labels = logits[real], labels[real]
-            if not labels.numel():
-                continue
+        if not bool(real.all()):  # (a rank whose slice is all padding updates with nothing: every rank has a state
+            logits, labels = logits[real], labels[real]  # for the metric's gather, which a skipped rank had not)
         auroc.update(torch.sigmoid(logits), labels.long())
         loss_sum += torch.tensor([nn.functional.binary_cross_entropy_with_logits(
             logits, labels, reduction="sum").item(), labels.numel()], dtype=torch.float64)

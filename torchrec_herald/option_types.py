@@ -5,6 +5,7 @@ or an infinite float search for ever."""
 from __future__ import annotations
 
 import math
+import numbers
 from typing import Any
 
 
@@ -12,7 +13,7 @@ def check_int(key: str, value: Any, optional: bool = False) -> None:
     """``value`` is an integer (an integral float too: YAML may write ``5.0``), or None where ``optional``."""
     if value is None and optional:
         return
-    if isinstance(value, bool) or not (isinstance(value, int) or (isinstance(value, float) and value.is_integer())):
+    if isinstance(value, bool) or not (isinstance(value, numbers.Integral) or (isinstance(value, float) and value.is_integer())):
         raise ValueError(f"{key} must be an integer{' or null' if optional else ''}, got {value!r}")
 
 

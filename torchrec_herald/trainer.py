@@ -13,6 +13,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import gc
+import inspect
 import itertools
 import json
 import logging
@@ -275,10 +276,10 @@ def check_tables_fit(data: DataSource, embedding_dim: int, world_size: int, data
     capacity = sum(d.storage.hbm + d.storage.ddr for d in make_topology(world_size).devices)
     where = f"the {world_size} rank(s)' {capacity / 2**30:,.0f} GiB (TorchRec's Topology: HBM + DDR a rank)"
     host = host_memory_bytes()
-    if host and not torch.cuda.is_available():  # (on CPUs the tables are in the hosts' memory, which a host's ranks
+    if host and not torch.cuda.is_available() and ("LOCAL_WORLD_SIZE" in os.environ or world_size == 1):  # (on CPUs the tables are in the hosts' memory, which a host's ranks
         # share; the Topology's 128 GiB of DDR a rank let tables past the host's memory through, to fail in the
         # allocator or the OOM killer)
-        per_host = max(1, min(world_size, int(os.environ.get("LOCAL_WORLD_SIZE", world_size))))
+        per_host = max(1, min(world_size, int(os.environ.get("LOCAL_WORLD_SIZE", 1))))  # (a launcher sets it)
         hosts = -(-world_size // per_host)
         if hosts * host < capacity:
             capacity = hosts * host
@@ -348,7 +349,7 @@ def check_something_to_evaluate(data: DataSource, world_size: int, batch_size: i
         k = data.holdout_every
         raise ValueError(f"{data.describe()} holds out no sample to evaluate: data.holdout_every={k} holds out every "
                          f"{k}th global batch of {world_size} × {batch_size} samples, and data.paths holds fewer than "
-                         f"{k - 1} and a sample; lower data.holdout_every, give data.eval_paths, or eval=false")
+                         f"{k - 1} global batches and one sample; lower data.holdout_every, give data.eval_paths, or eval=false")
 
 
 def check_window(data: DataSource, window: int, world_size: int, batch_size: int, found: Optional[int]) -> None:
@@ -642,7 +643,8 @@ class Trainer:
     def _stream(self, start: int) -> TrainStream:
         # a herald pipeline reads its window ahead and, at a checkpoint, starts it again from the data's position:
         # the batches it read are kept for that (a file would be parsed from the pass's start at every save)
-        keep = int(self.cfg.pipeline.window) + 2 if self.cfg.pipeline.name == "herald" else 0
+        saves = bool((self.cfg.get("checkpoint") or {}).get("every_n_steps"))
+        keep = int(self.cfg.pipeline.window) + 2 if self.cfg.pipeline.name == "herald" and saves else 0
         return train_stream(self.data, self.rank, self.world, self.cfg.batch_size, start=start, keep=keep)
 
     def train(self) -> Dict[str, Any]:
@@ -714,8 +716,10 @@ class Trainer:
 
     def _evaluate(self) -> Dict[str, float]:
         """The eval pass (collective): every sample of the held-out split scored once (its last global batch padded)."""
-        return evaluate(self.dmp, self.data.eval_batches(self.rank, self.world, self.cfg.batch_size, pad_tail=True),
-                        self.device)
+        pads = "pad_tail" in inspect.signature(self.data.eval_batches).parameters  # (a source of one's own may
+        batches = self.data.eval_batches(self.rank, self.world, self.cfg.batch_size,  # predate the argument)
+                                         **({"pad_tail": True} if pads else {}))
+        return evaluate(self.dmp, batches, self.device)
 
     def _already_complete(self, resumed: Dict[str, Any]) -> Dict[str, Any]:
         """A re-run whose latest checkpoint is the run's end: report the finished run's figures, left beside its
@@ -836,7 +840,11 @@ def run_training(cfg: DictConfig, run_dir: Path, show_progress: bool = True) -> 
         # the approximate run's plan and pipeline are built first, so that what they refuse (no hot rows to skip,
         # stock tables beside herald's) stops the job before its reference trains (it was refused after it had
         # trained in full); then released, so that the two models are never held at once
-        Trainer(cfg, run_dir, show_progress, None, data).build()
+        early = Trainer(cfg, run_dir, show_progress, None, data).build()
+        pg = getattr(getattr(early.dmp, "dense_sync", None), "_pg", None)
+        if pg is not None:  # (its dense sums' group: the final build makes its own)
+            dist.destroy_process_group(pg)
+        del early
         gc.collect()
         reference = run_training(exact_reference_config(cfg), Path(run_dir) / "exact_reference", show_progress)
     return Trainer(cfg, run_dir, show_progress, reference, data).build().train()

@@ -217,7 +217,7 @@ class ColumnarSource(FileSource[ColumnarSample]):
                     spanned = True  # (CSV allows it; a stray quote in a column not read looks the same: say it once)
                     logger.warning("%s:%d: a quoted field runs from this line to line %d (one record of %d lines)",
                                    path, first, reader.line_num, reader.line_num - first + 1)
-                if isinstance(item, DataFormatError) and reader.line_num > first:
+                if isinstance(item, DataFormatError) and reader.line_num > first and not item.problem.startswith("column"):
                     # a quote opened on one line and closed lines later (or never) took those lines into one bad
                     # record: a file-level problem, raised whatever on_error says (skipping it would drop them all)
                     raise DataFormatError(path, first, f"a quoted field opened on this line runs to line "

@@ -675,8 +675,8 @@ class HeraldTrainPipeline(TrainPipeline[Batch, Any]):
     def freeze_hot(self, stale: Optional[torch.Tensor], keys: torch.Tensor) -> None:
         """Stop training the hot rows ``stale`` (global keys ``keys``): the per-step path masks their
         update (``eager`` sync), the plan leaves them out of the window's reads."""
-        if self.config.sync == "eager":
-            self.ebc.set_frozen_hot(stale)
+        if self.sync == "eager":  # (the mode's: scheduling off trains eagerly whatever pipeline.sync says; the
+            self.ebc.set_frozen_hot(stale)  # configured value left skip=row with scheduling off training every row)
         self.ebc.set_frozen_keys(keys)
 
     def unfreeze_hot(self) -> None:
