@@ -497,7 +497,7 @@ def test_a_setting_of_another_group_option_is_named_with_the_option_it_belongs_t
 
 
 def test_settings_nothing_reads_are_warned_and_an_approximate_mode_at_one_rank_is_refused(
-        caplog: pytest.LogCaptureFixture) -> None:
+        caplog: pytest.LogCaptureFixture, monkeypatch: Any) -> None:
     """A setting away from its default that nothing reads (a ``skip_*`` without ``skip``, ``move_penalty`` with the
     identity allocator, ``reference=false`` without an approximate mode, ``top_fraction`` with the cost model) was
     accepted silently: one warning each, in preflight. An approximate mode at one rank, where the model of time
@@ -525,10 +525,15 @@ def test_settings_nothing_reads_are_warned_and_an_approximate_mode_at_one_rank_i
         assert _error(herald + ["pipeline.scheduling=off", "pipeline.allocator=greedy", "pipeline.sync=eager",
                                 "pipeline.cache_fraction=0.5"]) == "no error"
         assert _error(herald + ["pipeline.scheduling=on", "pipeline.probe_steps=4"]) == "no error"
+        monkeypatch.setenv("WORLD_SIZE", "4")  # planning by home from 3 ranks: its allocator moves no sample
+        assert _error(herald + ["planner.link_mbit=null", "pipeline.move_penalty=3"]) == "no error"
+        monkeypatch.delenv("WORLD_SIZE")
     assert [r.getMessage() for r in caplog.records if r.name == "torchrec_herald.trainer"] == [
         f"pipeline.{kv} is not applied: it tunes Herald scheduling, and pipeline.scheduling=off"
         for kv in ("allocator=greedy", "sync=eager", "cache_fraction=0.5")] + [
-        "pipeline.probe_steps=4 is not applied: it sizes scheduling=auto's probe, and pipeline.scheduling=on"]
+        "pipeline.probe_steps=4 is not applied: it sizes scheduling=auto's probe, and pipeline.scheduling=on",
+        "pipeline.move_penalty=3 is not applied: at 4 ranks pipeline.planning=auto plans by home, whose allocator "
+        "moves no sample"]
 
 
 def test_a_file_with_no_full_global_batch_fails_in_preflight_under_any_pipeline(tmp_path: Path) -> None:

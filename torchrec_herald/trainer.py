@@ -219,7 +219,11 @@ def preflight(cfg: DictConfig, world_size: Optional[int] = None) -> DataSource:
         typed.pipeline.check_run_length(steps)
         if fills_window:
             check_window(data, typed.pipeline.window, world, typed.batch_size, found)
-            typed.pipeline.resolve(True, world)  # (its settings' rules: the window within scheduling=auto's probe)
+            resolved, _ = typed.pipeline.resolve(True, world)  # (its settings' rules: the window within the probe)
+            if typed.pipeline.move_penalty is not None and resolved.allocator == "identity" != typed.pipeline.allocator:
+                logger.warning("pipeline.move_penalty=%s is not applied: at %d ranks pipeline.planning=%s plans by "
+                               "home, whose allocator moves no sample", typed.pipeline.move_penalty, world,
+                               typed.pipeline.planning)
         if typed.pipeline.cache_bytes is not None:  # (every table may be herald's: one row each)
             check_cache_budget(typed.pipeline.cache_bytes, len(data.feature_names),
                                row_with_state_bytes(typed.model.embedding_dim))
