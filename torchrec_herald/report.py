@@ -256,6 +256,7 @@ def format_comparison_table(runs: Dict[str, Dict[str, Any]], losses: Optional[Di
     names = list(runs)
     ms = [runs[n] for n in names]
     skipping = any((m.get("approximate") or {}).get("data_samples_per_s") for m in ms)
+    gap = loss_gap(losses) if losses else ""
 
     def emb_kib(m: Dict[str, Any]) -> float:
         return embedding_bytes_per_step(m) / 1024
@@ -274,8 +275,7 @@ def format_comparison_table(runs: Dict[str, Dict[str, Any]], losses: Optional[Di
          [decision_cell(m) for m in ms], None),
         ("predicted step ms (this run's compute + the model's link part)", [predicted_step_cell(m) for m in ms], None),
         ("train logloss (mean of the last steps)", [m["train_logloss"] for m in ms], "diff"),
-        *([("per-step train logloss, last run vs first", [""] * len(ms), f"note:{loss_gap(losses)}")]
-          if losses and loss_gap(losses) else []),
+        *([("per-step train logloss, last run vs first", [""] * len(ms), f"note:{gap}")] if gap else []),
         ("eval AUC", [m["eval"].get("auc") for m in ms], "diff"),  # (None: not evaluated)
         ("eval logloss", [m["eval"].get("logloss") for m in ms], "diff"),
     ]

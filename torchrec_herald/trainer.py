@@ -203,19 +203,17 @@ def preflight(cfg: DictConfig, world_size: Optional[int] = None) -> DataSource:
     # pipeline: no window is filled)
     fills_window = isinstance(typed.pipeline, HeraldPipelineConfig) and not (
         isinstance(typed.planner, HeraldPlannerConfig) and typed.planner.prices_one_rank_locally(world))
-    # one count of the first global batches serves both checks (a file source parses them to count)
-    found = count_batches(data, world, typed.batch_size, typed.pipeline.window if fills_window else 1)
+    skip = typed.pipeline.skip_config if isinstance(typed.pipeline, HeraldPipelineConfig) else None
+    # skipping's first measuring window must end inside the data (it silently never started where a file ended first)
+    skip_needs = skip.start + skip.gap + 1 if skip is not None else 0
+    # one count of the first global batches serves every check (a file source parses them to count)
+    found = count_batches(data, world, typed.batch_size, max(typed.pipeline.window if fills_window else 1, skip_needs))
     check_something_to_train(data, world, typed.batch_size, found)
     if isinstance(typed.pipeline, HeraldPipelineConfig):
         total = getattr(data, "num_train_batches", None)
         steps = None if total is None else int(total) * typed.epochs
-        skip = typed.pipeline.skip_config
-        if steps is None and skip is not None:  # a file's batches, counted up to the first measuring window's end
-            # (skipping silently never started where the data ended before it)
-            need = skip.start + skip.gap + 1
-            n = count_batches(data, world, typed.batch_size, need)
-            if n is not None and n * typed.epochs < need:
-                steps = n * typed.epochs
+        if steps is None and found is not None and found * typed.epochs < skip_needs:
+            steps = found * typed.epochs
         typed.pipeline.check_run_length(steps)
         if fills_window:
             check_window(data, typed.pipeline.window, world, typed.batch_size, found)
@@ -280,9 +278,9 @@ def check_tables_fit(data: DataSource, embedding_dim: int, world_size: int, data
     capacity = sum(d.storage.hbm + d.storage.ddr for d in make_topology(world_size).devices)
     where = f"the {world_size} rank(s)' {capacity / 2**30:,.0f} GiB (TorchRec's Topology: HBM + DDR a rank)"
     host = host_memory_bytes()
-    if host and not torch.cuda.is_available() and ("LOCAL_WORLD_SIZE" in os.environ or world_size == 1):  # (on CPUs the tables are in the hosts' memory, which a host's ranks
-        # share; the Topology's 128 GiB of DDR a rank let tables past the host's memory through, to fail in the
-        # allocator or the OOM killer)
+    # on CPUs the tables are in the hosts' memory, which a host's ranks share (the Topology's 128 GiB of DDR a rank let
+    # tables past it through, to fail in the allocator or the OOM killer); counted where a launcher says a host's ranks
+    if host and not torch.cuda.is_available() and ("LOCAL_WORLD_SIZE" in os.environ or world_size == 1):
         per_host = max(1, min(world_size, int(os.environ.get("LOCAL_WORLD_SIZE", 1))))  # (a launcher sets it)
         hosts = -(-world_size // per_host)
         if hosts * host < capacity:

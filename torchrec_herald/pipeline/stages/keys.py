@@ -31,8 +31,8 @@ _HEADER = ("present", "samples", "dense_columns", "label_values", "weighted", "f
 def _header(raw: Optional[Batch], whole: bool = False) -> torch.Tensor:
     """This rank's batch described by :data:`_HEADER`'s fields (all 0: no batch; all -1: not a ``Batch``; -1
     for dense columns or label values: not one row a sample, samples first, as a move carries them). ``whole``:
-    the batch is meant to be every rank's (``global_batches=True``), and a digest of its ids, lengths and labels
-    is added (0 otherwise)."""
+    the batch is meant to be every rank's (``global_batches=True``), and a digest of its first labels and dense
+    values is added (0 otherwise: :func:`_content_crc`)."""
     if raw is None:  # this rank's loader is dry
         return torch.zeros(len(_HEADER), dtype=torch.int64)
     if not isinstance(raw, Batch):
