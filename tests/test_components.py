@@ -135,6 +135,20 @@ def test_invalid_sizes_raise(kw) -> None:
         train(**kw)
 
 
+@pytest.mark.parametrize("args, message", [
+    (["--nnodes", "0"], "--nnodes must be >= 1, got 0"),
+    (["--nproc_per_node", "0"], "--nproc_per_node must be >= 1, got 0"),
+    (["--max_restarts", "-1"], "--max_restarts must be >= 0, got -1"),
+])
+def test_torchx_run_with_an_argument_out_of_range_prints_one_message_without_a_traceback(
+        args: List[str], message: str) -> None:
+    proc = subprocess.run([str(TORCHX), "run", "-s", "local_cwd", COMPONENT, *args], cwd=REPO,
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 1
+    assert message in proc.stderr
+    assert "Traceback" not in proc.stderr + proc.stdout
+
+
 def test_component_lints_clean() -> None:
     """``torchx run`` validates the component file: no linter messages."""
     assert file_linter.validate(str(REPO / "torchrec_herald" / "components.py"), "train") == []

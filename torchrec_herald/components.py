@@ -15,6 +15,12 @@ from typing import Dict, List, Optional
 
 import torchx.specs as specs
 from torchx.specs import macros
+from torchx.specs.finder import ComponentValidationException
+
+
+class ComponentArgumentError(ComponentValidationException, ValueError):
+    """A component argument out of range: ``torchx run`` prints its message on one line (it reports
+    ``ComponentValidationException`` without a traceback), and Python callers can catch ``ValueError``."""
 
 
 def train(
@@ -51,9 +57,10 @@ def train(
             ``checkpoint.every_n_steps`` a restarted job resumes from its latest complete checkpoint.
     """
     if max_restarts < 0:
-        raise ValueError(f"max_restarts must be >= 0, got {max_restarts}")
-    if nproc_per_node < 1 or nnodes < 1:
-        raise ValueError(f"nproc_per_node and nnodes must be >= 1, got {nproc_per_node}, {nnodes}")
+        raise ComponentArgumentError(f"--max_restarts must be >= 0, got {max_restarts}")
+    for key, value in (("nproc_per_node", nproc_per_node), ("nnodes", nnodes)):
+        if value < 1:
+            raise ComponentArgumentError(f"--{key} must be >= 1, got {value}")
     launcher: List[str] = [
         python, "-m", "torchrec_herald.launch",
         "--nnodes", str(nnodes),
