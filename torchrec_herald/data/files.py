@@ -41,18 +41,12 @@ def shown(value: str, limit: int = 60) -> str:
     return f"{cut!r}... ({len(value)} characters)"
 
 
-def _is_tar(path: PathLike) -> bool:
-    """Whether ``path`` (or its gzip'd content) is a tar archive: the ``ustar`` magic of its first header block."""
-    try:
-        with (gzip.open(path, "rb") if _is_gzip(path) else open(path, "rb")) as f:
-            return f.read(512)[257:262] == b"ustar"
-    except (OSError, EOFError, zlib.error):
-        return False  # (unreadable: the records' own reading says why)
+_GZIP_MAGIC = b"\x1f\x8b"
 
 
 def _is_gzip(path: PathLike) -> bool:
     with open(path, "rb") as f:
-        return f.read(2) == b"\x1f\x8b"
+        return f.read(2) == _GZIP_MAGIC
 
 
 #: compressed formats the readers do not open, by their first bytes (gzip they do, whatever the file's name)
@@ -60,10 +54,23 @@ _OTHER_COMPRESSION = {b"BZh": ("bzip2", "bunzip2"), b"\xfd7zXZ\x00": ("xz", "unx
                       b"PK\x03\x04": ("zip", "unzip")}
 
 
-def _compression_not_read(path: PathLike) -> Optional[Tuple[str, str]]:
+def _what_is_not_read(path: PathLike) -> Optional[str]:
+    """Why a file's first bytes are not records the readers can parse (another compression than gzip; a tar archive,
+    gzip'd or not), or None: one read of its head (and of its gzip'd content's, for gzip)."""
     with open(path, "rb") as f:
-        head = f.read(6)
-    return next((what for magic, what in _OTHER_COMPRESSION.items() if head.startswith(magic)), None)
+        head = f.read(512)
+    other = next((what for magic, what in _OTHER_COMPRESSION.items() if head.startswith(magic)), None)
+    if other is not None:
+        return f"the file is {other[0]}-compressed, which is not read here: decompress it ({other[1]}), or give it gzip'd"
+    if head.startswith(_GZIP_MAGIC):
+        try:
+            with gzip.open(path, "rb") as f:
+                head = f.read(512)
+        except (OSError, EOFError, zlib.error):
+            return None  # (unreadable: the records' own reading says why)
+    if head[257:262] == b"ustar":  # (Criteo Kaggle ships dac.tar.gz: its first record would be glued to the tar header)
+        return "the file is a tar archive: extract its files (tar -xzf) and give those (Criteo Kaggle's dac.tar.gz holds train.txt)"
+    return None
 
 
 def open_text(path: PathLike, newline: Optional[str] = None, encoding: str = "utf-8") -> IO[str]:
@@ -242,13 +249,9 @@ class FileSource(DataSource, Generic[Sample]):
         """:meth:`check` of one file: whether it holds a record (raising what is wrong with it)."""
         if os.path.getsize(path) == 0:
             raise DataFormatError(path, 1, "the file is empty")
-        other = _compression_not_read(path)
-        if other is not None:
-            raise DataFormatError(path, 1, f"the file is {other[0]}-compressed, which is not read here: decompress it "
-                                           f"({other[1]}), or give it gzip'd")
-        if _is_tar(path):  # (Criteo Kaggle ships dac.tar.gz: its first record would be glued to the tar header)
-            raise DataFormatError(path, 1, "the file is a tar archive: extract its files (tar -xzf) and give those "
-                                           "(Criteo Kaggle's dac.tar.gz holds train.txt)")
+        not_read = _what_is_not_read(path)
+        if not_read is not None:
+            raise DataFormatError(path, 1, not_read)
         for n, item in enumerate(self._records(path)):
             if not isinstance(item, DataFormatError):
                 return True
