@@ -317,6 +317,20 @@ def test_a_held_out_split_holds_a_sample_once_the_data_reaches_its_first_held_ou
     assert CriteoTSV(path, eval_paths=write(tmp_path / "e.tsv", numbered(1))).holds_eval_samples(2, 5)
 
 
+@pytest.mark.parametrize("rows, holdout_every, at_least, holds", [
+    (60, 3, 3, True),    # the count passed batch 2 (held out) to find 3 trained batches
+    (21, 4, 4, False),   # the count reached the stream's end (2 trained batches): batch 3 would start at 30
+    (21, 3, 4, True),    # the stream's end, past sample 20 of batch 2
+])
+def test_a_count_that_passed_the_first_held_out_batch_answers_whether_eval_holds_a_sample_without_parsing_again(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, rows: int, holdout_every: int, at_least: int,
+        holds: bool) -> None:
+    src = CriteoTSV(write(tmp_path / "train.tsv", numbered(rows)), holdout_every=holdout_every)
+    src.count_train_batches(2, 5, at_least=at_least)
+    monkeypatch.setattr(src, "_samples", lambda paths: pytest.fail("parsed the training files again"))
+    assert src.holds_eval_samples(2, 5) is holds
+
+
 def test_a_rewound_stream_returns_its_kept_batches_without_reading_the_source_again(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """A herald pipeline's window starts again at the data's position at every checkpoint: the stream went back to

@@ -206,8 +206,11 @@ def preflight(cfg: DictConfig, world_size: Optional[int] = None) -> DataSource:
     skip = typed.pipeline.skip_config if isinstance(typed.pipeline, HeraldPipelineConfig) else None
     # skipping's first measuring window must end inside the data (it silently never started where a file ended first)
     skip_needs = skip.start + skip.gap + 1 if skip is not None else 0
-    # one count of the first global batches serves every check (a file source parses them to count)
-    found = count_batches(data, world, typed.batch_size, max(typed.pipeline.window if fills_window else 1, skip_needs))
+    # one count of the first global batches serves every check (a file source parses them to count); k of them with
+    # every k-th held out for eval have passed the first held-out batch, check_something_to_evaluate's question
+    holds_out = typed.eval and not getattr(data, "eval_paths", None) and getattr(data, "holdout_every", None)
+    found = count_batches(data, world, typed.batch_size, max(typed.pipeline.window if fills_window else 1, skip_needs,
+                                                             int(holds_out or 0)))
     check_something_to_train(data, world, typed.batch_size, found)
     if isinstance(typed.pipeline, HeraldPipelineConfig):
         total = getattr(data, "num_train_batches", None)

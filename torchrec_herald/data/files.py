@@ -155,6 +155,9 @@ class FileSource(DataSource, Generic[Sample]):
         self._dropped: Dict[str, int] = {"train": 0, "eval": 0}
         #: global batch size -> the training batches a complete pass found (a count needs no second pass)
         self._passed: Dict[int, int] = {}
+        # samples of the training stream a count has parsed from its start, and its length where a count reached its end
+        self._counted_samples = 0
+        self._stream_samples: Optional[int] = None
 
     @abc.abstractmethod
     def _read(self, path: str) -> Iterator[Union[Sample, DataFormatError]]:
@@ -266,6 +269,8 @@ class FileSource(DataSource, Generic[Sample]):
         if self.eval_paths:
             return True
         needed = (self.holdout_every - 1) * int(world_size) * int(batch_size) + 1
+        if self._counted_samples >= needed or self._stream_samples is not None:  # (a count parsed that far, or all)
+            return self._counted_samples >= needed
         return sum(1 for _ in itertools.islice(self._samples(self.paths), needed)) == needed
 
     def count_train_batches(self, world_size: int, batch_size: int, at_least: Optional[int] = None) -> Optional[int]:
@@ -277,14 +282,20 @@ class FileSource(DataSource, Generic[Sample]):
         if size in self._passed:  # (a pass of the training stream has counted them: a resume at its end, say)
             return self._passed[size]
         holdout, k = not self.eval_paths, self.holdout_every
-        in_block = index = trained = 0
+        in_block = index = trained = parsed = 0
+        ended = True
         for _ in self._samples(self.paths):
             in_block += 1
+            parsed += 1
             if in_block == size:
                 trained += int(not holdout or index % k != k - 1)
                 in_block, index = 0, index + 1
                 if at_least is not None and trained >= at_least:
+                    ended = False
                     break
+        self._counted_samples = max(self._counted_samples, parsed)
+        if ended:
+            self._stream_samples = parsed
         return trained
 
     def describe(self) -> str:
