@@ -341,12 +341,76 @@ def test_the_comparison_says_how_far_apart_the_losses_are_and_its_json_is_strict
     assert loss_gap({"a": base, "b": base[:50]}) == "runs of 60 and 50 steps"
     stock = dict(STOCK, plan={"t": "table_wise"}, train_logloss=0.5, eval={"auc": float("nan"), "logloss": 0.5})
     herald = dict(HERALD, plan={"t": "herald"}, train_logloss=0.50003, eval={"auc": float("nan"), "logloss": 0.5})
+    assert "| train logloss (mean of the last 2 steps) | 0.5000 | 0.5000 | +3.0e-05 |" in \
+        format_comparison_table({"tw": stock, "herald": herald})  # (metrics.json's figures: runs of 10 steps)
     table = format_comparison_table({"tw": stock, "herald": herald}, {"tw": base, "herald": off})
-    assert "| train logloss (mean of the last steps) | 0.5000 | 0.5000 | +3.0e-05 |" in table
+    mean_base, mean_off = sum(base[-12:]) / 12, sum(off[-12:]) / 12  # (the last fifth of 60 steps, from the curves)
+    assert (f"| train logloss (mean of the last 12 steps) | {mean_base:.4f} | {mean_off:.4f} | "
+            f"{mean_off - mean_base:+.4f} |") in table
     assert "| per-step train logloss, last run vs first |  |  | largest gap 9.4e-04 (step 41 of 60) |" in table
     paths = write_comparison(tmp_path, {"tw": stock, "herald": herald}, {"tw": base, "herald": off}, table)
     data = json.loads(paths["json"].read_text(), parse_constant=lambda c: pytest.fail(f"{c} in comparison.json"))
     assert data["runs"]["tw"]["summary"]["eval_auc"] is None and not math.isnan(data["runs"]["tw"]["summary"]["eval_logloss"])
+
+
+def test_runs_of_different_lengths_are_compared_over_the_same_last_steps_and_drawn_with_one_running_mean(
+        tmp_path: Path) -> None:
+    """Input skipping trains fewer steps: the table averaged the last 40 steps of one run against the last 35 of the
+    other, and the figure's "running mean of 4" held for one curve of two."""
+    from torchrec_herald.report import format_comparison_table
+
+    base, short = [0.5] * 190 + [0.4] * 10, [0.5] * 167 + [0.4] * 10
+    stock = dict(STOCK, plan={"t": "table_wise"}, steps=200, train_logloss=0.475)
+    skip = dict(HERALD, plan={"t": "herald"}, steps=177, train_logloss=0.4714)
+    table = format_comparison_table({"tw": stock, "skip": skip}, {"tw": base, "skip": short})
+    assert "| train logloss (mean of the last 35 steps) | 0.4714 | 0.4714 | +0.0000 |" in table
+    assert "| per-step train logloss, last run vs first |  |  | runs of 200 and 177 steps |" in table
+
+
+def test_the_tables_print_counts_and_rates_as_counts_and_a_single_run_names_its_plan() -> None:
+    from torchrec_herald.report import format_comparison_table, format_metrics_table
+
+    stock = dict(STOCK, plan={"t": "table_wise"}, train_logloss=0.5, samples_per_s=34_419.6)
+    table = format_comparison_table({"tw": stock, "herald": dict(HERALD, plan={"t": "herald"}, train_logloss=0.5)})
+    assert "| embedding vectors per step | 13,000 | 1,750 | 0.135× (-86.5 %) |" in table
+    assert "| samples/s | 34,420 | 20,000 |" in table
+    assert "| KiB sent per step (all ranks) | 1,093.8 | 400.4 |" in table
+    one = dict(stock, local_batch_size=256, step_time_s={"p50": 0.01, "p90": 0.02}, train_logloss_first=0.7,
+               traffic_per_step={}, link_decision={"predicted": {"herald": {"step_ms": 5.5}, "table_wise": {"step_ms": 2.1}},
+                                                   "chosen": "table_wise", "measured": {"link_mbit": 4063.0}})
+    single = format_metrics_table(one)
+    assert "| plan | 1×table_wise |" in single and "| samples/s | 34,420 |" in single
+    assert "herald 5.5, TW 2.1 -> TW (measured link 4,063 Mbit/s) |" in single
+
+
+def test_a_prediction_for_a_given_link_is_not_compared_with_the_step_on_the_real_one() -> None:
+    from torchrec_herald.report import predicted_step_cell
+
+    pred = {"herald": {"step_ms": 9.0, "extra_ms": 1.0, "comm_ms": 2.0, "link_busy_ms": 8.0}}
+    b = {"step": 15.6, "compute": 12.0}
+    given = {"link_decision": {"predicted": pred, "chosen": "herald", "link_mbit": 200.0,
+                               "measured": {"link_mbit": 4979.0}}, "step_time_breakdown_ms": b}
+    cell = predicted_step_cell(given)
+    assert cell.endswith("on the given 200 Mbit/s (measured 15.6 on the real link, 4,979 Mbit/s measured)") and "%" not in cell
+    measured = {"link_decision": {"predicted": pred, "chosen": "herald", "measured": {"link_mbit": 200.0}},
+                "step_time_breakdown_ms": b}
+    assert predicted_step_cell(measured).endswith("(measured 15.6, " + predicted_step_cell(measured).split(", ")[-1])
+    assert "%" in predicted_step_cell(measured)
+
+
+def test_one_rank_draws_no_empty_traffic_axis(tmp_path: Path) -> None:
+    """At one rank nothing is sent: the traffic panels drew an axis from -0.04 to 0.04 (and matplotlib warned)."""
+    import warnings
+
+    from torchrec_herald.report import plot_training, write_comparison
+
+    zero = _metrics({}, untagged=0.0, vectors=0.0, samples_per_s=10_000.0)
+    one = dict(zero, world_size=1, plan={"t": "table_wise"})
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        write_comparison(tmp_path, {"tw": one, "herald": dict(one)}, {"tw": [0.5] * 20, "herald": [0.5] * 20}, "|")
+        plot_training(tmp_path, [0.5] * 20, one)
+    assert (tmp_path / "training.png").stat().st_size > 10_000
 
 
 def test_benchmark_plot_is_drawn_from_the_saved_rows(tmp_path: Path) -> None:
@@ -661,3 +725,15 @@ def test_a_run_shorter_than_the_scheduling_probe_says_no_choice_was_made(tmp_pat
     assert run_label(compose_config(overrides), first) == "herald + scheduling"
     ended_off = {**first, "herald_pipeline": {"scheduling": {**sched, "mode": "off"}}}  # (ended in the off phase)
     assert run_label(compose_config(overrides), ended_off) == "herald (scheduling off: the probe did not finish)"
+
+
+def test_a_runs_checks_log_into_its_own_log_file_where_they_were_lost_before(tmp_path: Path) -> None:
+    """preflight logged before the run's log file was set up: its lines reached no file (and, in a compare_with job,
+    the herald run's landed in the baseline's folder)."""
+    from torchrec_herald.dist_utils import run_multiprocess
+
+    run_multiprocess(_train, 2, ["data.num_train_batches=4", "batch_size=16", "eval=false"], str(tmp_path / "run"),
+                     timeout_s=300)
+    for rank in (0, 1):
+        log = (tmp_path / "run" / "logs" / f"rank{rank}.log").read_text()
+        assert log.count("building data source") == 1 and log.index("building data source") < log.index("world_size=2")

@@ -522,3 +522,18 @@ def test_the_python_apis_options_are_type_checked_naming_the_key() -> None:
     ]:
         assert error_of(lambda: HeraldPipelineConfig(**kw)) == f"ValueError: {message}", kw
     assert HeraldPipelineConfig(window=5.0).window == 5
+
+
+@pytest.mark.parametrize("on_ms, off_ms, said", [
+    (29.1, 29.8, ": scheduling saved 2.3 %, under the 3 % it must save to stay on"),
+    (31.0, 29.8, ": scheduling costs more time than it saves on this link and machine"),
+    (20.0, 29.8, ""),
+])
+def test_the_probe_says_why_scheduling_stays_off_a_near_tie_named_as_one(on_ms: float, off_ms: float,
+                                                                          said: str) -> None:
+    from torchrec_herald.pipeline.auto_scheduling import SchedulingSwitch
+
+    best = SchedulingSwitch.decide(on_ms, off_ms)
+    assert best == ("on" if not said else "off")
+    assert SchedulingSwitch.why(on_ms, off_ms, best).startswith(said) and bool(said) == bool(
+        SchedulingSwitch.why(on_ms, off_ms, best))

@@ -16,7 +16,7 @@ from omegaconf import DictConfig, OmegaConf
 from torch import nn
 
 from torchrec_herald.data.base import PADDED_LABEL
-from torchrec_herald.report import embedding_bytes_per_step, headline, strict_json
+from torchrec_herald.report import embedding_bytes_per_step, headline, last_steps_window, strict_json
 
 logger = logging.getLogger(__name__)
 
@@ -156,7 +156,7 @@ def collect_metrics(cfg: DictConfig, *, world: int, steps: int, attempt_steps: i
     them; ``scheduler_s``: the pipeline's (critical, ahead) seconds; ``pipeline_report`` and
     ``approximate_own``: its own figures); ``losses``: every step's loss, mean over ranks."""
     per_step = {k: {m: v / attempt_steps for m, v in s.items()} for k, s in traffic.items()}
-    window = max(1, min(50, steps // 5))
+    window = last_steps_window(steps)
     critical_s, ahead_s = scheduler_s
     metrics: Dict[str, Any] = {
         "world_size": world,

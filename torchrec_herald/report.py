@@ -8,13 +8,14 @@ from __future__ import annotations
 
 import json
 import math
+import textwrap
 from collections import Counter
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 __all__ = ["TRAFFIC_GROUPS", "data_samples_per_s", "embedding_bytes_per_step", "format_comparison_table",
-           "format_metrics_table", "headline", "loss_gap", "plot_training", "strict_json", "traffic_groups",
-           "write_comparison"]
+           "format_metrics_table", "headline", "last_steps_window", "loss_gap", "plan_summary", "plot_training",
+           "priced_link", "strict_json", "traffic_groups", "write_comparison"]
 
 #: TrafficMeter tags of the traffic that is not embedding traffic (everything else, TorchRec's own
 #: untagged all-to-alls included, is)
@@ -79,9 +80,10 @@ def traffic_groups(m: Dict[str, Any]) -> Dict[str, float]:
 def headline(m: Dict[str, Any]) -> Dict[str, Optional[float]]:
     """The headline figures of a run under keys that say scope and unit (``metrics.json`` → ``summary``).
 
-    ``embedding_vectors_per_step_all_ranks``: TrafficMeter's count, float payload bytes on the wire
-    divided by ``4·D`` (a transferred row that carries its Adagrad state counts ``(D+1)/D``); not the
-    same as ``herald_pipeline.plan_transfers_per_step_all_ranks``, the rows the plan moves."""
+    ``embedding_vectors_per_step_all_ranks``: TrafficMeter's count of embedding rows on the wire (a row moved with
+    its Adagrad state float counts 1; the state's bytes are in ``embedding_bytes_per_step_all_ranks``); not the
+    same as ``herald_pipeline.plan_transfers_per_step_all_ranks``, the rows the plan moves.
+    ``data_samples_per_s_all_ranks``: :func:`data_samples_per_s` (input skipping reads more samples than it trains)."""
     g = traffic_groups(m)
     steps = max(int(m["steps"]), 1)
     return {
@@ -93,6 +95,7 @@ def headline(m: Dict[str, Any]) -> Dict[str, Optional[float]]:
         "embedding_vectors_per_step_all_ranks": m["traffic_per_step_total"]["embedding_vectors"],
         "collective_calls_per_step_per_rank": m["traffic_per_step_total"]["calls"] / max(int(m["world_size"]), 1),
         "samples_per_s_all_ranks": m["samples_per_s"],
+        "data_samples_per_s_all_ranks": data_samples_per_s(m),
         "step_time_ms_p50": 1e3 * m["step_time_s"].get("p50", float("nan")),
         **{f"step_{k}_ms_mean": v for k, v in m.get("step_time_breakdown_ms", {}).items()},
         "train_time_s": m["train_time_s"],
@@ -117,6 +120,29 @@ def embedding_bytes_per_step(m: Dict[str, Any]) -> float:
 
 def _smooth(xs: Sequence[float], k: int) -> List[float]:
     return [sum(xs[max(0, i - k + 1): i + 1]) / len(xs[max(0, i - k + 1): i + 1]) for i in range(len(xs))]
+
+
+def _smoothing(runs: Sequence[Sequence[float]]) -> int:
+    """The running mean's length for loss curves drawn together: one for every curve (the longest run's 50th), so the
+    axis label holds for each."""
+    return max(1, max(map(len, runs), default=0) // 50)
+
+
+def _no_traffic(ax: Any, world_size: Any) -> None:
+    """An empty traffic panel says why (one rank sends nothing) rather than draw an axis from -0.04 to 0.04."""
+    ax.set_axis_off()
+    ax.text(0.5, 0.5, f"no traffic between ranks\n({world_size} rank)" if world_size == 1 else "no traffic between ranks",
+            ha="center", va="center", fontsize=11, color="#555555", transform=ax.transAxes)
+
+
+def plan_summary(m: Dict[str, Any]) -> str:
+    """A run's plan in one cell: how many tables each sharding type got (``26×table_wise``)."""
+    return ", ".join(f"{v}×{k}" for k, v in sorted(Counter(m["plan"].values()).items()))
+
+
+def last_steps_window(steps: int) -> int:
+    """How many last steps ``train_logloss`` averages (metrics.json): a fifth of the run, 1 to 50."""
+    return max(1, min(50, int(steps) // 5))
 
 
 def write_comparison(run_dir: Path, runs: Dict[str, Dict[str, Any]], losses: Dict[str, List[float]],
@@ -144,20 +170,22 @@ def write_comparison(run_dir: Path, runs: Dict[str, Dict[str, Any]], losses: Dic
     palette = ("#7f7f7f", "#c44e52", "#55a868", "#8172b2")
     fig, axes = plt.subplots(1, 3, figsize=(15, 4.2), gridspec_kw={"width_ratios": [1.2, 1.6, 0.8]})
     a, b, c = axes
+    k = _smoothing(list(losses.values()))
     for i, (n, color) in enumerate(zip(names, palette)):
         xs = losses.get(n, [])
         if xs:
-            k = max(1, len(xs) // 50)
             a.plot(range(1, len(xs) + 1), _smooth(xs, k), label=n, color=color, lw=4 if i == 0 else 1.2,
                    alpha=0.45 if i == 0 else 1.0)
     gap = loss_gap(losses)
-    a.set(xlabel="step", ylabel=f"train logloss (mean over ranks, running mean of {max(1, max(map(len, losses.values()), default=0) // 50)})",
+    a.set(xlabel="step", ylabel=f"train logloss (mean over ranks, running mean of {k})",
           title=f"loss: {gap}" if gap else "loss")
     a.legend(fontsize=8)
     # traffic: one horizontal bar per run, its parts stacked; the dense all-reduce (the same in every
     # run) is written beside the bar, so the embedding saving stays visible
     y = list(range(len(names)))[::-1]
-    for yi, n in zip(y, names):
+    moved = any(traffic_groups(runs[n])[part] for n in names for part in ("embedding vectors", "ids and lengths",
+                                                                          "scheduling", "dense all-reduce"))
+    for yi, n in zip(y if moved else [], names):
         g = traffic_groups(runs[n])
         left = 0.0
         for part in ("embedding vectors", "ids and lengths", "scheduling"):
@@ -169,19 +197,22 @@ def write_comparison(run_dir: Path, runs: Dict[str, Dict[str, Any]], losses: Dic
         b.text(left, yi, f"  +{g['dense all-reduce'] / 1024:.0f} KiB dense all-reduce", va="center", fontsize=7,
                color="#555555")
     e_base, e_new = heads[base]["embedding_bytes_per_step_all_ranks"], heads[new]["embedding_bytes_per_step_all_ranks"]
-    b.set_yticks(y, names, fontsize=8)
-    b.set(xlabel="KiB per step, all ranks")
-    b.set_title(f"embedding vectors: {100 * (1 - e_new / e_base):.0f} % fewer bytes" if e_base > 0 else "traffic",
-                fontsize=11)
-    b.legend(fontsize=8, loc="lower right")
-    b.set_xlim(0, max(sum(v for k, v in traffic_groups(runs[n]).items() if k != "dense all-reduce")
-                      for n in names) / 1024 * 1.45)
+    if moved:
+        b.set_yticks(y, names, fontsize=8)
+        b.set(xlabel="KiB per step, all ranks")
+        b.set_title(f"embedding vectors: {100 * (1 - e_new / e_base):.0f} % fewer bytes" if e_base > 0 else "traffic",
+                    fontsize=11)
+        b.legend(fontsize=8, loc="lower right")
+        b.set_xlim(0, max(sum(v for k, v in traffic_groups(runs[n]).items() if k != "dense all-reduce")
+                          for n in names) / 1024 * 1.45)
+    else:
+        _no_traffic(b, runs[base].get("world_size"))
     read = any((runs[n].get("approximate") or {}).get("data_samples_per_s") for n in names)
     sps = [data_samples_per_s(runs[n]) for n in names]
     c.bar(range(len(names)), sps, color=list(palette[: len(names)]))
     for i, v in enumerate(sps):
         c.text(i, v, f"{v:,.0f}", ha="center", va="bottom", fontsize=8)
-    c.set_xticks(range(len(names)), [n.split(" (")[0] for n in names], fontsize=8)
+    c.set_xticks(range(len(names)), [textwrap.fill(n.split(" (")[0], 16) for n in names], fontsize=8)
     c.set(ylabel="data samples read/s, all ranks (skipped ones too)" if read else "samples/s, all ranks")
     c.set_title(f"speed: {sps[-1] / sps[0]:.2f}×" if sps[0] else "speed", fontsize=11)
     fig.tight_layout()
@@ -199,17 +230,23 @@ def plot_training(run_dir: Path, losses: List[float], metrics: Dict[str, Any]) -
     import matplotlib.pyplot as plt
 
     fig, (a, b) = plt.subplots(1, 2, figsize=(10, 3.5))
-    k = max(1, len(losses) // 50)
+    k = _smoothing([losses])
     a.plot(range(1, len(losses) + 1), _smooth(losses, k))  # (the comparison figure's running mean)
-    a.set(xlabel="step", ylabel=f"train logloss (mean over ranks, running mean of {k})", title="loss")
+    plan = plan_summary(metrics) if metrics.get("plan") else ""
+    a.set(xlabel="step", ylabel=f"train logloss (mean over ranks,\nrunning mean of {k})",
+          title=f"loss: {plan}" if plan else "loss")
     parts = traffic_groups(metrics)
     names = list(parts)[::-1]
-    b.barh(names, [parts[n] / 1024 for n in names], color=["#d9d9d9", "#dd8452", "#9db4d8", "#4c72b0"])
-    for y, n in enumerate(names):
-        b.text(parts[n] / 1024, y, f" {parts[n] / 1024:.0f}", va="center", fontsize=8)
-    b.set(xlabel="KiB per step (all ranks, sent to other ranks)", title="traffic by kind")
+    if any(parts.values()):
+        kib = [parts[n] / 1024 for n in names]
+        b.barh(names, kib, color=["#d9d9d9", "#dd8452", "#9db4d8", "#4c72b0"])
+        for y, v in enumerate(kib):
+            b.text(v, y, f" {v:.0f}" if v >= 10 or v == 0 else f" {v:.2g}", va="center", fontsize=8)
+        b.set(xlabel="KiB per step (all ranks, sent to other ranks)", title="traffic by kind")
+    else:
+        _no_traffic(b, metrics.get("world_size"))
     fig.tight_layout()
-    fig.savefig(run_dir / "training.png", dpi=100)
+    fig.savefig(run_dir / "training.png", dpi=100, bbox_inches="tight")
     plt.close(fig)
 
 
@@ -232,10 +269,15 @@ def decision_cell(m: Dict[str, Any]) -> str:
     cands = ", ".join(f"{names.get(n, n)} {p['step_ms']:.1f}" for n, p in preds.items())
     if d.get("one_rank"):
         return f"{cands} -> {names.get(d.get('chosen'), d.get('chosen'))} (one rank: no link)"
-    measured = (d.get("measured") or {}).get("link_mbit")
-    link = d.get("link_mbit") if d.get("link_mbit") is not None else measured  # (the link it priced)
-    src = "measured" if measured is not None and link == measured else "given"  # (a declared rate beside a probe)
+    link, src = priced_link(d)
     return f"{cands} -> {names.get(d.get('chosen'), d.get('chosen'))} ({src} link {link:,.0f} Mbit/s)"
+
+
+def priced_link(d: Dict[str, Any]) -> Tuple[Optional[float], str]:
+    """The link rate a decision priced and whether it was ``"measured"`` (the probe's) or ``"given"`` (declared)."""
+    measured = (d.get("measured") or {}).get("link_mbit")
+    link = d.get("link_mbit") if d.get("link_mbit") is not None else measured
+    return link, "measured" if measured is not None and link == measured else "given"
 
 
 def predicted_step_cell(m: Dict[str, Any]) -> str:
@@ -247,43 +289,63 @@ def predicted_step_cell(m: Dict[str, Any]) -> str:
     from torchrec_herald.planner.time_model import step_ms
 
     step = step_ms(b["compute"], p["extra_ms"], p["comm_ms"], p["link_busy_ms"])
+    link, src = priced_link(d)
+    measured = (d.get("measured") or {}).get("link_mbit")
+    if src == "given" and link is not None and not d.get("one_rank"):  # (priced for a link the run did not train on)
+        real = f", {measured:,.0f} Mbit/s measured" if measured is not None else ""
+        return f"{step:.1f} on the given {link:,.0f} Mbit/s (measured {b['step']:.1f} on the real link{real})"
     return f"{step:.1f} (measured {b['step']:.1f}, {100 * (step / b['step'] - 1):+.0f} %)"
+
+
+def _fixed(digits: int) -> Any:
+    return lambda v: f"{v:,.{digits}f}"
 
 
 def format_comparison_table(runs: Dict[str, Dict[str, Any]], losses: Optional[Dict[str, List[float]]] = None) -> str:
     """Markdown table, one column per run (e.g. stock baseline vs herald) and a last/first ratio; with the runs'
-    per-step ``losses``, a row saying how far apart they are (:func:`loss_gap`)."""
+    per-step ``losses``, a row saying how far apart they are (:func:`loss_gap`) and the train logloss of each over
+    the same last steps (runs of different lengths, input skipping's, average the shorter run's window)."""
     names = list(runs)
     ms = [runs[n] for n in names]
     skipping = any((m.get("approximate") or {}).get("data_samples_per_s") for m in ms)
     gap = loss_gap(losses) if losses else ""
+    curves = [losses.get(n) for n in names] if losses else []
+    if curves and all(curves):
+        window = min(last_steps_window(len(xs)) for xs in curves)
+        last = [sum(xs[-window:]) / window for xs in curves]
+    else:  # (each run's own figure, over its own window)
+        last = [m["train_logloss"] for m in ms]
+        windows = {last_steps_window(m["steps"]) for m in ms}
+        window = windows.pop() if len(windows) == 1 else None
+    over = f"the last {window} steps" if window else "the last fifth of each run, at most 50 steps"
 
     def emb_kib(m: Dict[str, Any]) -> float:
         return embedding_bytes_per_step(m) / 1024
 
+    count, kib, rate, four = _fixed(0), _fixed(1), _fixed(0), (lambda v: f"{v:.4f}")
     rows = [
-        ("plan", [", ".join(f"{v}×{k}" for k, v in sorted(Counter(m["plan"].values()).items())) for m in ms], None),
-        ("steps", [m["steps"] for m in ms], None),
-        ("KiB sent per step (all ranks)", [m["traffic_per_step_total"]["bytes"] / 1024 for m in ms], "ratio"),
-        ("embedding KiB per step", [emb_kib(m) for m in ms], "ratio"),
-        ("embedding vectors per step", [m["traffic_per_step_total"]["embedding_vectors"] for m in ms], "ratio"),
-        ("samples/s", [m["samples_per_s"] for m in ms], "ratio"),
+        ("plan", [plan_summary(m) for m in ms], None, str),
+        ("steps", [m["steps"] for m in ms], None, str),
+        ("KiB sent per step (all ranks)", [m["traffic_per_step_total"]["bytes"] / 1024 for m in ms], "ratio", kib),
+        ("embedding KiB per step", [emb_kib(m) for m in ms], "ratio", kib),
+        ("embedding vectors per step", [m["traffic_per_step_total"]["embedding_vectors"] for m in ms], "ratio", count),
+        ("samples/s", [m["samples_per_s"] for m in ms], "ratio", rate),
         *([("data samples read/s (skipped ones too: an epoch's time follows it)", [data_samples_per_s(m) for m in ms],
-            "ratio")] if skipping else []),
-        ("step ms = compute + comm wait + scheduler (ahead: off the path)", [breakdown_cell(m) for m in ms], None),
+            "ratio", rate)] if skipping else []),
+        ("step ms = compute + comm wait + scheduler (ahead: off the path)", [breakdown_cell(m) for m in ms], None, str),
         ("plan picked by the model of time (predicted ms per rank: link + collectives + herald's extra work)",
-         [decision_cell(m) for m in ms], None),
-        ("predicted step ms (this run's compute + the model's link part)", [predicted_step_cell(m) for m in ms], None),
-        ("train logloss (mean of the last steps)", [m["train_logloss"] for m in ms], "diff"),
-        *([("per-step train logloss, last run vs first", [""] * len(ms), f"note:{gap}")] if gap else []),
-        ("eval AUC", [m["eval"].get("auc") for m in ms], "diff"),  # (None: not evaluated)
-        ("eval logloss", [m["eval"].get("logloss") for m in ms], "diff"),
+         [decision_cell(m) for m in ms], None, str),
+        ("predicted step ms (this run's compute + the model's link part)", [predicted_step_cell(m) for m in ms], None,
+         str),
+        (f"train logloss (mean of {over})", last, "diff", four),
+        *([("per-step train logloss, last run vs first", [""] * len(ms), f"note:{gap}", str)] if gap else []),
+        ("eval AUC", [m["eval"].get("auc") for m in ms], "diff", four),  # (None: not evaluated)
+        ("eval logloss", [m["eval"].get("logloss") for m in ms], "diff", four),
     ]
     head = "| metric | " + " | ".join(names) + f" | {names[-1]} vs {names[0]} |"
     lines = [head, "|" + "---|" * (len(names) + 2)]
-    for label, vals, kind in rows:
-        cells = [f"{v:.4f}" if isinstance(v, float) and abs(v) < 10 else
-                 (f"{v:.1f}" if isinstance(v, float) else "–" if v is None else str(v)) for v in vals]
+    for label, vals, kind, fmt in rows:
+        cells = ["–" if v is None else fmt(v) for v in vals]
         if kind and kind.startswith("note:"):  # (a row whose words belong in the comparison's column)
             cmp = kind[len("note:"):]
         elif kind == "ratio" and vals[0]:
@@ -303,8 +365,11 @@ def format_metrics_table(metrics: Dict[str, Any]) -> str:
     tot = metrics["traffic_per_step_total"]
     rows = [
         ("ranks × local batch", f"{metrics['world_size']} × {metrics['local_batch_size']}"),
+        ("plan", plan_summary(metrics) if metrics.get("plan") else "–"),
+        ("plan picked by the model of time (predicted ms per rank: link + collectives + herald's extra work)",
+         decision_cell(metrics)),
         ("steps", metrics["steps"]),
-        ("samples/s", f"{metrics['samples_per_s']:.0f}"),
+        ("samples/s", f"{metrics['samples_per_s']:,.0f}"),
         ("step time p50 / p90 (ms)", f"{metrics['step_time_s']['p50'] * 1e3:.1f} / "
                                      f"{metrics['step_time_s']['p90'] * 1e3:.1f}"),
         ("step ms = compute + comm wait + scheduler (ahead: off the path)", breakdown_cell(metrics)),
@@ -312,7 +377,7 @@ def format_metrics_table(metrics: Dict[str, Any]) -> str:
         ("eval AUC", f"{ev['auc']:.4f}" if ev.get("auc") is not None else "– (not evaluated)"),
         ("eval logloss", f"{ev['logloss']:.4f}" if ev.get("logloss") is not None else "– (not evaluated)"),
         ("KiB sent per step (all ranks)", f"{tot['bytes'] / 1024:.1f}"),
-        ("embedding vectors per step", f"{tot['embedding_vectors']:.0f}"),
+        ("embedding vectors per step", f"{tot['embedding_vectors']:,.0f}"),
     ]
     for kind, s in metrics["traffic_per_step"].items():
         rows.append((f"  {kind} KiB/step", f"{s['bytes'] / 1024:.1f}"))

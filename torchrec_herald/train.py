@@ -152,20 +152,24 @@ def _run(cfg: DictConfig, run_dir: Path) -> None:
 
     from torchrec_herald.report import write_comparison
     from torchrec_herald.run_identity import companion_run
-    from torchrec_herald.trainer import format_comparison_table, format_metrics_table, preflight, run_training
+    from torchrec_herald.trainer import (check_not_the_run_folder, format_comparison_table, format_metrics_table,
+                                         hold_logs, preflight, run_training, setup_logging)
 
     hc = HydraConfig.get()
-    baseline = None
+    baseline = data = None
     if cfg.compare_with:
         # the same job with planner=<compare_with> and TorchRec's pipeline: same data, same global
         # batches, same initial weights
-        preflight(cfg)  # the herald run's settings (compare_with's value too) fail here, before the baseline trains
+        hold_logs()
+        data = preflight(cfg)  # the herald run's settings (compare_with's value too) fail here, before the baseline
+        check_not_the_run_folder(cfg, run_dir)
+        setup_logging(run_dir)  # (the herald run's checks logged into its own folder, not the baseline's)
         overrides = [o for o in hc.overrides.task if not o.startswith(("planner", "pipeline", "compare_with"))]
         base_cfg = compose(config_name="train", overrides=overrides + [f"planner={cfg.compare_with}"])
         base_cfg.compare_with = None
         companion_run(base_cfg, f"baseline_{cfg.compare_with}")  # never the herald run's checkpoints
         baseline = run_training(base_cfg, run_dir / f"baseline_{cfg.compare_with}")
-    metrics = run_training(cfg, run_dir)
+    metrics = run_training(cfg, run_dir, data=data)  # trains
     if dist.get_rank() == 0:
         if baseline is None:
             sys.stdout.write(f"\n{format_metrics_table(metrics)}\n\nmetrics: {run_dir / 'metrics.json'}\n")

@@ -79,29 +79,78 @@ class _ConsoleFilter(logging.Filter):
                 or (self.rank == 0 and record.name.startswith("torchrec_herald")))
 
 
-def setup_logging(run_dir: Path, rank: int) -> None:
-    """Each rank logs to ``run_dir/logs/rank<r>.log``; rank 0 also logs INFO to stderr; library
-    ``UserWarning`` s go to the rank's log file, not the console."""
+class _ConsoleHandler(logging.StreamHandler):
+    """stderr through ``tqdm.write``: a log line above the progress bar, never glued to its line."""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        try:
+            tqdm.write(self.format(record), file=self.stream)
+        except Exception:  # noqa: BLE001 - logging's own contract: report, never raise
+            self.handleError(record)
+
+
+def _this_rank() -> int:
+    return dist.get_rank() if dist.is_initialized() else int(os.environ.get("RANK", 0))
+
+
+class _HeldRecords(logging.Handler):
+    """Keeps the records logged before a run's folder is known (its checks run before its folder is made, and a
+    folder made for the logs would be one the checks find), for :func:`setup_logging` to write into the run's file."""
+
+    LIMIT = 10_000
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.records: List[logging.LogRecord] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if len(self.records) < self.LIMIT:
+            self.records.append(record)
+
+
+_HELD = _HeldRecords()
+
+
+def _configure_logging(rank: int, log_file: Optional[Path]) -> None:
     import logging.config
 
-    log_dir = run_dir / "logs"
-    log_dir.mkdir(parents=True, exist_ok=True)
     fmt = f"%(asctime)s [rank{rank}] %(levelname)s %(name)s: %(message)s"
     quiet = ("torchrec.distributed.planner", "torchrec.distributed.utils", "torchrec.distributed.train_pipeline",
              "torchrec.distributed.embeddingbag")
+    to_file: Dict[str, Any] = ({"class": "logging.FileHandler", "filename": str(log_file), "formatter": "rank"}
+                               if log_file is not None else {"()": lambda: _HELD})
     logging.config.dictConfig({
         "version": 1, "disable_existing_loggers": False,
         "formatters": {"rank": {"format": fmt}},
         "filters": {"console": {"()": _ConsoleFilter, "rank": rank}},
-        "handlers": {"file": {"class": "logging.FileHandler", "filename": str(log_dir / f"rank{rank}.log"),
-                              "formatter": "rank"},
-                     "console": {"class": "logging.StreamHandler", "stream": "ext://sys.stderr", "formatter": "rank",
+        "handlers": {"file": to_file,
+                     "console": {"()": _ConsoleHandler, "stream": "ext://sys.stderr", "formatter": "rank",
                                  "filters": ["console"]}},
         "root": {"level": "INFO", "handlers": ["file", "console"]},
         "loggers": {"py.warnings": {"handlers": ["file"], "propagate": False},
                     **{name: {"level": "ERROR"} for name in quiet}},
     })
     logging.captureWarnings(True)
+
+
+def hold_logs(rank: Optional[int] = None) -> None:
+    """Until :func:`setup_logging` names a run folder: rank 0's INFO and every warning to the console as usual, and
+    each record held for that folder's log file (a run's checks log before its folder exists)."""
+    _configure_logging(_this_rank() if rank is None else rank, None)
+
+
+def setup_logging(run_dir: Path, rank: Optional[int] = None) -> None:
+    """Each rank logs to ``run_dir/logs/rank<r>.log`` (beginning with what :func:`hold_logs` held); rank 0 also logs
+    INFO to stderr; library ``UserWarning`` s go to the rank's log file, not the console."""
+    rank = _this_rank() if rank is None else rank
+    log_dir = run_dir / "logs"
+    log_dir.mkdir(parents=True, exist_ok=True)
+    _configure_logging(rank, log_dir / f"rank{rank}.log")
+    held, _HELD.records = _HELD.records, []
+    for handler in logging.getLogger().handlers:
+        if isinstance(handler, logging.FileHandler):
+            for record in held:
+                handler.handle(record)
 
 
 def embedding_optimizer_setup(model: nn.Module, cfg: DictConfig) -> type:
@@ -645,6 +694,17 @@ class Trainer:
         self.checkpoints = Checkpointing(cfg, self.dmp, self.optimizer, self.pipeline, self.world)
         return self
 
+    def _progress_label(self) -> str:
+        """The progress bar's label: which of the job's runs trains (a compare_with baseline, an approximate run's
+        exact reference, or the run itself)."""
+        folder = self.run_dir.name
+        if folder.startswith("baseline_"):
+            return f"train {folder[len('baseline_'):]} (baseline)"
+        if folder == "exact_reference":
+            return "train exact reference"
+        planner = self.cfg.planner
+        return f"train stock {planner.get('mode')}" if planner.get("name") == "stock" else f"train {planner.get('name')}"
+
     def _stream(self, start: int) -> TrainStream:
         # a herald pipeline reads its window ahead and, at a checkpoint, starts it again from the data's position:
         # the batches it read are kept for that (a file would be parsed from the pass's start at every save)
@@ -674,7 +734,7 @@ class Trainer:
         since = pipeline.snapshot()
         pipeline.checkpoint_schedule(ckpt.due)  # (herald's run-ahead plans no step across a checkpoint)
         total_batches = getattr(self.data, "num_train_batches", None)
-        bar = tqdm(total=(total_batches * cfg.epochs if total_batches else None), desc="train", unit="step",
+        bar = tqdm(total=(total_batches * cfg.epochs if total_batches else None), desc=self._progress_label(), unit="step",
                    disable=not (self.show_progress and rank == 0), dynamic_ncols=True, file=sys.stderr,
                    initial=len(losses))
         meter = TrafficMeter(embedding_dim=cfg.model.embedding_dim)
@@ -704,9 +764,13 @@ class Trainer:
                 bar.update(1)
                 if len(losses) % cfg.log_every == 0:
                     # (this rank's samples: losses.json and the figures take the mean over ranks, at the end)
-                    bar.set_postfix({f"rank {rank} loss": f"{sum(losses[-cfg.log_every:]) / cfg.log_every:.4f}"})
+                    bar.set_postfix({f"rank {rank} loss (mean of {cfg.log_every})":
+                                     f"{sum(losses[-cfg.log_every:]) / cfg.log_every:.4f}"})
                     logger.info("step %d loss %.5f (this rank's samples)", len(losses), loss)
         train_time = time.perf_counter() - train_start
+        if bar.total is not None and bar.n < bar.total:  # (input skipping trains fewer steps than the data's batches:
+            bar.total = bar.n                             # the finished run's bar ends full, not at 88 %)
+            bar.refresh()
         bar.close()
         steps, attempt_steps = len(losses), len(losses) - restored
         if ckpt.every and attempt_steps and not ckpt.due(steps):  # (the model at the run's end, saved: a re-run
@@ -834,12 +898,16 @@ class Trainer:
         return metrics
 
 
-def run_training(cfg: DictConfig, run_dir: Path, show_progress: bool = True) -> Dict[str, Any]:
+def run_training(cfg: DictConfig, run_dir: Path, show_progress: bool = True,
+                 data: Optional[DataSource] = None) -> Dict[str, Any]:
     """``Trainer(cfg, run_dir).build().train()``. An approximate run (``pipeline.staleness`` /
     ``pipeline.skip``) with ``pipeline.reference`` first trains the exact mode on the same batches (into
-    ``run_dir/exact_reference``) and records it and the deltas under ``metrics["approximate"]``."""
+    ``run_dir/exact_reference``) and records it and the deltas under ``metrics["approximate"]``. ``data``: what
+    :func:`preflight` of this ``cfg`` returned, where the caller ran it (its warnings are not said twice)."""
     reference = None
-    data = preflight(cfg)  # the approximate run's settings fail before its reference trains
+    hold_logs()  # (the checks below log into this run's folder, once the run has one)
+    if data is None:
+        data = preflight(cfg)  # the approximate run's settings fail before its reference trains
     check_not_the_run_folder(cfg, run_dir)
     if is_approximate(cfg) and cfg.pipeline.get("reference", True):
         # the approximate run's plan and pipeline are built first, so that what they refuse (no hot rows to skip,

@@ -149,12 +149,22 @@ class SchedulingSwitch:
         self.drop_delegate()  # the probe's delegate trained exactly its share of batches: it is empty
         best = self.decide(on_ms, off_ms)
         logger.info("pipeline.scheduling=auto: %.1f ms/step with scheduling on, %.1f with it off (hot replication "
-                    "alone) -> %s%s", on_ms, off_ms, best,
-                    "" if best == "on" else ": scheduling costs more time than it saves on this link and machine")
+                    "alone) -> %s%s", on_ms, off_ms, best, self.why(on_ms, off_ms, best))
         if best != self.host.mode:
             self._switch(best)
         if best == "off":  # for good: the window's batches no longer need every rank's reads
             self.host.stop_collecting_reads()
+
+    @staticmethod
+    def why(on_ms: float, off_ms: float, best: str) -> str:
+        """The reason the probe's log line gives for ``best``: off where scheduling cost time, or where it saved less
+        than :data:`ON_MARGIN` (a near tie goes to the mode with no scheduler)."""
+        if best == "on":
+            return ""
+        if on_ms >= off_ms:
+            return ": scheduling costs more time than it saves on this link and machine"
+        return (f": scheduling saved {100 * (1 - on_ms / off_ms):.1f} %, under the {100 * ON_MARGIN:.0f} % it must "
+                f"save to stay on (a near tie goes to the mode with no scheduler)")
 
     @staticmethod
     def decide(on_ms: float, off_ms: float) -> str:
