@@ -23,6 +23,7 @@ import shutil
 import signal
 import sys
 import time
+from collections import Counter
 from pathlib import Path
 from typing import Any, Dict, Iterator, List, Optional
 
@@ -116,7 +117,8 @@ def _configure_logging(rank: int, log_file: Optional[Path]) -> None:
 
     fmt = f"%(asctime)s [rank{rank}] %(levelname)s %(name)s: %(message)s"
     quiet = ("torchrec.distributed.planner", "torchrec.distributed.utils", "torchrec.distributed.train_pipeline",
-             "torchrec.distributed.embeddingbag")
+             "torchrec.distributed.embeddingbag",
+             "torch.fx._symbolic_trace")  # (TorchRec's is_fx_tracing() calls: a note to torch's developers, per rank)
     to_file: Dict[str, Any] = ({"class": "logging.FileHandler", "filename": str(log_file), "formatter": "rank"}
                                if log_file is not None else {"()": lambda: _HELD})
     logging.config.dictConfig({
@@ -689,7 +691,9 @@ class Trainer:
         torch.manual_seed(cfg.seed)
         self.dmp, self.optimizer, self.decision = build_model_and_plan(cfg, self.data, self.world, self.device)
         self.plan = describe_plan(self.decision.plan)
-        logger.info("world_size=%d local_batch=%d plan=%s", self.world, cfg.batch_size, self.plan)
+        logger.info("world_size=%d local_batch=%d plan: %s", self.world, cfg.batch_size,
+                    ", ".join(f"{n}×{kind}" for kind, n in sorted(Counter(self.plan.values()).items())))
+        logger.debug("plan by table: %s", self.plan)
         self.pipeline = build_pipeline(cfg, self.dmp, self.optimizer, self.device, self.decision)
         self.checkpoints = Checkpointing(cfg, self.dmp, self.optimizer, self.pipeline, self.world)
         return self
