@@ -3,7 +3,10 @@ that differs and the largest gap, herald's hot replication against stock on the 
 driver's defaults, the embedding optimizer given).
 
     python benchmarks/exactness_drift.py [--steps 60] [--batch-size 256] [--optimizer rowwise_adagrad|sgd]
-        [--out benchmarks/results/exactness_drift.json]
+        [--against herald|row_wise|stock] [--out benchmarks/results/exactness_drift.json]
+
+``--against row_wise`` / ``stock`` measure stock TorchRec's own drift between two of its plans (ROW_WISE or its
+default plan against TABLE_WISE: another order of the same sums too), the yardstick for herald's.
 
 A hot row's gradient is summed over ranks (per-rank partial sums, where stock's kernel adds every occurrence in
 turn): the same arithmetic in another order, so an ulp can differ, and the training's own dynamics decide whether
@@ -38,15 +41,18 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=60)
     ap.add_argument("--batch-size", type=int, default=256)
     ap.add_argument("--optimizer", default="rowwise_adagrad")
+    ap.add_argument("--against", choices=("herald", "row_wise", "stock"), default="herald",
+                    help="the run compared with stock TABLE_WISE: herald's hot replication, or another stock plan")
     ap.add_argument("--out", default=str(HERE / "results" / "exactness_drift.json"))
     a = ap.parse_args()
     common = [f"data.num_train_batches={a.steps}", "eval=false", f"batch_size={a.batch_size}", f"optimizer={a.optimizer}"]
+    other = (["planner=herald", "planner.link_mbit=null", "planner.dense_sync=ddp"] if a.against == "herald"
+             else [f"planner={a.against}"])
     with tempfile.TemporaryDirectory() as tmp:
         stock = run_multiprocess(_train, 2, common + ["planner=table_wise"], f"{tmp}/stock")[0]
-        herald = run_multiprocess(_train, 2, common + ["planner=herald", "planner.link_mbit=null",
-                                                       "planner.dense_sync=ddp"], f"{tmp}/herald")[0]
+        herald = run_multiprocess(_train, 2, common + other, f"{tmp}/other")[0]
     gaps = [abs(s - h) for s, h in zip(stock, herald)]
-    row: Dict[str, Any] = {"steps": a.steps, "batch_size": a.batch_size, "optimizer": a.optimizer,
+    row: Dict[str, Any] = {"against": a.against, "steps": a.steps, "batch_size": a.batch_size, "optimizer": a.optimizer,
                            "first_step_differing": next((i + 1 for i, g in enumerate(gaps) if g), None),
                            "largest_gap": max(gaps), "largest_gap_step": gaps.index(max(gaps)) + 1, "gaps": gaps}
     out = Path(a.out)

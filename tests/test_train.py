@@ -131,19 +131,43 @@ def test_the_runs_end_is_saved_and_a_rerun_reports_it_without_training(tmp_path:
     assert again["metrics"] == first["metrics"] and again["losses"] == first["losses"]
 
 
-def test_a_run_killed_between_its_final_save_and_its_figures_trains_its_tail_again(tmp_path: Path) -> None:
+@pytest.mark.parametrize("batches, every, before, damage", [(7, 3, 6, "missing"), (8, 4, 4, "missing"),
+                                                             (8, 4, 4, "unreadable")])
+def test_a_run_killed_between_its_final_save_and_its_figures_trains_its_tail_again(
+        tmp_path: Path, batches: int, every: int, before: int, damage: str) -> None:
     """An attempt that ended after saving the run's end but before writing its figures beside it left a re-run
     that could only train everything again (``checkpoint.resume=false``). The re-run resumes from the checkpoint
-    before the end and trains the tail again: the same losses and figures as the finished run."""
-    common = ["data.num_train_batches=7", "data.num_eval_batches=2", "batch_size=64",
-              "checkpoint.every_n_steps=3", f"checkpoint.dir={tmp_path / 'ckpt'}"]
+    before the end and trains the tail again: the same losses and figures as the finished run. That holds where the
+    run's end is a periodic save too (8 steps, every 4: it was not marked as the end, and the re-run was refused)."""
+    common = [f"data.num_train_batches={batches}", "data.num_eval_batches=2", "batch_size=64",
+              f"checkpoint.every_n_steps={every}", f"checkpoint.dir={tmp_path / 'ckpt'}"]
     first = run_multiprocess(_train, 2, common, str(tmp_path / "run1"))[0]
     for name in ("metrics.json", "losses.json"):  # (as an attempt killed right after the final save leaves it)
-        (tmp_path / "ckpt" / name).unlink()
+        (tmp_path / "ckpt" / name).unlink() if damage == "missing" else (tmp_path / "ckpt" / name).write_text("")
     again = run_multiprocess(_train, 2, common, str(tmp_path / "run2"))[0]
-    assert again["metrics"]["resumed_from_step"] == 6 and again["metrics"]["steps_this_attempt"] == 1
+    assert again["metrics"]["resumed_from_step"] == before and again["metrics"]["steps_this_attempt"] == batches - before
     assert again["losses"] == first["losses"] and again["metrics"]["eval"] == first["metrics"]["eval"]
-    assert json.loads((tmp_path / "ckpt" / "metrics.json").read_text())["steps"] == 7
+    assert json.loads((tmp_path / "ckpt" / "metrics.json").read_text())["steps"] == batches
+
+
+def test_a_checkpoint_folder_whose_checkpoints_are_all_unusable_is_refused_before_training_and_kept(
+        tmp_path: Path) -> None:
+    """Its only checkpoint's trainer state truncated, a re-run trained from step 0 and its save of that step removed
+    the user's checkpoint (whose weights were whole). Refused in one line; checkpoint.resume=false moves it aside."""
+    ckpt = tmp_path / "ckpt"
+    common = ["data.num_train_batches=4", "batch_size=16", "eval=false", "checkpoint.every_n_steps=2",
+              "checkpoint.keep=1", f"checkpoint.dir={ckpt}"]
+    run_multiprocess(_train, 1, common, str(tmp_path / "run1"), timeout_s=300)
+    state = ckpt / "step_00000004" / "trainer_state.json"
+    state.write_text(state.read_text()[:100])
+    with pytest.raises(RuntimeError) as e:
+        run_multiprocess(_train, 1, common, str(tmp_path / "run2"), timeout_s=300)
+    assert (f"ValueError: checkpoint.dir {ckpt} holds 1 checkpoint(s) and none can be resumed (the newest, "
+            f"step_00000004: trainer_state.json is truncated") in str(e.value), str(e.value)[-1500:]
+    assert state.read_text() != "" and len(state.read_text()) == 100  # (kept as it was)
+    run_multiprocess(_train, 1, common + ["checkpoint.resume=false"], str(tmp_path / "run3"), timeout_s=300)
+    aside = [p for p in tmp_path.iterdir() if p.name.startswith("ckpt.set-aside-")]
+    assert len(aside) == 1 and len((aside[0] / "step_00000004" / "trainer_state.json").read_text()) == 100
 
 
 def test_herald_pipeline_trains_every_epoch_and_reports_scheduler(tmp_path: Path) -> None:
@@ -269,8 +293,8 @@ def test_a_finished_runs_unreadable_figures_are_named_and_written_whole(tmp_path
 
     ckpt = tmp_path / "ckpt"
     run = ["data.num_train_batches=4", "batch_size=16", "eval=false", f"checkpoint.dir={ckpt}",
-           "checkpoint.every_n_steps=2"]
-    run_multiprocess(_train, 1, run, str(tmp_path / "first"), timeout_s=300)
+           "checkpoint.every_n_steps=2", "checkpoint.keep=1"]  # (no checkpoint before the end: its tail cannot be
+    run_multiprocess(_train, 1, run, str(tmp_path / "first"), timeout_s=300)  # trained again from one)
     for name, content in (("metrics.json", ""), ("losses.json", "[0.69, 0.6")):
         good = (ckpt / name).read_text()
         (ckpt / name).write_text(content)

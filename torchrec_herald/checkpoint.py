@@ -203,6 +203,34 @@ def latest_checkpoint(directory: Path, required: Sequence[str] = ("step",), befo
     return None
 
 
+def none_usable(directory: Path, required: Sequence[str] = ("step",)) -> Optional[str]:
+    """Where ``directory`` holds checkpoints and none can be resumed: one line naming the folder and why the newest is
+    not usable (a run would start from step 0 and its saves replace them), else None."""
+    found = checkpoints(directory)
+    if not found or latest_checkpoint(directory, required) is not None:
+        return None
+    return (f"checkpoint.dir {directory} holds {len(found)} checkpoint(s) and none can be resumed (the newest, "
+            f"{found[-1].name}: {_incomplete(found[-1], required)}): restore them, or checkpoint.resume=false to "
+            f"move them aside and train from step 0")
+
+
+def mark_final(directory: Path, step: int) -> None:
+    """Rank 0 (collective): record that the checkpoint of ``step`` is the run's end (a periodic save at the run's
+    last step), rewriting its trainer state whole (a temporary file, then a rename)."""
+    path = Path(directory) / f"step_{step:08d}" / TRAINER_STATE
+
+    def rewrite() -> None:
+        state = json.loads(path.read_text())
+        tmp = path.with_name(f".{path.name}.tmp")
+        with open(tmp, "w") as f:
+            json.dump(dict(state, final=True), f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+
+    _on_rank0(rewrite, f"cannot mark the checkpoint {path.parent} as the run's end")
+
+
 def _check_shapes(path: Path, state: Dict[str, Any]) -> None:
     """Every tensor of the model's state is in the checkpoint with the same shape, else an error naming
     the table (or key) and both shapes."""

@@ -294,14 +294,18 @@ def check_resumable(cfg: DictConfig, world_size: int) -> None:
     """The checkpoint a run would resume from (its folder's latest complete one, unless
     ``checkpoint.resume=false``) was saved by this run's settings and ranks: ValueError naming what differs
     otherwise, before anything is built or trained (every rank reads the same files)."""
-    from torchrec_herald.checkpoint import latest_checkpoint
+    from torchrec_herald.checkpoint import latest_checkpoint, none_usable
     from torchrec_herald.run_identity import checkpoint_dir, resume_problem, training_identity
 
     c = cfg.get("checkpoint") or {}
     if not bool(c.get("resume", CheckpointConfig.resume)):
         return
-    latest = latest_checkpoint(checkpoint_dir(cfg, world_size), TRAINER_KEYS)
+    folder = checkpoint_dir(cfg, world_size)
+    latest = latest_checkpoint(folder, TRAINER_KEYS)
     if latest is None:
+        unusable = none_usable(folder, TRAINER_KEYS)  # (they would be replaced by a run from step 0)
+        if unusable:
+            raise ValueError(unusable)
         return
     problem = resume_problem(saved_run(latest), training_identity(cfg, world_size), latest)
     if problem:
@@ -539,12 +543,12 @@ class Checkpointing:
         """Load the run's latest complete checkpoint (collective; rank 0 picks it) and say so in one line;
         with ``checkpoint.resume=false`` move the folder's checkpoints aside (kept, renamed) and start
         fresh. Returns the checkpoint's trainer state (with ``path``), or None."""
-        from torchrec_herald.checkpoint import latest_checkpoint, load_checkpoint, set_rng_state
+        from torchrec_herald.checkpoint import checkpoints, latest_checkpoint, load_checkpoint, none_usable, set_rng_state
 
         choice: List[Any] = [None, None]  # (the checkpoint to resume or "", why it must not be resumed or None)
         if dist.get_rank() == 0:
             latest = latest_checkpoint(self.dir, TRAINER_KEYS)
-            if latest is not None and not self.resume_enabled:
+            if not self.resume_enabled and checkpoints(self.dir):  # (usable or not: a save would replace them)
                 aside = self.dir.with_name(f"{self.dir.name}.set-aside-{time.strftime('%Y%m%d-%H%M%S')}")
                 self.dir.rename(aside)
                 logger.warning("checkpoint.resume=false: starting fresh; the earlier checkpoints of this run were "
@@ -553,7 +557,8 @@ class Checkpointing:
             if latest is not None and self.resume_enabled:
                 latest = self._unless_an_end_without_figures(latest)
             choice[0] = str(latest or "")
-            choice[1] = self.problem(latest) if latest is not None else None
+            choice[1] = (self.problem(latest) if latest is not None else
+                         none_usable(self.dir, TRAINER_KEYS) if self.resume_enabled else None)
         dist.broadcast_object_list(choice, src=0)
         if choice[1]:  # every rank raises it: none waits on a collective the others never reach
             raise ValueError(choice[1])
@@ -579,17 +584,18 @@ class Checkpointing:
         state = json.loads((latest / TRAINER_STATE).read_text())
         if not state.get("final"):
             return latest
+        why = "were not written beside it (the attempt ended first)"
         try:
             metrics = self.completed_metrics()
         except ValueError:
-            metrics = None
+            metrics, why = None, "beside it cannot be read"
         if metrics is not None and int(metrics.get("steps", -1)) == int(state["step"]):
             return latest
         earlier = latest_checkpoint(self.dir, TRAINER_KEYS, before=latest)
         if earlier is None:
             return latest
-        logger.warning("checkpoint %s is the run's end, but its figures were not written beside it (the attempt "
-                       "ended first): resuming from %s to train the run's tail again", latest, earlier)
+        logger.warning("checkpoint %s is the run's end, but its figures %s: resuming from %s to train the run's tail "
+                       "again", latest, why, earlier)
         return earlier
 
     def problem(self, path: Path) -> Optional[str]:
@@ -629,6 +635,12 @@ class Checkpointing:
         if self.every and dist.get_rank() == 0 and checkpoints(self.dir):  # (beside checkpoints only: a folder the
             for name in ("metrics.json", "losses.json"):                     # run saved none into stays as it was)
                 copy_whole(run_dir / name, self.dir / name)
+
+    def mark_final(self, step: int) -> None:
+        """Record that the periodic checkpoint of ``step`` is the run's end (collective)."""
+        from torchrec_herald.checkpoint import mark_final
+
+        mark_final(self.dir, step)
 
     def save(self, step: int, epoch: int, batch_in_epoch: int, losses: List[float], it: Iterator[Any],
              restart: Any, final: bool = False) -> Iterator[Any]:
@@ -780,6 +792,8 @@ class Trainer:
         if ckpt.every and attempt_steps and not ckpt.due(steps):  # (the model at the run's end, saved: a re-run
             # of the finished run reports it rather than training its tail again from the last periodic checkpoint)
             ckpt.save(steps, epoch, batch_in_epoch, losses, iter(()), lambda: iter(()), final=True)
+        elif ckpt.every and attempt_steps:  # (the last step's periodic save is the run's end: an attempt that ends
+            ckpt.mark_final(steps)           # before writing its figures resumes the save before it)
         if attempt_steps == 0 and resumed is not None:
             return self._already_complete(resumed)
         if steps == 0:
