@@ -448,6 +448,27 @@ def test_a_run_folder_that_cannot_be_made_is_named_before_hydra_starts(tmp_path:
     assert (tmp_path / "runs").is_dir()
 
 
+def test_a_run_folder_that_exists_but_takes_no_file_is_named_before_hydra_starts(tmp_path: Path) -> None:
+    """A read-only folder, or one on a full disk: it exists, so making it passed, and Hydra's traceback followed."""
+    import subprocess
+
+    from torchrec_herald.train import check_overrides
+
+    small = tmp_path / "small"
+    small.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1M", "tmpfs", str(small)], capture_output=True).returncode:
+        pytest.skip("mounting a small tmpfs needs root")
+    try:
+        (small / "out").mkdir()
+        (small / "fill").write_bytes(bytes((1 << 20) - (32 << 10)))  # (the disk nearly full)
+        with pytest.raises(ValueError, match=rf"^hydra\.run\.dir={small}/out takes no file: {small}/out \(No space "
+                                             rf"left on device\); give a writable directory \(hydra\.run\.dir=<folder>\)$"):
+            check_overrides([f"hydra.run.dir={small}/out"])
+        assert sorted(p.name for p in (small / "out").iterdir()) == []  # (the probe's file removed)
+    finally:
+        subprocess.run(["umount", str(small)], check=False)
+
+
 def test_runs_started_alone_get_folders_of_their_own_and_a_jobs_ranks_share_one(monkeypatch: Any) -> None:
     """Two runs started in the same second shared one folder (one wrote over the other's figures and logs), and the
     ranks of one torchrun job each read their own clock for it."""

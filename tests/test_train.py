@@ -399,3 +399,26 @@ def test_checkpoints_of_a_herald_window_read_a_file_once_and_change_no_loss(tmp_
     # preflight's check of the first record and its count of the first batches, the planner's count of row accesses,
     # then training (7 checkpoints: 11 reads before; preflight's two were not in the log file then)
     assert reads == [4, 4]
+
+
+def test_a_runs_figures_are_written_whole_and_a_failed_write_names_the_file(tmp_path: Path,
+                                                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    """A full disk at the run's end left losses.json at 0 bytes and a line naming no file."""
+    import errno
+    import os
+
+    from torchrec_herald.trainer import write_whole
+
+    target = tmp_path / "losses.json"
+    write_whole(target, "[0.5]")
+    assert target.read_text() == "[0.5]"
+
+    def full(*args: Any) -> None:
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(os, "replace", full)
+    with pytest.raises(OSError) as e:
+        write_whole(target, "[0.5, 0.4]")
+    assert str(e.value) == (f"[Errno 28] cannot write {target} (No space left on device): the run's figures go to its "
+                            f"folder (hydra.run.dir); make room there or give another")
+    assert target.read_text() == "[0.5]" and sorted(p.name for p in tmp_path.iterdir()) == ["losses.json"]

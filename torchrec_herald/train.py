@@ -17,6 +17,7 @@ import logging
 import os
 import re
 import sys
+import tempfile
 import time
 import traceback
 from pathlib import Path
@@ -125,11 +126,19 @@ def check_overrides(overrides: Sequence[str]) -> None:
     # interpolation (a folder named by the time or the job is made below it)
     fixed = folder if "${" not in folder else str(Path(folder.split("${", 1)[0] + "x").parent)
     if fixed not in ("", "."):
+        named = f"hydra.run.dir={folder}" if given else "the run folder (outputs/<run id>)"
         try:
             Path(fixed).mkdir(parents=True, exist_ok=True)
         except OSError as e:
-            named = f"hydra.run.dir={folder}" if given else "the run folder (outputs/<run id>)"
             raise ValueError(f"{named} cannot be made: {fixed} ({e.strerror or e}); give a writable directory "
+                             f"(hydra.run.dir=<folder>)") from None
+        try:  # (a folder that exists but takes no file: read-only, or a full disk, where Hydra saves its config)
+            with tempfile.NamedTemporaryFile(dir=fixed, prefix=".write-test-") as probe:
+                probe.write(bytes(64 << 10))  # (Hydra's config and the run's first figures: tens of KB)
+                probe.flush()
+                os.fsync(probe.fileno())
+        except OSError as e:
+            raise ValueError(f"{named} takes no file: {fixed} ({e.strerror or e}); give a writable directory "
                              f"(hydra.run.dir=<folder>)") from None
 
 

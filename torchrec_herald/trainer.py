@@ -669,6 +669,20 @@ def copy_whole(src: Path, dst: Path) -> None:
         tmp.unlink(missing_ok=True)
 
 
+def write_whole(path: Path, text: str) -> None:
+    """Write a run's figure file whole or not at all (a temporary file beside it, then a rename); OSError naming the
+    file and the run folder's key where it cannot (a full disk left an empty ``losses.json`` and a line naming none)."""
+    tmp = path.with_name(f".{path.name}.tmp")
+    try:
+        tmp.write_text(text)
+        os.replace(tmp, path)
+    except OSError as e:
+        raise OSError(e.errno, f"cannot write {path} ({e.strerror or e}): the run's figures go to its folder "
+                               f"(hydra.run.dir); make room there or give another") from None
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
 def fault_injection(step: int, rank: int) -> None:
     """Test hook: SIGKILL this rank after ``step`` when ``HERALD_FAULT_KILL_AT_STEP`` / ``_RANK`` say so,
     on a job's first attempt only (``TORCHELASTIC_RESTART_COUNT`` 0), as a lost machine would end it."""
@@ -848,7 +862,7 @@ class Trainer:
                 logger.warning("the run already finished at step %d (checkpoint %s); its model evaluated again on "
                                "this run's eval split, its training figures from %s", step, resumed["path"],
                                ckpt.dir / "metrics.json")
-                (self.run_dir / "metrics.json").write_text(strict_json(metrics))
+                write_whole(self.run_dir / "metrics.json", strict_json(metrics))
                 shutil.copyfile(ckpt.dir / "losses.json", self.run_dir / "losses.json")
                 ckpt.record_completion(self.run_dir)
         elif rank == 0:
@@ -892,8 +906,8 @@ class Trainer:
             # the training figures first: an eval file is checked only as it is read, and a bad record found
             # there (every rank raises it) must not take the trained run's figures with it
             if rank == 0:
-                (self.run_dir / "metrics.json").write_text(strict_json(figures({})))
-                (self.run_dir / "losses.json").write_text(json.dumps(loss_t.tolist()))
+                write_whole(self.run_dir / "metrics.json", strict_json(figures({})))
+                write_whole(self.run_dir / "losses.json", json.dumps(loss_t.tolist()))
                 # beside the checkpoints too: a re-run after a failed eval evaluates them, not trains again
                 self.checkpoints.record_completion(self.run_dir)
             else:
@@ -907,8 +921,8 @@ class Trainer:
                 raise
         metrics = figures(eval_metrics)
         if rank == 0:
-            (self.run_dir / "metrics.json").write_text(strict_json(metrics))
-            (self.run_dir / "losses.json").write_text(json.dumps(loss_t.tolist()))
+            write_whole(self.run_dir / "metrics.json", strict_json(metrics))
+            write_whole(self.run_dir / "losses.json", json.dumps(loss_t.tolist()))
             plot_training(self.run_dir, loss_t.tolist(), metrics)
             logger.info("wrote %s", self.run_dir / "metrics.json")
             self.checkpoints.record_completion(self.run_dir)
