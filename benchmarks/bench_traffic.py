@@ -37,12 +37,15 @@ HOT = "herald hot replication"
 #: each technique on, per-rank scheduling path (scores all-gathered, samples exchanged): the figures in
 #: RESULTS.md's traffic tables; the default global-batch path sends no scheduling bytes (see bench_bandwidth.py)
 PER_RANK = ["pipeline.scheduling=on", "pipeline.global_batches=false", "pipeline.run_ahead=false"]
-HERALD = {HOT: ["planner=herald"],
+#: herald's plan whatever the link (planner.link_mbit=null: no model of time, which on loopback picks stock TABLE_WISE
+#: and would leave these rows stock runs under herald's names)
+PLAN = ["planner=herald", "planner.link_mbit=null"]
+HERALD = {HOT: PLAN,
           # Herald scheduling (HeraldTrainPipeline, window 5): the allocator alone on herald's eager path,
           # the cache/plan alone, and both
-          "herald + allocator": ["planner=herald", "pipeline=herald", "pipeline.sync=eager"] + PER_RANK,
-          "herald + cache/plan": ["planner=herald", "pipeline=herald", "pipeline.allocator=identity"] + PER_RANK,
-          "herald + allocator + cache/plan": ["planner=herald", "pipeline=herald"] + PER_RANK}
+          "herald + allocator": PLAN + ["pipeline=herald", "pipeline.sync=eager"] + PER_RANK,
+          "herald + cache/plan": PLAN + ["pipeline=herald", "pipeline.allocator=identity"] + PER_RANK,
+          "herald + allocator + cache/plan": PLAN + ["pipeline=herald"] + PER_RANK}
 SCHED_LABEL = {"herald hot replication": "(b)", "herald + allocator": "(c)", "herald + cache/plan": "(d′)",
                "herald + allocator + cache/plan": "(d)"}
 KINDS = ["all_to_all_single", "reduce_scatter_tensor", "all_gather_into_tensor", "all_reduce"]
@@ -66,6 +69,9 @@ def run(world_sizes: List[int], steps: int, extra: List[str]) -> List[Dict[str, 
                 logger.info("running %s at %d ranks: %s", name, world, ov)
                 t0 = time.perf_counter()
                 m = run_multiprocess(_worker, world, ov, f"{tmp}/{world}-{len(rows)}")[0]
+                if name in HERALD and not m.get("herald"):
+                    raise RuntimeError(f"{name} at {world} ranks trained {set(m['plan'].values())}, not herald's plan "
+                                       f"(its decision: {m.get('link_decision', {}).get('chosen')}); nothing written")
                 rows.append({"config": name, "overrides": ov, "world_size": world,
                              "wall_s": time.perf_counter() - t0, "metrics": m})
     return rows
@@ -275,9 +281,10 @@ def main() -> None:
     else:
         rows = run(a.world_sizes, a.steps, a.overrides)
         command = "make bench" if sys.argv[1:] == [] else "python benchmarks/bench_traffic.py " + " ".join(sys.argv[1:])
+    sections = markdown(rows, command)  # (before anything is written: a table that cannot be made replaces nothing)
+    if not a.from_json:
         (out / "traffic.json").write_text(json.dumps({"command": command, "rows": rows}, indent=2))
     plot(rows, out / "traffic.png")
-    sections = markdown(rows, command)
     if not a.no_results_md:
         write_results_md(sections)
     sys.stdout.write("\n\n".join(sections.values()) + "\n")
