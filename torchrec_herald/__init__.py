@@ -25,6 +25,8 @@ _EXPORTS: Dict[str, str] = {
     "HeraldEmbeddingBagCollectionSharder": "torchrec_herald.sharding",
     "HeraldTrainPipeline": "torchrec_herald.pipeline",
     "HeraldPipelineConfig": "torchrec_herald.pipeline",
+    "LinkModel": "torchrec_herald.planner",
+    "measured_link": "torchrec_herald.planner",
     "TrafficMeter": "torchrec_herald.traffic",
 }
 

@@ -7,7 +7,9 @@ from torchrec_herald.planner.hot_set import (
     TableTraffic,
     TopFractionHotSetSelector,
 )
+from torchrec_herald.planner.link_probe import measured_link
 from torchrec_herald.planner.planner import DEFAULT_HOT_MEMORY_BUDGET_BYTES, HeraldPlanner, herald_tables
+from torchrec_herald.planner.pricing import LinkModel
 from torchrec_herald.planner.stats import AccessStats
 
 __all__ = [
@@ -17,7 +19,9 @@ __all__ = [
     "HeraldPlanner",
     "HotSetChoice",
     "HotSetSelector",
+    "LinkModel",
     "TableTraffic",
     "TopFractionHotSetSelector",
     "herald_tables",
+    "measured_link",
 ]
