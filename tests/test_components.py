@@ -339,7 +339,9 @@ def test_e2e_bad_setting_fails_before_training_with_one_line(run_id: str, overri
 def _first_failure_line(out: str) -> str:
     """The first line of a launch's output that reports a failure (torchx's own INFO lines aside)."""
     for line in out.splitlines():
-        if not line.startswith("torchx ") and re.search(r"(?i)error|failed|exception|traceback", line):
+        if line.startswith("torchx ") or re.search(r"\] INFO ", line):  # (torchx's lines; a rank's INFO log lines)
+            continue
+        if re.search(r"(?i)error|failed|exception|traceback", line):
             return " ".join(line.split())
     return ""
 

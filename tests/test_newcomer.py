@@ -758,3 +758,37 @@ def test_a_runs_checks_log_into_its_own_log_file_where_they_were_lost_before(tmp
     for rank in (0, 1):
         log = (tmp_path / "run" / "logs" / f"rank{rank}.log").read_text()
         assert log.count("building data source") == 1 and log.index("building data source") < log.index("world_size=2")
+
+
+def test_a_run_folder_is_one_jobs_and_an_earlier_runs_figures_there_are_moved_aside(tmp_path: Path) -> None:
+    """Two jobs given one run folder (HERALD_RUN_ID, torchx --run_id, hydra.run.dir) wrote their figures over each
+    other's, one after the other or at once, and said nothing."""
+    import os
+    import subprocess
+    import sys
+
+    from torchrec_herald.train import claim_run_folder
+
+    run = tmp_path / "run"
+    assert claim_run_folder(run) is None  # (a new folder: nothing to move)
+    code = ("import sys; from pathlib import Path; from torchrec_herald.train import claim_run_folder\n"
+            "try:\n    claim_run_folder(Path(sys.argv[1]))\nexcept ValueError as e:\n    print(e)")
+    other = subprocess.run([sys.executable, "-c", code, str(run)], capture_output=True, text=True, timeout=120)
+    assert other.stdout.startswith(f"run folder {run} is in use by another job (pid {os.getpid()} on "), other
+    assert other.stdout.rstrip().endswith("give this one a folder of its own (torchx --run_id, HERALD_RUN_ID or "
+                                          "hydra.run.dir), or run it once that one ends")
+    for name in ("metrics.json", "losses.json", "comparison.png"):
+        (run / name).write_text(name)
+    (run / "baseline_table_wise" / "logs").mkdir(parents=True)
+    (run / "logs").mkdir()
+    later = subprocess.run([sys.executable, "-c", code, str(run)], capture_output=True, text=True, timeout=120)
+    assert "in use" in later.stdout  # (this process still holds it)
+    from torchrec_herald.train import _RUN_FOLDER_LOCK
+
+    os.close(_RUN_FOLDER_LOCK.pop())  # (as this job's end lets it go)
+    aside = claim_run_folder(run)
+    assert aside is not None and aside.parent == run and aside.name.startswith("earlier-")
+    assert sorted(p.name for p in aside.iterdir()) == ["baseline_table_wise", "comparison.png", "losses.json",
+                                                       "metrics.json"]
+    assert (aside / "metrics.json").read_text() == "metrics.json" and (run / "logs").is_dir()
+    os.close(_RUN_FOLDER_LOCK.pop())

@@ -21,7 +21,7 @@ import tempfile
 import time
 import traceback
 from pathlib import Path
-from typing import Any, Dict, NoReturn, Optional, Sequence
+from typing import Any, Dict, List, NoReturn, Optional, Sequence
 
 import hydra
 from hydra.core.hydra_config import HydraConfig
@@ -147,11 +147,65 @@ def _hydra_main(cfg: DictConfig) -> None:
     run_dir = Path(HydraConfig.get().runtime.output_dir)
     log_file = run_dir / "logs" / f"rank{os.environ.get('RANK', '0')}.log"
     try:
+        if os.environ.get("RANK", "0") == "0":
+            from torchrec_herald.trainer import hold_logs
+
+            hold_logs()  # (what claiming the folder says reaches the console and, later, the run's log file)
+            claim_run_folder(run_dir)
         _run(cfg, run_dir)
     except (SystemExit, KeyboardInterrupt):
         raise
     except BaseException as e:  # noqa: BLE001 - one readable line for whatever went wrong (DCP's errors are
         fail(e, log_file)       # BaseExceptions)
+
+
+#: what a finished run leaves in its folder, beside its logs and Hydra's ``.hydra``
+RUN_FIGURES = ("metrics.json", "losses.json", "training.png", "comparison.md", "comparison.json", "comparison.png")
+_RUN_FOLDER_LOCK: List[int] = []  # (rank 0's lock on its run folder: held until the process ends)
+
+
+def claim_run_folder(run_dir: Path) -> Optional[Path]:
+    """Rank 0, before anything trains: make the run folder this job's while it runs (an exclusive lock on
+    ``.run.lock`` in it: a second job given the same folder, by ``HERALD_RUN_ID``, torchx's ``--run_id`` or
+    ``hydra.run.dir``, wrote its figures over the first's; ValueError naming the folder and the job holding it), and
+    move an earlier finished run's figures there aside into ``earlier-<time>/`` (they were overwritten). Returns that
+    folder, or None."""
+    import fcntl
+    import shutil
+    import socket
+
+    run_dir.mkdir(parents=True, exist_ok=True)
+    path = run_dir / ".run.lock"
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    except OSError:  # (a folder that takes no lock file: check_overrides named an unwritable one already)
+        return None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        os.close(fd)
+        holder = path.read_text(errors="replace").strip()[:200] or "another process"
+        raise ValueError(f"run folder {run_dir} is in use by another job ({holder}): give this one a folder of its own "
+                         f"(torchx --run_id, HERALD_RUN_ID or hydra.run.dir), or run it once that one ends") from None
+    _RUN_FOLDER_LOCK.append(fd)
+    try:
+        os.ftruncate(fd, 0)
+        os.write(fd, f"pid {os.getpid()} on {socket.gethostname()} since {time.strftime('%Y-%m-%d %H:%M:%S')}".encode())
+    except OSError:
+        pass
+    if not (run_dir / "metrics.json").is_file():
+        return None
+    aside = run_dir / f"earlier-{time.strftime('%Y%m%d-%H%M%S')}"
+    while aside.exists():
+        aside = aside.with_name(aside.name + "_")
+    aside.mkdir()
+    moved = [p for p in (run_dir / n for n in RUN_FIGURES) if p.exists()]
+    moved += sorted(p for p in run_dir.iterdir() if p.is_dir() and (p.name.startswith("baseline_")
+                                                                       or p.name == "exact_reference"))
+    for p in moved:
+        shutil.move(str(p), str(aside / p.name))
+    logging.getLogger(__name__).warning("run folder %s held an earlier run's figures: moved to %s", run_dir, aside)
+    return aside
 
 
 def _run(cfg: DictConfig, run_dir: Path) -> None:
