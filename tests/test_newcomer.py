@@ -551,9 +551,12 @@ def test_tables_past_the_hosts_memory_fail_in_preflight_though_the_topology_hold
     common = ["data=columnar", f"data.paths={csv}", "eval=false", "batch_size=2"]
     assert _error(common + ["data.sparse={item:200000000}"]) == (
         "ValueError: the embedding tables need 13 GiB with their optimizer state at dim 16 (largest item: 200,000,000 "
-        "rows; data.sparse.<column>), more than this host's 8 GiB of memory, shared by its 2 rank(s): lower the "
-        "tables' sizes or add ranks")
+        "rows; data.sparse.<column>), more than this host's 8 GiB of memory, shared by its 2 rank(s), less 0.5 GiB a "
+        "rank holds besides (runtime): lower the tables' sizes or add ranks")
     assert _error(common + ["data.sparse={item:100000000}"]) == "no error"  # (6.3 GiB)
+    assert _error(common + ["data.sparse={item:115000000}"]).endswith(  # (7.3 GiB: 8 less 2 runtimes refuses it)
+        "this host's 8 GiB of memory, shared by its 2 rank(s), less 0.5 GiB a rank holds besides (runtime): lower the "
+        "tables' sizes or add ranks")
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "1")  # two hosts of one rank each: 16 GiB
     assert _error(common + ["data.sparse={item:200000000}"]) == "no error"
     monkeypatch.delenv("LOCAL_WORLD_SIZE")  # a launcher that does not say how many ranks a host holds: not capped

@@ -43,6 +43,9 @@ def _initial_tables(rank: int, world: int, plans: List[str]) -> Dict[str, Any]:
     from torchrec_herald.dist_utils import init_distributed
     from torchrec_herald.trainer import build_model_and_plan, preflight
 
+    import torchrec_herald.row_init as row_init
+
+    row_init.ROWS_PER_FILL = 1000  # (a table filled in many parts, across the draws' blocks: the same values)
     init_distributed()
     out: Dict[str, Any] = {}
     for p in plans:

@@ -22,6 +22,7 @@ __all__ = ["ROWS_PER_DRAW", "initial_rows", "init_sharded_embeddings"]
 logger = logging.getLogger(__name__)
 
 ROWS_PER_DRAW = 4096  # rows drawn per generator seed: small enough that a shard draws ~ its own rows
+ROWS_PER_FILL = 1 << 18  # rows written per temporary: a table's fill holds at most this many rows twice
 _MASK = (1 << 63) - 1
 
 
@@ -81,10 +82,14 @@ def init_sharded_embeddings(dmp: nn.Module, tables: Mapping[str, int], seed: int
                     r0, c0 = (int(o) for o in shard.metadata.shard_offsets)
                     rows, cols = (int(s) for s in shard.metadata.shard_sizes)
                     if rows and cols:
-                        shard.tensor.copy_(initial_rows(seed, name, n, dim, r0, r0 + rows)[:, c0:c0 + cols])
+                        for a in range(0, rows, ROWS_PER_FILL):  # (a shard of 10M rows drew a 10M-row temporary)
+                            b = min(rows, a + ROWS_PER_FILL)
+                            shard.tensor[a:b].copy_(initial_rows(seed, name, n, dim, r0 + a, r0 + b)[:, c0:c0 + cols])
                         written += rows
             else:  # replicated (DATA_PARALLEL): the whole table
-                value.copy_(initial_rows(seed, name, n, int(value.shape[1]), 0, n))
+                for a in range(0, n, ROWS_PER_FILL):
+                    b = min(n, a + ROWS_PER_FILL)
+                    value[a:b].copy_(initial_rows(seed, name, n, int(value.shape[1]), a, b))
                 written += n
     missing = sorted(set(tables) - seen)
     if missing:

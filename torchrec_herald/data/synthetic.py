@@ -228,6 +228,8 @@ class SyntheticCriteo(DataSource):
         self.feature_names: List[str] = list(DEFAULT_CAT_NAMES)
         self.num_embeddings: List[int] = scaled_num_embeddings(self.scale)
         self.num_dense: int = INT_FEATURE_COUNT
+        #: what the generator holds on each rank (the trainer's check of the tables against the host's memory counts it)
+        self.generator_bytes: int = GENERATOR_BYTES_PER_ROW * sum(self.num_embeddings)
         ranks = int(os.environ.get("LOCAL_WORLD_SIZE", 1))  # (the ranks of this host each hold one)
         need, host = GENERATOR_BYTES_PER_ROW * sum(self.num_embeddings) * ranks, host_memory_bytes()
         if host and need > host:  # (it would fail in an allocation of its own, naming no key)
