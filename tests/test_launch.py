@@ -29,9 +29,10 @@ def test_a_rank_killed_by_a_signal_names_the_signal_and_its_log(tmp_path: Path, 
     (tmp_path / "outputs" / "run7" / "logs").mkdir(parents=True)
     (tmp_path / "outputs" / "run7" / "logs" / "rank1.log").write_text("")
     failure = ProcessFailure(local_rank=1, pid=7, exitcode=-9, error_file=str(tmp_path / "none.json"))
-    assert failure_line(1, failure, "run7") == ("rank 1 died with exit code -9 (SIGKILL) before reporting an error; "
+    killed = "exit code -9 (SIGKILL: out of memory? the kernel's OOM killer sends it (dmesg names it), as does kill -9)"
+    assert failure_line(1, failure, "run7") == (f"rank 1 died with {killed} before reporting an error; "
                                                 "its log: outputs/run7/logs/rank1.log")
-    assert failure_line(0, failure, None) == "rank 0 died with exit code -9 (SIGKILL) before reporting an error"
+    assert failure_line(0, failure, None) == f"rank 0 died with {killed} before reporting an error"
 
 
 def test_a_failing_rank_exits_at_once_while_a_worker_thread_waits(tmp_path: Path) -> None:

@@ -44,7 +44,9 @@ def failure_line(rank: int, failure: object, run_id: Optional[str] = None) -> st
     exitcode = getattr(failure, "exitcode", None)
     how = f"exit code {exitcode}"
     if isinstance(exitcode, int) and exitcode < 0:
-        how += f" ({failure.signal_name()})"  # type: ignore[attr-defined]
+        how += f" ({failure.signal_name()}"  # type: ignore[attr-defined]
+        how += ": out of memory? the kernel's OOM killer sends it (dmesg names it), as does kill -9)" if exitcode == -9 \
+            else ")"
     log = Path("outputs") / (run_id or "") / "logs" / f"rank{rank}.log"
     where = f"; its log: {log}" if run_id and log.is_file() else ""
     return f"rank {rank} died with {how} before reporting an error{where}"
