@@ -202,7 +202,8 @@ def write_comparison(run_dir: Path, runs: Dict[str, Dict[str, Any]], losses: Dic
         b.set(xlabel="KiB per step, all ranks")
         b.set_title(f"embedding vectors: {100 * (1 - e_new / e_base):.0f} % fewer bytes" if e_base > 0 else "traffic",
                     fontsize=11)
-        b.legend(fontsize=8, loc="lower right")
+        b.legend(fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.14), ncol=3, frameon=False)  # (below: clear
+        # of the bars)
         b.set_xlim(0, max(sum(v for k, v in traffic_groups(runs[n]).items() if k != "dense all-reduce")
                           for n in names) / 1024 * 1.45)
     else:
