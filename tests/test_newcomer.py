@@ -526,7 +526,7 @@ def test_tables_that_no_plan_can_hold_fail_in_preflight_naming_them_and_the_key(
     common = ["data=columnar", f"data.paths={csv}", "data.sparse={item:10000000000,tags:50}", "eval=false"]
     need = (10_000_000_000 + 50) * (16 * 4 + 4) / 2**30
     assert _error(common) == (
-        f"ValueError: the embedding tables need {need:,.0f} GiB with their optimizer state at dim 16 (largest item: "
+        f"ValueError: the embedding tables need {need:,.1f} GiB with their optimizer state at dim 16 (largest item: "
         f"10,000,000,000 rows, tags: 50 rows; data.sparse.<column>), more than the 1 rank(s)' 128 GiB (TorchRec's "
         f"Topology: HBM + DDR a rank): lower the tables' sizes or add ranks")
     assert _error(["data=columnar", f"data.paths={csv}", "data.sparse={item:1000000,tags:50}", "eval=false",
@@ -550,13 +550,12 @@ def test_tables_past_the_hosts_memory_fail_in_preflight_though_the_topology_hold
     csv.write_text("label,item\n" + "1,3\n" * 4)
     common = ["data=columnar", f"data.paths={csv}", "eval=false", "batch_size=2"]
     assert _error(common + ["data.sparse={item:200000000}"]) == (
-        "ValueError: the embedding tables need 13 GiB with their optimizer state at dim 16 (largest item: 200,000,000 "
-        "rows; data.sparse.<column>), more than this host's 8 GiB of memory, shared by its 2 rank(s), less 0.5 GiB a "
-        "rank holds besides (runtime): lower the tables' sizes or add ranks")
+        "ValueError: the embedding tables need 12.7 GiB with their optimizer state at dim 16 (largest item: 200,000,000 "
+        "rows; data.sparse.<column>), more than the 7.0 GiB this host's 8 GiB of memory leave(s) for tables beside its "
+        "2 rank(s)' 0.5 GiB each (runtime): lower the tables' sizes or add ranks")
     assert _error(common + ["data.sparse={item:100000000}"]) == "no error"  # (6.3 GiB)
-    assert _error(common + ["data.sparse={item:115000000}"]).endswith(  # (7.3 GiB: 8 less 2 runtimes refuses it)
-        "this host's 8 GiB of memory, shared by its 2 rank(s), less 0.5 GiB a rank holds besides (runtime): lower the "
-        "tables' sizes or add ranks")
+    assert _error(common + ["data.sparse={item:115000000}"]).startswith(  # (8 GiB less 2 runtimes refuses it)
+        "ValueError: the embedding tables need 7.3 GiB with their optimizer state at dim 16")
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "1")  # two hosts of one rank each: 16 GiB
     assert _error(common + ["data.sparse={item:200000000}"]) == "no error"
     monkeypatch.delenv("LOCAL_WORLD_SIZE")  # a launcher that does not say how many ranks a host holds: not capped
@@ -717,7 +716,7 @@ def test_the_tables_fit_check_counts_optimizer_state_only_for_rowwise_adagrad(tm
     common = ["data=columnar", f"data.paths={csv}", "data.sparse={item:7000000000}", "eval=false", "batch_size=2",
               "model.embedding_dim=4", "model.dense_arch=[8,4]"]
     assert _error(common + ["optimizer=sgd"]) == "no error"
-    assert _error(common).startswith("ValueError: the embedding tables need 130 GiB with their optimizer state at dim 4")
+    assert _error(common).startswith("ValueError: the embedding tables need 130.4 GiB with their optimizer state at dim 4")
 
 
 def test_the_printed_decision_names_the_link_it_priced() -> None:
@@ -772,8 +771,11 @@ def test_a_run_folder_is_one_jobs_and_an_earlier_runs_figures_there_are_moved_as
 
     from torchrec_herald.train import claim_run_folder
 
+    from torchrec_herald.train import set_earlier_figures_aside
+
     run = tmp_path / "run"
-    assert claim_run_folder(run) is None  # (a new folder: nothing to move)
+    claim_run_folder(run)
+    assert set_earlier_figures_aside(run) is None  # (a new folder: nothing to move)
     code = ("import sys; from pathlib import Path; from torchrec_herald.train import claim_run_folder\n"
             "try:\n    claim_run_folder(Path(sys.argv[1]))\nexcept ValueError as e:\n    print(e)")
     other = subprocess.run([sys.executable, "-c", code, str(run)], capture_output=True, text=True, timeout=120)
@@ -789,9 +791,38 @@ def test_a_run_folder_is_one_jobs_and_an_earlier_runs_figures_there_are_moved_as
     from torchrec_herald.train import _RUN_FOLDER_LOCK
 
     os.close(_RUN_FOLDER_LOCK.pop())  # (as this job's end lets it go)
-    aside = claim_run_folder(run)
+    claim_run_folder(run)
+    aside = set_earlier_figures_aside(run)
     assert aside is not None and aside.parent == run and aside.name.startswith("earlier-")
     assert sorted(p.name for p in aside.iterdir()) == ["baseline_table_wise", "comparison.png", "losses.json",
                                                        "metrics.json"]
     assert (aside / "metrics.json").read_text() == "metrics.json" and (run / "logs").is_dir()
     os.close(_RUN_FOLDER_LOCK.pop())
+
+
+def test_a_run_that_fails_its_checks_leaves_its_log_lines_in_its_own_folder_and_none_for_the_next(
+        tmp_path: Path) -> None:
+    """A failed run's held log lines stayed in the process and were written at the top of the next run's log; its
+    own folder explained nothing."""
+    from torchrec_herald.dist_utils import run_multiprocess
+
+    (failure,) = run_multiprocess(_train_twice, 1, [["data.num_train_batches=0"],
+                                                    ["data.num_train_batches=2", "eval=false", "batch_size=16"]],
+                                  str(tmp_path), timeout_s=300)
+    assert failure == "data.num_train_batches=0 leaves nothing to train; give at least 1"
+    failed = (tmp_path / "run0" / "logs" / "rank0.log").read_text()
+    assert failed.count("building data source") == 1
+    after = (tmp_path / "run1" / "logs" / "rank0.log").read_text()
+    assert after.count("building data source") == 1 and after.index("building data source") < after.index("world_size=1")
+
+
+def _train_twice(rank: int, world: int, runs: List[List[str]], folder: str) -> Any:
+    from torchrec_herald.trainer import run_training
+
+    first, second = runs
+    try:
+        run_training(compose_config(first), Path(folder) / "run0", show_progress=False)
+    except ValueError as e:
+        run_training(compose_config(second), Path(folder) / "run1", show_progress=False)
+        return str(e)
+    return "the first run did not fail"

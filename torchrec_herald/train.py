@@ -58,6 +58,9 @@ def fail(e: BaseException, log_file: Optional[Path] = None) -> NoReturn:
     where = f" (traceback: {log_file})" if log_file is not None else ""
     if log_file is not None:
         log_file.parent.mkdir(parents=True, exist_ok=True)
+        trainer = sys.modules.get("torchrec_herald.trainer")
+        if trainer is not None:  # (what the run logged before its log was set up, then why it failed)
+            trainer.release_held_logs(log_file.parent.parent)
         with open(log_file, "a") as f:
             f.write(f"{time.strftime('%Y-%m-%d %H:%M:%S')} ERROR {line}\n")
             f.write("".join(traceback.format_exception(type(e), e, e.__traceback__)))
@@ -164,14 +167,11 @@ RUN_FIGURES = ("metrics.json", "losses.json", "training.png", "comparison.md", "
 _RUN_FOLDER_LOCK: List[int] = []  # (rank 0's lock on its run folder: held until the process ends)
 
 
-def claim_run_folder(run_dir: Path) -> Optional[Path]:
+def claim_run_folder(run_dir: Path) -> None:
     """Rank 0, before anything trains: make the run folder this job's while it runs (an exclusive lock on
     ``.run.lock`` in it: a second job given the same folder, by ``HERALD_RUN_ID``, torchx's ``--run_id`` or
-    ``hydra.run.dir``, wrote its figures over the first's; ValueError naming the folder and the job holding it), and
-    move an earlier finished run's figures there aside into ``earlier-<time>/`` (they were overwritten). Returns that
-    folder, or None."""
+    ``hydra.run.dir``, wrote its figures over the first's; ValueError naming the folder and the job holding it)."""
     import fcntl
-    import shutil
     import socket
 
     run_dir.mkdir(parents=True, exist_ok=True)
@@ -179,7 +179,7 @@ def claim_run_folder(run_dir: Path) -> Optional[Path]:
     try:
         fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
     except OSError:  # (a folder that takes no lock file: check_overrides named an unwritable one already)
-        return None
+        return
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except OSError:
@@ -193,6 +193,14 @@ def claim_run_folder(run_dir: Path) -> Optional[Path]:
         os.write(fd, f"pid {os.getpid()} on {socket.gethostname()} since {time.strftime('%Y-%m-%d %H:%M:%S')}".encode())
     except OSError:
         pass
+
+
+def set_earlier_figures_aside(run_dir: Path) -> Optional[Path]:
+    """Rank 0, once the run's checks passed and before it trains: an earlier finished run's figures in the run folder
+    (the same ``HERALD_RUN_ID``, ``--run_id`` or ``hydra.run.dir``; they were overwritten) moved into
+    ``earlier-<time>/`` there, with one warning. Returns that folder, or None."""
+    import shutil
+
     if not (run_dir / "metrics.json").is_file():
         return None
     aside = run_dir / f"earlier-{time.strftime('%Y%m%d-%H%M%S')}"
@@ -219,14 +227,16 @@ def _run(cfg: DictConfig, run_dir: Path) -> None:
                                          hold_logs, preflight, run_training, setup_logging)
 
     hc = HydraConfig.get()
-    baseline = data = None
+    baseline = None
+    hold_logs()
+    data = preflight(cfg)  # the run's settings (compare_with's value too) fail here, before anything trains or moves
+    check_not_the_run_folder(cfg, run_dir)
+    if os.environ.get("RANK", "0") == "0":
+        set_earlier_figures_aside(run_dir)  # (only once the checks passed: a re-run with a typo moves nothing)
+    setup_logging(run_dir)  # (the run's checks logged into its own folder, not a baseline's)
     if cfg.compare_with:
         # the same job with planner=<compare_with> and TorchRec's pipeline: same data, same global
         # batches, same initial weights
-        hold_logs()
-        data = preflight(cfg)  # the herald run's settings (compare_with's value too) fail here, before the baseline
-        check_not_the_run_folder(cfg, run_dir)
-        setup_logging(run_dir)  # (the herald run's checks logged into its own folder, not the baseline's)
         overrides = [o for o in hc.overrides.task if not o.startswith(("planner", "pipeline", "compare_with"))]
         base_cfg = compose(config_name="train", overrides=overrides + [f"planner={cfg.compare_with}"])
         base_cfg.compare_with = None

@@ -136,9 +136,25 @@ def _configure_logging(rank: int, log_file: Optional[Path]) -> None:
 
 
 def hold_logs(rank: Optional[int] = None) -> None:
-    """Until :func:`setup_logging` names a run folder: rank 0's INFO and every warning to the console as usual, and
-    each record held for that folder's log file (a run's checks log before its folder exists)."""
+    """Until :func:`setup_logging` names a run folder: the console as usual (rank 0's INFO and warnings, the other
+    ranks' errors), and each record held for that folder's log file (a run's checks log before its folder exists)."""
     _configure_logging(_this_rank() if rank is None else rank, None)
+
+
+def release_held_logs(run_dir: Path) -> None:
+    """Append what :func:`hold_logs` held to ``run_dir``'s log file, and hold nothing more: a run that failed before
+    its log was set up (its lines were left for the next run in the process, and its folder explained nothing)."""
+    held, _HELD.records = _HELD.records, []
+    if not held:
+        return
+    rank = _this_rank()
+    form = logging.Formatter(f"%(asctime)s [rank{rank}] %(levelname)s %(name)s: %(message)s")
+    try:
+        (run_dir / "logs").mkdir(parents=True, exist_ok=True)
+        with open(run_dir / "logs" / f"rank{rank}.log", "a") as f:
+            f.writelines(form.format(r) + "\n" for r in held)
+    except OSError:  # (a folder that takes no file: the console showed them)
+        pass
 
 
 def setup_logging(run_dir: Path, rank: Optional[int] = None) -> None:
@@ -351,15 +367,16 @@ def check_tables_fit(data: DataSource, embedding_dim: int, world_size: int, data
         if hosts * host - world_size * own < capacity:
             capacity = hosts * host - world_size * own
             owner = "the hosts'" if hosts > 1 else "this host's"
-            where = (f"{owner} {hosts * host / 2**30:,.0f} GiB of memory, shared by {'their' if hosts > 1 else 'its'} "
-                     f"{world_size} rank(s), less {own / 2**30:,.1f} GiB a rank holds besides (runtime"
+            where = (f"the {capacity / 2**30:,.1f} GiB {owner} {hosts * host / 2**30:,.0f} GiB of memory leave(s) "
+                     f"for tables beside {'their' if hosts > 1 else 'its'} {world_size} rank(s)' "
+                     f"{own / 2**30:,.1f} GiB each (runtime"
                      f"{', data generator' if getattr(data, 'generator_bytes', 0) else ''})")
     sizes = sorted(zip(data.num_embeddings, data.feature_names), reverse=True)
     row = row_with_state_bytes(embedding_dim) if optimizer == "rowwise_adagrad" else 4 * embedding_dim  # (SGD: none)
     need = sum(n for n, _ in sizes) * row
     if need > capacity:
         largest = ", ".join(f"{name}: {n:,} rows" for n, name in sizes[:3])
-        raise ValueError(f"the embedding tables need {need / 2**30:,.0f} GiB with their optimizer state at dim "
+        raise ValueError(f"the embedding tables need {need / 2**30:,.1f} GiB with their optimizer state at dim "
                          f"{embedding_dim} (largest {largest}; {TABLE_SIZE_KEYS.get(data_name, 'data.*')}), more than "
                          f"{where}: lower the tables' sizes or add ranks")
 
@@ -946,9 +963,17 @@ def run_training(cfg: DictConfig, run_dir: Path, show_progress: bool = True,
     :func:`preflight` of this ``cfg`` returned, where the caller ran it (its warnings are not said twice)."""
     reference = None
     hold_logs()  # (the checks below log into this run's folder, once the run has one)
-    if data is None:
-        data = preflight(cfg)  # the approximate run's settings fail before its reference trains
-    check_not_the_run_folder(cfg, run_dir)
+    try:
+        if data is None:
+            data = preflight(cfg)  # the approximate run's settings fail before its reference trains
+    except BaseException:
+        release_held_logs(Path(run_dir))
+        raise
+    try:
+        check_not_the_run_folder(cfg, run_dir)
+    except ValueError:
+        _HELD.records = []  # (the console showed them; a log written there would be one more file among checkpoints)
+        raise
     if is_approximate(cfg) and cfg.pipeline.get("reference", True):
         # the approximate run's plan and pipeline are built first, so that what they refuse (no hot rows to skip,
         # stock tables beside herald's) stops the job before its reference trains (it was refused after it had
