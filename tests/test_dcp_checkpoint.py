@@ -10,7 +10,7 @@ import json
 import logging
 from pathlib import Path
 from types import SimpleNamespace
-from typing import Any, Dict
+from typing import Any, Dict, List
 
 import pytest
 import torch
@@ -256,3 +256,19 @@ def test_a_save_that_cannot_be_written_names_the_checkpoint_and_keeps_the_earlie
     with pytest.raises(OSError) as e:  # (plenty of room: the writer's own error alone)
         checkpoint.save_checkpoint(tmp_path, 2, model, opt, {"epoch": 0})
     assert "unexpected pos 704 vs 598; checkpoint.dir" in str(e.value)
+
+
+def _save_beside_an_interrupted_save(rank: int, world: int, root: str) -> List[str]:
+    from torchrec_herald import checkpoint
+
+    model = torch.nn.Linear(2, 1)
+    checkpoint.save_checkpoint(Path(root), 5, model, torch.optim.SGD(model.parameters(), lr=0.1), {"epoch": 0})
+    return sorted(p.name for p in Path(root).iterdir())
+
+
+def test_a_save_removes_the_saves_a_kill_interrupted(tmp_path: Path) -> None:
+    """An interrupted save of step 3 kept its disk space until step 3 was saved again, which a resumed run past it
+    never does."""
+    (tmp_path / ".tmp-step_00000003").mkdir()
+    (tmp_path / ".tmp-step_00000003" / "__0_0.distcp").write_bytes(bytes(1 << 20))
+    assert run_multiprocess(_save_beside_an_interrupted_save, 1, str(tmp_path))[0] == ["step_00000005"]

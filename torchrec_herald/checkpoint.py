@@ -96,6 +96,8 @@ def save_checkpoint(directory: Path, step: int, dmp: torch.nn.Module, optimizer:
             os.fsync(f.fileno())
         shutil.rmtree(final, ignore_errors=True)
         os.replace(tmp, final)  # atomic: a reader sees the whole checkpoint or none of it
+        for left in directory.glob(".tmp-step_*"):  # (saves of other steps that a kill interrupted: their space back;
+            shutil.rmtree(left, ignore_errors=True)  # the folder is this run's alone while it trains)
         complete = [p for p in checkpoints(directory) if _incomplete(p) is None]  # (never a folder it cannot read)
         for old in complete[:-max(int(keep), 1)]:
             shutil.rmtree(old, ignore_errors=True)
