@@ -11,7 +11,7 @@ import math
 import textwrap
 from collections import Counter
 from pathlib import Path
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 
 __all__ = ["TRAFFIC_GROUPS", "data_samples_per_s", "embedding_bytes_per_step", "format_comparison_table",
            "format_metrics_table", "headline", "last_steps_window", "loss_gap", "plan_summary", "plot_training",
@@ -135,9 +135,9 @@ def _no_traffic(ax: Any, world_size: Any) -> None:
             ha="center", va="center", fontsize=11, color="#555555", transform=ax.transAxes)
 
 
-def plan_summary(m: Dict[str, Any]) -> str:
-    """A run's plan in one cell: how many tables each sharding type got (``26×table_wise``)."""
-    return ", ".join(f"{v}×{k}" for k, v in sorted(Counter(m["plan"].values()).items()))
+def plan_summary(plan: Mapping[str, str]) -> str:
+    """A plan (table → sharding type) in one cell: how many tables each sharding type got (``26×table_wise``)."""
+    return ", ".join(f"{v}×{k}" for k, v in sorted(Counter(plan.values()).items()))
 
 
 def last_steps_window(steps: int) -> int:
@@ -233,7 +233,7 @@ def plot_training(run_dir: Path, losses: List[float], metrics: Dict[str, Any]) -
     fig, (a, b) = plt.subplots(1, 2, figsize=(10, 3.5))
     k = _smoothing([losses])
     a.plot(range(1, len(losses) + 1), _smooth(losses, k))  # (the comparison figure's running mean)
-    plan = plan_summary(metrics) if metrics.get("plan") else ""
+    plan = plan_summary(metrics["plan"]) if metrics.get("plan") else ""
     a.set(xlabel="step", ylabel=f"train logloss (mean over ranks,\nrunning mean of {k})",
           title=f"loss: {plan}" if plan else "loss")
     parts = traffic_groups(metrics)
@@ -325,7 +325,7 @@ def format_comparison_table(runs: Dict[str, Dict[str, Any]], losses: Optional[Di
 
     count, kib, rate, four = _fixed(0), _fixed(1), _fixed(0), (lambda v: f"{v:.4f}")
     rows = [
-        ("plan", [plan_summary(m) for m in ms], None, str),
+        ("plan", [plan_summary(m["plan"]) for m in ms], None, str),
         ("steps", [m["steps"] for m in ms], None, str),
         ("KiB sent per step (all ranks)", [m["traffic_per_step_total"]["bytes"] / 1024 for m in ms], "ratio", kib),
         ("embedding KiB per step", [emb_kib(m) for m in ms], "ratio", kib),
@@ -366,7 +366,7 @@ def format_metrics_table(metrics: Dict[str, Any]) -> str:
     tot = metrics["traffic_per_step_total"]
     rows = [
         ("ranks × local batch", f"{metrics['world_size']} × {metrics['local_batch_size']}"),
-        ("plan", plan_summary(metrics) if metrics.get("plan") else "–"),
+        ("plan", plan_summary(metrics["plan"]) if metrics.get("plan") else "–"),
         ("plan picked by the model of time (predicted ms per rank: link + collectives + herald's extra work)",
          decision_cell(metrics)),
         ("steps", metrics["steps"]),

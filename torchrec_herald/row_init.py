@@ -55,6 +55,15 @@ def initial_rows(seed: int, table: str, num_embeddings: int, dim: int, start: in
     return out.mul_(2 * bound).sub_(bound)
 
 
+def _fill(target: torch.Tensor, seed: int, table: str, num_embeddings: int, dim: int, row0: int, col0: int) -> None:
+    """``target`` (rows ``row0..`` and columns ``col0..`` of ``table``) set to :func:`initial_rows`, in parts of
+    :data:`ROWS_PER_FILL` rows (a shard of 10M rows drew a 10M-row temporary)."""
+    rows, cols = target.shape
+    for a in range(0, rows, ROWS_PER_FILL):
+        b = min(rows, a + ROWS_PER_FILL)
+        target[a:b].copy_(initial_rows(seed, table, num_embeddings, dim, row0 + a, row0 + b)[:, col0:col0 + cols])
+
+
 def init_sharded_embeddings(dmp: nn.Module, tables: Mapping[str, int], seed: int) -> int:
     """Fill every embedding table of ``dmp`` (a DistributedModelParallel, any plan) in place with
     :func:`initial_rows`; each rank writes only the shards it holds. ``tables``: table name → rows.
@@ -82,14 +91,10 @@ def init_sharded_embeddings(dmp: nn.Module, tables: Mapping[str, int], seed: int
                     r0, c0 = (int(o) for o in shard.metadata.shard_offsets)
                     rows, cols = (int(s) for s in shard.metadata.shard_sizes)
                     if rows and cols:
-                        for a in range(0, rows, ROWS_PER_FILL):  # (a shard of 10M rows drew a 10M-row temporary)
-                            b = min(rows, a + ROWS_PER_FILL)
-                            shard.tensor[a:b].copy_(initial_rows(seed, name, n, dim, r0 + a, r0 + b)[:, c0:c0 + cols])
+                        _fill(shard.tensor, seed, name, n, dim, r0, c0)
                         written += rows
             else:  # replicated (DATA_PARALLEL): the whole table
-                for a in range(0, n, ROWS_PER_FILL):
-                    b = min(n, a + ROWS_PER_FILL)
-                    value[a:b].copy_(initial_rows(seed, name, n, int(value.shape[1]), a, b))
+                _fill(value, seed, name, n, int(value.shape[1]), 0, 0)
                 written += n
     missing = sorted(set(tables) - seen)
     if missing:

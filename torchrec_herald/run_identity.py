@@ -14,7 +14,7 @@ import json
 import os
 import re
 from pathlib import Path
-from typing import Any, Dict, Optional, Tuple
+from typing import Any, Dict, Optional, Tuple, Union
 
 from omegaconf import DictConfig, OmegaConf
 
@@ -225,3 +225,45 @@ def check_checkpoint_location(cfg: DictConfig, world_size: int, writing: bool) -
         raise ValueError(f"{key}={given} is not writable: no file can be created in {existing} "
                          f"({e.strerror or e}); give a writable directory") from None
     return folder
+
+
+#: what :func:`exclusive_lock` gives where no lock can be taken (the file cannot be made, a file system without locks)
+UNGUARDED = "unguarded"
+
+
+def exclusive_lock(path: Path, what: str) -> Union[int, str]:
+    """An exclusive, non-blocking ``flock`` on ``path`` (made if absent; the system drops it when the process ends),
+    with who holds it written in. Returns its fd; or the holder's line (``pid … on … since …``) where another process
+    holds it; or :data:`UNGUARDED` where none can be taken (one warning naming ``what``, e.g. a folder whose parent is
+    not writable or a file system without locks: nothing stops another run)."""
+    import errno
+    import fcntl
+    import logging
+    import socket
+    import time
+
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    except OSError as e:
+        logging.getLogger(__name__).warning("%s cannot be locked (%s cannot be made: %s): nothing stops another run "
+                                            "from using it at the same time", what, path, e.strerror or e)
+        return UNGUARDED
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError as e:
+        os.close(fd)
+        if e.errno not in (errno.EWOULDBLOCK, errno.EAGAIN):
+            logging.getLogger(__name__).warning("%s cannot be locked (%s): nothing stops another run from using it at "
+                                                "the same time", what, e.strerror or e)
+            return UNGUARDED
+        try:
+            return path.read_text(errors="replace").strip()[:200] or "another process"
+        except OSError:
+            return "another process"
+    try:  # (who holds it, for the message a second run prints; best effort on a full disk)
+        os.ftruncate(fd, 0)
+        os.write(fd, f"pid {os.getpid()} on {socket.gethostname()} since {time.strftime('%Y-%m-%d %H:%M:%S')}".encode())
+    except OSError:
+        pass
+    return fd

@@ -150,11 +150,6 @@ def _hydra_main(cfg: DictConfig) -> None:
     run_dir = Path(HydraConfig.get().runtime.output_dir)
     log_file = run_dir / "logs" / f"rank{os.environ.get('RANK', '0')}.log"
     try:
-        if os.environ.get("RANK", "0") == "0":
-            from torchrec_herald.trainer import hold_logs
-
-            hold_logs()  # (what claiming the folder says reaches the console and, later, the run's log file)
-            claim_run_folder(run_dir)
         _run(cfg, run_dir)
     except (SystemExit, KeyboardInterrupt):
         raise
@@ -171,28 +166,15 @@ def claim_run_folder(run_dir: Path) -> None:
     """Rank 0, before anything trains: make the run folder this job's while it runs (an exclusive lock on
     ``.run.lock`` in it: a second job given the same folder, by ``HERALD_RUN_ID``, torchx's ``--run_id`` or
     ``hydra.run.dir``, wrote its figures over the first's; ValueError naming the folder and the job holding it)."""
-    import fcntl
-    import socket
+    from torchrec_herald.run_identity import UNGUARDED, exclusive_lock
 
     run_dir.mkdir(parents=True, exist_ok=True)
-    path = run_dir / ".run.lock"
-    try:
-        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
-    except OSError:  # (a folder that takes no lock file: check_overrides named an unwritable one already)
-        return
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except OSError:
-        os.close(fd)
-        holder = path.read_text(errors="replace").strip()[:200] or "another process"
-        raise ValueError(f"run folder {run_dir} is in use by another job ({holder}): give this one a folder of its own "
-                         f"(torchx --run_id, HERALD_RUN_ID or hydra.run.dir), or run it once that one ends") from None
-    _RUN_FOLDER_LOCK.append(fd)
-    try:
-        os.ftruncate(fd, 0)
-        os.write(fd, f"pid {os.getpid()} on {socket.gethostname()} since {time.strftime('%Y-%m-%d %H:%M:%S')}".encode())
-    except OSError:
-        pass
+    held = exclusive_lock(run_dir / ".run.lock", f"run folder {run_dir}")
+    if isinstance(held, int):
+        _RUN_FOLDER_LOCK.append(held)
+    elif held != UNGUARDED:
+        raise ValueError(f"run folder {run_dir} is in use by another job ({held}): give this one a folder of its own "
+                         f"(torchx --run_id, HERALD_RUN_ID or hydra.run.dir), or run it once that one ends")
 
 
 def set_earlier_figures_aside(run_dir: Path) -> Optional[Path]:
@@ -228,10 +210,13 @@ def _run(cfg: DictConfig, run_dir: Path) -> None:
 
     hc = HydraConfig.get()
     baseline = None
-    hold_logs()
+    hold_logs()  # (the checks log into the run's folder once it is set up below)
+    rank0 = os.environ.get("RANK", "0") == "0"
+    if rank0:
+        claim_run_folder(run_dir)
     data = preflight(cfg)  # the run's settings (compare_with's value too) fail here, before anything trains or moves
     check_not_the_run_folder(cfg, run_dir)
-    if os.environ.get("RANK", "0") == "0":
+    if rank0:
         set_earlier_figures_aside(run_dir)  # (only once the checks passed: a re-run with a typo moves nothing)
     setup_logging(run_dir)  # (the run's checks logged into its own folder, not a baseline's)
     if cfg.compare_with:

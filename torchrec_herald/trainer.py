@@ -23,7 +23,6 @@ import shutil
 import signal
 import sys
 import time
-from collections import Counter
 from pathlib import Path
 from typing import Any, Dict, Iterator, List, Optional
 
@@ -51,7 +50,7 @@ from torchrec_herald.planner.decision import plan_model
 from torchrec_herald.planner.types import PlanDecision
 from torchrec_herald.planner.stock import describe_plan
 from torchrec_herald.report import (embedding_bytes_per_step, format_comparison_table,  # noqa: F401  (re-exported)
-                                    format_metrics_table, headline, plot_training)
+                                    format_metrics_table, headline, plan_summary, plot_training)
 from torchrec_herald.row_init import init_sharded_embeddings
 from torchrec_herald.sharding.dense_sync import dense_optimizer_for, dense_sync_wrapper
 from torchrec_herald.sharding.hot_replicated import ShardedHeraldEmbeddingBagCollection
@@ -112,10 +111,14 @@ class _HeldRecords(logging.Handler):
 _HELD = _HeldRecords()
 
 
+def _log_format(rank: int) -> str:
+    return f"%(asctime)s [rank{rank}] %(levelname)s %(name)s: %(message)s"
+
+
 def _configure_logging(rank: int, log_file: Optional[Path]) -> None:
     import logging.config
 
-    fmt = f"%(asctime)s [rank{rank}] %(levelname)s %(name)s: %(message)s"
+    fmt = _log_format(rank)
     quiet = ("torchrec.distributed.planner", "torchrec.distributed.utils", "torchrec.distributed.train_pipeline",
              "torchrec.distributed.embeddingbag",
              "torch.fx._symbolic_trace")  # (TorchRec's is_fx_tracing() calls: a note to torch's developers, per rank)
@@ -148,7 +151,7 @@ def release_held_logs(run_dir: Path) -> None:
     if not held:
         return
     rank = _this_rank()
-    form = logging.Formatter(f"%(asctime)s [rank{rank}] %(levelname)s %(name)s: %(message)s")
+    form = logging.Formatter(_log_format(rank))
     try:
         (run_dir / "logs").mkdir(parents=True, exist_ok=True)
         with open(run_dir / "logs" / f"rank{rank}.log", "a") as f:
@@ -508,9 +511,7 @@ class Checkpointing:
         ValueError on every rank naming the folder and the process that holds it."""
         if not self.every and self.resume_enabled:
             return
-        import errno
-        import fcntl
-        import socket
+        from torchrec_herald.run_identity import UNGUARDED, exclusive_lock
 
         def lock() -> Optional[str]:  # (rank 0: its error line, or None)
             if not self.every and not self.dir.exists():  # (resume=false with nothing to move aside: no lock)
@@ -519,36 +520,14 @@ class Checkpointing:
                 real = self.dir.resolve()  # (one folder reached by two paths, a link or `..`, is one lock)
             except (OSError, RuntimeError):  # (a symlink loop: the path as given)
                 real = self.dir.absolute()
-            path = real.parent / f".{real.name}.lock"
-            try:
-                path.parent.mkdir(parents=True, exist_ok=True)
-                fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
-            except OSError as e:  # (a folder whose parent is not writable, e.g. a mount point: train unguarded)
-                logger.warning("checkpoint folder %s cannot be locked (%s cannot be made: %s): nothing stops another "
-                               "run from using it at the same time", self.dir, path, e.strerror or e)
+            held = exclusive_lock(real.parent / f".{real.name}.lock", f"checkpoint folder {self.dir}")
+            if isinstance(held, int):
+                self._lock_fd = held
                 return None
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except OSError as e:
-                os.close(fd)
-                if e.errno not in (errno.EWOULDBLOCK, errno.EAGAIN):  # (a file system without locks: unguarded)
-                    logger.warning("checkpoint folder %s cannot be locked (%s): nothing stops another run from "
-                                   "using it at the same time", self.dir, e.strerror or e)
-                    return None
-                try:
-                    holder = path.read_text(errors="replace").strip()[:200] or "another process"
-                except OSError:
-                    holder = "another process"
-                return (f"checkpoint folder {self.dir} is in use by another run ({holder}): give this run a folder of "
-                        f"its own (checkpoint.dir or run_name), or re-run it once that one ends")
-            self._lock_fd = fd
-            try:  # (who holds it, for the message a second run prints; best effort on a full disk)
-                os.ftruncate(fd, 0)
-                os.write(fd, f"pid {os.getpid()} on {socket.gethostname()} since "
-                             f"{time.strftime('%Y-%m-%d %H:%M:%S')}".encode())
-            except OSError:
-                pass
-            return None
+            if held == UNGUARDED:  # (a folder whose parent is not writable, a file system without locks: unguarded)
+                return None
+            return (f"checkpoint folder {self.dir} is in use by another run ({held}): give this run a folder of "
+                    f"its own (checkpoint.dir or run_name), or re-run it once that one ends")
 
         error = rank0_outcome(lock)
         if error is not None:
@@ -742,8 +721,7 @@ class Trainer:
         torch.manual_seed(cfg.seed)
         self.dmp, self.optimizer, self.decision = build_model_and_plan(cfg, self.data, self.world, self.device)
         self.plan = describe_plan(self.decision.plan)
-        logger.info("world_size=%d local_batch=%d plan: %s", self.world, cfg.batch_size,
-                    ", ".join(f"{n}×{kind}" for kind, n in sorted(Counter(self.plan.values()).items())))
+        logger.info("world_size=%d local_batch=%d plan: %s", self.world, cfg.batch_size, plan_summary(self.plan))
         logger.debug("plan by table: %s", self.plan)
         self.pipeline = build_pipeline(cfg, self.dmp, self.optimizer, self.device, self.decision)
         self.checkpoints = Checkpointing(cfg, self.dmp, self.optimizer, self.pipeline, self.world)
