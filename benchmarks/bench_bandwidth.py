@@ -95,6 +95,8 @@ CONFIGS: Dict[str, tuple] = {
                                                                          "pipeline=sparse_dist"]),
     "hot_kept_ddp": ("herald hot replication, kept, DDP dense sync", ["planner=herald", "planner.link_mbit=null",
                                                                      "pipeline=sparse_dist", "planner.dense_sync=ddp"]),
+    "sched_kept": ("herald hot replication + scheduling, kept (planner.link_mbit=null, scheduling on)",
+                   ["planner=herald", "planner.link_mbit=null", "pipeline=herald", "pipeline.scheduling=on"]),
     "split": ("herald tables beside TABLE_WISE ones (split forced: declared 1200 Mbit/s, 0.001 ms)",
               ["planner=herald", "planner.link_mbit=1200", "planner.collective_latency_ms=0.001", "pipeline=sparse_dist"]),
 }
@@ -103,6 +105,13 @@ CONFIGS: Dict[str, tuple] = {
 OWN_LOADER = {"herald_own", "herald_own_serial"}
 #: herald full declares the link it runs on (planner.link_mbit); "unlimited" (veth without tc) as 10 Gbit/s
 UNLIMITED_DECLARED_MBIT = 10_000
+
+
+def trained_plan(row: Dict[str, Any]) -> str:
+    """The plan a run with a link decision trained: ``herald`` (herald's tables, all or some) or the stock plan the
+    model of time picked (``table_wise``, ``default``)."""
+    d = row.get("link_decision") or {}
+    return "herald" if d.get("herald", True) else str(d.get("chosen") or "table_wise")
 
 
 def limit(world: int, rate_mbit: int) -> None:
@@ -382,14 +391,17 @@ def main() -> None:
                         with tempfile.TemporaryDirectory() as tmp:
                             row = run_one(world, config, rate, a, Path(tmp))
                         reps[config].append(row)
-                        logger.info("W=%d %s %s (repeat %d): %.0f samples/s, %s", world, rate_name(rate), config, rep,
-                                    row["samples_per_s"], {k: round(v, 1) for k, v in row["breakdown_ms"].items()})
+                        logger.info("W=%d %s %s (repeat %d): %.0f samples/s, %s%s", world, rate_name(rate), config, rep,
+                                    row["samples_per_s"], {k: round(v, 1) for k, v in row["breakdown_ms"].items()},
+                                    f", trained {trained_plan(row)}" if row.get("link_decision") else "")
                 for config, runs in reps.items():
                     runs.sort(key=lambda r: r["samples_per_s"])
                     row = dict(runs[len(runs) // 2])  # the median repeat (its breakdown with it)
                     row.update(world_size=world, rate_mbit=rate,
                                repeat_samples_per_s=[r["samples_per_s"] for r in runs],
                                repeat_host_speed_ms=[r["host_speed_ms"] for r in runs])
+                    if any(r.get("link_decision") for r in runs):  # (the model of time may pick apart from run to run)
+                        row["repeat_trained"] = [trained_plan(r) for r in runs]
                     rows.append(row)
         finally:
             teardown(world)

@@ -7,7 +7,8 @@ then projected to 8–128 GPUs with measured inputs.
 (``results/bandwidth_w{2,4}_probe*.json``: stock and herald, unlimited, 200 and 50 Mbit/s) is predicted
 by :class:`StepTimeModel` from:
 
-* compute: each plan's measured compute at the unlimited link and the same W. At W=4 the 4 ranks share
+* compute: each plan's measured compute at the unlimited link and the same W (herald's scheduled step:
+  ``sched_kept``'s, scheduling forced on, where ``--unlimited`` has it; else hot replication's). At W=4 the 4 ranks share
   2 cores: a rank's own compute is half its unlimited step, and that step is the host floor;
 * rate: the ``tc`` rate times one link efficiency (gloo's TCP over a ``tbf`` veth link), calibrated on one
   point, stock TABLE_WISE at W=2 and 200 Mbit/s, and marked so; unlimited links: the probe's rate;
@@ -71,8 +72,9 @@ def trained(row: Dict[str, Any]) -> str:
     ``scheduling`` (herald's hot replication + scheduling)."""
     if row["config"] in ("tw", "stock"):
         return {"tw": "table_wise", "stock": "default"}[row["config"]]
-    if not (row.get("link_decision") or {}).get("herald", True):
-        return "table_wise"
+    decision = row.get("link_decision") or {}
+    if not decision.get("herald", True):  # the stock plan the model of time picked
+        return "default" if decision.get("chosen") == "default" else "table_wise"
     return "scheduling" if {"herald_pull", "herald_push_pull"} & set(row["by_label"]) else "hot"
 
 
@@ -81,21 +83,26 @@ Unlimited = Dict[Tuple[str, int], Tuple[str, str]]
 
 def unlimited_runs(names: List[str]) -> Unlimited:
     """Where each plan's compute at the unlimited link is taken from: :data:`UNLIMITED`'s runs, except where
-    ``names`` (``bench_bandwidth`` JSONs in ``results/``: their rows at rate 0, by what each trained) have it."""
-    runs = dict(UNLIMITED)
+    ``names`` (``bench_bandwidth`` JSONs in ``results/``: their rows at rate 0, by what each trained; the first
+    row of a plan counts: a stock baseline before herald's defaults where the model of time picked the same plan)
+    have it."""
+    found: Unlimited = {}
     for name in names:
         for r in _rows(name):
             if r["rate_mbit"] == 0:
-                runs[(trained(r), r["world_size"])] = (name, r["config"])
-    return runs
+                found.setdefault((trained(r), r["world_size"]), (name, r["config"]))
+    return {**UNLIMITED, **found}
 
 
 def load_of(row: Dict[str, Any], kind: str, unlimited: Optional[Unlimited] = None) -> Tuple[PlanLoad, float]:
     """The row's plan as a PlanLoad (measured bytes and collectives per rank and step, measured compute at
     the unlimited link), and that unlimited step."""
     W = row["world_size"]
-    base = "hot" if kind == "scheduling" else kind
-    name, config = (unlimited or UNLIMITED)[(base, W)]
+    runs = unlimited or UNLIMITED
+    # herald's scheduled step: its own compute where a run with scheduling forced on (``sched_kept``) measured
+    # it at the unlimited link, else hot replication's (the same lookups, without applying a plan)
+    base = "hot" if kind == "scheduling" and (kind, W) not in runs else kind
+    name, config = runs[(base, W)]
     unl = _row(name, config, W, 0)["breakdown_ms"]
     dense = row["by_label"].get("dense_allreduce", {}).get("bytes", 0.0)
     herald = kind in ("hot", "scheduling")

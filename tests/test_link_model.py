@@ -535,3 +535,42 @@ def test_a_probe_failing_on_one_rank_only_leaves_every_rank_on_the_configured_va
         "planner: the link probe failed (Timed out waiting 30000ms for send operation to complete); planning with "
         "the configured link values (planner.link_mbit / planner.collective_latency_ms)"]
     assert m0["link_decision"] is None and m1["link_decision"] is None and m0["plan"] == m1["plan"]
+
+
+def _train_counting_probes(rank: int, world: int, overrides: list, run_dir: str) -> tuple:
+    import logging
+
+    import torchrec_herald.planner.link_probe as link_probe
+    from torchrec_herald.planner.link_probe import LinkProbe
+
+    calls: list = []
+
+    def probe(*args: object, **kwargs: object) -> LinkProbe:  # a slow link: herald's plan is chosen
+        calls.append(1)
+        return LinkProbe(link_mbit=20.0 + len(calls), latency_ms=0.2, bytes_per_rank=1 << 20, seconds=0.4)
+
+    link_probe.probe_link = probe
+    seen: list = []
+    handler = logging.Handler()
+    handler.emit = lambda record: seen.append(record.getMessage())  # type: ignore[method-assign]
+    logging.getLogger("torchrec_herald.planner").addHandler(handler)
+    m = _train(rank, world, overrides, run_dir)
+    ref = json.loads((Path(run_dir) / "exact_reference" / "metrics.json").read_text())
+    return len(calls), seen, m["link_decision"], ref["link_decision"]
+
+
+def test_an_approximate_run_probes_the_link_once_and_logs_its_plan_table_once(tmp_path: Path) -> None:
+    """An approximate run plans three times (a first build whose refusals stop the job before its exact reference
+    trains, the reference, the run): the link is measured once and the three plan on that one measure (a second
+    probe could measure another rate and train the reference on another plan), and the plan's table is logged once."""
+    res = run_multiprocess(_train_counting_probes, 2, DEFAULTS + ["pipeline.staleness=1", "data.num_train_batches=4",
+                                                                   "eval=false"], str(tmp_path))
+    for rank, (calls, seen, decision, ref_decision) in enumerate(res):
+        assert calls == 1
+        assert decision["measured"]["link_mbit"] == ref_decision["measured"]["link_mbit"] == 21.0
+        assert decision["herald"] and decision == ref_decision
+        tables = [s.split("\n")[0] for s in seen if s.startswith("HeraldPlanner: 26 tables")]
+        assert tables == (["HeraldPlanner: 26 tables"] + ["HeraldPlanner: 26 tables, the plan this job logged first"] * 2
+                          if rank == 0 else [])  # (rank 0 plans, every rank gets its plan)
+        assert [s for s in seen if s.startswith("planner: measured link")] == [
+            "planner: measured link: 21 Mbit/s per rank, 0.20 ms per collective (1.0 MiB per rank in 0.40 s)"]

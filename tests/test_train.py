@@ -422,3 +422,18 @@ def test_a_runs_figures_are_written_whole_and_a_failed_write_names_the_file(tmp_
     assert str(e.value) == (f"[Errno 28] cannot write {target} (No space left on device): the run's figures go to its "
                             f"folder (hydra.run.dir); make room there or give another")
     assert target.read_text() == "[0.5]" and sorted(p.name for p in tmp_path.iterdir()) == ["losses.json"]
+
+
+@pytest.mark.parametrize("overrides,folder,label", [
+    (["planner=table_wise"], "run", "train stock_table_wise"), (["planner=stock"], "run", "train stock_default"),
+    (["planner=herald"], "run", "train herald"), (["planner=table_wise"], "baseline_table_wise", "train table_wise (baseline)"),
+    (["planner=herald", "pipeline=herald"], "exact_reference", "train exact reference")])
+def test_the_progress_bar_names_the_planner_as_the_run_folder_does(overrides: List[str], folder: str, label: str) -> None:
+    from torchrec_herald.config import compose_config
+    from torchrec_herald.run_identity import run_name
+    from torchrec_herald.trainer import Trainer
+
+    cfg = compose_config(overrides)
+    assert Trainer(cfg, Path("/nonexistent") / folder)._progress_label() == label
+    if folder == "run":
+        assert run_name(cfg, 2).startswith(label.removeprefix("train ") + "-")

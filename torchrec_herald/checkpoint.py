@@ -216,19 +216,28 @@ def none_usable(directory: Path, required: Sequence[str] = ("step",)) -> Optiona
             f"move them aside and train from step 0")
 
 
+def replace_whole(path: Path, text: str) -> None:
+    """Write ``path`` whole or not at all: a temporary file beside it, flushed to disk, then renamed over it (a reader,
+    or a kill or crash at any moment, finds the old file or the new one, never a part). The temporary is removed
+    where anything fails; the OSError is the caller's to name."""
+    tmp = path.with_name(f".{path.name}.tmp")
+    try:
+        with open(tmp, "w") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
 def mark_final(directory: Path, step: int) -> None:
     """Rank 0 (collective): record that the checkpoint of ``step`` is the run's end (a periodic save at the run's
     last step), rewriting its trainer state whole (a temporary file, then a rename)."""
     path = Path(directory) / f"step_{step:08d}" / TRAINER_STATE
 
     def rewrite() -> None:
-        state = json.loads(path.read_text())
-        tmp = path.with_name(f".{path.name}.tmp")
-        with open(tmp, "w") as f:
-            json.dump(dict(state, final=True), f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
+        replace_whole(path, json.dumps(dict(json.loads(path.read_text()), final=True)))
 
     _on_rank0(rewrite, f"cannot mark the checkpoint {path.parent} as the run's end")
 

@@ -19,7 +19,8 @@ from typing import Any, Dict, Optional, Tuple, Union
 from omegaconf import DictConfig, OmegaConf
 
 __all__ = ["EVAL_SPLIT_KEYS", "MAY_CHANGE_ON_RESUME", "NOT_TRAINING_KEYS", "check_checkpoint_location", "check_folder_is_the_runs", "checkpoint_dir",
-           "companion_run", "eval_identity", "resume_problem", "run_name", "training_identity"]
+           "companion_run", "eval_identity", "exclusive_lock", "planner_name", "resume_problem", "run_name",
+           "training_identity"]
 
 #: top-level config keys that do not change the trained model (a re-run differing in them resumes)
 NOT_TRAINING_KEYS = ("checkpoint", "log_every", "eval", "compare_with", "run_name")
@@ -93,6 +94,12 @@ def resume_problem(saved: Any, current: Dict[str, Any], path: Path) -> Optional[
             f"checkpoint.resume=false to start fresh (the checkpoints there are moved aside, not deleted)")
 
 
+def planner_name(cfg: DictConfig) -> str:
+    """The planner a run's config names, as its run folder and progress bar say it: ``herald``, or ``stock_<mode>``
+    (``stock_default``, ``stock_table_wise``, ``stock_row_wise``)."""
+    return str(cfg.planner.name) if cfg.planner.name != "stock" else f"stock_{cfg.planner.mode}"
+
+
 def run_name(cfg: DictConfig, world_size: int) -> str:
     """``cfg.run_name`` if set (letters, digits, ``.``, ``_``, ``-``), else the name derived from the
     config and the world size. Raises ValueError naming ``run_name`` for a name that is not a folder
@@ -112,8 +119,7 @@ def run_name(cfg: DictConfig, world_size: int) -> str:
         if isinstance(node, dict):
             node.pop(leaf, None)
     digest = hashlib.sha1(json.dumps(named, sort_keys=True, default=str).encode()).hexdigest()[:8]
-    planner = cfg.planner.name if cfg.planner.name != "stock" else f"stock_{cfg.planner.mode}"
-    return f"{planner}-{cfg.pipeline.name}-{cfg.data.name}-w{int(world_size)}x{int(cfg.batch_size)}-{digest}"
+    return f"{planner_name(cfg)}-{cfg.pipeline.name}-{cfg.data.name}-w{int(world_size)}x{int(cfg.batch_size)}-{digest}"
 
 
 def _default_root() -> str:

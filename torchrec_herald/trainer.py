@@ -188,12 +188,14 @@ def embedding_optimizer_setup(model: nn.Module, cfg: DictConfig) -> type:
     return dense_cls
 
 
-def build_model_and_plan(cfg: DictConfig, data: DataSource, world_size: int, device: torch.device
+def build_model_and_plan(cfg: DictConfig, data: DataSource, world_size: int, device: torch.device,
+                         earlier: Optional[PlanDecision] = None
                          ) -> tuple[DistributedModelParallel, CombinedOptimizer, PlanDecision]:
     """Seeded DLRM with its tables on ``meta`` → the planner's decision (``planner/decision.py``) → DMP,
     which materialises only this rank's shards (and herald's replicas and caches); the shards are then
     filled by the deterministic per-row initialisation (:mod:`torchrec_herald.row_init`), so every plan
-    starts from identical weights without a full copy of the model on any rank."""
+    starts from identical weights without a full copy of the model on any rank. ``earlier``: this job's decision
+    for the same planner settings (:func:`~torchrec_herald.planner.decision.plan_model`: its link probe reused)."""
     tables = build_tables(data.feature_names, data.num_embeddings, cfg.model.embedding_dim, cfg.model.pooling)
     model = build_dlrm_train(tables, data.num_dense, cfg.model.dense_arch, cfg.model.over_arch,
                              seed=cfg.seed, device="meta")
@@ -202,7 +204,8 @@ def build_model_and_plan(cfg: DictConfig, data: DataSource, world_size: int, dev
     sample = ([b.sparse_features for b in itertools.islice(data.train_batches(0, 1, world_size * cfg.batch_size),
                                                            planner_config.stats_batches)]
               if isinstance(planner_config, HeraldPlannerConfig) else [])
-    decision = plan_model(planner_config, model, tables, sample, world_size, cfg.batch_size, device, dist.group.WORLD)
+    decision = plan_model(planner_config, model, tables, sample, world_size, cfg.batch_size, device, dist.group.WORLD,
+                          earlier=earlier)
     wrapper = dense_sync_wrapper(decision.dense_sync)
     dmp = DistributedModelParallel(model, device=device, plan=decision.plan, sharders=decision.sharders,
                                    data_parallel_wrapper=wrapper or MeteredDataParallelWrapper(cfg.model.embedding_dim))
@@ -676,15 +679,13 @@ def copy_whole(src: Path, dst: Path) -> None:
 def write_whole(path: Path, text: str) -> None:
     """Write a run's figure file whole or not at all (a temporary file beside it, then a rename); OSError naming the
     file and the run folder's key where it cannot (a full disk left an empty ``losses.json`` and a line naming none)."""
-    tmp = path.with_name(f".{path.name}.tmp")
+    from torchrec_herald.checkpoint import replace_whole
+
     try:
-        tmp.write_text(text)
-        os.replace(tmp, path)
+        replace_whole(path, text)
     except OSError as e:
         raise OSError(e.errno, f"cannot write {path} ({e.strerror or e}): the run's figures go to its folder "
                                f"(hydra.run.dir); make room there or give another") from None
-    finally:
-        tmp.unlink(missing_ok=True)
 
 
 def fault_injection(step: int, rank: int) -> None:
@@ -705,13 +706,15 @@ class Trainer:
     ``Trainer(cfg, run_dir).build()`` validates the config and builds everything (data, model, plan,
     DMP, pipeline, checkpoints); :meth:`train` trains, evaluates, and has rank 0 write
     ``run_dir/metrics.json``, ``losses.json`` and ``training.png``; it returns the metrics (the same on
-    every rank). ``reference``: an approximate run's exact-mode metrics, recorded beside its own.
+    every rank). ``reference``: an approximate run's exact-mode metrics, recorded beside its own. ``earlier``: this
+    job's decision for the same planner settings (an approximate run's first build): its link probe is reused.
     """
 
     def __init__(self, cfg: DictConfig, run_dir: Path, show_progress: bool = True,
-                 reference: Optional[Dict[str, Any]] = None, data: Optional[DataSource] = None) -> None:
+                 reference: Optional[Dict[str, Any]] = None, data: Optional[DataSource] = None,
+                 earlier: Optional[PlanDecision] = None) -> None:
         self.cfg, self.run_dir, self.show_progress, self.reference = cfg, Path(run_dir), show_progress, reference
-        self._checked_data = data
+        self._checked_data, self._earlier = data, earlier
 
     def build(self) -> "Trainer":
         cfg = self.cfg
@@ -719,7 +722,8 @@ class Trainer:
         self.rank, self.world, self.device = init_distributed()
         setup_logging(self.run_dir, self.rank)
         torch.manual_seed(cfg.seed)
-        self.dmp, self.optimizer, self.decision = build_model_and_plan(cfg, self.data, self.world, self.device)
+        self.dmp, self.optimizer, self.decision = build_model_and_plan(cfg, self.data, self.world, self.device,
+                                                                       self._earlier)
         self.plan = describe_plan(self.decision.plan)
         logger.info("world_size=%d local_batch=%d plan: %s", self.world, cfg.batch_size, plan_summary(self.plan))
         logger.debug("plan by table: %s", self.plan)
@@ -735,8 +739,9 @@ class Trainer:
             return f"train {folder[len('baseline_'):]} (baseline)"
         if folder == "exact_reference":
             return "train exact reference"
-        planner = self.cfg.planner
-        return f"train stock {planner.get('mode')}" if planner.get("name") == "stock" else f"train {planner.get('name')}"
+        from torchrec_herald.run_identity import planner_name
+
+        return f"train {planner_name(self.cfg)}"
 
     def _stream(self, start: int) -> TrainStream:
         # a herald pipeline reads its window ahead and, at a checkpoint, starts it again from the data's position:
@@ -939,6 +944,12 @@ def run_training(cfg: DictConfig, run_dir: Path, show_progress: bool = True,
     ``pipeline.skip``) with ``pipeline.reference`` first trains the exact mode on the same batches (into
     ``run_dir/exact_reference``) and records it and the deltas under ``metrics["approximate"]``. ``data``: what
     :func:`preflight` of this ``cfg`` returned, where the caller ran it (its warnings are not said twice)."""
+    return _run_training(cfg, run_dir, show_progress, data)
+
+
+def _run_training(cfg: DictConfig, run_dir: Path, show_progress: bool, data: Optional[DataSource],
+                  earlier: Optional[PlanDecision] = None) -> Dict[str, Any]:
+    """:func:`run_training`; ``earlier``: the approximate run's decision, for its exact reference."""
     reference = None
     hold_logs()  # (the checks below log into this run's folder, once the run has one)
     try:
@@ -956,11 +967,14 @@ def run_training(cfg: DictConfig, run_dir: Path, show_progress: bool = True,
         # the approximate run's plan and pipeline are built first, so that what they refuse (no hot rows to skip,
         # stock tables beside herald's) stops the job before its reference trains (it was refused after it had
         # trained in full); then released, so that the two models are never held at once
+        # trained by the reference and the final build too (the link probed once: the three plan on one link)
         early = Trainer(cfg, run_dir, show_progress, None, data).build()
+        earlier = early.decision
         pg = getattr(getattr(early.dmp, "dense_sync", None), "_pg", None)
         if pg is not None:  # (its dense sums' group: the final build makes its own)
             dist.destroy_process_group(pg)
         del early
         gc.collect()
-        reference = run_training(exact_reference_config(cfg), Path(run_dir) / "exact_reference", show_progress)
-    return Trainer(cfg, run_dir, show_progress, reference, data).build().train()
+        reference = _run_training(exact_reference_config(cfg), Path(run_dir) / "exact_reference", show_progress, None,
+                                  earlier)
+    return Trainer(cfg, run_dir, show_progress, reference, data, earlier).build().train()

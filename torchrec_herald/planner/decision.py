@@ -30,12 +30,16 @@ logger = logging.getLogger(__name__)
 
 def plan_model(config: Union[StockPlannerConfig, HeraldPlannerConfig], module: nn.Module,
                tables: Sequence[EmbeddingBagConfig], sample_batches: Sequence[Any], world_size: int,
-               local_batch_size: int, device: torch.device, pg: Optional[dist.ProcessGroup] = None) -> PlanDecision:
+               local_batch_size: int, device: torch.device, pg: Optional[dist.ProcessGroup] = None,
+               earlier: Optional[PlanDecision] = None) -> PlanDecision:
     """Plan ``module`` as ``config`` says (collectively when ``pg`` is given: rank 0 plans).
 
     Args:
         sample_batches: KJTs or Batches whose accesses herald's hot sets are chosen from (unused by the
             stock planner).
+        earlier: this job's decision for the same planner settings, already logged (an approximate run plans
+            before its exact reference and again for itself): its link probe's outcome is reused, not measured
+            again, so the three plan on one measured link, and the plan's table is not logged again.
     """
     from torchrec_herald.planner.planner import HeraldPlanner
     from torchrec_herald.planner.stock import stock_plan
@@ -47,7 +51,9 @@ def plan_model(config: Union[StockPlannerConfig, HeraldPlannerConfig], module: n
         plan = stock_plan(module, list(tables), sharders, config.mode, world_size, local_batch_size, device, pg)
         return PlanDecision(plan=plan, sharders=sharders, dense_sync=config.dense_sync)
     probe = None
-    if config.wants_probe and pg is not None and world_size > 1:
+    if earlier is not None:
+        probe = earlier.probe
+    elif config.wants_probe and pg is not None and world_size > 1:
         from torchrec_herald.planner.link_probe import probe_on_every_rank
 
         probe = probe_on_every_rank(pg)  # (on every rank, or on none)
@@ -57,5 +63,6 @@ def plan_model(config: Union[StockPlannerConfig, HeraldPlannerConfig], module: n
     planner = HeraldPlanner(topology=make_topology(world_size, device.type), batch_size=local_batch_size,
                             sample_batches=list(sample_batches), hot_memory_budget_bytes=config.hot_memory_budget_bytes,
                             hot_set_selector=config.hot_set_selector(), link=link, dense_sync=config.dense_sync)
+    planner.log_plan_table = earlier is None
     decision = planner.decide(module, [HeraldEmbeddingBagCollectionSharder()], pg)
     return dataclasses.replace(decision, probe=probe)

@@ -114,6 +114,9 @@ class HeraldPlanner(EmbeddingShardingPlanner):
     :class:`~torchrec_herald.planner.types.PlanDecision`).
     """
 
+    #: log the plan's per-table table (False: one line, where the same job logged the same plan already)
+    log_plan_table: bool = True
+
     def __init__(self, *args: Any, access_stats: Optional[AccessStats] = None,
                  stats: Union[Stats, List[Stats], None] = None,
                  hot_memory_budget_bytes: Optional[int] = DEFAULT_HOT_MEMORY_BUDGET_BYTES,
@@ -373,7 +376,10 @@ class HeraldPlanner(EmbeddingShardingPlanner):
         hot = {name: HotSpec(c.hot_ids, sync=c.sync, expected=c.expected.as_dict()) for name, c in choices.items()}
         ebcs = {fqn for fqn, m in module.named_modules() if isinstance(m, EmbeddingBagCollection)}
         plan = herald_plan_from_row_wise(row_wise, hot, modules=ebcs, keep=kept)
-        logger.info("HeraldPlanner: %s tables\n%s", len(tables), self.describe())
+        if self.log_plan_table:
+            logger.info("HeraldPlanner: %s tables\n%s", len(tables), self.describe())
+        else:
+            logger.info("HeraldPlanner: %s tables, the plan this job logged first", len(tables))
         return plan
 
     def decide(self, module: nn.Module, sharders: List[ModuleSharder[nn.Module]],
