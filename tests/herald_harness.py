@@ -47,6 +47,42 @@ def gather_state(state: Dict[str, Any]) -> Dict[str, torch.Tensor]:
     return out
 
 
+def table_rows(state: Dict[str, torch.Tensor], table: str) -> torch.Tensor:
+    """Table ``table``'s full weight in a :func:`gather_state` state (its ``embedding_bags.<table>.weight`` key)."""
+    return state[next(k for k in state if k.endswith(f"embedding_bags.{table}.weight"))]
+
+
+def hot_replica_gap(ebc: Any, state: Dict[str, torch.Tensor]) -> float:
+    """Largest |hot replica − the model's row| on this rank, 0.0 where every hot replica holds the row the model's
+    table holds (``state``: :func:`gather_state`'s, the owners' rows). Gathered tables are alike on every rank by
+    construction; this is what tells whether a rank's own replicas agree with them."""
+    lay = ebc.layout
+    expected = torch.cat([table_rows(state, t)[ids] for t, ids in zip(lay.tables, lay.hot_ids)])
+    got = ebc.hot_values()
+    assert got.shape == expected.shape and got.numel() > 0, (tuple(got.shape), tuple(expected.shape))
+    return float((got - expected).abs().max())
+
+
+def full_momentum(dmp: Any) -> Dict[str, torch.Tensor]:
+    """Every table's row-wise Adagrad state (``<table>.momentum1``) as a full tensor on every rank, whatever the layout
+    (stock TABLE_WISE keeps a table's state on its one rank only): each rank fills in its local shards, then one
+    all-reduce (collective)."""
+    st = dmp.fused_optimizer.state_dict()["state"]
+    local = {k: v for per in st.values() for k, v in per.items() if k.endswith("momentum1")}
+    sizes: list = [None] * dist.get_world_size()
+    dist.all_gather_object(sizes, {k: list(v.size()) for k, v in local.items()})
+    merged = {k: s for d in sizes for k, s in d.items()}
+    out = {}
+    for k in sorted(merged):
+        full = torch.zeros(merged[k])
+        for shard in (local[k].local_shards() if k in local else []):
+            off = shard.metadata.shard_offsets[0]
+            full[off: off + shard.tensor.shape[0]] = shard.tensor
+        dist.all_reduce(full)
+        out[k] = full
+    return out
+
+
 def multi_hot(kjt: Any) -> Any:
     """Deterministic multi-id bags from a one-id KJT: sample i of feature f gets ``(i + f) % 4`` ids
     (0 to 3: empty bags included), those of samples i, i+1, ... of the same feature (ids repeat in a
@@ -267,7 +303,9 @@ def train(rank: int, world: int, cfg: Dict[str, Any]) -> Dict[str, Any]:
     from torchrec_herald.pipeline.context import find_herald_ebc
 
     ebc = find_herald_ebc(dmp) if cfg["planner"] == "herald" else None
-    return {"losses": losses, "state": full_state(dmp), "initial": b["initial"], "traffic": meter.summary(),
+    state = full_state(dmp)
+    return {"losses": losses, "state": state, "initial": b["initial"], "traffic": meter.summary(),
+            "hot_replica_gap": hot_replica_gap(ebc, state) if ebc is not None and ebc._num_hot else None,
             "worker_used": ebc is not None and ebc._worker is not None, "num_hot": ebc._num_hot if ebc is not None else 0,
             "table_traffic": ebc.traffic_by_table() if ebc is not None else {},
             "tags": meter.tag_summary(), "dense_names": sorted(dict(in_backward_optimizer_filter(dmp.named_parameters())))}

@@ -50,13 +50,14 @@ _error = error_of
 def _worker(rank: int, world: int) -> Dict[str, Any]:
     from torchrec.distributed import DistributedModelParallel
 
-    from herald_harness import build, make_data, run_steps
+    from herald_harness import build, full_state, make_data, run_steps
     from torchrec_herald.model import build_dlrm_train, build_tables
     from torchrec_herald.planner.convert import herald_plan_from_row_wise
     from torchrec_herald.planner.stock import stock_plan
     from torchrec_herald.sharding import HeraldEmbeddingBagCollectionSharder, HotSpec
 
     h = build(world, dict(planner="herald", steps=3))
+    ref = build(world, dict(planner="herald", steps=3))  # the same model that sees no bad input, for comparison
     dmp, data = h["dmp"], h["data"]
     batch = next(iter(data.train_batches(rank, world, h["batch_size"])))
     n = dict(zip(data.feature_names, data.num_embeddings))[BAD_FEATURE]
@@ -72,6 +73,7 @@ def _worker(rank: int, world: int) -> Dict[str, Any]:
     ebc.input_dist_in_thread = True
     out["too_large_in_thread"] = _error(lambda: dmp(_with_id(batch, BAD_FEATURE, BAD_POS, n) if rank == 1 else batch))
     out["thread_losses_after"] = run_steps(dmp, h["optimizer"], data.train_batches(rank, world, h["batch_size"]))
+    out["ref_losses_1"] = run_steps(ref["dmp"], ref["optimizer"], ref["data"].train_batches(rank, world, ref["batch_size"]))
     ebc.input_dist_in_thread = None
     # a KJT without one of the EBC's features (every rank: a data pipeline bug)
     out["missing"] = _error(lambda: dmp(_without(batch, MISSING_FEATURE)))
@@ -85,6 +87,9 @@ def _worker(rank: int, world: int) -> Dict[str, Any]:
     out["weighted"] = _error(lambda: dmp(Batch(batch.dense_features, weighted, batch.labels)))
     # the module is still usable after those errors
     out["losses_after"] = run_steps(dmp, h["optimizer"], data.train_batches(rank, world, h["batch_size"]))
+    out["ref_losses_2"] = run_steps(ref["dmp"], ref["optimizer"], ref["data"].train_batches(rank, world, ref["batch_size"]))
+    mine, theirs = full_state(dmp), full_state(ref["dmp"])
+    out["state_as_ref"] = sorted(mine) == sorted(theirs) and all(torch.equal(mine[k], theirs[k]) for k in theirs)
 
     # one EBC whose plan mixes herald and stock tables: a mixed EBC (tests/test_mixed_sharding.py trains it)
     from fbgemm_gpu.split_embedding_configs import EmbOptimType
@@ -143,6 +148,9 @@ def _one_rank_worker(rank: int, world: int) -> Dict[str, Any]:
         for name, bad in (("too_large", n), ("negative", -1)):
             out[f"{name}_{path}"] = _error(lambda: dmp(_with_id(batch, BAD_FEATURE, BAD_POS, bad)))
         out[f"losses_after_{path}"] = run_steps(dmp, h["optimizer"], data.train_batches(rank, world, h["batch_size"]))
+        ref = build(world, dict(planner="herald", steps=3, torch_ids=path == "torch", hot_min_count=10 ** 9))
+        out[f"ref_losses_{path}"] = run_steps(ref["dmp"], ref["optimizer"],
+                                              ref["data"].train_batches(rank, world, ref["batch_size"]))
     return out
 
 
@@ -158,7 +166,7 @@ def test_bad_id_at_one_rank_without_hot_rows_is_the_same_clear_error(name: str, 
     bad = n if name == "too_large" else -1
     assert msg.startswith(f"ValueError: id {bad} of feature '{BAD_FEATURE}' is outside table 't_{BAD_FEATURE}' "
                           f"[0, {n}) (in rank 0's batch"), msg
-    assert len(r[f"losses_after_{path}"]) == 3
+    assert len(r[f"losses_after_{path}"]) == 3 and r[f"losses_after_{path}"] == r[f"ref_losses_{path}"]  # as if unseen
 
 
 def test_missing_feature_is_a_clear_error() -> None:
@@ -182,9 +190,12 @@ def test_weighted_kjt_is_a_clear_error() -> None:
 
 
 def test_module_still_trains_after_input_errors() -> None:
+    """Refused batches leave nothing behind: the module then trains exactly as the same module that never saw them
+    (the same losses, step for step, and the same weights)."""
     for r in results():
-        assert len(r["losses_after"]) == 3 and all(0 < x < 10 for x in r["losses_after"])
-        assert len(r["thread_losses_after"]) == 3 and all(0 < x < 10 for x in r["thread_losses_after"])
+        assert len(r["thread_losses_after"]) == 3 and r["thread_losses_after"] == r["ref_losses_1"]
+        assert len(r["losses_after"]) == 3 and r["losses_after"] == r["ref_losses_2"]
+        assert r["state_as_ref"]
 
 
 def test_herald_and_stock_tables_in_one_ebc_shard_into_a_mixed_ebc() -> None:

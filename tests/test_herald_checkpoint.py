@@ -47,7 +47,7 @@ def _equal(a: Dict[str, torch.Tensor], b: Dict[str, torch.Tensor]) -> Dict[str, 
 def _worker(rank: int, world: int) -> Dict[str, Any]:
     from torch.distributed._shard.sharded_tensor import ShardedTensor
 
-    from herald_harness import build, full_state, gather_state, run_steps
+    from herald_harness import build, full_momentum, full_state, gather_state, run_steps
     from torchrec_herald.model import build_dlrm_train
 
     cfg = dict(planner="herald", optimizer="rowwise_adagrad", via="apply", steps=STEPS, sync="dense")
@@ -122,6 +122,12 @@ def _worker(rank: int, world: int) -> Dict[str, Any]:
                                                local(rw_fused).values()))
     hot_module = [m for m in h_opt["dmp"].modules() if type(m).__name__ == "ShardedHeraldEmbeddingBagCollection"][0]
     out["opt_hot_state"] = hot_module.store.hot_state.clone()
+    # each rank's hot replicas' state: the owners' rows of the state loaded (stock ROW_WISE's, gathered)
+    owners = full_momentum(rw["dmp"])
+    lay = hot_module.layout
+    expected = torch.cat([owners[f"{t}.momentum1"][ids] for t, ids in zip(lay.tables, lay.hot_ids)])
+    out["opt_hot_state_gap"] = float((hot_module.store.hot_state[:lay.num_hot] - expected).abs().max())
+    out["opt_num_hot"] = lay.num_hot
     # herald -> a fresh stock ROW_WISE
     rw_opt = build(world, dict(cfg, planner="row_wise"))
     rw_opt["dmp"].fused_optimizer.load_state_dict(fused)
@@ -224,3 +230,5 @@ def test_optimizer_state_moves_between_herald_and_stock_row_wise() -> None:
         assert r["opt_stock_to_herald_equal"] and r["opt_herald_to_stock_equal"]
     assert torch.equal(res[0]["opt_hot_state"], res[1]["opt_hot_state"])
     assert res[0]["opt_hot_state"].sum() > 0
+    for r in res:  # each rank's hot replicas' state is the owners' (stock ROW_WISE's state at the hot ids)
+        assert r["opt_num_hot"] > 0 and r["opt_hot_state_gap"] == 0.0

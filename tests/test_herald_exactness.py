@@ -121,9 +121,10 @@ def test_herald_matches_stock(case: str, herald_run: str) -> None:
         worst = {k: rel(h["state"][k], s["state"][k]) for k in s["state"]}
         bad = {k: v for k, v in worst.items() if not v <= weight_rtol(CASES[case][1]["optimizer"])}
         assert not bad, (case, rank, bad)
-        # herald's replicas agree: every rank presents the same tables
+        # herald's replicas agree: every rank presents the same tables, and its own hot replicas hold their rows
         for k, v in h["state"].items():
             assert torch.equal(v, herald[0]["state"][k]), (case, rank, k)
+        assert h["hot_replica_gap"] == 0.0, (case, rank, h["hot_replica_gap"])
         # both paths carried traffic, and herald sent fewer embedding vectors than the stock reference
         assert h["tags"]["herald_hot_sync"]["bytes"] > 0, (case, rank)
         assert h["tags"]["herald_pooled"]["bytes"] > 0, (case, rank)

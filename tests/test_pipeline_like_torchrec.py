@@ -12,7 +12,7 @@ from typing import Any, Dict, List, Optional
 import pytest
 import torch
 
-from herald_harness import build, weight_rtol
+from herald_harness import LOSS_RTOL, build, weight_rtol
 from torchrec_herald.dist_utils import run_multiprocess
 
 STEPS = 12
@@ -86,7 +86,7 @@ def test_an_eval_pass_between_training_steps_trains_nothing_and_reads_current_ro
     for h, s in zip(herald, stock):
         assert len(h["eval"]) == 3 and [len(h[k]) for k in ("before", "after")] == [4, STEPS - 4]
         for part in ("before", "eval", "after"):
-            assert h[part] == pytest.approx(s[part], rel=weight_rtol("rowwise_adagrad")), part
+            assert h[part] == pytest.approx(s[part], rel=LOSS_RTOL), part
 
 
 @pytest.mark.parametrize("options", [dict(scheduling="off"), dict(scheduling="auto", planning="by_home",
@@ -102,7 +102,7 @@ def test_an_eval_pass_with_scheduling_off_is_torchrecs_own(options: Dict[str, An
     for h, s in zip(herald, stock):
         assert [len(h[k]) for k in ("before", "eval", "after")] == [4, 2 + 3, STEPS - 4 - 2]
         for part in ("before", "eval", "after"):
-            assert h[part] == pytest.approx(s[part], rel=weight_rtol("rowwise_adagrad")), part
+            assert h[part] == pytest.approx(s[part], rel=LOSS_RTOL), part
 
 
 def test_an_eval_pass_stopped_early_in_the_probe_leaves_torchrecs_batches_as_stock_does() -> None:
@@ -117,7 +117,7 @@ def test_an_eval_pass_stopped_early_in_the_probe_leaves_torchrecs_batches_as_sto
     for h, s in zip(herald, stock):
         assert [len(h[k]) for k in ("before", "eval", "after")] == [len(s[k]) for k in ("before", "eval", "after")]
         for part in ("before", "eval", "after"):
-            assert h[part] == pytest.approx(s[part], rel=weight_rtol("rowwise_adagrad")), part
+            assert h[part] == pytest.approx(s[part], rel=LOSS_RTOL), part
 
 
 def _train_with_lr_schedule(rank: int, world: int, cfg: Dict[str, Any], pipeline: Any, schedule: bool = True
@@ -152,7 +152,7 @@ def test_a_learning_rate_schedule_reaches_the_embedding_rows(options: Dict[str, 
     herald = run_multiprocess(_train_with_lr_schedule, 2, cfg, {"window": 3, **options})
     stock = run_multiprocess(_train_with_lr_schedule, 2, stock_cfg, "plain")
     for h, s in zip(herald, stock):
-        assert len(h) == STEPS and h == pytest.approx(s, rel=weight_rtol("rowwise_adagrad"))
+        assert len(h) == STEPS and h == pytest.approx(s, rel=LOSS_RTOL)
     constant = run_multiprocess(_train_with_lr_schedule, 2, stock_cfg, "plain", False)[0]
     assert constant[-1] != pytest.approx(stock[0][-1], rel=1e-4)  # (the schedule changes the losses)
 
@@ -211,7 +211,7 @@ def test_between_steps_the_tables_are_refused_until_flushed_then_current() -> No
         assert h["tables"].keys() == s["tables"].keys()
         for k in h["tables"]:
             torch.testing.assert_close(h["tables"][k], s["tables"][k], rtol=weight_rtol("rowwise_adagrad"), atol=1e-6)
-        assert h["losses"] == pytest.approx(s["losses"], rel=weight_rtol("rowwise_adagrad"))
+        assert h["losses"] == pytest.approx(s["losses"], rel=LOSS_RTOL)
 
 
 def _short_epochs(rank: int, world: int, cfg: Dict[str, Any], pipeline: Any) -> List[List[float]]:
@@ -242,4 +242,4 @@ def test_loaders_shorter_than_the_window_train_every_batch() -> None:
     stock = run_multiprocess(_short_epochs, 2, {**cfg, "planner": "table_wise"}, "plain")
     for h, s in zip(herald, stock):
         assert [len(e) for e in h] == [3, 2, 1]
-        assert sum(h, []) == pytest.approx(sum(s, []), rel=weight_rtol("rowwise_adagrad"))
+        assert sum(h, []) == pytest.approx(sum(s, []), rel=LOSS_RTOL)

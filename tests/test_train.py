@@ -258,6 +258,13 @@ def test_a_file_system_without_locks_trains_unguarded() -> None:
                      "checkpoint.every_n_steps=2", f"checkpoint.dir={tmp}/ckpt"]
         m = run_multiprocess(_train_without_locks, 2, overrides, f"{tmp}/run", timeout_s=120)[0]["metrics"]
         assert m["steps"] == 4
+        assert _warned(f"{tmp}/run", f"checkpoint folder {tmp}/ckpt cannot be locked (No locks available): nothing "
+                                     f"stops another run from using it at the same time") == [1, 0]
+
+
+def _warned(run_dir: str, line: str) -> List[int]:
+    """How many times each rank's log in ``run_dir`` says ``line``."""
+    return [(Path(run_dir) / "logs" / f"rank{r}.log").read_text().count(line) for r in range(2)]
 
 
 def _train_lock_unwritable(rank: int, world: int, overrides: List[str], run_dir: str) -> Dict[str, Any]:
@@ -283,6 +290,10 @@ def test_a_checkpoint_folder_whose_lock_cannot_be_made_trains_unguarded() -> Non
                      "checkpoint.every_n_steps=2", f"checkpoint.dir={tmp}/ckpt"]
         m = run_multiprocess(_train_lock_unwritable, 2, overrides, f"{tmp}/run", timeout_s=120)[0]["metrics"]
         assert m["steps"] == 4
+        lock = Path(f"{tmp}/ckpt").resolve().parent / ".ckpt.lock"
+        assert _warned(f"{tmp}/run", f"checkpoint folder {tmp}/ckpt cannot be locked ({lock} cannot be made: "
+                                     f"Permission denied): nothing stops another run from using it at the same "
+                                     f"time") == [1, 0]
 
 
 def test_a_finished_runs_unreadable_figures_are_named_and_written_whole(tmp_path: Path) -> None:
