@@ -416,6 +416,8 @@ def _behaviour(rank: int, world: int) -> Dict[str, Any]:
     out["global"] = [sorted(s for b in step for s in _samples(b)) for _, step in zip(range(5), zip(*shards))]
     out["partial_losses"] = _drain(pipe, it)
     out["partial_steps"] = pipe.stats.steps
+    ref = build(world, dict(planner="table_wise", steps=7, multi_hot=True), data=data)  # stock on the same batches
+    out["partial_stock_losses"] = run_steps(ref["dmp"], ref["optimizer"], data.train_batches(rank, world, B))
 
     # -- the default move penalty is priced per batch: record what the allocator was given and did
     pipe = HeraldTrainPipeline(h["dmp"], h["optimizer"], cpu, window=3, allocator="greedy")
@@ -549,9 +551,14 @@ def behaviour() -> List[Dict[str, Any]]:
 
 
 def test_last_partial_window_is_trained() -> None:
-    for r in behaviour():
-        assert r["partial_steps"] == 7 and len(r["partial_losses"]) == 7
-        assert all(0 < x < 10 for x in r["partial_losses"])
+    """7 batches through a window of 5: the last two train, and every step's loss is stock TABLE_WISE's on the same
+    global batches (the mean over ranks: the allocator moves samples between them)."""
+    res = behaviour()
+    for r in res:
+        assert r["partial_steps"] == 7 and len(r["partial_losses"]) == len(r["partial_stock_losses"]) == 7
+    h = torch.tensor([r["partial_losses"] for r in res], dtype=torch.float64).mean(0)
+    s = torch.tensor([r["partial_stock_losses"] for r in res], dtype=torch.float64).mean(0)
+    assert float(((h - s).abs() / s.abs()).max()) <= RTOL
 
 
 def test_greedy_allocation_keeps_batch_size_and_moves_whole_samples() -> None:
