@@ -44,8 +44,10 @@ from typing import Any, Dict, List, Optional, Tuple
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
+sys.path.insert(0, str(HERE))
 from torchrec_herald.planner.pricing import HERALD_COLLECTIVES, STOCK_TW_COLLECTIVES  # noqa: E402
 from torchrec_herald.planner.time_model import PlanLoad, StepTimeModel, choose_plan  # noqa: E402
+from bench_bandwidth import trained_plan  # noqa: E402  (one reading of a run's link decision)
 
 RESULTS = HERE / "results"
 CORES = 2
@@ -72,9 +74,9 @@ def trained(row: Dict[str, Any]) -> str:
     ``scheduling`` (herald's hot replication + scheduling)."""
     if row["config"] in ("tw", "stock"):
         return {"tw": "table_wise", "stock": "default"}[row["config"]]
-    decision = row.get("link_decision") or {}
-    if not decision.get("herald", True):  # the stock plan the model of time picked
-        return "default" if decision.get("chosen") == "default" else "table_wise"
+    picked = trained_plan(row)
+    if picked != "herald":  # the stock plan the model of time picked
+        return picked
     return "scheduling" if {"herald_pull", "herald_push_pull"} & set(row["by_label"]) else "hot"
 
 
@@ -83,15 +85,17 @@ Unlimited = Dict[Tuple[str, int], Tuple[str, str]]
 
 def unlimited_runs(names: List[str]) -> Unlimited:
     """Where each plan's compute at the unlimited link is taken from: :data:`UNLIMITED`'s runs, except where
-    ``names`` (``bench_bandwidth`` JSONs in ``results/``: their rows at rate 0, by what each trained; the first
-    row of a plan counts: a stock baseline before herald's defaults where the model of time picked the same plan)
-    have it."""
-    found: Unlimited = {}
+    ``names`` (``bench_bandwidth`` JSONs in ``results/``: their rows at rate 0, by what each trained) have it: a
+    later file overrides an earlier one; within a file the first row of a plan counts (a stock baseline before
+    herald's defaults where the model of time picked the same plan)."""
+    runs = dict(UNLIMITED)
     for name in names:
+        found: Unlimited = {}
         for r in _rows(name):
             if r["rate_mbit"] == 0:
                 found.setdefault((trained(r), r["world_size"]), (name, r["config"]))
-    return {**UNLIMITED, **found}
+        runs.update(found)
+    return runs
 
 
 def load_of(row: Dict[str, Any], kind: str, unlimited: Optional[Unlimited] = None) -> Tuple[PlanLoad, float]:

@@ -570,7 +570,7 @@ def test_an_approximate_run_probes_the_link_once_and_logs_its_plan_table_once(tm
         assert decision["measured"]["link_mbit"] == ref_decision["measured"]["link_mbit"] == 21.0
         assert decision["herald"] and decision == ref_decision
         tables = [s.split("\n")[0] for s in seen if s.startswith("HeraldPlanner: 26 tables")]
-        assert tables == (["HeraldPlanner: 26 tables"] + ["HeraldPlanner: 26 tables, the plan this job logged first"] * 2
+        assert tables == (["HeraldPlanner: 26 tables"] + ["HeraldPlanner: 26 tables, the plan this job logged first (in the approximate run's log)"] * 2
                           if rank == 0 else [])  # (rank 0 plans, every rank gets its plan)
         assert [s for s in seen if s.startswith("planner: measured link")] == [
             "planner: measured link: 21 Mbit/s per rank, 0.20 ms per collective (1.0 MiB per rank in 0.40 s)"]

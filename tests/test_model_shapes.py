@@ -189,7 +189,11 @@ def _train(rank: int, world: int, model_name: str, herald: bool, for_model: bool
             v = full
         state[k.replace("_dmp_wrapped_module.", "").replace("module.", "")] = v.detach().clone()
     types = {t: ps.sharding_type for mp in plan.plan.values() for t, ps in mp.items()}
-    return {"losses": losses, "state": state, "types": types, "pipeline": type(pipeline).__name__}
+    num_hot = sum(m._num_hot for m in dmp.modules() if type(m).__name__ == "ShardedHeraldEmbeddingBagCollection")
+    start = {k.replace("module.", ""): v for k, v in initial.items()}  # (the model's own keys, as ``state`` names them)
+    moved = any(not torch.equal(state[k], start[k]) for k in state if "embedding_bags" in k)
+    return {"losses": losses, "state": state, "types": types, "pipeline": type(pipeline).__name__,
+            "num_hot": num_hot, "moved": moved}
 
 
 def _both(rank: int, world: int, model_name: str, for_model: bool = False,
@@ -204,6 +208,7 @@ def test_a_model_other_than_dlrm_trains_as_stock(model_name: str, herald_tables:
     for r in run_multiprocess(_both, 2, model_name, timeout_s=300):
         h, s = r["herald"], r["stock"]
         assert {t for t, kind in h["types"].items() if kind == "herald_hot_row_wise"} == herald_tables
+        assert h["num_hot"] > 0 and h["moved"]  # (hot rows replicated, and the weights trained)
         assert h["losses"] == pytest.approx(s["losses"], rel=1e-5)
         assert set(h["state"]) == set(s["state"])
         for k, v in s["state"].items():
@@ -232,6 +237,7 @@ def test_a_batch_norm_keeps_each_ranks_samples_under_heralds_scheduling() -> Non
     for r in run_multiprocess(_both, 2, "batch_norm", True, {"scheduling": "on", "window": 3}, timeout_s=300):
         h, s = r["herald"], r["stock"]
         assert h["pipeline"] == "HeraldTrainPipeline"
+        assert h["num_hot"] > 0 and h["moved"]  # (hot rows replicated, and the weights trained)
         assert h["losses"] == pytest.approx(s["losses"], rel=1e-5) and len(h["losses"]) == STEPS
         assert any("running_mean" in k for k in s["state"])
         for k, v in s["state"].items():

@@ -967,7 +967,7 @@ def _run_training(cfg: DictConfig, run_dir: Path, show_progress: bool, data: Opt
         # the approximate run's plan and pipeline are built first, so that what they refuse (no hot rows to skip,
         # stock tables beside herald's) stops the job before its reference trains (it was refused after it had
         # trained in full); then released, so that the two models are never held at once
-        # trained by the reference and the final build too (the link probed once: the three plan on one link)
+        # its decision's link probe is reused by the reference's build and the final one (one probe, one link)
         early = Trainer(cfg, run_dir, show_progress, None, data).build()
         earlier = early.decision
         pg = getattr(getattr(early.dmp, "dense_sync", None), "_pg", None)

@@ -379,7 +379,8 @@ class HeraldPlanner(EmbeddingShardingPlanner):
         if self.log_plan_table:
             logger.info("HeraldPlanner: %s tables\n%s", len(tables), self.describe())
         else:
-            logger.info("HeraldPlanner: %s tables, the plan this job logged first", len(tables))
+            logger.info("HeraldPlanner: %s tables, the plan this job logged first (in the approximate run's log)",
+                        len(tables))
         return plan
 
     def decide(self, module: nn.Module, sharders: List[ModuleSharder[nn.Module]],

@@ -415,8 +415,9 @@ class ShardedHeraldEmbeddingBagCollection(
 
     Storage per rank: one fused TBE over its row-wise cold blocks of all tables (the stock ROW_WISE
     block layout, ``ceil(n/W)`` rows per rank) and one dense TBE over the hot replicas of all tables.
-    ``state_dict()`` presents every table as ``embedding_bags.<table>.weight``: a full ``[n, dim]``
-    tensor (hot rows from the replica), so checkpoints load into stock-sharded or unsharded models.
+    ``state_dict()`` presents every table as ``embedding_bags.<table>.weight``: a ShardedTensor in stock
+    ROW_WISE's layout over the rank's cold blocks, which hold every row's current value (hot rows mirrored into
+    them), so checkpoints load into stock-sharded or unsharded models.
     """
 
     def __init__(self, module: EmbeddingBagCollection, table_name_to_parameter_sharding: Dict[str, ParameterSharding],
