@@ -19,7 +19,6 @@ import json
 import logging
 import math
 import os
-import shutil
 import signal
 import sys
 import time
@@ -666,14 +665,11 @@ class Checkpointing:
 
 
 def copy_whole(src: Path, dst: Path) -> None:
-    """Copy ``src`` to ``dst`` whole or not at all (a temporary file beside ``dst``, then a rename): a full disk
-    or a kill midway leaves the earlier ``dst`` or none, never a truncated one that a re-run would read."""
-    tmp = dst.with_name(f".{dst.name}.tmp")
-    try:
-        shutil.copyfile(src, tmp)
-        os.replace(tmp, dst)
-    finally:
-        tmp.unlink(missing_ok=True)
+    """Copy the text file ``src`` to ``dst`` whole or not at all (:func:`~torchrec_herald.checkpoint.replace_whole`):
+    a full disk or a kill midway leaves the earlier ``dst`` or none, never a truncated one that a re-run would read."""
+    from torchrec_herald.checkpoint import replace_whole
+
+    replace_whole(dst, src.read_text())
 
 
 def write_whole(path: Path, text: str) -> None:
@@ -871,13 +867,13 @@ class Trainer:
                                "this run's eval split, its training figures from %s", step, resumed["path"],
                                ckpt.dir / "metrics.json")
                 write_whole(self.run_dir / "metrics.json", strict_json(metrics))
-                shutil.copyfile(ckpt.dir / "losses.json", self.run_dir / "losses.json")
+                write_whole(self.run_dir / "losses.json", (ckpt.dir / "losses.json").read_text())
                 ckpt.record_completion(self.run_dir)
         elif rank == 0:
             logger.warning("the run already finished at step %d (checkpoint %s); reporting its figures from %s",
                            step, resumed["path"], ckpt.dir / "metrics.json")
             for name in ("metrics.json", "losses.json"):
-                shutil.copyfile(ckpt.dir / name, self.run_dir / name)
+                write_whole(self.run_dir / name, (ckpt.dir / name).read_text())
         dist.barrier()
         return metrics
 
