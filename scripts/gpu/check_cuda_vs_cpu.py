@@ -54,13 +54,6 @@ def rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a - b).abs().max() / b.abs().max().clamp(min=1e-12)) if b.numel() else 0.0
 
 
-def _momentum(dmp: Any) -> Dict[str, torch.Tensor]:
-    """Row-wise Adagrad state of every table, gathered to full ``[n]`` tensors (collective)."""
-    st = dmp.fused_optimizer.state_dict()["state"]
-    flat = {k: v for per in st.values() for k, v in per.items() if k.endswith("momentum1")}
-    return H.gather_state(flat)
-
-
 class FixedGradEmbeddings(torch.nn.Module):
     """The sharded EBC under ``loss = sum(pooled * G)``: the gradient of every pooled vector is ``G``,
     ``±label`` times a fixed per-column pattern of quarters (exact in float32 on any device), so CUDA
@@ -124,9 +117,8 @@ def train_case(rank: int, world: int, cfg: Dict[str, Any]) -> Dict[str, Any]:
     if cfg.get("pipeline") == "herald" or isinstance(cfg.get("pipeline"), dict):
         H.run_steps.last_pipeline.detach()  # type: ignore[attr-defined]  (flushes every cache home)
     state = H.full_state(b["dmp"])
-    # (stock TABLE_WISE keeps each table's optimizer state on its one rank only: gathered at one rank)
-    mom = _momentum(b["dmp"]) if cfg.get("optimizer") == "rowwise_adagrad" and \
-        (cfg["planner"] == "herald" or world == 1) else {}
+    # (the harness's gatherer: any layout, stock TABLE_WISE's state on its one rank included)
+    mom = H.full_momentum(b["dmp"]) if cfg.get("optimizer") == "rowwise_adagrad" else {}
     hot: Dict[str, torch.Tensor] = {}
     if cfg["planner"] == "herald":
         from torchrec_herald.planner import herald_tables
