@@ -26,7 +26,7 @@ from torchrec_herald.comm import ring_allreduce_bytes
 from torchrec_herald.planner.pricing import HERALD_COLLECTIVES, STOCK_TW_COLLECTIVES, LinkModel
 
 __all__ = ["LinkDecision", "MIXABLE_STOCK", "PLAN_LABELS", "PlanLoad", "StepPrediction", "StepTimeModel", "choose_plan",
-           "decide", "default_plan_load", "mixed_plan_load", "per_table_choice", "step_ms"]
+           "decide", "default_plan_margin", "default_plan_load", "mixed_plan_load", "per_table_choice", "step_ms"]
 
 
 @dataclass(frozen=True)
@@ -122,6 +122,8 @@ class LinkDecision:
     link_mbit: float
     #: the per-table candidate's pick: table -> ``herald`` or the stock sharding type it keeps
     per_table: Dict[str, str] = field(default_factory=dict)
+    #: why the fastest prediction was not chosen ('' where it was): :func:`default_plan_margin`
+    note: str = ""
 
     @property
     def herald(self) -> bool:
@@ -155,6 +157,8 @@ class LinkDecision:
             " with DDP (herald's replication, scheduling and forward-ordered dense sync cannot pay on this link)"))
         if self.chosen == "mixed":
             verdict += f" ({self.describe_per_table()})"
+        if self.note:
+            verdict += f"; {self.note}"
         if self.is_local:
             return (f"one rank, no link (no embedding leaves the rank, so herald's plan saves nothing): predicted "
                     f"step cost (herald's extra work) {parts} -> {PLAN_LABELS.get(self.chosen, self.chosen)}")
@@ -170,20 +174,46 @@ class LinkDecision:
         return {"herald": self.herald, "chosen": self.chosen, "predicted_stock_ms": self.stock_ms,
                 "predicted_herald_ms": self.herald_ms, "link_mbit": None if self.is_local else self.link_mbit,
                 "one_rank": self.is_local, "text": self.describe(),
-                "predicted": {n: p.as_dict() for n, p in self.predictions.items()}, "per_table": dict(self.per_table)}
+                "predicted": {n: p.as_dict() for n, p in self.predictions.items()}, "per_table": dict(self.per_table),
+                "note": self.note}
 
 
 def choose_plan(loads: Iterable[PlanLoad], model: StepTimeModel, per_table: Optional[Mapping[str, str]] = None
                 ) -> LinkDecision:
-    """The load with the shortest predicted step (ties: the earlier one); ``per_table``: the ``mixed``
-    candidate's pick per table, carried into the decision."""
+    """The load with the shortest predicted step (ties: the earlier one), except that TorchRec's default plan
+    (``default``) is chosen over stock TABLE_WISE only where it is predicted faster by more than one
+    collective's latency (else the fastest of the other candidates): :func:`default_plan_margin`.
+    ``per_table``: the ``mixed`` candidate's pick per table, carried into the decision."""
     loads = list(loads)
     if not loads:
         raise ValueError("choose_plan needs at least one candidate")
     preds: Dict[str, StepPrediction] = {ld.name: model.predict(ld) for ld in loads}
     order: List[str] = [ld.name for ld in loads]
-    best = min(order, key=lambda n: (preds[n].step_ms, order.index(n)))
-    return LinkDecision(best, preds, model.link_mbit, dict(per_table or {}) if "mixed" in preds else {})
+
+    def fastest(names: List[str]) -> str:
+        return min(names, key=lambda n: (preds[n].step_ms, order.index(n)))
+
+    best, note = fastest(order), ""
+    if best == "default" and "table_wise" in preds and \
+            preds["table_wise"].step_ms - preds["default"].step_ms <= default_plan_margin(model):
+        best = fastest([n for n in order if n != "default"])
+        note = (f"TorchRec's default plan is predicted within one collective's latency "
+                f"({default_plan_margin(model):.2f} ms) of stock TABLE_WISE, closer than the model can tell; "
+                f"its extra sharding kinds compute more beside the link than the model prices")
+    return LinkDecision(best, preds, model.link_mbit, dict(per_table or {}) if "mixed" in preds else {}, note)
+
+
+def default_plan_margin(model: LinkModel) -> float:
+    """How much faster than stock TABLE_WISE TorchRec's default plan must be predicted to be chosen: one
+    collective's latency. Its plan runs more sharding kinds than TABLE_WISE (DATA_PARALLEL tables beside
+    TABLE_WISE and ROW_WISE ones, each kind its own lookup module, kernels and collectives), whose compute
+    beside the link the model does not price. Measured at 4 ranks on this 2-core CPU host, loopback, runs
+    interleaved (``benchmarks/step_time_cpu.py --world-size 4 --steps 150 --warmup 30 planner=stock``, and
+    ``planner=table_wise``): 36.3 and 40.7 ms a step against TABLE_WISE's 30.1 and 34.7, each rank's process
+    CPU 18-21 ms a step against 15-17. The model had put the two within 0.2 ms of each other in five of six
+    recorded 4-rank runs on an unlimited link, less than the probe's latency there (0.4-0.8 ms), and picked
+    either from run to run."""
+    return model.collective_latency_ms
 
 
 def decide(expected: Iterable[Mapping[str, float]], world_size: int, model: LinkModel, *,
