@@ -111,7 +111,11 @@ def test_dense_hot_set_is_rows_above_analytic_break_even() -> None:
         assert e.herald_total == pytest.approx(e.herald_cold + e.herald_hot_sync, rel=1e-15)
         assert e.cold_remote_lookups == pytest.approx(float(cold_lam) * (W - 1) / W, rel=1e-12)
         assert e.stock_table_wise == pytest.approx((W - 1) / W * (8 * float(lam.sum()) + G * (4 + 8 * D)), rel=1e-12)
+        # ROW_WISE: partial pooled vectors and their gradients, (W - 1)·G·4D each way, ids and lengths
+        assert e.stock_row_wise == pytest.approx(2 * (W - 1) * G * 4 * D + (W - 1) / W * 8 * float(lam.sum())
+                                                 + (W - 1) * G * 4, rel=1e-12)
         assert e.herald_total < expected_cold_bytes(lam, W, D)  # better than no hot rows at all
+    _check_traffic_report(choices)
     again = CostModelHotSetSelector().select(stats, tables, W, B, memory_budget_bytes=None)
     assert all(torch.equal(again[k].hot_ids, choices[k].hot_ids) for k in choices)  # deterministic
 
@@ -161,6 +165,30 @@ def test_sparse_sync_chosen_for_rows_repeated_within_bags() -> None:
     assert float(_dense_net(lam, W, D).clamp(min=0).sum()) < float(net.clamp(min=0).sum())
 
 
+def _check_traffic_report(choices: Dict[str, HotSetChoice]) -> None:
+    """``format_traffic_report``'s rows carry each choice's figures in their columns, and its last line the
+    totals and herald's share of TABLE_WISE's bytes."""
+    lines = format_traffic_report(choices).splitlines()
+    assert lines[0].split() == ["table", "hot", "sync", "replica", "KiB", "local", "%", "stock", "TW", "stock", "RW",
+                                "herald", "cold", "sync", "B"]
+    for line, c in zip(lines[1:], choices.values()):
+        e = c.expected
+        assert line.split() == [c.table, str(c.num_hot), c.sync, f"{c.replica_bytes_per_rank / 1024:.1f}",
+                                f"{e.hot_lookup_share * 100:.1f}"] + [f"{v:.0f}" for v in (
+                                    e.stock_table_wise, e.stock_row_wise, e.herald_total, e.herald_cold,
+                                    e.herald_hot_sync)], line
+    tw = sum(c.expected.stock_table_wise for c in choices.values())
+    rw = sum(c.expected.stock_row_wise for c in choices.values())
+    herald = sum(c.expected.herald_total for c in choices.values())
+    t = total_traffic(choices)
+    assert lines[len(choices) + 1].split() == [
+        "total", str(sum(c.num_hot for c in choices.values())),
+        f"{sum(c.replica_bytes_per_rank for c in choices.values()) / 1024:.1f}", f"{t.hot_lookup_share * 100:.1f}",
+        f"{tw:.0f}", f"{rw:.0f}", f"{herald:.0f}", f"{t.herald_cold:.0f}", f"{t.herald_hot_sync:.0f}"]
+    assert lines[-1] == (f"expected bytes/step (all ranks): stock TABLE_WISE {tw:.0f}, stock ROW_WISE {rw:.0f}, "
+                         f"herald {herald:.0f} ({herald / tw * 100:.1f} % of TABLE_WISE)")
+
+
 def test_dense_sync_chosen_for_few_very_hot_rows() -> None:
     """W=2: a row touched by every rank costs 2·68 B sparse vs 2·64 B dense."""
     W, B, D = 2, 256, 16
@@ -173,6 +201,7 @@ def test_dense_sync_chosen_for_few_very_hot_rows() -> None:
     assert c.sync == "dense" and c.hot_ids.tolist() == [3, 17, 40]
     assert c.expected.herald_hot_sync == 3 * 2 * (W - 1) * 4 * D
     assert c.expected.herald_cold == 0 and c.expected.hot_lookup_share == 1.0
+    _check_traffic_report({"t_h": c})
 
 
 def test_no_benefit_gives_empty_hot_set() -> None:

@@ -483,6 +483,37 @@ def test_the_probe_gives_every_rank_the_same_positive_figures() -> None:
                     for k in (1, 2)}
 
 
+def _probe_timed(rank: int, world: int) -> tuple:
+    """The probe with each rank's collective times fixed (the collectives still run): rank 0 times a one-element
+    all-reduce at 1 ms and an all-to-all at 50 ms, rank 1 at 1.5 and 75 ms."""
+    import torch.distributed as dist
+
+    import torchrec_herald.planner.link_probe as link_probe
+
+    real, calls = link_probe._timed, []
+
+    def timed(op: object, timeout: object) -> float:
+        real(op, timeout)  # type: ignore[arg-type]
+        calls.append(1)
+        return (0.001 if len(calls) <= 22 else 0.050) * (1 + rank / 2)  # 22 latency all-reduces, then all-to-alls
+
+    link_probe._timed = timed
+    p = link_probe.probe_link(dist.group.WORLD)
+    return p.link_mbit, p.latency_ms, p.bytes_per_rank, len(calls)
+
+
+def test_the_probe_prices_the_slowest_ranks_times() -> None:
+    """Latency: the slowest rank's median all-reduce (1.5 ms). Rate: all-to-alls doubling from 256 KiB while each
+    takes under 0.1 s (rank 1's 75 ms) and the budget of 1 s allows, up to 16 MiB; then one repeat at 16 MiB:
+    8 MiB over this rank's link each, twice, in 2 × 75 ms less two latencies."""
+    got = run_multiprocess(_probe_timed, 2)
+    assert got[0] == got[1]
+    rate, latency, sent, calls = got[0]
+    assert latency == pytest.approx(1.5, rel=1e-12)
+    assert sent == 2 * (8 << 20) and calls == 22 + 7 + 1  # sizes 256 KiB … 16 MiB, one repeat
+    assert rate == pytest.approx(2 * (8 << 20) * 8 / (2 * 0.075 - 2 * 0.0015) / 1e6, rel=1e-12)
+
+
 def _measured(rank: int, world: int, fail_on: int = -1) -> object:
     import torchrec_herald.planner.link_probe as link_probe
 
