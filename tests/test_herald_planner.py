@@ -380,6 +380,51 @@ def _torchrec_runtime_error(rank: int, world: int) -> str:
     return "planned"
 
 
+def _rank_own_batches_plan(rank: int, world: int) -> Dict[str, Any]:
+    """Each rank's sample batches hot in other rows (rank 0: ids 0-7, rank 1: 32-39); a refused model on rank 0
+    alone. What each rank plans alone, and what ``collective_plan`` gives it."""
+    from torch import nn
+    from torchrec.modules.embedding_configs import EmbeddingBagConfig
+    from torchrec.modules.embedding_modules import EmbeddingBagCollection
+    from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
+
+    from torchrec_herald.planner import HeraldPlanner, herald_tables
+    from torchrec_herald.sharding import HeraldEmbeddingBagCollectionSharder
+
+    def model(features: List[str]) -> nn.Module:
+        m = nn.Module()
+        m.ebc = EmbeddingBagCollection([EmbeddingBagConfig(name=f"t{i}", embedding_dim=8, num_embeddings=64,
+                                                           feature_names=[f]) for i, f in enumerate(features)],
+                                       device=torch.device("meta"))
+        return m
+
+    kjt = KeyedJaggedTensor.from_lengths_sync(["f"], torch.arange(64) % 8 + 32 * rank, torch.ones(64, dtype=torch.int32))
+
+    def planner() -> HeraldPlanner:
+        return HeraldPlanner.from_batches([kjt] * 2, compute_device="cpu")
+
+    sharders = [HeraldEmbeddingBagCollectionSharder()]
+    out: Dict[str, Any] = {
+        "own": herald_tables(planner().plan(model(["f"]), sharders))["t0"].hot_ids.tolist(),
+        "shared": herald_tables(planner().collective_plan(model(["f"]), sharders))["t0"].hot_ids.tolist()}
+    try:  # rank 0's model reads one feature with two tables (refused); rank 1's plans
+        planner().collective_plan(model(["f", "f"] if rank == 0 else ["f"]), sharders)
+        out["error"] = "planned"
+    except ValueError as e:
+        out["error"] = str(e)
+    return out
+
+
+def test_every_rank_trains_rank_0s_plan_or_raises_rank_0s_planning_error() -> None:
+    """``collective_plan``: rank 0 plans and every rank takes its plan, or its error, where its own sample batches
+    would have planned other hot rows, or planned at all."""
+    r = run_multiprocess(_rank_own_batches_plan, 2, timeout_s=120)
+    assert r[0]["own"] == list(range(8)) and r[1]["own"] == list(range(32, 40))
+    assert r[0]["shared"] == r[1]["shared"] == list(range(8))
+    assert r[0]["error"] == r[1]["error"] and r[0]["error"].startswith("HeraldPlanner: EBC 'ebc': feature 'f' is read "
+                                                                      "by two"), r
+
+
 def test_torchrecs_planning_runtime_error_is_raised_on_every_rank_alike() -> None:
     """TorchRec's planner raises a RuntimeError for a table whose constraints allow no sharding type and kernel:
     rank 0 alone raised it, and rank 1 saw its connection close (under NCCL: a wait until the timeout)."""
