@@ -298,6 +298,20 @@ def test_traffic_parts_add_up_and_say_what_they_are() -> None:
         assert sum(g.values()) == pytest.approx(m["traffic_per_step_total"]["bytes"])
 
 
+def test_rows_moved_with_row_wise_adagrad_carry_their_state_float_in_the_embedding_bytes() -> None:
+    """With row-wise Adagrad, each row herald's plan moves (pull, update push, push-pull: D + 1 floats) carries one
+    state float beside its D: the embedding bytes count it; with SGD a moved row is its D floats alone."""
+    from torchrec_herald.report import embedding_bytes_per_step
+
+    tags = {"dense_allreduce": 220_000.0, "herald_pull": 60_000.0, "herald_update_push": 6_800.0,
+            "herald_push_pull": 13_600.0, "herald_reduce": 52_000.0}
+    adagrad = _metrics(tags, untagged=0.0, vectors=1_750.0, samples_per_s=20_000.0)
+    adagrad["config"]["optimizer"]["name"] = "rowwise_adagrad"
+    assert embedding_bytes_per_step(adagrad) == 1_750 * 16 * 4 + (60_000 + 6_800 + 13_600) / 17
+    sgd = _metrics(tags, untagged=0.0, vectors=1_750.0, samples_per_s=20_000.0)
+    assert embedding_bytes_per_step(sgd) == 1_750 * 16 * 4
+
+
 def test_summary_keys_say_scope_and_unit() -> None:
     from torchrec_herald.report import headline
 
