@@ -17,8 +17,13 @@ def _import_graph() -> Dict[str, Set[str]]:
         mods[name.removesuffix(".__init__")] = path
     graph: Dict[str, Set[str]] = {m: set() for m in mods}
     for m, path in mods.items():
+        package = m if path.name == "__init__.py" else m.rpartition(".")[0]
         for node in ast.walk(ast.parse(path.read_text())):
-            if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("torchrec_herald"):
+            if isinstance(node, ast.ImportFrom) and node.level:  # from ..x import y: resolved against the package
+                base = package.rsplit(".", node.level - 1)[0] if node.level > 1 else package
+                module = f"{base}.{node.module}" if node.module else base
+                graph[m].update(t for t in [module] + [f"{module}.{a.name}" for a in node.names] if t in mods)
+            elif isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("torchrec_herald"):
                 graph[m].update(t for t in [node.module] + [f"{node.module}.{a.name}" for a in node.names] if t in mods)
             elif isinstance(node, ast.Import):
                 graph[m].update(a.name for a in node.names if a.name in mods)
