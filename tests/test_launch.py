@@ -70,6 +70,10 @@ def test_a_rank_killed_by_a_signal_is_the_root_cause_before_its_peers_errors(tmp
     crashed = ProcessFailure(local_rank=0, pid=11, exitcode=-6, error_file=str(tmp_path / "none.json"))  # SIGABRT
     crashed.timestamp = peer.timestamp - 1  # (a C++ abort first; the peer's connection error follows)
     assert root_failure({0: crashed, 1: peer}) == (0, crashed)
+    for code in (-11, -7):  # SIGSEGV, SIGBUS: a crash of its own, the root cause even after the peer's error
+        segv = ProcessFailure(local_rank=0, pid=12, exitcode=code, error_file=str(tmp_path / "none.json"))
+        segv.timestamp = peer.timestamp + 5
+        assert root_failure({0: segv, 1: peer}) == (0, segv), code
 
 
 def test_two_failures_in_one_second_go_by_the_exact_time_each_rank_recorded(tmp_path: Path) -> None:
