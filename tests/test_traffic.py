@@ -70,9 +70,11 @@ def _meter_is_inactive_outside(rank: int, world: int) -> Dict[str, Any]:
     import torch.distributed.distributed_c10d as c10d
 
     unpatched = not any(getattr(f, "_herald_meter", False) for f in (dist.all_reduce, c10d.all_reduce))
+    with TrafficMeter() as uneven:  # rank 0 sends 16 B, rank 1 none: the sum over ranks is not W × one rank's
+        dist.broadcast(torch.ones(4), src=0)
     return {"meter": meter.total(), "outer": outer.total(), "inner": inner.total(),
             "unpatched": unpatched,
-            "reduced": reduce_summaries(meter.summary())}
+            "reduced": reduce_summaries(meter.summary()), "uneven": reduce_summaries(uneven.summary())}
 
 
 def test_meters_nest_and_unpatch() -> None:
@@ -82,6 +84,7 @@ def test_meters_nest_and_unpatch() -> None:
         assert r["inner"]["calls"] == 1 and r["outer"]["calls"] == 2
         assert r["unpatched"]
         assert r["reduced"] == {"all_reduce": {"calls": 2, "bytes": 32, "embedding_vectors": 0.0}}
+        assert r["uneven"] == {"broadcast": {"calls": 2, "bytes": 16, "embedding_vectors": 0.0}}
 
 
 def _waits_by_label(rank: int, world: int) -> Dict[str, Any]:
