@@ -105,6 +105,12 @@ def test_fast_link_chooses_stock_table_wise_and_says_why() -> None:
 
 @pytest.mark.parametrize("kwargs,message", [
     (dict(link_mbit=0), "planner.link_mbit must be > 0 Mbit/s (or null: unknown), got 0"),
+    # an infinite rate read as one rank's local "link" (a 2-rank job described itself as one rank)
+    (dict(link_mbit=float("inf")), "planner.link_mbit must be > 0 Mbit/s (or null: unknown), got inf"),
+    # an infinite latency priced every candidate at inf, and the per-table pick raised KeyError
+    (dict(link_mbit=100, collective_latency_ms=float("inf")), "planner.collective_latency_ms must be >= 0, got inf"),
+    (dict(link_mbit="200"), "planner.link_mbit must be a number, got '200'"),  # (was: TypeError from '>')
+    (dict(link_mbit=True), "planner.link_mbit must be a number, got True"),  # (was: 1 Mbit/s)
     (dict(link_mbit=100, collective_latency_ms=-1), "planner.collective_latency_ms must be >= 0, got -1"),
     (dict(link_mbit=100, cpu_us_per_lookup=-0.5), "planner.cpu_us_per_lookup must be >= 0, got -0.5"),
 ])
@@ -112,6 +118,82 @@ def test_bad_link_keys_are_one_error_naming_the_key(kwargs: dict, message: str) 
     with pytest.raises(ValueError) as e:
         LinkModel(**kwargs)
     assert str(e.value) == message
+
+
+def test_only_the_one_rank_link_is_infinite() -> None:
+    from torchrec_herald.planner.time_model import StepTimeModel
+
+    local = LinkModel.local(0.6)
+    assert local.is_local and local.link_mbit == float("inf") and not LinkModel(link_mbit=1e9).is_local
+    assert StepTimeModel.on(local).is_local and StepTimeModel.on(local) == StepTimeModel.on(LinkModel.local(0.6))
+
+
+def _planner_for(link: object = None, topology: object = None) -> object:
+    from torchrec_herald.data import SyntheticCriteo
+    from torchrec_herald.planner import HeraldPlanner
+    from torchrec_herald.planner.topology import make_topology
+
+    data = SyntheticCriteo(scale=0.001)
+    sample = [b.sparse_features for _, b in zip(range(2), data.train_batches(0, 1, 64))]
+    return HeraldPlanner(topology=topology or make_topology(2, "cpu"), batch_size=64, sample_batches=sample,
+                         link=link)
+
+
+@pytest.mark.parametrize("link", [200, 0, "auto", {"link_mbit": 200}])
+def test_a_link_that_is_not_a_link_model_is_refused_at_construction(link: object) -> None:
+    """``HeraldPlanner(link=200)`` passed construction and raised AttributeError in ``decide``; ``link=0`` was dropped
+    silently (herald's plan trained unpriced)."""
+    with pytest.raises(TypeError) as e:
+        _planner_for(link)
+    assert str(e.value) == f"HeraldPlanner(link=...) takes a LinkModel (e.g. LinkModel(link_mbit=200)) or None, got {link!r}"
+
+
+@pytest.mark.parametrize("field, value, message", [
+    ("intra_host_bw", 0.0, "Topology.intra_host_bw must be a finite number > 0 (bytes per ms), got 0.0"),
+    ("intra_host_bw", -1.0, "Topology.intra_host_bw must be a finite number > 0 (bytes per ms), got -1.0"),
+    ("intra_host_bw", float("inf"), "Topology.intra_host_bw must be a finite number > 0 (bytes per ms), got inf"),
+    ("inter_host_bw", "fast", "Topology.inter_host_bw must be a finite number > 0 (bytes per ms), got 'fast'"),
+    ("local_world_size", -1, "Topology.local_world_size must be an int >= 1 (ranks per host), got -1"),
+])
+def test_a_bad_topology_bandwidth_is_one_error_naming_the_topologys_field(field: str, value: object,
+                                                                         message: str) -> None:
+    """A bad ``Topology`` bandwidth was reported as ``planner.link_mbit``, a key the user never set, with the value
+    after a unit conversion (-1 as -0.008); an infinite one made a 2-rank job one rank's."""
+    from torchrec.distributed.planner import Topology
+
+    topology = Topology(world_size=2, compute_device="cpu", **{"local_world_size": 2, field: value})
+    with pytest.raises(ValueError) as e:
+        _planner_for(topology=topology)
+    assert str(e.value) == f"HeraldPlanner: {message}"
+
+
+def _different_links(rank: int, world: int) -> str:
+    import torch.distributed as dist
+
+    from torchrec_herald.data import SyntheticCriteo
+    from torchrec_herald.model import build_dlrm_train, build_tables
+    from torchrec_herald.sharding import HeraldEmbeddingBagCollectionSharder
+
+    data = SyntheticCriteo(scale=0.001)
+    model = build_dlrm_train(build_tables(data.feature_names, data.num_embeddings, 16), data.num_dense, [64, 16],
+                             [64, 1], device="meta")
+    planner = _planner_for(LinkModel(link_mbit=20 if rank == 0 else 100_000, collective_latency_ms=0.5))
+    try:
+        planner.decide(model, [HeraldEmbeddingBagCollectionSharder()], dist.group.WORLD)
+    except ValueError as e:
+        return str(e)
+    return "decided"
+
+
+def test_ranks_given_different_links_raise_one_error_on_every_rank() -> None:
+    """Rank 0 on a 20 Mbit/s link picked herald's plan, rank 1 on 100,000 TABLE_WISE; each then waited in its own
+    collective until the timeout."""
+    errors = run_multiprocess(_different_links, 2, timeout_s=120)
+    assert errors[0] == errors[1] == (
+        "HeraldPlanner.decide: the ranks were given different links (rank 0: LinkModel(link_mbit=20, "
+        "collective_latency_ms=0.5, cpu_us_per_lookup=0.6); rank 1: LinkModel(link_mbit=100000, "
+        "collective_latency_ms=0.5, cpu_us_per_lookup=0.6)); give every rank the same link= (or the same Topology "
+        "bandwidths)"), errors
 
 
 def test_preflight_checks_the_link_keys() -> None:
@@ -439,6 +521,10 @@ def test_the_cost_model_prices_in_time_on_a_known_link_and_picks_the_rows_bytes_
                                         "got 0"),
     ("planner.collective_latency_ms=-2", "planner.collective_latency_ms must be > 0 ms or auto (measured at start), "
                                          "got -2"),
+    ("planner.link_mbit=inf", "planner.link_mbit must be > 0 Mbit/s, auto (measured at start) or null (unknown), "
+                              "got inf"),
+    ("planner.collective_latency_ms=inf", "planner.collective_latency_ms must be > 0 ms or auto (measured at start), "
+                                          "got inf"),
 ])
 def test_a_zero_or_negative_link_value_fails_in_preflight_naming_the_key(override: str, message: str) -> None:
     from torchrec_herald.config import compose_config
@@ -461,6 +547,8 @@ def test_measured_values_replace_only_the_auto_keys() -> None:
     assert (c.link_mbit, c.collective_latency_ms) == (50, 0.4)
     c = HeraldPlannerConfig().with_measured(None)  # no probe: rate unknown, the latency's default
     assert (c.link_mbit, c.collective_latency_ms, c.link_model()) == (None, 1.0, None)
+    # link_mbit=null keeps herald's plan whatever the link: nothing is priced, so nothing is probed
+    assert not HeraldPlannerConfig(link_mbit=None).wants_probe and HeraldPlannerConfig(link_mbit=50).wants_probe
 
 
 def _probe(rank: int, world: int) -> tuple:
@@ -499,7 +587,7 @@ def _probe_timed(rank: int, world: int) -> tuple:
 
     link_probe._timed = timed
     p = link_probe.probe_link(dist.group.WORLD)
-    return p.link_mbit, p.latency_ms, p.bytes_per_rank, len(calls)
+    return p.link_mbit, p.latency_ms, p.bytes_per_rank, len(calls), p.total_bytes_per_rank
 
 
 def test_the_probe_prices_the_slowest_ranks_times() -> None:
@@ -508,9 +596,10 @@ def test_the_probe_prices_the_slowest_ranks_times() -> None:
     8 MiB over this rank's link each, twice, in 2 × 75 ms less two latencies."""
     got = run_multiprocess(_probe_timed, 2)
     assert got[0] == got[1]
-    rate, latency, sent, calls = got[0]
+    rate, latency, sent, calls, total = got[0]
     assert latency == pytest.approx(1.5, rel=1e-12)
     assert sent == 2 * (8 << 20) and calls == 22 + 7 + 1  # sizes 256 KiB … 16 MiB, one repeat
+    assert total == sum((256 << 10 << k) // 2 for k in range(7)) + (8 << 20)  # half of each size crosses, at W=2
     assert rate == pytest.approx(2 * (8 << 20) * 8 / (2 * 0.075 - 2 * 0.0015) / 1e6, rel=1e-12)
 
 
@@ -636,3 +725,15 @@ def test_an_approximate_run_probes_the_link_once_and_logs_its_plan_table_once(tm
                           if rank == 0 else [])  # (rank 0 plans, every rank gets its plan)
         assert [s for s in seen if s.startswith("planner: measured link")] == [
             "planner: measured link: 21 Mbit/s per rank, 0.20 ms per collective (1.0 MiB per rank in 0.40 s)"]
+
+
+@pytest.mark.parametrize("cpu, message", [("0.6x", "planner.cpu_us_per_lookup must be a number, got '0.6x'"),
+                                          (-1, "planner.cpu_us_per_lookup must be >= 0, got -1")])
+def test_measured_link_checks_its_cpu_price_before_probing(cpu: object, message: str) -> None:
+    """``measured_link(pg, cpu_us_per_lookup=-1)`` ran the probe's collectives first, and '0.6x' raised float()'s
+    error."""
+    from torchrec_herald.planner.link_probe import measured_link
+
+    with pytest.raises(ValueError) as e:
+        measured_link(None, cpu_us_per_lookup=cpu)  # type: ignore[arg-type]
+    assert str(e.value) == message

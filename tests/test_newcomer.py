@@ -617,9 +617,10 @@ def test_settings_nothing_reads_are_warned_and_an_approximate_mode_at_one_rank_i
         "pipeline.reference=false is not applied: it skips the exact reference run of an approximate mode "
         "(pipeline.staleness or pipeline.skip), and none is set"]
     refused = ("ValueError: pipeline.staleness / pipeline.skip at one rank: the model of time trains stock TABLE_WISE "
-               "there (no link to save on), so there is nothing to approximate; train at several ranks, or declare the "
-               "link (planner.link_mbit) to train herald's plan")
+               "there (no link to save on), so there is nothing to approximate; train at several ranks, or set "
+               "planner.link_mbit=null to train herald's plan whatever the link")
     assert _error(herald + ["pipeline.staleness=2"]) == refused
+    assert _error(herald + ["pipeline.staleness=2", "planner.link_mbit=null"]) == "no error"  # (the advice holds)
     assert _error(herald + ["pipeline.staleness=2", "planner.link_mbit=200"]) == "no error"
     caplog.clear()  # scheduling off: no scheduler reads its settings; scheduling on: no probe runs
     with caplog.at_level(logging.WARNING, logger="torchrec_herald.trainer"):
@@ -744,6 +745,11 @@ def test_the_printed_decision_names_the_link_it_priced() -> None:
     assert decision_cell(declared) == "herald 8.9, TW 24.2 -> herald (given link 200 Mbit/s)"
     probed = {"link_decision": {**declared["link_decision"], "link_mbit": 5430.0, "chosen": "table_wise"}}
     assert decision_cell(probed) == "herald 8.9, TW 24.2 -> TW (measured link 5,430 Mbit/s)"
+    # TorchRec's default plan predicted fastest, within one latency of TABLE_WISE: the cell says why TW trains
+    close = {"link_decision": {"predicted": {**preds, "default": {"step_ms": 24.0}}, "chosen": "table_wise",
+                               "link_mbit": 5430.0, "note": "TorchRec's default plan is predicted within ..."}}
+    assert decision_cell(close) == ("herald 8.9, TW 24.2, default plan 24.0 -> TW (given link 5,430 Mbit/s; the "
+                                    "default plan set aside: within one collective's latency of TW)")
 
 
 def test_a_run_shorter_than_the_scheduling_probe_says_no_choice_was_made(tmp_path: Path) -> None:
@@ -840,3 +846,15 @@ def _train_twice(rank: int, world: int, runs: List[List[str]], folder: str) -> A
         run_training(compose_config(second), Path(folder) / "run1", show_progress=False)
         return str(e)
     return "the first run did not fail"
+
+
+def test_a_baseline_of_the_runs_own_planner_keeps_its_planner_keys() -> None:
+    """``compare_with=herald planner.link_mbit=200``: the baseline dropped every ``planner.*`` key, probed the link
+    and trained TABLE_WISE where the run priced the stated 200 Mbit/s; a stock baseline has no such keys."""
+    from torchrec_herald.train import baseline_overrides
+
+    task = ["planner=herald", "pipeline=herald", "planner.link_mbit=200", "+planner.x=1", "compare_with=herald",
+            "batch_size=64"]
+    assert baseline_overrides(task, "herald", "herald") == ["batch_size=64", "planner.link_mbit=200", "+planner.x=1",
+                                                            "planner=herald"]
+    assert baseline_overrides(task, "herald", "table_wise") == ["batch_size=64", "planner=table_wise"]

@@ -271,7 +271,8 @@ def decision_cell(m: Dict[str, Any]) -> str:
     if d.get("one_rank"):
         return f"{cands} -> {names.get(d.get('chosen'), d.get('chosen'))} (one rank: no link)"
     link, src = priced_link(d)
-    return f"{cands} -> {names.get(d.get('chosen'), d.get('chosen'))} ({src} link {link:,.0f} Mbit/s)"
+    why = "; the default plan set aside: within one collective's latency of TW" if d.get("note") else ""
+    return f"{cands} -> {names.get(d.get('chosen'), d.get('chosen'))} ({src} link {link:,.0f} Mbit/s{why})"
 
 
 def priced_link(d: Dict[str, Any]) -> Tuple[Optional[float], str]:

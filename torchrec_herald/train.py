@@ -198,6 +198,16 @@ def set_earlier_figures_aside(run_dir: Path) -> Optional[Path]:
     return aside
 
 
+def baseline_overrides(task: List[str], planner: Optional[str], compare_with: str) -> List[str]:
+    """The command line of ``compare_with``'s baseline: the run's own overrides but its planner and pipeline
+    (TorchRec's pipeline, ``planner=<compare_with>``); where the baseline's planner is the run's own, the run's
+    ``planner.*`` keys too (a stated link, a memory budget: both runs plan alike)."""
+    kept = [o for o in task if not o.lstrip("+~").startswith(("planner", "pipeline", "compare_with"))]
+    if planner == compare_with:
+        kept += [o for o in task if o.lstrip("+~").startswith("planner.")]
+    return kept + [f"planner={compare_with}"]
+
+
 def _run(cfg: DictConfig, run_dir: Path) -> None:
     import torch.distributed as dist
 
@@ -222,8 +232,8 @@ def _run(cfg: DictConfig, run_dir: Path) -> None:
     if cfg.compare_with:
         # the same job with planner=<compare_with> and TorchRec's pipeline: same data, same global
         # batches, same initial weights
-        overrides = [o for o in hc.overrides.task if not o.startswith(("planner", "pipeline", "compare_with"))]
-        base_cfg = compose(config_name="train", overrides=overrides + [f"planner={cfg.compare_with}"])
+        overrides = baseline_overrides(list(hc.overrides.task), hc.runtime.choices.get("planner"), cfg.compare_with)
+        base_cfg = compose(config_name="train", overrides=overrides)
         base_cfg.compare_with = None
         companion_run(base_cfg, f"baseline_{cfg.compare_with}")  # never the herald run's checkpoints
         baseline = run_training(base_cfg, run_dir / f"baseline_{cfg.compare_with}")

@@ -307,7 +307,7 @@ def preflight(cfg: DictConfig, world_size: Optional[int] = None) -> DataSource:
             and isinstance(typed.planner, HeraldPlannerConfig) and typed.planner.prices_one_rank_locally(world)):
         raise ValueError("pipeline.staleness / pipeline.skip at one rank: the model of time trains stock TABLE_WISE "
                          "there (no link to save on), so there is nothing to approximate; train at several ranks, "
-                         "or declare the link (planner.link_mbit) to train herald's plan")
+                         "or set planner.link_mbit=null to train herald's plan whatever the link")
     return data
 
 

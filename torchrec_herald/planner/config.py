@@ -118,11 +118,11 @@ class HeraldPlannerConfig:
             raise ValueError(f"planner.mode of planner=herald is its cold layout, row_wise; got {self.mode!r}")
         _check_dense_sync(self.dense_sync)
         if self.link_mbit is not None and self.link_mbit != "auto" and (
-                not _is_number(self.link_mbit) or not self.link_mbit > 0):
+                not _is_number(self.link_mbit) or not 0 < self.link_mbit < math.inf):
             raise ValueError(f"planner.link_mbit must be > 0 Mbit/s, auto (measured at start) or null (unknown), "
                              f"got {self.link_mbit!r}")
         if self.collective_latency_ms != "auto" and (
-                not _is_number(self.collective_latency_ms) or not self.collective_latency_ms > 0):
+                not _is_number(self.collective_latency_ms) or not 0 < self.collective_latency_ms < math.inf):
             raise ValueError(f"planner.collective_latency_ms must be > 0 ms or auto (measured at start), "
                              f"got {self.collective_latency_ms!r}")
         for key, v in (("cpu_us_per_lookup", self.cpu_us_per_lookup), ("top_fraction", self.top_fraction)):
@@ -149,8 +149,9 @@ class HeraldPlannerConfig:
 
     @property
     def wants_probe(self) -> bool:
-        """The link rate or the collective latency is to be measured at start (``auto``)."""
-        return self.link_mbit == "auto" or self.collective_latency_ms == "auto"
+        """The link rate or the collective latency is to be measured at start (``auto``); never where
+        ``link_mbit`` is null (herald's plan whatever the link: nothing is priced)."""
+        return self.link_mbit == "auto" or (self.link_mbit is not None and self.collective_latency_ms == "auto")
 
     def with_measured(self, probe: Optional["LinkProbe"]) -> "HeraldPlannerConfig":
         """This config with each ``auto`` link value replaced by what ``probe`` measured; with no probe

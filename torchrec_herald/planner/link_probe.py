@@ -35,16 +35,21 @@ class LinkProbe:
 
     link_mbit: float
     latency_ms: float
+    #: the bytes over one rank's link the rate was measured on (the last size's transfers)
     bytes_per_rank: int
     seconds: float
+    #: every byte the probe sent over one rank's link, the doubling sizes included (0: not counted)
+    total_bytes_per_rank: int = 0
 
     def describe(self) -> str:
+        sent = self.total_bytes_per_rank or self.bytes_per_rank
         return (f"measured link: {self.link_mbit:,.0f} Mbit/s per rank, {self.latency_ms:.2f} ms per collective "
-                f"({self.bytes_per_rank / 2**20:.1f} MiB per rank in {self.seconds:.2f} s)")
+                f"({sent / 2**20:.1f} MiB per rank in {self.seconds:.2f} s)")
 
     def as_dict(self) -> Dict[str, Any]:
         return {"link_mbit": self.link_mbit, "collective_latency_ms": self.latency_ms,
-                "bytes_per_rank": self.bytes_per_rank, "seconds": self.seconds, "text": self.describe()}
+                "bytes_per_rank": self.bytes_per_rank, "total_bytes_per_rank": self.total_bytes_per_rank,
+                "seconds": self.seconds, "text": self.describe()}
 
 
 def _timed(op: Any, timeout: timedelta) -> float:
@@ -87,14 +92,14 @@ def probe_link(pg: Optional[dist.ProcessGroup], *, budget_s: float = 1.0, timeou
     latency = _slowest(statistics.median(lat), pg, timeout)
     # every stop below is decided on the slowest rank's times, the same on every rank (a rank deciding
     # on its own clock could leave the others waiting in a collective)
-    spent = 22 * latency
+    spent, total = 22 * latency, 0
     n = min_bytes
     while True:
         per_peer = max(n // (4 * W), 1)  # float32 elements to each rank
         send, recv = torch.ones(per_peer * W), torch.empty(per_peer * W)
         t = _slowest(_timed(lambda a: dist.all_to_all_single(recv, send, group=pg, async_op=a), timeout), pg, timeout)
         sent = per_peer * 4 * (W - 1)  # bytes over this rank's link, each way
-        spent += t
+        spent, total = spent + t, total + sent
         if t >= target_s or 2 * n > max_bytes or spent + 2 * t > budget_s:
             break
         n *= 2
@@ -104,10 +109,10 @@ def probe_link(pg: Optional[dist.ProcessGroup], *, budget_s: float = 1.0, timeou
     while len(times) < repeats and spent + t <= budget_s:
         times.append(_slowest(_timed(lambda a: dist.all_to_all_single(recv, send, group=pg, async_op=a), timeout),
                               pg, timeout))
-        spent += times[-1]
+        spent, total = spent + times[-1], total + sent
     rate_mbit = sent * len(times) * 8 / max(sum(times) - len(times) * latency, 1e-6) / 1e6
     return LinkProbe(link_mbit=rate_mbit, latency_ms=latency * 1e3, bytes_per_rank=sent * len(times),
-                     seconds=time.perf_counter() - start)
+                     seconds=time.perf_counter() - start, total_bytes_per_rank=total)
 
 
 def agree_on_probe(probe: Optional[LinkProbe], pg: Optional[dist.ProcessGroup],
@@ -155,9 +160,10 @@ def measured_link(pg: Optional[dist.ProcessGroup], cpu_us_per_lookup: Optional[f
     any. One rank (or no process group) has no link to measure: :meth:`LinkModel.local`, nothing probed."""
     from torchrec_herald.planner.pricing import LinkModel
 
-    cpu = LinkModel.cpu_us_per_lookup if cpu_us_per_lookup is None else float(cpu_us_per_lookup)
+    cpu = LinkModel.cpu_us_per_lookup if cpu_us_per_lookup is None else cpu_us_per_lookup
+    local = LinkModel.local(cpu)  # (checks cpu_us_per_lookup before any collective)
     if not dist.is_initialized() or dist.get_world_size(pg) < 2:
-        return LinkModel.local(cpu)
+        return local
     probe = probe_on_every_rank(pg)
     if probe is None:
         return None

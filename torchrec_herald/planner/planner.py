@@ -11,6 +11,7 @@ import copy
 import dataclasses
 import itertools
 import logging
+import math
 from typing import Any, Dict, Iterable, List, Optional, Sequence, Union
 
 import torch
@@ -136,8 +137,12 @@ class HeraldPlanner(EmbeddingShardingPlanner):
             raise ValueError(f"hot_memory_budget_bytes must be >= 0, got {hot_memory_budget_bytes}")
         self._access_stats = access
         self._sample_batches = list(sample_batches or [])
+        if link is not None and not isinstance(link, LinkModel):
+            raise TypeError(f"HeraldPlanner(link=...) takes a LinkModel (e.g. LinkModel(link_mbit=200)) or None, got "
+                            f"{link!r}")
         # a rate stated in TorchRec's Topology (intra_host_bw / inter_host_bw) is the link when none is given
-        self.link, self.dense_sync = link or link_from_topology(self._topology), dense_sync
+        self.link = link if link is not None else link_from_topology(self._topology)
+        self.dense_sync = dense_sync
         self._budget = hot_memory_budget_bytes
         self._selector = hot_set_selector or CostModelHotSetSelector(pricing=self.link)
         self.last_choices: Dict[str, HotSetChoice] = {}
@@ -393,6 +398,8 @@ class HeraldPlanner(EmbeddingShardingPlanner):
         from torchrec_herald.planner.stock import describe_plan, stock_plan
         from torchrec_herald.planner.time_model import decide, default_plan_load, mixed_plan_load, per_table_choice
 
+        if pg is not None:
+            self._check_every_rank_has_this_link(pg)
         plan = self.collective_plan(module, sharders, pg) if pg is not None else self.plan(module, sharders)
         if self.link is None:
             return PlanDecision(plan=plan, sharders=sharders, dense_sync=self.dense_sync)
@@ -428,6 +435,16 @@ class HeraldPlanner(EmbeddingShardingPlanner):
             return PlanDecision(plan=default, sharders=stock_sharders, dense_sync="ddp", link=link)
         table_wise = stock_plan(module, tables, stock_sharders, "table_wise", W, self._batch_size, device, pg, **user)
         return PlanDecision(plan=table_wise, sharders=stock_sharders, dense_sync="ddp", link=link)
+
+    def _check_every_rank_has_this_link(self, pg: dist.ProcessGroup) -> None:
+        """Every rank decides on its own link (collective): ranks given different links would pick different
+        plans and wait in different collectives. Raises the same ValueError on every rank where they differ."""
+        links: List[Any] = [None] * dist.get_world_size(pg)
+        dist.all_gather_object(links, self.link, group=pg)
+        if any(link != links[0] for link in links):
+            given = "; ".join(f"rank {r}: {link}" for r, link in enumerate(links))
+            raise ValueError(f"HeraldPlanner.decide: the ranks were given different links ({given}); give every rank "
+                             f"the same link= (or the same Topology bandwidths)")
 
     def access_stats(self, tables: List[EmbeddingBagConfig]) -> AccessStats:
         """The statistics the hot sets are chosen from: those given, or the counts of the sample batches
@@ -475,6 +492,14 @@ def link_from_topology(topology: Any, cpu_us_per_lookup: float = LinkModel.cpu_u
     stated; a warning where the other was stated: it is not the ranks' link)."""
     from torchrec.distributed.planner.constants import CROSS_NODE_BANDWIDTH, INTRA_NODE_BANDWIDTH
 
+    for key in ("intra_host_bw", "inter_host_bw"):
+        v = getattr(topology, key)
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 < v < math.inf:
+            raise ValueError(f"HeraldPlanner: Topology.{key} must be a finite number > 0 (bytes per ms), got {v!r}")
+    if topology.local_world_size is not None and not (isinstance(topology.local_world_size, int)
+                                                      and topology.local_world_size >= 1):
+        raise ValueError(f"HeraldPlanner: Topology.local_world_size must be an int >= 1 (ranks per host), got "
+                         f"{topology.local_world_size!r}")
     intra, inter = float(topology.intra_host_bw), float(topology.inter_host_bw)
     spans_hosts = topology.world_size > (topology.local_world_size or topology.world_size)
     bw, default = (inter, CROSS_NODE_BANDWIDTH) if spans_hosts else (intra, INTRA_NODE_BANDWIDTH)

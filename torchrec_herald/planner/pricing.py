@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import abc
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TypeVar
 
 import torch
@@ -79,11 +79,17 @@ class LinkModel(Pricing):
     link_mbit: float
     collective_latency_ms: float = 1.0
     cpu_us_per_lookup: float = 0.6
+    #: one rank's local "link" (:meth:`local`): the one infinite rate allowed
+    one_rank: bool = field(default=False, repr=False)
 
     def __post_init__(self) -> None:
-        if not self.link_mbit > 0:
+        for key in ("link_mbit", "collective_latency_ms", "cpu_us_per_lookup"):
+            v = getattr(self, key)
+            if isinstance(v, bool) or not isinstance(v, (int, float)):
+                raise ValueError(f"planner.{key} must be a number, got {v!r}")
+        if not self.link_mbit > 0 or (math.isinf(self.link_mbit) and not self.one_rank):
             raise ValueError(f"planner.link_mbit must be > 0 Mbit/s (or null: unknown), got {self.link_mbit}")
-        if not self.collective_latency_ms >= 0:  # (NaN fails it)
+        if not 0 <= self.collective_latency_ms < math.inf:  # (NaN fails it)
             raise ValueError(f"planner.collective_latency_ms must be >= 0, got {self.collective_latency_ms}")
         if not self.cpu_us_per_lookup >= 0 or math.isinf(self.cpu_us_per_lookup):
             raise ValueError(f"planner.cpu_us_per_lookup must be >= 0, got {self.cpu_us_per_lookup}")
@@ -94,12 +100,12 @@ class LinkModel(Pricing):
     def local(cls, cpu_us_per_lookup: float) -> "LinkModel":
         """One rank's "link": nothing crosses it (every byte a plan would send stays on the rank) and its
         collectives are local copies, so the plans differ only in herald's extra work per lookup."""
-        return cls(link_mbit=math.inf, collective_latency_ms=0.0, cpu_us_per_lookup=cpu_us_per_lookup)
+        return cls(link_mbit=math.inf, collective_latency_ms=0.0, cpu_us_per_lookup=cpu_us_per_lookup, one_rank=True)
 
     @property
     def is_local(self) -> bool:
         """The one-rank link of :meth:`local`."""
-        return math.isinf(self.link_mbit)
+        return self.one_rank
 
     def transfer_ms(self, nbytes: float) -> float:
         """Milliseconds to send ``nbytes`` over the link."""

@@ -96,7 +96,7 @@ class StepTimeModel(LinkModel):
         """The model for ``link``'s prices with no compute measured (the candidates then differ only in
         their link and extra work)."""
         return cls(link_mbit=link.link_mbit, collective_latency_ms=link.collective_latency_ms,
-                   cpu_us_per_lookup=link.cpu_us_per_lookup)
+                   cpu_us_per_lookup=link.cpu_us_per_lookup, one_rank=link.one_rank)
 
     def predict(self, load: PlanLoad) -> StepPrediction:
         compute = self.compute_ms if load.compute_ms is None else load.compute_ms
@@ -232,7 +232,8 @@ def decide(expected: Iterable[Mapping[str, float]], world_size: int, model: Link
         dense_sync: herald's dense sync (``forward_ordered`` or ``ddp``).
         default_plan: TorchRec's default plan's load, a third candidate.
         mixed: the per-table candidate (:func:`mixed_plan_load`) and its pick per table, a fourth: chosen
-            only where it is predicted faster than all three (ties go to the whole plans).
+            only where it is predicted faster than the three whole plans (ties go to them), or than the two
+            besides TorchRec's default plan where that one is set aside (:func:`choose_plan`).
     """
     expected = list(expected)
     lookups = sum(e.get("lookups", 0.0) for e in expected) / world_size
@@ -308,7 +309,7 @@ def per_table_choice(expected: Mapping[str, Mapping[str, float]], stock_types: M
     for k in range(len(ranked) + 1):
         pick = {n: ("herald" if i < k else kinds[n]) for i, n in enumerate(ranked)}
         ms = timer.predict(mixed_plan_load(expected, pick, W, dense_bytes, dense_sync)).step_ms
-        if ms < best_ms:
+        if ms < best_ms or not best:  # (the first pick stands where every prediction overflows)
             best, best_ms = pick, ms
     return {n: best[n] for n in expected}
 
