@@ -395,11 +395,14 @@ def main() -> None:
                                     row["samples_per_s"], {k: round(v, 1) for k, v in row["breakdown_ms"].items()},
                                     f", trained {trained_plan(row)}" if row.get("link_decision") else "")
                 for config, runs in reps.items():
+                    # each repeat in run order (repeat r of every configuration ran side by side): its samples/s and step
+                    in_order = [{"samples_per_s": r["samples_per_s"], "step_ms": r["breakdown_ms"]["step"],
+                                 **({"trained": trained_plan(r)} if r.get("link_decision") else {})} for r in runs]
                     runs.sort(key=lambda r: r["samples_per_s"])
                     row = dict(runs[len(runs) // 2])  # the median repeat (its breakdown with it)
                     row.update(world_size=world, rate_mbit=rate,
                                repeat_samples_per_s=[r["samples_per_s"] for r in runs],
-                               repeat_host_speed_ms=[r["host_speed_ms"] for r in runs])
+                               repeat_host_speed_ms=[r["host_speed_ms"] for r in runs], repeats_in_order=in_order)
                     if any(r.get("link_decision") for r in runs):  # (the model of time may pick apart from run to run)
                         row["repeat_trained"] = [trained_plan(r) for r in runs]
                     rows.append(row)

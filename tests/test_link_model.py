@@ -126,6 +126,8 @@ def test_only_the_one_rank_link_is_infinite() -> None:
     local = LinkModel.local(0.6)
     assert local.is_local and local.link_mbit == float("inf") and not LinkModel(link_mbit=1e9).is_local
     assert StepTimeModel.on(local).is_local and StepTimeModel.on(local) == StepTimeModel.on(LinkModel.local(0.6))
+    with pytest.raises(ValueError, match=r"^LinkModel\(one_rank=True\) is one rank's local link"):
+        LinkModel(link_mbit=200, one_rank=True)  # (a finite link flagged local: its decisions said one rank)
 
 
 def _planner_for(link: object = None, topology: object = None) -> object:
@@ -727,13 +729,28 @@ def test_an_approximate_run_probes_the_link_once_and_logs_its_plan_table_once(tm
             "planner: measured link: 21 Mbit/s per rank, 0.20 ms per collective (1.0 MiB per rank in 0.40 s)"]
 
 
+def _measured_with_bad_cpu(rank: int, world: int, cpu: object) -> tuple:
+    import torch.distributed as dist
+
+    import torchrec_herald.planner.link_probe as link_probe
+
+    real, calls = link_probe.probe_link, []
+
+    def counted(*args: object, **kwargs: object) -> object:
+        calls.append(1)
+        return real(*args, **kwargs)
+
+    link_probe.probe_link = counted
+    try:
+        link_probe.measured_link(dist.group.WORLD, cpu_us_per_lookup=cpu)  # type: ignore[arg-type]
+        return "no error", len(calls)
+    except ValueError as e:
+        return str(e), len(calls)
+
+
 @pytest.mark.parametrize("cpu, message", [("0.6x", "planner.cpu_us_per_lookup must be a number, got '0.6x'"),
                                           (-1, "planner.cpu_us_per_lookup must be >= 0, got -1")])
 def test_measured_link_checks_its_cpu_price_before_probing(cpu: object, message: str) -> None:
-    """``measured_link(pg, cpu_us_per_lookup=-1)`` ran the probe's collectives first, and '0.6x' raised float()'s
-    error."""
-    from torchrec_herald.planner.link_probe import measured_link
-
-    with pytest.raises(ValueError) as e:
-        measured_link(None, cpu_us_per_lookup=cpu)  # type: ignore[arg-type]
-    assert str(e.value) == message
+    """``measured_link(pg, cpu_us_per_lookup=-1)`` at 2 ranks ran the probe's collectives first, and '0.6x' raised
+    float()'s error: refused on every rank before any probe."""
+    assert run_multiprocess(_measured_with_bad_cpu, 2, cpu) == [(message, 0), (message, 0)]

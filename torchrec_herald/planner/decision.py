@@ -4,7 +4,8 @@ TorchRec's default plan, herald's tables beside stock ones) with their predicted
 
 :func:`plan_model` is the one entry point from a ``planner`` config (``planner/config.py``): TorchRec's
 own planner for ``planner=stock|table_wise|row_wise``, :class:`~torchrec_herald.planner.HeraldPlanner`
-for ``planner=herald`` (which prices the link and trains the fastest candidate itself).
+for ``planner=herald`` (which prices the link and trains the fastest candidate itself, TorchRec's default
+plan only where it beats TABLE_WISE by more than one collective's latency).
 """
 
 from __future__ import annotations

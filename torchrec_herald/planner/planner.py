@@ -12,6 +12,7 @@ import dataclasses
 import itertools
 import logging
 import math
+import numbers
 from typing import Any, Dict, Iterable, List, Optional, Sequence, Union
 
 import torch
@@ -391,10 +392,12 @@ class HeraldPlanner(EmbeddingShardingPlanner):
     def decide(self, module: nn.Module, sharders: List[ModuleSharder[nn.Module]],
                pg: Optional[dist.ProcessGroup] = None) -> PlanDecision:
         """Plan ``module`` (collectively when ``pg`` is given) and decide what trains it by the model of
-        time (``planner/time_model.py``): herald's plan, stock TABLE_WISE or TorchRec's default plan, the
-        one with the shortest predicted step on the link (``link``, or the bandwidth stated in the
-        planner's TorchRec ``Topology``); the decision carries every candidate's predicted step and says
-        why in one line."""
+        time (``planner/time_model.py``): herald's plan, stock TABLE_WISE, TorchRec's default plan or
+        herald's tables beside stock ones, the one with the shortest predicted step on the link (``link``,
+        or the bandwidth stated in the planner's TorchRec ``Topology``), except that TorchRec's default plan
+        must beat TABLE_WISE by more than one collective's latency (``time_model.choose_plan``); the
+        decision carries every candidate's predicted step and says why in one line. Every rank must be given
+        the same link (checked: one ValueError on every rank)."""
         from torchrec_herald.planner.stock import describe_plan, stock_plan
         from torchrec_herald.planner.time_model import decide, default_plan_load, mixed_plan_load, per_table_choice
 
@@ -494,7 +497,7 @@ def link_from_topology(topology: Any, cpu_us_per_lookup: float = LinkModel.cpu_u
 
     for key in ("intra_host_bw", "inter_host_bw"):
         v = getattr(topology, key)
-        if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 < v < math.inf:
+        if isinstance(v, bool) or not isinstance(v, numbers.Real) or not 0 < v < math.inf:
             raise ValueError(f"HeraldPlanner: Topology.{key} must be a finite number > 0 (bytes per ms), got {v!r}")
     if topology.local_world_size is not None and not (isinstance(topology.local_world_size, int)
                                                       and topology.local_world_size >= 1):

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import abc
 import math
+import numbers
 from dataclasses import dataclass, field
 from typing import TypeVar
 
@@ -85,8 +86,10 @@ class LinkModel(Pricing):
     def __post_init__(self) -> None:
         for key in ("link_mbit", "collective_latency_ms", "cpu_us_per_lookup"):
             v = getattr(self, key)
-            if isinstance(v, bool) or not isinstance(v, (int, float)):
+            if isinstance(v, bool) or not isinstance(v, numbers.Real):
                 raise ValueError(f"planner.{key} must be a number, got {v!r}")
+        if self.one_rank and (not math.isinf(self.link_mbit) or self.collective_latency_ms != 0):
+            raise ValueError("LinkModel(one_rank=True) is one rank's local link: LinkModel.local(cpu_us_per_lookup)")
         if not self.link_mbit > 0 or (math.isinf(self.link_mbit) and not self.one_rank):
             raise ValueError(f"planner.link_mbit must be > 0 Mbit/s (or null: unknown), got {self.link_mbit}")
         if not 0 <= self.collective_latency_ms < math.inf:  # (NaN fails it)
