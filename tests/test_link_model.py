@@ -582,8 +582,8 @@ def _probe_timed(rank: int, world: int) -> tuple:
 
     real, calls = link_probe._timed, []
 
-    def timed(op: object, timeout: object) -> float:
-        real(op, timeout)  # type: ignore[arg-type]
+    def timed(op: object, *args: object) -> float:
+        real(op, *args)  # type: ignore[arg-type]
         calls.append(1)
         return (0.001 if len(calls) <= 22 else 0.050) * (1 + rank / 2)  # 22 latency all-reduces, then all-to-alls
 
@@ -754,3 +754,37 @@ def test_measured_link_checks_its_cpu_price_before_probing(cpu: object, message:
     """``measured_link(pg, cpu_us_per_lookup=-1)`` at 2 ranks ran the probe's collectives first, and '0.6x' raised
     float()'s error: refused on every rank before any probe."""
     assert run_multiprocess(_measured_with_bad_cpu, 2, cpu) == [(message, 0), (message, 0)]
+
+
+def _device_of_probe(rank: int, world: int) -> str:
+    import torch.distributed as dist
+
+    from torchrec_herald.planner.link_probe import probe_device
+
+    return str(probe_device(dist.group.WORLD))
+
+
+def test_the_probe_times_the_link_where_the_training_sends_its_tensors() -> None:
+    """On a gloo group the probe's tensors are the CPU's (on a GPU host the trainer's ``cpu:gloo,cuda:nccl`` group
+    gives CUDA ones, over NCCL: CPU tensors there timed gloo's TCP, not the embeddings' link)."""
+    import torch
+
+    from torchrec_herald.dist_utils import default_backend
+
+    assert run_multiprocess(_device_of_probe, 2) == ["cpu", "cpu"]
+    assert default_backend() == ("cpu:gloo,cuda:nccl" if torch.cuda.is_available() else "gloo")
+
+
+@pytest.mark.parametrize("backend, cuda, device", [("cpu:gloo,cuda:nccl", True, "cuda:0"), ("nccl", True, "cuda:0"),
+                                                  ("gloo", True, "cpu"), ("cpu:gloo,cuda:nccl", False, "cpu")])
+def test_the_probe_device_follows_the_groups_cuda_backend(monkeypatch: pytest.MonkeyPatch, backend: str, cuda: bool,
+                                                          device: str) -> None:
+    import torch
+    import torch.distributed as dist
+
+    from torchrec_herald.planner.link_probe import probe_device
+
+    monkeypatch.setattr(dist, "get_backend", lambda pg=None: backend)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: cuda)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    assert str(probe_device(None)) == device

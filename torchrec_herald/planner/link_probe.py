@@ -2,7 +2,9 @@
 timed collectives on the job's own process group (``planner.link_mbit=auto`` and
 ``planner.collective_latency_ms=auto``, the defaults). The planner's model of time
 (``planner/time_model.py``) then picks herald's plan, stock TABLE_WISE or TorchRec's default plan
-without the user knowing their link.
+without the user knowing their link. The collectives carry tensors where the training's do
+(:func:`probe_device`): CUDA tensors over NCCL on a GPU host, whose process group also has gloo for CPU
+tensors, so the probe times the link the embeddings cross, not gloo's TCP.
 
 Hand-written because no library times a process group's links; it costs well under a second and a few
 MB per rank, and every rank ends with the same figures (the times are all-reduced), so every rank makes
@@ -21,7 +23,7 @@ from typing import TYPE_CHECKING, Any, Dict, Optional
 import torch
 import torch.distributed as dist
 
-__all__ = ["LinkProbe", "agree_on_probe", "measured_link", "probe_link", "probe_on_every_rank"]
+__all__ = ["LinkProbe", "agree_on_probe", "measured_link", "probe_device", "probe_link", "probe_on_every_rank"]
 
 if TYPE_CHECKING:
     from torchrec_herald.planner.pricing import LinkModel
@@ -52,23 +54,42 @@ class LinkProbe:
                 "seconds": self.seconds, "text": self.describe()}
 
 
-def _timed(op: Any, timeout: timedelta) -> float:
+def probe_device(pg: Optional[dist.ProcessGroup]) -> torch.device:
+    """Where the probe's tensors live: where the training's collectives carry the embeddings. A process group
+    with a CUDA backend (``cpu:gloo,cuda:nccl``, the trainer's on a GPU host, or ``nccl``) carries them as CUDA
+    tensors over NCCL, so the probe times that link (CPU tensors would time gloo's TCP instead); else the CPU."""
+    backend = str(dist.get_backend(pg))
+    if torch.cuda.is_available() and ("cuda" in backend or backend == "nccl"):
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":  # (a collective's wait() orders the stream; the host waits here)
+        torch.cuda.synchronize(device)
+
+
+def _timed(op: Any, timeout: timedelta, device: torch.device = torch.device("cpu")) -> float:
+    _sync(device)
     t0 = time.perf_counter()
     op(True).wait(timeout)
+    _sync(device)
     return time.perf_counter() - t0
 
 
-def _slowest(seconds: float, pg: Optional[dist.ProcessGroup], timeout: timedelta) -> float:
+def _slowest(seconds: float, pg: Optional[dist.ProcessGroup], timeout: timedelta,
+             device: torch.device = torch.device("cpu")) -> float:
     """The largest of every rank's ``seconds`` (so every rank decides alike)."""
-    t = torch.tensor([seconds], dtype=torch.float64)
+    t = torch.tensor([seconds], dtype=torch.float64, device=device)
     dist.all_reduce(t, op=dist.ReduceOp.MAX, group=pg, async_op=True).wait(timeout)
     return float(t.item())
 
 
 def probe_link(pg: Optional[dist.ProcessGroup], *, budget_s: float = 1.0, timeout_s: float = 30.0,
                min_bytes: int = 256 << 10, max_bytes: int = 16 << 20, target_s: float = 0.1,
-               repeats: int = 2) -> LinkProbe:
-    """Time the link of ``pg`` (collective: every rank calls it).
+               repeats: int = 2, device: Optional[torch.device] = None) -> LinkProbe:
+    """Time the link of ``pg`` (collective: every rank calls it), with tensors on ``device`` (default
+    :func:`probe_device`: CUDA where the group carries CUDA tensors, the time then taken to the device's end).
 
     Latency: the median of 20 one-element all-reduces (after 2 warm-ups), slowest rank. Rate: an
     all-to-all of ``n`` bytes per rank (split evenly over the ranks), doubling ``n`` from ``min_bytes``
@@ -84,20 +105,27 @@ def probe_link(pg: Optional[dist.ProcessGroup], *, budget_s: float = 1.0, timeou
     if W < 2:
         raise RuntimeError("one rank: no link to measure")
     timeout = timedelta(seconds=timeout_s)
+    dev = probe_device(pg) if device is None else device
     start = time.perf_counter()
-    one = torch.zeros(1)
+    one = torch.zeros(1, device=dev)
     # the median of 20: robust to a rank's passing background work at start, yet it keeps the cost of
     # ranks that share cores (which every collective of the training pays too)
-    lat = [_timed(lambda a: dist.all_reduce(one, group=pg, async_op=a), timeout) for _ in range(22)][2:]
-    latency = _slowest(statistics.median(lat), pg, timeout)
+    lat = [_timed(lambda a: dist.all_reduce(one, group=pg, async_op=a), timeout, dev) for _ in range(22)][2:]
+    latency = _slowest(statistics.median(lat), pg, timeout, dev)
     # every stop below is decided on the slowest rank's times, the same on every rank (a rank deciding
     # on its own clock could leave the others waiting in a collective)
     spent, total = 22 * latency, 0
+    # one untimed all-to-all first: NCCL connects a pair's point-to-point channels at their first use, which
+    # would count as link time in the first timed one (gloo's are connected already)
+    warm = torch.zeros(W, device=dev)
+    dist.all_to_all_single(torch.empty_like(warm), warm, group=pg, async_op=True).wait(timeout)
+    _sync(dev)
     n = min_bytes
     while True:
         per_peer = max(n // (4 * W), 1)  # float32 elements to each rank
-        send, recv = torch.ones(per_peer * W), torch.empty(per_peer * W)
-        t = _slowest(_timed(lambda a: dist.all_to_all_single(recv, send, group=pg, async_op=a), timeout), pg, timeout)
+        send, recv = torch.ones(per_peer * W, device=dev), torch.empty(per_peer * W, device=dev)
+        t = _slowest(_timed(lambda a: dist.all_to_all_single(recv, send, group=pg, async_op=a), timeout, dev), pg,
+                     timeout, dev)
         sent = per_peer * 4 * (W - 1)  # bytes over this rank's link, each way
         spent, total = spent + t, total + sent
         if t >= target_s or 2 * n > max_bytes or spent + 2 * t > budget_s:
@@ -107,8 +135,8 @@ def probe_link(pg: Optional[dist.ProcessGroup], *, budget_s: float = 1.0, timeou
     # the mean over repeats of the last size (every rank stops alike: the times are the slowest rank's)
     times = [t]
     while len(times) < repeats and spent + t <= budget_s:
-        times.append(_slowest(_timed(lambda a: dist.all_to_all_single(recv, send, group=pg, async_op=a), timeout),
-                              pg, timeout))
+        times.append(_slowest(_timed(lambda a: dist.all_to_all_single(recv, send, group=pg, async_op=a), timeout,
+                                     dev), pg, timeout, dev))
         spent, total = spent + times[-1], total + sent
     rate_mbit = sent * len(times) * 8 / max(sum(times) - len(times) * latency, 1e-6) / 1e6
     return LinkProbe(link_mbit=rate_mbit, latency_ms=latency * 1e3, bytes_per_rank=sent * len(times),
@@ -124,7 +152,7 @@ def agree_on_probe(probe: Optional[LinkProbe], pg: Optional[dist.ProcessGroup],
     Raises:
         RuntimeError: the process group cannot carry one small all-reduce after the probe (naming the probe).
     """
-    ok = torch.tensor([0 if probe is None else 1], dtype=torch.int32)
+    ok = torch.tensor([0 if probe is None else 1], dtype=torch.int32, device=probe_device(pg))
     try:
         dist.all_reduce(ok, op=dist.ReduceOp.MIN, group=pg, async_op=True).wait(timedelta(seconds=timeout_s))
     except Exception as e:  # noqa: BLE001 - one line naming where the job's process group failed
