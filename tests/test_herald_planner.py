@@ -514,3 +514,32 @@ def test_a_weighted_ebcs_tables_keep_a_stock_type_beside_a_herald_ebc(caplog: py
     assert str(e.value) == ("table w0: its ParameterConstraints allow ['herald_hot_row_wise'], but its EBC 'weighted' "
                             "is weighted (is_weighted=True), and herald's sharding has no per-sample weights; allow a "
                             "stock sharding type")
+
+
+def test_cold_blocks_the_gpus_cannot_hold_are_a_planning_error_not_a_host_memory_kernel() -> None:
+    """Planning for GPUs whose memory holds less than a table's row-wise block: TorchRec's planner picked
+    ``fused_uvm_caching`` (rows in host memory) and herald's plan rewrote it to ``fused``, allocated whole on the
+    device (an out-of-memory error as the model was built). Herald's blocks are fused only: the planner refuses."""
+    from torchrec.distributed.planner import Topology
+    from torchrec.distributed.planner.types import PlannerError
+    from torchrec.modules.embedding_configs import EmbeddingBagConfig
+    from torchrec.modules.embedding_modules import EmbeddingBagCollection
+    from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
+
+    from torchrec_herald.planner import HeraldPlanner
+    from torchrec_herald.sharding import HeraldEmbeddingBagCollectionSharder
+
+    rows, dim = 4_000_000, 128  # 1 GiB of fp32 rows per rank, row-wise over 2
+    ebc = EmbeddingBagCollection(tables=[EmbeddingBagConfig(name="t0", embedding_dim=dim, num_embeddings=rows,
+                                                            feature_names=["f0"])], device=torch.device("meta"))
+    kjt = KeyedJaggedTensor(keys=["f0"], values=torch.randint(0, rows, (512,)), lengths=torch.ones(512, dtype=torch.int64))
+
+    def plan(hbm: int) -> Any:
+        topology = Topology(world_size=2, local_world_size=2, compute_device="cuda", hbm_cap=hbm, ddr_cap=64 << 30)
+        return HeraldPlanner(topology=topology, batch_size=512, sample_batches=[kjt],
+                             hot_memory_budget_bytes=1 << 20).plan(ebc, [HeraldEmbeddingBagCollectionSharder()])
+
+    with pytest.raises(PlannerError, match="does not fit on any rank"):
+        plan(600 << 20)
+    roomy = plan(8 << 30).plan[""]["t0"]
+    assert (roomy.sharding_type, roomy.compute_kernel) == ("herald_hot_row_wise", "fused")

@@ -21,7 +21,16 @@ logger = logging.getLogger(__name__)
 
 #: environment variable naming the process group's backend instead of :func:`default_backend`'s choice
 BACKEND_ENV = "HERALD_DIST_BACKEND"
-BACKENDS = ("gloo", "nccl", "cpu:gloo,cuda:nccl")
+BACKENDS = ("gloo", "cpu:gloo,cuda:nccl")  # (nccl alone: the trainer's CPU reductions would have no backend)
+
+
+def collective_device(pg: Optional[dist.ProcessGroup] = None) -> torch.device:
+    """Where a collective's tensors go on ``pg``: the current CUDA device where the group has a CUDA backend
+    (``cpu:gloo,cuda:nccl`` on a GPU host, or a user's ``nccl`` group, which refuses CPU tensors), else the CPU."""
+    backend = str(dist.get_backend(pg))
+    if torch.cuda.is_available() and ("cuda" in backend or backend == "nccl"):
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
 
 
 def rank0_outcome(work: Callable[[], Optional[str]]) -> Optional[str]:
@@ -44,7 +53,8 @@ def default_backend() -> str:
     chosen = os.environ.get(BACKEND_ENV)
     if chosen:
         if chosen not in BACKENDS:
-            raise ValueError(f"{BACKEND_ENV}={chosen!r}: expected one of {list(BACKENDS)}")
+            raise ValueError(f"{BACKEND_ENV}={chosen!r}: expected one of {list(BACKENDS)} (cpu:gloo,cuda:nccl: NCCL "
+                             f"for CUDA tensors, gloo for the trainer's CPU ones; the default on a GPU host)")
         return chosen
     return "cpu:gloo,cuda:nccl" if torch.cuda.is_available() else "gloo"
 

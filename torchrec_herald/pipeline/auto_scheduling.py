@@ -20,6 +20,7 @@ import torch.distributed as dist
 from torchrec.datasets.utils import Batch
 from torchrec.distributed.train_pipeline import TrainPipelineSparseDist
 
+from torchrec_herald.dist_utils import collective_device
 from torchrec_herald.pipeline.context import SchedulerStats
 from torchrec_herald.pipeline.options import probe_mode_steps
 
@@ -142,7 +143,7 @@ class SchedulingSwitch:
                 self._switch(want)
             return
         means = torch.tensor([probe["seconds"][m] / max(probe["steps"][m], 1) for m in ("on", "off")],
-                             dtype=torch.float64)
+                             dtype=torch.float64, device=collective_device(self._pg))  # (a user's NCCL-only group)
         dist.all_reduce(means, op=dist.ReduceOp.MAX, group=self._pg)
         on_ms, off_ms = (1000 * float(x) for x in means)
         probe.update(decided=True, on_ms_per_step=on_ms, off_ms_per_step=off_ms)

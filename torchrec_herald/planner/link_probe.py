@@ -55,13 +55,13 @@ class LinkProbe:
 
 
 def probe_device(pg: Optional[dist.ProcessGroup]) -> torch.device:
-    """Where the probe's tensors live: where the training's collectives carry the embeddings. A process group
-    with a CUDA backend (``cpu:gloo,cuda:nccl``, the trainer's on a GPU host, or ``nccl``) carries them as CUDA
-    tensors over NCCL, so the probe times that link (CPU tensors would time gloo's TCP instead); else the CPU."""
-    backend = str(dist.get_backend(pg))
-    if torch.cuda.is_available() and ("cuda" in backend or backend == "nccl"):
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
+    """Where the probe's tensors live: where the training's collectives carry the embeddings
+    (:func:`~torchrec_herald.dist_utils.collective_device`). The trainer's group on a GPU host,
+    ``cpu:gloo,cuda:nccl``, carries CUDA tensors over NCCL, so the probe times that link (CPU tensors would
+    time gloo's TCP instead); else the CPU."""
+    from torchrec_herald.dist_utils import collective_device
+
+    return collective_device(pg)
 
 
 def _sync(device: torch.device) -> None:

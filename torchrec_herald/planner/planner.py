@@ -18,6 +18,7 @@ from typing import Any, Dict, Iterable, List, Optional, Sequence, Union
 import torch
 import torch.distributed as dist
 from torch import nn
+from torchrec.distributed.embedding_types import EmbeddingComputeKernel
 from torchrec.distributed.planner import EmbeddingShardingPlanner, ParameterConstraints
 from torchrec.distributed.planner.types import PlannerError, Stats, Topology
 from torchrec.distributed.types import ModuleSharder, ShardingPlan, ShardingType
@@ -319,7 +320,9 @@ class HeraldPlanner(EmbeddingShardingPlanner):
         for t in tables:
             pc = constraints.get(t.name, ParameterConstraints())
             pc.sharding_types = [ShardingType.ROW_WISE.value]
-            pc.compute_kernels = None
+            # herald's blocks are fused TBEs in the device's memory: where they do not fit, TorchRec's planner says so
+            # (a UVM-caching or key-value kernel it could pick instead would be allocated whole on the device)
+            pc.compute_kernels = [EmbeddingComputeKernel.FUSED.value]
             constraints[t.name] = pc
         return constraints
 
