@@ -115,6 +115,9 @@ def test_resources_replicas_and_names() -> None:
     assert role.resource.cpu == 7
     assert role.resource.memMB == 1234
     assert role.resource.gpu == 0
+    assert train(gpu=8, nproc_per_node=8).roles[0].resource.gpu == 8  # (a remote scheduler gives only those asked for)
+    with pytest.raises(ValueError, match=r"^--gpu must be >= 0, got -1$"):
+        train(gpu=-1)
 
 
 def test_named_resource_h() -> None:

@@ -32,6 +32,7 @@ def train(
     python: str = sys.executable,
     cpu: int = 2,
     memMB: int = 8192,
+    gpu: int = 0,
     h: Optional[str] = None,
     rdzv_port: int = 29500,
     run_id: str = macros.app_id,
@@ -49,6 +50,9 @@ def train(
         python: interpreter on the nodes (default: the one running torchx; use ``python3`` on images).
         cpu: CPUs per node (resource request).
         memMB: memory per node in MB (resource request).
+        gpu: GPUs per node (resource request; 0: none). A remote scheduler gives a job only the GPUs it asks
+            for, so a GPU job asks for its ``nproc_per_node`` (one rank per GPU); without them it trains on
+            the CPU over gloo.
         h: named resource (overrides cpu/memMB), e.g. an AWS instance type.
         rdzv_port: c10d rendezvous port on rank 0's host (multi-node only; single node picks a free one).
         run_id: run-dir name shared by all ranks (``outputs/<run_id>``); default: the torchx app id.
@@ -61,6 +65,8 @@ def train(
     for key, value in (("nproc_per_node", nproc_per_node), ("nnodes", nnodes)):
         if value < 1:
             raise ComponentArgumentError(f"--{key} must be >= 1, got {value}")
+    if gpu < 0:
+        raise ComponentArgumentError(f"--gpu must be >= 0, got {gpu}")
     launcher: List[str] = [
         python, "-m", "torchrec_herald.launch",
         "--nnodes", str(nnodes),
@@ -91,7 +97,7 @@ def train(
                 args=args,
                 env=job_env,
                 num_replicas=nnodes,
-                resource=specs.resource(cpu=cpu, memMB=memMB, h=h),
+                resource=specs.resource(cpu=cpu, gpu=gpu, memMB=memMB, h=h),
                 port_map={"c10d": rdzv_port},
                 max_retries=0,
             )
