@@ -146,6 +146,16 @@ class _LayoutOnDevice:
                    feature_key_table=keys, **on)
 
 
+def _used_on_this_stream(*tensors: torch.Tensor) -> None:
+    """Tensors made on the compute stream in backward and read here, on whatever stream settles the hot-row sum
+    (TorchRec's data-dist stream, under its pipeline): the caching allocator must not hand their memory to the
+    compute stream before this stream's reads run (``record_stream``; a CPU has no streams)."""
+    if tensors and tensors[0].is_cuda:
+        stream = torch.cuda.current_stream(tensors[0].device)
+        for t in tensors:
+            t.record_stream(stream)
+
+
 @dataclass
 class _PendingHotSync:
     """A hot-row gradient sum in flight: the collectives' (rows, buffer, work) for densely synced tables
@@ -470,7 +480,11 @@ class ShardedHeraldEmbeddingBagCollection(
         self._num_hot = lay.num_hot
         # fbgemm's dense TBE draws its placeholder weights from the global generator (torch.randn): build
         # the storage on a forked generator, so the rows below draw exactly what stock TorchRec draws
-        with torch.random.fork_rng(devices=[self._device] if self._device.type == "cuda" else []):
+        # (and on this rank's GPU: fbgemm's dense TBE takes the current CUDA device, which a user passing
+        # cuda:LOCAL_RANK to the sharded model need not have set)
+        on_gpu = self._device.type == "cuda"
+        with torch.random.fork_rng(devices=[self._device] if on_gpu else []), \
+                (torch.cuda.device(self._device) if on_gpu else contextlib.nullcontext()):
             self._store = RowStore(lay, self._rank, self._dim, self._fused_params, self._device)
         self._configs = list(configs)
         self._pending_hot: Optional[_PendingHotSync] = None  # hot-row gradient sum in flight
@@ -1053,11 +1067,13 @@ class ShardedHeraldEmbeddingBagCollection(
         if p.dense is not None:
             dense_rows, dense, work = p.dense
             work.wait()
+            _used_on_this_stream(dense_rows, dense)
             rows.append(dense_rows)
             grads.append(dense)
         if p.sparse is not None:
             got, work = p.sparse
             work.wait()
+            _used_on_this_stream(got)
             ids = got[:, 0].view(torch.int32).to(torch.int64)  # (a strided dtype view: no copy before the cast)
             if self._native_ids is None:
                 # the path of ids on a GPU: every sparsely synced row gets its sum (zero where no rank read it,
