@@ -157,9 +157,11 @@ def test_compiled_row_access_reads_and_writes_like_the_torch_reference(reference
         for i, mask in ((3, hot), (4, own), (5, cache)):
             assert torch.equal(where[0][i][mask], where[1][i][mask]) and bool((where[0][i][mask] >= 0).all())
         shared = held[hot | cache]
-        for store in stores:
+        for store in stores:  # (no second copy of the hot rows until bounded staleness tracks bases)
+            assert store.base_hot.shape == (0, 5), store.base_hot.shape
             store.track_base = True
             store.rebase(shared)
+            assert store.base_hot.shape == (store.layout.num_hot, 5)
         assert torch.equal(stores[0].base(shared), stores[1].base(shared))
         assert torch.equal(stores[0].base_hot, stores[1].base_hot) and torch.equal(stores[0].base_cache, stores[1].base_cache)
         remote = torch.tensor([int(k) for k in range(n) if int(stores[0].layout.hot_slot(torch.tensor([k]))) < 0

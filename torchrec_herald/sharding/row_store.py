@@ -139,7 +139,8 @@ class RowStore(nn.Module):
         self.free: List[int] = []
         # bounded staleness: each hot replica's / cache entry's value when it was last synced
         self.track_base = False
-        self.base_hot = torch.zeros(layout.num_hot, dim + 1, device=device)
+        self.base_hot = torch.zeros(0, dim + 1, device=device)  # (sized by rebase_hot when tracking starts: a
+        # second copy of every hot row, which only bounded staleness needs, would double the hot rows' memory)
         self.base_cache = torch.zeros(0, dim + 1, device=device)
         self._zero = torch.zeros((), device=device)  # SGD's row-wise state, expanded (:meth:`_no_state`)
         # by-key reads and writes in one compiled pass (CPU rows, the extension built), else torch ops; where
@@ -483,11 +484,17 @@ class RowStore(nn.Module):
         self.base_cache = torch.zeros(0, self.dim + 1, device=self.device)
 
     # ------------------------------------------------------------------ bounded staleness: sync bases
+    def _size_base_hot(self) -> None:
+        """The hot replicas' bases, made at the first use (bounded staleness only)."""
+        if self.base_hot.shape[0] != self.layout.num_hot:
+            self.base_hot = torch.zeros(self.layout.num_hot, self.dim + 1, device=self.device)
+
     def _native_bases(self) -> Tuple[torch.Tensor, torch.Tensor]:
-        return self.base_hot, self.base_cache
+        return self.base_hot, self.base_cache  # (no hot bases before tracking: a push without add reads none)
 
     def rebase(self, keys: torch.Tensor) -> None:
         """Base of the hot replicas / cache entries among ``keys`` := their current value (+ state)."""
+        self._size_base_hot()
         if self.native is not None:
             keys = keys.to(torch.int64).contiguous()
             missing = self.native.row_store_rebase(keys, *self._native_args(), *self._native_buffers(),
@@ -504,6 +511,7 @@ class RowStore(nn.Module):
 
     def rebase_hot(self) -> None:
         """Every hot replica's base := its current value (every replica is in sync with its home)."""
+        self._size_base_hot()
         n = self.base_hot.shape[0]
         self.base_hot[:, : self.dim] = self.hot_weights()[:n]
         self.base_hot[:, self.dim] = self.hot_state[:n]
@@ -562,6 +570,7 @@ class RowStore(nn.Module):
             raise self._own_push(keys[own])
         d = self._dev
         out = torch.empty(keys.numel(), self.dim + 1, device=self.device)
+        self._size_base_hot()
         out[self._positions(hot)] = self.base_hot[d(hot_slot[hot])]
         out[self._positions(cache)] = self.base_cache[d(cache_slot[cache])]
         return out
