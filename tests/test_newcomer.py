@@ -858,3 +858,20 @@ def test_a_baseline_of_the_runs_own_planner_keeps_its_planner_keys() -> None:
     assert baseline_overrides(task, "herald", "herald") == ["batch_size=64", "planner.link_mbit=200", "+planner.x=1",
                                                             "planner=herald"]
     assert baseline_overrides(task, "herald", "table_wise") == ["batch_size=64", "planner=table_wise"]
+
+
+def test_on_a_gpu_the_table_says_nccls_communication_is_in_compute_and_predicts_nothing() -> None:
+    """NCCL's collectives never block the host: on a GPU the step's ``comm_wait`` misses them and ``compute`` holds
+    them, so the model's link part added to that compute counted the communication twice."""
+    from torchrec_herald.report import breakdown_cell, predicted_step_cell
+
+    d = {"predicted": {"herald": {"extra_ms": 1.0, "comm_ms": 2.0, "link_busy_ms": 1.5, "step_ms": 3.0}},
+         "chosen": "herald", "link_mbit": 5000.0, "measured": {"link_mbit": 5000.0, "collective_latency_ms": 0.2}}
+    b = {"step": 10.0, "compute": 9.0, "comm_wait": 1.0, "scheduler_critical": 0.0, "scheduler_overlapped": 0.5}
+    cpu = {"link_decision": d, "step_time_breakdown_ms": b, "comm_wait_host_only": False}
+    gpu = {**cpu, "comm_wait_host_only": True}
+    assert breakdown_cell(cpu) == "10.0 = 9.0 + 1.0 + 0.0 (ahead 0.5)"
+    assert breakdown_cell(gpu) == ("10.0 = 9.0 + 1.0 + 0.0 (ahead 0.5) (NCCL's communication does not block the host: "
+                                   "it is in compute)")
+    assert predicted_step_cell(cpu) == "12.0 (measured 10.0, +20 %)"
+    assert predicted_step_cell(gpu) == "– (NCCL's communication is in this run's compute on the host's clock)"

@@ -15,6 +15,7 @@ import torch.distributed as dist
 from omegaconf import DictConfig, OmegaConf
 from torch import nn
 
+from torchrec_herald.dist_utils import collective_device
 from torchrec_herald.data.base import PADDED_LABEL
 from torchrec_herald.report import embedding_bytes_per_step, headline, last_steps_window, strict_json
 
@@ -172,6 +173,9 @@ def collect_metrics(cfg: DictConfig, *, world: int, steps: int, attempt_steps: i
         "step_time_s": percentiles(step_times),
         "step_time_breakdown_ms": step_time_breakdown(train_time / attempt_steps, wait_s / attempt_steps,
                                                       critical_s / attempt_steps, ahead_s / attempt_steps),
+        # the waits are the host's: NCCL's collectives (CUDA tensors, on a GPU host) never block it, so there
+        # ``comm_wait`` misses them and ``compute`` holds them
+        "comm_wait_host_only": collective_device().type == "cuda",
         "train_logloss": losses[-window:].mean().item(),
         "train_logloss_first": losses[:window].mean().item(),
         "eval": eval_metrics,

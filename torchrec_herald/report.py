@@ -255,8 +255,9 @@ def breakdown_cell(m: Dict[str, Any]) -> str:
     b = m.get("step_time_breakdown_ms")
     if not b:
         return "–"
+    unseen = " (NCCL's communication does not block the host: it is in compute)" if m.get("comm_wait_host_only") else ""
     return (f"{b['step']:.1f} = {b['compute']:.1f} + {b['comm_wait']:.1f} + {b['scheduler_critical']:.1f} "
-            f"(ahead {b['scheduler_overlapped']:.1f})")
+            f"(ahead {b['scheduler_overlapped']:.1f}){unseen}")
 
 
 def decision_cell(m: Dict[str, Any]) -> str:
@@ -288,6 +289,8 @@ def predicted_step_cell(m: Dict[str, Any]) -> str:
     p = (d.get("predicted") or {}).get(d.get("chosen"))
     if not p or not b:
         return "–"
+    if m.get("comm_wait_host_only"):  # (compute holds NCCL's communication: adding the model's would count it twice)
+        return "– (NCCL's communication is in this run's compute on the host's clock)"
     from torchrec_herald.planner.time_model import step_ms
 
     step = step_ms(b["compute"], p["extra_ms"], p["comm_ms"], p["link_busy_ms"])
