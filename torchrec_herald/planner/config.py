@@ -9,7 +9,7 @@ import math
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any, Dict, List, Optional
 
-from torchrec_herald.planner.pricing import LinkModel
+from torchrec_herald.planner.pricing import LinkModel, is_number
 from torchrec_herald.planner.planner import DEFAULT_HOT_MEMORY_BUDGET_BYTES
 from torchrec_herald.planner.stock import STOCK_MODES
 
@@ -22,11 +22,6 @@ __all__ = ["DENSE_SYNCS", "HOT_SET_SELECTORS", "HeraldPlannerConfig", "StockPlan
 DENSE_SYNCS = ("ddp", "forward_ordered")
 #: ``planner.selector`` values
 HOT_SET_SELECTORS = ("cost_model", "top_fraction")
-def _is_number(value: Any) -> bool:
-    """An int or a float (not a bool, a string, a list or a mapping: what a typed key's Any lets through)."""
-    return isinstance(value, (int, float)) and not isinstance(value, bool)
-
-
 _LINK_DEFAULTS: Dict[str, Any] = {"collective_latency_ms": LinkModel.__dataclass_fields__["collective_latency_ms"].default,
                                   "cpu_us_per_lookup": LinkModel.__dataclass_fields__["cpu_us_per_lookup"].default}
 
@@ -118,11 +113,11 @@ class HeraldPlannerConfig:
             raise ValueError(f"planner.mode of planner=herald is its cold layout, row_wise; got {self.mode!r}")
         _check_dense_sync(self.dense_sync)
         if self.link_mbit is not None and self.link_mbit != "auto" and (
-                not _is_number(self.link_mbit) or not 0 < self.link_mbit < math.inf):
+                not is_number(self.link_mbit) or not 0 < self.link_mbit < math.inf):
             raise ValueError(f"planner.link_mbit must be > 0 Mbit/s, auto (measured at start) or null (unknown), "
                              f"got {self.link_mbit!r}")
         if self.collective_latency_ms != "auto" and (
-                not _is_number(self.collective_latency_ms) or not 0 < self.collective_latency_ms < math.inf):
+                not is_number(self.collective_latency_ms) or not 0 < self.collective_latency_ms < math.inf):
             raise ValueError(f"planner.collective_latency_ms must be > 0 ms or auto (measured at start), "
                              f"got {self.collective_latency_ms!r}")
         for key, v in (("cpu_us_per_lookup", self.cpu_us_per_lookup), ("top_fraction", self.top_fraction)):

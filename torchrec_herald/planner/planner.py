@@ -12,7 +12,6 @@ import dataclasses
 import itertools
 import logging
 import math
-import numbers
 from typing import Any, Dict, Iterable, List, Optional, Sequence, Union
 
 import torch
@@ -34,7 +33,7 @@ from torchrec_herald.planner.hot_set import (
     HotSetSelector,
     format_traffic_report,
 )
-from torchrec_herald.planner.pricing import LinkModel
+from torchrec_herald.planner.pricing import LinkModel, is_number
 from torchrec_herald.planner.types import PlanDecision, herald_tables
 from torchrec_herald.planner.stats import AccessStats
 from torchrec_herald.planner.topology import default_storage_reservation, make_topology
@@ -500,7 +499,7 @@ def link_from_topology(topology: Any, cpu_us_per_lookup: float = LinkModel.cpu_u
 
     for key in ("intra_host_bw", "inter_host_bw"):
         v = getattr(topology, key)
-        if isinstance(v, bool) or not isinstance(v, numbers.Real) or not 0 < v < math.inf:
+        if not is_number(v) or not 0 < v < math.inf:
             raise ValueError(f"HeraldPlanner: Topology.{key} must be a finite number > 0 (bytes per ms), got {v!r}")
     if topology.local_world_size is not None and not (isinstance(topology.local_world_size, int)
                                                       and topology.local_world_size >= 1):

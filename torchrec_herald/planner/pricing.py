@@ -20,7 +20,7 @@ from typing import TypeVar
 
 import torch
 
-__all__ = ["ByteCount", "HERALD_COLLECTIVES", "LinkModel", "Pricing", "STOCK_TW_COLLECTIVES"]
+__all__ = ["ByteCount", "HERALD_COLLECTIVES", "LinkModel", "Pricing", "STOCK_TW_COLLECTIVES", "is_number"]
 
 Amount = TypeVar("Amount", float, torch.Tensor)
 
@@ -64,6 +64,12 @@ STOCK_TW_COLLECTIVES = 5
 HERALD_COLLECTIVES = 7
 
 
+def is_number(value: object) -> bool:
+    """A real number (an int, a float, numpy's): not a bool, a string, a list or a mapping (what a typed key's Any,
+    or an API caller, lets through)."""
+    return isinstance(value, numbers.Real) and not isinstance(value, bool)
+
+
 @dataclass(frozen=True)
 class LinkModel(Pricing):
     """Time, in milliseconds: the link and herald's CPU price (``planner.link_mbit``, ``planner.collective_latency_ms``,
@@ -86,7 +92,7 @@ class LinkModel(Pricing):
     def __post_init__(self) -> None:
         for key in ("link_mbit", "collective_latency_ms", "cpu_us_per_lookup"):
             v = getattr(self, key)
-            if isinstance(v, bool) or not isinstance(v, numbers.Real):
+            if not is_number(v):
                 raise ValueError(f"planner.{key} must be a number, got {v!r}")
         if self.one_rank and (not math.isinf(self.link_mbit) or self.collective_latency_ms != 0):
             raise ValueError("LinkModel(one_rank=True) is one rank's local link: LinkModel.local(cpu_us_per_lookup)")
