@@ -759,9 +759,9 @@ def test_measured_link_checks_its_cpu_price_before_probing(cpu: object, message:
 def _device_of_probe(rank: int, world: int) -> str:
     import torch.distributed as dist
 
-    from torchrec_herald.planner.link_probe import probe_device
+    from torchrec_herald.dist_utils import collective_device
 
-    return str(probe_device(dist.group.WORLD))
+    return str(collective_device(dist.group.WORLD))
 
 
 def test_the_probe_times_the_link_where_the_training_sends_its_tensors() -> None:
@@ -782,9 +782,9 @@ def test_the_probe_device_follows_the_groups_cuda_backend(monkeypatch: pytest.Mo
     import torch
     import torch.distributed as dist
 
-    from torchrec_herald.planner.link_probe import probe_device
+    from torchrec_herald.dist_utils import collective_device
 
     monkeypatch.setattr(dist, "get_backend", lambda pg=None: backend)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: cuda)
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
-    assert str(probe_device(None)) == device
+    assert str(collective_device(None)) == device

@@ -3,8 +3,8 @@ timed collectives on the job's own process group (``planner.link_mbit=auto`` and
 ``planner.collective_latency_ms=auto``, the defaults). The planner's model of time
 (``planner/time_model.py``) then picks herald's plan, stock TABLE_WISE or TorchRec's default plan
 without the user knowing their link. The collectives carry tensors where the training's do
-(:func:`probe_device`): CUDA tensors over NCCL on a GPU host, whose process group also has gloo for CPU
-tensors, so the probe times the link the embeddings cross, not gloo's TCP.
+(:func:`~torchrec_herald.dist_utils.collective_device`): CUDA tensors over NCCL on a GPU host, whose process
+group also has gloo for CPU tensors, so the probe times the link the embeddings cross, not gloo's TCP.
 
 Hand-written because no library times a process group's links; it costs well under a second and a few
 MB per rank, and every rank ends with the same figures (the times are all-reduced), so every rank makes
@@ -23,7 +23,9 @@ from typing import TYPE_CHECKING, Any, Dict, Optional
 import torch
 import torch.distributed as dist
 
-__all__ = ["LinkProbe", "agree_on_probe", "measured_link", "probe_device", "probe_link", "probe_on_every_rank"]
+from torchrec_herald.dist_utils import collective_device
+
+__all__ = ["LinkProbe", "agree_on_probe", "measured_link", "probe_link", "probe_on_every_rank"]
 
 if TYPE_CHECKING:
     from torchrec_herald.planner.pricing import LinkModel
@@ -54,16 +56,6 @@ class LinkProbe:
                 "seconds": self.seconds, "text": self.describe()}
 
 
-def probe_device(pg: Optional[dist.ProcessGroup]) -> torch.device:
-    """Where the probe's tensors live: where the training's collectives carry the embeddings
-    (:func:`~torchrec_herald.dist_utils.collective_device`). The trainer's group on a GPU host,
-    ``cpu:gloo,cuda:nccl``, carries CUDA tensors over NCCL, so the probe times that link (CPU tensors would
-    time gloo's TCP instead); else the CPU."""
-    from torchrec_herald.dist_utils import collective_device
-
-    return collective_device(pg)
-
-
 def _sync(device: torch.device) -> None:
     if device.type == "cuda":  # (a collective's wait() orders the stream; the host waits here)
         torch.cuda.synchronize(device)
@@ -89,7 +81,8 @@ def probe_link(pg: Optional[dist.ProcessGroup], *, budget_s: float = 1.0, timeou
                min_bytes: int = 256 << 10, max_bytes: int = 16 << 20, target_s: float = 0.1,
                repeats: int = 2, device: Optional[torch.device] = None) -> LinkProbe:
     """Time the link of ``pg`` (collective: every rank calls it), with tensors on ``device`` (default
-    :func:`probe_device`: CUDA where the group carries CUDA tensors, the time then taken to the device's end).
+    :func:`~torchrec_herald.dist_utils.collective_device`: CUDA where the group carries CUDA tensors, the time
+    then taken to the device's end).
 
     Latency: the median of 20 one-element all-reduces (after 2 warm-ups), slowest rank. Rate: an
     all-to-all of ``n`` bytes per rank (split evenly over the ranks), doubling ``n`` from ``min_bytes``
@@ -105,7 +98,7 @@ def probe_link(pg: Optional[dist.ProcessGroup], *, budget_s: float = 1.0, timeou
     if W < 2:
         raise RuntimeError("one rank: no link to measure")
     timeout = timedelta(seconds=timeout_s)
-    dev = probe_device(pg) if device is None else device
+    dev = collective_device(pg) if device is None else device
     start = time.perf_counter()
     one = torch.zeros(1, device=dev)
     # the median of 20: robust to a rank's passing background work at start, yet it keeps the cost of
@@ -152,7 +145,7 @@ def agree_on_probe(probe: Optional[LinkProbe], pg: Optional[dist.ProcessGroup],
     Raises:
         RuntimeError: the process group cannot carry one small all-reduce after the probe (naming the probe).
     """
-    ok = torch.tensor([0 if probe is None else 1], dtype=torch.int32, device=probe_device(pg))
+    ok = torch.tensor([0 if probe is None else 1], dtype=torch.int32, device=collective_device(pg))
     try:
         dist.all_reduce(ok, op=dist.ReduceOp.MIN, group=pg, async_op=True).wait(timedelta(seconds=timeout_s))
     except Exception as e:  # noqa: BLE001 - one line naming where the job's process group failed
