@@ -3,21 +3,15 @@ trainer runs it (``full``) or with its eval batches read and no model run on the
 
     python benchmarks/run_order_eval.py OUT_DIR full|data_only      (prints the two runs' samples/s)
 """
-import os, sys
+
+from __future__ import annotations
+
+import sys
+
+from run_order import worker
 from torchrec_herald.dist_utils import run_multiprocess
 
-def worker(rank, world, out, mode):
-    import gc
-    from torchrec_herald.config import compose_config
-    import torchrec_herald.trainer as T
-    if mode == "data_only":  # the eval batches read, no model run
-        T.evaluate = lambda dmp, batches, device: ([None for _ in batches], {"auc": 0.5, "logloss": 0.7})[1]
-    res = []
-    for i in range(2):
-        m = T.run_training(compose_config(["planner=table_wise"]), f"{out}/r{i}")
-        gc.collect()
-        res.append(round(m["samples_per_s"]))
-    return res
-
 if __name__ == "__main__":
-    print(sys.argv[2], run_multiprocess(worker, 2, sys.argv[1], sys.argv[2], timeout_s=600)[0])
+    mode = sys.argv[2]
+    runs = run_multiprocess(worker, 2, sys.argv[1], [], 2, mode == "data_only", timeout_s=600)[0]
+    print(mode, [r[0] for r in runs])
