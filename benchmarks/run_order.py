@@ -3,7 +3,8 @@ then the run in one job: does a run trained second go slower for being second? (
 
     python benchmarks/run_order.py OUT_DIR [Hydra overrides, e.g. eval=false]
 
-Prints, per run: samples/s, the OS threads of rank 0 before and after it, Python threads, and its compute ms a step.
+Prints, per run: samples/s, the OS threads of rank 0 before and after it, Python threads, and its compute ms a step;
+then, per run, rank 0's OS threads that used CPU during it (name, thread id, CPU seconds, from ``/proc/self/task``).
 """
 
 from __future__ import annotations
@@ -11,9 +12,25 @@ from __future__ import annotations
 import os
 import sys
 import threading
-from typing import Any, List, Tuple
+from typing import Any, Dict, List, Tuple
 
 from torchrec_herald.dist_utils import run_multiprocess
+
+
+def thread_cpu() -> Dict[Tuple[int, str], float]:
+    """This process's OS threads: (thread id, name) -> CPU seconds so far (user + system, ``/proc/self/task``)."""
+    tick = os.sysconf("SC_CLK_TCK")
+    out = {}
+    for tid in os.listdir("/proc/self/task"):
+        try:
+            with open(f"/proc/self/task/{tid}/stat") as f:
+                stat = f.read()
+        except FileNotFoundError:  # (a thread that ended as it was read)
+            continue
+        name = stat[stat.index("(") + 1:stat.rindex(")")]
+        fields = stat[stat.rindex(")") + 2:].split()
+        out[(int(tid), name)] = (int(fields[11]) + int(fields[12])) / tick
+    return out
 
 
 def worker(rank: int, world: int, out: str, overrides: List[str], runs: int = 3,
@@ -31,10 +48,14 @@ def worker(rank: int, world: int, out: str, overrides: List[str], runs: int = 3,
     for i in range(runs):
         cfg = compose_config(["planner=table_wise"] + overrides)
         tasks_before = len(os.listdir("/proc/self/task"))
+        cpu_before = thread_cpu()
         m = trainer.run_training(cfg, f"{out}/r{i}")
+        cpu_after = thread_cpu()
         gc.collect()
+        used = {f"{name}/{tid}": round(c - cpu_before.get((tid, name), 0.0), 2)
+                for (tid, name), c in cpu_after.items() if c - cpu_before.get((tid, name), 0.0) > 0}
         res.append((round(m["samples_per_s"]), tasks_before, len(os.listdir("/proc/self/task")),
-                    threading.active_count(), round(m["step_time_breakdown_ms"]["compute"], 1)))
+                    threading.active_count(), round(m["step_time_breakdown_ms"]["compute"], 1), used))
     return res
 
 
