@@ -36,8 +36,8 @@ $(STAMP): constraints.txt pyproject.toml Makefile
 	rm -f $(VENV)/.herald-installed*
 	touch $(STAMP)
 
-# the main job: herald (hot-row replication + Herald scheduling: allocator, caches, lazy plan), with stock TorchRec all-TABLE_WISE (the exact reference) trained first on the same
-# batches as the baseline; both are printed side by side (ARGS adds/overrides Hydra keys)
+# the main job: herald (hot-row replication + Herald scheduling: allocator, caches, lazy plan), with stock TorchRec all-TABLE_WISE (the exact reference) trained on the same
+# batches as the baseline, the two in turns of 100 steps (compare_turn_steps); both are printed side by side (ARGS adds/overrides Hydra keys)
 RUN_ARGS ?= planner=herald pipeline=herald compare_with=table_wise
 run: setup
 	$(VENV)/bin/torchx run --log -s local_cwd torchrec_herald/components.py:train --nproc_per_node $(NPROC) $(RUN_ARGS) $(ARGS)

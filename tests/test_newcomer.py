@@ -22,6 +22,8 @@ _error = preflight_error
 @pytest.mark.parametrize("overrides, message", [
     (["optimizer.name=adam"], "ValueError: unknown optimizer.name 'adam'; expected one of ['rowwise_adagrad', 'sgd']"),
     (["batch_size=0"], "ValueError: batch_size must be >= 1, got 0"),
+    (["compare_turn_steps=-1"], "ValueError: compare_turn_steps must be a whole number of steps >= 0 (0: the baseline "
+                                "trains in full first), got -1"),
     (["planner=herald", "planner.link_mbit=[200,100]"],
      "ValueError: planner.link_mbit must be > 0 Mbit/s, auto (measured at start) or null (unknown), got [200, 100]"),
     (["planner=herald", "planner.collective_latency_ms={a:1}"],

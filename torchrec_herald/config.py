@@ -137,7 +137,10 @@ class TrainConfig:
     seed: int = 0  # model init seed (data has its own data.seed)
     eval: bool = True  # AUC/logloss on the held-out split after training
     log_every: int = 50
-    compare_with: Optional[str] = None  # a planner option trained first on the same batches, printed beside
+    compare_with: Optional[str] = None  # a planner option trained on the same batches, printed beside
+    # compare_with: the baseline and the run train in turns of this many steps in the same ranks, both models held
+    # (a host's speed drifting over the job slows both alike); 0: the baseline in full first, then the run
+    compare_turn_steps: int = 100
     run_name: Optional[str] = None  # names the run's checkpoint folder; null: derived from the config
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
 
@@ -145,6 +148,10 @@ class TrainConfig:
         for key in ("batch_size", "epochs", "log_every"):
             if int(getattr(self, key)) < 1:
                 raise ValueError(f"{key} must be >= 1, got {getattr(self, key)}")
+        if isinstance(self.compare_turn_steps, bool) or not isinstance(self.compare_turn_steps, int) \
+                or self.compare_turn_steps < 0:
+            raise ValueError(f"compare_turn_steps must be a whole number of steps >= 0 (0: the baseline trains in "
+                             f"full first), got {self.compare_turn_steps!r}")
         planners = sorted(_group_options()["planner"])
         if self.compare_with is not None and self.compare_with not in planners:
             raise ValueError(f"compare_with={self.compare_with!r} is not a planner option; one of {planners}")

@@ -23,7 +23,7 @@ __all__ = ["EVAL_SPLIT_KEYS", "MAY_CHANGE_ON_RESUME", "NOT_TRAINING_KEYS", "chec
            "training_identity"]
 
 #: top-level config keys that do not change the trained model (a re-run differing in them resumes)
-NOT_TRAINING_KEYS = ("checkpoint", "log_every", "eval", "compare_with", "run_name")
+NOT_TRAINING_KEYS = ("checkpoint", "log_every", "eval", "compare_with", "compare_turn_steps", "run_name")
 #: the eval split's own keys (its files, its size): they change no trained batch
 EVAL_SPLIT_KEYS = ("data.eval_paths", "data.num_eval_batches")
 #: training keys a resumed run may change: more epochs train the same run on; the eval split's keys (a bad eval

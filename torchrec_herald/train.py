@@ -216,7 +216,7 @@ def _run(cfg: DictConfig, run_dir: Path) -> None:
     from torchrec_herald.report import write_comparison
     from torchrec_herald.run_identity import companion_run
     from torchrec_herald.trainer import (check_not_the_run_folder, format_comparison_table, format_metrics_table,
-                                         hold_logs, preflight, run_training, setup_logging)
+                                         hold_logs, preflight, run_training, setup_logging, train_in_turns)
 
     hc = HydraConfig.get()
     baseline = None
@@ -236,8 +236,14 @@ def _run(cfg: DictConfig, run_dir: Path) -> None:
         base_cfg = compose(config_name="train", overrides=overrides)
         base_cfg.compare_with = None
         companion_run(base_cfg, f"baseline_{cfg.compare_with}")  # never the herald run's checkpoints
-        baseline = run_training(base_cfg, run_dir / f"baseline_{cfg.compare_with}")
-    metrics = run_training(cfg, run_dir, data=data)  # trains
+        if cfg.compare_turn_steps:  # (both in turns: a host drifting over the job slows both alike)
+            baseline, metrics = train_in_turns([(base_cfg, run_dir / f"baseline_{cfg.compare_with}", None),
+                                                (cfg, run_dir, data)], cfg.compare_turn_steps)
+        else:
+            baseline = run_training(base_cfg, run_dir / f"baseline_{cfg.compare_with}")
+            metrics = run_training(cfg, run_dir, data=data)
+    else:
+        metrics = run_training(cfg, run_dir, data=data)  # trains
     if dist.get_rank() == 0:
         if baseline is None:
             sys.stdout.write(f"\n{format_metrics_table(metrics)}\n\nmetrics: {run_dir / 'metrics.json'}\n")

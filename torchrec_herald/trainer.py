@@ -1,6 +1,7 @@
 """The training run behind ``python -m torchrec_herald.train``, in torchtitan's shape: a :class:`Trainer` is
 built from one validated config (``Trainer(cfg, run_dir).build()``: data → DLRM on ``meta`` → the planner's
-decision → DMP → the train pipeline → checkpoints) and then trains (``.train()`` → the metrics).
+decision → DMP → the train pipeline → checkpoints) and then trains (``.train()`` → the metrics). ``compare_with``'s
+two runs train in turns in the same ranks (:func:`train_in_turns`), each measuring its own turns.
 
 The driver, the tests and the benchmarks run the very same code. Every rank fills only its shards from a
 deterministic per-row initialisation, so every plan starts from identical weights and stock and herald
@@ -23,7 +24,7 @@ import signal
 import sys
 import time
 from pathlib import Path
-from typing import Any, Dict, Iterator, List, Optional
+from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
@@ -696,6 +697,24 @@ def fault_injection(step: int, rank: int) -> None:
         os.kill(os.getpid(), signal.SIGKILL)
 
 
+@dataclasses.dataclass
+class _RunProgress:
+    """A run's training in progress (:meth:`Trainer._start` → :meth:`Trainer._advance` … → :meth:`Trainer._end`)."""
+
+    losses: List[float] = dataclasses.field(default_factory=list)  # this rank's, every step (restored ones first)
+    step_times: List[float] = dataclasses.field(default_factory=list)  # this attempt's steps, seconds
+    epoch: int = 0
+    batch_in_epoch: int = 0
+    ended_at: Tuple[int, int] = (0, 0)  # (epoch, batch in epoch) where the last epoch trained ended
+    it: Optional[TrainStream] = None  # this epoch's batches (None: the epoch has not begun)
+    train_time: float = 0.0  # seconds in this run's own turns
+    restored: int = 0  # steps trained by earlier attempts
+    resumed: Optional[Dict[str, Any]] = None
+    since: Any = None
+    bar: Any = None
+    meter: Optional[TrafficMeter] = None
+
+
 class Trainer:
     """One training run on every rank of the (already or newly) initialised process group.
 
@@ -756,68 +775,95 @@ class Trainer:
             self.checkpoints.release()
 
     def _train(self) -> Dict[str, Any]:
+        run = self._start()
+        self._advance(run)
+        return self._end(run)
+
+    def _start(self, bar_position: Optional[int] = None) -> "_RunProgress":
+        """Resume the run's latest checkpoint (collective) and set its training up: the loop's state, its progress
+        bar (at ``bar_position``: two runs trained in turns show two bars) and its traffic meter."""
         cfg, rank, pipeline, ckpt = self.cfg, self.rank, self.pipeline, self.checkpoints
-        losses: List[float] = []
-        step_times: List[float] = []
-        start_epoch, start_batch = 0, 0
+        run = _RunProgress()
         resumed = ckpt.resume()
         if resumed is not None:
-            losses = list(resumed["losses_by_rank"][rank])
-            start_epoch, start_batch = int(resumed["epoch"]), int(resumed["batch_in_epoch"])
-        restored = len(losses)  # steps trained by earlier attempts: this attempt's figures leave them out
-        since = pipeline.snapshot()
+            run.losses = list(resumed["losses_by_rank"][rank])
+            run.epoch, run.batch_in_epoch = int(resumed["epoch"]), int(resumed["batch_in_epoch"])
+        run.resumed, run.restored = resumed, len(run.losses)  # (earlier attempts' steps: left out of the figures)
+        run.since = pipeline.snapshot()
         pipeline.checkpoint_schedule(ckpt.due)  # (herald's run-ahead plans no step across a checkpoint)
         total_batches = getattr(self.data, "num_train_batches", None)
-        bar = tqdm(total=(total_batches * cfg.epochs if total_batches else None), desc=self._progress_label(), unit="step",
-                   disable=not (self.show_progress and rank == 0), dynamic_ncols=True, file=sys.stderr,
-                   initial=len(losses))
-        meter = TrafficMeter(embedding_dim=cfg.model.embedding_dim)
-        train_start = time.perf_counter()
-        for epoch in range(start_epoch, cfg.epochs):
-            batch_in_epoch = start_batch if epoch == start_epoch else 0
-            it = self._stream(batch_in_epoch)
-            while True:
-                t0 = time.perf_counter()
-                if ckpt.due(len(losses) + 1):  # a checkpoint after this step restarts a herald window
-                    pipeline.checkpoint_after_next_step()
-                try:
-                    with meter:
-                        out = pipeline.progress(it)
-                except StopIteration:
-                    break
-                loss = out[0].item()
-                step_times.append(time.perf_counter() - t0)
-                if not math.isfinite(loss):
-                    raise FloatingPointError(f"loss became {loss} at step {len(losses)} (epoch {epoch})")
-                losses.append(loss)
-                batch_in_epoch += 1
-                if ckpt.due(len(losses)):
-                    it = ckpt.save(len(losses), epoch, batch_in_epoch, losses, it,
-                                   lambda: it.rewind(batch_in_epoch))
-                fault_injection(len(losses), rank)
-                bar.update(1)
-                if len(losses) % cfg.log_every == 0:
-                    # (this rank's samples: losses.json and the figures take the mean over ranks, at the end)
-                    bar.set_postfix({f"rank {rank} loss (mean of {cfg.log_every})":
-                                     f"{sum(losses[-cfg.log_every:]) / cfg.log_every:.4f}"})
-                    logger.info("step %d loss %.5f (this rank's samples)", len(losses), loss)
-        train_time = time.perf_counter() - train_start
+        run.bar = tqdm(total=(total_batches * cfg.epochs if total_batches else None), desc=self._progress_label(),
+                       unit="step", disable=not (self.show_progress and rank == 0), dynamic_ncols=True,
+                       file=sys.stderr, initial=len(run.losses), position=bar_position)
+        run.meter = TrafficMeter(embedding_dim=cfg.model.embedding_dim)
+        return run
+
+    def _advance(self, run: "_RunProgress", steps: Optional[int] = None) -> bool:
+        """Train up to ``steps`` more steps (all that are left: None); True once the run's last batch has trained.
+        The time spent here is the run's training time (two runs trained in turns each count their own turns)."""
+        cfg, rank, pipeline, ckpt = self.cfg, self.rank, self.pipeline, self.checkpoints
+        losses, trained = run.losses, 0
+        turn_start = time.perf_counter()
+        try:
+            while run.epoch < cfg.epochs:
+                if run.it is None:
+                    run.it = self._stream(run.batch_in_epoch)
+                while steps is None or trained < steps:
+                    t0 = time.perf_counter()
+                    if ckpt.due(len(losses) + 1):  # a checkpoint after this step restarts a herald window
+                        pipeline.checkpoint_after_next_step()
+                    try:
+                        with run.meter:
+                            out = pipeline.progress(run.it)
+                    except StopIteration:
+                        break
+                    loss = out[0].item()
+                    run.step_times.append(time.perf_counter() - t0)
+                    if not math.isfinite(loss):
+                        raise FloatingPointError(f"loss became {loss} at step {len(losses)} (epoch {run.epoch})")
+                    losses.append(loss)
+                    trained += 1
+                    run.batch_in_epoch += 1
+                    if ckpt.due(len(losses)):
+                        batch_in_epoch = run.batch_in_epoch
+                        run.it = ckpt.save(len(losses), run.epoch, batch_in_epoch, losses, run.it,
+                                           lambda: run.it.rewind(batch_in_epoch))
+                    fault_injection(len(losses), rank)
+                    run.bar.update(1)
+                    if len(losses) % cfg.log_every == 0:
+                        # (this rank's samples: losses.json and the figures take the mean over ranks, at the end)
+                        run.bar.set_postfix({f"rank {rank} loss (mean of {cfg.log_every})":
+                                             f"{sum(losses[-cfg.log_every:]) / cfg.log_every:.4f}"})
+                        logger.info("step %d loss %.5f (this rank's samples)", len(losses), loss)
+                else:  # (this turn's steps trained, the epoch not over)
+                    return False
+                run.ended_at = (run.epoch, run.batch_in_epoch)  # (the final save's position)
+                run.epoch, run.batch_in_epoch, run.it = run.epoch + 1, 0, None
+            return True
+        finally:
+            run.train_time += time.perf_counter() - turn_start
+
+    def _end(self, run: "_RunProgress") -> Dict[str, Any]:
+        """After the last step: the final checkpoint, then the figures, the eval pass and the files (collective)."""
+        ckpt, losses, resumed = self.checkpoints, run.losses, run.resumed
+        bar = run.bar
         if bar.total is not None and bar.n < bar.total:  # (input skipping trains fewer steps than the data's batches:
             bar.total = bar.n                             # the finished run's bar ends full, not at 88 %)
             bar.refresh()
         bar.close()
-        steps, attempt_steps = len(losses), len(losses) - restored
+        steps, attempt_steps = len(losses), len(losses) - run.restored
         if ckpt.every and attempt_steps and not ckpt.due(steps):  # (the model at the run's end, saved: a re-run
             # of the finished run reports it rather than training its tail again from the last periodic checkpoint)
-            ckpt.save(steps, epoch, batch_in_epoch, losses, iter(()), lambda: iter(()), final=True)
+            ckpt.save(steps, *run.ended_at, losses, iter(()), lambda: iter(()), final=True)
         elif ckpt.every and attempt_steps:  # (the last step's periodic save is the run's end: an attempt that ends
             ckpt.mark_final(steps)           # before writing its figures resumes the save before it)
         if attempt_steps == 0 and resumed is not None:
             return self._already_complete(resumed)
         if steps == 0:
             raise RuntimeError(f"no training step ran: {self.data.describe()} yielded no full global batch of "
-                               f"{self.world} × {cfg.batch_size} samples (data.*, batch_size)")
-        return self._finish(losses, step_times, meter, train_time, steps, attempt_steps, resumed, since)
+                               f"{self.world} × {self.cfg.batch_size} samples (data.*, batch_size)")
+        return self._finish(losses, run.step_times, run.meter, run.train_time, steps, attempt_steps, resumed,
+                            run.since)
 
     def _evaluate(self) -> Dict[str, float]:
         """The eval pass (collective): every sample of the held-out split scored once (its last global batch padded)."""
@@ -946,6 +992,51 @@ def run_training(cfg: DictConfig, run_dir: Path, show_progress: bool = True,
 def _run_training(cfg: DictConfig, run_dir: Path, show_progress: bool, data: Optional[DataSource],
                   earlier: Optional[PlanDecision] = None) -> Dict[str, Any]:
     """:func:`run_training`; ``earlier``: the approximate run's decision, for its exact reference."""
+    return _built_trainer(cfg, run_dir, show_progress, data, earlier).train()
+
+
+def train_in_turns(runs: Sequence[Tuple[DictConfig, Path, Optional[DataSource]]], turn_steps: int,
+                   show_progress: bool = True) -> List[Dict[str, Any]]:
+    """Train ``runs`` (each ``(cfg, run_dir, data)`` as :func:`run_training` takes them) in the same ranks, in
+    turns of ``turn_steps`` steps, and return their metrics in order; each is then evaluated and writes its files
+    as it would alone. ``compare_with``'s baseline and run train this way: a host whose speed drifts over a job
+    (other work on its cores, its neighbours) slows both alike, where the run trained second met whatever the host
+    did then (identical runs one after the other measured 0.89–1.23× each other on a 2-core host, in turns of 100
+    steps 0.97–1.02×). Each run's samples/s counts its own turns; between turns a run's background work (herald's
+    run-ahead scheduler) finishes, so none of it overlaps the other run's steps or traffic. Every run's model is
+    held at once (``compare_turn_steps=0`` trains them one after the other instead)."""
+    if turn_steps < 1:
+        raise ValueError(f"turn_steps must be >= 1, got {turn_steps}")
+    trainers = [_built_trainer(cfg, Path(run_dir), show_progress, data) for cfg, run_dir, data in runs]
+    claimed: List[Trainer] = []
+    try:
+        for t in trainers:
+            t.checkpoints.claim()
+            claimed.append(t)
+        progress = []
+        for position, t in enumerate(trainers):
+            setup_logging(t.run_dir, t.rank)  # (each run's lines in its own folder's log)
+            progress.append(t._start(bar_position=position))
+        left = list(range(len(trainers)))
+        while left:
+            for i in list(left):
+                setup_logging(trainers[i].run_dir, trainers[i].rank)
+                if trainers[i]._advance(progress[i], turn_steps):
+                    left.remove(i)
+                trainers[i].pipeline.settle()
+        out = []
+        for t, run in zip(trainers, progress):
+            setup_logging(t.run_dir, t.rank)
+            out.append(t._end(run))
+        return out
+    finally:
+        for t in claimed:
+            t.checkpoints.release()
+
+
+def _built_trainer(cfg: DictConfig, run_dir: Path, show_progress: bool, data: Optional[DataSource],
+                   earlier: Optional[PlanDecision] = None) -> "Trainer":
+    """The run's :class:`Trainer`, built (an approximate run's exact reference trained first: :func:`run_training`)."""
     reference = None
     hold_logs()  # (the checks below log into this run's folder, once the run has one)
     try:
@@ -973,4 +1064,4 @@ def _run_training(cfg: DictConfig, run_dir: Path, show_progress: bool, data: Opt
         gc.collect()
         reference = _run_training(exact_reference_config(cfg), Path(run_dir) / "exact_reference", show_progress, None,
                                   earlier)
-    return Trainer(cfg, run_dir, show_progress, reference, data, earlier).build().train()
+    return Trainer(cfg, run_dir, show_progress, reference, data, earlier).build()

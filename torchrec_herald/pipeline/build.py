@@ -62,6 +62,10 @@ class TrainingPipeline(Protocol):
     def scheduler_seconds(self, since: Any = None) -> Tuple[float, float]:
         """Scheduling seconds since ``since``: (on the critical path, done ahead)."""
 
+    def settle(self) -> None:
+        """Let the work this pipeline runs beside training (herald's run-ahead scheduler) finish, keeping what it
+        made: another run trains next in the same ranks, and none of this one's work may overlap its steps."""
+
     def detach(self) -> nn.Module:
         """Hand the model back in its plain sharded layout (flushing any caches)."""
 
@@ -105,6 +109,9 @@ class TorchRecPipeline:
 
     def scheduler_seconds(self, since: Any = None) -> Tuple[float, float]:
         return 0.0, 0.0
+
+    def settle(self) -> None:
+        return None  # (TorchRec's pipelines run nothing beside the step's own thread)
 
     def detach(self) -> nn.Module:
         """TorchRec's ``TrainPipelineSparseDist`` rewrote the model's forwards: restore them."""

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import logging
 import time
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from typing import Any, Callable, Optional, Tuple
 
 from torchrec_herald.pipeline.context import RUN_AHEAD_THREAD
@@ -43,6 +43,11 @@ class RunAhead:
         pending, self._pending = self._pending, None
         result = pending.result()
         return result, time.perf_counter() - t0
+
+    def settle(self) -> None:
+        """Wait until the job in flight (if any) has finished, leaving its result for :meth:`collect`."""
+        if self._pending is not None:
+            wait([self._pending])
 
     def cancel(self) -> Any:
         """Wait for the job in flight and hand back its result for the caller to drop (None where it raised:

@@ -832,6 +832,12 @@ class HeraldTrainPipeline(TrainPipeline[Batch, Any]):
         self.ebc.flush_plan(self.planner.flush())
         self._flushed = True
 
+    def settle(self) -> None:
+        """Wait for the run-ahead job in flight to finish (its batch and plan are kept for the next step): another
+        run trains next in these ranks (``compare_with``'s turns), and this one's scheduling must not overlap it."""
+        if self._ahead is not None:
+            self._ahead.settle()
+
     def detach(self) -> nn.Module:
         """Flush and hand back the model (as ``TrainPipelineSparseDist.detach``); hot rows frozen by
         stale-update skipping are trained again (the herald EBC would otherwise keep them frozen)."""
