@@ -1,5 +1,6 @@
-"""The same training run three times in the same ranks, one after another, as ``compare_with`` runs its baseline and
-then the run in one job: does a run trained second go slower for being second? (W=2, gloo, loopback.)
+"""The same training run three times in the same ranks, one after another, as ``compare_with`` ran its baseline and
+then the run in one job (``compare_turn_steps=0`` still does): does a run trained second go slower for being second?
+(W=2, gloo, loopback.)
 
     python benchmarks/run_order.py OUT_DIR [Hydra overrides, e.g. eval=false]
 

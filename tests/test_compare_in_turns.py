@@ -16,6 +16,8 @@ import time
 from pathlib import Path
 from typing import Any, Dict, List
 
+import pytest
+
 from torchrec_herald.config import compose_config
 from torchrec_herald.dist_utils import run_multiprocess
 
@@ -23,14 +25,15 @@ SMALL = ["data.num_train_batches=13", "data.num_eval_batches=2", "batch_size=32"
 HERALD = ["planner=herald", "planner.link_mbit=null", "pipeline=herald", "pipeline.window=3"]
 
 
-def _two_runs(rank: int, world: int, out: str, turn_steps: int) -> List[Dict[str, Any]]:
-    """The baseline (stock TABLE_WISE) and a herald run, in turns of ``turn_steps`` (0: one after the other)."""
+def _two_runs(rank: int, world: int, out: str, turn_steps: int, herald: List[str]) -> List[Dict[str, Any]]:
+    """The baseline (stock TABLE_WISE) and a herald run (``herald``'s pipeline keys), in turns of ``turn_steps`` (0:
+    one after the other)."""
     from torchrec_herald.trainer import run_training, train_in_turns
 
     root = Path(out)
     ckpt = ["checkpoint.every_n_steps=4"]
     base = compose_config(SMALL + ckpt + ["planner=table_wise", f"checkpoint.dir={root / 'ck_base'}"])
-    run = compose_config(SMALL + ckpt + HERALD + [f"checkpoint.dir={root / 'ck_run'}"])
+    run = compose_config(SMALL + ckpt + HERALD + herald + [f"checkpoint.dir={root / 'ck_run'}"])
     if turn_steps:
         from torchrec_herald.trainer import Trainer
 
@@ -54,9 +57,16 @@ def _two_runs(rank: int, world: int, out: str, turn_steps: int) -> List[Dict[str
             run_training(run, root / "run", show_progress=False)]
 
 
-def test_runs_trained_in_turns_train_measure_and_evaluate_what_each_trains_alone(tmp_path: Path) -> None:
-    alone = run_multiprocess(_two_runs, 2, str(tmp_path / "alone"), 0, timeout_s=400)[0]
-    *turns, order = run_multiprocess(_two_runs, 2, str(tmp_path / "turns"), 5, timeout_s=400)[0]
+@pytest.mark.parametrize("herald", [
+    [],  # (2 ranks: every rank plans every row from the whole global batch; the run-ahead job sends nothing)
+    # planning by home from each rank's own batches: the run-ahead job exchanges plan metadata, which must land in
+    # the run's own meter (it was sent after the turn, uncounted)
+    ["pipeline.planning=by_home", "pipeline.allocator=identity", "pipeline.global_batches=false",
+     "pipeline.scheduling=on"]], ids=["global", "by_home"])
+def test_runs_trained_in_turns_train_measure_and_evaluate_what_each_trains_alone(tmp_path: Path,
+                                                                                 herald: List[str]) -> None:
+    alone = run_multiprocess(_two_runs, 2, str(tmp_path / "alone"), 0, herald, timeout_s=400)[0]
+    *turns, order = run_multiprocess(_two_runs, 2, str(tmp_path / "turns"), 5, herald, timeout_s=400)[0]
     assert order == [("baseline", 0, 5, False), ("run", 0, 5, False), ("baseline", 5, 10, False), ("run", 5, 10, False),
                      ("baseline", 10, 13, True), ("run", 10, 13, True)]
     for name, ck, a, t in zip(("baseline", "run"), ("ck_base", "ck_run"), alone, turns):
@@ -77,7 +87,9 @@ def test_runs_trained_in_turns_train_measure_and_evaluate_what_each_trains_alone
     counts = ("miss_pull", "update_pull", "update_push", "miss_push", "reduce", "plan_transfers_per_step_all_ranks",
               "moved_samples_per_step", "local_lookup_share")
     assert {k: turns[1]["herald_pipeline"][k] for k in counts} == {k: alone[1]["herald_pipeline"][k] for k in counts}
-    assert alone[1]["herald_pipeline"]["moved_samples_per_step"] > 0  # (herald's scheduling trained: not a stock plan)
+    assert alone[1]["herald_pipeline"]["plan_transfers_per_step_all_ranks"] > 0  # (herald's scheduling trained)
+    if herald:  # (the run-ahead job's exchanges were counted)
+        assert alone[1]["traffic_per_step_by_tag"]["herald_schedule_meta"]["calls"] > 0
     assert turns[1]["plan"] != turns[0]["plan"]  # (the run is herald's, the baseline stock: two different models)
 
 
@@ -93,10 +105,47 @@ def test_between_turns_the_run_ahead_job_finishes_and_is_kept_for_the_next_step(
 
     try:
         ahead.submit(job)
-        ahead.settle()
+        ahead.wait_finished()
         assert finished.is_set() and ahead.busy  # (done, not yet collected)
         result, waited = ahead.collect()
         assert result == "the next step's plan" and waited < 0.1 and not ahead.busy
-        ahead.settle()  # (nothing in flight: returns at once)
+        ahead.wait_finished()  # (nothing in flight: returns at once)
     finally:
         ahead.shutdown()
+
+
+def _probe_beside_a_slow_baseline(rank: int, world: int, out: str, turn_steps: int) -> Dict[str, Any]:
+    """A herald run with ``scheduling=auto`` (its probe timing steps from one step's start to the next) in turns
+    with a baseline whose every step takes 0.2 s longer; the run's probe figures and input skipping's step times."""
+    from torchrec_herald.pipeline.build import TorchRecPipeline
+    from torchrec_herald.trainer import train_in_turns
+
+    root = Path(out)
+    base = compose_config(SMALL + ["planner=table_wise"])
+    run = compose_config(SMALL + HERALD + ["pipeline.scheduling=auto", "pipeline.probe_steps=2"])
+    skip = compose_config(SMALL + HERALD + ["pipeline.skip=input", "pipeline.skip_start=2", "pipeline.skip_gap=2",
+                                            "pipeline.skip_every=6", "pipeline.reference=false"])
+    progress = TorchRecPipeline.progress
+
+    def slow(self: TorchRecPipeline, it: Any) -> Any:
+        time.sleep(0.2)
+        return progress(self, it)
+
+    TorchRecPipeline.progress = slow  # type: ignore[method-assign]
+    try:
+        metrics = train_in_turns([(base, root / "baseline", None), (run, root / "run", None),
+                                  (skip, root / "skip", None)], turn_steps, show_progress=False)
+    finally:
+        TorchRecPipeline.progress = progress  # type: ignore[method-assign]
+    return {"probe": metrics[1]["herald_pipeline"]["scheduling"], "skip": metrics[2]["approximate"]}
+
+
+def test_the_other_runs_turn_is_no_step_of_a_probe_or_a_skip_search(tmp_path: Path) -> None:
+    """``scheduling=auto``'s probe and input skipping's threshold search time a step from its start to the next
+    step's start: across a turn boundary that held the other run's whole turn (the probe picked scheduling on where
+    alone it picked off; input skipping paused where alone it did not, and trained another number of steps)."""
+    got = run_multiprocess(_probe_beside_a_slow_baseline, 2, str(tmp_path), 3, timeout_s=400)[0]
+    probe = got["probe"]
+    assert probe["decided"] and probe["on_ms_per_step"] < 150 and probe["off_ms_per_step"] < 150, probe
+    verdicts = got["skip"]["skip_verdicts"]  # (step, paused, classifier ms, step ms, skipped share) per search
+    assert [v[0] for v in verdicts] == [4, 10] and all(v[3] < 150 for v in verdicts), verdicts

@@ -104,15 +104,15 @@ def test_fast_link_chooses_stock_table_wise_and_says_why() -> None:
 
 
 @pytest.mark.parametrize("kwargs,message", [
-    (dict(link_mbit=0), "planner.link_mbit must be > 0 Mbit/s (or null: unknown), got 0"),
+    (dict(link_mbit=0), "LinkModel.link_mbit (planner.link_mbit) must be > 0 Mbit/s (or null: unknown), got 0"),
     # an infinite rate read as one rank's local "link" (a 2-rank job described itself as one rank)
-    (dict(link_mbit=float("inf")), "planner.link_mbit must be > 0 Mbit/s (or null: unknown), got inf"),
+    (dict(link_mbit=float("inf")), "LinkModel.link_mbit (planner.link_mbit) must be > 0 Mbit/s (or null: unknown), got inf"),
     # an infinite latency priced every candidate at inf, and the per-table pick raised KeyError
-    (dict(link_mbit=100, collective_latency_ms=float("inf")), "planner.collective_latency_ms must be >= 0, got inf"),
-    (dict(link_mbit="200"), "planner.link_mbit must be a number, got '200'"),  # (was: TypeError from '>')
-    (dict(link_mbit=True), "planner.link_mbit must be a number, got True"),  # (was: 1 Mbit/s)
-    (dict(link_mbit=100, collective_latency_ms=-1), "planner.collective_latency_ms must be >= 0, got -1"),
-    (dict(link_mbit=100, cpu_us_per_lookup=-0.5), "planner.cpu_us_per_lookup must be >= 0, got -0.5"),
+    (dict(link_mbit=100, collective_latency_ms=float("inf")), "LinkModel.collective_latency_ms (planner.collective_latency_ms) must be >= 0, got inf"),
+    (dict(link_mbit="200"), "LinkModel.link_mbit (planner.link_mbit) must be a number, got '200'"),  # (was: TypeError from '>')
+    (dict(link_mbit=True), "LinkModel.link_mbit (planner.link_mbit) must be a number, got True"),  # (was: 1 Mbit/s)
+    (dict(link_mbit=100, collective_latency_ms=-1), "LinkModel.collective_latency_ms (planner.collective_latency_ms) must be >= 0, got -1"),
+    (dict(link_mbit=100, cpu_us_per_lookup=-0.5), "LinkModel.cpu_us_per_lookup (planner.cpu_us_per_lookup) must be >= 0, got -0.5"),
 ])
 def test_bad_link_keys_are_one_error_naming_the_key(kwargs: dict, message: str) -> None:
     with pytest.raises(ValueError) as e:
@@ -748,8 +748,8 @@ def _measured_with_bad_cpu(rank: int, world: int, cpu: object) -> tuple:
         return str(e), len(calls)
 
 
-@pytest.mark.parametrize("cpu, message", [("0.6x", "planner.cpu_us_per_lookup must be a number, got '0.6x'"),
-                                          (-1, "planner.cpu_us_per_lookup must be >= 0, got -1")])
+@pytest.mark.parametrize("cpu, message", [("0.6x", "LinkModel.cpu_us_per_lookup (planner.cpu_us_per_lookup) must be a number, got '0.6x'"),
+                                          (-1, "LinkModel.cpu_us_per_lookup (planner.cpu_us_per_lookup) must be >= 0, got -1")])
 def test_measured_link_checks_its_cpu_price_before_probing(cpu: object, message: str) -> None:
     """``measured_link(pg, cpu_us_per_lookup=-1)`` at 2 ranks ran the probe's collectives first, and '0.6x' raised
     float()'s error: refused on every rank before any probe."""

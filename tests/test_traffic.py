@@ -177,3 +177,47 @@ def test_meter_sees_torchrec_table_wise_all_to_all_exactly() -> None:
     # the issue's hand formula, per rank on average: B * features * dim * 4 * (W-1)/W
     assert sum(fwd_float) / world == B * len(FEATURES) * D * f32 * (world - 1) / world
     assert sum(bwd_float) / world == B * len(FEATURES) * D * f32 * (world - 1) / world
+
+
+def _a_worker_counts_in_its_steps_meter(rank: int, world: int) -> Dict[str, Any]:
+    """A worker thread given the step's meter (``counting_in``) after the step ended: its collectives count there,
+    tagged there, and not in a second meter active meanwhile on the training thread, which sees only the worker's
+    call after the block (as any thread's)."""
+    import threading
+
+    from torchrec_herald.pipeline.run_ahead import RunAhead
+    from torchrec_herald.traffic import traffic_tag
+
+    step = TrafficMeter()
+    with step:
+        meters = TrafficMeter.counting()
+    other = TrafficMeter()
+
+    def job() -> None:
+        with TrafficMeter.counting_in(meters):
+            with traffic_tag("ahead"):
+                dist.all_reduce(torch.ones(4))  # 16 bytes: 2·(W−1)/W·16 sent
+        dist.all_reduce(torch.ones(8))  # (32 bytes, outside the block: the active meter's)
+
+    with other:
+        t = threading.Thread(target=job)
+        t.start()
+        t.join()
+    # the run-ahead worker does the same for the meters counting where its job was submitted
+    ahead = RunAhead()
+    with step:
+        ahead.submit(dist.all_reduce, torch.ones(2))
+    ahead.collect()
+    ahead.shutdown()
+    return {"step": step.summary(), "tags": step.tag_summary(), "other": other.summary(),
+            "installed": getattr(dist.all_reduce, "_herald_meter", False)}
+
+
+def test_a_workers_collectives_count_in_the_meter_of_the_step_that_gave_it_work() -> None:
+    """herald's run-ahead job outlives the step that submitted it: its exchanges made between two steps (or in another
+    run's turn) reached no meter, or the wrong one, and the counts moved from run to run."""
+    for r in run_multiprocess(_a_worker_counts_in_its_steps_meter, 2):
+        assert r["step"] == {"all_reduce": {"calls": 2, "bytes": 16 + 8, "embedding_vectors": 0.0}}, r
+        assert r["tags"] == {"ahead": {"calls": 1, "bytes": 16, "embedding_vectors": 0.0}}, r
+        assert r["other"] == {"all_reduce": {"calls": 1, "bytes": 32, "embedding_vectors": 0.0}}, r
+        assert not r["installed"], r  # (no meter left counting: collectives are torch's own again)

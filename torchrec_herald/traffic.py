@@ -162,12 +162,16 @@ class TrafficMeter:
 
     Meters nest: every active meter sees each call. A collective made *inside* another wrapped
     collective (e.g. ``all_gather`` falling back to per-tensor calls) is counted once, at the outermost.
+    A worker thread's calls made for the steps a meter counts (herald's run-ahead scheduler, whose job can
+    outlast the step that submitted it) count in the meters named by :meth:`counting_in` instead, whether or
+    not those are active at the moment of the call.
     """
 
     _active: List["TrafficMeter"] = []
     _lock = threading.Lock()
     _originals: Dict[str, Callable[..., Any]] = {}
     _local = threading.local()
+    _users = 0  # active meters and threads counting in meters of their own: the wrappers stay installed meanwhile
 
     def __init__(self, embedding_dim: Optional[int] = None) -> None:
         self.embedding_dim = embedding_dim
@@ -189,16 +193,46 @@ class TrafficMeter:
     def __enter__(self) -> "TrafficMeter":
         self._owner = threading.get_ident()
         with TrafficMeter._lock:
-            if not TrafficMeter._active:
-                TrafficMeter._install()
+            TrafficMeter._use(+1)
             TrafficMeter._active.append(self)
         return self
 
     def __exit__(self, *exc: Any) -> None:
         with TrafficMeter._lock:
             TrafficMeter._active.remove(self)
-            if not TrafficMeter._active:
-                TrafficMeter._uninstall()
+            TrafficMeter._use(-1)
+
+    @classmethod
+    def _use(cls, n: int) -> None:
+        """One more (``+1``) or one fewer (``-1``) user of the wrappers (call under ``_lock``)."""
+        cls._users += n
+        if n > 0 and cls._users == 1:
+            cls._install()
+        elif n < 0 and cls._users == 0:
+            cls._uninstall()
+
+    @classmethod
+    def counting(cls) -> List["TrafficMeter"]:
+        """The meters this thread's collectives count in now: those :meth:`counting_in` gave it, or the active ones."""
+        own = getattr(cls._local, "meters", None)
+        return list(own) if own is not None else list(cls._active)
+
+    @classmethod
+    @contextlib.contextmanager
+    def counting_in(cls, meters: List["TrafficMeter"]) -> Iterator[None]:
+        """This thread's collectives inside the block count in ``meters`` alone, active or not: a worker's job
+        submitted while they counted a step (:class:`~torchrec_herald.pipeline.run_ahead.RunAhead`) is counted
+        whole, where its calls made between two steps, or in another run's turn, reached no meter or another's."""
+        before = getattr(cls._local, "meters", None)
+        with cls._lock:
+            cls._use(+1)
+        cls._local.meters = list(meters)
+        try:
+            yield
+        finally:
+            cls._local.meters = before
+            with cls._lock:
+                cls._use(-1)
 
     @contextlib.contextmanager
     def tag(self, label: str, dim: Optional[int] = None) -> Iterator[None]:
@@ -253,7 +287,7 @@ class TrafficMeter:
     @classmethod
     def _add_wait(cls, seconds: float, labels: Dict[int, str]) -> None:
         me = threading.get_ident()
-        for meter in list(cls._active):
+        for meter in cls.counting():
             if me != meter._owner:
                 meter.wait_other_threads_s += seconds
                 continue
@@ -282,10 +316,11 @@ class TrafficMeter:
     def _make_wrapper(cls, name: str, orig: Callable[..., Any]) -> Callable[..., Any]:
         def wrapper(*args: Any, **kwargs: Any) -> Any:
             depth = getattr(cls._local, "depth", 0)
-            labels = {id(m): m._current_label() for m in cls._active}
-            if depth == 0 and cls._active:
+            meters = cls.counting()
+            labels = {id(m): m._current_label() for m in meters}
+            if depth == 0 and meters:
                 nbytes, payload = _bytes_for(name, args, kwargs)
-                for meter in list(cls._active):
+                for meter in meters:
                     meter._record(name, nbytes, payload)
             cls._local.depth = depth + 1
             t0 = time.perf_counter()
@@ -396,9 +431,9 @@ class MeteredDataParallelWrapper:
 
 @contextlib.contextmanager
 def traffic_tag(label: str, dim: Optional[int] = None) -> Iterator[None]:
-    """Tag the collectives inside the block on every active TrafficMeter (a no-op when none is)."""
+    """Tag the collectives inside the block on every meter they count in (a no-op when none is)."""
     with contextlib.ExitStack() as stack:
-        for meter in list(TrafficMeter._active):
+        for meter in TrafficMeter.counting():
             stack.enter_context(meter.tag(label, dim))
         yield
 

@@ -835,7 +835,9 @@ class Trainer:
                         run.bar.set_postfix({f"rank {rank} loss (mean of {cfg.log_every})":
                                              f"{sum(losses[-cfg.log_every:]) / cfg.log_every:.4f}"})
                         logger.info("step %d loss %.5f (this rank's samples)", len(losses), loss)
-                else:  # (this turn's steps trained, the epoch not over)
+                else:  # (this turn's steps trained, the epoch not over: another run's turn follows)
+                    with run.meter:  # (the run-ahead job's collectives, and the wait for it, are this run's)
+                        pipeline.end_turn()
                     return False
                 run.ended_at = (run.epoch, run.batch_in_epoch)  # (the final save's position)
                 run.epoch, run.batch_in_epoch, run.it = run.epoch + 1, 0, None
@@ -1001,10 +1003,13 @@ def train_in_turns(runs: Sequence[Tuple[DictConfig, Path, Optional[DataSource]]]
     turns of ``turn_steps`` steps, and return their metrics in order; each is then evaluated and writes its files
     as it would alone. ``compare_with``'s baseline and run train this way: a host whose speed drifts over a job
     (other work on its cores, its neighbours) slows both alike, where the run trained second met whatever the host
-    did then (identical runs one after the other measured 0.89–1.23× each other on a 2-core host, in turns of 100
-    steps 0.97–1.02×). Each run's samples/s counts its own turns; between turns a run's background work (herald's
-    run-ahead scheduler) finishes, so none of it overlaps the other run's steps or traffic. Every run's model is
-    held at once (``compare_turn_steps=0`` trains them one after the other instead)."""
+    did then (identical runs one after the other measured 0.89–1.23× each other on a 2-core host; ``make run``'s in
+    turns of 100 steps 0.99–1.07×). Each run's samples/s counts its own turns. At a turn's end a run's background work
+    (herald's run-ahead scheduler) finishes inside its turn and traffic meter (:meth:`TrainingPipeline.end_turn`);
+    what a step leaves in flight for the next (TorchRec's next input dist, herald's dense and hot-row sums) completes
+    during the other run's first step, counted by the run that sent it. Every run's model is held at once
+    (``compare_turn_steps=0`` trains them one after the other instead). An approximate run's exact reference trains
+    alone before the turns begin (its samples/s is not from turns)."""
     if turn_steps < 1:
         raise ValueError(f"turn_steps must be >= 1, got {turn_steps}")
     trainers = [_built_trainer(cfg, Path(run_dir), show_progress, data) for cfg, run_dir, data in runs]
@@ -1023,7 +1028,6 @@ def train_in_turns(runs: Sequence[Tuple[DictConfig, Path, Optional[DataSource]]]
                 setup_logging(trainers[i].run_dir, trainers[i].rank)
                 if trainers[i]._advance(progress[i], turn_steps):
                     left.remove(i)
-                trainers[i].pipeline.settle()
         out = []
         for t, run in zip(trainers, progress):
             setup_logging(t.run_dir, t.rank)

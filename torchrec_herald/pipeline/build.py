@@ -62,9 +62,10 @@ class TrainingPipeline(Protocol):
     def scheduler_seconds(self, since: Any = None) -> Tuple[float, float]:
         """Scheduling seconds since ``since``: (on the critical path, done ahead)."""
 
-    def settle(self) -> None:
-        """Let the work this pipeline runs beside training (herald's run-ahead scheduler) finish, keeping what it
-        made: another run trains next in the same ranks, and none of this one's work may overlap its steps."""
+    def end_turn(self) -> None:
+        """Another run trains next in the same ranks (``compare_with``'s turns): let the work this pipeline runs
+        beside its steps (herald's run-ahead scheduler) finish, keeping what it made, and time no step across the
+        other run's turn."""
 
     def detach(self) -> nn.Module:
         """Hand the model back in its plain sharded layout (flushing any caches)."""
@@ -110,8 +111,8 @@ class TorchRecPipeline:
     def scheduler_seconds(self, since: Any = None) -> Tuple[float, float]:
         return 0.0, 0.0
 
-    def settle(self) -> None:
-        return None  # (TorchRec's pipelines run nothing beside the step's own thread)
+    def end_turn(self) -> None:
+        return None  # (TorchRec's pipelines run no thread of their own and time no step)
 
     def detach(self) -> nn.Module:
         """TorchRec's ``TrainPipelineSparseDist`` rewrote the model's forwards: restore them."""

@@ -9,13 +9,22 @@ from __future__ import annotations
 import logging
 import time
 from concurrent.futures import Future, ThreadPoolExecutor, wait
-from typing import Any, Callable, Optional, Tuple
+from typing import Any, Callable, List, Optional, Tuple
 
 from torchrec_herald.pipeline.context import RUN_AHEAD_THREAD
+from torchrec_herald.traffic import TrafficMeter
 
 __all__ = ["RunAhead"]
 
 logger = logging.getLogger(__name__)
+
+
+def _counted_in(meters: List[TrafficMeter], job: Callable[..., Any], *args: Any) -> Any:
+    """``job(*args)``, its collectives counted in ``meters`` (none: as any thread's, in the meters active then)."""
+    if not meters:
+        return job(*args)
+    with TrafficMeter.counting_in(meters):
+        return job(*args)
 
 
 class RunAhead:
@@ -31,8 +40,10 @@ class RunAhead:
         return self._pending is not None
 
     def submit(self, job: Callable[..., Any], *args: Any) -> None:
+        """Run ``job(*args)`` on the worker; its collectives count in the traffic meters counting here now (the
+        step's), however long it runs."""
         assert self._pool is not None and self._pending is None
-        self._pending = self._pool.submit(job, *args)
+        self._pending = self._pool.submit(_counted_in, TrafficMeter.counting(), job, *args)
 
     def collect(self) -> Tuple[Any, float]:
         """The job's result (its errors are raised here) and the seconds waited for it; ``(None, 0.0)``
@@ -44,7 +55,7 @@ class RunAhead:
         result = pending.result()
         return result, time.perf_counter() - t0
 
-    def settle(self) -> None:
+    def wait_finished(self) -> None:
         """Wait until the job in flight (if any) has finished, leaving its result for :meth:`collect`."""
         if self._pending is not None:
             wait([self._pending])

@@ -224,6 +224,10 @@ class StaleSkipHook:
     def granularity(self) -> str:
         return self.skipper.config.granularity
 
+    def restart_clock(self) -> None:
+        """The time until the next step is no step's (another run's turn in the same ranks)."""
+        self._t_last = None
+
     # ------------------------------------------------------------------ hooks
     def before_step(self, host: SkipHost, step: int) -> None:
         """Snapshots at the ends of each measuring window (after a flush, so every rank sees the same

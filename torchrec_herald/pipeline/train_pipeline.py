@@ -832,11 +832,17 @@ class HeraldTrainPipeline(TrainPipeline[Batch, Any]):
         self.ebc.flush_plan(self.planner.flush())
         self._flushed = True
 
-    def settle(self) -> None:
-        """Wait for the run-ahead job in flight to finish (its batch and plan are kept for the next step): another
-        run trains next in these ranks (``compare_with``'s turns), and this one's scheduling must not overlap it."""
+    def end_turn(self) -> None:
+        """Another run trains next in these ranks (``compare_with``'s turns): the run-ahead job in flight finishes
+        (its batch and plan kept for the next step), so none of this run's scheduling runs in the other's turn, and
+        the time until this pipeline's next step is no step's (``scheduling=auto``'s probe and input skipping's
+        search time their steps from one step's start to the next: the turn's last step goes untimed)."""
         if self._ahead is not None:
-            self._ahead.settle()
+            self._ahead.wait_finished()
+        if self.switch is not None:
+            self.switch.restart_clock()
+        if self.skip_hook is not None:
+            self.skip_hook.restart_clock()
 
     def detach(self) -> nn.Module:
         """Flush and hand back the model (as ``TrainPipelineSparseDist.detach``); hot rows frozen by

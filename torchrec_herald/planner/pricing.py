@@ -93,15 +93,15 @@ class LinkModel(Pricing):
         for key in ("link_mbit", "collective_latency_ms", "cpu_us_per_lookup"):
             v = getattr(self, key)
             if not is_number(v):
-                raise ValueError(f"planner.{key} must be a number, got {v!r}")
+                raise ValueError(f"LinkModel.{key} (planner.{key}) must be a number, got {v!r}")
         if self.one_rank and (not math.isinf(self.link_mbit) or self.collective_latency_ms != 0):
             raise ValueError("LinkModel(one_rank=True) is one rank's local link: LinkModel.local(cpu_us_per_lookup)")
         if not self.link_mbit > 0 or (math.isinf(self.link_mbit) and not self.one_rank):
-            raise ValueError(f"planner.link_mbit must be > 0 Mbit/s (or null: unknown), got {self.link_mbit}")
+            raise ValueError(f"LinkModel.link_mbit (planner.link_mbit) must be > 0 Mbit/s (or null: unknown), got {self.link_mbit}")
         if not 0 <= self.collective_latency_ms < math.inf:  # (NaN fails it)
-            raise ValueError(f"planner.collective_latency_ms must be >= 0, got {self.collective_latency_ms}")
+            raise ValueError(f"LinkModel.collective_latency_ms (planner.collective_latency_ms) must be >= 0, got {self.collective_latency_ms}")
         if not self.cpu_us_per_lookup >= 0 or math.isinf(self.cpu_us_per_lookup):
-            raise ValueError(f"planner.cpu_us_per_lookup must be >= 0, got {self.cpu_us_per_lookup}")
+            raise ValueError(f"LinkModel.cpu_us_per_lookup (planner.cpu_us_per_lookup) must be >= 0, got {self.cpu_us_per_lookup}")
 
     unit = "ms"
 
