@@ -140,12 +140,14 @@ def _probe_beside_a_slow_baseline(rank: int, world: int, out: str, turn_steps: i
     return {"probe": metrics[1]["herald_pipeline"]["scheduling"], "skip": metrics[2]["approximate"]}
 
 
-def test_the_other_runs_turn_is_no_step_of_a_probe_or_a_skip_search(tmp_path: Path) -> None:
+@pytest.mark.parametrize("turn_steps", [1, 3])
+def test_the_other_runs_turn_is_no_step_of_a_probe_or_a_skip_search(tmp_path: Path, turn_steps: int) -> None:
     """``scheduling=auto``'s probe and input skipping's threshold search time a step from its start to the next
     step's start: across a turn boundary that held the other run's whole turn (the probe picked scheduling on where
-    alone it picked off; input skipping paused where alone it did not, and trained another number of steps)."""
-    got = run_multiprocess(_probe_beside_a_slow_baseline, 2, str(tmp_path), 3, timeout_s=400)[0]
+    alone it picked off; input skipping paused where alone it did not, and trained another number of steps). Each
+    turn's last step is timed up to the turn's end: with turns of 1 step none was timed, and both probe means read 0."""
+    got = run_multiprocess(_probe_beside_a_slow_baseline, 2, str(tmp_path), turn_steps, timeout_s=400)[0]
     probe = got["probe"]
-    assert probe["decided"] and probe["on_ms_per_step"] < 150 and probe["off_ms_per_step"] < 150, probe
+    assert probe["decided"] and 0 < probe["on_ms_per_step"] < 150 and 0 < probe["off_ms_per_step"] < 150, probe
     verdicts = got["skip"]["skip_verdicts"]  # (step, paused, classifier ms, step ms, skipped share) per search
-    assert [v[0] for v in verdicts] == [4, 10] and all(v[3] < 150 for v in verdicts), verdicts
+    assert [v[0] for v in verdicts] == [4, 10] and all(0 < v[3] < 150 for v in verdicts), verdicts

@@ -218,15 +218,29 @@ class TrafficMeter:
         return list(own) if own is not None else list(cls._active)
 
     @classmethod
+    def counted_here(cls, job: Callable[..., Any]) -> Callable[..., Any]:
+        """``job``, to run on a worker thread, its collectives counted in the meters counting on this thread now (as
+        any thread's, in the meters active then, where none is)."""
+        meters = cls.counting()
+        if not meters:
+            return job
+
+        def counted(*args: Any, **kwargs: Any) -> Any:
+            with cls.counting_in(meters):
+                return job(*args, **kwargs)
+
+        return counted
+
+    @classmethod
     @contextlib.contextmanager
     def counting_in(cls, meters: List["TrafficMeter"]) -> Iterator[None]:
         """This thread's collectives inside the block count in ``meters`` alone, active or not: a worker's job
         submitted while they counted a step (:class:`~torchrec_herald.pipeline.run_ahead.RunAhead`) is counted
         whole, where its calls made between two steps, or in another run's turn, reached no meter or another's."""
-        before = getattr(cls._local, "meters", None)
+        before, mine = getattr(cls._local, "meters", None), list(meters)
         with cls._lock:
             cls._use(+1)
-        cls._local.meters = list(meters)
+        cls._local.meters = mine
         try:
             yield
         finally:

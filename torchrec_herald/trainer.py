@@ -1026,7 +1026,8 @@ def train_in_turns(runs: Sequence[Tuple[DictConfig, Path, Optional[DataSource]]]
         while left:
             for i in list(left):
                 setup_logging(trainers[i].run_dir, trainers[i].rank)
-                if trainers[i]._advance(progress[i], turn_steps):
+                # (the last run left trains to its end: no other run's turn comes between)
+                if trainers[i]._advance(progress[i], turn_steps if len(left) > 1 else None):
                     left.remove(i)
         out = []
         for t, run in zip(trainers, progress):

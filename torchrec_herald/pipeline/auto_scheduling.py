@@ -237,6 +237,19 @@ class SchedulingSwitch:
         """The time until the next step is no step's (an eval pass between training steps)."""
         self._step_started = None
 
+    def stop_clock(self) -> None:
+        """The step that just trained ends now: timed into its mode up to here, and the time until the next step is
+        no step's (another run's turn in the same ranks follows)."""
+        probe, started = self.probe, self._step_started
+        self._step_started = None
+        step = self.host.stats.steps
+        if probe is None or probe["decided"] or started is None or step < 1:
+            return
+        mode, timed = self._phase(step - 1)
+        if timed:
+            probe["seconds"][mode] += time.perf_counter() - started
+            probe["steps"][mode] += 1
+
     def pause_delegate(self) -> None:
         """Hand the model's own forwards back for a while (an eval pass): TorchRec's pipeline keeps its batches
         in flight and re-attaches itself at its next ``progress``."""

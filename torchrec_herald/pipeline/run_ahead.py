@@ -9,7 +9,7 @@ from __future__ import annotations
 import logging
 import time
 from concurrent.futures import Future, ThreadPoolExecutor, wait
-from typing import Any, Callable, List, Optional, Tuple
+from typing import Any, Callable, Optional, Tuple
 
 from torchrec_herald.pipeline.context import RUN_AHEAD_THREAD
 from torchrec_herald.traffic import TrafficMeter
@@ -17,14 +17,6 @@ from torchrec_herald.traffic import TrafficMeter
 __all__ = ["RunAhead"]
 
 logger = logging.getLogger(__name__)
-
-
-def _counted_in(meters: List[TrafficMeter], job: Callable[..., Any], *args: Any) -> Any:
-    """``job(*args)``, its collectives counted in ``meters`` (none: as any thread's, in the meters active then)."""
-    if not meters:
-        return job(*args)
-    with TrafficMeter.counting_in(meters):
-        return job(*args)
 
 
 class RunAhead:
@@ -43,7 +35,7 @@ class RunAhead:
         """Run ``job(*args)`` on the worker; its collectives count in the traffic meters counting here now (the
         step's), however long it runs."""
         assert self._pool is not None and self._pending is None
-        self._pending = self._pool.submit(_counted_in, TrafficMeter.counting(), job, *args)
+        self._pending = self._pool.submit(TrafficMeter.counted_here(job), *args)
 
     def collect(self) -> Tuple[Any, float]:
         """The job's result (its errors are raised here) and the seconds waited for it; ``(None, 0.0)``

@@ -224,8 +224,11 @@ class StaleSkipHook:
     def granularity(self) -> str:
         return self.skipper.config.granularity
 
-    def restart_clock(self) -> None:
-        """The time until the next step is no step's (another run's turn in the same ranks)."""
+    def stop_clock(self) -> None:
+        """The step that just trained ends now (timed up to here); the time until the next step is no step's
+        (another run's turn in the same ranks follows)."""
+        if self._t_last is not None:
+            self._step_s, self._steps = self._step_s + time.perf_counter() - self._t_last, self._steps + 1
         self._t_last = None
 
     # ------------------------------------------------------------------ hooks

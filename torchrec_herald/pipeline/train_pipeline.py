@@ -833,16 +833,21 @@ class HeraldTrainPipeline(TrainPipeline[Batch, Any]):
         self._flushed = True
 
     def end_turn(self) -> None:
-        """Another run trains next in these ranks (``compare_with``'s turns): the run-ahead job in flight finishes
-        (its batch and plan kept for the next step), so none of this run's scheduling runs in the other's turn, and
-        the time until this pipeline's next step is no step's (``scheduling=auto``'s probe and input skipping's
-        search time their steps from one step's start to the next: the turn's last step goes untimed)."""
-        if self._ahead is not None:
-            self._ahead.wait_finished()
+        """Another run trains next in these ranks (``compare_with``'s turns): the step that just trained ends here
+        for ``scheduling=auto``'s probe and input skipping's search (they time a step from its start to the next
+        step's: that would hold the other run's turn), and the run-ahead job in flight finishes (its batch and plan
+        kept for the next step; the wait counted as a step's wait for it), so none of this run's scheduling runs in
+        the other's turn."""
         if self.switch is not None:
-            self.switch.restart_clock()
+            self.switch.stop_clock()
         if self.skip_hook is not None:
-            self.skip_hook.restart_clock()
+            self.skip_hook.stop_clock()
+        if self._ahead is not None:
+            t0 = time.perf_counter()
+            self._ahead.wait_finished()
+            waited = time.perf_counter() - t0
+            self.stats.wait_ahead_s += waited
+            self.stats.scheduler_s += waited
 
     def detach(self) -> nn.Module:
         """Flush and hand back the model (as ``TrainPipelineSparseDist.detach``); hot rows frozen by

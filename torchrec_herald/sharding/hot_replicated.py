@@ -48,7 +48,7 @@ from torchrec_herald.ops.tbe import SUPPORTED_OPTIMIZERS, dense_lookup
 from torchrec_herald.sharding.plan_exec import PlanExecutor
 from torchrec_herald.sharding.row_store import RowStore, add_rows_in_order
 from torchrec_herald.sharding.types import HERALD_HOT_ROW_WISE, HotSpec, feature_read_twice, hot_spec_of
-from torchrec_herald.traffic import traffic_tag
+from torchrec_herald.traffic import TrafficMeter, traffic_tag
 
 logger = logging.getLogger(__name__)
 
@@ -635,7 +635,9 @@ class ShardedHeraldEmbeddingBagCollection(
         if self._worker is None:
             self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="herald-input-dist")
         stream = torch.cuda.current_stream(self._ids.device) if self._ids.device.type == "cuda" else None
-        handoff = _HandOff(ctx, stream, self._worker.submit(_on_stream, stream, self._split_for_dist, ctx, features, B))
+        # (its waits count in the meters of the step that handed it the split, not another run's or none)
+        handoff = _HandOff(ctx, stream, self._worker.submit(TrafficMeter.counted_here(_on_stream), stream,
+                                                            self._split_for_dist, ctx, features, B))
         self._pending_dist = handoff
         return KJTListSplitsAwaitable([_HandOffAwaitable(self, handoff)], ctx)
 
