@@ -1003,8 +1003,8 @@ def train_in_turns(runs: Sequence[Tuple[DictConfig, Path, Optional[DataSource]]]
     turns of ``turn_steps`` steps, and return their metrics in order; each is then evaluated and writes its files
     as it would alone. ``compare_with``'s baseline and run train this way: a host whose speed drifts over a job
     (other work on its cores, its neighbours) slows both alike, where the run trained second met whatever the host
-    did then (identical runs one after the other measured 0.89–1.23× each other on a 2-core host; ``make run``'s in
-    turns of 100 steps 0.99–1.07×). Each run's samples/s counts its own turns. At a turn's end a run's background work
+    did then (identical runs one after the other measured 0.89–1.23× each other on a 2-core host; identical runs of
+    ``make run``'s in turns of 100 steps 0.99–1.07×). Each run's samples/s counts its own turns. At a turn's end a run's background work
     (herald's run-ahead scheduler) finishes inside its turn and traffic meter (:meth:`TrainingPipeline.end_turn`);
     what a step leaves in flight for the next (TorchRec's next input dist, herald's dense and hot-row sums) completes
     during the other run's first step, counted by the run that sent it. Every run's model is held at once

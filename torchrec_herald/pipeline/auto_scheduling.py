@@ -131,12 +131,8 @@ class SchedulingSwitch:
         probe, step = self.probe, self.host.stats.steps
         if probe is None or probe["decided"]:
             return
-        last, self._step_started = self._step_started, now
-        if last is not None and step >= 1:
-            mode, timed = self._phase(step - 1)
-            if timed:
-                probe["seconds"][mode] += now - last
-                probe["steps"][mode] += 1
+        self._time_step_ended(now)
+        self._step_started = now
         if step < self.probe_length():
             want = self._phase(step)[0]
             if want != self.host.mode:
@@ -240,15 +236,20 @@ class SchedulingSwitch:
     def stop_clock(self) -> None:
         """The step that just trained ends now: timed into its mode up to here, and the time until the next step is
         no step's (another run's turn in the same ranks follows)."""
-        probe, started = self.probe, self._step_started
+        if self.probe is not None and not self.probe["decided"]:
+            self._time_step_ended(time.perf_counter())
         self._step_started = None
-        step = self.host.stats.steps
-        if probe is None or probe["decided"] or started is None or step < 1:
-            return
-        mode, timed = self._phase(step - 1)
-        if timed:
-            probe["seconds"][mode] += time.perf_counter() - started
-            probe["steps"][mode] += 1
+
+    def _time_step_ended(self, now: float) -> None:
+        """The step that trained last ended at ``now``: its time since it started into its mode's sum, where the
+        probe times it (its start unknown after an eval pass: untimed)."""
+        probe, started, step = self.probe, self._step_started, self.host.stats.steps
+        assert probe is not None
+        if started is not None and step >= 1:
+            mode, timed = self._phase(step - 1)
+            if timed:
+                probe["seconds"][mode] += now - started
+                probe["steps"][mode] += 1
 
     def pause_delegate(self) -> None:
         """Hand the model's own forwards back for a while (an eval pass): TorchRec's pipeline keeps its batches

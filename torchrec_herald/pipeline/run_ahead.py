@@ -47,10 +47,13 @@ class RunAhead:
         result = pending.result()
         return result, time.perf_counter() - t0
 
-    def wait_finished(self) -> None:
-        """Wait until the job in flight (if any) has finished, leaving its result for :meth:`collect`."""
+    def wait_finished(self) -> float:
+        """Wait until the job in flight (if any) has finished, leaving its result for :meth:`collect`; the seconds
+        waited."""
+        t0 = time.perf_counter()
         if self._pending is not None:
             wait([self._pending])
+        return time.perf_counter() - t0
 
     def cancel(self) -> Any:
         """Wait for the job in flight and hand back its result for the caller to drop (None where it raised:

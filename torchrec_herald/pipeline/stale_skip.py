@@ -227,17 +227,20 @@ class StaleSkipHook:
     def stop_clock(self) -> None:
         """The step that just trained ends now (timed up to here); the time until the next step is no step's
         (another run's turn in the same ranks follows)."""
-        if self._t_last is not None:
-            self._step_s, self._steps = self._step_s + time.perf_counter() - self._t_last, self._steps + 1
+        self._time_step_ended(time.perf_counter())
         self._t_last = None
+
+    def _time_step_ended(self, now: float) -> None:
+        """The step that trained last ended at ``now``: its time since it started into the search's step time."""
+        if self._t_last is not None:
+            self._step_s, self._steps = self._step_s + now - self._t_last, self._steps + 1
 
     # ------------------------------------------------------------------ hooks
     def before_step(self, host: SkipHost, step: int) -> None:
         """Snapshots at the ends of each measuring window (after a flush, so every rank sees the same
         hot rows), the threshold search at its end, and the (un)freezing of stale rows."""
         now = time.perf_counter()
-        if self._t_last is not None:
-            self._step_s, self._steps = self._step_s + now - self._t_last, self._steps + 1
+        self._time_step_ended(now)
         self._t_last = now
         phase = self.skipper.phase(step)
         if phase not in ("snapshot_a", "snapshot_b"):

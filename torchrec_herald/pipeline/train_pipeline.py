@@ -360,8 +360,7 @@ class HeraldTrainPipeline(TrainPipeline[Batch, Any]):
         if self._ahead is None or not self._ahead.busy:
             return
         ctx, waited = self._ahead.collect()
-        self.stats.wait_ahead_s += waited
-        self.stats.scheduler_s += waited
+        self._waited_ahead(waited)
         if ctx is not None:
             self._queue.append(ctx)
 
@@ -843,11 +842,12 @@ class HeraldTrainPipeline(TrainPipeline[Batch, Any]):
         if self.skip_hook is not None:
             self.skip_hook.stop_clock()
         if self._ahead is not None:
-            t0 = time.perf_counter()
-            self._ahead.wait_finished()
-            waited = time.perf_counter() - t0
-            self.stats.wait_ahead_s += waited
-            self.stats.scheduler_s += waited
+            self._waited_ahead(self._ahead.wait_finished())
+
+    def _waited_ahead(self, seconds: float) -> None:
+        """A step waited ``seconds`` for the run-ahead job: scheduling on the critical path."""
+        self.stats.wait_ahead_s += seconds
+        self.stats.scheduler_s += seconds
 
     def detach(self) -> nn.Module:
         """Flush and hand back the model (as ``TrainPipelineSparseDist.detach``); hot rows frozen by
