@@ -374,10 +374,12 @@ def test_e2e_empty_data_file_is_named(run_id: str, tmp_path: Path) -> None:
 
 
 @pytest.mark.slow
-def test_e2e_compare_with_leaves_a_comparison_report(run_id: str) -> None:
-    """``make run``'s command (herald vs its stock baseline) leaves comparison.md/json/png in the run dir."""
+@pytest.mark.parametrize("turns", [[], ["compare_turn_steps=0"]])  # in turns (the default), one after the other
+def test_e2e_compare_with_leaves_a_comparison_report(run_id: str, turns: List[str]) -> None:
+    """``make run``'s command (herald vs its stock baseline) leaves comparison.md/json/png in the run dir, the two
+    runs trained in turns or one after the other."""
     proc, _ = _launch(run_id, "planner=herald", "planner.link_mbit=null", "pipeline=herald", "compare_with=table_wise",
-                      "pipeline.window=3",
+                      "pipeline.window=3", *turns,
                       "data.num_train_batches=8", "data.num_eval_batches=2", "batch_size=64", timeout=180)
     out = _combined(proc)
     assert proc.returncode == 0, out[-6000:]

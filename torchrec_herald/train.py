@@ -219,7 +219,6 @@ def _run(cfg: DictConfig, run_dir: Path) -> None:
                                          hold_logs, preflight, run_training, setup_logging, train_in_turns)
 
     hc = HydraConfig.get()
-    baseline = None
     hold_logs()  # (the checks log into the run's folder once it is set up below)
     rank0 = os.environ.get("RANK", "0") == "0"
     if rank0:
@@ -229,6 +228,7 @@ def _run(cfg: DictConfig, run_dir: Path) -> None:
     if rank0:
         set_earlier_figures_aside(run_dir)  # (only once the checks passed: a re-run with a typo moves nothing)
     setup_logging(run_dir)  # (the run's checks logged into its own folder, not a baseline's)
+    runs = [(cfg, run_dir, data)]
     if cfg.compare_with:
         # the same job with planner=<compare_with> and TorchRec's pipeline: same data, same global
         # batches, same initial weights
@@ -236,14 +236,12 @@ def _run(cfg: DictConfig, run_dir: Path) -> None:
         base_cfg = compose(config_name="train", overrides=overrides)
         base_cfg.compare_with = None
         companion_run(base_cfg, f"baseline_{cfg.compare_with}")  # never the herald run's checkpoints
-        if cfg.compare_turn_steps:  # (both in turns: a host drifting over the job slows both alike)
-            baseline, metrics = train_in_turns([(base_cfg, run_dir / f"baseline_{cfg.compare_with}", None),
-                                                (cfg, run_dir, data)], cfg.compare_turn_steps)
-        else:
-            baseline = run_training(base_cfg, run_dir / f"baseline_{cfg.compare_with}")
-            metrics = run_training(cfg, run_dir, data=data)
-    else:
-        metrics = run_training(cfg, run_dir, data=data)  # trains
+        runs.insert(0, (base_cfg, run_dir / f"baseline_{cfg.compare_with}", None))
+    if len(runs) > 1 and cfg.compare_turn_steps:  # (in turns: a host drifting over the job slows both alike)
+        *done, metrics = train_in_turns(runs, cfg.compare_turn_steps)
+    else:  # (one after the other: one model in memory at a time)
+        *done, metrics = [run_training(c, d, data=x) for c, d, x in runs]  # trains
+    baseline = done[0] if done else None
     if dist.get_rank() == 0:
         if baseline is None:
             sys.stdout.write(f"\n{format_metrics_table(metrics)}\n\nmetrics: {run_dir / 'metrics.json'}\n")

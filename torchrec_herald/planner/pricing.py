@@ -90,18 +90,21 @@ class LinkModel(Pricing):
     one_rank: bool = field(default=False, repr=False)
 
     def __post_init__(self) -> None:
+        def refuse(key: str, rule: str) -> None:
+            v = getattr(self, key)  # (a number as it prints, numpy's too; anything else as its repr)
+            raise ValueError(f"LinkModel.{key} (planner.{key}) must {rule}, got {v if is_number(v) else repr(v)}")
+
         for key in ("link_mbit", "collective_latency_ms", "cpu_us_per_lookup"):
-            v = getattr(self, key)
-            if not is_number(v):
-                raise ValueError(f"LinkModel.{key} (planner.{key}) must be a number, got {v!r}")
+            if not is_number(getattr(self, key)):
+                refuse(key, "be a number")
         if self.one_rank and (not math.isinf(self.link_mbit) or self.collective_latency_ms != 0):
             raise ValueError("LinkModel(one_rank=True) is one rank's local link: LinkModel.local(cpu_us_per_lookup)")
         if not self.link_mbit > 0 or (math.isinf(self.link_mbit) and not self.one_rank):
-            raise ValueError(f"LinkModel.link_mbit (planner.link_mbit) must be > 0 Mbit/s (or null: unknown), got {self.link_mbit}")
+            refuse("link_mbit", "be > 0 Mbit/s (or null: unknown)")
         if not 0 <= self.collective_latency_ms < math.inf:  # (NaN fails it)
-            raise ValueError(f"LinkModel.collective_latency_ms (planner.collective_latency_ms) must be >= 0, got {self.collective_latency_ms}")
+            refuse("collective_latency_ms", "be >= 0")
         if not self.cpu_us_per_lookup >= 0 or math.isinf(self.cpu_us_per_lookup):
-            raise ValueError(f"LinkModel.cpu_us_per_lookup (planner.cpu_us_per_lookup) must be >= 0, got {self.cpu_us_per_lookup}")
+            refuse("cpu_us_per_lookup", "be >= 0")
 
     unit = "ms"
 
