@@ -431,6 +431,64 @@ def test_auto_keeps_scheduling_only_where_it_wins_by_the_margin() -> None:
     assert SchedulingSwitch.decide(30.0, 30.0) == "off"
 
 
+class _QueuedDevice:
+    """A device whose work the host only queues (as a GPU's stream): each step queues ``step_s`` of it, and a
+    sync waits for whatever is queued."""
+
+    def __init__(self, step_s: float) -> None:
+        self.step_s, self.queued, self.synced_before = step_s, 0.0, []
+        self.steps = 0
+
+    def sync(self) -> None:
+        import time
+
+        time.sleep(self.queued)
+        self.queued = 0.0
+        self.synced_before.append(self.steps)
+
+
+@pytest.mark.parametrize("turn_end_after", [None, 4])
+def test_auto_times_the_probe_by_the_devices_work_waiting_once_at_each_end_of_a_timed_span(
+        turn_end_after: Any) -> None:
+    """On a GPU the host only queues a step's work: ``scheduling=auto``'s probe waits for the device where a timed
+    span of one mode begins and ends (and where another run's turn cuts a span), so each mode's time is the
+    device's (here 4 timed steps of 20 ms queued work each), with one wait at each end instead of one a step."""
+    from types import SimpleNamespace
+
+    from torchrec_herald.pipeline.auto_scheduling import SchedulingSwitch
+
+    device = _QueuedDevice(0.02)
+    host = SimpleNamespace(mode="on", stats=SimpleNamespace(steps=0))
+    host.enter_mode = lambda mode: setattr(host, "mode", mode)
+    switch = SchedulingSwitch(host, "auto", 4, lambda: None, None, 1, 0, device_sync=device.sync)  # type: ignore[arg-type]
+    # probe_steps=4: steps 0-1 on untimed, 2-5 on timed, 6-7 off untimed, 8-11 off timed, 12-13 the drain
+    assert switch.probe_length() == 14
+    modes = []
+    for step in range(switch.probe_length()):
+        host.stats.steps = device.steps = step
+        switch.before_step()
+        modes.append(host.mode)
+        device.queued += device.step_s  # (the step's launches return at once)
+        if turn_end_after is not None and step + 1 == turn_end_after:
+            device.steps = step + 1
+            host.stats.steps = step + 1
+            switch.stop_clock()  # (the other run's turn)
+    assert modes == ["on"] * 6 + ["off"] * 8
+    expected = [2, 6, 8, 12] if turn_end_after is None else [2, 4, 4, 6, 8, 12]
+    assert device.synced_before == expected
+    probe = switch.probe
+    assert probe["steps"] == {"on": 4, "off": 4}
+    for mode in ("on", "off"):  # the device's 4 × 20 ms, not the host's launches (~0)
+        assert 0.08 <= probe["seconds"][mode] < 0.08 + 0.05, probe
+
+
+def test_device_sync_waits_on_a_cuda_device_only() -> None:
+    from torchrec_herald.pipeline.auto_scheduling import device_sync
+
+    assert device_sync("cpu") is None and device_sync(torch.device("cpu")) is None
+    assert callable(device_sync("cuda:0"))  # (not called: no GPU needed)
+
+
 def _chain_worker(rank: int, world: int) -> Dict[str, Any]:
     """Each run-ahead job of 6 exact steps, as ``(steps trained when submitted, step it plans, plan made
     ahead)``: once with no checkpoint schedule, once with a checkpoint after 5 steps."""

@@ -24,7 +24,7 @@ from torchrec_herald.dist_utils import collective_device
 from torchrec_herald.pipeline.context import SchedulerStats
 from torchrec_herald.pipeline.options import probe_mode_steps
 
-__all__ = ["ON_MARGIN", "SPARSE_DIST_AHEAD", "SchedulingSwitch", "SwitchHost"]
+__all__ = ["ON_MARGIN", "SPARSE_DIST_AHEAD", "SchedulingSwitch", "SwitchHost", "device_sync"]
 
 logger = logging.getLogger(__name__)
 
@@ -32,6 +32,15 @@ logger = logging.getLogger(__name__)
 SPARSE_DIST_AHEAD = 2
 #: how much shorter scheduling's probed step must be for ``auto`` to keep it on (see ``decide``)
 ON_MARGIN = 0.03
+
+
+def device_sync(device: Any) -> Optional[Callable[[], None]]:
+    """What waits for ``device``'s queued work (a CUDA device's stream), for a clock that times the device's work;
+    None on a CPU, where the host's clock is the step's."""
+    dev = torch.device(device)
+    if dev.type != "cuda":
+        return None
+    return lambda: torch.cuda.synchronize(dev)
 
 
 class SwitchHost(Protocol):
@@ -95,7 +104,7 @@ class SchedulingSwitch:
 
     def __init__(self, host: SwitchHost, setting: str, probe_steps: int,
                  make_delegate: Callable[[], TrainPipelineSparseDist], pg: Optional[dist.ProcessGroup], world: int,
-                 rank: int) -> None:
+                 rank: int, device_sync: Optional[Callable[[], None]] = None) -> None:
         if setting not in ("off", "auto"):
             raise ValueError(f"SchedulingSwitch handles pipeline.scheduling=off|auto, got {setting!r}")
         self.host, self.setting, self.probe_steps = host, setting, int(probe_steps)
@@ -104,6 +113,8 @@ class SchedulingSwitch:
             {"seconds": {"on": 0.0, "off": 0.0}, "steps": {"on": 0, "off": 0}, "decided": False}
             if setting == "auto" else None)
         self._step_started: Optional[float] = None
+        #: waits for the device's queued work (None: the host's clock is the step's, as on a CPU)
+        self._device_sync = device_sync
         self._delegate: Optional[TrainPipelineSparseDist] = None
         self._delegate_src: Optional[Iterator[Batch]] = None
         self._delegate_it: Optional[Iterator[Batch]] = None
@@ -127,10 +138,10 @@ class SchedulingSwitch:
         """Time the previous step into its mode; switch modes on the probe's schedule; after the probe,
         keep the mode :meth:`decide` picks (the slowest rank's mean step time decides, the same on every
         rank)."""
-        now = time.perf_counter()
         probe, step = self.probe, self.host.stats.steps
         if probe is None or probe["decided"]:
             return
+        now = self._clock(step)
         self._time_step_ended(now)
         self._step_started = now
         if step < self.probe_length():
@@ -237,8 +248,27 @@ class SchedulingSwitch:
         """The step that just trained ends now: timed into its mode up to here, and the time until the next step is
         no step's (another run's turn in the same ranks follows)."""
         if self.probe is not None and not self.probe["decided"]:
-            self._time_step_ended(time.perf_counter())
+            self._time_step_ended(self._clock(None))
         self._step_started = None
+
+    def _clock(self, starting: Optional[int]) -> float:
+        """The time now, as the probe reads it between steps (``starting``: the step about to start; None: none
+        follows in this run's turn). On a GPU the host runs ahead of the device's queue, so where a timed span of
+        steps of one mode begins or ends, the device's queued work is waited for first: a span's time is then the
+        device's, with host and device overlapping inside it as they do in training (one wait at each end, not one
+        a step)."""
+        if self._device_sync is not None and self._span_edge(starting):
+            self._device_sync()
+        return time.perf_counter()
+
+    def _span_edge(self, starting: Optional[int]) -> bool:
+        """Between the step that trained last and ``starting``, a timed span begins or ends."""
+        done = self.host.stats.steps - 1
+        ended = self._phase(done) if done >= 0 and self._step_started is not None else None
+        begins = self._phase(starting) if starting is not None and starting < self.probe_length() else None
+        if ended is not None and begins is not None and ended == begins:
+            return False  # (inside a span, or between untimed steps of one mode)
+        return bool((ended and ended[1]) or (begins and begins[1]))
 
     def _time_step_ended(self, now: float) -> None:
         """The step that trained last ended at ``now``: its time since it started into its mode's sum, where the

@@ -36,7 +36,7 @@ from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 from torchrec_herald.comm import row_with_state_bytes
 from torchrec_herald.data import TrainStream
 from torchrec_herald.layout import cache_rows_for_budget
-from torchrec_herald.pipeline.auto_scheduling import SchedulingSwitch
+from torchrec_herald.pipeline.auto_scheduling import SchedulingSwitch, device_sync
 from torchrec_herald.pipeline.context import (EVERY_RANK, HeraldBatchContext, SchedulerStats, SchedulingEnv,
                                               find_herald_ebc, herald_ebcs, select_samples, stock_tables_beside)
 from torchrec_herald.pipeline.input_allocator import InputAllocator, build_allocator
@@ -294,7 +294,7 @@ class HeraldTrainPipeline(TrainPipeline[Batch, Any]):
                 self.rank_inputs = RankInputStream(self.skip_hook, self, self.env.world, self._feature_order)
             self.switch = SchedulingSwitch(self, config.scheduling, config.probe_steps,
                                            lambda: TrainPipelineSparseDist(self._model, self._optimizer, self._device),
-                                           self.env.pg, self.env.world, self.env.rank)
+                                           self.env.pg, self.env.world, self.env.rank, device_sync(self._device))
             if self._restored_probe is not None:
                 self.switch.restore(self._restored_probe)
 
