@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+import time
 from typing import Any, Dict, Iterator, List, Optional
 
 import torch
@@ -327,3 +328,17 @@ def preflight_error(overrides: List[str]) -> str:
     except Exception as e:  # noqa: BLE001 - the message is what is asserted
         return f"{type(e).__name__}: {e}"
     return "no error"
+
+
+class QueuedDevice:
+    """A device whose work the host only queues (as a GPU's stream): each step queues ``step_s`` of it, and a
+    sync waits for whatever is queued."""
+
+    def __init__(self, step_s: float) -> None:
+        self.step_s, self.queued, self.synced_before = step_s, 0.0, []
+        self.steps = 0
+
+    def sync(self) -> None:
+        time.sleep(self.queued)
+        self.queued = 0.0
+        self.synced_before.append(self.steps)

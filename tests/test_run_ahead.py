@@ -27,7 +27,7 @@ from unittest import mock
 import pytest
 import torch
 
-from herald_harness import MappedData, error_of, weight_rtol
+from herald_harness import MappedData, QueuedDevice, error_of, weight_rtol
 from torchrec_herald.data import TrainStream
 from torchrec_herald.pipeline.auto_scheduling import ON_MARGIN
 from torchrec_herald.dist_utils import run_multiprocess
@@ -431,22 +431,6 @@ def test_auto_keeps_scheduling_only_where_it_wins_by_the_margin() -> None:
     assert SchedulingSwitch.decide(30.0, 30.0) == "off"
 
 
-class _QueuedDevice:
-    """A device whose work the host only queues (as a GPU's stream): each step queues ``step_s`` of it, and a
-    sync waits for whatever is queued."""
-
-    def __init__(self, step_s: float) -> None:
-        self.step_s, self.queued, self.synced_before = step_s, 0.0, []
-        self.steps = 0
-
-    def sync(self) -> None:
-        import time
-
-        time.sleep(self.queued)
-        self.queued = 0.0
-        self.synced_before.append(self.steps)
-
-
 @pytest.mark.parametrize("turn_end_after", [None, 4])
 def test_auto_times_the_probe_by_the_devices_work_waiting_once_at_each_end_of_a_timed_span(
         turn_end_after: Any) -> None:
@@ -457,7 +441,7 @@ def test_auto_times_the_probe_by_the_devices_work_waiting_once_at_each_end_of_a_
 
     from torchrec_herald.pipeline.auto_scheduling import SchedulingSwitch
 
-    device = _QueuedDevice(0.02)
+    device = QueuedDevice(0.02)
     host = SimpleNamespace(mode="on", stats=SimpleNamespace(steps=0))
     host.enter_mode = lambda mode: setattr(host, "mode", mode)
     switch = SchedulingSwitch(host, "auto", 4, lambda: None, None, 1, 0, device_sync=device.sync)  # type: ignore[arg-type]

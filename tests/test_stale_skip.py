@@ -494,6 +494,32 @@ def test_input_skipping_pauses_where_its_classifier_costs_more_time_than_it_save
                 assert by_step[START + 40 - 1] > by_step[START + 20 - 1], name  # skipping again after step 25
 
 
+def test_the_skip_searchs_step_time_is_the_devices_work_waited_for_at_each_end_of_a_span() -> None:
+    """On a GPU the host only queues a step's work: the search's step time waits for the device where its span of
+    steps begins (the first step, after another run's turn) and ends (a snapshot, a turn's end), and not inside."""
+    from herald_harness import QueuedDevice
+
+    from torchrec_herald.pipeline.stale_skip import StaleSkipHook
+
+    device = QueuedDevice(0.02)
+    hook = StaleSkipHook(SkipConfig("input", start=20), num_hot=4, device_sync=device.sync)
+    for step in range(3):  # (no snapshot before step 20)
+        device.steps = step
+        hook.before_step(None, step)  # type: ignore[arg-type]
+        device.queued += device.step_s
+    device.steps = 3
+    hook.stop_clock()  # (the other run's turn)
+    for step in range(3, 5):
+        device.steps = step
+        hook.before_step(None, step)  # type: ignore[arg-type]
+        device.queued += device.step_s
+    device.steps = 5
+    hook.stop_clock()
+    assert device.synced_before == [0, 3, 3, 5]
+    cost_ms, step_ms = hook._timings_since_search()
+    assert 20.0 <= step_ms < 20.0 + 10.0, step_ms  # 5 steps of 20 ms queued, not ~0
+
+
 def test_skipping_needs_hot_rows() -> None:
     for r in _runs():
         msg = r["nohot"]

@@ -206,8 +206,11 @@ class StaleSkipHook:
     :meth:`count_reads` on the eager path (``row`` granularity). ``frozen_keys``: global keys of the hot
     rows classified stale."""
 
-    def __init__(self, config: SkipConfig, num_hot: int) -> None:
+    def __init__(self, config: SkipConfig, num_hot: int, device_sync: Optional[Callable[[], None]] = None) -> None:
         self.skipper = StaleSkipper(config, num_hot)
+        #: waits for the device's queued work (None on a CPU): the search's step time is the device's, read where a
+        #: span of timed steps begins or ends (a snapshot, another run's turn), with no wait inside it
+        self._device_sync = device_sync
         self.frozen_keys = torch.empty(0, dtype=torch.int64)
         #: input skipping that refills its batches pauses while it costs more time than it saves
         self.paused = False
@@ -227,6 +230,8 @@ class StaleSkipHook:
     def stop_clock(self) -> None:
         """The step that just trained ends now (timed up to here); the time until the next step is no step's
         (another run's turn in the same ranks follows)."""
+        if self._t_last is not None and self._device_sync is not None:
+            self._device_sync()
         self._time_step_ended(time.perf_counter())
         self._t_last = None
 
@@ -239,10 +244,12 @@ class StaleSkipHook:
     def before_step(self, host: SkipHost, step: int) -> None:
         """Snapshots at the ends of each measuring window (after a flush, so every rank sees the same
         hot rows), the threshold search at its end, and the (un)freezing of stale rows."""
+        phase = self.skipper.phase(step)
+        if self._device_sync is not None and (self._t_last is None or phase in ("snapshot_a", "snapshot_b")):
+            self._device_sync()  # (a span's end: the search reads its step time; or its start)
         now = time.perf_counter()
         self._time_step_ended(now)
         self._t_last = now
-        phase = self.skipper.phase(step)
         if phase not in ("snapshot_a", "snapshot_b"):
             return
         host.flush()

@@ -169,7 +169,8 @@ class HeraldTrainPipeline(TrainPipeline[Batch, Any]):
         if c.skip is not None and self.layout.num_hot == 0:
             raise ValueError("pipeline.skip needs hot replication: this plan has no hot rows (planner=herald with a "
                              "planner.hot_memory_budget_bytes that holds some rows)")
-        self.skip_hook = StaleSkipHook(c.skip_config, self.layout.num_hot) if c.skip is not None else None
+        self.skip_hook = (StaleSkipHook(c.skip_config, self.layout.num_hot, device_sync(device)) if c.skip is not None
+                          else None)
         #: input skipping on whole global batches (decided with them, in :meth:`_resolve`)
         self.live_inputs: Optional[LiveInputStream] = None
         #: input skipping with scheduling off: this rank's slices, refilled at the shared rate
