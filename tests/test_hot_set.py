@@ -145,6 +145,7 @@ def test_sparse_sync_chosen_for_many_warm_rows() -> None:
     assert c.num_hot > int((_dense_net(lam, W, D) > 0).sum())  # more rows than dense would take
     P = 1 - (1 - lam[c.hot_ids] / G) ** B
     assert c.expected.herald_hot_sync == pytest.approx(float(W * (W - 1) * (4 + 4 * D) * P.sum()), rel=1e-12)
+    assert c.expected.herald_hot_sync_allreduce == 0.0  # (an exchange: the model of time's all-to-all rate)
 
 
 def test_sparse_sync_chosen_for_rows_repeated_within_bags() -> None:
@@ -199,7 +200,7 @@ def test_dense_sync_chosen_for_few_very_hot_rows() -> None:
     stats = make_stats([t], {"t_h": counts}, 10 * G)
     c = CostModelHotSetSelector().select(stats, [t], W, B, None)["t_h"]
     assert c.sync == "dense" and c.hot_ids.tolist() == [3, 17, 40]
-    assert c.expected.herald_hot_sync == 3 * 2 * (W - 1) * 4 * D
+    assert c.expected.herald_hot_sync == c.expected.herald_hot_sync_allreduce == 3 * 2 * (W - 1) * 4 * D
     assert c.expected.herald_cold == 0 and c.expected.hot_lookup_share == 1.0
     _check_traffic_report({"t_h": c})
 

@@ -193,9 +193,9 @@ def test_ranks_given_different_links_raise_one_error_on_every_rank() -> None:
     errors = run_multiprocess(_different_links, 2, timeout_s=120)
     assert errors[0] == errors[1] == (
         "HeraldPlanner.decide: the ranks were given different links (rank 0: LinkModel(link_mbit=20, "
-        "collective_latency_ms=0.5, cpu_us_per_lookup=0.6); rank 1: LinkModel(link_mbit=100000, "
-        "collective_latency_ms=0.5, cpu_us_per_lookup=0.6)); give every rank the same link= (or the same Topology "
-        "bandwidths)"), errors
+        "collective_latency_ms=0.5, cpu_us_per_lookup=0.6, allreduce_mbit=None); rank 1: LinkModel(link_mbit=100000, "
+        "collective_latency_ms=0.5, cpu_us_per_lookup=0.6, allreduce_mbit=None)); give every rank the same link= (or "
+        "the same Topology bandwidths)"), errors
 
 
 def test_preflight_checks_the_link_keys() -> None:
@@ -527,6 +527,12 @@ def test_the_cost_model_prices_in_time_on_a_known_link_and_picks_the_rows_bytes_
                               "got inf"),
     ("planner.collective_latency_ms=inf", "planner.collective_latency_ms must be > 0 ms or auto (measured at start), "
                                           "got inf"),
+    ("planner.allreduce_mbit=0", "planner.allreduce_mbit must be > 0 Mbit/s, auto (measured at start with "
+                                 "planner.link_mbit) or null (planner.link_mbit's), got 0"),
+    ("planner.allreduce_mbit=-5", "planner.allreduce_mbit must be > 0 Mbit/s, auto (measured at start with "
+                                  "planner.link_mbit) or null (planner.link_mbit's), got -5"),
+    ("planner.allreduce_mbit=fast", "planner.allreduce_mbit must be > 0 Mbit/s, auto (measured at start with "
+                                    "planner.link_mbit) or null (planner.link_mbit's), got 'fast'"),
 ])
 def test_a_zero_or_negative_link_value_fails_in_preflight_naming_the_key(override: str, message: str) -> None:
     from torchrec_herald.config import compose_config
@@ -551,6 +557,54 @@ def test_measured_values_replace_only_the_auto_keys() -> None:
     assert (c.link_mbit, c.collective_latency_ms, c.link_model()) == (None, 1.0, None)
     # link_mbit=null keeps herald's plan whatever the link: nothing is priced, so nothing is probed
     assert not HeraldPlannerConfig(link_mbit=None).wants_probe and HeraldPlannerConfig(link_mbit=50).wants_probe
+
+
+def test_the_all_reduce_rate_is_measured_with_the_link_rate_given_or_the_link_rates() -> None:
+    """``planner.allreduce_mbit=auto``: the probe's all-reduce rate where the link rate is measured too; where the link
+    rate is given, that rate prices every collective; a number given is kept; null is the link rate's."""
+    from torchrec_herald.planner.config import HeraldPlannerConfig
+    from torchrec_herald.planner.link_probe import LinkProbe
+
+    probe = LinkProbe(link_mbit=100.0, latency_ms=0.4, bytes_per_rank=1 << 20, seconds=0.3, allreduce_mbit=180.0)
+    assert HeraldPlannerConfig().with_measured(probe).link_model().allreduce_mbit == 180.0
+    assert HeraldPlannerConfig(link_mbit=50).with_measured(probe).link_model().allreduce_mbit is None
+    assert HeraldPlannerConfig(allreduce_mbit=90).with_measured(probe).link_model().allreduce_mbit == 90.0
+    assert HeraldPlannerConfig(allreduce_mbit=None).with_measured(probe).link_model().allreduce_mbit is None
+    assert HeraldPlannerConfig(link_mbit=50, allreduce_mbit=70).link_model().allreduce_mbit == 70.0
+    assert "100 Mbit/s per rank (180 for all-reduces)" in probe.describe() and probe.as_dict()["allreduce_mbit"] == 180.0
+
+
+def test_all_reduce_bytes_cross_at_the_all_reduce_rate() -> None:
+    """An all-reduce's bytes (on the path, or overlapped) at ``allreduce_mbit``, the others' at ``link_mbit``; where
+    ranks share cores each all-reduce call costs ``allreduce_call_ms`` more (on the path, and in the link's time)."""
+    from torchrec_herald.planner.time_model import PlanLoad, StepTimeModel
+
+    m = StepTimeModel(link_mbit=80, allreduce_mbit=160, collective_latency_ms=0.5, compute_ms=10.0)
+    # 1e5 B: 4e4 all-to-all at 80 Mbit/s = 4 ms, 6e4 all-reduce at 160 = 3 ms; 2e5 overlapped at 160 = 10 ms
+    p = m.predict(PlanLoad("x", 1e5, 2e5, 2, allreduce_bytes=6e4))
+    assert (p.comm_ms, p.link_busy_ms, p.step_ms) == pytest.approx((8.0, 17.0, 18.0))
+    shared = StepTimeModel(link_mbit=80, allreduce_mbit=160, collective_latency_ms=0.5, compute_ms=10.0,
+                           allreduce_call_ms=4.0)
+    q = shared.predict(PlanLoad("x", 1e5, 2e5, 2, allreduce_bytes=6e4, allreduce_calls=1, overlapped_calls=3))
+    assert (q.comm_ms, q.link_busy_ms, q.step_ms) == pytest.approx((12.0, 33.0, 33.0))
+    same = StepTimeModel(link_mbit=80, collective_latency_ms=0.5)  # no all-reduce rate: the link's
+    assert same.predict(PlanLoad("x", 1e5, 0.0, 0, allreduce_bytes=6e4)).comm_ms == pytest.approx(10.0)
+
+
+def test_the_decision_prices_the_dense_sums_and_the_dense_hot_sync_at_the_all_reduce_rate() -> None:
+    """Herald's dense hot-row sync and forward-ordered dense sums, and DDP's dense sum on TABLE_WISE's path, at the
+    all-reduce rate: on a link whose all-reduces get twice the all-to-alls' rate herald's busy link is shorter."""
+    expected = [{**EXPECTED[0], "herald_hot_sync_allreduce": 4e4}, EXPECTED[1]]
+    link = LinkModel(link_mbit=200, collective_latency_ms=1.0, cpu_us_per_lookup=0.6)
+    one = decide(expected, 2, link, dense_bytes=2e5)
+    two = decide(expected, 2, LinkModel(link_mbit=200, collective_latency_ms=1.0, cpu_us_per_lookup=0.6,
+                                        allreduce_mbit=400), dense_bytes=2e5)
+    # TABLE_WISE: 5e5 B all-to-all = 20 ms, 2e5 dense = 8 ms -> 4 at 400 Mbit/s; + 5 latencies
+    assert (one.stock_ms, two.stock_ms) == pytest.approx((33.0, 29.0))
+    # herald's link: 1e5 B of which 2e4 (per rank) hot sync: 3.2 + 0.8 -> 0.4, and 2e5 dense 8 -> 4 ms
+    assert one.predictions["herald"].link_busy_ms == pytest.approx(12.0)
+    assert two.predictions["herald"].link_busy_ms == pytest.approx(3.2 + 0.4 + 4.0)
+    assert two.herald_ms == pytest.approx(3.2 + 0.4 + 7.0 + 0.3)  # its path: bytes, 7 latencies, 500 lookups
 
 
 def _probe(rank: int, world: int) -> tuple:
@@ -589,20 +643,24 @@ def _probe_timed(rank: int, world: int) -> tuple:
 
     link_probe._timed = timed
     p = link_probe.probe_link(dist.group.WORLD)
-    return p.link_mbit, p.latency_ms, p.bytes_per_rank, len(calls), p.total_bytes_per_rank
+    return p.link_mbit, p.latency_ms, p.bytes_per_rank, len(calls), p.total_bytes_per_rank, p.allreduce_mbit
 
 
 def test_the_probe_prices_the_slowest_ranks_times() -> None:
     """Latency: the slowest rank's median all-reduce (1.5 ms). Rate: all-to-alls doubling from 256 KiB while each
     takes under 0.1 s (rank 1's 75 ms) and the budget of 1 s allows, up to 16 MiB; then one repeat at 16 MiB:
-    8 MiB over this rank's link each, twice, in 2 × 75 ms less two latencies."""
+    8 MiB over this rank's link each, twice, in 2 × 75 ms less two latencies. The all-reduce rate: all-reduces
+    doubling from 256 KiB within their 0.5 s (five sizes: a sixth would pass it), then one repeat at 4 MiB, a
+    ring's 2·(W−1)/W of it over each rank's link."""
     got = run_multiprocess(_probe_timed, 2)
     assert got[0] == got[1]
-    rate, latency, sent, calls, total = got[0]
+    rate, latency, sent, calls, total, allreduce = got[0]
     assert latency == pytest.approx(1.5, rel=1e-12)
-    assert sent == 2 * (8 << 20) and calls == 22 + 7 + 1  # sizes 256 KiB … 16 MiB, one repeat
-    assert total == sum((256 << 10 << k) // 2 for k in range(7)) + (8 << 20)  # half of each size crosses, at W=2
+    assert sent == 2 * (8 << 20) and calls == 22 + 7 + 1 + 5 + 1  # sizes 256 KiB … 16 MiB, one repeat; then 256 KiB … 4 MiB
+    assert total == (sum((256 << 10 << k) // 2 for k in range(7)) + (8 << 20)  # half of each size crosses, at W=2
+                     + sum(256 << 10 << k for k in range(5)) + (4 << 20))  # all of it, in a ring all-reduce at W=2
     assert rate == pytest.approx(2 * (8 << 20) * 8 / (2 * 0.075 - 2 * 0.0015) / 1e6, rel=1e-12)
+    assert allreduce == pytest.approx(2 * (4 << 20) * 8 / (2 * 0.075 - 2 * 0.0015) / 1e6, rel=1e-12)
 
 
 def _measured(rank: int, world: int, fail_on: int = -1) -> object:

@@ -80,6 +80,9 @@ class HeraldPlannerConfig:
             per-table mix.
         collective_latency_ms: time a collective costs beyond its bytes; ``auto`` (the default): measured
             at start with the rate (1 ms, gloo on 2 shared cores, when it cannot be).
+        allreduce_mbit: the rate all-reduces get of the link, in Mbit/s (a transport can give them another share
+            of it than the all-to-alls); ``auto`` (the default): measured at start with ``link_mbit`` where that is
+            measured, else ``link_mbit``'s; null: ``link_mbit``'s.
         cpu_us_per_lookup: herald's extra CPU per lookup over stock's fused kernels (measured here).
         input_dist_thread: herald's per-step input dist's host work (the id bookkeeping, the read of its sizes,
             the message) on a worker thread of each herald EBC's own, its collectives kept on the training
@@ -95,6 +98,7 @@ class HeraldPlannerConfig:
     dense_sync: str = "forward_ordered"
     link_mbit: Any = "auto"  # float | "auto" | None (OmegaConf has no Union)
     collective_latency_ms: Any = "auto"  # float | "auto"
+    allreduce_mbit: Any = "auto"  # float | "auto" | None
     cpu_us_per_lookup: float = _LINK_DEFAULTS["cpu_us_per_lookup"]
     input_dist_thread: str = "auto"
 
@@ -116,6 +120,10 @@ class HeraldPlannerConfig:
                 not is_number(self.link_mbit) or not 0 < self.link_mbit < math.inf):
             raise ValueError(f"planner.link_mbit must be > 0 Mbit/s, auto (measured at start) or null (unknown), "
                              f"got {self.link_mbit!r}")
+        if self.allreduce_mbit is not None and self.allreduce_mbit != "auto" and (
+                not is_number(self.allreduce_mbit) or not 0 < self.allreduce_mbit < math.inf):
+            raise ValueError(f"planner.allreduce_mbit must be > 0 Mbit/s, auto (measured at start with "
+                             f"planner.link_mbit) or null (planner.link_mbit's), got {self.allreduce_mbit!r}")
         if self.collective_latency_ms != "auto" and (
                 not is_number(self.collective_latency_ms) or not 0 < self.collective_latency_ms < math.inf):
             raise ValueError(f"planner.collective_latency_ms must be > 0 ms or auto (measured at start), "
@@ -152,7 +160,10 @@ class HeraldPlannerConfig:
         """This config with each ``auto`` link value replaced by what ``probe`` measured; with no probe
         (one rank, or it failed) the rate is unknown and the latency its configured default."""
         rate = self.link_mbit if self.link_mbit != "auto" else (probe.link_mbit if probe else None)
-        return replace(self, link_mbit=rate, collective_latency_ms=self._latency_ms(probe))
+        allreduce = self.allreduce_mbit
+        if allreduce == "auto":  # (measured with the rate; a rate given is every collective's)
+            allreduce = probe.allreduce_mbit if probe is not None and self.link_mbit == "auto" else None
+        return replace(self, link_mbit=rate, collective_latency_ms=self._latency_ms(probe), allreduce_mbit=allreduce)
 
     def _latency_ms(self, probe: Optional["LinkProbe"] = None) -> float:
         """``collective_latency_ms`` as given; for ``auto`` what ``probe`` measured, else the default."""
@@ -173,5 +184,6 @@ class HeraldPlannerConfig:
         """The link the planner prices (None when ``link_mbit`` is not given)."""
         if self.link_mbit is None or self.link_mbit == "auto":
             return None  # unknown, or measured at start (``with_measured``)
+        allreduce = None if self.allreduce_mbit in (None, "auto") else float(self.allreduce_mbit)
         return LinkModel(link_mbit=float(self.link_mbit), collective_latency_ms=self._latency_ms(),
-                         cpu_us_per_lookup=float(self.cpu_us_per_lookup))
+                         cpu_us_per_lookup=float(self.cpu_us_per_lookup), allreduce_mbit=allreduce)

@@ -183,6 +183,8 @@ class TableTraffic:
         herald_cold_ids / herald_cold_pooled / herald_cold_grads: herald's cold path (ids + sub-bag
             lengths forward, partial pooled vectors back, their gradients in backward).
         herald_hot_sync: hot-row gradient sync (dense all-reduce or sparse exchange).
+        herald_hot_sync_allreduce: of ``herald_hot_sync``, the bytes of the dense sync's all-reduce (the model of
+            time prices them at the link's all-reduce rate).
     """
 
     lookups: float = 0.0
@@ -194,6 +196,7 @@ class TableTraffic:
     herald_cold_pooled: float = 0.0
     herald_cold_grads: float = 0.0
     herald_hot_sync: float = 0.0
+    herald_hot_sync_allreduce: float = 0.0
 
     @property
     def herald_cold(self) -> float:
@@ -253,6 +256,7 @@ def table_traffic(lookups_per_step: torch.Tensor, touch_prob: torch.Tensor, hot_
         stock_table_wise=stock_table_wise_bytes(total, g, world_size, embedding_dim, num_features),
         stock_row_wise=stock_row_wise_bytes(total, g, world_size, embedding_dim, num_features),
         herald_cold_ids=ids_b, herald_cold_pooled=pooled_b, herald_cold_grads=grads_b, herald_hot_sync=sync_b,
+        herald_hot_sync_allreduce=sync_b if sync == "dense" else 0.0,
     )
 
 

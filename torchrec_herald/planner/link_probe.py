@@ -6,7 +6,7 @@ without the user knowing their link. The collectives carry tensors where the tra
 (:func:`~torchrec_herald.dist_utils.collective_device`): CUDA tensors over NCCL on a GPU host, whose process
 group also has gloo for CPU tensors, so the probe times the link the embeddings cross, not gloo's TCP.
 
-Hand-written because no library times a process group's links; it costs well under a second and a few
+Hand-written because no library times a process group's links; it costs about a second and a few
 MB per rank, and every rank ends with the same figures (the times are all-reduced), so every rank makes
 the same decision.
 """
@@ -18,11 +18,12 @@ import statistics
 import time
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import TYPE_CHECKING, Any, Dict, Optional
+from typing import TYPE_CHECKING, Any, Dict, Optional, Tuple
 
 import torch
 import torch.distributed as dist
 
+from torchrec_herald.comm import ring_allreduce_bytes
 from torchrec_herald.dist_utils import collective_device
 
 __all__ = ["LinkProbe", "agree_on_probe", "measured_link", "probe_link", "probe_on_every_rank"]
@@ -44,14 +45,18 @@ class LinkProbe:
     seconds: float
     #: every byte the probe sent over one rank's link, the doubling sizes included (0: not counted)
     total_bytes_per_rank: int = 0
+    #: the rate all-reduces got (None: not measured)
+    allreduce_mbit: Optional[float] = None
 
     def describe(self) -> str:
         sent = self.total_bytes_per_rank or self.bytes_per_rank
-        return (f"measured link: {self.link_mbit:,.0f} Mbit/s per rank, {self.latency_ms:.2f} ms per collective "
+        ar = "" if self.allreduce_mbit is None else f" ({self.allreduce_mbit:,.0f} for all-reduces)"
+        return (f"measured link: {self.link_mbit:,.0f} Mbit/s per rank{ar}, {self.latency_ms:.2f} ms per collective "
                 f"({sent / 2**20:.1f} MiB per rank in {self.seconds:.2f} s)")
 
     def as_dict(self) -> Dict[str, Any]:
-        return {"link_mbit": self.link_mbit, "collective_latency_ms": self.latency_ms,
+        return {"link_mbit": self.link_mbit, "allreduce_mbit": self.allreduce_mbit,
+                "collective_latency_ms": self.latency_ms,
                 "bytes_per_rank": self.bytes_per_rank, "total_bytes_per_rank": self.total_bytes_per_rank,
                 "seconds": self.seconds, "text": self.describe()}
 
@@ -79,7 +84,7 @@ def _slowest(seconds: float, pg: Optional[dist.ProcessGroup], timeout: timedelta
 
 def probe_link(pg: Optional[dist.ProcessGroup], *, budget_s: float = 1.0, timeout_s: float = 30.0,
                min_bytes: int = 256 << 10, max_bytes: int = 16 << 20, target_s: float = 0.1,
-               repeats: int = 2, device: Optional[torch.device] = None) -> LinkProbe:
+               repeats: int = 2, device: Optional[torch.device] = None, allreduce_budget_s: float = 0.5) -> LinkProbe:
     """Time the link of ``pg`` (collective: every rank calls it), with tensors on ``device`` (default
     :func:`~torchrec_herald.dist_utils.collective_device`: CUDA where the group carries CUDA tensors, the time
     then taken to the device's end).
@@ -88,7 +93,9 @@ def probe_link(pg: Optional[dist.ProcessGroup], *, budget_s: float = 1.0, timeou
     all-to-all of ``n`` bytes per rank (split evenly over the ranks), doubling ``n`` from ``min_bytes``
     until one takes ``target_s``, reaches ``max_bytes`` or the probe spends ``budget_s``, then repeated
     at that size (``repeats`` in all, within the budget); the rate is the bytes that cross this rank's
-    link, ``n·(W−1)/W`` per transfer, over the slowest rank's times less one latency each.
+    link, ``n·(W−1)/W`` per transfer, over the slowest rank's times less one latency each. The all-reduce
+    rate likewise, with all-reduces of ``n`` bytes (``2·n·(W−1)/W`` over each rank's link, a ring's) within
+    ``allreduce_budget_s`` more.
 
     Raises:
         RuntimeError: a collective failed or took longer than ``timeout_s`` (the caller falls back to the
@@ -105,35 +112,66 @@ def probe_link(pg: Optional[dist.ProcessGroup], *, budget_s: float = 1.0, timeou
     # ranks that share cores (which every collective of the training pays too)
     lat = [_timed(lambda a: dist.all_reduce(one, group=pg, async_op=a), timeout, dev) for _ in range(22)][2:]
     latency = _slowest(statistics.median(lat), pg, timeout, dev)
-    # every stop below is decided on the slowest rank's times, the same on every rank (a rank deciding
-    # on its own clock could leave the others waiting in a collective)
-    spent, total = 22 * latency, 0
     # one untimed all-to-all first: NCCL connects a pair's point-to-point channels at their first use, which
     # would count as link time in the first timed one (gloo's are connected already)
     warm = torch.zeros(W, device=dev)
     dist.all_to_all_single(torch.empty_like(warm), warm, group=pg, async_op=True).wait(timeout)
     _sync(dev)
-    n = min_bytes
-    while True:
+
+    def all_to_all(n: int) -> Tuple[Any, int]:
         per_peer = max(n // (4 * W), 1)  # float32 elements to each rank
         send, recv = torch.ones(per_peer * W, device=dev), torch.empty(per_peer * W, device=dev)
-        t = _slowest(_timed(lambda a: dist.all_to_all_single(recv, send, group=pg, async_op=a), timeout, dev), pg,
-                     timeout, dev)
-        sent = per_peer * 4 * (W - 1)  # bytes over this rank's link, each way
-        spent, total = spent + t, total + sent
-        if t >= target_s or 2 * n > max_bytes or spent + 2 * t > budget_s:
-            break
-        n *= 2
-    # TCP over a rate-limited link alternates between fast and slow transfers of one size: the rate is
-    # the mean over repeats of the last size (every rank stops alike: the times are the slowest rank's)
-    times = [t]
-    while len(times) < repeats and spent + t <= budget_s:
-        times.append(_slowest(_timed(lambda a: dist.all_to_all_single(recv, send, group=pg, async_op=a), timeout,
-                                     dev), pg, timeout, dev))
-        spent, total = spent + times[-1], total + sent
-    rate_mbit = sent * len(times) * 8 / max(sum(times) - len(times) * latency, 1e-6) / 1e6
-    return LinkProbe(link_mbit=rate_mbit, latency_ms=latency * 1e3, bytes_per_rank=sent * len(times),
-                     seconds=time.perf_counter() - start, total_bytes_per_rank=total)
+        return (lambda a: dist.all_to_all_single(recv, send, group=pg, async_op=a)), per_peer * 4 * (W - 1)
+
+    def all_reduce(n: int) -> Tuple[Any, int]:
+        x = torch.ones(max(n // 4, 1), device=dev)
+        return (lambda a: dist.all_reduce(x, group=pg, async_op=a)), int(ring_allreduce_bytes(x.numel() * 4, W))
+
+    timing = _Timing(pg, timeout, dev, latency, min_bytes, max_bytes, target_s, repeats)
+    rate, sent, total = timing.rate(all_to_all, budget_s - 22 * latency)
+    ar_rate, _, ar_total = timing.rate(all_reduce, allreduce_budget_s)
+    return LinkProbe(link_mbit=rate, latency_ms=latency * 1e3, bytes_per_rank=sent,
+                     seconds=time.perf_counter() - start, total_bytes_per_rank=total + ar_total,
+                     allreduce_mbit=ar_rate)
+
+
+@dataclass(frozen=True)
+class _Timing:
+    """How :func:`probe_link` times one collective kind's rate (every stop decided on the slowest rank's times, the
+    same on every rank: a rank deciding on its own clock could leave the others waiting in a collective)."""
+
+    pg: Optional[dist.ProcessGroup]
+    timeout: timedelta
+    device: torch.device
+    latency: float
+    min_bytes: int
+    max_bytes: int
+    target_s: float
+    repeats: int
+
+    def _time(self, op: Any) -> float:
+        return _slowest(_timed(op, self.timeout, self.device), self.pg, self.timeout, self.device)
+
+    def rate(self, make: Any, budget_s: float) -> Tuple[float, int, int]:
+        """(Mbit/s, the bytes over one rank's link the rate was measured on, every byte sent): ``make(n)`` gives the
+        collective of ``n`` bytes and the bytes it sends over one rank's link; ``n`` doubles as :func:`probe_link`
+        says, within ``budget_s``."""
+        spent, total, n = 0.0, 0, self.min_bytes
+        while True:
+            op, sent = make(n)
+            t = self._time(op)
+            spent, total = spent + t, total + sent
+            if t >= self.target_s or 2 * n > self.max_bytes or spent + 2 * t > budget_s:
+                break
+            n *= 2
+        # TCP over a rate-limited link alternates between fast and slow transfers of one size: the rate is
+        # the mean over repeats of the last size
+        times = [t]
+        while len(times) < self.repeats and spent + t <= budget_s:
+            times.append(self._time(op))
+            spent, total = spent + times[-1], total + sent
+        rate = sent * len(times) * 8 / max(sum(times) - len(times) * self.latency, 1e-6) / 1e6
+        return rate, sent * len(times), total
 
 
 def agree_on_probe(probe: Optional[LinkProbe], pg: Optional[dist.ProcessGroup],
@@ -188,4 +226,5 @@ def measured_link(pg: Optional[dist.ProcessGroup], cpu_us_per_lookup: Optional[f
     probe = probe_on_every_rank(pg)
     if probe is None:
         return None
-    return LinkModel(link_mbit=probe.link_mbit, collective_latency_ms=probe.latency_ms, cpu_us_per_lookup=cpu)
+    return LinkModel(link_mbit=probe.link_mbit, collective_latency_ms=probe.latency_ms, cpu_us_per_lookup=cpu,
+                     allreduce_mbit=probe.allreduce_mbit)

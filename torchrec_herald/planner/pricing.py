@@ -16,7 +16,7 @@ import abc
 import math
 import numbers
 from dataclasses import dataclass, field
-from typing import TypeVar
+from typing import Optional, TypeVar
 
 import torch
 
@@ -81,11 +81,16 @@ class LinkModel(Pricing):
             gloo on 2 shared CPU cores ~1 ms (RESULTS.md, "Speed under emulated bandwidth").
         cpu_us_per_lookup: herald's extra CPU time per lookup over stock's fused kernels (>= 0), measured as
             (herald hot replication's compute − TABLE_WISE's) / lookups per rank at an unlimited link.
+        allreduce_mbit: the rate an all-reduce's bytes get of each rank's link, in Mbit/s (> 0; None: ``link_mbit``,
+            the all-to-alls' rate). A transport can give the two kinds different shares of one link: gloo's
+            all-reduce gets ~0.93 of a shaped link where its all-to-all gets ~0.5-0.7 (RESULTS.md, "What a
+            collective gets of a shaped link"); the start-up probe times both (``planner/link_probe.py``).
     """
 
     link_mbit: float
     collective_latency_ms: float = 1.0
     cpu_us_per_lookup: float = 0.6
+    allreduce_mbit: Optional[float] = None
     #: one rank's local "link" (:meth:`local`): the one infinite rate allowed
     one_rank: bool = field(default=False, repr=False)
 
@@ -105,6 +110,9 @@ class LinkModel(Pricing):
             refuse("collective_latency_ms", "be >= 0")
         if not self.cpu_us_per_lookup >= 0 or math.isinf(self.cpu_us_per_lookup):
             refuse("cpu_us_per_lookup", "be >= 0")
+        if self.allreduce_mbit is not None and (not is_number(self.allreduce_mbit) or not self.allreduce_mbit > 0 or (
+                math.isinf(self.allreduce_mbit) and not self.one_rank)):
+            refuse("allreduce_mbit", "be > 0 Mbit/s (or null: planner.link_mbit's)")
 
     unit = "ms"
 
@@ -119,9 +127,16 @@ class LinkModel(Pricing):
         """The one-rank link of :meth:`local`."""
         return self.one_rank
 
-    def transfer_ms(self, nbytes: float) -> float:
-        """Milliseconds to send ``nbytes`` over the link."""
-        return nbytes * 8 / (self.link_mbit * 1e3)
+    @property
+    def allreduce_rate_mbit(self) -> float:
+        """The rate all-reduce bytes get (``allreduce_mbit``, else ``link_mbit``)."""
+        return self.link_mbit if self.allreduce_mbit is None else self.allreduce_mbit
+
+    def transfer_ms(self, nbytes: float, allreduce_bytes: float = 0.0) -> float:
+        """Milliseconds to send ``nbytes`` over the link, of which ``allreduce_bytes`` by all-reduces (at
+        :attr:`allreduce_rate_mbit`; the rest at ``link_mbit``)."""
+        return (nbytes - allreduce_bytes) * 8 / (self.link_mbit * 1e3) + \
+            allreduce_bytes * 8 / (self.allreduce_rate_mbit * 1e3)
 
     def bytes(self, nbytes: Amount) -> Amount:
         return nbytes * (8 / (self.link_mbit * 1e3))

@@ -10,6 +10,12 @@ work, and scheduler time on the path. :class:`StepTimeModel` turns that into mil
                 (critical_bytes + overlapped_bytes) / rate,       the link is busy at most all the time
                 host_bound )                                      ranks sharing a host's cores
 
+where an all-reduce's bytes cross at the link's all-reduce rate and the others' (the all-to-alls) at its
+all-to-all rate (:class:`~torchrec_herald.planner.pricing.LinkModel`: a transport can give the two kinds different
+shares of one link; the start-up probe times both). The overlapped bytes are all-reduces (herald's forward-ordered
+dense sums). Where ranks share a host's cores, each all-reduce call also costs ``allreduce_call_ms`` (its ring's
+steps wait for cores; 0 with a core or GPU per rank, as the planner prices).
+
 ``compute`` is the step's compute on this device (measured; 0 when unknown, then the predictions compare
 the plans' link and extra work only, which is all that differs between them). ``host_bound`` is the step
 when the ranks of one host share its cores (a measured floor: 4 ranks on this machine's 2 cores; 0 on a
@@ -42,6 +48,10 @@ class PlanLoad:
         scheduler_ms: herald's scheduler time on the critical path.
         compute_ms: this plan's own compute when measured (default: the model's ``compute_ms``).
         host_bound_ms: the step when ranks share a host's cores (0: a core or GPU per rank).
+        allreduce_bytes: of ``critical_bytes``, those all-reduces send (DDP's dense sum, DATA_PARALLEL tables', herald's
+            dense hot-row sync); ``overlapped_bytes`` are all all-reduce bytes.
+        allreduce_calls / overlapped_calls: the all-reduce calls on the critical path / overlapped (each costs the
+            model's ``allreduce_call_ms``).
     """
 
     name: str
@@ -52,6 +62,9 @@ class PlanLoad:
     scheduler_ms: float = 0.0
     compute_ms: Optional[float] = None
     host_bound_ms: float = 0.0
+    allreduce_bytes: float = 0.0
+    allreduce_calls: float = 0.0
+    overlapped_calls: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -82,27 +95,33 @@ class StepTimeModel(LinkModel):
 
     Args:
         compute_ms: the step's compute on this device with the stock plan (0: unknown).
+        allreduce_call_ms: what each all-reduce call costs beyond its bytes and one latency where ranks share a
+            host's cores (0: a core or GPU per rank).
     """
 
     compute_ms: float = 0.0
+    allreduce_call_ms: float = 0.0
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        if self.compute_ms < 0:
-            raise ValueError(f"compute_ms must be >= 0, got {self.compute_ms}")
+        for key in ("compute_ms", "allreduce_call_ms"):
+            if not getattr(self, key) >= 0:
+                raise ValueError(f"{key} must be >= 0, got {getattr(self, key)}")
 
     @classmethod
     def on(cls, link: LinkModel) -> "StepTimeModel":
         """The model for ``link``'s prices with no compute measured (the candidates then differ only in
         their link and extra work)."""
         return cls(link_mbit=link.link_mbit, collective_latency_ms=link.collective_latency_ms,
-                   cpu_us_per_lookup=link.cpu_us_per_lookup, one_rank=link.one_rank)
+                   cpu_us_per_lookup=link.cpu_us_per_lookup, allreduce_mbit=link.allreduce_mbit, one_rank=link.one_rank)
 
     def predict(self, load: PlanLoad) -> StepPrediction:
         compute = self.compute_ms if load.compute_ms is None else load.compute_ms
         extra = self.lookups(load.lookups) + load.scheduler_ms
-        comm = self.transfer_ms(load.critical_bytes) + self.collectives(load.collectives)
-        busy = self.transfer_ms(load.critical_bytes + load.overlapped_bytes)
+        comm = (self.transfer_ms(load.critical_bytes, load.allreduce_bytes) + self.collectives(load.collectives)
+                + self.allreduce_call_ms * load.allreduce_calls)
+        busy = (self.transfer_ms(load.critical_bytes + load.overlapped_bytes, load.allreduce_bytes + load.overlapped_bytes)
+                + self.allreduce_call_ms * (load.allreduce_calls + load.overlapped_calls))
         return StepPrediction(load.name, compute, extra, comm, busy, step_ms(compute, extra, comm, busy, load.host_bound_ms))
 
 
@@ -239,9 +258,11 @@ def decide(expected: Iterable[Mapping[str, float]], world_size: int, model: Link
     lookups = sum(e.get("lookups", 0.0) for e in expected) / world_size
     stock_bytes = sum(e.get("stock_table_wise", 0.0) for e in expected) / world_size
     herald_bytes = sum(e.get("herald_total", 0.0) for e in expected) / world_size
+    hot_sync_ar = sum(e.get("herald_hot_sync_allreduce", 0.0) for e in expected) / world_size
     overlapped = overlapped_dense_bytes(dense_bytes, dense_sync)
-    loads = [PlanLoad("herald", herald_bytes + dense_bytes - overlapped, overlapped, HERALD_COLLECTIVES, lookups),
-             PlanLoad("table_wise", stock_bytes + dense_bytes, 0.0, STOCK_TW_COLLECTIVES)]
+    loads = [PlanLoad("herald", herald_bytes + dense_bytes - overlapped, overlapped, HERALD_COLLECTIVES, lookups,
+                      allreduce_bytes=hot_sync_ar + dense_bytes - overlapped),
+             PlanLoad("table_wise", stock_bytes + dense_bytes, 0.0, STOCK_TW_COLLECTIVES, allreduce_bytes=dense_bytes)]
     if default_plan is not None:
         loads.append(default_plan)
     if mixed is not None:
@@ -257,11 +278,11 @@ def default_plan_load(sharding_types: Mapping[str, str], expected: Mapping[str, 
     the input and output all-to-alls of each sharded type and one all-reduce for the data-parallel tables.
     """
     W = world_size
-    total, kinds = 0.0, set()
+    total, kinds, allreduce = 0.0, set(), 0.0
     for name, st in sharding_types.items():
         e = expected.get(name, {})
         if st == "data_parallel":
-            total += ring_allreduce_bytes(table_bytes.get(name, 0.0), W) * W  # all ranks
+            allreduce += ring_allreduce_bytes(table_bytes.get(name, 0.0), W) * W  # all ranks
             kinds.add("data_parallel")
         elif st == "row_wise":
             total += e.get("stock_row_wise", 0.0)
@@ -270,7 +291,8 @@ def default_plan_load(sharding_types: Mapping[str, str], expected: Mapping[str, 
             total += e.get("stock_table_wise", 0.0)
             kinds.add("table_wise" if st in ("table_wise", "column_wise", "table_row_wise") else st)
     collectives = sum(1 if k == "data_parallel" else STOCK_TW_COLLECTIVES for k in kinds)
-    return PlanLoad("default", total / W + dense_bytes, 0.0, collectives)
+    return PlanLoad("default", (total + allreduce) / W + dense_bytes, 0.0, collectives,
+                    allreduce_bytes=allreduce / W + dense_bytes)
 
 
 #: stock sharding types a table may keep beside herald's tables in one EBC (sharding/mixed.py's
@@ -332,9 +354,11 @@ def mixed_plan_load(expected: Mapping[str, Mapping[str, float]], pick: Mapping[s
     W = world_size
     herald = [n for n, k in pick.items() if k == "herald"]
     crit = sum(expected[n].get("herald_total", 0.0) for n in herald)
+    hot_sync_ar = sum(expected[n].get("herald_hot_sync_allreduce", 0.0) for n in herald)
     crit += sum(_stock_bytes(k, expected[n]) for n, k in pick.items() if k != "herald")
     kinds = {k for k in pick.values() if k != "herald"}
     overlapped = overlapped_dense_bytes(dense_bytes, dense_sync)
     collectives = (HERALD_COLLECTIVES if herald else 0) + STOCK_TW_COLLECTIVES * len(kinds)
     return PlanLoad("mixed", crit / W + dense_bytes - overlapped, overlapped, collectives,
-                    sum(e.get("lookups", 0.0) for e in expected.values()) / W if herald else 0.0)
+                    sum(e.get("lookups", 0.0) for e in expected.values()) / W if herald else 0.0,
+                    allreduce_bytes=hot_sync_ar / W + dense_bytes - overlapped)
