@@ -200,10 +200,16 @@ def worker(config: str, steps: int, segments: int, warmup: int, out: str, rate: 
         "scheduling": pipeline.report().get("scheduling"),
         "approximate": pipeline.approximate_report() if hasattr(pipeline, "approximate_report") else {},
         "breakdown_ms": step_time_breakdown(sum(seg_s) / n, meter.wait_s / n, *sched),
-        # per collective label: calls and bytes per step, and the ms per step waited for it
+        # per collective label: calls and bytes per step, the ms per step waited for it, and from its calls to their
+        # completions (overlapped or waited for)
         "by_label": {k: {"calls": v["calls"] / n, "bytes": v["bytes"] / n,
-                         "wait_ms": 1000 * meter.wait_by_tag.get(k, 0.0) / n}
+                         "wait_ms": 1000 * meter.wait_by_tag.get(k, 0.0) / n,
+                         "duration_ms": 1000 * meter.duration_by_tag.get(k, 0.0) / n}
                      for k, v in meter.tag_summary().items()},
+        # per collective kind (all_reduce, all_to_all_single, ...): the same, the untagged calls too
+        "by_kind": {k: {"calls": v["calls"] / n, "bytes": v["bytes"] / n,
+                        "duration_ms": 1000 * meter.duration_by_kind.get(k, 0.0) / n}
+                    for k, v in meter.summary().items()},
         "untagged_wait_ms": 1000 * meter.wait_by_tag.get("untagged", 0.0) / n,
     }
     Path(out).write_text(json.dumps(result))

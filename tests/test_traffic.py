@@ -114,6 +114,30 @@ def test_wait_is_attributed_to_the_label_of_the_collective_waited_for() -> None:
     assert abs(sum(by_tag.values()) - total) < 1e-9
 
 
+def _durations(rank: int, world: int) -> Dict[str, Any]:
+    import time
+
+    from torchrec_herald.traffic import traffic_tag
+
+    with TrafficMeter() as meter:
+        with traffic_tag("overlapped"):
+            if rank == 1:
+                time.sleep(0.2)  # rank 0's call completes 0.2 s after it was made ...
+            work = dist.all_reduce(torch.ones(4), async_op=True)
+        time.sleep(0.5)  # ... while it works on, so its wait() finds it done
+        work.wait()
+        dist.barrier()
+    return {"duration": dict(meter.duration_by_tag), "by_kind": dict(meter.duration_by_kind),
+            "wait": dict(meter.wait_by_tag)}
+
+
+def test_a_collectives_duration_runs_from_its_call_to_its_completion_where_its_wait_is_only_the_exposed_part() -> None:
+    got = run_multiprocess(_durations, 2)[0]
+    assert 0.15 <= got["duration"]["overlapped"] < 0.45, got  # the late peer's 0.2 s, not the 0.5 s worked beside
+    assert got["wait"]["overlapped"] < 0.1, got  # done before its wait
+    assert set(got["by_kind"]) == {"all_reduce", "barrier"} and got["by_kind"]["all_reduce"] == got["duration"]["overlapped"]
+
+
 # --------------------------------------------------------------------------- TorchRec's own collectives
 B, D, FEATURES, ROWS = 4, 8, ["f0", "f1", "f2", "f3"], [40, 30, 20, 10]
 

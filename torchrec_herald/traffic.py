@@ -182,6 +182,10 @@ class TrafficMeter:
         self.wait_s = 0.0  # wall time the training thread blocked in collectives (sync calls + async waits)
         self.wait_by_tag: Dict[str, float] = {}  # the same, per tag label ("untagged" for the rest)
         self.wait_other_threads_s = 0.0  # the same in other threads (herald's run-ahead scheduler): off the step
+        #: per tag label ("untagged" for the rest) and per collective kind: seconds from each call to its completion
+        #: (an async collective's whole time, overlapped or waited for: what it costs beyond its bytes shows here)
+        self.duration_by_tag: Dict[str, float] = {}
+        self.duration_by_kind: Dict[str, float] = {}
 
     # ------------------------------------------------------------------ activation
     @property
@@ -294,6 +298,8 @@ class TrafficMeter:
         self.wait_s = 0.0
         self.wait_by_tag.clear()
         self.wait_other_threads_s = 0.0
+        self.duration_by_tag.clear()
+        self.duration_by_kind.clear()
 
     def _current_label(self) -> str:
         return self._tags[-1][0] if self._tags else "untagged"
@@ -308,6 +314,14 @@ class TrafficMeter:
             meter.wait_s += seconds
             label = labels.get(id(meter), "untagged")
             meter.wait_by_tag[label] = meter.wait_by_tag.get(label, 0.0) + seconds
+
+    @classmethod
+    def _add_duration(cls, seconds: float, kind: str, meters: List["TrafficMeter"], labels: Dict[int, str]) -> None:
+        with cls._lock:  # (an async collective completes on its backend's thread)
+            for meter in meters:
+                label = labels.get(id(meter), "untagged")
+                meter.duration_by_tag[label] = meter.duration_by_tag.get(label, 0.0) + seconds
+                meter.duration_by_kind[kind] = meter.duration_by_kind.get(kind, 0.0) + seconds
 
     # ------------------------------------------------------------------ patching
     @classmethod
@@ -344,6 +358,8 @@ class TrafficMeter:
                 cls._local.depth = depth
                 if depth == 0:
                     cls._add_wait(time.perf_counter() - t0, labels)
+            if depth == 0 and meters:
+                _time_to_completion(cls, name, work, t0, meters, labels)
             if depth == 0 and work is not None and kwargs.get("async_op", False):
                 return _TimedWork(work, cls, labels)  # the exposed part of an async collective is its wait()
             return work
@@ -352,6 +368,27 @@ class TrafficMeter:
         wrapper.__wrapped__ = orig  # type: ignore[attr-defined]
         wrapper._herald_meter = True  # type: ignore[attr-defined]
         return wrapper
+
+
+def _completion_future(work: Any) -> Any:
+    """``work``'s future (None: a synchronous call's result, or a backend's work without one)."""
+    if not isinstance(work, dist.Work):
+        return None
+    try:
+        return work.get_future()
+    except RuntimeError:  # (a backend whose works have no future)
+        return None
+
+
+def _time_to_completion(meter_cls: Any, name: str, work: Any, t0: float, meters: List["TrafficMeter"],
+                           labels: Dict[int, str]) -> None:
+    """Add the call's time from ``t0`` to its completion to ``meters``' durations: now for a synchronous call, when
+    its future completes for an async one."""
+    future = _completion_future(work)
+    if future is None:
+        meter_cls._add_duration(time.perf_counter() - t0, name, meters, labels)
+        return
+    future.add_done_callback(lambda _: meter_cls._add_duration(time.perf_counter() - t0, name, meters, labels))
 
 
 class _TimedWork(dist.Work):
