@@ -175,7 +175,7 @@ def worker(config: str, steps: int, segments: int, warmup: int, out: str, rate: 
     seg_s: List[float] = []
     seg_read: List[int] = []  # global batches the loader gave per segment (more than steps with input skipping)
     per = steps // segments
-    with TrafficMeter(embedding_dim=cfg.model.embedding_dim) as meter:
+    with TrafficMeter(embedding_dim=cfg.model.embedding_dim, completion_times=True) as meter:
         for _ in range(segments):
             t0, p0 = time.perf_counter(), it.position
             for _ in range(per):

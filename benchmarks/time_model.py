@@ -10,10 +10,16 @@ by :class:`StepTimeModel` from:
 * compute: each plan's measured compute at the unlimited link and the same W (herald's scheduled step:
   ``sched_kept``'s, scheduling forced on, where ``--unlimited`` has it; else hot replication's). At W=4 the 4 ranks share
   2 cores: a rank's own compute is half its unlimited step, and that step is the host floor;
-* rate: the ``tc`` rate times one link efficiency (gloo's TCP over a ``tbf`` veth link), calibrated on one
-  point, stock TABLE_WISE at W=2 and 200 Mbit/s, and marked so; unlimited links: the probe's rate;
-* bytes and collectives: TrafficMeter's per step; herald's forward-ordered dense sync is overlapped,
-  DDP's dense all-reduce is on the path; latency: the probe's.
+* rates and latency: each point's start-up probe (recorded by the herald run there): its all-reduce rate for the
+  all-reduces' bytes (runs saved before the probe timed all-reduces: 0.93 of the ``tc`` rate, measured apart), and
+  its all-to-all rate times one share for the all-to-alls' bytes (the step's all-to-alls of tens to hundreds of KB
+  get more of a link than the probe's MiB ones), calibrated on one point, stock TABLE_WISE at W=2 and 200 Mbit/s,
+  and marked so; the latency at the point's own W;
+* each all-reduce call's cost beyond its bytes and one latency, measured at the unlimited link from TrafficMeter's
+  times from each call to its completion (where ranks share cores a ring's steps wait for them; 0 where the run
+  has no such times);
+* bytes, all-reduces and collectives: TrafficMeter's per step; herald's forward-ordered dense sync is overlapped,
+  DDP's dense all-reduce is on the path.
 
 It reports each point's predicted step and herald/stock ratio beside the measured ones, with the error.
 
@@ -98,68 +104,140 @@ def unlimited_runs(names: List[str]) -> Unlimited:
     return runs
 
 
-def load_of(row: Dict[str, Any], kind: str, unlimited: Optional[Unlimited] = None) -> Tuple[PlanLoad, float]:
-    """The row's plan as a PlanLoad (measured bytes and collectives per rank and step, measured compute at
-    the unlimited link), and that unlimited step."""
-    W = row["world_size"]
+#: the share of a shaped link gloo's all-reduce gets (2 ranks, 64 KB-1 MB, 25-400 Mbit/s: 0.88-0.94; RESULTS.md "What
+#: a collective gets of a shaped link"): the all-reduce rate of runs saved before the probe timed all-reduces
+GLOO_ALLREDUCE_SHARE = 0.93
+#: the labels of all-reduces in runs saved before bench_bandwidth recorded collectives by kind (herald's hot-row
+#: sync was the dense all-reduce in every such run: 579 rows × 96 B at 4 ranks, one call a step)
+ALLREDUCE_LABELS = ("dense_allreduce", "data_parallel_table_allreduce", "herald_hot_sync")
+
+
+def allreduces(row: Dict[str, Any], herald: bool) -> Tuple[float, float, float, float]:
+    """(bytes, calls) per rank and step of the row's all-reduces on the critical path, then of those overlapped
+    (herald's forward-ordered dense sums): TrafficMeter's by collective kind where the row has it, else by label."""
+    labels = row["by_label"]
+    ovl = labels.get("dense_allreduce", {}) if herald else {}
+    ovl_bytes, ovl_calls = ovl.get("bytes", 0.0), ovl.get("calls", 0.0)
+    if "by_kind" in row:
+        ar = row["by_kind"].get("all_reduce", {})
+        total_bytes, total_calls = ar.get("bytes", 0.0), ar.get("calls", 0.0)
+    else:
+        total_bytes = sum(v["bytes"] for k, v in labels.items() if k in ALLREDUCE_LABELS)
+        total_calls = sum(v["calls"] for k, v in labels.items() if k in ALLREDUCE_LABELS)
+    return total_bytes - ovl_bytes, total_calls - ovl_calls, ovl_bytes, ovl_calls
+
+
+def allreduce_call_ms(row: Dict[str, Any], latency_ms: float, allreduce_mbit: float) -> Optional[float]:
+    """What each all-reduce call of ``row`` (a run at the unlimited link) took beyond one latency and its bytes at
+    ``allreduce_mbit``, from TrafficMeter's times from each call to its completion (None: the row has none). On this
+    host's 2 cores it is what ranks sharing cores cost a ring's steps."""
+    ar = row.get("by_kind", {}).get("all_reduce", {})
+    if not ar.get("calls") or "duration_ms" not in ar:
+        return None
+    beyond = ar["duration_ms"] - ar["calls"] * latency_ms - ar["bytes"] * 8 / (allreduce_mbit * 1e3)
+    return max(beyond / ar["calls"], 0.0)
+
+
+def unlimited_row(kind: str, W: int, unlimited: Optional[Unlimited] = None) -> Dict[str, Any]:
+    """The unlimited-link run whose compute (and all-reduce cost) stands for plan ``kind`` at W ranks: herald's
+    scheduled step's own where a run with scheduling forced on (``sched_kept``) measured it, else hot replication's
+    (the same lookups, without applying a plan)."""
     runs = unlimited or UNLIMITED
-    # herald's scheduled step: its own compute where a run with scheduling forced on (``sched_kept``) measured
-    # it at the unlimited link, else hot replication's (the same lookups, without applying a plan)
     base = "hot" if kind == "scheduling" and (kind, W) not in runs else kind
     name, config = runs[(base, W)]
-    unl = _row(name, config, W, 0)["breakdown_ms"]
-    dense = row["by_label"].get("dense_allreduce", {}).get("bytes", 0.0)
+    return _row(name, config, W, 0)
+
+
+def load_of(row: Dict[str, Any], kind: str, unlimited: Optional[Unlimited] = None) -> Tuple[PlanLoad, float]:
+    """The row's plan as a PlanLoad (measured bytes and collectives per rank and step, its all-reduces apart,
+    measured compute at the unlimited link), and that unlimited step."""
+    W = row["world_size"]
+    unl = unlimited_row(kind, W, unlimited)["breakdown_ms"]
     herald = kind in ("hot", "scheduling")
+    ar_bytes, ar_calls, ovl_bytes, ovl_calls = allreduces(row, herald)
     if herald:
         collectives = sum(v["calls"] for k, v in row["by_label"].items() if k != "dense_allreduce")
     else:
         collectives = STOCK_TW_COLLECTIVES + 1 + ("data_parallel_table_allreduce" in row["by_label"])
-    critical = row["bytes_per_step"] - (dense if herald else 0.0)
+    critical = row["bytes_per_step"] - ovl_bytes
     if W > CORES:  # ranks share the host's cores: own compute, and the host floor
         compute, floor = unl["step"] * CORES / W, unl["step"]
     else:
         compute, floor = unl["compute"], 0.0
-    return PlanLoad(kind, critical, dense if herald else 0.0, collectives, compute_ms=compute,
-                    host_bound_ms=floor), unl["step"]
+    return PlanLoad(kind, critical, ovl_bytes, collectives, compute_ms=compute, host_bound_ms=floor,
+                    allreduce_bytes=ar_bytes, allreduce_calls=ar_calls, overlapped_calls=ovl_calls), unl["step"]
 
 
-def link_efficiency(row: Dict[str, Any], latency_ms: float, unlimited: Optional[Unlimited] = None) -> float:
-    """The share of the ``tc`` rate that puts a stock row (TABLE_WISE at W=2) on its measured step: its bytes on
-    the path over the step less its compute and its collectives' latency. One such figure, at 200 Mbit/s, is
-    the validation's calibration."""
+class Probes:
+    """Each (W, rate)'s start-up probe, recorded by the herald run there: the all-to-all rate, the all-reduce rate
+    (where the probe timed all-reduces; else :data:`GLOO_ALLREDUCE_SHARE` of a ``tc`` rate, or the all-to-all rate
+    at the unlimited link) and the latency."""
+
+    def __init__(self, validated: List[str]) -> None:
+        self.by_point = {(r["world_size"], r["rate_mbit"]): r["link_decision"]["measured"]
+                         for n in validated for r in _rows(n) if r["config"] == "herald_defaults"}
+
+    def a2a_mbit(self, W: int, rate: int) -> float:
+        return self.by_point[(W, rate)]["link_mbit"]
+
+    def allreduce_mbit(self, W: int, rate: int) -> float:
+        measured = self.by_point[(W, rate)].get("allreduce_mbit")
+        if measured is not None:
+            return measured
+        return GLOO_ALLREDUCE_SHARE * rate if rate else self.a2a_mbit(W, rate)
+
+    def latency_ms(self, W: int, rate: int) -> float:
+        return self.by_point[(W, rate)]["collective_latency_ms"]
+
+    def measured_all_reduces(self) -> bool:
+        return all(m.get("allreduce_mbit") is not None for m in self.by_point.values())
+
+
+def model_for(row: Dict[str, Any], kind: str, probes: Probes, a2a_share: float,
+              unlimited: Optional[Unlimited] = None) -> StepTimeModel:
+    """The model of time at ``row``'s point for plan ``kind``: the probe's all-to-all rate × ``a2a_share`` (what the
+    step's all-to-alls, of tens to hundreds of KB, get beside the probe's MiB ones), its all-reduce rate and latency
+    at this W and link, and each all-reduce call's cost beyond them measured at the unlimited link (0 unmeasured)."""
+    W, rate = row["world_size"], row["rate_mbit"]
+    ar_mbit = probes.allreduce_mbit(W, rate)
+    unl = unlimited_row(kind, W, unlimited)
+    call_ms = allreduce_call_ms(unl, probes.latency_ms(W, 0), probes.allreduce_mbit(W, 0)) or 0.0
+    return StepTimeModel(link_mbit=probes.a2a_mbit(W, rate) * a2a_share, allreduce_mbit=ar_mbit,
+                         collective_latency_ms=probes.latency_ms(W, rate), allreduce_call_ms=call_ms)
+
+
+def a2a_share(row: Dict[str, Any], probes: Probes, unlimited: Optional[Unlimited] = None) -> float:
+    """The multiple of the probe's all-to-all rate that puts a stock row (TABLE_WISE at W=2) on its measured step:
+    its all-to-all bytes over the step less its compute, its all-reduces and its collectives' latency. One such
+    figure, at 200 Mbit/s, is the validation's calibration."""
     load, _ = load_of(row, trained(row), unlimited)
-    path_ms = row["breakdown_ms"]["step"] - load.compute_ms - load.collectives * latency_ms
-    return load.critical_bytes * 8 / (path_ms * 1e3) / row["rate_mbit"]
+    m = model_for(row, trained(row), probes, 1.0, unlimited)
+    others = (load.compute_ms + load.collectives * m.collective_latency_ms + m.allreduce_call_ms * load.allreduce_calls
+              + load.allreduce_bytes * 8 / (m.allreduce_rate_mbit * 1e3))
+    a2a_bytes = load.critical_bytes - load.allreduce_bytes
+    return a2a_bytes * 8 / ((row["breakdown_ms"]["step"] - others) * 1e3) / m.link_mbit
 
 
-def efficiency_by_rate(names: List[str], latency_ms: float, unlimited: Optional[Unlimited] = None
-                       ) -> List[Dict[str, Any]]:
-    """:func:`link_efficiency` at every rate-limited stock TABLE_WISE row at W=2 of ``names`` (``bench_bandwidth``
-    JSONs in ``results/``): how the share of the rate the step's traffic gets moves with the rate."""
-    rows = [(n, r) for n in names for r in _rows(n)
-            if r["config"] == "tw" and r["world_size"] == 2 and r["rate_mbit"] > 0]
+def share_by_rate(names: List[str], probes: Probes, unlimited: Optional[Unlimited] = None) -> List[Dict[str, Any]]:
+    """:func:`a2a_share` at every rate-limited stock TABLE_WISE row at W=2 of ``names`` (``bench_bandwidth`` JSONs in
+    ``results/`` whose points the probes cover): how the share moves with the rate."""
+    rows = [(n, r) for n in names for r in _rows(n) if r["config"] == "tw" and r["world_size"] == 2
+            and r["rate_mbit"] > 0 and (2, r["rate_mbit"]) in probes.by_point]
     return [{"rate_mbit": r["rate_mbit"], "step_ms": r["breakdown_ms"]["step"], "from": n,
-             "link_efficiency": link_efficiency(r, latency_ms, unlimited)} for n, r in sorted(rows, key=lambda x: -x[1]["rate_mbit"])]
+             "a2a_share": a2a_share(r, probes, unlimited)} for n, r in sorted(rows, key=lambda x: -x[1]["rate_mbit"])]
 
 
 def validate(validated: Optional[List[str]] = None, rate_sweep: Optional[List[str]] = None,
-             efficiency: Optional[float] = None, unlimited: Optional[Unlimited] = None) -> Dict[str, Any]:
+             share: Optional[float] = None, unlimited: Optional[Unlimited] = None) -> Dict[str, Any]:
     """Each measured point of ``validated`` (``bench_bandwidth`` JSONs in ``results/``, default
     :data:`VALIDATED`: herald's defaults beside a stock baseline) against the model's prediction."""
     validated = validated or VALIDATED
-    probe = {(r["world_size"], r["rate_mbit"]): r["link_decision"]["measured"]
-             for n in validated for r in _rows(n) if r["config"] == "herald_defaults"}
-    latency = probe[(2, 0)]["collective_latency_ms"]
-
-    def model(W: int, rate: int, efficiency: float) -> StepTimeModel:
-        mbit = probe[(W, 0)]["link_mbit"] if rate == 0 else rate * efficiency
-        return StepTimeModel(link_mbit=mbit, collective_latency_ms=latency)
-
-    # calibration: the link efficiency that puts stock TABLE_WISE at W=2, 200 Mbit/s on its measured step
+    probes = Probes(validated)
+    # calibration: the share of the probe's all-to-all rate that puts stock TABLE_WISE at W=2, 200 Mbit/s on its step
     cal_name = next((n for n in validated if any((r["config"], r["world_size"], r["rate_mbit"]) == ("tw", 2, 200)
                                                  for r in _rows(n))), "bandwidth_w2_probe_limited")
-    if efficiency is None:
-        efficiency = link_efficiency(_row(cal_name, "tw", 2, 200), latency, unlimited)
+    if share is None:
+        share = a2a_share(_row(cal_name, "tw", 2, 200), probes, unlimited)
     else:  # given: no point is the calibration
         cal_name = ""
     points = []
@@ -170,13 +248,16 @@ def validate(validated: Optional[List[str]] = None, rate_sweep: Optional[List[st
                 continue
             h = next(x for x in rows if x["config"] == "herald_defaults" and x["rate_mbit"] == r["rate_mbit"])
             W, rate = r["world_size"], r["rate_mbit"]
-            m = model(W, rate, efficiency)
             (sl, _), (hl, _) = load_of(r, trained(r), unlimited), load_of(h, trained(h), unlimited)
-            ps, ph = m.predict(sl).step_ms, m.predict(hl).step_ms
+            ms_, mh_ = model_for(r, trained(r), probes, share, unlimited), model_for(h, trained(h), probes, share, unlimited)
+            ps, ph = ms_.predict(sl).step_ms, mh_.predict(hl).step_ms
             ms, mh = r["breakdown_ms"]["step"], h["breakdown_ms"]["step"]
             points.append({
                 "world_size": W, "rate_mbit": rate, "baseline": trained(r), "herald_trained": trained(h),
-                "link_mbit_used": m.link_mbit, "calibration_point": (n, r["config"], W, rate) == (cal_name, "tw", 2, 200),
+                "link_mbit_used": ms_.link_mbit, "allreduce_mbit_used": ms_.allreduce_mbit,
+                "latency_ms_used": ms_.collective_latency_ms,
+                "allreduce_call_ms": {"stock": ms_.allreduce_call_ms, "herald": mh_.allreduce_call_ms},
+                "calibration_point": (n, r["config"], W, rate) == (cal_name, "tw", 2, 200),
                 "stock_step_ms": {"measured": ms, "predicted": ps, "error": ps / ms - 1},
                 "herald_step_ms": {"measured": mh, "predicted": ph, "error": ph / mh - 1},
                 # samples/s ratio herald / stock: the measured one is bench_bandwidth's (median runs)
@@ -184,8 +265,8 @@ def validate(validated: Optional[List[str]] = None, rate_sweep: Optional[List[st
                           "measured_from_steps": ms / mh},
             })
             points[-1]["ratio"]["error"] = points[-1]["ratio"]["predicted"] / points[-1]["ratio"]["measured"] - 1
-    return {"link_efficiency": efficiency, "collective_latency_ms": latency, "points": points,
-            "efficiency_by_rate": efficiency_by_rate(list(validated) + list(rate_sweep or []), latency, unlimited)}
+    return {"a2a_share": share, "allreduce_measured_by_probe": probes.measured_all_reduces(), "points": points,
+            "share_by_rate": share_by_rate(list(validated) + list(rate_sweep or []), probes, unlimited)}
 
 
 def gpu_steps(gpu: Tuple[str, str], B: int) -> Tuple[float, float, str]:
@@ -315,9 +396,11 @@ def _kaggle_sizes() -> Tuple[List[str], List[int]]:
 def markdown(result: Dict[str, Any], command: str) -> str:
     v = result["validation"]
     lines = [f"Command: `{command}`", "",
-             f"Validation: link efficiency {v['link_efficiency']:.2f} of the tc rate ("
+             f"Validation: the step's all-to-alls at {v['a2a_share']:.2f}× the probe's all-to-all rate ("
              + ("calibrated on stock TABLE_WISE, W=2, 200 Mbit/s" if any(p["calibration_point"] for p in v["points"])
-                else "given") + f"), latency {v['collective_latency_ms']:.2f} ms per collective.", "",
+                else "given") + "); all-reduces at the probe's all-reduce rate"
+             + ("" if v.get("allreduce_measured_by_probe") else " (0.93 of the tc rate where it did not time them)")
+             + "; each point's own latency; each all-reduce call's cost beyond them measured at the unlimited link.", "",
              "| ranks | link | stock trained | herald trained | stock step measured / predicted (err) | "
              "herald step measured / predicted (err) | ratio measured / predicted (err) |", "|---|---|---|---|---|---|---|"]
     for p in v["points"]:
@@ -328,10 +411,15 @@ def markdown(result: Dict[str, Any], command: str) -> str:
                      f"{s['measured']:.1f} / {s['predicted']:.1f} ({100 * s['error']:+.0f} %){mark} | "
                      f"{h['measured']:.1f} / {h['predicted']:.1f} ({100 * h['error']:+.0f} %) | "
                      f"{r['measured']:.2f}× / {r['predicted']:.2f}× ({100 * r['error']:+.0f} %) |")
-    by_rate = v.get("efficiency_by_rate") or []
+    by_rate = v.get("share_by_rate") or []
     if len(by_rate) > 1:
-        lines += ["", "The link efficiency that puts stock TABLE_WISE at W=2 on its measured step, by rate: " + ", ".join(
-            f"{e['rate_mbit']} Mbit/s {e['link_efficiency']:.2f}" for e in by_rate) + "."]
+        lines += ["", "The share of the probe's all-to-all rate that puts stock TABLE_WISE at W=2 on its measured step, "
+                  "by rate: " + ", ".join(f"{e['rate_mbit']} Mbit/s {e['a2a_share']:.2f}" for e in by_rate) + "."]
+    lines += ["", "Per point: " + "; ".join(
+        f"{p['world_size']} ranks {'unlimited' if not p['rate_mbit'] else str(p['rate_mbit']) + ' Mbit/s'}: all-to-all "
+        f"{p['link_mbit_used']:,.0f}, all-reduce {p['allreduce_mbit_used']:,.0f} Mbit/s, {p['latency_ms_used']:.2f} ms, "
+        f"all-reduce call {p['allreduce_call_ms']['stock']:.1f} / {p['allreduce_call_ms']['herald']:.1f} ms (stock / herald)"
+        for p in v["points"]) + "."]
     pr = result["projection"]
     lines += ["", f"Projection (GPU step {pr['inputs']['gpu_stock_step_ms']:.1f} ms stock, "
               f"{pr['inputs']['gpu_herald_step_ms']:.1f} ms herald, from {pr['inputs']['gpu']}; the model's pick vs TorchRec's "
@@ -425,13 +513,19 @@ def main(argv: Optional[List[str]] = None) -> None:
                          "compute (default: the runs UNLIMITED names)")
     ap.add_argument("--rate-sweep", nargs="+", default=[],
                     help="more bench_bandwidth JSONs in results/ (no .json) with stock TABLE_WISE at W=2 at other rates: "
-                         "the link efficiency at each rate is reported beside the validation (not used by it)")
-    ap.add_argument("--efficiency", type=float, default=None,
-                    help="the link efficiency to validate with, instead of calibrating it on stock TABLE_WISE at W=2, 200 Mbit/s")
+                         "the all-to-all share at each rate is reported beside the validation (not used by it)")
+    ap.add_argument("--a2a-share", type=float, default=None,
+                    help="the multiple of the probe's all-to-all rate to validate with, instead of calibrating it on "
+                         "stock TABLE_WISE at W=2, 200 Mbit/s")
+    ap.add_argument("--validate-only", action="store_true", help="the validation alone (no projection, no RESULTS.md)")
     a = ap.parse_args(argv)
     gpu = (a.gpu_stock, a.gpu_herald)
     command = "python benchmarks/time_model.py" + (" " + " ".join(argv) if argv else "")
-    result = {"command": command, "validation": validate(a.validated, a.rate_sweep, a.efficiency, unlimited_runs(a.unlimited)), "projection": project(a.world_sizes, a.links_gbit, a.dims, gpu),
+    validation = validate(a.validated, a.rate_sweep, a.a2a_share, unlimited_runs(a.unlimited))
+    if a.validate_only:
+        print(json.dumps(validation, indent=1))
+        return
+    result = {"command": command, "validation": validation, "projection": project(a.world_sizes, a.links_gbit, a.dims, gpu),
               "per_table": project_per_table(a.world_sizes, a.links_gbit, a.dims, gpu)}
     out = Path(a.out)
     out.write_text(json.dumps(result, indent=1))

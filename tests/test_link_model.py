@@ -605,6 +605,9 @@ def test_the_decision_prices_the_dense_sums_and_the_dense_hot_sync_at_the_all_re
     assert one.predictions["herald"].link_busy_ms == pytest.approx(12.0)
     assert two.predictions["herald"].link_busy_ms == pytest.approx(3.2 + 0.4 + 4.0)
     assert two.herald_ms == pytest.approx(3.2 + 0.4 + 7.0 + 0.3)  # its path: bytes, 7 latencies, 500 lookups
+    assert two.describe().startswith("link 200 Mbit/s (400 for all-reduces): predicted step cost per rank")
+    assert two.as_dict()["allreduce_mbit"] == 400 and one.as_dict()["allreduce_mbit"] is None
+    assert one.describe().startswith("link 200 Mbit/s: predicted step cost per rank")
 
 
 def _probe(rank: int, world: int) -> tuple:

@@ -119,7 +119,7 @@ def _durations(rank: int, world: int) -> Dict[str, Any]:
 
     from torchrec_herald.traffic import traffic_tag
 
-    with TrafficMeter() as meter:
+    with TrafficMeter(completion_times=True) as meter:
         with traffic_tag("overlapped"):
             if rank == 1:
                 time.sleep(0.2)  # rank 0's call completes 0.2 s after it was made ...
@@ -127,8 +127,17 @@ def _durations(rank: int, world: int) -> Dict[str, Any]:
         time.sleep(0.5)  # ... while it works on, so its wait() finds it done
         work.wait()
         dist.barrier()
-    return {"duration": dict(meter.duration_by_tag), "by_kind": dict(meter.duration_by_kind),
-            "wait": dict(meter.wait_by_tag)}
+    out = {"duration": dict(meter.duration_by_tag), "by_kind": dict(meter.duration_by_kind),
+           "wait": dict(meter.wait_by_tag)}
+    # a call left in flight (herald's forward-ordered dense sums at a run's end) is waited for at the meter's exit:
+    # its completion is timed before the process ends; and a meter that does not time completions adds no callback
+    plain = TrafficMeter()
+    with TrafficMeter(completion_times=True) as meter, plain:
+        if rank == 1:
+            time.sleep(0.2)
+        dist.all_reduce(torch.ones(4), async_op=True)
+    out.update(left_in_flight=dict(meter.duration_by_kind), plain=dict(plain.duration_by_kind))
+    return out
 
 
 def test_a_collectives_duration_runs_from_its_call_to_its_completion_where_its_wait_is_only_the_exposed_part() -> None:
@@ -136,6 +145,7 @@ def test_a_collectives_duration_runs_from_its_call_to_its_completion_where_its_w
     assert 0.15 <= got["duration"]["overlapped"] < 0.45, got  # the late peer's 0.2 s, not the 0.5 s worked beside
     assert got["wait"]["overlapped"] < 0.1, got  # done before its wait
     assert set(got["by_kind"]) == {"all_reduce", "barrier"} and got["by_kind"]["all_reduce"] == got["duration"]["overlapped"]
+    assert got["left_in_flight"]["all_reduce"] >= 0.15 and got["plain"] == {}, got
 
 
 # --------------------------------------------------------------------------- TorchRec's own collectives

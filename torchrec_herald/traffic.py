@@ -173,8 +173,14 @@ class TrafficMeter:
     _local = threading.local()
     _users = 0  # active meters and threads counting in meters of their own: the wrappers stay installed meanwhile
 
-    def __init__(self, embedding_dim: Optional[int] = None) -> None:
+    def __init__(self, embedding_dim: Optional[int] = None, completion_times: bool = False) -> None:
         self.embedding_dim = embedding_dim
+        #: time each collective from its call to its completion (:attr:`duration_by_tag`); an async call's through a
+        #: callback on its future, which runs on the backend's thread: the meter's exit waits for the calls still in
+        #: flight, so that no callback is left to run while the interpreter shuts down (a C++ thread taking the GIL
+        #: then is ended mid-call: ``terminate called without an active exception``). Off by default (benchmarks)
+        self.completion_times = completion_times
+        self._in_flight: List[Any] = []
         self._by_kind: Dict[str, CollectiveStats] = {}
         self._by_tag: Dict[str, CollectiveStats] = {}
         self._tag_stacks: Dict[int, List[tuple[str, Optional[int]]]] = {}  # per thread: its tags, innermost last
@@ -182,8 +188,8 @@ class TrafficMeter:
         self.wait_s = 0.0  # wall time the training thread blocked in collectives (sync calls + async waits)
         self.wait_by_tag: Dict[str, float] = {}  # the same, per tag label ("untagged" for the rest)
         self.wait_other_threads_s = 0.0  # the same in other threads (herald's run-ahead scheduler): off the step
-        #: per tag label ("untagged" for the rest) and per collective kind: seconds from each call to its completion
-        #: (an async collective's whole time, overlapped or waited for: what it costs beyond its bytes shows here)
+        #: with ``completion_times``, per tag label ("untagged" for the rest) and per collective kind: seconds from
+        #: each call to its completion (an async collective's whole time, overlapped or waited for)
         self.duration_by_tag: Dict[str, float] = {}
         self.duration_by_kind: Dict[str, float] = {}
 
@@ -205,6 +211,10 @@ class TrafficMeter:
         with TrafficMeter._lock:
             TrafficMeter._active.remove(self)
             TrafficMeter._use(-1)
+            in_flight, self._in_flight = self._in_flight, []
+        if exc[0] is None:  # (after an error a peer may never join: nothing is waited for)
+            for future in in_flight:
+                future.wait()
 
     @classmethod
     def _use(cls, n: int) -> None:
@@ -358,8 +368,9 @@ class TrafficMeter:
                 cls._local.depth = depth
                 if depth == 0:
                     cls._add_wait(time.perf_counter() - t0, labels)
-            if depth == 0 and meters:
-                _time_to_completion(cls, name, work, t0, meters, labels)
+            timed = [m for m in meters if m.completion_times]
+            if depth == 0 and timed:
+                _time_to_completion(cls, name, work, t0, timed, labels)
             if depth == 0 and work is not None and kwargs.get("async_op", False):
                 return _TimedWork(work, cls, labels)  # the exposed part of an async collective is its wait()
             return work
@@ -381,14 +392,18 @@ def _completion_future(work: Any) -> Any:
 
 
 def _time_to_completion(meter_cls: Any, name: str, work: Any, t0: float, meters: List["TrafficMeter"],
-                           labels: Dict[int, str]) -> None:
+                        labels: Dict[int, str]) -> None:
     """Add the call's time from ``t0`` to its completion to ``meters``' durations: now for a synchronous call, when
     its future completes for an async one."""
     future = _completion_future(work)
     if future is None:
         meter_cls._add_duration(time.perf_counter() - t0, name, meters, labels)
         return
-    future.add_done_callback(lambda _: meter_cls._add_duration(time.perf_counter() - t0, name, meters, labels))
+    # (``then``: its future completes once the callback has run, which the meter's exit can wait for)
+    timed = future.then(lambda _: meter_cls._add_duration(time.perf_counter() - t0, name, meters, labels))
+    with meter_cls._lock:
+        for meter in meters:  # (those completed let go: a future holds its collective's tensors)
+            meter._in_flight = [f for f in meter._in_flight if not f.done()] + [timed]
 
 
 class _TimedWork(dist.Work):

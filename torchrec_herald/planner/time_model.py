@@ -143,6 +143,8 @@ class LinkDecision:
     per_table: Dict[str, str] = field(default_factory=dict)
     #: why the fastest prediction was not chosen ('' where it was): :func:`default_plan_margin`
     note: str = ""
+    #: the rate all-reduces were priced at, where it is not ``link_mbit``
+    allreduce_mbit: Optional[float] = None
 
     @property
     def herald(self) -> bool:
@@ -181,7 +183,8 @@ class LinkDecision:
         if self.is_local:
             return (f"one rank, no link (no embedding leaves the rank, so herald's plan saves nothing): predicted "
                     f"step cost (herald's extra work) {parts} -> {PLAN_LABELS.get(self.chosen, self.chosen)}")
-        return (f"link {self.link_mbit:g} Mbit/s: predicted step cost per rank (link, collectives, herald's extra "
+        ar = "" if self.allreduce_mbit is None else f" ({self.allreduce_mbit:g} for all-reduces)"
+        return (f"link {self.link_mbit:g} Mbit/s{ar}: predicted step cost per rank (link, collectives, herald's extra "
                 f"work) {parts} -> {verdict}")
 
     @property
@@ -192,6 +195,7 @@ class LinkDecision:
     def as_dict(self) -> Dict[str, Any]:
         return {"herald": self.herald, "chosen": self.chosen, "predicted_stock_ms": self.stock_ms,
                 "predicted_herald_ms": self.herald_ms, "link_mbit": None if self.is_local else self.link_mbit,
+                "allreduce_mbit": self.allreduce_mbit,
                 "one_rank": self.is_local, "text": self.describe(),
                 "predicted": {n: p.as_dict() for n, p in self.predictions.items()}, "per_table": dict(self.per_table),
                 "note": self.note}
@@ -219,7 +223,8 @@ def choose_plan(loads: Iterable[PlanLoad], model: StepTimeModel, per_table: Opti
         note = (f"TorchRec's default plan is predicted within one collective's latency "
                 f"({default_plan_margin(model):.2f} ms) of stock TABLE_WISE, closer than the model can tell; "
                 f"its extra sharding kinds compute more beside the link than the model prices")
-    return LinkDecision(best, preds, model.link_mbit, dict(per_table or {}) if "mixed" in preds else {}, note)
+    return LinkDecision(best, preds, model.link_mbit, dict(per_table or {}) if "mixed" in preds else {}, note,
+                        model.allreduce_mbit)
 
 
 def default_plan_margin(model: LinkModel) -> float:
