@@ -4,7 +4,7 @@ then projected to 8–128 GPUs with measured inputs.
     python benchmarks/time_model.py [--out benchmarks/results/time_model.json]
 
 **Validate.** Every W=2/4 point of ``bench_bandwidth`` with herald's defaults and no link key
-(``results/bandwidth_w{2,4}_probe*.json``: stock and herald, unlimited, 200 and 50 Mbit/s) is predicted
+(``results/twentyfirst_1207/bw_w{2,4}_{unl,lim}.json``: stock and herald, unlimited, 200 and 50 Mbit/s) is predicted
 by :class:`StepTimeModel` from:
 
 * compute: each plan's measured compute at the unlimited link and the same W (herald's scheduled step:
@@ -15,9 +15,9 @@ by :class:`StepTimeModel` from:
   its all-to-all rate times one share for the all-to-alls' bytes (the step's all-to-alls of tens to hundreds of KB
   get more of a link than the probe's MiB ones), calibrated on one point, stock TABLE_WISE at W=2 and 200 Mbit/s,
   and marked so; the latency at the point's own W;
-* each all-reduce call's cost beyond its bytes and one latency, measured at the unlimited link from TrafficMeter's
-  times from each call to its completion (where ranks share cores a ring's steps wait for them; 0 where the run
-  has no such times);
+* where the ranks share the host's cores (4 ranks on 2), each all-reduce call's cost beyond its bytes and one latency
+  (a ring's steps wait for cores), calibrated on a second stock point, the default plan at W=4 and 200 Mbit/s, and
+  marked so;
 * bytes, all-reduces and collectives: TrafficMeter's per step; herald's forward-ordered dense sync is overlapped,
   DDP's dense all-reduce is on the path.
 
@@ -57,10 +57,15 @@ from bench_bandwidth import trained_plan  # noqa: E402  (one reading of a run's 
 
 RESULTS = HERE / "results"
 CORES = 2
-#: the measured runs validated (herald's defaults, no link key, each rank in its own namespace)
-VALIDATED = ["bandwidth_w2_probe", "bandwidth_w2_probe_limited", "bandwidth_w4_probe", "bandwidth_w4_probe_limited"]
-#: each plan's compute at the unlimited link (file, config, W): herald's hot replication trained at W=2
-#: and W=4 with no rate limit in these runs
+#: the measured runs validated (herald's defaults, no link key, each rank in its own namespace; the twenty-first
+#: session's, whose probes timed all-reduces too)
+VALIDATED = ["twentyfirst_1207/bw_w2_unl", "twentyfirst_1207/bw_w2_lim", "twentyfirst_1207/bw_w4_unl",
+             "twentyfirst_1207/bw_w4_lim"]
+#: the runs whose unlimited-link rows give each plan's compute by default (``--unlimited``): the same session's
+UNLIMITED_RUNS = ["twentyfirst_1207/bw_w2_unl", "twentyfirst_1207/bw_w2_unl_herald", "twentyfirst_1207/bw_w4_unl",
+                  "twentyfirst_1207/bw_w4_unl_hot"]
+#: each plan's compute at the unlimited link (file, config, W) where no ``--unlimited`` run has it: herald's hot
+#: replication trained at W=2 and W=4 with no rate limit in these runs (an earlier session's)
 UNLIMITED = {("table_wise", 2): ("bandwidth_w2_probe", "tw"), ("hot", 2): ("bandwidth_w2_confirm5", "hot"),
              ("default", 4): ("bandwidth_w4_probe", "stock"), ("table_wise", 4): ("bandwidth_w4_probe", "herald_defaults"),
              ("hot", 4): ("bandwidth", "hot")}
@@ -127,17 +132,6 @@ def allreduces(row: Dict[str, Any], herald: bool) -> Tuple[float, float, float, 
     return total_bytes - ovl_bytes, total_calls - ovl_calls, ovl_bytes, ovl_calls
 
 
-def allreduce_call_ms(row: Dict[str, Any], latency_ms: float, allreduce_mbit: float) -> Optional[float]:
-    """What each all-reduce call of ``row`` (a run at the unlimited link) took beyond one latency and its bytes at
-    ``allreduce_mbit``, from TrafficMeter's times from each call to its completion (None: the row has none). On this
-    host's 2 cores it is what ranks sharing cores cost a ring's steps."""
-    ar = row.get("by_kind", {}).get("all_reduce", {})
-    if not ar.get("calls") or "duration_ms" not in ar:
-        return None
-    beyond = ar["duration_ms"] - ar["calls"] * latency_ms - ar["bytes"] * 8 / (allreduce_mbit * 1e3)
-    return max(beyond / ar["calls"], 0.0)
-
-
 def unlimited_row(kind: str, W: int, unlimited: Optional[Unlimited] = None) -> Dict[str, Any]:
     """The unlimited-link run whose compute (and all-reduce cost) stands for plan ``kind`` at W ranks: herald's
     scheduled step's own where a run with scheduling forced on (``sched_kept``) measured it, else hot replication's
@@ -193,17 +187,28 @@ class Probes:
         return all(m.get("allreduce_mbit") is not None for m in self.by_point.values())
 
 
-def model_for(row: Dict[str, Any], kind: str, probes: Probes, a2a_share: float,
-              unlimited: Optional[Unlimited] = None) -> StepTimeModel:
-    """The model of time at ``row``'s point for plan ``kind``: the probe's all-to-all rate × ``a2a_share`` (what the
-    step's all-to-alls, of tens to hundreds of KB, get beside the probe's MiB ones), its all-reduce rate and latency
-    at this W and link, and each all-reduce call's cost beyond them measured at the unlimited link (0 unmeasured)."""
+def model_for(row: Dict[str, Any], probes: Probes, a2a_share: float, call_ms: float = 0.0) -> StepTimeModel:
+    """The model of time at ``row``'s point: the probe's all-to-all rate × ``a2a_share`` (what the step's all-to-alls,
+    of tens to hundreds of KB, get beside the probe's MiB ones), its all-reduce rate and latency at this W and link,
+    and, where the ranks share the host's cores (W > :data:`CORES`), ``call_ms`` per all-reduce call."""
     W, rate = row["world_size"], row["rate_mbit"]
-    ar_mbit = probes.allreduce_mbit(W, rate)
-    unl = unlimited_row(kind, W, unlimited)
-    call_ms = allreduce_call_ms(unl, probes.latency_ms(W, 0), probes.allreduce_mbit(W, 0)) or 0.0
-    return StepTimeModel(link_mbit=probes.a2a_mbit(W, rate) * a2a_share, allreduce_mbit=ar_mbit,
-                         collective_latency_ms=probes.latency_ms(W, rate), allreduce_call_ms=call_ms)
+    return StepTimeModel(link_mbit=probes.a2a_mbit(W, rate) * a2a_share, allreduce_mbit=probes.allreduce_mbit(W, rate),
+                         collective_latency_ms=probes.latency_ms(W, rate),
+                         allreduce_call_ms=call_ms if W > CORES else 0.0)
+
+
+def shared_core_call_ms(row: Dict[str, Any], probes: Probes, a2a_share: float,
+                        unlimited: Optional[Unlimited] = None) -> float:
+    """What each all-reduce call must cost, where ranks share cores, to put ``row`` (a stock run at W > cores) on its
+    measured step: its step less its compute, its bytes and its collectives' latency, per all-reduce call (0 where
+    that is already longer: the host floor or the link bounds it). One such figure, stock's at W=4 and 200 Mbit/s,
+    is the validation's second calibration. (TrafficMeter's times from each call to its completion do not give it:
+    at the unlimited link they hold each peer's lateness and the overlap, 4-14 ms a call at W=4, ~1.4 at W=2.)"""
+    load, _ = load_of(row, trained(row), unlimited)
+    m = model_for(row, probes, a2a_share)
+    path = m.predict(load)
+    rest = path.compute_ms + path.extra_ms + path.comm_ms
+    return max((row["breakdown_ms"]["step"] - rest) / max(load.allreduce_calls, 1.0), 0.0)
 
 
 def a2a_share(row: Dict[str, Any], probes: Probes, unlimited: Optional[Unlimited] = None) -> float:
@@ -211,8 +216,8 @@ def a2a_share(row: Dict[str, Any], probes: Probes, unlimited: Optional[Unlimited
     its all-to-all bytes over the step less its compute, its all-reduces and its collectives' latency. One such
     figure, at 200 Mbit/s, is the validation's calibration."""
     load, _ = load_of(row, trained(row), unlimited)
-    m = model_for(row, trained(row), probes, 1.0, unlimited)
-    others = (load.compute_ms + load.collectives * m.collective_latency_ms + m.allreduce_call_ms * load.allreduce_calls
+    m = model_for(row, probes, 1.0)
+    others = (load.compute_ms + load.collectives * m.collective_latency_ms
               + load.allreduce_bytes * 8 / (m.allreduce_rate_mbit * 1e3))
     a2a_bytes = load.critical_bytes - load.allreduce_bytes
     return a2a_bytes * 8 / ((row["breakdown_ms"]["step"] - others) * 1e3) / m.link_mbit
@@ -228,18 +233,30 @@ def share_by_rate(names: List[str], probes: Probes, unlimited: Optional[Unlimite
 
 
 def validate(validated: Optional[List[str]] = None, rate_sweep: Optional[List[str]] = None,
-             share: Optional[float] = None, unlimited: Optional[Unlimited] = None) -> Dict[str, Any]:
+             share: Optional[float] = None, unlimited: Optional[Unlimited] = None,
+             call_ms: Optional[float] = None) -> Dict[str, Any]:
     """Each measured point of ``validated`` (``bench_bandwidth`` JSONs in ``results/``, default
-    :data:`VALIDATED`: herald's defaults beside a stock baseline) against the model's prediction."""
+    :data:`VALIDATED`: herald's defaults beside a stock baseline) against the model's prediction. Two figures are
+    calibrated where not given, each on one stock point, marked so: the all-to-all share (``share``, stock
+    TABLE_WISE at W=2, 200 Mbit/s) and what an all-reduce call costs where ranks share cores (``call_ms``, stock's
+    baseline at W=4, 200 Mbit/s; 0 where no such point)."""
     validated = validated or VALIDATED
     probes = Probes(validated)
-    # calibration: the share of the probe's all-to-all rate that puts stock TABLE_WISE at W=2, 200 Mbit/s on its step
-    cal_name = next((n for n in validated if any((r["config"], r["world_size"], r["rate_mbit"]) == ("tw", 2, 200)
-                                                 for r in _rows(n))), "bandwidth_w2_probe_limited")
+    calibrated = []
+
+    def point(config: str, W: int) -> Optional[Tuple[str, Dict[str, Any]]]:
+        return next(((n, r) for n in validated for r in _rows(n)
+                     if (r["config"], r["world_size"], r["rate_mbit"]) == (config, W, 200)), None)
+
     if share is None:
-        share = a2a_share(_row(cal_name, "tw", 2, 200), probes, unlimited)
-    else:  # given: no point is the calibration
-        cal_name = ""
+        cal = point("tw", 2) or ("bandwidth_w2_probe_limited", _row("bandwidth_w2_probe_limited", "tw", 2, 200))
+        share = a2a_share(cal[1], probes, unlimited)
+        calibrated.append((cal[0], "tw", 2, 200))
+    if call_ms is None:
+        cal4 = next((point(c, W) for c in ("stock", "tw") for W in (4, 8) if point(c, W)), None)
+        call_ms = shared_core_call_ms(cal4[1], probes, share, unlimited) if cal4 else 0.0
+        if cal4:
+            calibrated.append((cal4[0], cal4[1]["config"], cal4[1]["world_size"], 200))
     points = []
     for n in validated:
         rows = _rows(n)
@@ -249,15 +266,14 @@ def validate(validated: Optional[List[str]] = None, rate_sweep: Optional[List[st
             h = next(x for x in rows if x["config"] == "herald_defaults" and x["rate_mbit"] == r["rate_mbit"])
             W, rate = r["world_size"], r["rate_mbit"]
             (sl, _), (hl, _) = load_of(r, trained(r), unlimited), load_of(h, trained(h), unlimited)
-            ms_, mh_ = model_for(r, trained(r), probes, share, unlimited), model_for(h, trained(h), probes, share, unlimited)
-            ps, ph = ms_.predict(sl).step_ms, mh_.predict(hl).step_ms
+            m = model_for(r, probes, share, call_ms)
+            ps, ph = m.predict(sl).step_ms, m.predict(hl).step_ms
             ms, mh = r["breakdown_ms"]["step"], h["breakdown_ms"]["step"]
             points.append({
                 "world_size": W, "rate_mbit": rate, "baseline": trained(r), "herald_trained": trained(h),
-                "link_mbit_used": ms_.link_mbit, "allreduce_mbit_used": ms_.allreduce_mbit,
-                "latency_ms_used": ms_.collective_latency_ms,
-                "allreduce_call_ms": {"stock": ms_.allreduce_call_ms, "herald": mh_.allreduce_call_ms},
-                "calibration_point": (n, r["config"], W, rate) == (cal_name, "tw", 2, 200),
+                "link_mbit_used": m.link_mbit, "allreduce_mbit_used": m.allreduce_rate_mbit,
+                "latency_ms_used": m.collective_latency_ms, "allreduce_call_ms": m.allreduce_call_ms,
+                "calibration_point": (n, r["config"], W, rate) in calibrated,
                 "stock_step_ms": {"measured": ms, "predicted": ps, "error": ps / ms - 1},
                 "herald_step_ms": {"measured": mh, "predicted": ph, "error": ph / mh - 1},
                 # samples/s ratio herald / stock: the measured one is bench_bandwidth's (median runs)
@@ -265,7 +281,8 @@ def validate(validated: Optional[List[str]] = None, rate_sweep: Optional[List[st
                           "measured_from_steps": ms / mh},
             })
             points[-1]["ratio"]["error"] = points[-1]["ratio"]["predicted"] / points[-1]["ratio"]["measured"] - 1
-    return {"a2a_share": share, "allreduce_measured_by_probe": probes.measured_all_reduces(), "points": points,
+    return {"a2a_share": share, "shared_core_allreduce_call_ms": call_ms,
+            "allreduce_measured_by_probe": probes.measured_all_reduces(), "points": points,
             "share_by_rate": share_by_rate(list(validated) + list(rate_sweep or []), probes, unlimited)}
 
 
@@ -400,7 +417,8 @@ def markdown(result: Dict[str, Any], command: str) -> str:
              + ("calibrated on stock TABLE_WISE, W=2, 200 Mbit/s" if any(p["calibration_point"] for p in v["points"])
                 else "given") + "); all-reduces at the probe's all-reduce rate"
              + ("" if v.get("allreduce_measured_by_probe") else " (0.93 of the tc rate where it did not time them)")
-             + "; each point's own latency; each all-reduce call's cost beyond them measured at the unlimited link.", "",
+             + f"; each point's own latency; where ranks share cores (4 on 2), {v['shared_core_allreduce_call_ms']:.1f} ms "
+             "more per all-reduce call (calibrated on stock's default plan at W=4, 200 Mbit/s).", "",
              "| ranks | link | stock trained | herald trained | stock step measured / predicted (err) | "
              "herald step measured / predicted (err) | ratio measured / predicted (err) |", "|---|---|---|---|---|---|---|"]
     for p in v["points"]:
@@ -418,7 +436,7 @@ def markdown(result: Dict[str, Any], command: str) -> str:
     lines += ["", "Per point: " + "; ".join(
         f"{p['world_size']} ranks {'unlimited' if not p['rate_mbit'] else str(p['rate_mbit']) + ' Mbit/s'}: all-to-all "
         f"{p['link_mbit_used']:,.0f}, all-reduce {p['allreduce_mbit_used']:,.0f} Mbit/s, {p['latency_ms_used']:.2f} ms, "
-        f"all-reduce call {p['allreduce_call_ms']['stock']:.1f} / {p['allreduce_call_ms']['herald']:.1f} ms (stock / herald)"
+        f"all-reduce call {p['allreduce_call_ms']:.1f} ms"
         for p in v["points"]) + "."]
     pr = result["projection"]
     lines += ["", f"Projection (GPU step {pr['inputs']['gpu_stock_step_ms']:.1f} ms stock, "
@@ -508,9 +526,9 @@ def main(argv: Optional[List[str]] = None) -> None:
                     help="herald's GPU step JSON in results/, measured beside --gpu-stock")
     ap.add_argument("--validated", nargs="+", default=None,
                     help=f"bench_bandwidth JSONs in results/ (no .json) to validate on (default: {' '.join(VALIDATED)})")
-    ap.add_argument("--unlimited", nargs="+", default=[],
+    ap.add_argument("--unlimited", nargs="+", default=UNLIMITED_RUNS,
                     help="bench_bandwidth JSONs in results/ (no .json) whose unlimited-link rows give each plan's "
-                         "compute (default: the runs UNLIMITED names)")
+                         f"compute (default: {' '.join(UNLIMITED_RUNS)}; then the runs UNLIMITED names)")
     ap.add_argument("--rate-sweep", nargs="+", default=[],
                     help="more bench_bandwidth JSONs in results/ (no .json) with stock TABLE_WISE at W=2 at other rates: "
                          "the all-to-all share at each rate is reported beside the validation (not used by it)")
