@@ -26,9 +26,10 @@ It reports each point's predicted step and herald/stock ratio beside the measure
 **Project.** W = 8…128, 12.5 / 50 / 400 Gbit/s per GPU, dims 16 and 128, from:
 
 * the GPU step at 1 rank, B=2048, stock and herald hot replication measured in one call on one machine
-  (``--gpu-stock`` / ``--gpu-herald``; default the lent H200's ``results/gpu_step3_{stock,hot}.json``,
-  ids on the device: 4.6 and 8.3 ms; the earlier H100 pair ``gpu_step_time{,_herald}.json``, ids on the
-  host, was 8.2 and 17.5 ms);
+  (``--gpu-stock`` / ``--gpu-herald``; default the latest lent H200's paired run
+  ``results/gpu_h200_1127c/pair_hot.json``, stock's steps interleaved with herald's: 6.2 and 7.7 ms; before it
+  ``gpu_step3_{stock,hot}.json``, 4.6 and 8.3 ms; the earlier H100 pair ``gpu_step_time{,_herald}.json``, ids on
+  the host, was 8.2 and 17.5 ms);
 * bytes per rank from the plans at each W (``results/scale.json``, Kaggle rows, dim 16; dim 128 scales
   the embedding vectors by 8 and keeps the ids);
 * the scheduler's CPU per rank-step (``results/home_split_maps_reserved.json``), off the critical path;
@@ -521,8 +522,8 @@ def main(argv: Optional[List[str]] = None) -> None:
     ap.add_argument("--links-gbit", type=float, nargs="+", default=[12.5, 50, 400])
     ap.add_argument("--dims", type=int, nargs="+", default=[16, 128])
     ap.add_argument("--out", default=str(RESULTS / "time_model.json"))
-    ap.add_argument("--gpu-stock", default="gpu_step3_stock.json", help="stock's GPU step JSON in results/")
-    ap.add_argument("--gpu-herald", default="gpu_step3_hot.json",
+    ap.add_argument("--gpu-stock", default="gpu_h200_1127c/pair_hot.json", help="stock's GPU step JSON in results/")
+    ap.add_argument("--gpu-herald", default="gpu_h200_1127c/pair_hot.json",
                     help="herald's GPU step JSON in results/, measured beside --gpu-stock")
     ap.add_argument("--validated", nargs="+", default=None,
                     help=f"bench_bandwidth JSONs in results/ (no .json) to validate on (default: {' '.join(VALIDATED)})")
