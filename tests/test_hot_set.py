@@ -120,29 +120,6 @@ def test_dense_hot_set_is_rows_above_analytic_break_even() -> None:
     assert all(torch.equal(again[k].hot_ids, choices[k].hot_ids) for k in choices)  # deterministic
 
 
-def test_a_link_whose_all_reduces_are_faster_replicates_the_rows_above_the_lower_break_even() -> None:
-    """Priced on a link whose all-reduces get twice its all-to-alls' rate, the dense sync's bytes cost half the time
-    of the cold bytes a replica saves: the hot rows are those above half the dense break-even; on a link whose
-    all-reduces get its rate (or in bytes) the same rows as without a link."""
-    from torchrec_herald.planner.pricing import LinkModel
-
-    W, B, D = 4, 256, 16
-    G = W * B
-    t = cfg("t_x", 2000, dim=D)
-    g = torch.Generator().manual_seed(0)
-    counts = (200 * torch.rand(t.num_embeddings, generator=g, dtype=F64) ** 4).floor().long()
-    stats = make_stats([t], {"t_x": counts}, 10 * G)
-    lam = counts.to(F64) / 10
-    threshold = 2 * (W - 1) * 4 * D / ((W - 1) / W * (8 + 8 * D))
-    plain = CostModelHotSetSelector().select(stats, [t], W, B, None)["t_x"]
-    same = CostModelHotSetSelector(pricing=LinkModel(link_mbit=100)).select(stats, [t], W, B, None)["t_x"]
-    faster = CostModelHotSetSelector(pricing=LinkModel(link_mbit=100, allreduce_mbit=200)).select(
-        stats, [t], W, B, None)["t_x"]
-    assert torch.equal(plain.hot_ids, torch.nonzero(lam > threshold).flatten()) and torch.equal(same.hot_ids, plain.hot_ids)
-    assert faster.sync == "dense" and torch.equal(faster.hot_ids, torch.nonzero(lam > threshold / 2).flatten())
-    assert faster.num_hot > plain.num_hot
-
-
 def _sparse_net(lam: torch.Tensor, p: torch.Tensor, W: int, B: int, D: int) -> torch.Tensor:
     saving = lam * (W - 1) / W * (8 + 8 * D)
     return saving - W * (W - 1) * (4 + 4 * D) * (1 - (1 - p) ** B)

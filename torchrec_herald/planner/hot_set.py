@@ -468,10 +468,9 @@ class CostModelHotSetSelector(HotSetSelector):
 
     ``pricing`` (``planner/pricing.py``) turns the bytes into the unit the nets are reported in: bytes
     (:class:`~torchrec_herald.planner.pricing.ByteCount`, the default) or milliseconds on a link
-    (:class:`~torchrec_herald.planner.pricing.LinkModel`). Priced in bytes, or on a link whose all-reduces get the
-    same rate as its all-to-alls, the rows chosen are the same in either unit; where the link's all-reduces are
-    faster (``LinkModel.allreduce_mbit``, measured at start), the dense sync's all-reduce costs less time per byte
-    than the cold rows' exchanges it saves, and more rows pay.
+    (:class:`~torchrec_herald.planner.pricing.LinkModel`). Every term is bytes, so the rows chosen are the same
+    in either unit: the link decides whether herald's plan trains at all (``HeraldPlanner.decide``), not which
+    rows it replicates.
     """
 
     def __init__(self, pricing: Optional[Pricing] = None) -> None:
@@ -487,7 +486,7 @@ class CostModelHotSetSelector(HotSetSelector):
         price = self.pricing.bytes
         for t in inputs:
             saving = price(replication_saving(t.lam, world_size, t.dim))
-            net_dense = saving - self.pricing.allreduce_bytes(dense_sync_row_cost(world_size, t.dim))
+            net_dense = saving - price(dense_sync_row_cost(world_size, t.dim))
             net_sparse = saving - price(sparse_sync_row_cost(t.touch, world_size, t.dim))
             nets.append((net_dense, net_sparse))
             total_dense = float(net_dense.clamp(min=0).sum())

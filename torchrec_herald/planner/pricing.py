@@ -34,10 +34,6 @@ class Pricing(abc.ABC):
     def bytes(self, nbytes: Amount) -> Amount:
         """The price of sending ``nbytes`` (a float or a tensor of per-row amounts) from one rank."""
 
-    def allreduce_bytes(self, nbytes: Amount) -> Amount:
-        """The price of sending ``nbytes`` from one rank in all-reduces (by default as any bytes)."""
-        return self.bytes(nbytes)
-
     @abc.abstractmethod
     def collectives(self, n: float) -> float:
         """The price of ``n`` collectives beyond their bytes."""
@@ -144,9 +140,6 @@ class LinkModel(Pricing):
 
     def bytes(self, nbytes: Amount) -> Amount:
         return nbytes * (8 / (self.link_mbit * 1e3))
-
-    def allreduce_bytes(self, nbytes: Amount) -> Amount:
-        return nbytes * (8 / (self.allreduce_rate_mbit * 1e3))
 
     def collectives(self, n: float) -> float:
         return n * self.collective_latency_ms
