@@ -1,9 +1,10 @@
 """The planner's one pricing module: turns bytes, collectives and per-lookup work into one unit.
 
 :class:`ByteCount` prices in bytes alone (the unit the hot-set cost model has always used, and what it
-uses when the link is unknown). :class:`LinkModel` prices in milliseconds for a given per-rank link rate,
-a per-collective latency and herald's extra CPU per lookup (``planner.link_mbit``,
-``planner.collective_latency_ms``, ``planner.cpu_us_per_lookup``). Both implement :class:`Pricing`, so
+uses when the link is unknown). :class:`LinkModel` prices in milliseconds for a given per-rank link rate (and
+the rate all-reduces get of it, where measured apart), a per-collective latency and herald's extra CPU per lookup
+(``planner.link_mbit``, ``planner.allreduce_mbit``, ``planner.collective_latency_ms``,
+``planner.cpu_us_per_lookup``). Both implement :class:`Pricing`, so
 the hot-set cost model (``planner/hot_set.py``) and the model of time (``planner/time_model.py``, whose
 :func:`~torchrec_herald.planner.time_model.decide` picks herald's plan, stock TABLE_WISE or TorchRec's
 default plan) price the same way. :data:`STOCK_TW_COLLECTIVES` and :data:`HERALD_COLLECTIVES` are the
