@@ -431,12 +431,12 @@ def test_auto_keeps_scheduling_only_where_it_wins_by_the_margin() -> None:
     assert SchedulingSwitch.decide(30.0, 30.0) == "off"
 
 
-@pytest.mark.parametrize("turn_end_after", [None, 4])
-def test_auto_times_the_probe_by_the_devices_work_waiting_once_at_each_end_of_a_timed_span(
-        turn_end_after: Any) -> None:
+@pytest.mark.parametrize("cut", [None, "turn", "eval"])
+def test_auto_times_the_probe_by_the_devices_work_waiting_once_at_each_end_of_a_timed_span(cut: Any) -> None:
     """On a GPU the host only queues a step's work: ``scheduling=auto``'s probe waits for the device where a timed
-    span of one mode begins and ends (and where another run's turn cuts a span), so each mode's time is the
-    device's (here 4 timed steps of 20 ms queued work each), with one wait at each end instead of one a step."""
+    span of one mode begins and ends (and where another run's turn, or an eval pass, cuts a span: ``stop_clock``),
+    so each mode's time is the device's (here 4 timed steps of 20 ms queued work each), with one wait at each end
+    instead of one a step."""
     from types import SimpleNamespace
 
     from torchrec_herald.pipeline.auto_scheduling import SchedulingSwitch
@@ -453,12 +453,16 @@ def test_auto_times_the_probe_by_the_devices_work_waiting_once_at_each_end_of_a_
         switch.before_step()
         modes.append(host.mode)
         device.queued += device.step_s  # (the step's launches return at once)
-        if turn_end_after is not None and step + 1 == turn_end_after:
-            device.steps = step + 1
-            host.stats.steps = step + 1
-            switch.stop_clock()  # (the other run's turn)
+        if cut is not None and step + 1 == 4:
+            device.steps = host.stats.steps = step + 1
+            if cut == "turn":
+                switch.stop_clock()  # (the other run's turn)
+            else:  # an eval step through TorchRec's pipeline queues 50 ms of the device's work: no probe step's
+                switch._delegate = SimpleNamespace(progress=lambda it: setattr(device, "queued", device.queued + 0.05))
+                switch.eval_in_flight(iter(()))
+                switch._delegate = None
     assert modes == ["on"] * 6 + ["off"] * 8
-    expected = [2, 6, 8, 12] if turn_end_after is None else [2, 4, 4, 6, 8, 12]
+    expected = [2, 6, 8, 12] if cut is None else [2, 4, 4, 6, 8, 12]
     assert device.synced_before == expected
     probe = switch.probe
     assert probe["steps"] == {"on": 4, "off": 4}

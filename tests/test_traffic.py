@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any, Dict
+from typing import Any, Dict, List
 
 import pytest
 import torch
@@ -146,6 +146,38 @@ def test_a_collectives_duration_runs_from_its_call_to_its_completion_where_its_w
     assert got["wait"]["overlapped"] < 0.1, got  # done before its wait
     assert set(got["by_kind"]) == {"all_reduce", "barrier"} and got["by_kind"]["all_reduce"] == got["duration"]["overlapped"]
     assert got["left_in_flight"]["all_reduce"] >= 0.15 and got["plain"] == {}, got
+
+
+def _left_in_flight_past_the_wait(rank: int, world: int) -> Dict[str, Any]:
+    import logging
+    import time
+
+    import torchrec_herald.traffic as traffic
+
+    traffic.IN_FLIGHT_WAIT_S = 0.3
+    said: List[str] = []
+    handler = logging.Handler()
+    handler.emit = lambda record: said.append(record.getMessage())  # type: ignore[method-assign]
+    traffic.logger.addHandler(handler)
+    t0 = time.perf_counter()
+    with TrafficMeter(completion_times=True) as meter:
+        if rank == 0:
+            work = dist.all_reduce(torch.ones(4), async_op=True)  # rank 1 joins only after its meter's block
+    closed_s = time.perf_counter() - t0
+    if rank == 1:
+        time.sleep(1.0)
+        work = dist.all_reduce(torch.ones(4), async_op=True)
+    work.wait()
+    time.sleep(0.1)
+    return {"closed_s": closed_s, "said": said, "durations": dict(meter.duration_by_kind)}
+
+
+def test_a_meter_waits_a_bounded_time_for_calls_in_flight_and_names_those_left() -> None:
+    got = run_multiprocess(_left_in_flight_past_the_wait, 2)[0]
+    assert 0.3 <= got["closed_s"] < 0.9, got  # the wait's 0.3 s, not the peer's 1 s
+    assert got["said"] == ["TrafficMeter: 1 collective(s) still in flight 0.3 s after the meter's block ended; their "
+                           "completion times are not counted"], got
+    assert got["durations"] == {}, got  # (completed after the meter closed: not counted)
 
 
 # --------------------------------------------------------------------------- TorchRec's own collectives

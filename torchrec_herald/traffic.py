@@ -46,6 +46,9 @@ import torch.distributed.distributed_c10d as c10d
 
 logger = logging.getLogger(__name__)
 
+#: how long a meter timing completions waits at its exit for its collectives still in flight
+IN_FLIGHT_WAIT_S = 30.0
+
 _WRAPPED = (
     "all_to_all_single",
     "all_to_all",
@@ -176,11 +179,15 @@ class TrafficMeter:
     def __init__(self, embedding_dim: Optional[int] = None, completion_times: bool = False) -> None:
         self.embedding_dim = embedding_dim
         #: time each collective from its call to its completion (:attr:`duration_by_tag`); an async call's through a
-        #: callback on its future, which runs on the backend's thread: the meter's exit waits for the calls still in
-        #: flight, so that no callback is left to run while the interpreter shuts down (a C++ thread taking the GIL
-        #: then is ended mid-call: ``terminate called without an active exception``). Off by default (benchmarks)
+        #: callback on its future, which runs on the backend's thread: the meter's exit waits (up to
+        #: :data:`IN_FLIGHT_WAIT_S`) for the calls still in flight, so that no callback is left to run while the
+        #: interpreter shuts down (a C++ thread taking the GIL then is ended mid-call: ``terminate called without an
+        #: active exception``). Gloo's collectives complete their futures when done; a CUDA future (NCCL) completes
+        #: once its kernels are queued, and gloo's send/recv have no future (their call's time is counted): the figure
+        #: is a CPU/gloo benchmark's. Off by default (``bench_bandwidth`` sets it)
         self.completion_times = completion_times
         self._in_flight: List[Any] = []
+        self._generation = 0  # (a reset's: a call made before it adds nothing after it)
         self._by_kind: Dict[str, CollectiveStats] = {}
         self._by_tag: Dict[str, CollectiveStats] = {}
         self._tag_stacks: Dict[int, List[tuple[str, Optional[int]]]] = {}  # per thread: its tags, innermost last
@@ -208,13 +215,24 @@ class TrafficMeter:
         return self
 
     def __exit__(self, *exc: Any) -> None:
+        if exc[0] is None:  # (after an error a peer may never join: nothing is waited for)
+            self._wait_in_flight()
         with TrafficMeter._lock:
             TrafficMeter._active.remove(self)
             TrafficMeter._use(-1)
-            in_flight, self._in_flight = self._in_flight, []
-        if exc[0] is None:  # (after an error a peer may never join: nothing is waited for)
-            for future in in_flight:
-                future.wait()
+            self._in_flight = []
+
+    def _wait_in_flight(self) -> None:
+        """Wait, up to :data:`IN_FLIGHT_WAIT_S`, for the collectives this meter times that are still in flight (their
+        completions count while the meter is open); a warning names those left."""
+        with TrafficMeter._lock:
+            in_flight = list(self._in_flight)
+        deadline = time.monotonic() + IN_FLIGHT_WAIT_S
+        while (left := [f for f in in_flight if not f.done()]) and time.monotonic() < deadline:
+            time.sleep(0.005)
+        if left:
+            logger.warning("TrafficMeter: %d collective(s) still in flight %g s after the meter's block ended; "
+                           "their completion times are not counted", len(left), IN_FLIGHT_WAIT_S)
 
     @classmethod
     def _use(cls, n: int) -> None:
@@ -310,6 +328,9 @@ class TrafficMeter:
         self.wait_other_threads_s = 0.0
         self.duration_by_tag.clear()
         self.duration_by_kind.clear()
+        with TrafficMeter._lock:
+            self._generation += 1
+            self._in_flight = []
 
     def _current_label(self) -> str:
         return self._tags[-1][0] if self._tags else "untagged"
@@ -326,9 +347,14 @@ class TrafficMeter:
             meter.wait_by_tag[label] = meter.wait_by_tag.get(label, 0.0) + seconds
 
     @classmethod
-    def _add_duration(cls, seconds: float, kind: str, meters: List["TrafficMeter"], labels: Dict[int, str]) -> None:
+    def _add_duration(cls, seconds: float, kind: str, meters: List["TrafficMeter"], labels: Dict[int, str],
+                      generations: Optional[Dict[int, int]] = None) -> None:
+        """Add a call's duration to those of ``meters`` still open (and not reset since the call)."""
         with cls._lock:  # (an async collective completes on its backend's thread)
             for meter in meters:
+                if meter not in cls._active or (generations is not None
+                                                 and generations.get(id(meter)) != meter._generation):
+                    continue
                 label = labels.get(id(meter), "untagged")
                 meter.duration_by_tag[label] = meter.duration_by_tag.get(label, 0.0) + seconds
                 meter.duration_by_kind[kind] = meter.duration_by_kind.get(kind, 0.0) + seconds
@@ -399,8 +425,17 @@ def _time_to_completion(meter_cls: Any, name: str, work: Any, t0: float, meters:
     if future is None:
         meter_cls._add_duration(time.perf_counter() - t0, name, meters, labels)
         return
+    generations = {id(m): m._generation for m in meters}
+
+    def completed(done: Any) -> None:
+        try:
+            done.value()
+        except Exception:  # noqa: BLE001 - a failed collective has no completion time
+            return
+        meter_cls._add_duration(time.perf_counter() - t0, name, meters, labels, generations)
+
     # (``then``: its future completes once the callback has run, which the meter's exit can wait for)
-    timed = future.then(lambda _: meter_cls._add_duration(time.perf_counter() - t0, name, meters, labels))
+    timed = future.then(completed)
     with meter_cls._lock:
         for meter in meters:  # (those completed let go: a future holds its collective's tensors)
             meter._in_flight = [f for f in meter._in_flight if not f.done()] + [timed]

@@ -235,18 +235,16 @@ class SchedulingSwitch:
         need, and the eval's time is no probe step's."""
         assert self._delegate is not None
         self._evaluating = True
+        self.stop_clock()
         try:
             return self._delegate.progress(it)
         finally:
-            self.restart_clock()
-
-    def restart_clock(self) -> None:
-        """The time until the next step is no step's (an eval pass between training steps)."""
-        self._step_started = None
+            self.stop_clock()
 
     def stop_clock(self) -> None:
-        """The step that just trained ends now: timed into its mode up to here, and the time until the next step is
-        no step's (another run's turn in the same ranks follows)."""
+        """The step that just trained ends now: timed into its mode up to here (on a GPU, its queued work waited for
+        where a timed span ends), and the time until the next step is no step's (an eval pass, or another run's turn
+        in the same ranks, follows)."""
         if self.probe is not None and not self.probe["decided"]:
             self._time_step_ended(self._clock(None))
         self._step_started = None

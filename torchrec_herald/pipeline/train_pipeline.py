@@ -478,7 +478,7 @@ class HeraldTrainPipeline(TrainPipeline[Batch, Any]):
             return self.switch.eval_in_flight(dataloader_iter)
         if self.switch is not None:
             self.switch.pause_delegate()  # (TorchRec's pipeline rewrote the forwards)
-            self.switch.restart_clock()  # (the eval's time is no probe step's)
+            self.switch.stop_clock()  # (the eval's time is no probe step's)
         self.flush()
         batch = next(dataloader_iter)
         with torch.no_grad():
