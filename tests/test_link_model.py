@@ -572,6 +572,8 @@ def test_the_all_reduce_rate_is_measured_with_the_link_rate_given_or_the_link_ra
     assert HeraldPlannerConfig(allreduce_mbit=None).with_measured(probe).link_model().allreduce_mbit is None
     assert HeraldPlannerConfig(link_mbit=50, allreduce_mbit=70).link_model().allreduce_mbit == 70.0
     assert "100 Mbit/s per rank (180 for all-reduces)" in probe.describe() and probe.as_dict()["allreduce_mbit"] == 180.0
+    with pytest.raises(ValueError, match=r"LinkModel\(one_rank=True\) is one rank's local link"):
+        LinkModel(link_mbit=float("inf"), collective_latency_ms=0.0, allreduce_mbit=5.0, one_rank=True)
 
 
 def test_all_reduce_bytes_cross_at_the_all_reduce_rate() -> None:
@@ -589,6 +591,21 @@ def test_all_reduce_bytes_cross_at_the_all_reduce_rate() -> None:
     assert (q.comm_ms, q.link_busy_ms, q.step_ms) == pytest.approx((12.0, 33.0, 33.0))
     same = StepTimeModel(link_mbit=80, collective_latency_ms=0.5)  # no all-reduce rate: the link's
     assert same.predict(PlanLoad("x", 1e5, 0.0, 0, allreduce_bytes=6e4)).comm_ms == pytest.approx(10.0)
+
+
+def test_the_per_table_split_ranks_tables_by_the_time_they_save_at_each_collectives_rate() -> None:
+    """Table x saves the most bytes a lookup, but through a dense hot-row sync whose all-reduce gets a quarter of the
+    all-to-alls' rate; y saves fewer, by all-to-alls: on that link herald takes y and not x (ranked by bytes, the
+    splits tried were x first, and the best one, y alone, was never priced)."""
+    from torchrec_herald.planner.time_model import per_table_choice
+
+    expected = {"x": {"lookups": 100.0, "stock_table_wise": 1e5, "herald_total": 6e4, "herald_hot_sync_allreduce": 6e4},
+                "y": {"lookups": 100.0, "stock_table_wise": 5e4, "herald_total": 2e4}}
+    link = LinkModel(link_mbit=200, allreduce_mbit=50, collective_latency_ms=0.0, cpu_us_per_lookup=0.0)
+    assert per_table_choice(expected, {"x": "table_wise", "y": "table_wise"}, 2, link) == {"x": "table_wise",
+                                                                                            "y": "herald"}
+    same = LinkModel(link_mbit=200, collective_latency_ms=0.0, cpu_us_per_lookup=0.0)  # one rate: both pay
+    assert per_table_choice(expected, {"x": "table_wise", "y": "table_wise"}, 2, same) == {"x": "herald", "y": "herald"}
 
 
 def test_the_decision_prices_the_dense_sums_and_the_dense_hot_sync_at_the_all_reduce_rate() -> None:

@@ -632,12 +632,15 @@ def test_settings_nothing_reads_are_warned_and_an_approximate_mode_at_one_rank_i
         monkeypatch.setenv("WORLD_SIZE", "4")  # planning by home from 3 ranks: its allocator moves no sample
         assert _error(herald + ["planner.link_mbit=null", "pipeline.move_penalty=3"]) == "no error"
         monkeypatch.delenv("WORLD_SIZE")
+        assert _error(herald + ["planner.link_mbit=null", "planner.allreduce_mbit=90"]) == "no error"
     assert [r.getMessage() for r in caplog.records if r.name == "torchrec_herald.trainer"] == [
         f"pipeline.{kv} is not applied: it tunes Herald scheduling, and pipeline.scheduling=off"
         for kv in ("allocator=greedy", "sync=eager", "cache_fraction=0.5")] + [
         "pipeline.probe_steps=4 is not applied: it sizes scheduling=auto's probe, and pipeline.scheduling=on",
         "pipeline.move_penalty=3 is not applied: at 4 ranks pipeline.planning=auto plans by home, whose allocator "
-        "moves no sample"]
+        "moves no sample",
+        "planner.allreduce_mbit=90 is not applied: planner.link_mbit=null keeps herald's plan whatever the link, and "
+        "nothing is priced"]
 
 
 def test_a_file_with_no_full_global_batch_fails_in_preflight_under_any_pipeline(tmp_path: Path) -> None:

@@ -139,10 +139,14 @@ class HeraldPlannerConfig:
         """One line for each option set away from its default where nothing reads it (``top_fraction`` with the
         cost model's selector)."""
         default = HeraldPlannerConfig.__dataclass_fields__["top_fraction"].default
+        out = []
         if self.selector != "top_fraction" and self.top_fraction != default:
-            return [f"planner.top_fraction={self.top_fraction} is not applied: it sizes the hot set of "
-                    f"planner.selector=top_fraction, and the selector is {self.selector}"]
-        return []
+            out.append(f"planner.top_fraction={self.top_fraction} is not applied: it sizes the hot set of "
+                       f"planner.selector=top_fraction, and the selector is {self.selector}")
+        if self.link_mbit is None and self.allreduce_mbit not in (None, "auto"):
+            out.append(f"planner.allreduce_mbit={self.allreduce_mbit} is not applied: planner.link_mbit=null keeps "
+                       f"herald's plan whatever the link, and nothing is priced")
+        return out
 
     def prices_one_rank_locally(self, world_size: int) -> bool:
         """At one rank with the link left to measure (``auto``), no embedding crosses a link: there is no rate to

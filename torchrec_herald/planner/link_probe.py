@@ -6,7 +6,7 @@ without the user knowing their link. The collectives carry tensors where the tra
 (:func:`~torchrec_herald.dist_utils.collective_device`): CUDA tensors over NCCL on a GPU host, whose process
 group also has gloo for CPU tensors, so the probe times the link the embeddings cross, not gloo's TCP.
 
-Hand-written because no library times a process group's links; it costs about a second and a few
+Hand-written because no library times a process group's links; it costs up to 1.5 s and a few tens of
 MB per rank, and every rank ends with the same figures (the times are all-reduced), so every rank makes
 the same decision.
 """
@@ -212,7 +212,7 @@ def probe_on_every_rank(pg: Optional[dist.ProcessGroup]) -> Optional[LinkProbe]:
 
 def measured_link(pg: Optional[dist.ProcessGroup], cpu_us_per_lookup: Optional[float] = None
                   ) -> Optional["LinkModel"]:
-    """The link ``pg`` runs on, measured (collective, about a second), as the model of time prices it: a
+    """The link ``pg`` runs on, measured (collective, up to 1.5 s), as the model of time prices it: a
     :class:`~torchrec_herald.planner.pricing.LinkModel` for ``HeraldPlanner(link=...)``, the same on every rank, so
     that :meth:`HeraldPlanner.decide` picks herald's plan or a stock one as the command line does. None on every rank
     where the probe failed on any (one warning): the planner then takes the ``Topology``'s stated bandwidth, if

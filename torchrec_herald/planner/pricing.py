@@ -5,9 +5,9 @@ uses when the link is unknown). :class:`LinkModel` prices in milliseconds for a 
 the rate all-reduces get of it, where measured apart), a per-collective latency and herald's extra CPU per lookup
 (``planner.link_mbit``, ``planner.allreduce_mbit``, ``planner.collective_latency_ms``,
 ``planner.cpu_us_per_lookup``). Both implement :class:`Pricing`, so
-the hot-set cost model (``planner/hot_set.py``) and the model of time (``planner/time_model.py``, whose
-:func:`~torchrec_herald.planner.time_model.decide` picks herald's plan, stock TABLE_WISE or TorchRec's
-default plan) price the same way. :data:`STOCK_TW_COLLECTIVES` and :data:`HERALD_COLLECTIVES` are the
+the hot-set cost model (``planner/hot_set.py``, which prices every byte at the link's rate) and the model of time
+(``planner/time_model.py``, whose :func:`~torchrec_herald.planner.time_model.decide` picks herald's plan, stock
+TABLE_WISE or TorchRec's default plan, and prices all-reduces at their own rate) use one set of prices. :data:`STOCK_TW_COLLECTIVES` and :data:`HERALD_COLLECTIVES` are the
 collectives per rank and step TrafficMeter counts for each besides the dense all-reduce.
 """
 
@@ -103,7 +103,8 @@ class LinkModel(Pricing):
         for key in ("link_mbit", "collective_latency_ms", "cpu_us_per_lookup"):
             if not is_number(getattr(self, key)):
                 refuse(key, "be a number")
-        if self.one_rank and (not math.isinf(self.link_mbit) or self.collective_latency_ms != 0):
+        if self.one_rank and (not math.isinf(self.link_mbit) or self.collective_latency_ms != 0
+                              or self.allreduce_mbit is not None):
             raise ValueError("LinkModel(one_rank=True) is one rank's local link: LinkModel.local(cpu_us_per_lookup)")
         if not self.link_mbit > 0 or (math.isinf(self.link_mbit) and not self.one_rank):
             refuse("link_mbit", "be > 0 Mbit/s (or null: unknown)")

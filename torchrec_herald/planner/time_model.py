@@ -143,7 +143,7 @@ class LinkDecision:
     per_table: Dict[str, str] = field(default_factory=dict)
     #: why the fastest prediction was not chosen ('' where it was): :func:`default_plan_margin`
     note: str = ""
-    #: the rate all-reduces were priced at, where it is not ``link_mbit``
+    #: the rate all-reduces were priced at, where the link was given one apart (None: ``link_mbit``)
     allreduce_mbit: Optional[float] = None
 
     @property
@@ -319,7 +319,8 @@ def per_table_choice(expected: Mapping[str, Mapping[str, float]], stock_types: M
     """Per table, ``herald`` or the stock sharding type it keeps (the fewer bytes of its type in TorchRec's
     default plan and TABLE_WISE; TABLE_WISE for DATA_PARALLEL).
 
-    The tables are ranked by the bytes herald saves per lookup; herald takes the first k of them, for the
+    The tables are ranked by the link time herald saves per lookup (its dense hot-row sync at the link's
+    all-reduce rate, the rest at its all-to-all rate); herald takes the first k of them, for the
     k whose whole candidate (:func:`mixed_plan_load`: bytes, both parts' collectives, herald's extra work
     per step, the link's occupancy) has the shortest predicted step on ``model``'s link. A table-by-table
     comparison would not do: herald's extra work is paid once per step, and where the link is busy all
@@ -327,10 +328,11 @@ def per_table_choice(expected: Mapping[str, Mapping[str, float]], stock_types: M
     W = world_size
     kinds = {n: min(("table_wise", _stock_kind(stock_types.get(n, "table_wise"))), key=lambda k: _stock_bytes(k, e))
              for n, e in expected.items()}
-    saving = {n: (_stock_bytes(kinds[n], e) - e.get("herald_total", 0.0)) / max(e.get("lookups", 0.0), 1.0)
-              for n, e in expected.items()}
-    ranked = sorted(expected, key=lambda n: -saving[n])
     timer = StepTimeModel.on(model)
+    saving = {n: (timer.transfer_ms(_stock_bytes(kinds[n], e))
+                  - timer.transfer_ms(e.get("herald_total", 0.0), e.get("herald_hot_sync_allreduce", 0.0)))
+              / max(e.get("lookups", 0.0), 1.0) for n, e in expected.items()}
+    ranked = sorted(expected, key=lambda n: -saving[n])
     best: Dict[str, str] = {}
     best_ms = float("inf")
     for k in range(len(ranked) + 1):
