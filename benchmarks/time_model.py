@@ -202,7 +202,7 @@ def shared_core_call_ms(row: Dict[str, Any], probes: Probes, a2a_share: float,
                         unlimited: Optional[Unlimited] = None) -> float:
     """What each all-reduce call must cost, where ranks share cores, to put ``row`` (a stock run at W > cores) on its
     measured step: its step less its compute, its bytes and its collectives' latency, per all-reduce call (0 where
-    that is already longer: the host floor or the link bounds it). One such figure, stock's at W=4 and 200 Mbit/s,
+    those already pass the step). One such figure, stock's at W=4 and 200 Mbit/s,
     is the validation's second calibration. (TrafficMeter's times from each call to its completion do not give it:
     at the unlimited link they hold each peer's lateness and the overlap, 4-14 ms a call at W=4, ~1.4 at W=2.)"""
     load, _ = load_of(row, trained(row), unlimited)
@@ -242,8 +242,9 @@ def validate(validated: Optional[List[str]] = None, rate_sweep: Optional[List[st
     TABLE_WISE at W=2, 200 Mbit/s) and what an all-reduce call costs where ranks share cores (``call_ms``, stock's
     baseline at W=4, 200 Mbit/s; 0 where no such point)."""
     validated = validated or VALIDATED
+    unlimited = unlimited if unlimited is not None else unlimited_runs(UNLIMITED_RUNS)
     probes = Probes(validated)
-    calibrated = []
+    calibrated: Dict[str, Tuple[str, str, int, int]] = {}
 
     def point(config: str, W: int) -> Optional[Tuple[str, Dict[str, Any]]]:
         return next(((n, r) for n in validated for r in _rows(n)
@@ -252,12 +253,12 @@ def validate(validated: Optional[List[str]] = None, rate_sweep: Optional[List[st
     if share is None:
         cal = point("tw", 2) or ("bandwidth_w2_probe_limited", _row("bandwidth_w2_probe_limited", "tw", 2, 200))
         share = a2a_share(cal[1], probes, unlimited)
-        calibrated.append((cal[0], "tw", 2, 200))
+        calibrated["a2a_share"] = (cal[0], "tw", 2, 200)
     if call_ms is None:
         cal4 = next((point(c, W) for c in ("stock", "tw") for W in (4, 8) if point(c, W)), None)
         call_ms = shared_core_call_ms(cal4[1], probes, share, unlimited) if cal4 else 0.0
         if cal4:
-            calibrated.append((cal4[0], cal4[1]["config"], cal4[1]["world_size"], 200))
+            calibrated["call_ms"] = (cal4[0], cal4[1]["config"], cal4[1]["world_size"], 200)
     points = []
     for n in validated:
         rows = _rows(n)
@@ -274,7 +275,7 @@ def validate(validated: Optional[List[str]] = None, rate_sweep: Optional[List[st
                 "world_size": W, "rate_mbit": rate, "baseline": trained(r), "herald_trained": trained(h),
                 "link_mbit_used": m.link_mbit, "allreduce_mbit_used": m.allreduce_rate_mbit,
                 "latency_ms_used": m.collective_latency_ms, "allreduce_call_ms": m.allreduce_call_ms,
-                "calibration_point": (n, r["config"], W, rate) in calibrated,
+                "calibration_point": (n, r["config"], W, rate) in calibrated.values(),
                 "stock_step_ms": {"measured": ms, "predicted": ps, "error": ps / ms - 1},
                 "herald_step_ms": {"measured": mh, "predicted": ph, "error": ph / mh - 1},
                 # samples/s ratio herald / stock: the measured one is bench_bandwidth's (median runs)
@@ -282,7 +283,7 @@ def validate(validated: Optional[List[str]] = None, rate_sweep: Optional[List[st
                           "measured_from_steps": ms / mh},
             })
             points[-1]["ratio"]["error"] = points[-1]["ratio"]["predicted"] / points[-1]["ratio"]["measured"] - 1
-    return {"a2a_share": share, "shared_core_allreduce_call_ms": call_ms,
+    return {"a2a_share": share, "shared_core_allreduce_call_ms": call_ms, "calibrated": calibrated,
             "allreduce_measured_by_probe": probes.measured_all_reduces(), "points": points,
             "share_by_rate": share_by_rate(list(validated) + list(rate_sweep or []), probes, unlimited)}
 
@@ -411,15 +412,22 @@ def _kaggle_sizes() -> Tuple[List[str], List[int]]:
     return [table_name(f) for f in src.feature_names], list(src.num_embeddings)
 
 
+def _calibrated(point: Optional[List[Any]]) -> str:
+    """``calibrated on <config>, W=<W>, <rate> Mbit/s`` for a validation's calibration point (``given``: none)."""
+    if not point:
+        return "given"
+    _, config, W, rate = point
+    return f"calibrated on {'stock TABLE_WISE' if config == 'tw' else 'TorchRec' + chr(39) + 's default plan'}, W={W}, {rate} Mbit/s"
+
+
 def markdown(result: Dict[str, Any], command: str) -> str:
     v = result["validation"]
     lines = [f"Command: `{command}`", "",
              f"Validation: the step's all-to-alls at {v['a2a_share']:.2f}× the probe's all-to-all rate ("
-             + ("calibrated on stock TABLE_WISE, W=2, 200 Mbit/s" if any(p["calibration_point"] for p in v["points"])
-                else "given") + "); all-reduces at the probe's all-reduce rate"
+             + _calibrated(v["calibrated"].get("a2a_share")) + "); all-reduces at the probe's all-reduce rate"
              + ("" if v.get("allreduce_measured_by_probe") else " (0.93 of the tc rate where it did not time them)")
-             + f"; each point's own latency; where ranks share cores (4 on 2), {v['shared_core_allreduce_call_ms']:.1f} ms "
-             "more per all-reduce call (calibrated on stock's default plan at W=4, 200 Mbit/s).", "",
+             + f"; each point's own latency; where ranks share cores, {v['shared_core_allreduce_call_ms']:.1f} ms "
+             f"more per all-reduce call ({_calibrated(v['calibrated'].get('call_ms'))}).", "",
              "| ranks | link | stock trained | herald trained | stock step measured / predicted (err) | "
              "herald step measured / predicted (err) | ratio measured / predicted (err) |", "|---|---|---|---|---|---|---|"]
     for p in v["points"]:
