@@ -1,0 +1,11 @@
+#!/bin/bash
+# the targets again at the session's final code (after the review's fixes)
+cd /tmp/wt21d
+export PYTHONPATH=/tmp/wt21d
+O=/tmp/ex/r21d
+B=".venv/bin/python benchmarks/bench_bandwidth.py --steps 300"
+$B --world-sizes 2 --rates 200 50 --configs tw herald_defaults --repeats 3 --out $O/bw_w2_lim.json > $O/bw_w2_lim.log 2>&1
+$B --world-sizes 4 --rates 200 50 --configs stock herald_defaults --repeats 3 --out $O/bw_w4_lim.json > $O/bw_w4_lim.log 2>&1
+$B --world-sizes 2 --rates 0 --configs tw herald_defaults --repeats 5 --out $O/bw_w2_unl.json > $O/bw_w2_unl.log 2>&1
+$B --world-sizes 4 --rates 0 --configs stock herald_defaults --repeats 5 --out $O/bw_w4_unl.json > $O/bw_w4_unl.log 2>&1
+echo done > $O/DONE
