@@ -46,6 +46,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from dataclasses import replace
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Tuple
 
@@ -218,10 +219,10 @@ def a2a_share(row: Dict[str, Any], probes: Probes, unlimited: Optional[Unlimited
     figure, at 200 Mbit/s, is the validation's calibration."""
     load, _ = load_of(row, trained(row), unlimited)
     m = model_for(row, probes, 1.0)
-    others = (load.compute_ms + load.collectives * m.collective_latency_ms
-              + load.allreduce_bytes * 8 / (m.allreduce_rate_mbit * 1e3))
-    a2a_bytes = load.critical_bytes - load.allreduce_bytes
-    return a2a_bytes * 8 / ((row["breakdown_ms"]["step"] - others) * 1e3) / m.link_mbit
+    # (the model's path for the step without its all-to-all bytes: compute, all-reduces, latencies)
+    rest = m.predict(replace(load, critical_bytes=load.allreduce_bytes))
+    others = rest.compute_ms + rest.extra_ms + rest.comm_ms
+    return m.bytes(load.critical_bytes - load.allreduce_bytes) / (row["breakdown_ms"]["step"] - others)
 
 
 def share_by_rate(names: List[str], probes: Probes, unlimited: Optional[Unlimited] = None) -> List[Dict[str, Any]]:

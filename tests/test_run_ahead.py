@@ -471,7 +471,7 @@ def test_auto_times_the_probe_by_the_devices_work_waiting_once_at_each_end_of_a_
 
 
 def test_device_sync_waits_on_a_cuda_device_only() -> None:
-    from torchrec_herald.pipeline.auto_scheduling import device_sync
+    from torchrec_herald.dist_utils import device_sync
 
     assert device_sync("cpu") is None and device_sync(torch.device("cpu")) is None
     assert callable(device_sync("cuda:0"))  # (not called: no GPU needed)

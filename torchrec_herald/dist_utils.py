@@ -33,6 +33,15 @@ def collective_device(pg: Optional[dist.ProcessGroup] = None) -> torch.device:
     return torch.device("cpu")
 
 
+def device_sync(device: Any) -> Optional[Callable[[], None]]:
+    """What waits for ``device``'s queued work (a CUDA device's stream), for a clock that times the device's work;
+    None on a CPU, where the host's clock is the work's."""
+    dev = torch.device(device)
+    if dev.type != "cuda":
+        return None
+    return lambda: torch.cuda.synchronize(dev)
+
+
 def rank0_outcome(work: Callable[[], Optional[str]]) -> Optional[str]:
     """Run ``work`` on rank 0 alone and give every rank what it returned, one line of error or None (collective
     where a process group of several ranks is up): every rank can then raise the same error, where rank 0

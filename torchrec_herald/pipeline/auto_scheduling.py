@@ -24,7 +24,7 @@ from torchrec_herald.dist_utils import collective_device
 from torchrec_herald.pipeline.context import SchedulerStats
 from torchrec_herald.pipeline.options import probe_mode_steps
 
-__all__ = ["ON_MARGIN", "SPARSE_DIST_AHEAD", "SchedulingSwitch", "SwitchHost", "device_sync"]
+__all__ = ["ON_MARGIN", "SPARSE_DIST_AHEAD", "SchedulingSwitch", "SwitchHost"]
 
 logger = logging.getLogger(__name__)
 
@@ -32,15 +32,6 @@ logger = logging.getLogger(__name__)
 SPARSE_DIST_AHEAD = 2
 #: how much shorter scheduling's probed step must be for ``auto`` to keep it on (see ``decide``)
 ON_MARGIN = 0.03
-
-
-def device_sync(device: Any) -> Optional[Callable[[], None]]:
-    """What waits for ``device``'s queued work (a CUDA device's stream), for a clock that times the device's work;
-    None on a CPU, where the host's clock is the step's."""
-    dev = torch.device(device)
-    if dev.type != "cuda":
-        return None
-    return lambda: torch.cuda.synchronize(dev)
 
 
 class SwitchHost(Protocol):

@@ -35,8 +35,9 @@ from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from torchrec_herald.comm import row_with_state_bytes
 from torchrec_herald.data import TrainStream
+from torchrec_herald.dist_utils import device_sync
 from torchrec_herald.layout import cache_rows_for_budget
-from torchrec_herald.pipeline.auto_scheduling import SchedulingSwitch, device_sync
+from torchrec_herald.pipeline.auto_scheduling import SchedulingSwitch
 from torchrec_herald.pipeline.context import (EVERY_RANK, HeraldBatchContext, SchedulerStats, SchedulingEnv,
                                               find_herald_ebc, herald_ebcs, select_samples, stock_tables_beside)
 from torchrec_herald.pipeline.input_allocator import InputAllocator, build_allocator

@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 
 from torchrec_herald.comm import ring_allreduce_bytes
-from torchrec_herald.dist_utils import collective_device
+from torchrec_herald.dist_utils import collective_device, device_sync
 
 __all__ = ["LinkProbe", "agree_on_probe", "measured_link", "probe_link", "probe_on_every_rank"]
 
@@ -62,8 +62,9 @@ class LinkProbe:
 
 
 def _sync(device: torch.device) -> None:
-    if device.type == "cuda":  # (a collective's wait() orders the stream; the host waits here)
-        torch.cuda.synchronize(device)
+    wait = device_sync(device)  # (on a GPU a collective's wait() orders the stream; the host waits here)
+    if wait is not None:
+        wait()
 
 
 def _timed(op: Any, timeout: timedelta, device: torch.device = torch.device("cpu")) -> float:

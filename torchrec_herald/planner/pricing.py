@@ -4,11 +4,12 @@
 uses when the link is unknown). :class:`LinkModel` prices in milliseconds for a given per-rank link rate (and
 the rate all-reduces get of it, where measured apart), a per-collective latency and herald's extra CPU per lookup
 (``planner.link_mbit``, ``planner.allreduce_mbit``, ``planner.collective_latency_ms``,
-``planner.cpu_us_per_lookup``). Both implement :class:`Pricing`, so
-the hot-set cost model (``planner/hot_set.py``, which prices every byte at the link's rate) and the model of time
+``planner.cpu_us_per_lookup``). Both implement :class:`Pricing`, so the hot-set cost model
+(``planner/hot_set.py``, which prices every byte at the link's rate) and the model of time
 (``planner/time_model.py``, whose :func:`~torchrec_herald.planner.time_model.decide` picks herald's plan, stock
-TABLE_WISE or TorchRec's default plan, and prices all-reduces at their own rate) use one set of prices. :data:`STOCK_TW_COLLECTIVES` and :data:`HERALD_COLLECTIVES` are the
-collectives per rank and step TrafficMeter counts for each besides the dense all-reduce.
+TABLE_WISE or TorchRec's default plan, and prices all-reduces at their own rate) use one set of prices.
+:data:`STOCK_TW_COLLECTIVES` and :data:`HERALD_COLLECTIVES` are the collectives per rank and step TrafficMeter counts
+for each besides the dense all-reduce.
 """
 
 from __future__ import annotations
@@ -137,8 +138,7 @@ class LinkModel(Pricing):
     def transfer_ms(self, nbytes: float, allreduce_bytes: float = 0.0) -> float:
         """Milliseconds to send ``nbytes`` over the link, of which ``allreduce_bytes`` by all-reduces (at
         :attr:`allreduce_rate_mbit`; the rest at ``link_mbit``)."""
-        return (nbytes - allreduce_bytes) * 8 / (self.link_mbit * 1e3) + \
-            allreduce_bytes * 8 / (self.allreduce_rate_mbit * 1e3)
+        return self.bytes(nbytes - allreduce_bytes) + allreduce_bytes * 8 / (self.allreduce_rate_mbit * 1e3)
 
     def bytes(self, nbytes: Amount) -> Amount:
         return nbytes * (8 / (self.link_mbit * 1e3))

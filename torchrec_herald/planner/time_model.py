@@ -25,7 +25,7 @@ GPU cluster).
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from typing import Any, Dict, Iterable, List, Mapping, Optional, Tuple
 
 from torchrec_herald.comm import ring_allreduce_bytes
@@ -112,8 +112,7 @@ class StepTimeModel(LinkModel):
     def on(cls, link: LinkModel) -> "StepTimeModel":
         """The model for ``link``'s prices with no compute measured (the candidates then differ only in
         their link and extra work)."""
-        return cls(link_mbit=link.link_mbit, collective_latency_ms=link.collective_latency_ms,
-                   cpu_us_per_lookup=link.cpu_us_per_lookup, allreduce_mbit=link.allreduce_mbit, one_rank=link.one_rank)
+        return cls(**{f.name: getattr(link, f.name) for f in fields(LinkModel)})  # (every price the link has)
 
     def predict(self, load: PlanLoad) -> StepPrediction:
         compute = self.compute_ms if load.compute_ms is None else load.compute_ms
