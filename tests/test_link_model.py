@@ -711,6 +711,46 @@ def test_measured_link_gives_every_rank_the_same_link_model_or_none_where_a_prob
     assert measured_link(None) == LinkModel.local(LinkModel.cpu_us_per_lookup)
 
 
+def _probe_failing_before_a_collective(rank: int, world: int) -> tuple:
+    """Rank 1's probe fails before its first all-to-all (an allocation, say), which rank 0 enters."""
+    import logging
+
+    import torch
+    import torch.distributed as dist
+
+    import torchrec_herald.planner.link_probe as link_probe
+
+    def broken(*args: object, **kwargs: object) -> None:
+        raise RuntimeError("out of memory on rank 1 alone")
+
+    real = dist.all_to_all_single
+    if rank == 1:
+        dist.all_to_all_single = broken
+    seen: list = []
+    handler = logging.Handler()
+    handler.emit = lambda record: seen.append(record.getMessage())  # type: ignore[method-assign]
+    logging.getLogger("torchrec_herald.planner").addHandler(handler)
+    try:
+        probe = link_probe.probe_on_every_rank(dist.group.WORLD, timeout_s=2.0)
+    finally:
+        dist.all_to_all_single = real
+    after = torch.tensor([rank + 1.0])
+    dist.all_reduce(after)  # the job's group carries its next collective as it should
+    return probe, seen, after.item()
+
+
+def test_a_probe_failing_on_one_rank_before_a_collective_leaves_the_jobs_group_in_step() -> None:
+    """The probe runs on a group of its own: the all-to-all rank 0 entered and rank 1 never did times out there
+    (after the probe's timeout), instead of pairing with rank 1's next collective on the job's group, which failed
+    the job ("the process group failed right after the start-up link probe"). Each rank warns once, both plan on
+    the configured values, and the job's group sums right after."""
+    (p0, seen0, after0), (p1, seen1, after1) = run_multiprocess(_probe_failing_before_a_collective, 2)
+    assert p0 is None and p1 is None and after0 == after1 == 3.0
+    tail = "; planning with the configured link values (planner.link_mbit / planner.collective_latency_ms)"
+    assert seen1 == ["planner: the link probe failed (out of memory on rank 1 alone)" + tail]
+    assert seen0 == ["planner: the link probe failed (Operation timed out!)" + tail]
+
+
 def _train_probe_failing(rank: int, world: int, overrides: list, run_dir: str, failing_ranks: tuple = (0, 1)) -> tuple:
     import logging
 

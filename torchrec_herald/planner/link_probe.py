@@ -26,7 +26,7 @@ import torch.distributed as dist
 from torchrec_herald.comm import ring_allreduce_bytes
 from torchrec_herald.dist_utils import collective_device, device_sync
 
-__all__ = ["LinkProbe", "agree_on_probe", "measured_link", "probe_link", "probe_on_every_rank"]
+__all__ = ["LinkProbe", "agree_on_probe", "measured_link", "probe_group", "probe_link", "probe_on_every_rank"]
 
 if TYPE_CHECKING:
     from torchrec_herald.planner.pricing import LinkModel
@@ -176,7 +176,7 @@ class _Timing:
 
 
 def agree_on_probe(probe: Optional[LinkProbe], pg: Optional[dist.ProcessGroup],
-                   timeout_s: float = 30.0) -> Optional[LinkProbe]:
+                   timeout_s: float = 60.0) -> Optional[LinkProbe]:
     """``probe`` where every rank's probe succeeded, else None on every rank (collective). A probe can fail on
     one rank alone (its last wait timing out as the others' finish): that rank would plan with the configured
     values and the others with measured ones, and ranks planning apart can wait in different collectives.
@@ -198,17 +198,34 @@ def agree_on_probe(probe: Optional[LinkProbe], pg: Optional[dist.ProcessGroup],
     return None
 
 
-def probe_on_every_rank(pg: Optional[dist.ProcessGroup]) -> Optional[LinkProbe]:
-    """:func:`probe_link` on ``pg`` (collective), logged in one line; None on every rank where it failed on any
-    (one warning: the planner then plans with the configured link values)."""
+def probe_group(pg: Optional[dist.ProcessGroup], timeout_s: float) -> dist.ProcessGroup:
+    """A process group of ``pg``'s ranks and backend for the probe alone (collective over ``pg``'s ranks only),
+    whose operations time out after ``timeout_s``: a rank whose probe fails before a collective the others
+    entered leaves those unmatched in this group, never in the job's, where they would pair with the job's
+    next collectives."""
+    ranks = dist.get_process_group_ranks(pg if pg is not None else dist.group.WORLD)
+    subgroup = len(ranks) < dist.get_world_size()
+    return dist.new_group(ranks=ranks, backend=dist.get_backend(pg), timeout=timedelta(seconds=timeout_s),
+                          use_local_synchronization=subgroup, group_desc="herald_link_probe")
+
+
+def probe_on_every_rank(pg: Optional[dist.ProcessGroup], timeout_s: float = 30.0) -> Optional[LinkProbe]:
+    """:func:`probe_link` on a group of ``pg``'s own (:func:`probe_group`; collective), logged in one line; None
+    on every rank where it failed on any (one warning: the planner then plans with the configured link values).
+    A rank whose probe fails reaches the agreement on ``pg`` at once; the others there within ``timeout_s``,
+    their waits in the probe's group timing out, so the agreement waits twice that."""
     probe = None
+    group = probe_group(pg, timeout_s)
     try:
-        probe = probe_link(pg)
+        probe = probe_link(group, timeout_s=timeout_s)
         logger.info("planner: %s", probe.describe())
     except Exception as e:  # noqa: BLE001 - a failed probe must not stop training: the configured values
         logger.warning("planner: the link probe failed (%s); planning with the configured link values "
                        "(planner.link_mbit / planner.collective_latency_ms)", e)
-    return agree_on_probe(probe, pg)
+    agreed = agree_on_probe(probe, pg, timeout_s=2 * timeout_s)
+    if agreed is not None:  # every rank done with it (a failed one's group is left: its ops time out)
+        dist.destroy_process_group(group)
+    return agreed
 
 
 def measured_link(pg: Optional[dist.ProcessGroup], cpu_us_per_lookup: Optional[float] = None
