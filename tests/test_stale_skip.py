@@ -44,7 +44,7 @@ import functools
 import json
 import math
 from pathlib import Path
-from typing import Any, Dict, List
+from typing import Any, Dict, List, Tuple
 
 import pytest
 import torch
@@ -518,6 +518,50 @@ def test_the_skip_searchs_step_time_is_the_devices_work_waited_for_at_each_end_o
     assert device.synced_before == [0, 3, 3, 5]
     cost_ms, step_ms = hook._timings_since_search()
     assert 20.0 <= step_ms < 20.0 + 10.0, step_ms  # 5 steps of 20 ms queued, not ~0
+
+
+def _skip_clock_across_an_eval_pass(rank: int, world: int) -> Tuple[float, int]:
+    """3 training steps of 1 s, an eval pass of 2 batches of 100 s each (``model.eval()``, TorchRec's ``dlrm_main``
+    pattern), 2 more training steps of 1 s, on the skip search's clock (a fixed one): its ms per step and the steps
+    it timed."""
+    from types import SimpleNamespace
+
+    from herald_harness import build
+    from torchrec_herald.data import SyntheticCriteo
+    from torchrec_herald.pipeline import HeraldTrainPipeline
+    from torchrec_herald.pipeline import stale_skip
+
+    b = build(world, dict(RUNS["input_lazy"], steps=8, planner="herald"))
+    pipe = HeraldTrainPipeline(b["dmp"], b["optimizer"], torch.device("cpu"), sync="lazy", window=WINDOW,
+                               skip=SkipConfig("input", start=20, gap=GAP))  # (no snapshot in these steps)
+    clock = [0.0]
+    stale_skip.time = SimpleNamespace(perf_counter=lambda: clock[0])  # type: ignore[attr-defined]
+    it = b["data"].train_batches(rank, world, b["batch_size"])
+
+    def train(steps: int) -> None:
+        for _ in range(steps):
+            pipe.progress(it)
+            clock[0] += 1.0
+
+    train(3)
+    b["dmp"].eval()
+    evals = SyntheticCriteo(scale=b["data"].scale, num_train_batches=2, seed=7).train_batches(rank, world,
+                                                                                              b["batch_size"])
+    with torch.no_grad():
+        for _ in range(2):
+            pipe.progress(evals)
+            clock[0] += 100.0
+    b["dmp"].train()
+    train(2)
+    _, step_ms = pipe.skip_hook._timings_since_search()  # type: ignore[union-attr]
+    return step_ms, pipe.skip_hook is not None
+
+
+def test_the_skip_searchs_step_time_leaves_out_an_eval_pass() -> None:
+    """Input skipping judges its classifier against the step time since its last search: an eval pass between
+    training steps is no training step's time (it counted: 3 + 200 + 1 s over 4 steps, 51 s a step, here)."""
+    for step_ms, hooked in run_multiprocess(_skip_clock_across_an_eval_pass, 2):
+        assert hooked and step_ms == 1000.0
 
 
 def test_skipping_needs_hot_rows() -> None:

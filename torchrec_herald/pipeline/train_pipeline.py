@@ -467,6 +467,8 @@ class HeraldTrainPipeline(TrainPipeline[Batch, Any]):
             StopIteration: the loader is empty.
         """
         self._collect_ahead()
+        if self.skip_hook is not None:
+            self.skip_hook.stop_clock()  # (the eval's time is no step of the skip search's)
         if self.switch is not None and self.switch.batches_in_flight():
             # scheduling off mid-epoch: TorchRec's pipeline has started the input dists of its next training
             # batches in herald's module; it evaluates them first, as TrainPipelineSparseDist does
