@@ -18,8 +18,9 @@ by :class:`StepTimeModel` from:
 * where the ranks share the host's cores (4 ranks on 2), each all-reduce call's cost beyond its bytes and one latency
   (a ring's steps wait for cores), calibrated on a second stock point, the default plan at W=4 and 200 Mbit/s, and
   marked so;
-* bytes, all-reduces and collectives: TrafficMeter's per step; herald's forward-ordered dense sync is overlapped,
-  DDP's dense all-reduce is on the path.
+* bytes, all-reduces and collectives: TrafficMeter's per step; herald's forward-ordered dense sync is overlapped
+  (hidden behind compute alone: it shares the link with the critical collectives), DDP's dense all-reduce is on the
+  path.
 
 It reports each point's predicted step and herald/stock ratio beside the measured ones, with the error.
 

@@ -7,8 +7,12 @@ compute runs (herald's forward-ordered dense sync), collectives, lookups that pa
 work, and scheduler time on the path. :class:`StepTimeModel` turns that into milliseconds:
 
     step = max( compute + extra + scheduler + critical_bytes / rate + collectives · latency,
-                (critical_bytes + overlapped_bytes) / rate,       the link is busy at most all the time
+                (critical_bytes + overlapped_bytes) / rate + collectives · latency,
                 host_bound )                                      ranks sharing a host's cores
+
+The second term (``link_busy``) is the link's part of the step: the overlapped bytes (herald's forward-ordered dense
+sums) hide behind compute alone, since they share the link with the critical collectives, so where compute cannot
+cover their transfer they lengthen the step by the rest (``path + max(0, overlapped / rate − compute − extra)``).
 
 where an all-reduce's bytes cross at the link's all-reduce rate and the others' (the all-to-alls) at its
 all-to-all rate (:class:`~torchrec_herald.planner.pricing.LinkModel`: a transport can give the two kinds different
@@ -69,7 +73,8 @@ class PlanLoad:
 
 @dataclass(frozen=True)
 class StepPrediction:
-    """One candidate's predicted step, ms per rank: ``step = max(compute + extra + comm, link_busy, host)``."""
+    """One candidate's predicted step, ms per rank: ``step = max(compute + extra + comm, link_busy, host)``, where
+    ``link_busy`` is every byte's transfer and the critical collectives' latencies (the module's docstring)."""
 
     name: str
     compute_ms: float
@@ -119,7 +124,9 @@ class StepTimeModel(LinkModel):
         extra = self.lookups(load.lookups) + load.scheduler_ms
         comm = (self.transfer_ms(load.critical_bytes, load.allreduce_bytes) + self.collectives(load.collectives)
                 + self.allreduce_call_ms * load.allreduce_calls)
+        # (the critical path, the overlapped transfers hidden behind its compute alone: :data:`__doc__`)
         busy = (self.transfer_ms(load.critical_bytes + load.overlapped_bytes, load.allreduce_bytes + load.overlapped_bytes)
+                + self.collectives(load.collectives)
                 + self.allreduce_call_ms * (load.allreduce_calls + load.overlapped_calls))
         return StepPrediction(load.name, compute, extra, comm, busy, step_ms(compute, extra, comm, busy, load.host_bound_ms))
 
