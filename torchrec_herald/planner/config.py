@@ -74,7 +74,7 @@ class HeraldPlannerConfig:
         dense_sync: ``forward_ordered`` (each dense layer's gradient sum waited for at its next forward,
             ``sharding/dense_sync.py``) or ``ddp``; DDP where the model of time picks a stock plan.
         link_mbit: each rank's link rate in Mbit/s; ``auto`` (the default): measured at start by a timed
-            collective on the job's process group (``planner/link_probe.py``); null: unknown (herald's plan
+            collective among the job's ranks (``planner/link_probe.py``); null: unknown (herald's plan
             is kept). With a rate the planner trains the candidate the model of time predicts fastest
             (``planner/time_model.py``): herald's plan, stock TABLE_WISE, TorchRec's default plan, or a
             per-table mix.

@@ -1,5 +1,5 @@
 """Measure the link the job runs on, once at start: its per-rank rate and its per-collective latency, from
-timed collectives on the job's own process group (``planner.link_mbit=auto`` and
+timed collectives among the job's ranks, on a process group of the probe's own (``planner.link_mbit=auto`` and
 ``planner.collective_latency_ms=auto``, the defaults). The planner's model of time
 (``planner/time_model.py``) then picks herald's plan, stock TABLE_WISE or TorchRec's default plan
 without the user knowing their link. The collectives carry tensors where the training's do
@@ -200,9 +200,10 @@ def agree_on_probe(probe: Optional[LinkProbe], pg: Optional[dist.ProcessGroup],
 
 def probe_group(pg: Optional[dist.ProcessGroup], timeout_s: float) -> dist.ProcessGroup:
     """A process group of ``pg``'s ranks and backend for the probe alone (collective over ``pg``'s ranks only),
-    whose operations time out after ``timeout_s``: a rank whose probe fails before a collective the others
-    entered leaves those unmatched in this group, never in the job's, where they would pair with the job's
-    next collectives."""
+    whose operations time out after ``timeout_s`` (the probe's own waits, given less, fire first): a rank whose probe
+    fails before a collective the others entered leaves those unmatched in this group, never in the job's, where
+    they would pair with the job's next collectives. Over gloo the unmatched ones time out and the job goes on; over
+    NCCL its watchdog still ends a process whose collective timed out, as it would on the job's group."""
     ranks = dist.get_process_group_ranks(pg if pg is not None else dist.group.WORLD)
     subgroup = len(ranks) < dist.get_world_size()
     return dist.new_group(ranks=ranks, backend=dist.get_backend(pg), timeout=timedelta(seconds=timeout_s),
@@ -211,19 +212,22 @@ def probe_group(pg: Optional[dist.ProcessGroup], timeout_s: float) -> dist.Proce
 
 def probe_on_every_rank(pg: Optional[dist.ProcessGroup], timeout_s: float = 30.0) -> Optional[LinkProbe]:
     """:func:`probe_link` on a group of ``pg``'s own (:func:`probe_group`; collective), logged in one line; None
-    on every rank where it failed on any (one warning: the planner then plans with the configured link values).
-    A rank whose probe fails reaches the agreement on ``pg`` at once; the others there within ``timeout_s``,
-    their waits in the probe's group timing out, so the agreement waits twice that."""
-    probe = None
-    group = probe_group(pg, timeout_s)
+    on every rank where it failed on any, its group's creation included (one warning: the planner then plans with the
+    configured link values). A rank whose probe fails reaches the agreement on ``pg`` at once; the others there
+    within ``timeout_s``, their waits in the probe's group timing out, so the agreement waits twice that."""
+    probe, group = None, None
     try:
+        group = probe_group(pg, 2 * timeout_s)
         probe = probe_link(group, timeout_s=timeout_s)
         logger.info("planner: %s", probe.describe())
     except Exception as e:  # noqa: BLE001 - a failed probe must not stop training: the configured values
         logger.warning("planner: the link probe failed (%s); planning with the configured link values "
                        "(planner.link_mbit / planner.collective_latency_ms)", e)
     agreed = agree_on_probe(probe, pg, timeout_s=2 * timeout_s)
-    if agreed is not None:  # every rank done with it (a failed one's group is left: its ops time out)
+    # every rank done with it: freed, where the job's ranks name their groups by a count that a freed group does
+    # not take back (a subgroup's is named by its ranks and the number of groups, which a freed one would give the
+    # next subgroup of the same ranks: kept). A failed probe's group is kept: its unmatched operations time out.
+    if agreed is not None and group is not None and len(dist.get_process_group_ranks(group)) == dist.get_world_size():
         dist.destroy_process_group(group)
     return agreed
 

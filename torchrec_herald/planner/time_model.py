@@ -10,18 +10,20 @@ work, and scheduler time on the path. :class:`StepTimeModel` turns that into mil
                 (critical_bytes + overlapped_bytes) / rate + collectives · latency,
                 host_bound )                                      ranks sharing a host's cores
 
-The second term (``link_busy``) is the link's part of the step: the overlapped bytes (herald's forward-ordered dense
-sums) hide behind compute alone, since they share the link with the critical collectives, so where compute cannot
-cover their transfer they lengthen the step by the rest (``path + max(0, overlapped / rate − compute − extra)``).
-
 where an all-reduce's bytes cross at the link's all-reduce rate and the others' (the all-to-alls) at its
 all-to-all rate (:class:`~torchrec_herald.planner.pricing.LinkModel`: a transport can give the two kinds different
 shares of one link; the start-up probe times both). The overlapped bytes are all-reduces (herald's forward-ordered
 dense sums). Where ranks share a host's cores, each all-reduce call also costs ``allreduce_call_ms`` (its ring's
 steps wait for cores; 0 with a core or GPU per rank, as the planner prices).
 
-``compute`` is the step's compute on this device (measured; 0 when unknown, then the predictions compare
-the plans' link and extra work only, which is all that differs between them). ``host_bound`` is the step
+The second term (``link_busy``) is the link's part of the step: the overlapped bytes (herald's forward-ordered dense
+sums) hide behind compute alone, since they share the link with the critical collectives, so where compute cannot
+cover their transfer they lengthen the step by the rest (``path + max(0, overlapped / rate − compute − extra)``, and
+each overlapped all-reduce call's ``allreduce_call_ms`` where ranks share cores).
+
+``compute`` is the step's compute on this device (measured; 0 when unknown, as in the planner, which decides
+before any step: the predictions then compare the plans' link and extra work, and herald's forward-ordered sums
+hide behind its extra work alone, a bias toward the stock plans). ``host_bound`` is the step
 when the ranks of one host share its cores (a measured floor: 4 ranks on this machine's 2 cores; 0 on a
 GPU cluster).
 """
@@ -46,7 +48,7 @@ class PlanLoad:
     Attributes:
         name: ``herald``, ``table_wise`` or ``default`` (TorchRec's own plan), or any label.
         critical_bytes: bytes this rank sends on the step's critical path.
-        overlapped_bytes: bytes it sends while compute runs (they cost time only when the link is full).
+        overlapped_bytes: bytes it sends while compute runs (they cost time only where compute cannot cover them).
         collectives: collectives on the critical path (each costs one latency beyond its bytes).
         lookups: this rank's lookups that pay herald's extra per-lookup work (0 for stock plans).
         scheduler_ms: herald's scheduler time on the critical path.
