@@ -4,7 +4,7 @@ then projected to 8–128 GPUs with measured inputs.
     python benchmarks/time_model.py [--out benchmarks/results/time_model.json]
 
 **Validate.** Every W=2/4 point of ``bench_bandwidth`` with herald's defaults and no link key
-(``results/twentysecond_1207/bw_w{2,4}_{unl,lim}.json``: stock and herald, unlimited, 200 and 50 Mbit/s) is predicted
+(``results/twentysecond_1207/final_5be5be3/bw_w{2,4}_{unl,lim}.json``: stock and herald, unlimited, 200 and 50 Mbit/s) is predicted
 by :class:`StepTimeModel` from:
 
 * compute: each plan's measured compute at the unlimited link and the same W (herald's scheduled step:
@@ -61,12 +61,11 @@ from bench_bandwidth import trained_plan  # noqa: E402  (one reading of a run's 
 RESULTS = HERE / "results"
 CORES = 2
 #: the measured runs validated (herald's defaults, no link key, each rank in its own namespace; the twenty-second
-#: session's, whose probes timed all-reduces too)
-VALIDATED = ["twentysecond_1207/bw_w2_unl", "twentysecond_1207/bw_w2_lim", "twentysecond_1207/bw_w4_unl",
-             "twentysecond_1207/bw_w4_lim"]
+#: session's at its final code, whose probes time all-reduces too and take the median of three transfers)
+F = "twentysecond_1207/final_5be5be3/"
+VALIDATED = [F + "bw_w2_unl", F + "bw_w2_lim", F + "bw_w4_unl", F + "bw_w4_lim"]
 #: the runs whose unlimited-link rows give each plan's compute by default (``--unlimited``): the same session's
-UNLIMITED_RUNS = ["twentysecond_1207/bw_w2_unl", "twentysecond_1207/bw_w2_unl_herald", "twentysecond_1207/bw_w4_unl",
-                  "twentysecond_1207/bw_w4_unl_hot"]
+UNLIMITED_RUNS = [F + "bw_w2_unl", F + "bw_w2_unl_herald", F + "bw_w4_unl", F + "bw_w4_unl_hot"]
 #: each plan's compute at the unlimited link (file, config, W) where no ``--unlimited`` run has it: herald's hot
 #: replication trained at W=2 and W=4 with no rate limit in these runs (an earlier session's)
 UNLIMITED = {("table_wise", 2): ("bandwidth_w2_probe", "tw"), ("hot", 2): ("bandwidth_w2_confirm5", "hot"),

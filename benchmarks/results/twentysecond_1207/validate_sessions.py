@@ -1,6 +1,6 @@
-"""The model of time's validation (benchmarks/time_model.py) on four sessions' runs, each with its own inputs:
+"""The model of time's validation (benchmarks/time_model.py) on four sessions' runs (this session's twice: at 20871d4 and at 5be5be3), each with its own inputs:
 
-    .venv/bin/python benchmarks/results/twentysecond_1207/validate_sessions.py eighteenth twentieth twentyfirst twentysecond
+    .venv/bin/python benchmarks/results/twentysecond_1207/validate_sessions.py eighteenth twentieth twentyfirst twentysecond twentysecond_final
 """
 import sys
 from pathlib import Path
@@ -22,7 +22,11 @@ SETS = {
                      "twentyfirst_1207/bw_w4_lim"],
                     ["twentyfirst_1207/bw_w2_unl", "twentyfirst_1207/bw_w2_unl_herald", "twentyfirst_1207/bw_w4_unl",
                      "twentyfirst_1207/bw_w4_unl_hot"]),
-    "twentysecond": (tm.VALIDATED, tm.UNLIMITED_RUNS),
+    "twentysecond": (["twentysecond_1207/bw_w2_unl", "twentysecond_1207/bw_w2_lim", "twentysecond_1207/bw_w4_unl",
+                      "twentysecond_1207/bw_w4_lim"],
+                     ["twentysecond_1207/bw_w2_unl", "twentysecond_1207/bw_w2_unl_herald", "twentysecond_1207/bw_w4_unl",
+                      "twentysecond_1207/bw_w4_unl_hot"]),
+    "twentysecond_final": (tm.VALIDATED, tm.UNLIMITED_RUNS),
 }
 for name in sys.argv[1:] or list(SETS):
     validated, unlimited = SETS[name]
