@@ -53,9 +53,9 @@ def worker(repeats: List[int], probes: int, out: str) -> None:
 def summary(rows: List[Dict[str, Any]]) -> List[Dict[str, Any]]:
     out = []
     for (rate, r) in sorted({(x["rate_mbit"], x["repeats"]) for x in rows}, key=lambda k: (-k[0], k[1])):
-        a2a = [x["link_mbit"] for x in rows if (x["rate_mbit"], x["repeats"]) == (rate, r)]
-        ar = [x["allreduce_mbit"] for x in rows if (x["rate_mbit"], x["repeats"]) == (rate, r)]
-        secs = [x["seconds"] for x in rows if (x["rate_mbit"], x["repeats"]) == (rate, r)]
+        these = [x for x in rows if (x["rate_mbit"], x["repeats"]) == (rate, r)]
+        a2a, ar = [x["link_mbit"] for x in these], [x["allreduce_mbit"] for x in these]
+        secs = [x["seconds"] for x in these]
         out.append({"rate_mbit": rate, "repeats": r, "probes": len(a2a), "a2a_median": statistics.median(a2a),
                     "a2a_min": min(a2a), "a2a_max": max(a2a), "a2a_spread": max(a2a) / min(a2a),
                     "a2a_stdev_share": statistics.pstdev(a2a) / statistics.mean(a2a),

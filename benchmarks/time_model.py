@@ -62,10 +62,10 @@ RESULTS = HERE / "results"
 CORES = 2
 #: the measured runs validated (herald's defaults, no link key, each rank in its own namespace; the twenty-second
 #: session's at its final code, whose probes time all-reduces too and take the median of three transfers)
-F = "twentysecond_1207/final_5be5be3/"
-VALIDATED = [F + "bw_w2_unl", F + "bw_w2_lim", F + "bw_w4_unl", F + "bw_w4_lim"]
+LATEST_RUNS = "twentysecond_1207/final_5be5be3/"
+VALIDATED = [LATEST_RUNS + n for n in ("bw_w2_unl", "bw_w2_lim", "bw_w4_unl", "bw_w4_lim")]
 #: the runs whose unlimited-link rows give each plan's compute by default (``--unlimited``): the same session's
-UNLIMITED_RUNS = [F + "bw_w2_unl", F + "bw_w2_unl_herald", F + "bw_w4_unl", F + "bw_w4_unl_hot"]
+UNLIMITED_RUNS = [LATEST_RUNS + n for n in ("bw_w2_unl", "bw_w2_unl_herald", "bw_w4_unl", "bw_w4_unl_hot")]
 #: each plan's compute at the unlimited link (file, config, W) where no ``--unlimited`` run has it: herald's hot
 #: replication trained at W=2 and W=4 with no rate limit in these runs (an earlier session's)
 UNLIMITED = {("table_wise", 2): ("bandwidth_w2_probe", "tw"), ("hot", 2): ("bandwidth_w2_confirm5", "hot"),

@@ -213,6 +213,17 @@ def test_preflight_checks_the_link_keys() -> None:
         preflight(compose_config(["planner=herald", "planner.link_mbit=-5"]))
 
 
+def _messages_of(logger_name: str) -> list:
+    """The messages ``logger_name`` (and its children) logs from now on, in order (in a rank's process)."""
+    import logging
+
+    seen: list = []
+    handler = logging.Handler()
+    handler.emit = lambda record: seen.append(record.getMessage())  # type: ignore[method-assign]
+    logging.getLogger(logger_name).addHandler(handler)
+    return seen
+
+
 def _train(rank: int, world: int, overrides: list, run_dir: str) -> dict:
     from torchrec_herald.config import compose_config
     from torchrec_herald.trainer import run_training
@@ -293,12 +304,7 @@ def test_an_approximate_run_is_named_with_its_mode(overrides: list, metrics: dic
 
 
 def _train_logged(rank: int, world: int, overrides: list, run_dir: str) -> tuple:
-    import logging
-
-    seen: list = []
-    handler = logging.Handler()
-    handler.emit = lambda record: seen.append(record.getMessage())  # type: ignore[method-assign]
-    logging.getLogger("torchrec_herald.pipeline.build").addHandler(handler)
+    seen = _messages_of("torchrec_herald.pipeline.build")
     return _train(rank, world, overrides, run_dir), seen
 
 
@@ -731,8 +737,6 @@ def test_measured_link_gives_every_rank_the_same_link_model_or_none_where_a_prob
 
 def _probe_failing_before_a_collective(rank: int, world: int) -> tuple:
     """Rank 1's probe fails before its first all-to-all (an allocation, say), which rank 0 enters."""
-    import logging
-
     import torch
     import torch.distributed as dist
 
@@ -744,10 +748,7 @@ def _probe_failing_before_a_collective(rank: int, world: int) -> tuple:
     real = dist.all_to_all_single
     if rank == 1:
         dist.all_to_all_single = broken
-    seen: list = []
-    handler = logging.Handler()
-    handler.emit = lambda record: seen.append(record.getMessage())  # type: ignore[method-assign]
-    logging.getLogger("torchrec_herald.planner").addHandler(handler)
+    seen = _messages_of("torchrec_herald.planner")
     try:
         probe = link_probe.probe_on_every_rank(dist.group.WORLD, timeout_s=2.0)
     finally:
@@ -770,8 +771,6 @@ def test_a_probe_failing_on_one_rank_before_a_collective_leaves_the_jobs_group_i
 
 
 def _train_probe_failing(rank: int, world: int, overrides: list, run_dir: str, failing_ranks: tuple = (0, 1)) -> tuple:
-    import logging
-
     import torchrec_herald.planner.link_probe as link_probe
 
     real = link_probe.probe_link
@@ -783,10 +782,7 @@ def _train_probe_failing(rank: int, world: int, overrides: list, run_dir: str, f
         raise RuntimeError("Timed out waiting 30000ms for send operation to complete")
 
     link_probe.probe_link = broken
-    seen: list = []
-    handler = logging.Handler()
-    handler.emit = lambda record: seen.append(record.getMessage())  # type: ignore[method-assign]
-    logging.getLogger("torchrec_herald.planner").addHandler(handler)  # (decision.py and link_probe.py)
+    seen = _messages_of("torchrec_herald.planner")  # (decision.py and link_probe.py)
     return _train(rank, world, overrides, run_dir), seen
 
 
@@ -827,8 +823,6 @@ def test_a_probe_failing_on_one_rank_only_leaves_every_rank_on_the_configured_va
 
 
 def _train_counting_probes(rank: int, world: int, overrides: list, run_dir: str) -> tuple:
-    import logging
-
     import torchrec_herald.planner.link_probe as link_probe
     from torchrec_herald.planner.link_probe import LinkProbe
 
@@ -839,10 +833,7 @@ def _train_counting_probes(rank: int, world: int, overrides: list, run_dir: str)
         return LinkProbe(link_mbit=20.0 + len(calls), latency_ms=0.2, bytes_per_rank=1 << 20, seconds=0.4)
 
     link_probe.probe_link = probe
-    seen: list = []
-    handler = logging.Handler()
-    handler.emit = lambda record: seen.append(record.getMessage())  # type: ignore[method-assign]
-    logging.getLogger("torchrec_herald.planner").addHandler(handler)
+    seen = _messages_of("torchrec_herald.planner")
     m = _train(rank, world, overrides, run_dir)
     ref = json.loads((Path(run_dir) / "exact_reference" / "metrics.json").read_text())
     return len(calls), seen, m["link_decision"], ref["link_decision"]

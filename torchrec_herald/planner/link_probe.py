@@ -206,9 +206,13 @@ def probe_group(pg: Optional[dist.ProcessGroup], timeout_s: float) -> dist.Proce
     they would pair with the job's next collectives. Over gloo the unmatched ones time out and the job goes on; over
     NCCL its watchdog still ends a process whose collective timed out, as it would on the job's group."""
     ranks = dist.get_process_group_ranks(pg if pg is not None else dist.group.WORLD)
-    subgroup = len(ranks) < dist.get_world_size()
     return dist.new_group(ranks=ranks, backend=dist.get_backend(pg), timeout=timedelta(seconds=timeout_s),
-                          use_local_synchronization=subgroup, group_desc="herald_link_probe")
+                          use_local_synchronization=_is_subgroup(ranks), group_desc="herald_link_probe")
+
+
+def _is_subgroup(ranks: list[int]) -> bool:
+    """A group of these ranks is made by its members alone (named by its ranks), not by the whole job."""
+    return len(ranks) < dist.get_world_size()
 
 
 def probe_on_every_rank(pg: Optional[dist.ProcessGroup], timeout_s: float = 30.0) -> Optional[LinkProbe]:
@@ -228,7 +232,7 @@ def probe_on_every_rank(pg: Optional[dist.ProcessGroup], timeout_s: float = 30.0
     # every rank done with it: freed, where the job's ranks name their groups by a count that a freed group does
     # not take back (a subgroup's is named by its ranks and the number of groups, which a freed one would give the
     # next subgroup of the same ranks: kept). A failed probe's group is kept: its unmatched operations time out.
-    if agreed is not None and group is not None and len(dist.get_process_group_ranks(group)) == dist.get_world_size():
+    if agreed is not None and group is not None and not _is_subgroup(dist.get_process_group_ranks(group)):
         dist.destroy_process_group(group)
     return agreed
 
