@@ -763,7 +763,7 @@ def test_a_run_shorter_than_the_scheduling_probe_says_no_choice_was_made(tmp_pat
     from torchrec_herald.dist_utils import run_multiprocess
     from torchrec_herald.train import run_label
 
-    overrides = ["planner=herald", "pipeline=herald", "planner.link_mbit=200", "data.num_train_batches=8",
+    overrides = ["planner=herald", "pipeline=herald", "planner.link_mbit=20", "data.num_train_batches=8",
                  "batch_size=16", "eval=false"]
     first, _ = run_multiprocess(_train, 2, overrides, str(tmp_path / "run"), timeout_s=300)
     sched = first["herald_pipeline"]["scheduling"]
