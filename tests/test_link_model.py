@@ -234,6 +234,7 @@ def _train(rank: int, world: int, overrides: list, run_dir: str) -> dict:
 @pytest.mark.parametrize("mbit,herald", [(100_000, False), (20, True)])
 def test_driver_trains_the_plan_the_link_model_chooses(tmp_path: Path, mbit: int, herald: bool) -> None:
     m = run_multiprocess(_train, 2, ["planner=herald", "pipeline=herald", f"planner.link_mbit={mbit}",
+                                     "planner.collective_latency_ms=1",  # (nothing measured: no tie on a slow host)
                                      "data.num_train_batches=8", "data.num_eval_batches=2", "batch_size=64",
                                      "pipeline.window=3"], str(tmp_path))[0]
     d = m["link_decision"]
@@ -796,8 +797,16 @@ def test_with_no_link_key_the_driver_measures_the_link_and_decides_on_it(tmp_pat
     measured = d["measured"]
     assert measured["link_mbit"] > 0 and measured["collective_latency_ms"] > 0
     assert d["link_mbit"] == measured["link_mbit"] and measured["text"].startswith("measured link: ")
-    assert d["herald"] is (d["predicted_herald_ms"] < d["predicted_stock_ms"])
-    assert set(m["plan"].values()) == ({"herald_hot_row_wise"} if d["herald"] else {"table_wise"})
+    # (every input measured: which plan wins depends on the host, so the rule is asserted, not the outcome)
+    steps = {name: p["step_ms"] for name, p in d["predicted"].items()}
+    assert steps[d["chosen"]] == min(steps.values()) or (d["note"] and steps[d["chosen"]] == min(
+        ms for name, ms in steps.items() if name != "default"))
+    assert d["herald"] is (d["chosen"] in ("herald", "mixed"))
+    kinds = set(m["plan"].values())
+    if d["chosen"] in ("herald", "table_wise"):
+        assert kinds == {"herald_hot_row_wise" if d["herald"] else "table_wise"}
+    else:
+        assert ("herald_hot_row_wise" in kinds) is d["herald"]
 
 
 def test_a_failed_probe_warns_once_and_keeps_the_configured_values(tmp_path: Path) -> None:

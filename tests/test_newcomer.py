@@ -763,8 +763,8 @@ def test_a_run_shorter_than_the_scheduling_probe_says_no_choice_was_made(tmp_pat
     from torchrec_herald.dist_utils import run_multiprocess
     from torchrec_herald.train import run_label
 
-    overrides = ["planner=herald", "pipeline=herald", "planner.link_mbit=20", "data.num_train_batches=8",
-                 "batch_size=16", "eval=false"]
+    overrides = ["planner=herald", "pipeline=herald", "planner.link_mbit=20", "planner.collective_latency_ms=1",
+                 "data.num_train_batches=8", "batch_size=16", "eval=false"]  # (the link declared: herald's plan by far)
     first, _ = run_multiprocess(_train, 2, overrides, str(tmp_path / "run"), timeout_s=300)
     sched = first["herald_pipeline"]["scheduling"]
     assert (sched["setting"], sched["decided"], sched["mode"]) == ("auto", False, "on")  # (8 steps: the on phase)

@@ -92,6 +92,7 @@ def _waits_by_label(rank: int, world: int) -> Dict[str, Any]:
 
     from torchrec_herald.traffic import traffic_tag
 
+    dist.barrier()  # (both ranks start together: a late start-up on either side moves no wait)
     with TrafficMeter() as meter:
         with traffic_tag("sync_one"):
             if rank == 1:
@@ -119,6 +120,7 @@ def _durations(rank: int, world: int) -> Dict[str, Any]:
 
     from torchrec_herald.traffic import traffic_tag
 
+    dist.barrier()  # (both ranks start together)
     with TrafficMeter(completion_times=True) as meter:
         with traffic_tag("overlapped"):
             if rank == 1:
@@ -159,6 +161,7 @@ def _left_in_flight_past_the_wait(rank: int, world: int) -> Dict[str, Any]:
     handler = logging.Handler()
     handler.emit = lambda record: said.append(record.getMessage())  # type: ignore[method-assign]
     traffic.logger.addHandler(handler)
+    dist.barrier()  # (both ranks start together)
     t0 = time.perf_counter()
     with TrafficMeter(completion_times=True) as meter:
         if rank == 0:
