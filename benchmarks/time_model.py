@@ -60,9 +60,9 @@ from bench_bandwidth import trained_plan  # noqa: E402  (one reading of a run's 
 
 RESULTS = HERE / "results"
 CORES = 2
-#: the measured runs validated (herald's defaults, no link key, each rank in its own namespace; the twenty-second
-#: session's at its final code, whose probes time all-reduces too and take the median of three transfers)
-LATEST_RUNS = "twentysecond_1207/final_5be5be3/"
+#: the measured runs validated (herald's defaults, no link key, each rank in its own namespace; the twenty-third
+#: session's at afb8269, whose probes time all-reduces too and take the median of three transfers)
+LATEST_RUNS = "twentythird_1207/"
 VALIDATED = [LATEST_RUNS + n for n in ("bw_w2_unl", "bw_w2_lim", "bw_w4_unl", "bw_w4_lim")]
 #: the runs whose unlimited-link rows give each plan's compute by default (``--unlimited``): the same session's
 UNLIMITED_RUNS = [LATEST_RUNS + n for n in ("bw_w2_unl", "bw_w2_unl_herald", "bw_w4_unl", "bw_w4_unl_hot")]
