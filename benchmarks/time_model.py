@@ -4,7 +4,7 @@ then projected to 8–128 GPUs with measured inputs.
     python benchmarks/time_model.py [--out benchmarks/results/time_model.json]
 
 **Validate.** Every W=2/4 point of ``bench_bandwidth`` with herald's defaults and no link key
-(``results/twentysecond_1207/final_5be5be3/bw_w{2,4}_{unl,lim}.json``: stock and herald, unlimited, 200 and 50 Mbit/s) is predicted
+(``results/twentythird_1207/bw_w{2,4}_{unl,lim}.json``: stock and herald, unlimited, 200 and 50 Mbit/s) is predicted
 by :class:`StepTimeModel` from:
 
 * compute: each plan's measured compute at the unlimited link and the same W (herald's scheduled step:
@@ -63,9 +63,12 @@ CORES = 2
 #: the measured runs validated (herald's defaults, no link key, each rank in its own namespace; the twenty-third
 #: session's at afb8269, whose probes time all-reduces too and take the median of three transfers)
 LATEST_RUNS = "twentythird_1207/"
-VALIDATED = [LATEST_RUNS + n for n in ("bw_w2_unl", "bw_w2_lim", "bw_w4_unl", "bw_w4_lim")]
+#: a session's validated runs and the unlimited-link runs that give each plan's compute, by name in its folder
+VALIDATED_NAMES = ("bw_w2_unl", "bw_w2_lim", "bw_w4_unl", "bw_w4_lim")
+UNLIMITED_NAMES = ("bw_w2_unl", "bw_w2_unl_herald", "bw_w4_unl", "bw_w4_unl_hot")
+VALIDATED = [LATEST_RUNS + n for n in VALIDATED_NAMES]
 #: the runs whose unlimited-link rows give each plan's compute by default (``--unlimited``): the same session's
-UNLIMITED_RUNS = [LATEST_RUNS + n for n in ("bw_w2_unl", "bw_w2_unl_herald", "bw_w4_unl", "bw_w4_unl_hot")]
+UNLIMITED_RUNS = [LATEST_RUNS + n for n in UNLIMITED_NAMES]
 #: each plan's compute at the unlimited link (file, config, W) where no ``--unlimited`` run has it: herald's hot
 #: replication trained at W=2 and W=4 with no rate limit in these runs (an earlier session's)
 UNLIMITED = {("table_wise", 2): ("bandwidth_w2_probe", "tw"), ("hot", 2): ("bandwidth_w2_confirm5", "hot"),

@@ -15,21 +15,17 @@ HERE = Path(__file__).resolve().parent
 sys.path[:0] = [str(HERE), str(HERE.parent)]
 import time_model as tm  # noqa: E402
 
-#: the plain set of a session's run folder: the four validated runs and the four unlimited-link runs of each plan
-_VALIDATED = ("bw_w2_unl", "bw_w2_lim", "bw_w4_unl", "bw_w4_lim")
-_UNLIMITED = ("bw_w2_unl", "bw_w2_unl_herald", "bw_w4_unl", "bw_w4_unl_hot")
-
-
 def _plain(folder: str) -> Tuple[List[str], List[str]]:
-    return [f"{folder}/{n}" for n in _VALIDATED], [f"{folder}/{n}" for n in _UNLIMITED]
+    """A session's run folder holding the runs ``time_model`` validates and the unlimited-link runs of each plan."""
+    return [f"{folder}/{n}" for n in tm.VALIDATED_NAMES], [f"{folder}/{n}" for n in tm.UNLIMITED_NAMES]
 
 
 #: set name -> (the runs validated, the runs whose unlimited rows give each plan's compute)
 SETS: Dict[str, Tuple[List[str], List[str]]] = {
-    "eighteenth": (["eighteenth_1128/" + n for n in _VALIDATED],
+    "eighteenth": (["eighteenth_1128/" + n for n in tm.VALIDATED_NAMES],
                    ["eighteenth_1128/" + n for n in ("bw_w2_unl", "bw_w4_unl", "bw_w2_unl_hot", "bw_w4_unl_hot",
                                                       "bw_w2_unl_sched")]),
-    "twentieth": (["twentieth_1207/" + n for n in _VALIDATED],
+    "twentieth": (["twentieth_1207/" + n for n in tm.VALIDATED_NAMES],
                   ["eighteenth_1128/bw_w2_unl_hot", "eighteenth_1128/bw_w4_unl_hot", "eighteenth_1128/bw_w2_unl_sched",
                    "twentieth_1207/bw_w2_unl", "twentieth_1207/bw_w4_unl"]),
     "twentyfirst": _plain("twentyfirst_1207"),

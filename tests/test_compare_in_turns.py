@@ -116,7 +116,7 @@ def test_between_turns_the_run_ahead_job_finishes_and_is_kept_for_the_next_step(
 
 def _probe_beside_a_slow_baseline(rank: int, world: int, out: str, turn_steps: int) -> Dict[str, Any]:
     """A herald run with ``scheduling=auto`` (its probe timing steps from one step's start to the next) in turns
-    with a baseline whose every step takes 0.2 s longer; the run's probe figures and input skipping's step times."""
+    with a baseline whose every step takes 0.4 s longer; the run's probe figures and input skipping's step times."""
     from torchrec_herald.pipeline.build import TorchRecPipeline
     from torchrec_herald.trainer import train_in_turns
 

@@ -797,16 +797,25 @@ def test_with_no_link_key_the_driver_measures_the_link_and_decides_on_it(tmp_pat
     measured = d["measured"]
     assert measured["link_mbit"] > 0 and measured["collective_latency_ms"] > 0
     assert d["link_mbit"] == measured["link_mbit"] and measured["text"].startswith("measured link: ")
-    # (every input measured: which plan wins depends on the host, so the rule is asserted, not the outcome)
-    steps = {name: p["step_ms"] for name, p in d["predicted"].items()}
-    assert steps[d["chosen"]] == min(steps.values()) or (d["note"] and steps[d["chosen"]] == min(
-        ms for name, ms in steps.items() if name != "default"))
-    assert d["herald"] is (d["chosen"] in ("herald", "mixed"))
-    kinds = set(m["plan"].values())
-    if d["chosen"] in ("herald", "table_wise"):
-        assert kinds == {"herald_hot_row_wise" if d["herald"] else "table_wise"}
+    # (every input measured: which plan wins depends on the host, so the model's rule is asserted, not the outcome)
+    steps, margin = {name: p["step_ms"] for name, p in d["predicted"].items()}, measured["collective_latency_ms"]
+    fastest = min(steps, key=steps.get)
+    if d["note"]:  # TorchRec's default plan fastest, but within one collective's latency of TABLE_WISE
+        assert fastest == "default" and steps["table_wise"] - steps["default"] <= margin
+        assert steps[d["chosen"]] == min(ms for name, ms in steps.items() if name != "default")
     else:
-        assert ("herald_hot_row_wise" in kinds) is d["herald"]
+        assert steps[d["chosen"]] == steps[fastest]
+    if d["chosen"] == "default":
+        assert steps["table_wise"] - steps["default"] > margin
+    # what trained follows the choice: herald's tables (all, or the per-table pick's), or a stock plan with DDP
+    if d["chosen"] == "herald":
+        assert set(m["plan"].values()) == {"herald_hot_row_wise"} and m["dense_sync"] == "forward_ordered"
+    elif d["chosen"] == "mixed":
+        assert m["plan"] == {t: "herald_hot_row_wise" if k == "herald" else k for t, k in d["per_table"].items()}
+    else:
+        assert m["dense_sync"] == "ddp" and m["herald_pipeline"] == {}
+        if d["chosen"] == "table_wise":
+            assert set(m["plan"].values()) == {"table_wise"}
 
 
 def test_a_failed_probe_warns_once_and_keeps_the_configured_values(tmp_path: Path) -> None:
