@@ -15,6 +15,7 @@ HERE = Path(__file__).resolve().parent
 sys.path[:0] = [str(HERE), str(HERE.parent)]
 import time_model as tm  # noqa: E402
 
+
 def _plain(folder: str) -> Tuple[List[str], List[str]]:
     """A session's run folder holding the runs ``time_model`` validates and the unlimited-link runs of each plan."""
     return [f"{folder}/{n}" for n in tm.VALIDATED_NAMES], [f"{folder}/{n}" for n in tm.UNLIMITED_NAMES]

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+import logging
 import time
 from typing import Any, Dict, Iterator, List, Optional
 
@@ -15,6 +16,15 @@ FEATURE_SCALE = 0.001  # Criteo cardinalities x 0.001: 26 tables, ~34k rows -> f
 #: Exactness tolerances, relative. Per-step losses: LOSS_RTOL. Final weights (max|h - s| / max|s| per
 #: tensor): :func:`weight_rtol`.
 LOSS_RTOL = 1e-5
+
+
+def messages_of(logger_name: str) -> List[str]:
+    """The messages ``logger_name`` (and its children) logs from now on, in order (in a rank's process)."""
+    seen: List[str] = []
+    handler = logging.Handler()
+    handler.emit = lambda record: seen.append(record.getMessage())  # type: ignore[method-assign]
+    logging.getLogger(logger_name).addHandler(handler)
+    return seen
 
 
 def weight_rtol(optimizer: str) -> float:

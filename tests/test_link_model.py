@@ -9,6 +9,7 @@ import json
 from pathlib import Path
 
 import pytest
+from herald_harness import messages_of
 
 from torchrec_herald.dist_utils import run_multiprocess
 from torchrec_herald.planner.pricing import LinkModel
@@ -213,17 +214,6 @@ def test_preflight_checks_the_link_keys() -> None:
         preflight(compose_config(["planner=herald", "planner.link_mbit=-5"]))
 
 
-def _messages_of(logger_name: str) -> list:
-    """The messages ``logger_name`` (and its children) logs from now on, in order (in a rank's process)."""
-    import logging
-
-    seen: list = []
-    handler = logging.Handler()
-    handler.emit = lambda record: seen.append(record.getMessage())  # type: ignore[method-assign]
-    logging.getLogger(logger_name).addHandler(handler)
-    return seen
-
-
 def _train(rank: int, world: int, overrides: list, run_dir: str) -> dict:
     from torchrec_herald.config import compose_config
     from torchrec_herald.trainer import run_training
@@ -305,7 +295,7 @@ def test_an_approximate_run_is_named_with_its_mode(overrides: list, metrics: dic
 
 
 def _train_logged(rank: int, world: int, overrides: list, run_dir: str) -> tuple:
-    seen = _messages_of("torchrec_herald.pipeline.build")
+    seen = messages_of("torchrec_herald.pipeline.build")
     return _train(rank, world, overrides, run_dir), seen
 
 
@@ -749,7 +739,7 @@ def _probe_failing_before_a_collective(rank: int, world: int) -> tuple:
     real = dist.all_to_all_single
     if rank == 1:
         dist.all_to_all_single = broken
-    seen = _messages_of("torchrec_herald.planner")
+    seen = messages_of("torchrec_herald.planner")
     try:
         probe = link_probe.probe_on_every_rank(dist.group.WORLD, timeout_s=2.0)
     finally:
@@ -783,7 +773,7 @@ def _train_probe_failing(rank: int, world: int, overrides: list, run_dir: str, f
         raise RuntimeError("Timed out waiting 30000ms for send operation to complete")
 
     link_probe.probe_link = broken
-    seen = _messages_of("torchrec_herald.planner")  # (decision.py and link_probe.py)
+    seen = messages_of("torchrec_herald.planner")  # (decision.py and link_probe.py)
     return _train(rank, world, overrides, run_dir), seen
 
 
@@ -851,7 +841,7 @@ def _train_counting_probes(rank: int, world: int, overrides: list, run_dir: str)
         return LinkProbe(link_mbit=20.0 + len(calls), latency_ms=0.2, bytes_per_rank=1 << 20, seconds=0.4)
 
     link_probe.probe_link = probe
-    seen = _messages_of("torchrec_herald.planner")
+    seen = messages_of("torchrec_herald.planner")
     m = _train(rank, world, overrides, run_dir)
     ref = json.loads((Path(run_dir) / "exact_reference" / "metrics.json").read_text())
     return len(calls), seen, m["link_decision"], ref["link_decision"]

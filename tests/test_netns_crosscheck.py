@@ -39,4 +39,3 @@ def test_kernel_tx_bytes_match_traffic_meter(tmp_path: Path) -> None:
         for r in row["per_rank"]:
             assert r["meter_bytes"] > 0
             assert 1.0 <= r["kernel_tx_bytes"] / r["meter_bytes"] < 1.10, (row["planner"], r)
-

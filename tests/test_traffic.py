@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
-from typing import Any, Dict, List
+from typing import Any, Dict
 
 import pytest
 import torch
 import torch.distributed as dist
+from herald_harness import messages_of
 
 from torchrec_herald.dist_utils import run_multiprocess
 from torchrec_herald.traffic import TrafficMeter, reduce_summaries
@@ -151,16 +152,12 @@ def test_a_collectives_duration_runs_from_its_call_to_its_completion_where_its_w
 
 
 def _left_in_flight_past_the_wait(rank: int, world: int) -> Dict[str, Any]:
-    import logging
     import time
 
     import torchrec_herald.traffic as traffic
 
     traffic.IN_FLIGHT_WAIT_S = 0.3
-    said: List[str] = []
-    handler = logging.Handler()
-    handler.emit = lambda record: said.append(record.getMessage())  # type: ignore[method-assign]
-    traffic.logger.addHandler(handler)
+    said = messages_of(traffic.logger.name)
     dist.barrier()  # (both ranks start together)
     t0 = time.perf_counter()
     with TrafficMeter(completion_times=True) as meter:
