@@ -45,6 +45,8 @@ from typing import Any, Dict, List
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 from netns_crosscheck import run_in_namespaces, setup, sh, teardown  # noqa: E402  (one netns plumbing)
+sys.path.insert(0, str(HERE.parent))
+from torchrec_herald.traffic import peer_lateness  # noqa: E402
 
 PORT = 29571
 logger = logging.getLogger("bench_bandwidth")
@@ -222,6 +224,8 @@ def worker(config: str, steps: int, segments: int, warmup: int, out: str, rate: 
                         "duration_ms": 1000 * meter.duration_by_kind.get(k, 0.0) / n}
                     for k, v in meter.summary().items()},
         "untagged_wait_ms": 1000 * meter.wait_by_tag.get("untagged", 0.0) / n,
+        # the training thread's collectives' call times: run_one matches them over the ranks (peer_wait_ms)
+        "arrivals": meter.arrivals,
     }
     Path(out).write_text(json.dumps(result))
     pipeline.detach()
@@ -252,7 +256,16 @@ def run_one(world: int, config: str, rate: int, a: argparse.Namespace, tmp: Path
         "--warmup", str(a.warmup), "--out", str(tmp / f"{config}_{r}.json"), "--rate", str(rate)],
         f"{config}, W={world}", timeout=1800)
     ranks = [json.loads((tmp / f"{config}_{r}.json").read_text()) for r in range(world)]
+    arrivals = [x.pop("arrivals") for x in ranks]
+    try:  # (the ranks share this host's clock)
+        late = [1000 * s / ranks[0]["steps"] for s in peer_lateness(arrivals)]
+    except ValueError as e:
+        logger.warning("%s, W=%d: no peer wait measured (%s)", config, world, e)
+        late = []
     row = dict(ranks[0])
+    # ms per step each rank waited for its latest peer to arrive at the collectives (rank 0's: its breakdown's)
+    row["peer_wait_ms"] = late[0] if late else None
+    row["peer_wait_ms_by_rank"] = late
     row["bytes_per_step_all_ranks"] = sum(x["bytes_per_step"] for x in ranks)
     row["samples_per_s"] = min(x["samples_per_s"] for x in ranks)  # ranks step together; take the slowest view
     row["host_speed_ms"] = probe_ms

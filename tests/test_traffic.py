@@ -10,7 +10,7 @@ import torch.distributed as dist
 from herald_harness import messages_of
 
 from torchrec_herald.dist_utils import run_multiprocess
-from torchrec_herald.traffic import TrafficMeter, reduce_summaries
+from torchrec_herald.traffic import TrafficMeter, peer_lateness, reduce_summaries
 
 
 def _collectives(rank: int, world: int) -> Dict[str, Any]:
@@ -149,6 +149,39 @@ def test_a_collectives_duration_runs_from_its_call_to_its_completion_where_its_w
     assert got["wait"]["overlapped"] < 0.1, got  # done before its wait
     assert set(got["by_kind"]) == {"all_reduce", "barrier"} and got["by_kind"]["all_reduce"] == got["duration"]["overlapped"]
     assert got["left_in_flight"]["all_reduce"] >= 0.15 and got["plain"] == {}, got
+
+
+def test_peer_lateness_sums_each_ranks_wait_for_its_latest_peer_at_each_collective() -> None:
+    # three ranks, three collectives: the latest arrivals are 2, 10 and 25
+    assert peer_lateness([[0.0, 10.0, 20.0], [1.0, 10.0, 25.0], [2.0, 8.0, 20.0]]) == [7.0, 1.0, 7.0]
+    with pytest.raises(ValueError, match=r"different numbers of collectives \(\[2, 3\]\)"):
+        peer_lateness([[0.0, 1.0, 2.0], [0.0, 1.0]])
+
+
+def _arrivals(rank: int, world: int) -> Dict[str, Any]:
+    import threading
+    import time
+
+    dist.barrier()
+    with TrafficMeter(completion_times=True) as meter:
+        if rank == 1:
+            time.sleep(0.3)  # rank 0 waits for it at the first collective
+        dist.all_reduce(torch.ones(4))
+        dist.all_reduce(torch.ones(4), async_op=True).wait()
+        worker = threading.Thread(target=lambda: dist.all_reduce(torch.ones(2)))  # another thread's: not the step's
+        worker.start()
+        worker.join()
+    got = [None] * world
+    dist.all_gather_object(got, meter.arrivals)
+    return {"arrivals": got, "calls": meter.summary()["all_reduce"]["calls"]}
+
+
+def test_a_meter_records_the_training_threads_arrivals_and_ranks_on_one_host_match_them_into_the_wait_for_peers(
+) -> None:
+    got = run_multiprocess(_arrivals, 2)[0]
+    assert got["calls"] == 3 and [len(a) for a in got["arrivals"]] == [2, 2], got  # the worker thread's call: no arrival
+    late = peer_lateness(got["arrivals"])
+    assert 0.25 <= late[0] < 0.6 and late[1] < 0.05, late
 
 
 def _left_in_flight_past_the_wait(rank: int, world: int) -> Dict[str, Any]:

@@ -199,6 +199,10 @@ class TrafficMeter:
         #: each call to its completion (an async collective's whole time, overlapped or waited for)
         self.duration_by_tag: Dict[str, float] = {}
         self.duration_by_kind: Dict[str, float] = {}
+        #: with ``completion_times``, the training thread's collectives' call times (``time.perf_counter``), in call
+        #: order: ranks on one host share that clock, so the spread of the k-th call's times over the ranks is how
+        #: long each rank waited for its latest peer to arrive (:func:`peer_lateness`)
+        self.arrivals: List[float] = []
 
     # ------------------------------------------------------------------ activation
     @property
@@ -328,6 +332,7 @@ class TrafficMeter:
         self.wait_other_threads_s = 0.0
         self.duration_by_tag.clear()
         self.duration_by_kind.clear()
+        self.arrivals.clear()
         with TrafficMeter._lock:
             self._generation += 1
             self._in_flight = []
@@ -397,6 +402,10 @@ class TrafficMeter:
             timed = [m for m in meters if m.completion_times]
             if depth == 0 and timed:
                 _time_to_completion(cls, name, work, t0, timed, labels)
+                me = threading.get_ident()
+                for m in timed:
+                    if m._owner == me:
+                        m.arrivals.append(t0)
             if depth == 0 and work is not None and kwargs.get("async_op", False):
                 return _TimedWork(work, cls, labels)  # the exposed part of an async collective is its wait()
             return work
@@ -405,6 +414,22 @@ class TrafficMeter:
         wrapper.__wrapped__ = orig  # type: ignore[attr-defined]
         wrapper._herald_meter = True  # type: ignore[attr-defined]
         return wrapper
+
+
+def peer_lateness(arrivals: Sequence[Sequence[float]]) -> List[float]:
+    """Per rank, the seconds it spent waiting for its latest peer to arrive, summed over its collectives: the k-th
+    collective of each rank's ``arrivals`` (:attr:`TrafficMeter.arrivals`, ranks on one host: one clock) is matched
+    across the ranks, and rank r's lateness at it is ``max(arrivals[:][k]) - arrivals[r][k]``.
+
+    Raises:
+        ValueError: the ranks made different numbers of collectives (their k-th calls are not one collective).
+    """
+    counts = {len(a) for a in arrivals}
+    if len(counts) != 1:
+        raise ValueError(f"peer_lateness: the ranks made different numbers of collectives ({sorted(counts)}); "
+                         f"their calls cannot be matched")
+    latest = [max(ts) for ts in zip(*arrivals)]
+    return [sum(m - t for m, t in zip(latest, a)) for a in arrivals]
 
 
 def _completion_future(work: Any) -> Any:
