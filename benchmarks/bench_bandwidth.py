@@ -11,10 +11,11 @@ carries all its gloo traffic; ``tc tbf`` limits both ends of that link to the ra
 configuration trains the same global batches (default synthetic data, local batch 256). A run warms up,
 then times ``steps`` steps in ``segments`` equal segments (its samples/s: the median segment); each
 configuration runs ``repeats`` times, interleaved with the others, and the median run is reported. The order
-rotates from repeat to repeat (``--configs a b c``: a b c, b c a, c a b, ...): on this host the second run of
-a repeat was measured 3.4 % slower than the first (identical plans, 30 repeats), which a fixed order books
-against the second configuration. Each place is shared evenly where ``repeats`` is a multiple of the number
-of configurations (with 5 repeats of two, the first named goes first 3 times).
+rotates from repeat to repeat (``--configs a b c``: a b c, b c a, c a b, ...), so that a fixed order cannot book
+any cost of a run's place against one configuration every time (on this host, 30 repeats of identical plans put
+the second run 1.9 % slower than the first, with a standard error of 2.0 %: within the noise,
+``results/twentyfourth_1207/order_reanalysis.txt``). Each place is shared evenly where ``repeats`` is a multiple
+of the number of configurations (with 5 repeats of two, the first named goes first 3 times).
 
 Per configuration and rate it records the step-time breakdown on rank 0's main thread:
 
@@ -224,8 +225,9 @@ def worker(config: str, steps: int, segments: int, warmup: int, out: str, rate: 
                         "duration_ms": 1000 * meter.duration_by_kind.get(k, 0.0) / n}
                     for k, v in meter.summary().items()},
         "untagged_wait_ms": 1000 * meter.wait_by_tag.get("untagged", 0.0) / n,
-        # the training thread's collectives' call times: run_one matches them over the ranks (peer_wait_ms)
-        "arrivals": meter.arrivals,
+        # the training thread's collectives' call times and when it needed each result: run_one matches them over
+        # the ranks (peer_wait_ms)
+        "arrivals": meter.arrivals, "needed": meter.needed,
     }
     Path(out).write_text(json.dumps(result))
     pipeline.detach()
@@ -256,14 +258,15 @@ def run_one(world: int, config: str, rate: int, a: argparse.Namespace, tmp: Path
         "--warmup", str(a.warmup), "--out", str(tmp / f"{config}_{r}.json"), "--rate", str(rate)],
         f"{config}, W={world}", timeout=1800)
     ranks = [json.loads((tmp / f"{config}_{r}.json").read_text()) for r in range(world)]
-    arrivals = [x.pop("arrivals") for x in ranks]
+    arrivals, needed = [x.pop("arrivals") for x in ranks], [x.pop("needed") for x in ranks]
     try:  # (the ranks share this host's clock)
-        late = [1000 * s / ranks[0]["steps"] for s in peer_lateness(arrivals)]
+        late = [1000 * s / ranks[0]["steps"] for s in peer_lateness(arrivals, needed)]
     except ValueError as e:
         logger.warning("%s, W=%d: no peer wait measured (%s)", config, world, e)
         late = []
     row = dict(ranks[0])
-    # ms per step each rank waited for its latest peer to arrive at the collectives (rank 0's: its breakdown's)
+    # ms per step each rank waited for its latest peer to arrive at the collectives, from when it needed each result
+    # (rank 0's: its breakdown's)
     row["peer_wait_ms"] = late[0] if late else None
     row["peer_wait_ms_by_rank"] = late
     row["bytes_per_step_all_ranks"] = sum(x["bytes_per_step"] for x in ranks)
@@ -415,7 +418,7 @@ def main() -> None:
     if a.repeats % len(a.configs):
         first = sum(run_order(a.configs, rep)[0] == a.configs[0] for rep in range(a.repeats))
         logger.warning("--repeats %d is not a multiple of the %d configurations: %s runs first in %d of the %d "
-                       "repeats (a repeat's first run measured 3.4 %% faster than its second on this host)",
+                       "repeats, so the places of a repeat are not shared evenly",
                        a.repeats, len(a.configs), a.configs[0], first, a.repeats)
     rows: List[Dict[str, Any]] = []
     for world in a.world_sizes:

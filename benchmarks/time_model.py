@@ -18,6 +18,10 @@ by :class:`StepTimeModel` from:
 * where the ranks share the host's cores (4 ranks on 2), each all-reduce call's cost beyond its bytes and one latency
   (a ring's steps wait for cores), calibrated on a second stock point, the default plan at W=4 and 200 Mbit/s, and
   marked so;
+* the wait for late peers: each plan's, per step, at the unlimited link and the same W (``bench_bandwidth`` matches
+  the ranks' collective calls on the host's one clock, each rank's wait counted from when it waited for the result:
+  ``peer_wait_ms``), on the critical path; where the ranks share the host's cores the host floor holds it; runs
+  saved before it was recorded have none;
 * bytes, all-reduces and collectives: TrafficMeter's per step; herald's forward-ordered dense sync is overlapped
   (hidden behind compute alone: it shares the link with the critical collectives), DDP's dense all-reduce is on the
   path.
@@ -34,7 +38,9 @@ It reports each point's predicted step and herald/stock ratio beside the measure
 * bytes per rank from the plans at each W (``results/scale.json``, Kaggle rows, dim 16; dim 128 scales
   the embedding vectors by 8 and keeps the ids);
 * the scheduler's CPU per rank-step (``results/home_split_maps_reserved.json``), off the critical path;
-* a fabric's 0.02 ms per collective.
+* a fabric's 0.02 ms per collective;
+* no wait for late peers: no GPU run here had several ranks, so their step-to-step spread is not measured (it
+  would lengthen every plan's step, most where a plan has more collectives).
 
 The model picks herald, stock TABLE_WISE or TorchRec's default plan per point; the speedup is the pick's
 over the default plan. **Per table** (:func:`project_per_table`): the same points with every candidate,
@@ -151,7 +157,8 @@ def load_of(row: Dict[str, Any], kind: str, unlimited: Optional[Unlimited] = Non
     """The row's plan as a PlanLoad (measured bytes and collectives per rank and step, its all-reduces apart,
     measured compute at the unlimited link), and that unlimited step."""
     W = row["world_size"]
-    unl = unlimited_row(kind, W, unlimited)["breakdown_ms"]
+    unl_row = unlimited_row(kind, W, unlimited)
+    unl = unl_row["breakdown_ms"]
     herald = kind in ("hot", "scheduling")
     ar_bytes, ar_calls, ovl_bytes, ovl_calls = allreduces(row, herald)
     if herald:
@@ -159,12 +166,13 @@ def load_of(row: Dict[str, Any], kind: str, unlimited: Optional[Unlimited] = Non
     else:
         collectives = STOCK_TW_COLLECTIVES + 1 + ("data_parallel_table_allreduce" in row["by_label"])
     critical = row["bytes_per_step"] - ovl_bytes
-    if W > CORES:  # ranks share the host's cores: own compute, and the host floor
-        compute, floor = unl["step"] * CORES / W, unl["step"]
-    else:
-        compute, floor = unl["compute"], 0.0
+    if W > CORES:  # ranks share the host's cores: own compute, and the host floor (their waits for each other in it)
+        compute, floor, late = unl["step"] * CORES / W, unl["step"], 0.0
+    else:  # (runs saved before bench_bandwidth matched the ranks' arrivals have no peer wait: 0)
+        compute, floor, late = unl["compute"], 0.0, unl_row.get("peer_wait_ms") or 0.0
     return PlanLoad(kind, critical, ovl_bytes, collectives, compute_ms=compute, host_bound_ms=floor,
-                    allreduce_bytes=ar_bytes, allreduce_calls=ar_calls, overlapped_calls=ovl_calls), unl["step"]
+                    allreduce_bytes=ar_bytes, allreduce_calls=ar_calls, overlapped_calls=ovl_calls,
+                    peer_wait_ms=late), unl["step"]
 
 
 class Probes:
@@ -282,6 +290,9 @@ def validate(validated: Optional[List[str]] = None, rate_sweep: Optional[List[st
                 "calibration_point": (n, r["config"], W, rate) in calibrated.values(),
                 "stock_step_ms": {"measured": ms, "predicted": ps, "error": ps / ms - 1},
                 "herald_step_ms": {"measured": mh, "predicted": ph, "error": ph / mh - 1},
+                # ms per step waited for late peers: the model's (the unlimited run's), and this point's own run's
+                "peer_wait_ms": {"stock": {"used": sl.peer_wait_ms, "measured": r.get("peer_wait_ms")},
+                                 "herald": {"used": hl.peer_wait_ms, "measured": h.get("peer_wait_ms")}},
                 # samples/s ratio herald / stock: the measured one is bench_bandwidth's (median runs)
                 "ratio": {"measured": h["samples_per_s"] / r["samples_per_s"], "predicted": ps / ph,
                           "measured_from_steps": ms / mh},

@@ -101,6 +101,11 @@ def test_step_time_model_takes_the_longest_of_path_link_and_host() -> None:
     # the link: 4e5 B = 40 ms and the 2 critical collectives' latencies (the 3e5 B overlapped hide behind compute alone)
     assert m.predict(PlanLoad("y", 1e5, 3e5, 2)).step_ms == pytest.approx(41.0)
     assert m.predict(PlanLoad("z", 0.0, host_bound_ms=50.0)).step_ms == 50.0
+    # a measured wait for late peers holds the path (24 + 3), not the link (still 10 ms + 2 latencies)
+    late = m.predict(PlanLoad("x", 1e5, 0.0, 2, lookups=2000, scheduler_ms=1.0, peer_wait_ms=3.0))
+    assert (late.comm_ms, late.link_busy_ms, late.step_ms) == pytest.approx((14.0, 11.0, 27.0))
+    # where the link is busiest, the peers' lateness hides behind it: 41 ms, not 10 + 11 + 3
+    assert m.predict(PlanLoad("y", 1e5, 3e5, 2, peer_wait_ms=3.0)).step_ms == pytest.approx(41.0)
 
 
 def test_fast_link_chooses_stock_table_wise_and_says_why() -> None:

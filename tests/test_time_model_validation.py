@@ -37,8 +37,8 @@ def test_the_validation_calibrates_on_stock_table_wise_and_prices_each_point_wit
 
 
 def test_bench_bandwidth_rotates_which_configuration_runs_first_in_a_repeat() -> None:
-    """The second run of a repeat measured 3.4 % slower than the first on this host (identical plans, 30 repeats):
-    with one fixed order that cost was booked against the second configuration every time. Rotated, each
+    """With one fixed order, any cost of a run's place in a repeat (on this host 1.9 % ± 2.0 % for the second, 30
+    repeats of identical plans) is booked against the same configuration every time. Rotated, each
     configuration takes each place once in every len(configs) repeats."""
     import bench_bandwidth as bb
 

@@ -153,7 +153,11 @@ def test_a_collectives_duration_runs_from_its_call_to_its_completion_where_its_w
 
 def test_peer_lateness_sums_each_ranks_wait_for_its_latest_peer_at_each_collective() -> None:
     # three ranks, three collectives: the latest arrivals are 2, 10 and 25
-    assert peer_lateness([[0.0, 10.0, 20.0], [1.0, 10.0, 25.0], [2.0, 8.0, 20.0]]) == [7.0, 1.0, 7.0]
+    arrivals = [[0.0, 10.0, 20.0], [1.0, 10.0, 25.0], [2.0, 8.0, 20.0]]
+    assert peer_lateness(arrivals) == [7.0, 1.0, 7.0]
+    # rank 0 needed its third result at 24 (an async call worked beside), rank 2 its second at 9: 2 + 1, 0 + 1 + 5;
+    # rank 1 never waited for its first (None: autograd's C++ waited for it, in the step's compute)
+    assert peer_lateness(arrivals, [[0.0, 10.0, 24.0], [None, 10.0, 25.0], [2.0, 9.0, 20.0]]) == [3.0, 0.0, 6.0]
     with pytest.raises(ValueError, match=r"different numbers of collectives \(\[2, 3\]\)"):
         peer_lateness([[0.0, 1.0, 2.0], [0.0, 1.0]])
 
@@ -167,21 +171,33 @@ def _arrivals(rank: int, world: int) -> Dict[str, Any]:
         if rank == 1:
             time.sleep(0.3)  # rank 0 waits for it at the first collective
         dist.all_reduce(torch.ones(4))
-        dist.all_reduce(torch.ones(4), async_op=True).wait()
+        if rank == 1:
+            time.sleep(0.2)  # late again, but rank 0 works beside its async call for longer: no wait
+        work = dist.all_reduce(torch.ones(4), async_op=True)
+        if rank == 0:
+            time.sleep(0.4)
+        work.wait()
+        never = dist.all_reduce(torch.ones(4), async_op=True)  # its result taken from its future: never waited for
+        never.get_future().wait()
         worker = threading.Thread(target=lambda: dist.all_reduce(torch.ones(2)))  # another thread's: not the step's
         worker.start()
         worker.join()
     got = [None] * world
-    dist.all_gather_object(got, meter.arrivals)
-    return {"arrivals": got, "calls": meter.summary()["all_reduce"]["calls"]}
+    dist.all_gather_object(got, (meter.arrivals, meter.needed))
+    return {"arrivals": [a for a, _ in got], "needed": [n for _, n in got],
+            "calls": meter.summary()["all_reduce"]["calls"]}
 
 
 def test_a_meter_records_the_training_threads_arrivals_and_ranks_on_one_host_match_them_into_the_wait_for_peers(
 ) -> None:
     got = run_multiprocess(_arrivals, 2)[0]
-    assert got["calls"] == 3 and [len(a) for a in got["arrivals"]] == [2, 2], got  # the worker thread's call: no arrival
+    assert got["calls"] == 4 and [len(a) for a in got["arrivals"]] == [3, 3], got  # the worker thread's call: no arrival
+    assert [n[2] for n in got["needed"]] == [None, None], got
+    # at the calls: rank 0 late-waited 0.3 s, then 0.2 s; rank 1 reached the third 0.2 s before rank 0 (which worked)
     late = peer_lateness(got["arrivals"])
-    assert 0.25 <= late[0] < 0.6 and late[1] < 0.05, late
+    assert 0.45 <= late[0] < 0.8 and 0.15 <= late[1] < 0.35, late
+    exposed = peer_lateness(got["arrivals"], got["needed"])  # when needed: the second's lateness was worked beside
+    assert 0.25 <= exposed[0] < 0.45 and exposed[1] < 0.05, exposed
 
 
 def _left_in_flight_past_the_wait(rank: int, world: int) -> Dict[str, Any]:

@@ -200,9 +200,12 @@ class TrafficMeter:
         self.duration_by_tag: Dict[str, float] = {}
         self.duration_by_kind: Dict[str, float] = {}
         #: with ``completion_times``, the training thread's collectives' call times (``time.perf_counter``), in call
-        #: order: ranks on one host share that clock, so the spread of the k-th call's times over the ranks is how
-        #: long each rank waited for its latest peer to arrive (:func:`peer_lateness`)
+        #: order, and when it first waited for each one's result (a sync call's own time, an async call's first
+        #: ``wait()``; None for one never waited for so, as DDP's all-reduce, which autograd waits for in its C++:
+        #: no part of :attr:`wait_s`): ranks on one host share that clock, so each rank's wait for its latest peer to
+        #: arrive at the k-th collective can be read off them (:func:`peer_lateness`)
         self.arrivals: List[float] = []
+        self.needed: List[Optional[float]] = []
 
     # ------------------------------------------------------------------ activation
     @property
@@ -333,6 +336,7 @@ class TrafficMeter:
         self.duration_by_tag.clear()
         self.duration_by_kind.clear()
         self.arrivals.clear()
+        self.needed.clear()
         with TrafficMeter._lock:
             self._generation += 1
             self._in_flight = []
@@ -402,12 +406,16 @@ class TrafficMeter:
             timed = [m for m in meters if m.completion_times]
             if depth == 0 and timed:
                 _time_to_completion(cls, name, work, t0, timed, labels)
+            slots = []  # (meter, index of this call in its arrivals, its generation): the wait() that first needs it
+            if depth == 0 and timed:
                 me = threading.get_ident()
                 for m in timed:
                     if m._owner == me:
+                        slots.append((m, len(m.arrivals), m._generation))
                         m.arrivals.append(t0)
+                        m.needed.append(None if kwargs.get("async_op", False) and work is not None else t0)
             if depth == 0 and work is not None and kwargs.get("async_op", False):
-                return _TimedWork(work, cls, labels)  # the exposed part of an async collective is its wait()
+                return _TimedWork(work, cls, labels, slots)  # the exposed part of an async collective is its wait()
             return work
 
         wrapper.__name__ = name
@@ -416,20 +424,25 @@ class TrafficMeter:
         return wrapper
 
 
-def peer_lateness(arrivals: Sequence[Sequence[float]]) -> List[float]:
-    """Per rank, the seconds it spent waiting for its latest peer to arrive, summed over its collectives: the k-th
-    collective of each rank's ``arrivals`` (:attr:`TrafficMeter.arrivals`, ranks on one host: one clock) is matched
-    across the ranks, and rank r's lateness at it is ``max(arrivals[:][k]) - arrivals[r][k]``.
+def peer_lateness(arrivals: Sequence[Sequence[float]],
+                  needed: Optional[Sequence[Sequence[Optional[float]]]] = None) -> List[float]:
+    """Per rank, the seconds it waited for its latest peer to arrive, summed over its collectives: the k-th
+    collective of each rank's ``arrivals`` (:attr:`TrafficMeter.arrivals`; ranks on one host: one clock) is matched
+    across the ranks, and rank r waited ``max(0, max(arrivals[:][k]) - needed[r][k])`` at it, where ``needed`` is
+    when it first waited for the result (:attr:`TrafficMeter.needed`: an async call's ``wait()``; default: its
+    call). A peer's lateness that an async call's overlap covers is not waited for; a call never waited for so
+    (``needed`` None) adds nothing.
 
     Raises:
         ValueError: the ranks made different numbers of collectives (their k-th calls are not one collective).
     """
-    counts = {len(a) for a in arrivals}
+    needed = arrivals if needed is None else needed
+    counts = {len(a) for a in arrivals} | {len(n) for n in needed}
     if len(counts) != 1:
         raise ValueError(f"peer_lateness: the ranks made different numbers of collectives ({sorted(counts)}); "
                          f"their calls cannot be matched")
     latest = [max(ts) for ts in zip(*arrivals)]
-    return [sum(m - t for m, t in zip(latest, a)) for a in arrivals]
+    return [sum(max(0.0, m - t) for m, t in zip(latest, n) if t is not None) for n in needed]
 
 
 def _completion_future(work: Any) -> Any:
@@ -471,12 +484,18 @@ class _TimedWork(dist.Work):
     collective overlapped with other work is not waited for, so it is not exposed). A ``dist.Work``
     subclass: TorchRec checks ``isinstance(req, dist.Work)`` before waiting."""
 
-    def __init__(self, work: Any, meter_cls: Any, labels: Dict[int, str]) -> None:
+    def __init__(self, work: Any, meter_cls: Any, labels: Dict[int, str],
+                 slots: Sequence[tuple[Any, int, int]] = ()) -> None:
         super().__init__()
         self._work, self._meter_cls, self._labels = work, meter_cls, labels
+        self._slots = list(slots)  # (meter, its arrival's index, its generation) whose ``needed`` the first wait sets
 
     def wait(self, *args: Any, **kwargs: Any) -> Any:
         t0 = time.perf_counter()
+        for meter, i, generation in self._slots:
+            if meter._generation == generation and i < len(meter.needed):
+                meter.needed[i] = t0
+        self._slots = []
         try:
             return self._work.wait(*args, **kwargs)
         finally:

@@ -6,7 +6,7 @@ embedding exchanges, and DDP's dense all-reduce, which waits at the end of backw
 compute runs (herald's forward-ordered dense sync), collectives, lookups that pay herald's extra per-lookup
 work, and scheduler time on the path. :class:`StepTimeModel` turns that into milliseconds:
 
-    step = max( compute + extra + scheduler + critical_bytes / rate + collectives · latency,
+    step = max( compute + extra + scheduler + critical_bytes / rate + collectives · latency + peer_wait,
                 (critical_bytes + overlapped_bytes) / rate + collectives · latency,
                 host_bound )                                      ranks sharing a host's cores
 
@@ -20,6 +20,10 @@ The second term (``link_busy``) is the link's part of the step: the overlapped b
 sums) hide behind compute alone, since they share the link with the critical collectives, so where compute cannot
 cover their transfer they lengthen the step by the rest (``path + max(0, overlapped / rate − compute − extra)``, and
 each overlapped all-reduce call's ``allreduce_call_ms`` where ranks share cores).
+
+A plan's measured wait for late peers (:attr:`PlanLoad.peer_wait_ms`: a rank reaching a collective before its
+slowest peer waits for it) adds to the critical path's communication; the planner, deciding before any step,
+has none.
 
 ``compute`` is the step's compute on this device (measured; 0 when unknown, as in the planner, which decides
 before any step: the predictions then compare the plans' link and extra work, and herald's forward-ordered sums
@@ -58,6 +62,9 @@ class PlanLoad:
             dense hot-row sync); ``overlapped_bytes`` are all all-reduce bytes.
         allreduce_calls / overlapped_calls: the all-reduce calls on the critical path / overlapped (each costs the
             model's ``allreduce_call_ms``).
+        peer_wait_ms: what the rank waits per step for its latest peer to reach each collective, beyond its own
+            compute (measured: ranks' compute varies from step to step, and each collective waits for the slowest;
+            0: not measured, as in the planner, which decides before any step).
     """
 
     name: str
@@ -71,6 +78,7 @@ class PlanLoad:
     allreduce_bytes: float = 0.0
     allreduce_calls: float = 0.0
     overlapped_calls: float = 0.0
+    peer_wait_ms: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -125,7 +133,8 @@ class StepTimeModel(LinkModel):
         compute = self.compute_ms if load.compute_ms is None else load.compute_ms
         extra = self.lookups(load.lookups) + load.scheduler_ms
         comm = (self.transfer_ms(load.critical_bytes, load.allreduce_bytes) + self.collectives(load.collectives)
-                + self.allreduce_call_ms * load.allreduce_calls)
+                + self.allreduce_call_ms * load.allreduce_calls + load.peer_wait_ms)  # (a late peer holds the path,
+        # not the link: link_busy leaves it out)
         # (the critical path, the overlapped transfers hidden behind its compute alone: :data:`__doc__`)
         busy = (self.transfer_ms(load.critical_bytes + load.overlapped_bytes, load.allreduce_bytes + load.overlapped_bytes)
                 + self.collectives(load.collectives)
