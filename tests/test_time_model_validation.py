@@ -1,7 +1,8 @@
 """``benchmarks/time_model.py``'s validation of the model of time on the committed ``bench_bandwidth`` runs: its
 calibration puts stock TABLE_WISE at 2 ranks, 200 Mbit/s on its measured step exactly, each point is priced with its
 own probe's rates and latency (the all-to-alls at the calibrated share of the probe's all-to-all rate), and a share
-given is taken as given, no point marked a calibration."""
+given is taken as given, no point marked a calibration; each 2-rank point adds its plan's measured wait for late
+peers at the unlimited link."""
 
 from __future__ import annotations
 
@@ -29,6 +30,13 @@ def test_the_validation_calibrates_on_stock_table_wise_and_prices_each_point_wit
         assert p["latency_ms_used"] == measured["collective_latency_ms"]
         assert p["link_mbit_used"] == pytest.approx(measured["link_mbit"] * v["a2a_share"], rel=1e-12)
         assert p["allreduce_call_ms"] == (v["shared_core_allreduce_call_ms"] if W > tm.CORES else 0.0)
+        # the wait for late peers: the plan's own at the unlimited link where ranks have a core each, else none (the
+        # host floor holds it)
+        for side in ("stock", "herald"):
+            kind = p["baseline"] if side == "stock" else p["herald_trained"]
+            unl = tm.unlimited_row(kind, W, tm.unlimited_runs(tm.UNLIMITED_RUNS))
+            assert p["peer_wait_ms"][side]["used"] == (unl["peer_wait_ms"] if W <= tm.CORES else 0.0), (p, side)
+        assert p["peer_wait_ms"]["stock"]["measured"] is not None
     given = tm.validate(share=1.0, call_ms=0.0)
     assert given["a2a_share"] == 1.0 and given["calibrated"] == {}
     assert not any(p["calibration_point"] for p in given["points"])
