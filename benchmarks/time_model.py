@@ -442,7 +442,8 @@ def markdown(result: Dict[str, Any], command: str) -> str:
              + _calibrated(v["calibrated"].get("a2a_share")) + "); all-reduces at the probe's all-reduce rate"
              + ("" if v.get("allreduce_measured_by_probe") else " (0.93 of the tc rate where it did not time them)")
              + f"; each point's own latency; where ranks share cores, {v['shared_core_allreduce_call_ms']:.1f} ms "
-             f"more per all-reduce call ({_calibrated(v['calibrated'].get('call_ms'))}).", "",
+             f"more per all-reduce call ({_calibrated(v['calibrated'].get('call_ms'))}); where ranks have a core each, "
+             "each plan's wait for late peers measured at the unlimited link.", "",
              "| ranks | link | stock trained | herald trained | stock step measured / predicted (err) | "
              "herald step measured / predicted (err) | ratio measured / predicted (err) |", "|---|---|---|---|---|---|---|"]
     for p in v["points"]:
@@ -460,7 +461,7 @@ def markdown(result: Dict[str, Any], command: str) -> str:
     lines += ["", "Per point: " + "; ".join(
         f"{p['world_size']} ranks {'unlimited' if not p['rate_mbit'] else str(p['rate_mbit']) + ' Mbit/s'}: all-to-all "
         f"{p['link_mbit_used']:,.0f}, all-reduce {p['allreduce_mbit_used']:,.0f} Mbit/s, {p['latency_ms_used']:.2f} ms, "
-        f"all-reduce call {p['allreduce_call_ms']:.1f} ms"
+        f"all-reduce call {p['allreduce_call_ms']:.1f} ms" + _peer_wait(p.get("peer_wait_ms"))
         for p in v["points"]) + "."]
     pr = result["projection"]
     lines += ["", f"Projection (GPU step {pr['inputs']['gpu_stock_step_ms']:.1f} ms stock, "
@@ -468,6 +469,15 @@ def markdown(result: Dict[str, Any], command: str) -> str:
               "default plan; herald alone in brackets):", ""]
     lines += _grid(pr["points"], lambda p: f"{p['chosen_vs_default']:.2f}× {p['chosen']} ({p['herald_vs_default']:.2f}×)")
     return "\n".join(lines)
+
+
+def _peer_wait(pw: Optional[Dict[str, Dict[str, Optional[float]]]]) -> str:
+    """``, peer wait stock 1.1 / herald 0.9 ms (measured there 1.1 / 0.9)`` where the model used one ('' else)."""
+    if not pw or not (pw["stock"]["used"] or pw["herald"]["used"]):
+        return ""
+    there = [pw[s]["measured"] for s in ("stock", "herald")]
+    seen = "" if None in there else f" (measured there {there[0]:.1f} / {there[1]:.1f})"
+    return f", peer wait stock {pw['stock']['used']:.1f} / herald {pw['herald']['used']:.1f} ms{seen}"
 
 
 def _grid(points: List[Dict[str, Any]], cell: Any) -> List[str]:
