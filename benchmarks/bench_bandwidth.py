@@ -23,7 +23,10 @@ Per configuration and rate it records the step-time breakdown on rank 0's main t
   DDP's dense all-reduce is waited for inside autograd's C++ and counts as compute;
 * ``scheduler_critical``: herald scheduling on the step's critical path (its collectives excluded);
 * ``scheduler_overlapped``: herald scheduling done by the run-ahead thread while steps trained;
-* ``compute``: the rest of the step.
+* ``compute``: the rest of the step;
+
+and, matching the ranks' collective calls on the host's one clock (``traffic.peer_lateness``), ``peer_wait_ms``: the
+part of ``comm_wait`` rank 0 spent waiting for its latest peer to arrive (``peer_wait_ms_by_rank``: every rank's).
 
 Stock's communication share (``comm_wait`` / step) says which GPU-cluster regime a rate stands for.
 Writes ``benchmarks/results/bandwidth.json``, ``bandwidth.png`` and the BANDWIDTH section of RESULTS.md.

@@ -168,7 +168,8 @@ def load_of(row: Dict[str, Any], kind: str, unlimited: Optional[Unlimited] = Non
     critical = row["bytes_per_step"] - ovl_bytes
     if W > CORES:  # ranks share the host's cores: own compute, and the host floor (their waits for each other in it)
         compute, floor, late = unl["step"] * CORES / W, unl["step"], 0.0
-    else:  # (runs saved before bench_bandwidth matched the ranks' arrivals have no peer wait: 0)
+    else:  # the unlimited run's peer wait, as its compute: a rate-limited run's own holds the skew its transfers
+        # cause, which bytes / rate already prices (runs saved before bench_bandwidth matched arrivals have none: 0)
         compute, floor, late = unl["compute"], 0.0, unl_row.get("peer_wait_ms") or 0.0
     return PlanLoad(kind, critical, ovl_bytes, collectives, compute_ms=compute, host_bound_ms=floor,
                     allreduce_bytes=ar_bytes, allreduce_calls=ar_calls, overlapped_calls=ovl_calls,
@@ -226,8 +227,8 @@ def shared_core_call_ms(row: Dict[str, Any], probes: Probes, a2a_share: float,
 
 def a2a_share(row: Dict[str, Any], probes: Probes, unlimited: Optional[Unlimited] = None) -> float:
     """The multiple of the probe's all-to-all rate that puts a stock row (TABLE_WISE at W=2) on its measured step:
-    its all-to-all bytes over the step less its compute, its all-reduces and its collectives' latency. One such
-    figure, at 200 Mbit/s, is the validation's calibration."""
+    its all-to-all bytes over the step less its compute, its all-reduces, its collectives' latency and its plan's
+    wait for late peers. One such figure, at 200 Mbit/s, is the validation's calibration."""
     load, _ = load_of(row, trained(row), unlimited)
     m = model_for(row, probes, 1.0)
     # (the model's path for the step without its all-to-all bytes: compute, all-reduces, latencies)

@@ -160,6 +160,8 @@ def test_peer_lateness_sums_each_ranks_wait_for_its_latest_peer_at_each_collecti
     assert peer_lateness(arrivals, [[0.0, 10.0, 24.0], [None, 10.0, 25.0], [2.0, 9.0, 20.0]]) == [3.0, 0.0, 6.0]
     with pytest.raises(ValueError, match=r"different numbers of collectives \(\[2, 3\]\)"):
         peer_lateness([[0.0, 1.0, 2.0], [0.0, 1.0]])
+    with pytest.raises(ValueError, match=r"^peer_lateness: 2 ranks' arrivals and 1 ranks' waits; every rank needs both$"):
+        peer_lateness(arrivals[:2], [[0.0, 10.0, 20.0]])
 
 
 def _arrivals(rank: int, world: int) -> Dict[str, Any]:
@@ -169,13 +171,13 @@ def _arrivals(rank: int, world: int) -> Dict[str, Any]:
     dist.barrier()
     with TrafficMeter(completion_times=True) as meter:
         if rank == 1:
-            time.sleep(0.3)  # rank 0 waits for it at the first collective
+            time.sleep(0.6)  # rank 0 waits for it at the first collective
         dist.all_reduce(torch.ones(4))
         if rank == 1:
-            time.sleep(0.2)  # late again, but rank 0 works beside its async call for longer: no wait
-        work = dist.all_reduce(torch.ones(4), async_op=True)
+            time.sleep(0.4)  # late again, but rank 0 works beside its async call for longer: no wait
+        work = dist.all_reduce(torch.ones(4), dist.ReduceOp.SUM, None, True)  # (async by position)
         if rank == 0:
-            time.sleep(0.4)
+            time.sleep(0.8)
         work.wait()
         never = dist.all_reduce(torch.ones(4), async_op=True)  # its result taken from its future: never waited for
         never.get_future().wait()
@@ -185,7 +187,7 @@ def _arrivals(rank: int, world: int) -> Dict[str, Any]:
     got = [None] * world
     dist.all_gather_object(got, (meter.arrivals, meter.needed))
     return {"arrivals": [a for a, _ in got], "needed": [n for _, n in got],
-            "calls": meter.summary()["all_reduce"]["calls"]}
+            "calls": meter.summary()["all_reduce"]["calls"], "second_waited_after": [n[1] - a[1] for a, n in got]}
 
 
 def test_a_meter_records_the_training_threads_arrivals_and_ranks_on_one_host_match_them_into_the_wait_for_peers(
@@ -193,11 +195,13 @@ def test_a_meter_records_the_training_threads_arrivals_and_ranks_on_one_host_mat
     got = run_multiprocess(_arrivals, 2)[0]
     assert got["calls"] == 4 and [len(a) for a in got["arrivals"]] == [3, 3], got  # the worker thread's call: no arrival
     assert [n[2] for n in got["needed"]] == [None, None], got
-    # at the calls: rank 0 late-waited 0.3 s, then 0.2 s; rank 1 reached the third 0.2 s before rank 0 (which worked)
+    # at the calls: rank 0 late-waited 0.6 s, then 0.4 s; rank 1 reached the third 0.4 s before rank 0 (which worked)
     late = peer_lateness(got["arrivals"])
-    assert 0.45 <= late[0] < 0.8 and 0.15 <= late[1] < 0.35, late
+    assert 0.85 <= late[0] < 1.5 and 0.25 <= late[1] < 0.7, late
     exposed = peer_lateness(got["arrivals"], got["needed"])  # when needed: the second's lateness was worked beside
-    assert 0.25 <= exposed[0] < 0.45 and exposed[1] < 0.05, exposed
+    assert 0.45 <= exposed[0] < 0.95 and exposed[1] < 0.1, exposed
+    # the call async by position: rank 0 waited for it 0.8 s after the call, and that wait is what counts
+    assert got["second_waited_after"][0] >= 0.75 and got["second_waited_after"][1] < 0.1, got
 
 
 def _left_in_flight_past_the_wait(rank: int, world: int) -> Dict[str, Any]:

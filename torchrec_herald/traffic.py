@@ -201,8 +201,8 @@ class TrafficMeter:
         self.duration_by_kind: Dict[str, float] = {}
         #: with ``completion_times``, the training thread's collectives' call times (``time.perf_counter``), in call
         #: order, and when it first waited for each one's result (a sync call's own time, an async call's first
-        #: ``wait()``; None for one never waited for so, as DDP's all-reduce, which autograd waits for in its C++:
-        #: no part of :attr:`wait_s`): ranks on one host share that clock, so each rank's wait for its latest peer to
+        #: ``wait()`` on the training thread; None for one never waited for so, as DDP's all-reduce, which autograd
+        #: waits for in its C++: no part of :attr:`wait_s`): ranks on one host share that clock, so each rank's wait for its latest peer to
         #: arrive at the k-th collective can be read off them (:func:`peer_lateness`). Two floats a collective, kept
         #: until :meth:`reset`: a benchmark's timed block, not a whole training run
         self.arrivals: List[float] = []
@@ -336,11 +336,11 @@ class TrafficMeter:
         self.wait_other_threads_s = 0.0
         self.duration_by_tag.clear()
         self.duration_by_kind.clear()
-        self.arrivals.clear()
-        self.needed.clear()
-        with TrafficMeter._lock:
+        with TrafficMeter._lock:  # (a wait() setting ``needed`` holds it too: it never writes into the cleared lists)
             self._generation += 1
             self._in_flight = []
+            self.arrivals.clear()
+            self.needed.clear()
 
     def _current_label(self) -> str:
         return self._tags[-1][0] if self._tags else "untagged"
@@ -407,15 +407,19 @@ class TrafficMeter:
             timed = [m for m in meters if m.completion_times]
             if depth == 0 and timed:
                 _time_to_completion(cls, name, work, t0, timed, labels)
+            # an async call returns its Work (``async_op`` by keyword or by position, ``isend``/``irecv``); a sync one
+            # returns None (``recv`` its sender's rank)
+            is_async = depth == 0 and isinstance(work, dist.Work)
             slots = []  # (meter, index of this call in its arrivals, its generation): the wait() that first needs it
             if depth == 0 and timed:
                 me = threading.get_ident()
-                for m in timed:
-                    if m._owner == me:
-                        slots.append((m, len(m.arrivals), m._generation))
-                        m.arrivals.append(t0)
-                        m.needed.append(None if kwargs.get("async_op", False) and work is not None else t0)
-            if depth == 0 and work is not None and kwargs.get("async_op", False):
+                with cls._lock:
+                    for m in timed:
+                        if m._owner == me:
+                            slots.append((m, len(m.arrivals), m._generation))
+                            m.arrivals.append(t0)
+                            m.needed.append(None if is_async else t0)
+            if is_async:
                 return _TimedWork(work, cls, labels, slots)  # the exposed part of an async collective is its wait()
             return work
 
@@ -438,6 +442,9 @@ def peer_lateness(arrivals: Sequence[Sequence[float]],
         ValueError: the ranks made different numbers of collectives (their k-th calls are not one collective).
     """
     needed = arrivals if needed is None else needed
+    if not arrivals or len(needed) != len(arrivals):
+        raise ValueError(f"peer_lateness: {len(arrivals)} ranks' arrivals and {len(needed)} ranks' waits; every "
+                         f"rank needs both")
     counts = {len(a) for a in arrivals} | {len(n) for n in needed}
     if len(counts) != 1:
         raise ValueError(f"peer_lateness: the ranks made different numbers of collectives ({sorted(counts)}); "
@@ -493,10 +500,13 @@ class _TimedWork(dist.Work):
 
     def wait(self, *args: Any, **kwargs: Any) -> Any:
         t0 = time.perf_counter()
-        for meter, i, generation in self._slots:
-            if meter._generation == generation and i < len(meter.needed):
-                meter.needed[i] = t0
-        self._slots = []
+        if self._slots:
+            me = threading.get_ident()
+            with self._meter_cls._lock:  # (the training thread's wait alone is on its step's path)
+                for meter, i, generation in self._slots:
+                    if meter._owner == me and meter._generation == generation and i < len(meter.needed):
+                        meter.needed[i] = t0
+            self._slots = []
         try:
             return self._work.wait(*args, **kwargs)
         finally:

@@ -22,8 +22,9 @@ cover their transfer they lengthen the step by the rest (``path + max(0, overlap
 each overlapped all-reduce call's ``allreduce_call_ms`` where ranks share cores).
 
 A plan's measured wait for late peers (:attr:`PlanLoad.peer_wait_ms`: a rank reaching a collective before its
-slowest peer waits for it) adds to the critical path's communication; the planner, deciding before any step,
-has none.
+slowest peer waits for it) adds to the critical path's communication, not to ``link_busy``: where the link is the
+bottleneck the model assumes the peers' lateness hides behind its transfers (a late peer can leave it idle too).
+The planner, deciding before any step, has none.
 
 ``compute`` is the step's compute on this device (measured; 0 when unknown, as in the planner, which decides
 before any step: the predictions then compare the plans' link and extra work, and herald's forward-ordered sums
