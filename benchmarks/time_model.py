@@ -67,7 +67,7 @@ from bench_bandwidth import trained_plan  # noqa: E402  (one reading of a run's 
 RESULTS = HERE / "results"
 CORES = 2
 #: the measured runs validated (herald's defaults, no link key, each rank in its own namespace; the twenty-fourth
-#: session's, its 2-rank runs at 515dc51 with each run's wait for late peers, its 4-rank ones at 8758d8d)
+#: session's, its 2-rank runs at 515dc51 and 4-rank ones at cb3afd2, each with its wait for late peers)
 LATEST_RUNS = "twentyfourth_1207/"
 #: a session's validated runs and the unlimited-link runs that give each plan's compute, by name in its folder
 VALIDATED_NAMES = ("bw_w2_unl", "bw_w2_lim", "bw_w4_unl", "bw_w4_lim")
