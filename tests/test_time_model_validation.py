@@ -23,6 +23,7 @@ def test_the_validation_calibrates_on_stock_table_wise_and_prices_each_point_wit
     cal = next(p for p in v["points"] if (p["world_size"], p["rate_mbit"]) == (2, 200))
     assert cal["calibration_point"] and cal["stock_step_ms"]["error"] == pytest.approx(0.0, abs=1e-9)
     probes = tm.Probes(tm.VALIDATED)
+    unlimited = tm.unlimited_runs(tm.UNLIMITED_RUNS)
     for p in v["points"]:
         W, rate = p["world_size"], p["rate_mbit"]
         measured = probes.by_point[(W, rate)]
@@ -34,7 +35,7 @@ def test_the_validation_calibrates_on_stock_table_wise_and_prices_each_point_wit
         # host floor holds it)
         for side in ("stock", "herald"):
             kind = p["baseline"] if side == "stock" else p["herald_trained"]
-            unl = tm.unlimited_row(kind, W, tm.unlimited_runs(tm.UNLIMITED_RUNS))
+            unl = tm.unlimited_row(kind, W, unlimited)
             assert p["peer_wait_ms"][side]["used"] == ((unl.get("peer_wait_ms") or 0.0) if W <= tm.CORES else 0.0), \
                 (p, side)
         assert p["peer_wait_ms"]["stock"]["used"] > 0 or W > tm.CORES  # (this session's 2-rank runs measured one)

@@ -160,7 +160,8 @@ def test_peer_lateness_sums_each_ranks_wait_for_its_latest_peer_at_each_collecti
     assert peer_lateness(arrivals, [[0.0, 10.0, 24.0], [None, 10.0, 25.0], [2.0, 9.0, 20.0]]) == [3.0, 0.0, 6.0]
     with pytest.raises(ValueError, match=r"different numbers of collectives \(\[2, 3\]\)"):
         peer_lateness([[0.0, 1.0, 2.0], [0.0, 1.0]])
-    with pytest.raises(ValueError, match=r"^peer_lateness: 2 ranks' arrivals and 1 ranks' waits; every rank needs both$"):
+    with pytest.raises(ValueError,
+                       match=r"^peer_lateness: 2 ranks' arrivals and 1 ranks' waits; every rank needs both$"):
         peer_lateness(arrivals[:2], [[0.0, 10.0, 20.0]])
 
 
@@ -193,7 +194,8 @@ def _arrivals(rank: int, world: int) -> Dict[str, Any]:
 def test_a_meter_records_the_training_threads_arrivals_and_ranks_on_one_host_match_them_into_the_wait_for_peers(
 ) -> None:
     got = run_multiprocess(_arrivals, 2)[0]
-    assert got["calls"] == 4 and [len(a) for a in got["arrivals"]] == [3, 3], got  # the worker thread's call: no arrival
+    # the worker thread's call is counted, but has no arrival
+    assert got["calls"] == 4 and [len(a) for a in got["arrivals"]] == [3, 3], got
     assert [n[2] for n in got["needed"]] == [None, None], got
     # at the calls: rank 0 late-waited 0.6 s, then 0.4 s; rank 1 reached the third 0.4 s before rank 0 (which worked)
     late = peer_lateness(got["arrivals"])

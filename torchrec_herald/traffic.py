@@ -202,9 +202,9 @@ class TrafficMeter:
         #: with ``completion_times``, the training thread's collectives' call times (``time.perf_counter``), in call
         #: order, and when it first waited for each one's result (a sync call's own time, an async call's first
         #: ``wait()`` on the training thread; None for one never waited for so, as DDP's all-reduce, which autograd
-        #: waits for in its C++: no part of :attr:`wait_s`): ranks on one host share that clock, so each rank's wait for its latest peer to
-        #: arrive at the k-th collective can be read off them (:func:`peer_lateness`). Two floats a collective, kept
-        #: until :meth:`reset`: a benchmark's timed block, not a whole training run
+        #: waits for in its C++: no part of :attr:`wait_s`): ranks on one host share that clock, so each rank's wait
+        #: for its latest peer to arrive at the k-th collective can be read off them (:func:`peer_lateness`). Two
+        #: floats a collective, kept until :meth:`reset`: a benchmark's timed block, not a whole training run
         self.arrivals: List[float] = []
         self.needed: List[Optional[float]] = []
 
