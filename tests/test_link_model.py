@@ -731,8 +731,11 @@ def test_measured_link_gives_every_rank_the_same_link_model_or_none_where_a_prob
     assert measured_link(None) == LinkModel.local(LinkModel.cpu_us_per_lookup)
 
 
-def _probe_failing_before_a_collective(rank: int, world: int) -> tuple:
-    """Rank 1's probe fails before its first all-to-all (an allocation, say), which rank 0 enters."""
+def _probe_failing_before_a_collective(rank: int, world: int, poll: bool = False) -> tuple:
+    """Rank 1's probe fails before its first all-to-all (an allocation, say), which rank 0 enters. ``poll``: the probe
+    waits as it does for CUDA tensors (NCCL's), by polling its collectives against a host deadline."""
+    import functools
+
     import torch
     import torch.distributed as dist
 
@@ -741,17 +744,25 @@ def _probe_failing_before_a_collective(rank: int, world: int) -> tuple:
     def broken(*args: object, **kwargs: object) -> None:
         raise RuntimeError("out of memory on rank 1 alone")
 
-    real = dist.all_to_all_single
+    aborted: list = []
+
+    def abort(group: object) -> None:
+        aborted.append(group is not None and group is not dist.group.WORLD)
+        real_abort(group)
+
+    real, real_probe, real_abort = dist.all_to_all_single, link_probe.probe_link, link_probe.abort_failed_group
     if rank == 1:
         dist.all_to_all_single = broken
+    link_probe.probe_link = functools.partial(real_probe, poll=poll)
+    link_probe.abort_failed_group = abort
     seen = messages_of("torchrec_herald.planner")
     try:
         probe = link_probe.probe_on_every_rank(dist.group.WORLD, timeout_s=2.0)
     finally:
-        dist.all_to_all_single = real
+        dist.all_to_all_single, link_probe.probe_link, link_probe.abort_failed_group = real, real_probe, real_abort
     after = torch.tensor([rank + 1.0])
     dist.all_reduce(after)  # the job's group carries its next collective as it should
-    return probe, seen, after.item()
+    return probe, seen, after.item(), aborted
 
 
 def test_a_probe_failing_on_one_rank_before_a_collective_leaves_the_jobs_group_in_step() -> None:
@@ -759,11 +770,55 @@ def test_a_probe_failing_on_one_rank_before_a_collective_leaves_the_jobs_group_i
     (after the probe's timeout), instead of pairing with rank 1's next collective on the job's group, which failed
     the job ("the process group failed right after the start-up link probe"). Each rank warns once, both plan on
     the configured values, and the job's group sums right after."""
-    (p0, seen0, after0), (p1, seen1, after1) = run_multiprocess(_probe_failing_before_a_collective, 2)
+    (p0, seen0, after0, ab0), (p1, seen1, after1, ab1) = run_multiprocess(_probe_failing_before_a_collective, 2)
     assert p0 is None and p1 is None and after0 == after1 == 3.0
     tail = "; planning with the configured link values (planner.link_mbit / planner.collective_latency_ms)"
     assert seen1 == ["planner: the link probe failed (out of memory on rank 1 alone)" + tail]
     assert seen0 == ["planner: the link probe failed (Operation timed out!)" + tail]
+    assert ab0 == ab1 == [True]  # each rank aborted the probe's own group, once
+
+
+def test_a_probe_waiting_as_on_a_gpu_gives_up_at_its_host_deadline_and_the_job_goes_on() -> None:
+    """NCCL's wait never times out on the host (the host then blocks in ``cuda.synchronize`` until the watchdog ends
+    the process), so the probe polls CUDA collectives against its own deadline and the failed rank aborts the probe's
+    group, watchdog and all. The same path on gloo: rank 0 gives up on the all-to-all rank 1 never entered, by its
+    deadline (the message is the probe's, not gloo's timeout), warns once, and the job's group sums right after."""
+    (p0, seen0, after0, ab0), (p1, seen1, after1, ab1) = run_multiprocess(_probe_failing_before_a_collective, 2,
+                                                                          True)
+    assert p0 is None and p1 is None and after0 == after1 == 3.0
+    tail = "; planning with the configured link values (planner.link_mbit / planner.collective_latency_ms)"
+    assert seen1 == ["planner: the link probe failed (out of memory on rank 1 alone)" + tail]
+    assert seen0 == ["planner: the link probe failed (a probe collective took over 2 s)" + tail]
+    assert ab0 == ab1 == [True]
+
+
+class _NeverDone:
+    """A collective's work whose peer never came."""
+
+    def is_completed(self) -> bool:
+        return False
+
+    def wait(self, *args: object) -> bool:
+        raise AssertionError("a polled wait must not block in the backend's wait")
+
+
+class _Failed:
+    def is_completed(self) -> bool:
+        return True
+
+    def wait(self, *args: object) -> bool:
+        raise RuntimeError("Connection closed by peer")
+
+
+def test_a_polled_wait_raises_at_its_deadline_or_with_the_collectives_own_error() -> None:
+    from datetime import timedelta
+
+    from torchrec_herald.planner.link_probe import ProbeTimeout, await_within
+
+    with pytest.raises(ProbeTimeout, match=r"^a probe collective took over 0\.05 s$"):
+        await_within(_NeverDone(), timedelta(seconds=0.05), poll=True)
+    with pytest.raises(RuntimeError, match="^Connection closed by peer$"):
+        await_within(_Failed(), timedelta(seconds=5), poll=True)
 
 
 def _train_probe_failing(rank: int, world: int, overrides: list, run_dir: str, failing_ranks: tuple = (0, 1)) -> tuple:

@@ -26,7 +26,8 @@ import torch.distributed as dist
 from torchrec_herald.comm import ring_allreduce_bytes
 from torchrec_herald.dist_utils import collective_device, device_sync
 
-__all__ = ["LinkProbe", "agree_on_probe", "measured_link", "probe_group", "probe_link", "probe_on_every_rank"]
+__all__ = ["LinkProbe", "ProbeTimeout", "abort_failed_group", "agree_on_probe", "await_within", "measured_link",
+           "probe_group", "probe_link", "probe_on_every_rank"]
 
 if TYPE_CHECKING:
     from torchrec_herald.planner.pricing import LinkModel
@@ -67,25 +68,51 @@ def _sync(device: torch.device) -> None:
         wait()
 
 
-def _timed(op: Any, timeout: timedelta, device: torch.device = torch.device("cpu")) -> float:
+class ProbeTimeout(RuntimeError):
+    """A probe collective did not complete within the probe's timeout on the host's clock."""
+
+
+def await_within(work: Any, timeout: timedelta, *, poll: bool) -> None:
+    """Wait for ``work`` (a collective's ``dist.Work``) for at most ``timeout`` of the host's clock, raising
+    :class:`ProbeTimeout` after it (and the collective's own error, if it failed).
+
+    ``poll=False`` waits in ``work.wait(timeout)``: gloo's wait blocks the host and times out itself. NCCL's does
+    neither (it orders the current CUDA stream and returns; the host then blocks in ``cuda.synchronize`` until the
+    group's watchdog ends the process), so ``poll=True`` asks ``work.is_completed()``, which never blocks, until
+    the deadline: a peer that never enters the collective then costs ``timeout``, and the caller aborts the probe's
+    group (:func:`release_failed_group`) before its watchdog fires. Hand-written: torch has no host-deadline wait for
+    NCCL work."""
+    if not poll:
+        work.wait(timeout)
+        return
+    deadline = time.monotonic() + timeout.total_seconds()
+    while not work.is_completed():
+        if time.monotonic() > deadline:
+            raise ProbeTimeout(f"a probe collective took over {timeout.total_seconds():g} s")
+        time.sleep(0)  # (yields the GIL: the backend's threads run)
+    work.wait()  # (its error, if it failed; on a GPU it orders the current stream after it)
+
+
+def _timed(op: Any, timeout: timedelta, device: torch.device = torch.device("cpu"), poll: bool = False) -> float:
     _sync(device)
     t0 = time.perf_counter()
-    op(True).wait(timeout)
+    await_within(op(True), timeout, poll=poll)
     _sync(device)
     return time.perf_counter() - t0
 
 
 def _slowest(seconds: float, pg: Optional[dist.ProcessGroup], timeout: timedelta,
-             device: torch.device = torch.device("cpu")) -> float:
+             device: torch.device = torch.device("cpu"), poll: bool = False) -> float:
     """The largest of every rank's ``seconds`` (so every rank decides alike)."""
     t = torch.tensor([seconds], dtype=torch.float64, device=device)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=pg, async_op=True).wait(timeout)
+    await_within(dist.all_reduce(t, op=dist.ReduceOp.MAX, group=pg, async_op=True), timeout, poll=poll)
     return float(t.item())
 
 
 def probe_link(pg: Optional[dist.ProcessGroup], *, budget_s: float = 1.0, timeout_s: float = 30.0,
                min_bytes: int = 256 << 10, max_bytes: int = 16 << 20, target_s: float = 0.1,
-               repeats: int = 3, device: Optional[torch.device] = None, allreduce_budget_s: float = 0.5) -> LinkProbe:
+               repeats: int = 3, device: Optional[torch.device] = None, allreduce_budget_s: float = 0.5,
+               poll: Optional[bool] = None) -> LinkProbe:
     """Time the link of ``pg`` (collective: every rank calls it), with tensors on ``device`` (default
     :func:`~torchrec_herald.dist_utils.collective_device`: CUDA where the group carries CUDA tensors, the time
     then taken to the device's end).
@@ -96,7 +123,8 @@ def probe_link(pg: Optional[dist.ProcessGroup], *, budget_s: float = 1.0, timeou
     at that size (``repeats`` in all, within the budget); the rate is the bytes that cross this rank's
     link, ``n·(W−1)/W`` per transfer, over the median of the slowest rank's times less one latency. The all-reduce
     rate likewise, with all-reduces of ``n`` bytes (``2·n·(W−1)/W`` over each rank's link, a ring's) within
-    ``allreduce_budget_s`` more.
+    ``allreduce_budget_s`` more. Each collective is waited for within ``timeout_s`` of the host's clock
+    (:func:`await_within`; ``poll`` None: by polling where the tensors are CUDA ones, NCCL's).
 
     Raises:
         RuntimeError: a collective failed or took longer than ``timeout_s`` (the caller falls back to the
@@ -107,16 +135,17 @@ def probe_link(pg: Optional[dist.ProcessGroup], *, budget_s: float = 1.0, timeou
         raise RuntimeError("one rank: no link to measure")
     timeout = timedelta(seconds=timeout_s)
     dev = collective_device(pg) if device is None else device
+    poll = dev.type == "cuda" if poll is None else poll
     start = time.perf_counter()
     one = torch.zeros(1, device=dev)
     # the median of 20: robust to a rank's passing background work at start, yet it keeps the cost of
     # ranks that share cores (which every collective of the training pays too)
-    lat = [_timed(lambda a: dist.all_reduce(one, group=pg, async_op=a), timeout, dev) for _ in range(22)][2:]
-    latency = _slowest(statistics.median(lat), pg, timeout, dev)
+    lat = [_timed(lambda a: dist.all_reduce(one, group=pg, async_op=a), timeout, dev, poll) for _ in range(22)][2:]
+    latency = _slowest(statistics.median(lat), pg, timeout, dev, poll)
     # one untimed all-to-all first: NCCL connects a pair's point-to-point channels at their first use, which
     # would count as link time in the first timed one (gloo's are connected already)
     warm = torch.zeros(W, device=dev)
-    dist.all_to_all_single(torch.empty_like(warm), warm, group=pg, async_op=True).wait(timeout)
+    await_within(dist.all_to_all_single(torch.empty_like(warm), warm, group=pg, async_op=True), timeout, poll=poll)
     _sync(dev)
 
     def all_to_all(n: int) -> Tuple[Any, int]:
@@ -128,7 +157,7 @@ def probe_link(pg: Optional[dist.ProcessGroup], *, budget_s: float = 1.0, timeou
         x = torch.ones(max(n // 4, 1), device=dev)
         return (lambda a: dist.all_reduce(x, group=pg, async_op=a)), int(ring_allreduce_bytes(x.numel() * 4, W))
 
-    timing = _Timing(pg, timeout, dev, latency, min_bytes, max_bytes, target_s, repeats)
+    timing = _Timing(pg, timeout, dev, latency, min_bytes, max_bytes, target_s, repeats, poll)
     rate, sent, total = timing.rate(all_to_all, budget_s - 22 * latency)
     ar_rate, _, ar_total = timing.rate(all_reduce, allreduce_budget_s)
     return LinkProbe(link_mbit=rate, latency_ms=latency * 1e3, bytes_per_rank=sent,
@@ -149,9 +178,11 @@ class _Timing:
     max_bytes: int
     target_s: float
     repeats: int
+    poll: bool = False
 
     def _time(self, op: Any) -> float:
-        return _slowest(_timed(op, self.timeout, self.device), self.pg, self.timeout, self.device)
+        return _slowest(_timed(op, self.timeout, self.device, self.poll), self.pg, self.timeout, self.device,
+                        self.poll)
 
     def rate(self, make: Any, budget_s: float) -> Tuple[float, int, int]:
         """(Mbit/s, the bytes over one rank's link the rate was measured on, every byte sent): ``make(n)`` gives the
@@ -203,8 +234,9 @@ def probe_group(pg: Optional[dist.ProcessGroup], timeout_s: float) -> dist.Proce
     """A process group of ``pg``'s ranks and backend for the probe alone (collective over ``pg``'s ranks only),
     whose operations time out after ``timeout_s`` (the probe's own waits, given less, fire first): a rank whose probe
     fails before a collective the others entered leaves those unmatched in this group, never in the job's, where
-    they would pair with the job's next collectives. Over gloo the unmatched ones time out and the job goes on; over
-    NCCL its watchdog still ends a process whose collective timed out, as it would on the job's group."""
+    they would pair with the job's next collectives. A rank whose probe failed aborts this group
+    (:func:`abort_failed_group`), before its own timeout: NCCL's watchdog would otherwise end the process whose
+    collective timed out, as it would on the job's group."""
     ranks = dist.get_process_group_ranks(pg if pg is not None else dist.group.WORLD)
     return dist.new_group(ranks=ranks, backend=dist.get_backend(pg), timeout=timedelta(seconds=timeout_s),
                           use_local_synchronization=_is_subgroup(ranks), group_desc="herald_link_probe")
@@ -228,13 +260,28 @@ def probe_on_every_rank(pg: Optional[dist.ProcessGroup], timeout_s: float = 30.0
     except Exception as e:  # noqa: BLE001 - a failed probe must not stop training: the configured values
         logger.warning("planner: the link probe failed (%s); planning with the configured link values "
                        "(planner.link_mbit / planner.collective_latency_ms)", e)
+        abort_failed_group(group)
     agreed = agree_on_probe(probe, pg, timeout_s=2 * timeout_s)
     # every rank done with it: freed, where the job's ranks name their groups by a count that a freed group does
     # not take back (a subgroup's is named by its ranks and the number of groups, which a freed one would give the
-    # next subgroup of the same ranks: kept). A failed probe's group is kept: its unmatched operations time out.
+    # next subgroup of the same ranks: kept). A failed probe's group stays registered (aborted), for the same reason.
     if agreed is not None and group is not None and not _is_subgroup(dist.get_process_group_ranks(group)):
         dist.destroy_process_group(group)
     return agreed
+
+
+def abort_failed_group(group: Optional[dist.ProcessGroup]) -> None:
+    """Abort the probe's ``group`` on this rank, where its probe failed: its communicators and, over NCCL, its
+    watchdog stop, so a collective left unmatched in it (a peer failed before entering it, or this rank gave up
+    waiting) neither ends the process at the group's timeout nor holds the device. The group stays registered:
+    a subgroup's name counts the groups made. A failed abort is logged, not raised (the probe's warning is the
+    user's one line)."""
+    if group is None:
+        return
+    try:
+        group.abort()
+    except Exception as e:  # noqa: BLE001 - the job goes on with the configured values either way
+        logger.debug("planner: aborting the failed link probe's process group: %s", e)
 
 
 def measured_link(pg: Optional[dist.ProcessGroup], cpu_us_per_lookup: Optional[float] = None
