@@ -880,3 +880,19 @@ def test_on_a_gpu_the_table_says_nccls_communication_is_in_compute_and_predicts_
                                    "it is in compute)")
     assert predicted_step_cell(cpu) == "12.0 (measured 10.0, +20 %)"
     assert predicted_step_cell(gpu) == "– (NCCL's communication is in this run's compute on the host's clock)"
+
+
+def test_the_measured_wait_for_late_peers_is_shown_in_the_breakdown_and_on_the_predicted_steps_critical_path() -> None:
+    from torchrec_herald.report import breakdown_cell, predicted_step_cell
+
+    d = {"predicted": {"herald": {"extra_ms": 1.0, "comm_ms": 2.0, "link_busy_ms": 1.5, "step_ms": 3.0}},
+         "chosen": "herald", "link_mbit": 5000.0, "measured": {"link_mbit": 5000.0, "collective_latency_ms": 0.2}}
+    b = {"step": 10.0, "compute": 8.0, "comm_wait": 2.0, "scheduler_critical": 0.0, "scheduler_overlapped": 0.0,
+         "peer_wait": 0.8}
+    m = {"link_decision": d, "step_time_breakdown_ms": b, "comm_wait_host_only": False}
+    assert breakdown_cell(m) == "10.0 = 8.0 + 2.0, 0.8 of it for late peers + 0.0 (ahead 0.0)"
+    # 8.0 compute + 1.0 extra + 2.0 comm + 0.8 waited for peers (the link's 1.5 busy is shorter)
+    assert predicted_step_cell(m) == "11.8 (measured 10.0, +18 %, with 0.8 measured for late peers)"
+    unmeasured = {**m, "step_time_breakdown_ms": {**b, "peer_wait": None}}
+    assert breakdown_cell(unmeasured) == "10.0 = 8.0 + 2.0 + 0.0 (ahead 0.0)"
+    assert predicted_step_cell(unmeasured) == "11.0 (measured 10.0, +10 %)"

@@ -206,6 +206,57 @@ def test_a_meter_records_the_training_threads_arrivals_and_ranks_on_one_host_mat
     assert got["second_waited_after"][0] >= 0.75 and got["second_waited_after"][1] < 0.1, got
 
 
+class _ClockAhead:
+    """``time`` with ``perf_counter`` 100 s ahead: the clock of a rank on another host."""
+
+    def __init__(self, real: Any) -> None:
+        self._real = real
+
+    def perf_counter(self) -> float:
+        return self._real.perf_counter() + 100.0
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._real, name)
+
+
+def _peer_wait_across_hosts(rank: int, world: int) -> Dict[str, Any]:
+    import socket
+    import time
+
+    import torchrec_herald.traffic as traffic
+
+    socket.gethostname = lambda: f"host{rank}"  # (two hosts, two clocks: rank 1's 100 s ahead)
+    if rank == 1:
+        traffic.time = _ClockAhead(time)
+    meter = TrafficMeter()
+    meter.arrival_times = True  # (as the trainer turns it on for its window)
+    dist.barrier()
+    with meter:
+        for _ in range(2):  # two steps; in each, rank 1 reaches the first all-reduce 0.3 s late
+            if rank == 1:
+                time.sleep(0.3)
+            dist.all_reduce(torch.ones(4))
+            dist.all_reduce(torch.ones(4))
+    meter.arrival_times = False
+    with meter:
+        if rank == 1:
+            time.sleep(0.3)  # not recorded: no part of the wait
+        dist.all_reduce(torch.ones(4))
+    return {"offsets": traffic.clock_offsets(), "peer_wait_ms": traffic.measured_peer_wait(meter, 2),
+            "recorded": len(meter.arrivals), "none": traffic.measured_peer_wait(TrafficMeter(), 0)}
+
+
+def test_the_wait_for_late_peers_is_measured_on_one_clock_across_hosts_from_the_recorded_steps_alone() -> None:
+    """Ranks on several hosts share no clock: ``clock_offsets`` reads each rank's from when the ranks leave blocking
+    all-reduces, so rank 0's wait for rank 1 (0.3 s a step) is measured, not rank 1's 100 s lead."""
+    got = run_multiprocess(_peer_wait_across_hosts, 2)
+    assert [g["recorded"] for g in got] == [4, 4] and got[0]["none"] is None
+    off = got[0]["offsets"]
+    assert off[0] == 0.0 and abs(off[1] - 100.0) < 0.05, off
+    late = got[0]["peer_wait_ms"]
+    assert got[1]["peer_wait_ms"] == late and 250 <= late[0] < 450 and late[1] < 50, late
+
+
 def _left_in_flight_past_the_wait(rank: int, world: int) -> Dict[str, Any]:
     import time
 
@@ -342,3 +393,32 @@ def test_a_workers_collectives_count_in_the_meter_of_the_step_that_gave_it_work(
         assert r["tags"] == {"ahead": {"calls": 1, "bytes": 16, "embedding_vectors": 0.0}}, r
         assert r["other"] == {"all_reduce": {"calls": 1, "bytes": 32, "embedding_vectors": 0.0}}, r
         assert not r["installed"], r  # (no meter left counting: collectives are torch's own again)
+
+
+def _train_with_a_late_rank(rank: int, world: int, run_dir: str) -> Dict[str, Any]:
+    import time
+    from pathlib import Path
+
+    import torchrec_herald.trainer as trainer
+    from torchrec_herald.config import compose_config
+
+    trainer.PEER_WAIT_WINDOW = (1, 8)  # (steps 1 to 8 of the attempt's 10; 20 and 200 by default)
+    if rank == 1:
+        trainer.fault_injection = lambda step, r: time.sleep(0.2)  # between its steps: late to the next one
+    cfg = compose_config(["planner=table_wise", "pipeline=sparse_dist", "data.num_train_batches=10", "eval=false",
+                          "batch_size=64"])
+    return trainer.run_training(cfg, Path(run_dir), show_progress=False)
+
+
+def test_the_trainer_reports_each_ranks_wait_for_a_late_peer_over_its_window_of_steps(tmp_path: Any) -> None:
+    """Rank 1 spends 0.2 s between its steps: rank 0 waits for it in each, rank 1 for nobody. Each rank's breakdown
+    holds its own wait (part of its comm wait), and metrics.json every rank's. The window counts the waits for the
+    collectives its steps made: a pipelined step waits for one the step before it made, so the first recorded step's
+    wait falls outside the window (7 of 8 here; 199 of 200 by default)."""
+    m0, m1 = run_multiprocess(_train_with_a_late_rank, 2, str(tmp_path))
+    by_rank = m0["peer_wait_ms_by_rank"]
+    assert m1["peer_wait_ms_by_rank"] == by_rank and 140 <= by_rank[0] < 320 and by_rank[1] < 40, by_rank
+    assert m0["step_time_breakdown_ms"]["peer_wait"] == by_rank[0]
+    assert m1["step_time_breakdown_ms"]["peer_wait"] == by_rank[1]
+    # (rank 0's comm wait over its 10 steps holds the 8 recorded steps' waits)
+    assert 10 * m0["step_time_breakdown_ms"]["comm_wait"] >= 8 * by_rank[0] * 0.95

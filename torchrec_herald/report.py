@@ -158,6 +158,7 @@ def write_comparison(run_dir: Path, runs: Dict[str, Dict[str, Any]], losses: Dic
     heads = {n: headline(runs[n]) for n in names}
     base, new = names[0], names[-1]
     ratios = {k: heads[new][k] / heads[base][k] for k in heads[base] if isinstance(heads[base][k], float)
+              and isinstance(heads[new].get(k), float)  # (a figure one run lacks: peer wait not measured)
               and heads[base][k] not in (0.0,) and heads[base][k] == heads[base][k]}
     data = {"runs": {n: {"summary": heads[n], "traffic_bytes_per_step_all_ranks": traffic_groups(runs[n])}
                      for n in names},
@@ -256,7 +257,8 @@ def breakdown_cell(m: Dict[str, Any]) -> str:
     if not b:
         return "–"
     unseen = " (NCCL's communication does not block the host: it is in compute)" if m.get("comm_wait_host_only") else ""
-    return (f"{b['step']:.1f} = {b['compute']:.1f} + {b['comm_wait']:.1f} + {b['scheduler_critical']:.1f} "
+    peers = f", {b['peer_wait']:.1f} of it for late peers" if b.get("peer_wait") is not None else ""
+    return (f"{b['step']:.1f} = {b['compute']:.1f} + {b['comm_wait']:.1f}{peers} + {b['scheduler_critical']:.1f} "
             f"(ahead {b['scheduler_overlapped']:.1f}){unseen}")
 
 
@@ -284,7 +286,8 @@ def priced_link(d: Dict[str, Any]) -> Tuple[Optional[float], str]:
 
 
 def predicted_step_cell(m: Dict[str, Any]) -> str:
-    """This run's compute plus the model's link part of the plan it trained, next to the measured step."""
+    """This run's compute plus the model's link part of the plan it trained, next to the measured step; its measured
+    wait for late peers (the breakdown's ``peer_wait``), where measured, on the critical path as the model puts it."""
     d, b = m.get("link_decision") or {}, m.get("step_time_breakdown_ms")
     p = (d.get("predicted") or {}).get(d.get("chosen"))
     if not p or not b:
@@ -293,13 +296,15 @@ def predicted_step_cell(m: Dict[str, Any]) -> str:
         return "– (NCCL's communication is in this run's compute on the host's clock)"
     from torchrec_herald.planner.time_model import step_ms
 
-    step = step_ms(b["compute"], p["extra_ms"], p["comm_ms"], p["link_busy_ms"])
+    peers = b.get("peer_wait")
+    step = step_ms(b["compute"], p["extra_ms"], p["comm_ms"] + (peers or 0.0), p["link_busy_ms"])
     link, src = priced_link(d)
     measured = (d.get("measured") or {}).get("link_mbit")
     if src == "given" and link is not None and not d.get("one_rank"):  # (priced for a link the run did not train on)
         real = f", {measured:,.0f} Mbit/s measured" if measured is not None else ""
         return f"{step:.1f} on the given {link:,.0f} Mbit/s (measured {b['step']:.1f} on the real link{real})"
-    return f"{step:.1f} (measured {b['step']:.1f}, {100 * (step / b['step'] - 1):+.0f} %)"
+    with_peers = f", with {peers:.1f} measured for late peers" if peers is not None else ""
+    return f"{step:.1f} (measured {b['step']:.1f}, {100 * (step / b['step'] - 1):+.0f} %{with_peers})"
 
 
 def _fixed(digits: int) -> Any:

@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import socket
 import threading
 import time
 from dataclasses import dataclass
@@ -186,6 +187,9 @@ class TrafficMeter:
         #: once its kernels are queued, and gloo's send/recv have no future (their call's time is counted): the figure
         #: is a CPU/gloo benchmark's. Off by default (``bench_bandwidth`` sets it)
         self.completion_times = completion_times
+        #: record :attr:`arrivals` and :attr:`needed` (on with ``completion_times``; the trainer turns it on for a
+        #: window of steps alone: :func:`measured_peer_wait`)
+        self.arrival_times = completion_times
         self._in_flight: List[Any] = []
         self._generation = 0  # (a reset's: a call made before it adds nothing after it)
         self._by_kind: Dict[str, CollectiveStats] = {}
@@ -199,7 +203,7 @@ class TrafficMeter:
         #: each call to its completion (an async collective's whole time, overlapped or waited for)
         self.duration_by_tag: Dict[str, float] = {}
         self.duration_by_kind: Dict[str, float] = {}
-        #: with ``completion_times``, the training thread's collectives' call times (``time.perf_counter``), in call
+        #: with :attr:`arrival_times`, the training thread's collectives' call times (``time.perf_counter``), in call
         #: order, and when it first waited for each one's result (a sync call's own time, an async call's first
         #: ``wait()`` on the training thread; None for one never waited for so, as DDP's all-reduce, which autograd
         #: waits for in its C++: no part of :attr:`wait_s`): ranks on one host share that clock, so each rank's wait
@@ -411,10 +415,11 @@ class TrafficMeter:
             # returns None (``recv`` its sender's rank)
             is_async = depth == 0 and isinstance(work, dist.Work)
             slots = []  # (meter, index of this call in its arrivals, its generation): the wait() that first needs it
-            if depth == 0 and timed:
+            arriving = [m for m in meters if m.arrival_times] if depth == 0 else []
+            if arriving:
                 me = threading.get_ident()
                 with cls._lock:
-                    for m in timed:
+                    for m in arriving:
                         if m._owner == me:
                             slots.append((m, len(m.arrivals), m._generation))
                             m.arrivals.append(t0)
@@ -451,6 +456,46 @@ def peer_lateness(arrivals: Sequence[Sequence[float]],
                          f"their calls cannot be matched")
     latest = [max(ts) for ts in zip(*arrivals)]
     return [sum(max(0.0, m - t) for m, t in zip(latest, n) if t is not None) for n in needed]
+
+
+def clock_offsets(group: Optional[dist.ProcessGroup] = None, rounds: int = 9) -> List[float]:
+    """Each rank's ``time.perf_counter`` minus rank 0's, in seconds (collective): 0 where every rank runs on one
+    host (one monotonic clock); across hosts, the median over ``rounds`` blocking all-reduces of when each rank left
+    it (the ranks leave one within about a one-way latency of each other). Hand-written: torch has no clock sync."""
+    hosts: List[Any] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(hosts, socket.gethostname(), group=group)
+    if len(set(hosts)) == 1:
+        return [0.0] * len(hosts)
+    out = torch.zeros(rounds, dtype=torch.float64)
+    one = torch.zeros(1)
+    for i in range(rounds):
+        dist.all_reduce(one, group=group)
+        out[i] = time.perf_counter()
+    every = [torch.empty_like(out) for _ in hosts]
+    dist.all_gather(every, out, group=group)
+    return [float((t - every[0]).median()) for t in every]
+
+
+def measured_peer_wait(meter: "TrafficMeter", steps: int, group: Optional[dist.ProcessGroup] = None
+                       ) -> Optional[List[float]]:
+    """Each rank's wait for its latest peer, ms per step, over the ``steps`` steps whose collectives ``meter``
+    recorded with :attr:`TrafficMeter.arrival_times` (collective; every rank the same list): :func:`peer_lateness`
+    of the ranks' calls on one clock (:func:`clock_offsets`). None where no step was recorded, or the ranks'
+    recorded calls do not match one for one (a rank's extra collective)."""
+    mine = (list(meter.arrivals), list(meter.needed))
+    every: List[Any] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(every, mine, group=group)
+    offsets = clock_offsets(group)
+    if steps <= 0 or not any(a for a, _ in every):
+        return None
+    arrivals = [[t - off for t in a] for (a, _), off in zip(every, offsets)]
+    needed = [[None if t is None else t - off for t in n] for (_, n), off in zip(every, offsets)]
+    try:
+        late = peer_lateness(arrivals, needed)
+    except ValueError as e:
+        logger.info("no peer wait measured: %s", e)
+        return None
+    return [1000 * s / steps for s in late]
 
 
 def _completion_future(work: Any) -> Any:

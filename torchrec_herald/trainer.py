@@ -38,7 +38,7 @@ from tqdm import tqdm
 from torchrec_herald.comm import row_with_state_bytes
 from torchrec_herald.config import OPTIMIZER_NAMES, CheckpointConfig
 from torchrec_herald.data import DataSource, TrainStream, build_data_source
-from torchrec_herald.dist_utils import init_distributed, rank0_outcome
+from torchrec_herald.dist_utils import collective_device, init_distributed, rank0_outcome
 from torchrec_herald.layout import check_cache_budget
 from torchrec_herald.metrics import collect_metrics, evaluate, herald_traffic_report, strict_json
 from torchrec_herald.model import build_dlrm_train, build_tables
@@ -54,7 +54,7 @@ from torchrec_herald.report import (embedding_bytes_per_step, format_comparison_
 from torchrec_herald.row_init import init_sharded_embeddings
 from torchrec_herald.sharding.dense_sync import dense_optimizer_for, dense_sync_wrapper
 from torchrec_herald.sharding.hot_replicated import ShardedHeraldEmbeddingBagCollection
-from torchrec_herald.traffic import MeteredDataParallelWrapper, TrafficMeter, reduce_summaries
+from torchrec_herald.traffic import MeteredDataParallelWrapper, TrafficMeter, measured_peer_wait, reduce_summaries
 
 logger = logging.getLogger(__name__)
 
@@ -233,6 +233,11 @@ def train_stream(data: DataSource, rank: int, world: int, batch_size: int, start
     stream to read them whole (and back to slices while its scheduling is off). ``keep``: the last batches kept
     for a rewind (a herald pipeline's window at a checkpoint)."""
     return TrainStream(data, rank, world, batch_size, start=start, whole=False, keep=keep)
+
+
+def _host_blind_to_comm() -> bool:
+    """The job's collectives never block the host (NCCL's, CUDA tensors): its waits and arrivals say nothing."""
+    return collective_device().type == "cuda"
 
 
 def _world_size() -> int:
@@ -713,6 +718,12 @@ class _RunProgress:
     since: Any = None
     bar: Any = None
     meter: Optional[TrafficMeter] = None
+    peer_wait_steps: int = 0  # this attempt's steps whose collectives' arrivals the meter recorded
+
+
+#: the attempt's steps whose collectives' arrival times the trainer records, to measure each rank's wait for its
+#: latest peer (``step_time_breakdown_ms.peer_wait``): (steps skipped first, steps recorded); two floats a collective
+PEER_WAIT_WINDOW = (20, 200)
 
 
 class Trainer:
@@ -810,6 +821,7 @@ class Trainer:
                     run.it = self._stream(run.batch_in_epoch)
                 while steps is None or trained < steps:
                     t0 = time.perf_counter()
+                    self._record_arrivals(run)
                     if ckpt.due(len(losses) + 1):  # a checkpoint after this step restarts a herald window
                         pipeline.checkpoint_after_next_step()
                     try:
@@ -845,6 +857,14 @@ class Trainer:
         finally:
             run.train_time += time.perf_counter() - turn_start
 
+    def _record_arrivals(self, run: "_RunProgress") -> None:
+        """Record this step's collectives' arrival times where it is in :data:`PEER_WAIT_WINDOW` (not over NCCL,
+        whose waits never block the host)."""
+        skip, count = PEER_WAIT_WINDOW
+        on = skip <= len(run.step_times) < skip + count and not _host_blind_to_comm()
+        run.meter.arrival_times = on
+        run.peer_wait_steps += on
+
     def _end(self, run: "_RunProgress") -> Dict[str, Any]:
         """After the last step: the final checkpoint, then the figures, the eval pass and the files (collective)."""
         ckpt, losses, resumed = self.checkpoints, run.losses, run.resumed
@@ -864,8 +884,9 @@ class Trainer:
         if steps == 0:
             raise RuntimeError(f"no training step ran: {self.data.describe()} yielded no full global batch of "
                                f"{self.world} × {self.cfg.batch_size} samples (data.*, batch_size)")
+        run.meter.arrival_times = False
         return self._finish(losses, run.step_times, run.meter, run.train_time, steps, attempt_steps, resumed,
-                            run.since)
+                            run.since, run.peer_wait_steps)
 
     def _evaluate(self) -> Dict[str, float]:
         """The eval pass (collective): every sample of the held-out split scored once (its last global batch padded)."""
@@ -926,7 +947,8 @@ class Trainer:
         return metrics
 
     def _finish(self, losses: List[float], step_times: List[float], meter: TrafficMeter, train_time: float,
-                steps: int, attempt_steps: int, resumed: Optional[Dict[str, Any]], since: Any) -> Dict[str, Any]:
+                steps: int, attempt_steps: int, resumed: Optional[Dict[str, Any]], since: Any,
+                peer_wait_steps: int = 0) -> Dict[str, Any]:
         """Figures of this attempt (collectives, in the same order on every rank), the eval pass, the files."""
         cfg, rank, pipeline = self.cfg, self.rank, self.pipeline
         pipeline_report = pipeline.report(since, train_time / attempt_steps)
@@ -936,6 +958,7 @@ class Trainer:
         scheduler_s = pipeline.scheduler_seconds(since)
         traffic = reduce_summaries(meter.summary())
         traffic_tags = reduce_summaries(meter.tag_summary())
+        peer_wait = None if _host_blind_to_comm() else measured_peer_wait(meter, peer_wait_steps)
         loss_t = torch.tensor(losses, dtype=torch.float64)
         dist.all_reduce(loss_t)
         loss_t /= self.world
@@ -950,6 +973,7 @@ class Trainer:
                 checkpoint_dir=str(self.checkpoints.dir) if self.checkpoints.every else None, train_time=train_time,
                 step_times=step_times, losses=loss_t, traffic=traffic, traffic_tags=traffic_tags,
                 wait_s=meter.wait_s, scheduler_s=scheduler_s, pipeline_report=pipeline_report,
+                peer_wait_ms_by_rank=peer_wait,
                 approximate_own=approximate_own, dmp=self.dmp, decision=self.decision, plan=self.plan,
                 eval_metrics=eval_metrics, data_stats=self.data.stats(), reference=self.reference, herald=herald)
 
