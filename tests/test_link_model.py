@@ -775,7 +775,7 @@ def test_a_probe_failing_on_one_rank_before_a_collective_leaves_the_jobs_group_i
     tail = "; planning with the configured link values (planner.link_mbit / planner.collective_latency_ms)"
     assert seen1 == ["planner: the link probe failed (out of memory on rank 1 alone)" + tail]
     assert seen0 == ["planner: the link probe failed (Operation timed out!)" + tail]
-    assert ab0 == ab1 == [True]  # each rank aborted the probe's own group, once
+    assert ab0 == ab1 == [True]  # each rank aborted the probe's own group, once (over gloo a no-op: the call alone)
 
 
 def test_a_probe_waiting_as_on_a_gpu_gives_up_at_its_host_deadline_and_the_job_goes_on() -> None:
@@ -790,6 +790,46 @@ def test_a_probe_waiting_as_on_a_gpu_gives_up_at_its_host_deadline_and_the_job_g
     assert seen1 == ["planner: the link probe failed (out of memory on rank 1 alone)" + tail]
     assert seen0 == ["planner: the link probe failed (a probe collective took over 2 s)" + tail]
     assert ab0 == ab1 == [True]
+
+
+def _probe_blocked_in_a_call(rank: int, world: int) -> tuple:
+    """Rank 1's probe blocks inside its first all-to-all's call, before any work to wait for exists (NCCL connecting
+    to a peer, say)."""
+    import time
+
+    import torch
+    import torch.distributed as dist
+
+    import torchrec_herald.planner.link_probe as link_probe
+
+    def blocked(*args: object, **kwargs: object) -> None:
+        time.sleep(60)
+
+    real = dist.all_to_all_single
+    if rank == 1:
+        dist.all_to_all_single = blocked
+    seen = messages_of("torchrec_herald.planner")
+    t0 = time.monotonic()
+    try:
+        probe = link_probe.probe_on_every_rank(dist.group.WORLD, timeout_s=2.0)
+    finally:
+        dist.all_to_all_single = real
+    took = time.monotonic() - t0
+    after = torch.tensor([rank + 1.0])
+    dist.all_reduce(after)
+    return probe, seen, after.item(), took
+
+
+def test_a_probe_blocked_inside_a_call_gives_up_at_its_deadline_and_the_job_goes_on() -> None:
+    """No wait bounds a call that never returns: the probe runs on a thread of its own, joined for the probe's
+    timeout and twice its budget (2 + 3 s here), and the rank whose probe is still blocked then warns once and plans
+    with the configured values, as the others do, instead of hanging the job."""
+    (p0, seen0, after0, took0), (p1, seen1, after1, took1) = run_multiprocess(_probe_blocked_in_a_call, 2)
+    assert p0 is None and p1 is None and after0 == after1 == 3.0
+    tail = "; planning with the configured link values (planner.link_mbit / planner.collective_latency_ms)"
+    assert seen1 == ["planner: the link probe failed (the link probe did not finish in 5 s)" + tail]
+    assert seen0 == ["planner: the link probe failed (Operation timed out!)" + tail]
+    assert took1 < 30 and took0 < 30, (took0, took1)  # (not the 60 s the blocked call sleeps)
 
 
 class _NeverDone:

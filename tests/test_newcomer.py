@@ -889,8 +889,8 @@ def test_the_measured_wait_for_late_peers_is_shown_in_the_breakdown_and_on_the_p
          "chosen": "herald", "link_mbit": 5000.0, "measured": {"link_mbit": 5000.0, "collective_latency_ms": 0.2}}
     b = {"step": 10.0, "compute": 8.0, "comm_wait": 2.0, "scheduler_critical": 0.0, "scheduler_overlapped": 0.0,
          "peer_wait": 0.8}
-    m = {"link_decision": d, "step_time_breakdown_ms": b, "comm_wait_host_only": False}
-    assert breakdown_cell(m) == "10.0 = 8.0 + 2.0, 0.8 of it for late peers + 0.0 (ahead 0.0)"
+    m = {"link_decision": d, "step_time_breakdown_ms": b, "comm_wait_host_only": False, "peer_wait_steps": 200}
+    assert breakdown_cell(m) == "10.0 = 8.0 + 2.0, 0.8 of it for late peers over 200 steps + 0.0 (ahead 0.0)"
     # 8.0 compute + 1.0 extra + 2.0 comm + 0.8 waited for peers (the link's 1.5 busy is shorter)
     assert predicted_step_cell(m) == "11.8 (measured 10.0, +18 %, with 0.8 measured for late peers)"
     unmeasured = {**m, "step_time_breakdown_ms": {**b, "peer_wait": None}}

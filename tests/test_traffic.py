@@ -220,12 +220,11 @@ class _ClockAhead:
 
 
 def _peer_wait_across_hosts(rank: int, world: int) -> Dict[str, Any]:
-    import socket
     import time
 
     import torchrec_herald.traffic as traffic
 
-    socket.gethostname = lambda: f"host{rank}"  # (two hosts, two clocks: rank 1's 100 s ahead)
+    traffic._clock_identity = lambda: f"boot{rank}"  # (two hosts, two clocks: rank 1's 100 s ahead)
     if rank == 1:
         traffic.time = _ClockAhead(time)
     meter = TrafficMeter()
@@ -395,18 +394,18 @@ def test_a_workers_collectives_count_in_the_meter_of_the_step_that_gave_it_work(
         assert not r["installed"], r  # (no meter left counting: collectives are torch's own again)
 
 
-def _train_with_a_late_rank(rank: int, world: int, run_dir: str) -> Dict[str, Any]:
+def _train_with_a_late_rank(rank: int, world: int, run_dir: str, epochs: int = 1) -> Dict[str, Any]:
     import time
     from pathlib import Path
 
     import torchrec_herald.trainer as trainer
     from torchrec_herald.config import compose_config
 
-    trainer.PEER_WAIT_WINDOW = (1, 8)  # (steps 1 to 8 of the attempt's 10; 20 and 200 by default)
+    trainer.PEER_WAIT_WINDOW = (1, 8) if epochs == 1 else (7, 8)  # (20 and 200 by default)
     if rank == 1:
         trainer.fault_injection = lambda step, r: time.sleep(0.2)  # between its steps: late to the next one
     cfg = compose_config(["planner=table_wise", "pipeline=sparse_dist", "data.num_train_batches=10", "eval=false",
-                          "batch_size=64"])
+                          "batch_size=64", f"epochs={epochs}"])
     return trainer.run_training(cfg, Path(run_dir), show_progress=False)
 
 
@@ -418,7 +417,14 @@ def test_the_trainer_reports_each_ranks_wait_for_a_late_peer_over_its_window_of_
     m0, m1 = run_multiprocess(_train_with_a_late_rank, 2, str(tmp_path))
     by_rank = m0["peer_wait_ms_by_rank"]
     assert m1["peer_wait_ms_by_rank"] == by_rank and 140 <= by_rank[0] < 320 and by_rank[1] < 40, by_rank
-    assert m0["step_time_breakdown_ms"]["peer_wait"] == by_rank[0]
+    assert m0["step_time_breakdown_ms"]["peer_wait"] == by_rank[0] and m0["peer_wait_steps"] == 8
     assert m1["step_time_breakdown_ms"]["peer_wait"] == by_rank[1]
     # (rank 0's comm wait over its 10 steps holds the 8 recorded steps' waits)
     assert 10 * m0["step_time_breakdown_ms"]["comm_wait"] >= 8 * by_rank[0] * 0.95
+
+
+def test_a_window_past_an_epochs_end_counts_the_steps_that_ran_once(tmp_path: Any) -> None:
+    """The window (steps 7 to 14) spans the first epoch's end: the epoch's end (no step) is not counted, nor the
+    next epoch's first step twice."""
+    m0, _ = run_multiprocess(_train_with_a_late_rank, 2, str(tmp_path), 2)
+    assert m0["steps"] == 20 and m0["peer_wait_steps"] == 8

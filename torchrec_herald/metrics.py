@@ -150,7 +150,7 @@ def collect_metrics(cfg: DictConfig, *, world: int, steps: int, attempt_steps: i
                     pipeline_report: Dict[str, Any], approximate_own: Dict[str, Any], dmp: nn.Module,
                     decision: Any, plan: Dict[str, str], eval_metrics: Dict[str, float], data_stats: Dict[str, int],
                     reference: Optional[Dict[str, Any]], herald: Dict[str, Any],
-                    peer_wait_ms_by_rank: Optional[List[float]] = None) -> Dict[str, Any]:
+                    peer_wait_ms_by_rank: Optional[List[float]] = None, peer_wait_steps: int = 0) -> Dict[str, Any]:
     """``metrics.json``'s dict (the same on every rank; collective: every rank's peak memory).
 
     ``steps``: trained in total; ``attempt_steps``: by this attempt, over which every per-step figure
@@ -158,7 +158,7 @@ def collect_metrics(cfg: DictConfig, *, world: int, steps: int, attempt_steps: i
     them; ``scheduler_s``: the pipeline's (critical, ahead) seconds; ``pipeline_report`` and
     ``approximate_own``: its own figures); ``losses``: every step's loss, mean over ranks; ``peer_wait_ms_by_rank``: each
     rank's wait for its latest peer, ms per step, over a window of steps (``traffic.measured_peer_wait``; None: not
-    measured), this rank's reported as part of its breakdown's ``comm_wait``."""
+    measured), this rank's reported as part of its breakdown's ``comm_wait``, over ``peer_wait_steps`` steps."""
     per_step = {k: {m: v / attempt_steps for m, v in s.items()} for k, s in traffic.items()}
     window = last_steps_window(steps)
     critical_s, ahead_s = scheduler_s
@@ -179,6 +179,8 @@ def collect_metrics(cfg: DictConfig, *, world: int, steps: int, attempt_steps: i
                                    "peer_wait": None if peer_wait_ms_by_rank is None
                                    else peer_wait_ms_by_rank[dist.get_rank() if dist.is_initialized() else 0]},
         "peer_wait_ms_by_rank": peer_wait_ms_by_rank,
+        # (the steps it was measured over: the attempt's 21st to 220th, where it has them)
+        "peer_wait_steps": peer_wait_steps if peer_wait_ms_by_rank is not None else 0,
         # the waits are the host's: NCCL's collectives (CUDA tensors, on a GPU host) never block it, so there
         # ``comm_wait`` misses them and ``compute`` holds them
         "comm_wait_host_only": collective_device().type == "cuda",

@@ -257,7 +257,8 @@ def breakdown_cell(m: Dict[str, Any]) -> str:
     if not b:
         return "–"
     unseen = " (NCCL's communication does not block the host: it is in compute)" if m.get("comm_wait_host_only") else ""
-    peers = f", {b['peer_wait']:.1f} of it for late peers" if b.get("peer_wait") is not None else ""
+    over = f" over {m['peer_wait_steps']} steps" if m.get("peer_wait_steps") else ""
+    peers = f", {b['peer_wait']:.1f} of it for late peers{over}" if b.get("peer_wait") is not None else ""
     return (f"{b['step']:.1f} = {b['compute']:.1f} + {b['comm_wait']:.1f}{peers} + {b['scheduler_critical']:.1f} "
             f"(ahead {b['scheduler_overlapped']:.1f}){unseen}")
 

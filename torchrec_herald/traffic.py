@@ -460,10 +460,12 @@ def peer_lateness(arrivals: Sequence[Sequence[float]],
 
 def clock_offsets(group: Optional[dist.ProcessGroup] = None, rounds: int = 9) -> List[float]:
     """Each rank's ``time.perf_counter`` minus rank 0's, in seconds (collective): 0 where every rank runs on one
-    host (one monotonic clock); across hosts, the median over ``rounds`` blocking all-reduces of when each rank left
-    it (the ranks leave one within about a one-way latency of each other). Hand-written: torch has no clock sync."""
+    kernel (one boot, one monotonic clock, containers and network namespaces included); across hosts, the median over
+    ``rounds`` blocking all-reduces of when each rank left it. The ranks leave one within about a hop's latency of
+    each other, so across hosts each collective's wait is known to about that. Hand-written: torch has no clock
+    sync."""
     hosts: List[Any] = [None] * dist.get_world_size(group)
-    dist.all_gather_object(hosts, socket.gethostname(), group=group)
+    dist.all_gather_object(hosts, _clock_identity(), group=group)
     if len(set(hosts)) == 1:
         return [0.0] * len(hosts)
     out = torch.zeros(rounds, dtype=torch.float64)
@@ -476,12 +478,23 @@ def clock_offsets(group: Optional[dist.ProcessGroup] = None, rounds: int = 9) ->
     return [float((t - every[0]).median()) for t in every]
 
 
+def _clock_identity() -> str:
+    """What names this kernel's monotonic clock: its boot id (the hostname where there is none)."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            return f.read().strip()
+    except OSError:
+        return socket.gethostname()
+
+
 def measured_peer_wait(meter: "TrafficMeter", steps: int, group: Optional[dist.ProcessGroup] = None
                        ) -> Optional[List[float]]:
     """Each rank's wait for its latest peer, ms per step, over the ``steps`` steps whose collectives ``meter``
     recorded with :attr:`TrafficMeter.arrival_times` (collective; every rank the same list): :func:`peer_lateness`
-    of the ranks' calls on one clock (:func:`clock_offsets`). None where no step was recorded, or the ranks'
-    recorded calls do not match one for one (a rank's extra collective)."""
+    of the ranks' calls on one clock (:func:`clock_offsets`). None where no step was recorded, at one rank (no peer),
+    or where the ranks' recorded calls do not match one for one (a rank's extra collective)."""
+    if not dist.is_initialized() or dist.get_world_size(group) < 2:
+        return None
     mine = (list(meter.arrivals), list(meter.needed))
     every: List[Any] = [None] * dist.get_world_size(group)
     dist.all_gather_object(every, mine, group=group)

@@ -828,9 +828,12 @@ class Trainer:
                         with run.meter:
                             out = pipeline.progress(run.it)
                     except StopIteration:
+                        run.meter.arrival_times = False
                         break
                     loss = out[0].item()
                     run.step_times.append(time.perf_counter() - t0)
+                    run.peer_wait_steps += run.meter.arrival_times  # (a step that ran: the window's count)
+                    run.meter.arrival_times = False
                     if not math.isfinite(loss):
                         raise FloatingPointError(f"loss became {loss} at step {len(losses)} (epoch {run.epoch})")
                     losses.append(loss)
@@ -861,9 +864,7 @@ class Trainer:
         """Record this step's collectives' arrival times where it is in :data:`PEER_WAIT_WINDOW` (not over NCCL,
         whose waits never block the host)."""
         skip, count = PEER_WAIT_WINDOW
-        on = skip <= len(run.step_times) < skip + count and not _host_blind_to_comm()
-        run.meter.arrival_times = on
-        run.peer_wait_steps += on
+        run.meter.arrival_times = skip <= len(run.step_times) < skip + count and not _host_blind_to_comm()
 
     def _end(self, run: "_RunProgress") -> Dict[str, Any]:
         """After the last step: the final checkpoint, then the figures, the eval pass and the files (collective)."""
@@ -973,7 +974,7 @@ class Trainer:
                 checkpoint_dir=str(self.checkpoints.dir) if self.checkpoints.every else None, train_time=train_time,
                 step_times=step_times, losses=loss_t, traffic=traffic, traffic_tags=traffic_tags,
                 wait_s=meter.wait_s, scheduler_s=scheduler_s, pipeline_report=pipeline_report,
-                peer_wait_ms_by_rank=peer_wait,
+                peer_wait_ms_by_rank=peer_wait, peer_wait_steps=peer_wait_steps,
                 approximate_own=approximate_own, dmp=self.dmp, decision=self.decision, plan=self.plan,
                 eval_metrics=eval_metrics, data_stats=self.data.stats(), reference=self.reference, herald=herald)
 

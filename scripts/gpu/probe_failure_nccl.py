@@ -4,7 +4,7 @@ abort the probe's group and warn once, and the job's NCCL group must still carry
 timeout has passed (NCCL's watchdog would end a process whose collective timed out in a group not aborted).
 ``tests/test_link_model.py`` checks the same path over gloo.
 
-    torchrun --nproc-per-node 2 scripts/gpu/probe_failure_nccl.py --out $OUT/probe_failure_nccl.json
+    torchrun --nproc-per-node 2 scripts/gpu/probe_failure_nccl.py --out $OUT/probe_failure_nccl.json [--fail-at all_reduce]
 """
 
 from __future__ import annotations
@@ -36,6 +36,9 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", type=Path, required=True)
     ap.add_argument("--timeout-s", type=float, default=5.0, help="the probe's timeout (its group's: twice that)")
+    ap.add_argument("--fail-at", choices=["all_reduce", "all_to_all_single"], default="all_to_all_single",
+                    help="the probe's first all-reduces (its group's first collective, which connects NCCL's "
+                         "communicator) or its first all-to-all (the first use of a pair's channels)")
     args = ap.parse_args()
     dist.init_process_group(default_backend())
     rank, device = dist.get_rank(), local_device()
@@ -43,10 +46,14 @@ def main() -> None:
         torch.cuda.set_device(device)
     lines = _Lines()
     logging.getLogger("torchrec_herald.planner").addHandler(lines)
-    if rank == 1:
-        def broken(*a: object, **k: object) -> None:
-            raise RuntimeError("out of memory on rank 1 alone")
-        dist.all_to_all_single = broken  # type: ignore[assignment]
+    if rank == 1:  # (the probe's own group only: the job's agreement and sum after it run as they should)
+        real = getattr(dist, args.fail_at)
+
+        def broken(*a: object, **k: object) -> object:
+            if k.get("group") not in (None, dist.group.WORLD):
+                raise RuntimeError("out of memory on rank 1 alone")
+            return real(*a, **k)
+        setattr(dist, args.fail_at, broken)
     t0 = time.monotonic()
     probe = link_probe.probe_on_every_rank(dist.group.WORLD, timeout_s=args.timeout_s)
     probe_s = time.monotonic() - t0

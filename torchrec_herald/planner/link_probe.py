@@ -15,10 +15,11 @@ from __future__ import annotations
 
 import logging
 import statistics
+import threading
 import time
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import TYPE_CHECKING, Any, Dict, Optional, Tuple
+from typing import TYPE_CHECKING, Any, Callable, Dict, Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -27,12 +28,15 @@ from torchrec_herald.comm import ring_allreduce_bytes
 from torchrec_herald.dist_utils import collective_device, device_sync
 
 __all__ = ["LinkProbe", "ProbeTimeout", "abort_failed_group", "agree_on_probe", "await_within", "measured_link",
-           "probe_group", "probe_link", "probe_on_every_rank"]
+           "probe_group", "probe_link", "probe_on_every_rank", "within_deadline"]
 
 if TYPE_CHECKING:
     from torchrec_herald.planner.pricing import LinkModel
 
 logger = logging.getLogger(__name__)
+
+#: seconds :func:`probe_link` spends measuring by default (its all-to-alls' and its all-reduces' budgets)
+PROBE_BUDGET_S = 1.5
 
 
 @dataclass(frozen=True)
@@ -76,20 +80,20 @@ def await_within(work: Any, timeout: timedelta, *, poll: bool) -> None:
     """Wait for ``work`` (a collective's ``dist.Work``) for at most ``timeout`` of the host's clock, raising
     :class:`ProbeTimeout` after it (and the collective's own error, if it failed).
 
-    ``poll=False`` waits in ``work.wait(timeout)``: gloo's wait blocks the host and times out itself. NCCL's does
-    neither (it orders the current CUDA stream and returns; the host then blocks in ``cuda.synchronize`` until the
-    group's watchdog ends the process), so ``poll=True`` asks ``work.is_completed()``, which never blocks, until
-    the deadline: a peer that never enters the collective then costs ``timeout``, and the caller aborts the probe's
-    group (:func:`release_failed_group`) before its watchdog fires. Hand-written: torch has no host-deadline wait for
-    NCCL work."""
+    ``poll=False`` waits in ``work.wait(timeout)``: gloo's wait times out and the job goes on. NCCL's, timing out,
+    marks its work failed, and the group's watchdog then ends the process. So ``poll=True`` asks
+    ``work.is_completed()``, which never blocks, until the deadline: a peer that never enters the collective costs
+    ``timeout``, its work is left pending, and the caller aborts the probe's group (:func:`abort_failed_group`) before
+    the group's own timeout. Hand-written: torch has no wait that gives up without failing the work."""
     if not poll:
         work.wait(timeout)
         return
-    deadline = time.monotonic() + timeout.total_seconds()
+    start = time.monotonic()
     while not work.is_completed():
-        if time.monotonic() > deadline:
+        waited = time.monotonic() - start
+        if waited > timeout.total_seconds():
             raise ProbeTimeout(f"a probe collective took over {timeout.total_seconds():g} s")
-        time.sleep(0)  # (yields the GIL: the backend's threads run)
+        time.sleep(0 if waited < 0.002 else 50e-6)  # (a timed transfer's end seen at once; then no core spun)
     work.wait()  # (its error, if it failed; on a GPU it orders the current stream after it)
 
 
@@ -251,11 +255,13 @@ def probe_on_every_rank(pg: Optional[dist.ProcessGroup], timeout_s: float = 30.0
     """:func:`probe_link` on a group of ``pg``'s own (:func:`probe_group`; collective), logged in one line; None
     on every rank where it failed on any, its group's creation included (one warning: the planner then plans with the
     configured link values). A rank whose probe fails reaches the agreement on ``pg`` at once; the others there
-    within ``timeout_s``, their waits in the probe's group timing out, so the agreement waits twice that."""
+    within ``timeout_s``, their waits in the probe's group timing out, so the agreement waits twice that. A probe
+    blocked inside a call gives up after ``timeout_s`` and twice :data:`PROBE_BUDGET_S` (:func:`within_deadline`)."""
     probe, group = None, None
     try:
         group = probe_group(pg, 2 * timeout_s)
-        probe = probe_link(group, timeout_s=timeout_s)
+        made = group
+        probe = within_deadline(lambda: probe_link(made, timeout_s=timeout_s), timeout_s + 2 * PROBE_BUDGET_S)
         logger.info("planner: %s", probe.describe())
     except Exception as e:  # noqa: BLE001 - a failed probe must not stop training: the configured values
         logger.warning("planner: the link probe failed (%s); planning with the configured link values "
@@ -270,12 +276,41 @@ def probe_on_every_rank(pg: Optional[dist.ProcessGroup], timeout_s: float = 30.0
     return agreed
 
 
+def within_deadline(job: Callable[[], Any], seconds: float) -> Any:
+    """``job()`` on a thread of its own, joined for at most ``seconds``: its result or its error, or
+    :class:`ProbeTimeout` where it has not returned by then. A probe call can block before it returns a work to wait
+    for (NCCL connects a group's communicator, and a pair's channels, inside the first collective that uses them,
+    until the peer comes): the thread is then left blocked (a daemon) and the caller aborts the group it blocks in.
+    Hand-written: torch bounds no collective's call, only the wait for its result."""
+    box: Dict[str, Any] = {}
+    # (a thread starts on CUDA device 0: it takes the caller's, which its rank's tensors and NCCL's group are on)
+    cuda = torch.cuda.current_device() if torch.cuda.is_available() and torch.cuda.is_initialized() else None
+
+    def run() -> None:
+        try:
+            if cuda is not None:
+                torch.cuda.set_device(cuda)
+            box["value"] = job()
+        except BaseException as e:  # noqa: BLE001 - handed to the caller's thread
+            box["error"] = e
+
+    thread = threading.Thread(target=run, name="herald-link-probe", daemon=True)
+    thread.start()
+    thread.join(seconds)
+    if thread.is_alive():
+        raise ProbeTimeout(f"the link probe did not finish in {seconds:g} s")
+    if "error" in box:
+        raise box["error"]
+    return box["value"]
+
+
 def abort_failed_group(group: Optional[dist.ProcessGroup]) -> None:
-    """Abort the probe's ``group`` on this rank, where its probe failed: its communicators and, over NCCL, its
+    """Abort the probe's ``group`` on this rank, where its probe failed. Over NCCL its communicators and its
     watchdog stop, so a collective left unmatched in it (a peer failed before entering it, or this rank gave up
-    waiting) neither ends the process at the group's timeout nor holds the device. The group stays registered:
-    a subgroup's name counts the groups made. A failed abort is logged, not raised (the probe's warning is the
-    user's one line)."""
+    waiting) neither ends the process at the group's timeout nor holds the device; gloo's backend has no abort (a
+    no-op: its unmatched operations time out at the group's timeout, and the job goes on). The group stays
+    registered: a subgroup's name counts the groups made. A failed abort is logged, not raised (the probe's warning
+    is the user's one line)."""
     if group is None:
         return
     try:
