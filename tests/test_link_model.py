@@ -1023,3 +1023,20 @@ def test_the_probe_device_follows_the_groups_cuda_backend(monkeypatch: pytest.Mo
     monkeypatch.setattr(torch.cuda, "is_available", lambda: cuda)
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
     assert str(collective_device(None)) == device
+
+
+def test_a_job_within_a_deadline_gives_its_result_its_own_error_or_a_timeout() -> None:
+    import threading
+    import time
+
+    from torchrec_herald.planner.link_probe import ProbeTimeout, within_deadline
+
+    assert within_deadline(lambda: threading.current_thread().name, 5.0) == "herald-link-probe"
+
+    def fails() -> None:
+        raise RuntimeError("NCCL error: remote process exited")
+
+    with pytest.raises(RuntimeError, match="^NCCL error: remote process exited$"):
+        within_deadline(fails, 5.0)
+    with pytest.raises(ProbeTimeout, match=r"^the link probe did not finish in 0\.1 s$"):
+        within_deadline(lambda: time.sleep(3), 0.1)

@@ -260,8 +260,9 @@ def probe_on_every_rank(pg: Optional[dist.ProcessGroup], timeout_s: float = 30.0
     probe, group = None, None
     try:
         group = probe_group(pg, 2 * timeout_s)
-        made = group
-        probe = within_deadline(lambda: probe_link(made, timeout_s=timeout_s), timeout_s + 2 * PROBE_BUDGET_S)
+        made, dev = group, collective_device(group)  # (the rank's device, read on its own thread)
+        probe = within_deadline(lambda: probe_link(made, timeout_s=timeout_s, device=dev),
+                                timeout_s + 2 * PROBE_BUDGET_S, dev)
         logger.info("planner: %s", probe.describe())
     except Exception as e:  # noqa: BLE001 - a failed probe must not stop training: the configured values
         logger.warning("planner: the link probe failed (%s); planning with the configured link values "
@@ -276,20 +277,19 @@ def probe_on_every_rank(pg: Optional[dist.ProcessGroup], timeout_s: float = 30.0
     return agreed
 
 
-def within_deadline(job: Callable[[], Any], seconds: float) -> Any:
+def within_deadline(job: Callable[[], Any], seconds: float, device: Optional[torch.device] = None) -> Any:
     """``job()`` on a thread of its own, joined for at most ``seconds``: its result or its error, or
     :class:`ProbeTimeout` where it has not returned by then. A probe call can block before it returns a work to wait
     for (NCCL connects a group's communicator, and a pair's channels, inside the first collective that uses them,
     until the peer comes): the thread is then left blocked (a daemon) and the caller aborts the group it blocks in.
+    ``device``: a CUDA device the thread makes its current one (a thread starts on device 0, whatever its rank's).
     Hand-written: torch bounds no collective's call, only the wait for its result."""
     box: Dict[str, Any] = {}
-    # (a thread starts on CUDA device 0: it takes the caller's, which its rank's tensors and NCCL's group are on)
-    cuda = torch.cuda.current_device() if torch.cuda.is_available() and torch.cuda.is_initialized() else None
 
     def run() -> None:
         try:
-            if cuda is not None:
-                torch.cuda.set_device(cuda)
+            if device is not None and device.type == "cuda":
+                torch.cuda.set_device(device)
             box["value"] = job()
         except BaseException as e:  # noqa: BLE001 - handed to the caller's thread
             box["error"] = e
