@@ -346,8 +346,8 @@ def format_comparison_table(runs: Dict[str, Dict[str, Any]], losses: Optional[Di
         ("step ms = compute + comm wait + scheduler (ahead: off the path)", [breakdown_cell(m) for m in ms], None, str),
         ("plan picked by the model of time (predicted ms per rank: link + collectives + herald's extra work)",
          [decision_cell(m) for m in ms], None, str),
-        ("predicted step ms (this run's compute + the model's link part)", [predicted_step_cell(m) for m in ms], None,
-         str),
+        ("predicted step ms (this run's compute and wait for late peers + the model's link part)",
+         [predicted_step_cell(m) for m in ms], None, str),
         (f"train logloss (mean of {over})", last, "diff", four),
         *([("per-step train logloss, last run vs first", [""] * len(ms), f"note:{gap}", str)] if gap else []),
         ("eval AUC", [m["eval"].get("auc") for m in ms], "diff", four),  # (None: not evaluated)
