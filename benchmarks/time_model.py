@@ -4,7 +4,7 @@ then projected to 8–128 GPUs with measured inputs.
     python benchmarks/time_model.py [--out benchmarks/results/time_model.json]
 
 **Validate.** Every W=2/4 point of ``bench_bandwidth`` with herald's defaults and no link key
-(``results/twentyfifth_1207/bw_w{2,4}_{unl,lim}.json``: stock and herald, unlimited, 200 and 50 Mbit/s) is predicted
+(``results/twentyfifth_1207/final/bw_w{2,4}_{unl,lim}.json``: stock and herald, unlimited, 200 and 50 Mbit/s) is predicted
 by :class:`StepTimeModel` from:
 
 * compute: each plan's measured compute at the unlimited link and the same W (herald's scheduled step:
@@ -68,7 +68,7 @@ RESULTS = HERE / "results"
 CORES = 2
 #: the measured runs validated (herald's defaults, no link key, each rank in its own namespace; the twenty-fourth
 #: session's, its 2-rank runs at 515dc51 and 4-rank ones at cb3afd2, each with its wait for late peers)
-LATEST_RUNS = "twentyfifth_1207/"
+LATEST_RUNS = "twentyfifth_1207/final/"
 #: a session's validated runs and the unlimited-link runs that give each plan's compute, by name in its folder
 VALIDATED_NAMES = ("bw_w2_unl", "bw_w2_lim", "bw_w4_unl", "bw_w4_lim")
 UNLIMITED_NAMES = ("bw_w2_unl", "bw_w2_unl_herald", "bw_w4_unl", "bw_w4_unl_hot")

@@ -34,7 +34,8 @@ SETS: Dict[str, Tuple[List[str], List[str]]] = {
     "twentysecond_final": _plain("twentysecond_1207/final_5be5be3"),
     "twentythird": _plain("twentythird_1207"),
     "twentyfourth": _plain("twentyfourth_1207"),
-    "twentyfifth": _plain("twentyfifth_1207"),
+    "twentyfifth_threaded_probe": _plain("twentyfifth_1207"),
+    "twentyfifth": _plain("twentyfifth_1207/final"),
 }
 
 
