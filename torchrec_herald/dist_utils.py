@@ -33,6 +33,12 @@ def collective_device(pg: Optional[dist.ProcessGroup] = None) -> torch.device:
     return torch.device("cpu")
 
 
+def comm_unseen_by_host() -> bool:
+    """The job's collectives never block the host (NCCL's, CUDA tensors): its host-side waits and arrivals miss
+    their communication, which its compute then holds."""
+    return collective_device().type == "cuda"
+
+
 def device_sync(device: Any) -> Optional[Callable[[], None]]:
     """What waits for ``device``'s queued work (a CUDA device's stream), for a clock that times the device's work;
     None on a CPU, where the host's clock is the work's."""

@@ -15,7 +15,7 @@ import torch.distributed as dist
 from omegaconf import DictConfig, OmegaConf
 from torch import nn
 
-from torchrec_herald.dist_utils import collective_device
+from torchrec_herald.dist_utils import comm_unseen_by_host
 from torchrec_herald.data.base import PADDED_LABEL
 from torchrec_herald.report import embedding_bytes_per_step, headline, last_steps_window, strict_json
 
@@ -183,7 +183,7 @@ def collect_metrics(cfg: DictConfig, *, world: int, steps: int, attempt_steps: i
         "peer_wait_steps": peer_wait_steps if peer_wait_ms_by_rank is not None else 0,
         # the waits are the host's: NCCL's collectives (CUDA tensors, on a GPU host) never block it, so there
         # ``comm_wait`` misses them and ``compute`` holds them
-        "comm_wait_host_only": collective_device().type == "cuda",
+        "comm_wait_host_only": comm_unseen_by_host(),
         "train_logloss": losses[-window:].mean().item(),
         "train_logloss_first": losses[:window].mean().item(),
         "eval": eval_metrics,

@@ -38,7 +38,7 @@ from tqdm import tqdm
 from torchrec_herald.comm import row_with_state_bytes
 from torchrec_herald.config import OPTIMIZER_NAMES, CheckpointConfig
 from torchrec_herald.data import DataSource, TrainStream, build_data_source
-from torchrec_herald.dist_utils import collective_device, init_distributed, rank0_outcome
+from torchrec_herald.dist_utils import comm_unseen_by_host, init_distributed, rank0_outcome
 from torchrec_herald.layout import check_cache_budget
 from torchrec_herald.metrics import collect_metrics, evaluate, herald_traffic_report, strict_json
 from torchrec_herald.model import build_dlrm_train, build_tables
@@ -233,11 +233,6 @@ def train_stream(data: DataSource, rank: int, world: int, batch_size: int, start
     stream to read them whole (and back to slices while its scheduling is off). ``keep``: the last batches kept
     for a rewind (a herald pipeline's window at a checkpoint)."""
     return TrainStream(data, rank, world, batch_size, start=start, whole=False, keep=keep)
-
-
-def _host_blind_to_comm() -> bool:
-    """The job's collectives never block the host (NCCL's, CUDA tensors): its waits and arrivals say nothing."""
-    return collective_device().type == "cuda"
 
 
 def _world_size() -> int:
@@ -864,7 +859,7 @@ class Trainer:
         """Record this step's collectives' arrival times where it is in :data:`PEER_WAIT_WINDOW` (not over NCCL,
         whose waits never block the host)."""
         skip, count = PEER_WAIT_WINDOW
-        run.meter.arrival_times = skip <= len(run.step_times) < skip + count and not _host_blind_to_comm()
+        run.meter.arrival_times = skip <= len(run.step_times) < skip + count and not comm_unseen_by_host()
 
     def _end(self, run: "_RunProgress") -> Dict[str, Any]:
         """After the last step: the final checkpoint, then the figures, the eval pass and the files (collective)."""
@@ -885,7 +880,6 @@ class Trainer:
         if steps == 0:
             raise RuntimeError(f"no training step ran: {self.data.describe()} yielded no full global batch of "
                                f"{self.world} × {self.cfg.batch_size} samples (data.*, batch_size)")
-        run.meter.arrival_times = False
         return self._finish(losses, run.step_times, run.meter, run.train_time, steps, attempt_steps, resumed,
                             run.since, run.peer_wait_steps)
 
@@ -959,7 +953,7 @@ class Trainer:
         scheduler_s = pipeline.scheduler_seconds(since)
         traffic = reduce_summaries(meter.summary())
         traffic_tags = reduce_summaries(meter.tag_summary())
-        peer_wait = None if _host_blind_to_comm() else measured_peer_wait(meter, peer_wait_steps)
+        peer_wait = None if comm_unseen_by_host() else measured_peer_wait(meter, peer_wait_steps)
         loss_t = torch.tensor(losses, dtype=torch.float64)
         dist.all_reduce(loss_t)
         loss_t /= self.world

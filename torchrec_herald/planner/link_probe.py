@@ -13,6 +13,7 @@ the same decision.
 
 from __future__ import annotations
 
+import functools
 import logging
 import statistics
 import threading
@@ -266,12 +267,12 @@ def probe_on_every_rank(pg: Optional[dist.ProcessGroup], timeout_s: float = 30.0
     probe, group = None, None
     try:
         group = probe_group(pg, 2 * timeout_s)
-        made, dev = group, collective_device(group)  # (the rank's device, read on its own thread)
+        dev = collective_device(group)  # (the rank's device, read on its own thread)
+        measure = functools.partial(probe_link, group, timeout_s=timeout_s, device=dev)
         if own_thread if own_thread is not None else dev.type == "cuda":
-            probe = within_deadline(lambda: probe_link(made, timeout_s=timeout_s, device=dev),
-                                    timeout_s + 2 * PROBE_BUDGET_S, dev)
+            probe = within_deadline(measure, timeout_s + 2 * PROBE_BUDGET_S, dev)
         else:
-            probe = probe_link(group, timeout_s=timeout_s, device=dev)
+            probe = measure()
         logger.info("planner: %s", probe.describe())
     except Exception as e:  # noqa: BLE001 - a failed probe must not stop training: the configured values
         logger.warning("planner: the link probe failed (%s); planning with the configured link values "
