@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 from typing import Any, Dict, List
 
@@ -226,6 +227,56 @@ def test_a_checkpoint_folder_in_use_by_a_running_run_is_refused(tmp_path: Path) 
     assert not any(folder.iterdir())
     m = run_multiprocess(_train, 2, overrides, str(tmp_path / "run2"), timeout_s=120)[0]["metrics"]
     assert m["steps"] == 4 and sorted(p.name for p in folder.glob("step_*")) == ["step_00000002", "step_00000004"]
+
+
+def _train_in_own_folder(rank: int, world: int, overrides: List[str], folders: List[str], run_dir: str
+                         ) -> Dict[str, Any]:
+    """``_train`` with this rank's own ``checkpoint.dir`` (``folders[rank]``): ranks on hosts that each have a disk
+    of their own at the folder's path. Its ValueError comes back as ``{"error": line}``."""
+    try:
+        return _train(rank, world, overrides + [f"checkpoint.dir={folders[rank]}"], run_dir)
+    except ValueError as e:
+        return {"error": str(e)}
+
+
+def test_a_checkpoint_folder_the_ranks_do_not_share_is_refused_before_training(tmp_path: Path) -> None:
+    """DCP's save has every rank write its shards into one folder. Ranks on hosts that each have a folder of that
+    path (no shared file system) each saved a part of every checkpoint, without an error, and no resume could read
+    one. A run that saves is refused on every rank before it trains, naming the ranks and their hosts; a run that
+    resumes a checkpoint that a rank does not see is refused too, and the checkpoint is kept as it was."""
+    import socket
+
+    host = socket.gethostname()
+    common = ["data.num_train_batches=4", "batch_size=16", "eval=false"]
+    apart = [str(tmp_path / "host0" / "ckpt"), str(tmp_path / "host1" / "ckpt")]
+    got = run_multiprocess(_train_in_own_folder, 2, common + ["checkpoint.every_n_steps=2"], apart,
+                           str(tmp_path / "run1"), timeout_s=120)
+    for rank, res in enumerate(got):
+        assert re.fullmatch(
+            rf"checkpoint folder {re.escape(apart[rank])} is not one folder every rank shares: rank 1 "
+            rf"\(host {re.escape(host)}\) cannot see the file \.herald-shared-[0-9a-f]{{32}} that rank 0 "
+            rf"\(host {re.escape(host)}\) sees there\. Every rank writes its shards of a checkpoint into that folder "
+            rf"and reads them all at a resume: give checkpoint\.dir \(or checkpoint\.root\) a folder on a file "
+            rf"system that every host mounts at the same path", res.get("error", "")), res
+    assert list(Path(apart[0]).iterdir()) == [] and not Path(apart[1]).exists()  # (its file removed; nothing saved)
+    assert not (tmp_path / "run1" / "losses.json").exists()  # (nothing trained)
+
+    shared = [apart[0], apart[0]]  # (one folder: the check passes and leaves nothing behind)
+    first = run_multiprocess(_train_in_own_folder, 2, common + ["checkpoint.every_n_steps=2"], shared,
+                             str(tmp_path / "run2"), timeout_s=120)
+    assert first[0]["metrics"]["steps"] == 4
+    saved = sorted(p.name for p in Path(apart[0]).iterdir())
+    assert saved == ["losses.json", "metrics.json", "step_00000002", "step_00000004"]
+
+    resume_apart = [apart[0], str(tmp_path / "host1b" / "ckpt")]  # (resumes only: a rank without the checkpoint)
+    got = run_multiprocess(_train_in_own_folder, 2, common, resume_apart, str(tmp_path / "run3"), timeout_s=120)
+    for rank, res in enumerate(got):
+        assert res.get("error") == (
+            f"checkpoint folder {resume_apart[rank]} is not one folder every rank shares: rank 1 (host {host}) cannot "
+            f"see the checkpoint step_00000004 that rank 0 (host {host}) sees there. Every rank writes its shards of "
+            f"a checkpoint into that folder and reads them all at a resume: give checkpoint.dir (or checkpoint.root) "
+            f"a folder on a file system that every host mounts at the same path"), res
+    assert sorted(p.name for p in Path(apart[0]).iterdir()) == saved
 
 
 def _train_folder_unseen_off_rank0(rank: int, world: int, overrides: List[str], run_dir: str) -> Dict[str, Any]:

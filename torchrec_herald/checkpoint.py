@@ -15,6 +15,9 @@ import logging
 import os
 import re
 import shutil
+import socket
+import time
+import uuid
 from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
@@ -144,6 +147,67 @@ def _on_rank0(work: Callable[[], None], what: str) -> None:
     error = rank0_outcome(line)
     if error is not None:
         raise OSError(error)
+
+
+#: how long a rank looks again for a file rank 0 made (a network file system may show a new name late)
+SEEN_WAIT_S = 5.0
+
+
+def who_sees(path: Path, wait_s: Optional[float] = None) -> List[Tuple[bool, str]]:
+    """Every rank looks for ``path`` in its own view of its file system, again until ``wait_s`` (default
+    :data:`SEEN_WAIT_S`) has passed where it is not there (collective): each rank's (found, host name), in rank
+    order."""
+    deadline = time.monotonic() + (SEEN_WAIT_S if wait_s is None else wait_s)
+    seen = path.exists()
+    while not seen and time.monotonic() < deadline:
+        time.sleep(0.1)
+        seen = path.exists()
+    views: List[Any] = [(seen, socket.gethostname())]
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        views = [None] * dist.get_world_size()
+        dist.all_gather_object(views, (seen, socket.gethostname()))
+    return [(bool(ok), str(host)) for ok, host in views]
+
+
+def shared_folder_problem(directory: Path, views: List[Tuple[bool, str]], what: str) -> Optional[str]:
+    """The one line every rank raises where some ranks' ``views`` (:func:`who_sees`) miss ``what``, which rank 0
+    sees in the checkpoint folder ``directory``; None where none does. DCP's save has every rank write its own
+    shards into one folder and its load has every rank read the folder's metadata: on hosts that do not share
+    the folder, a save leaves each host a part of the checkpoint and a resume cannot read it."""
+    missing = [f"{r} (host {host})" for r, (ok, host) in enumerate(views) if not ok]
+    if not missing:
+        return None
+    return (f"checkpoint folder {directory} is not one folder every rank shares: rank{'s' if len(missing) > 1 else ''} "
+            f"{', '.join(missing)} cannot see {what} that rank 0 (host {views[0][1]}) sees there. Every rank writes its "
+            f"shards of a checkpoint into that folder and reads them all at a resume: give checkpoint.dir (or "
+            f"checkpoint.root) a folder on a file system that every host mounts at the same path")
+
+
+def check_every_rank_shares(directory: Path) -> None:
+    """Before a run saves into ``directory`` (collective): rank 0 makes it and a file in it, and every rank looks
+    for that file (:func:`who_sees`). ValueError on every rank, naming the ranks and their hosts, where
+    one does not see it (ranks on hosts that each have a folder of that path of their own); the file is removed
+    either way. Nothing at one rank."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return
+    name: List[Optional[str]] = [None]
+
+    def make() -> None:
+        directory.mkdir(parents=True, exist_ok=True)
+        token = directory / f".herald-shared-{uuid.uuid4().hex}"
+        token.touch()
+        name[0] = token.name
+
+    _on_rank0(make, f"cannot make the checkpoint folder {directory}")
+    dist.broadcast_object_list(name, src=0)
+    try:
+        views = who_sees(directory / str(name[0]))
+    finally:
+        if _rank() == 0:
+            (directory / str(name[0])).unlink(missing_ok=True)
+    problem = shared_folder_problem(directory, views, f"the file {name[0]}")
+    if problem is not None:
+        raise ValueError(problem)
 
 
 def checkpoints(directory: Path) -> List[Path]:

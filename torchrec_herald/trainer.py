@@ -536,6 +536,14 @@ class Checkpointing:
         if error is not None:
             self.release()
             raise ValueError(error)
+        if self.every:  # (ranks on hosts that each have a folder of this path would each save a part of a checkpoint)
+            from torchrec_herald.checkpoint import check_every_rank_shares
+
+            try:
+                check_every_rank_shares(self.dir)
+            except (ValueError, OSError):
+                self.release()
+                raise
 
     def release(self) -> None:
         """Let the checkpoint folder go (rank 0's lock; the end of :meth:`Trainer.train`, or of the process)."""
@@ -550,7 +558,8 @@ class Checkpointing:
         """Load the run's latest complete checkpoint (collective; rank 0 picks it) and say so in one line;
         with ``checkpoint.resume=false`` move the folder's checkpoints aside (kept, renamed) and start
         fresh. Returns the checkpoint's trainer state (with ``path``), or None."""
-        from torchrec_herald.checkpoint import checkpoints, latest_checkpoint, load_checkpoint, none_usable, set_rng_state
+        from torchrec_herald.checkpoint import (checkpoints, latest_checkpoint, load_checkpoint, none_usable, set_rng_state,
+                                                shared_folder_problem, who_sees)
 
         choice: List[Any] = [None, None]  # (the checkpoint to resume or "", why it must not be resumed or None)
         if dist.get_rank() == 0:
@@ -574,7 +583,11 @@ class Checkpointing:
                 logger.info("checkpoints of this run: %s (every %d steps; re-running the same command resumes "
                             "from the latest)", self.dir, int(self.every))
             return None
-        state = load_checkpoint(Path(choice[0]), self.dmp, self.optimizer)
+        own = self.dir / Path(choice[0]).name  # (this rank's view of the checkpoint rank 0 picked)
+        problem = shared_folder_problem(self.dir, who_sees(own / ".metadata"), f"the checkpoint {own.name}")
+        if problem is not None:
+            raise ValueError(problem)
+        state = load_checkpoint(own, self.dmp, self.optimizer)
         set_rng_state(state["rng"])
         self.pipeline.load_state_dict(state["pipeline"])
         logger.warning("resuming from checkpoint %s: step %d (epoch %d, batch %d of it); checkpoint.resume=false "
