@@ -511,7 +511,8 @@ class Checkpointing:
         second run given the same folder at the same time, by any path (``checkpoint.dir`` or ``run_name``), would
         overwrite its checkpoints, or move them aside. A run that saves none takes the lock only where it would move
         the folder aside (``checkpoint.resume=false``); one that resumes from it and saves nothing only reads it.
-        ValueError on every rank naming the folder and the process that holds it."""
+        ValueError on every rank naming the folder and the process that holds it. A run that saves then checks that
+        every rank sees one folder there (:func:`~torchrec_herald.checkpoint.check_every_rank_shares`)."""
         if not self.every and self.resume_enabled:
             return
         from torchrec_herald.run_identity import UNGUARDED, exclusive_lock
