@@ -175,7 +175,7 @@ def shared_folder_problem(directory: Path, views: List[Tuple[bool, str]], what: 
     shards into one folder and its load has every rank read the folder's metadata: on hosts that do not share
     the folder, a save leaves each host a part of the checkpoint and a resume cannot read it."""
     missing = [f"{r} (host {host})" for r, (ok, host) in enumerate(views) if not ok]
-    if not missing:
+    if not missing or not views[0][0]:  # (what rank 0 does not see either is no question of sharing)
         return None
     return (f"checkpoint folder {directory} is not one folder every rank shares: rank{'s' if len(missing) > 1 else ''} "
             f"{', '.join(missing)} cannot see {what} that rank 0 (host {views[0][1]}) sees there. Every rank writes its "
