@@ -120,3 +120,38 @@ def test_the_launcher_stopped_by_a_signal_says_so_in_one_line(monkeypatch: pytes
     assert exit_.value.code == 130
     assert capsys.readouterr().err == ("torchrec_herald.launch: stopped by signal SIGINT (the ranks were stopped too; a "
                                        "run with checkpoints resumes from its latest by the same command)\n")
+
+
+def test_a_check_failing_on_one_host_stops_the_other_hosts_ranks_naming_it(tmp_path: Path) -> None:
+    """Two launchers, as on two hosts (torchrun's static rendezvous, one rank each), given a relative data file that
+    only the first one's folder holds: the second host's rank fails its checks. It ended at once while rank 0, on
+    the other host, waited for it in the process group's set-up until its timeout (600 s) and then named a timeout.
+    Both launchers now end within seconds, and rank 0's says which rank and host failed and why."""
+    import socket
+
+    from torchrec_herald.dist_utils import free_port
+
+    good = "1\t" + "\t".join(["1"] * 13) + "\t" + "\t".join(["a"] * 26)
+    hosts = [tmp_path / "host0", tmp_path / "host1"]
+    for h in hosts:
+        h.mkdir()
+    (hosts[0] / "day_0.tsv").write_text("\n".join([good] * 16) + "\n")
+    port = free_port()
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "HERALD_RUN_ID")}
+    env["PYTHONPATH"] = os.pathsep.join([str(Path(__file__).resolve().parent.parent), env.get("PYTHONPATH", "")])
+    launchers = [subprocess.Popen(
+        [sys.executable, "-m", "torchrec_herald.launch", "--nnodes", "2", "--node-rank", str(node), "--nproc-per-node",
+         "1", "--master-addr", "127.0.0.1", "--master-port", str(port), "-m", "torchrec_herald.train",
+         "data=criteo_tsv", "data.paths=[day_0.tsv]", "batch_size=2", "eval=false"],
+        cwd=h, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for node, h in enumerate(hosts)]
+    try:
+        outs = [p.communicate(timeout=180)[0] for p in launchers]
+    finally:
+        for p in launchers:
+            p.kill()
+    assert [p.returncode for p in launchers] == [1, 1], outs
+    peer = [line for line in outs[0].splitlines() if "failed its checks before training" in line]
+    assert len(peer) == 1 and peer[0].startswith(
+        f"torchrec_herald.train failed on rank 0: PeerCheckFailed: rank 1 on host {socket.gethostname()} failed its "
+        f"checks before training: FileNotFoundError: data file(s) not found: day_0.tsv (traceback: "), outs[0]
+    assert "FileNotFoundError" in outs[1] and "day_0.tsv" in outs[1], outs[1]

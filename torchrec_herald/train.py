@@ -21,7 +21,7 @@ import tempfile
 import time
 import traceback
 from pathlib import Path
-from typing import Any, Dict, List, NoReturn, Optional, Sequence
+from typing import Any, Callable, Dict, List, NoReturn, Optional, Sequence, TypeVar
 
 import hydra
 from hydra.core.hydra_config import HydraConfig
@@ -47,6 +47,48 @@ def one_line(e: BaseException) -> str:
         if first not in line:
             line += f" ({first})"
     return line
+
+
+T = TypeVar("T")
+
+
+class PeerCheckFailed(ValueError):
+    """Another rank's checks before training failed (this rank's passed): the line names that rank and its host."""
+
+
+def checked_on_every_rank(checks: Callable[[], T]) -> T:
+    """Run this rank's checks before training (``checks``), then join the process group and learn every rank's
+    outcome, so that the ranks stop together. A check can fail on one host alone: a data file missing or unreadable
+    there, a checkpoint folder that host cannot write, rank 0's run folder in use. Its ranks ended at once while
+    the other hosts' ranks waited for them in the process group's set-up until its timeout (600 s), then named a
+    timeout. Now the failing rank raises its own error, and every other rank raises :class:`PeerCheckFailed` naming
+    the first failing rank, its host and its line. Returns what ``checks`` returned."""
+    import socket
+
+    import torch.distributed as dist
+
+    from torchrec_herald.dist_utils import init_distributed
+
+    error: Optional[Exception] = None
+    result: Any = None
+    try:
+        result = checks()
+    except Exception as e:  # noqa: BLE001 - whatever stops this rank, the others learn it below
+        error = e
+    init_distributed()
+    mine = (None if error is None else one_line(error), socket.gethostname())
+    outcomes: List[Any] = [mine]
+    if dist.get_world_size() > 1:
+        outcomes = [None] * dist.get_world_size()
+        dist.all_gather_object(outcomes, mine)
+    if error is not None:
+        raise error
+    failed = [(r, line, host) for r, (line, host) in enumerate(outcomes) if line is not None]
+    if failed:
+        r, line, host = failed[0]
+        others = f" (ranks {', '.join(str(f[0]) for f in failed[1:])} failed theirs too)" if len(failed) > 1 else ""
+        raise PeerCheckFailed(f"rank {r} on host {host} failed its checks before training: {line}{others}")
+    return result
 
 
 def fail(e: BaseException, log_file: Optional[Path] = None) -> NoReturn:
@@ -221,10 +263,15 @@ def _run(cfg: DictConfig, run_dir: Path) -> None:
     hc = HydraConfig.get()
     hold_logs()  # (the checks log into the run's folder once it is set up below)
     rank0 = os.environ.get("RANK", "0") == "0"
-    if rank0:
-        claim_run_folder(run_dir)
-    data = preflight(cfg)  # the run's settings (compare_with's value too) fail here, before anything trains or moves
-    check_not_the_run_folder(cfg, run_dir)
+
+    def checks() -> Any:  # the run's settings (compare_with's value too) fail here, before anything trains or moves
+        if rank0:
+            claim_run_folder(run_dir)
+        checked = preflight(cfg)
+        check_not_the_run_folder(cfg, run_dir)
+        return checked
+
+    data = checked_on_every_rank(checks)  # (one host's failure stops every host's ranks, naming it)
     if rank0:
         set_earlier_figures_aside(run_dir)  # (only once the checks passed: a re-run with a typo moves nothing)
     setup_logging(run_dir)  # (the run's checks logged into its own folder, not a baseline's)
