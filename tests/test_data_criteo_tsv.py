@@ -1,6 +1,7 @@
 """Tests of the streaming Criteo TSV reader."""
 
 import gzip
+import os
 import math
 import pickle
 from pathlib import Path
@@ -351,3 +352,46 @@ def test_a_rewound_stream_returns_its_kept_batches_without_reading_the_source_ag
     stream.rewind(7)
     stream.whole = True  # kept as slices, wanted whole: read again, in the wanted form
     assert sample_ids([next(stream)]) == [28, 29, 30, 31] and reads == [0, 6, 7]
+
+
+def _same_data_check(rank: int, world: int, folders: List[str]) -> str:
+    """Rank ``rank`` reads ``day_0.tsv`` of its own folder (as a host's own copy) and checks it against the others'."""
+    from torchrec_herald.data.base import check_same_data_on_every_rank
+    from torchrec_herald.data.criteo_tsv import CriteoTSV
+
+    try:
+        check_same_data_on_every_rank(CriteoTSV(os.path.join(folders[rank], "day_0.tsv")))
+    except ValueError as e:
+        return str(e)
+    return "same"
+
+
+def test_a_data_file_whose_copy_differs_on_another_host_is_named_before_training(tmp_path: Path) -> None:
+    """Every rank makes each global batch from the same files. A host whose copy was cut short or is another
+    version trained other samples, or ended early and left the others waiting in a collective. Each rank reads
+    its own copy here (as each host would); the check names the file, its sizes and the ranks that differ."""
+    import socket
+
+    from torchrec_herald.dist_utils import run_multiprocess
+
+    rows = numbered(40)
+    folders = [str(tmp_path / "host0"), str(tmp_path / "host1")]
+    for f in folders:
+        os.makedirs(f)
+    whole = "".join(rows)
+    (tmp_path / "host0" / "day_0.tsv").write_text(whole)
+    (tmp_path / "host1" / "day_0.tsv").write_text(whole)
+    assert run_multiprocess(_same_data_check, 2, folders, timeout_s=120) == ["same", "same"]
+    host = socket.gethostname()
+    tail = (". Every rank makes each global batch from the same files: copy them whole to every host, or read them "
+            "from a file system every host shares")
+    (tmp_path / "host1" / "day_0.tsv").write_text("".join(rows[:30]))  # (a copy cut short)
+    cut = len("".join(rows[:30]).encode())
+    got = run_multiprocess(_same_data_check, 2, folders, timeout_s=120)
+    assert got == [f"data.paths file {folders[0]}/day_0.tsv differs between ranks: {len(whole.encode())} bytes on rank 0 "
+                   f"(host {host}), {cut} on rank(s) 1 (host {host}){tail}"] * 2, got
+    other = whole.replace(rows[39], line("0", ["39"] + ["1"] * 12))  # (the same size, other bytes)
+    (tmp_path / "host1" / "day_0.tsv").write_text(other)
+    got = run_multiprocess(_same_data_check, 2, folders, timeout_s=120)
+    assert got == [f"data.paths file {folders[0]}/day_0.tsv differs between ranks: the same {len(whole.encode())} bytes "
+                   f"on rank 0 (host {host}) and rank(s) 1 (host {host}), but other bytes at its start or end{tail}"] * 2, got

@@ -255,6 +255,7 @@ def _run(cfg: DictConfig, run_dir: Path) -> None:
 
     from hydra import compose
 
+    from torchrec_herald.data.base import check_same_data_on_every_rank
     from torchrec_herald.report import write_comparison
     from torchrec_herald.run_identity import companion_run
     from torchrec_herald.trainer import (check_not_the_run_folder, format_comparison_table, format_metrics_table,
@@ -272,6 +273,7 @@ def _run(cfg: DictConfig, run_dir: Path) -> None:
         return checked
 
     data = checked_on_every_rank(checks)  # (one host's failure stops every host's ranks, naming it)
+    check_same_data_on_every_rank(data)  # (each host's copy of the data files: the same bytes)
     if rank0:
         set_earlier_figures_aside(run_dir)  # (only once the checks passed: a re-run with a typo moves nothing)
     setup_logging(run_dir)  # (the run's checks logged into its own folder, not a baseline's)

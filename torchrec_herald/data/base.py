@@ -130,6 +130,41 @@ class DataSource(abc.ABC):
         """What the source reads, for messages (e.g. ``CriteoTSV(day_0.tsv)``)."""
         return type(self).__name__
 
+    def fingerprint(self) -> List[Tuple[str, str, int, int]]:
+        """What this rank reads, to compare with the other ranks' (:func:`check_same_data_on_every_rank`): per file
+        (its key, its path, its size, a checksum of its first and last bytes). A source made from the config alone
+        (synthetic data) is the same on every rank: none."""
+        return []
+
+
+def check_same_data_on_every_rank(data: "DataSource") -> None:
+    """Every rank reads the same data (collective; nothing at one rank). Each rank makes every global batch from the
+    same files, so a copy that differs on one host (partly copied, another version) trained other samples there,
+    held other batches out for eval, or ended early and left the others waiting in a collective. ValueError on every
+    rank naming the first file that differs, how, and the ranks and hosts that read another copy."""
+    import socket
+
+    import torch.distributed as dist
+
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return
+    views: List[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(views, (data.fingerprint(), socket.gethostname()))
+    ours, host0 = views[0]
+    for n, (key, path, size, checksum) in enumerate(ours):
+        other = [(r, host, theirs[n] if n < len(theirs) else None) for r, (theirs, host) in enumerate(views)
+                 if n >= len(theirs) or theirs[n][2:] != (size, checksum)]
+        if not other:
+            continue
+        ranks = ", ".join(f"{r} (host {host})" for r, host, _ in other[:4]) + (" …" if len(other) > 4 else "")
+        sizes = {f[2] for _, _, f in other if f is not None}
+        how = (f"{size} bytes on rank 0 (host {host0}), {', '.join(map(str, sorted(sizes)))} on rank(s) {ranks}"
+               if sizes - {size} else f"the same {size} bytes on rank 0 (host {host0}) and rank(s) {ranks}, but other "
+                                       f"bytes at its start or end")
+        raise ValueError(f"{key} file {path} differs between ranks: {how}. Every rank makes each global batch from "
+                         f"the same files: copy them whole to every host, or read them from a file system every host "
+                         f"shares")
+
 
 class TrainStream(Iterator[Batch]):
     """One pass over a source's train batches from global batch ``start``, each one either whole

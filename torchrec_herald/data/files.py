@@ -29,6 +29,8 @@ logger = logging.getLogger(__name__)
 Sample = TypeVar("Sample")
 PathLike = Union[str, "os.PathLike[str]"]
 _MAX_SKIP_WARNINGS = 10
+#: bytes at each end of a file that :meth:`FileSource.fingerprint` checks (with the file's size)
+FINGERPRINT_BYTES = 1 << 20
 
 
 def shown(value: str, limit: int = 60) -> str:
@@ -302,6 +304,20 @@ class FileSource(DataSource, Generic[Sample]):
         files = [os.path.basename(p) for p in self.paths]
         shown = ", ".join(files[:3]) + (f", … ({len(files)} files)" if len(files) > 3 else "")
         return f"{type(self).__name__}({shown})"
+
+    def fingerprint(self) -> List[Tuple[str, str, int, int]]:
+        """Per file, training then eval: (its key, its path, its size, the CRC-32 of its first and last
+        :data:`FINGERPRINT_BYTES`): two reads of each file, whatever its size."""
+        out = []
+        for key, paths in (("data.paths", self.paths), ("data.eval_paths", self.eval_paths)):
+            for path in paths:
+                size = os.path.getsize(path)
+                with open(path, "rb") as f:
+                    crc = zlib.crc32(f.read(FINGERPRINT_BYTES))
+                    f.seek(max(size - FINGERPRINT_BYTES, 0))
+                    crc = zlib.crc32(f.read(FINGERPRINT_BYTES), crc)
+                out.append((key, str(path), size, crc))
+        return out
 
     def train_batches(self, rank: int, world_size: int, batch_size: int) -> Iterator[Batch]:
         """One pass over the training stream (held-out global batches excluded)."""
