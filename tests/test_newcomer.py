@@ -508,6 +508,26 @@ def test_runs_started_alone_get_folders_of_their_own_and_a_jobs_ranks_share_one(
     assert alone[0] != alone[1] != mine
 
 
+@pytest.mark.parametrize("env, named_by_the_rendezvous", [
+    ({"TORCHELASTIC_RUN_ID": "job42", "WORLD_SIZE": "16", "LOCAL_WORLD_SIZE": "8"}, True),
+    ({"TORCHELASTIC_RUN_ID": "job42", "WORLD_SIZE": "8", "LOCAL_WORLD_SIZE": "8"}, False),
+    ({"TORCHELASTIC_RUN_ID": "none", "WORLD_SIZE": "16", "LOCAL_WORLD_SIZE": "8"}, False)])
+def test_a_jobs_ranks_on_several_hosts_share_the_folder_named_by_its_rendezvous(
+        monkeypatch: Any, env: Dict[str, str], named_by_the_rendezvous: bool) -> None:
+    """Each host's torchrun agent has its own pid and start time: a job on two hosts wrote two run folders, only
+    rank 0's with the figures. Across hosts the rendezvous id (``--rdzv-id``) names the folder; on one host, or
+    without an id (torchrun's ``none``), the agent's start time and pid, as before."""
+    import os
+
+    from torchrec_herald.train import job_run_id
+
+    monkeypatch.delenv("LOCAL_RANK", raising=False)
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    got = job_run_id()
+    assert (got == "job42") if named_by_the_rendezvous else (got is not None and got.endswith(f"_{os.getpid()}"))
+
+
 @pytest.mark.parametrize("argv", [["--cfg", "job"], ["-c", "job", "batch_size=64"], ["--info", "config"],
                                   ["-m", "batch_size=64,128", "planner=herald,table_wise"],
                                   ["-m", "data.num_train_batches=range(2,4)"], ["-m", "optimizer.lr=interval(0.1,1)"],

@@ -333,7 +333,16 @@ def job_run_id() -> Optional[str]:
     has one parent, its agent, so they share one folder (each resolved Hydra's ``${now:...}`` on its own clock, and
     two ranks could straddle a second), and two runs started in the same second get two folders (one wrote over the
     other's figures and logs). A lone process is its own starter. None where ``/proc`` cannot tell (Hydra's
-    ``${now:...}`` then)."""
+    ``${now:...}`` then).
+
+    A job whose ranks span hosts has one agent per host, each with its own pid and start time: there the folder is
+    named by torchrun's rendezvous id (``--rdzv-id``, ``$TORCHELASTIC_RUN_ID``), which every host's ranks share, so
+    one job writes one folder on a shared ``outputs/`` (it was one folder per host, rank 0's alone with the
+    figures)."""
+    rdzv = os.environ.get("TORCHELASTIC_RUN_ID", "none")
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if rdzv not in ("", "none") and world > int(os.environ.get("LOCAL_WORLD_SIZE", world)):
+        return rdzv.replace(os.sep, "_")
     pid = os.getppid() if "LOCAL_RANK" in os.environ else os.getpid()
     try:
         ticks = int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[19])  # field 22: starttime
