@@ -155,3 +155,18 @@ def test_a_check_failing_on_one_host_stops_the_other_hosts_ranks_naming_it(tmp_p
         f"torchrec_herald.train failed on rank 0: PeerCheckFailed: rank 1 on host {socket.gethostname()} failed its "
         f"checks before training: FileNotFoundError: data file(s) not found: day_0.tsv (traceback: "), outs[0]
     assert "FileNotFoundError" in outs[1] and "day_0.tsv" in outs[1], outs[1]
+
+
+@pytest.mark.parametrize("line, nnodes, noted", [
+    ("RuntimeError: [pair.cc:553] Connection closed by peer [10.0.0.2]:4711", "2", True),
+    ("RuntimeError: [pair.cc:553] Connection closed by peer [10.0.0.2]:4711", "1:4", True),
+    ("RuntimeError: [pair.cc:553] Connection closed by peer [10.0.0.2]:4711", "1", False),
+    ("ValueError: data.paths: no such file", "2", False)])
+def test_a_lost_peer_on_a_job_spanning_hosts_says_the_cause_may_be_on_another_host(line: str, nnodes: str,
+                                                                                   noted: bool) -> None:
+    """Each host's launcher sees only its own ranks: a rank killed on one host shows on the others as a connection
+    closed by a peer, which their launchers named as the root cause."""
+    from torchrec_herald.launch import across_hosts
+
+    note = " (a peer's connection failed: the cause may be on another host; see the other hosts' launchers)"
+    assert across_hosts(line, nnodes) == line + (note if noted else "")

@@ -19,7 +19,7 @@ import sys
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Tuple
 
-__all__ = ["failure_line", "main", "root_failure"]
+__all__ = ["across_hosts", "failure_line", "main", "root_failure"]
 
 #: torchelastic's own reports of a failure, which the one line below replaces
 _ELASTIC_FAILURE_LOGS = ("failed (exitcode", "Sending process")
@@ -104,6 +104,21 @@ def root_failure(failures: Dict[int, Any]) -> Tuple[int, Any]:
     return rank, failures[rank]
 
 
+#: what a rank's error says when a peer's connection failed: its cause, on a job spanning hosts, may be elsewhere
+_PEER_LOST = ("connection closed by peer", "connection reset by peer", "broken pipe", "timed out", "timeout",
+              "nccl error", "ncclremoteerror", "socket")
+
+
+def across_hosts(line: str, nnodes: str) -> str:
+    """``line``, with a note where this launcher is one of several hosts' (``--nnodes`` above 1) and its rank's error
+    is a peer's connection lost: each host's launcher sees only its own ranks, so the root cause (a rank killed, a
+    host lost) may be another host's, named by that host's launcher."""
+    most = nnodes.split(":")[-1]
+    if not most.isdigit() or int(most) < 2 or not any(s in line.lower() for s in _PEER_LOST):
+        return line
+    return line + " (a peer's connection failed: the cause may be on another host; see the other hosts' launchers)"
+
+
 def _failed_at(failure: object) -> float:
     """The exact time herald's error file records for ``failure`` (``inf`` without one: an error file of
     another writer, or none)."""
@@ -128,8 +143,8 @@ def main(argv: Optional[List[str]] = None) -> None:
         rank, failure = root_failure(e.failures)
         if _has_error_file(failure):  # torchx's status reads the launcher's error file: the root cause's
             _dump_error_file_atomically(get_error_handler(), failure.error_file, failure.exitcode)
-        sys.stderr.write(f"{e.name} failed on rank {rank}: "
-                         f"{failure_line(rank, failure, os.environ.get('HERALD_RUN_ID'))}\n")
+        line = failure_line(rank, failure, os.environ.get("HERALD_RUN_ID"))
+        sys.stderr.write(f"{e.name} failed on rank {rank}: {across_hosts(line, str(args.nnodes))}\n")
         sys.stderr.flush()
         sys.exit(1)
     except SignalException as e:  # Ctrl-C or a kill of the launcher: its ranks are stopped; one line, no traceback
