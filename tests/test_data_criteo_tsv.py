@@ -360,7 +360,7 @@ def _same_data_check(rank: int, world: int, folders: List[str]) -> str:
     from torchrec_herald.data.criteo_tsv import CriteoTSV
 
     try:
-        check_same_data_on_every_rank(CriteoTSV(os.path.join(folders[rank], "day_0.tsv")))
+        check_same_data_on_every_rank(CriteoTSV(os.path.join(folders[rank], "day_0.tsv")).fingerprint())
     except ValueError as e:
         return str(e)
     return "same"

@@ -143,17 +143,22 @@ def test_a_check_failing_on_one_host_stops_the_other_hosts_ranks_naming_it(tmp_p
         [sys.executable, "-m", "torchrec_herald.launch", "--nnodes", "2", "--node-rank", str(node), "--nproc-per-node",
          "1", "--master-addr", "127.0.0.1", "--master-port", str(port), "-m", "torchrec_herald.train",
          "data=criteo_tsv", "data.paths=[day_0.tsv]", "batch_size=2", "eval=false"],
-        cwd=h, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for node, h in enumerate(hosts)]
+        cwd=h, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+        for node, h in enumerate(hosts)]
     try:
         outs = [p.communicate(timeout=180)[0] for p in launchers]
     finally:
-        for p in launchers:
-            p.kill()
+        for p in launchers:  # (each launcher's session: its ranks too, where one was still waiting)
+            try:
+                os.killpg(p.pid, 9)
+            except ProcessLookupError:
+                pass
     assert [p.returncode for p in launchers] == [1, 1], outs
     peer = [line for line in outs[0].splitlines() if "failed its checks before training" in line]
     assert len(peer) == 1 and peer[0].startswith(
         f"torchrec_herald.train failed on rank 0: PeerCheckFailed: rank 1 on host {socket.gethostname()} failed its "
-        f"checks before training: FileNotFoundError: data file(s) not found: day_0.tsv (traceback: "), outs[0]
+        f"checks before training: FileNotFoundError: data file(s) not found: day_0.tsv (its traceback: "), outs[0]
+    assert peer[0].endswith(f"/logs/rank1.log on {socket.gethostname()})"), peer[0]  # (not rank 0's own log)
     assert "FileNotFoundError" in outs[1] and "day_0.tsv" in outs[1], outs[1]
 
 
@@ -170,3 +175,20 @@ def test_a_lost_peer_on_a_job_spanning_hosts_says_the_cause_may_be_on_another_ho
 
     note = " (a peer's connection failed: the cause may be on another host; see the other hosts' launchers)"
     assert across_hosts(line, nnodes) == line + (note if noted else "")
+
+
+def test_a_rank_stopped_by_a_peers_failed_check_gives_way_to_that_peers_own_error(tmp_path: Path) -> None:
+    """Rank 1's check failed and rank 0 stopped naming it (PeerCheckFailed), at about the same moment: the launcher
+    showed whichever wrote first. Rank 1's own error goes first."""
+    from torchrec_herald.launch import root_failure
+
+    def failed(rank: int, message: str, at: float) -> ProcessFailure:
+        f = tmp_path / f"error{rank}.json"
+        f.write_text(json.dumps({"message": {"message": message, "extraInfo": {"timestamp": "1",
+                                                                                "herald_failed_at": repr(at)}}}))
+        return ProcessFailure(local_rank=rank, pid=7 + rank, exitcode=1, error_file=str(f))
+
+    peer = failed(0, "PeerCheckFailed: rank 1 on host h failed its checks before training: FileNotFoundError: x", 1.0)
+    own = failed(1, "FileNotFoundError: data file(s) not found: x", 2.0)
+    assert root_failure({0: peer, 1: own})[0] == 1
+    assert root_failure({0: peer})[0] == 0  # (where this host has no other: that line, which names the peer)

@@ -254,7 +254,7 @@ def test_a_checkpoint_folder_the_ranks_do_not_share_is_refused_before_training(t
     for rank, res in enumerate(got):
         assert re.fullmatch(
             rf"checkpoint folder {re.escape(apart[rank])} is not one folder every rank shares: rank 1 "
-            rf"\(host {re.escape(host)}\) cannot see the file \.herald-shared-[0-9a-f]{{32}} that rank 0 "
+            rf"\(host {re.escape(host)}\) cannot see the file \.herald-write-check-shared-[0-9a-f]{{32}} that rank 0 "
             rf"\(host {re.escape(host)}\) sees there\. Every rank writes its shards of a checkpoint into that folder "
             rf"and reads them all at a resume: give checkpoint\.dir \(or checkpoint\.root\) a folder on a file "
             rf"system that every host mounts at the same path", res.get("error", "")), res

@@ -177,8 +177,9 @@ def shared_folder_problem(directory: Path, views: List[Tuple[bool, str]], what: 
     missing = [f"{r} (host {host})" for r, (ok, host) in enumerate(views) if not ok]
     if not missing or not views[0][0]:  # (what rank 0 does not see either is no question of sharing)
         return None
+    shown = ", ".join(missing[:4]) + (f" and {len(missing) - 4} more" if len(missing) > 4 else "")
     return (f"checkpoint folder {directory} is not one folder every rank shares: rank{'s' if len(missing) > 1 else ''} "
-            f"{', '.join(missing)} cannot see {what} that rank 0 (host {views[0][1]}) sees there. Every rank writes its "
+            f"{shown} cannot see {what} that rank 0 (host {views[0][1]}) sees there. Every rank writes its "
             f"shards of a checkpoint into that folder and reads them all at a resume: give checkpoint.dir (or "
             f"checkpoint.root) a folder on a file system that every host mounts at the same path")
 
@@ -194,7 +195,8 @@ def check_every_rank_shares(directory: Path) -> None:
 
     def make() -> None:
         directory.mkdir(parents=True, exist_ok=True)
-        token = directory / f".herald-shared-{uuid.uuid4().hex}"
+        # (named as run_identity.TEMPORARY's write checks: one a kill left behind is no foreign file to a later run)
+        token = directory / f".herald-write-check-shared-{uuid.uuid4().hex}"
         token.touch()
         name[0] = token.name
 
@@ -204,7 +206,10 @@ def check_every_rank_shares(directory: Path) -> None:
         views = who_sees(directory / str(name[0]))
     finally:
         if _rank() == 0:
-            (directory / str(name[0])).unlink(missing_ok=True)
+            try:
+                (directory / str(name[0])).unlink()
+            except OSError:  # (gone, or a file system that refuses now: an empty file, named as a check's, is left)
+                pass
     problem = shared_folder_problem(directory, views, f"the file {name[0]}")
     if problem is not None:
         raise ValueError(problem)

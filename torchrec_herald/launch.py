@@ -33,13 +33,19 @@ def _quiet_elastic_failure_logs() -> None:
     logging.getLogger("torch.distributed.elastic.multiprocessing.api").addFilter(_DropFailureReports())
 
 
-def failure_line(rank: int, failure: object, run_id: Optional[str] = None) -> str:
-    """One line for a failed rank: its error file's message, else its exit code (or signal) and, when
-    the run's rank log exists, its path (``outputs/<run id>/logs/rank<r>.log``)."""
+def _message(failure: object) -> str:
+    """The message of ``failure``'s error file ('' without one)."""
     message = getattr(failure, "message", "")
     if isinstance(message, dict):  # the structured form torchelastic's ErrorHandler writes
         message = message.get("message", "")
-    if _has_error_file(failure) and isinstance(message, str) and message.strip():
+    return message if _has_error_file(failure) and isinstance(message, str) else ""
+
+
+def failure_line(rank: int, failure: object, run_id: Optional[str] = None) -> str:
+    """One line for a failed rank: its error file's message, else its exit code (or signal) and, when
+    the run's rank log exists, its path (``outputs/<run id>/logs/rank<r>.log``)."""
+    message = _message(failure)
+    if message.strip():
         return " ".join(message.split())
     exitcode = getattr(failure, "exitcode", None)
     how = f"exit code {exitcode}"
@@ -100,13 +106,16 @@ def root_failure(failures: Dict[int, Any]) -> Tuple[int, Any]:
     # another signal, or exited without an error file, may be the cause)
     reported = [r for r, f in failures.items()
                 if _has_error_file(f) or getattr(f, "exitcode", None) != -15] or list(failures)
+    # (a rank that stopped because a peer's check failed names that peer's error: the peer's own line, where this
+    # host has it, goes first)
+    reported = [r for r in reported if not _message(failures[r]).startswith("PeerCheckFailed:")] or reported
     rank = min(reported, key=lambda r: (getattr(failures[r], "timestamp", 0), _failed_at(failures[r]), r))
     return rank, failures[rank]
 
 
 #: what a rank's error says when a peer's connection failed: its cause, on a job spanning hosts, may be elsewhere
 _PEER_LOST = ("connection closed by peer", "connection reset by peer", "broken pipe", "timed out", "timeout",
-              "nccl error", "ncclremoteerror", "socket")
+              "nccl error", "ncclremoteerror")
 
 
 def across_hosts(line: str, nnodes: str) -> str:
@@ -114,7 +123,8 @@ def across_hosts(line: str, nnodes: str) -> str:
     is a peer's connection lost: each host's launcher sees only its own ranks, so the root cause (a rank killed, a
     host lost) may be another host's, named by that host's launcher."""
     most = nnodes.split(":")[-1]
-    if not most.isdigit() or int(most) < 2 or not any(s in line.lower() for s in _PEER_LOST):
+    error = line.split(" (traceback: ", 1)[0].lower()  # (the error's own words, not its log's path)
+    if not most.isdigit() or int(most) < 2 or not any(s in error for s in _PEER_LOST):
         return line
     return line + " (a peer's connection failed: the cause may be on another host; see the other hosts' launchers)"
 

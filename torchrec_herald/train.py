@@ -56,13 +56,14 @@ class PeerCheckFailed(ValueError):
     """Another rank's checks before training failed (this rank's passed): the line names that rank and its host."""
 
 
-def checked_on_every_rank(checks: Callable[[], T]) -> T:
+def checked_on_every_rank(checks: Callable[[], T], log_file: Optional[Path] = None) -> T:
     """Run this rank's checks before training (``checks``), then join the process group and learn every rank's
     outcome, so that the ranks stop together. A check can fail on one host alone: a data file missing or unreadable
     there, a checkpoint folder that host cannot write, rank 0's run folder in use. Its ranks ended at once while
     the other hosts' ranks waited for them in the process group's set-up until its timeout (600 s), then named a
     timeout. Now the failing rank raises its own error, and every other rank raises :class:`PeerCheckFailed` naming
-    the first failing rank, its host and its line. Returns what ``checks`` returned."""
+    the first failing rank, its host, its line and its log (``log_file``: this rank's). Returns what ``checks``
+    returned. A lone process (no ``$WORLD_SIZE`` above 1) raises its error without making a process group."""
     import socket
 
     import torch.distributed as dist
@@ -75,19 +76,29 @@ def checked_on_every_rank(checks: Callable[[], T]) -> T:
         result = checks()
     except Exception as e:  # noqa: BLE001 - whatever stops this rank, the others learn it below
         error = e
-    init_distributed()
-    mine = (None if error is None else one_line(error), socket.gethostname())
+    if error is not None and int(os.environ.get("WORLD_SIZE", "1")) <= 1:
+        raise error
+    try:
+        init_distributed()
+    except Exception:
+        if error is not None:  # (this rank's own error is the one to report)
+            raise error from None
+        raise
+    mine = (None if error is None else one_line(error), socket.gethostname(), None if log_file is None else str(log_file))
     outcomes: List[Any] = [mine]
     if dist.get_world_size() > 1:
         outcomes = [None] * dist.get_world_size()
         dist.all_gather_object(outcomes, mine)
     if error is not None:
         raise error
-    failed = [(r, line, host) for r, (line, host) in enumerate(outcomes) if line is not None]
+    failed = [(r, line, host, log) for r, (line, host, log) in enumerate(outcomes) if line is not None]
     if failed:
-        r, line, host = failed[0]
-        others = f" (ranks {', '.join(str(f[0]) for f in failed[1:])} failed theirs too)" if len(failed) > 1 else ""
-        raise PeerCheckFailed(f"rank {r} on host {host} failed its checks before training: {line}{others}")
+        r, line, host, log = failed[0]
+        others = [str(f[0]) for f in failed[1:]]
+        more = (f" (ranks {', '.join(others[:4])}{' …' if len(others) > 4 else ''} failed theirs too)"
+                if others else "")
+        raise PeerCheckFailed(f"rank {r} on host {host} failed its checks before training: {line}"
+                              f"{f' (its traceback: {log} on {host})' if log else ''}{more}")
     return result
 
 
@@ -97,7 +108,8 @@ def fail(e: BaseException, log_file: Optional[Path] = None) -> NoReturn:
     its own, to stderr; exit code 1, at once: a worker thread of herald's (a run-ahead job) may be waiting in a
     collective that the other ranks will never join, and a normal exit would wait for it until gloo's timeout."""
     line = one_line(e)
-    where = f" (traceback: {log_file})" if log_file is not None else ""
+    # (a peer's failed check names that rank's log: this rank's holds no more of it)
+    where = f" (traceback: {log_file})" if log_file is not None and not isinstance(e, PeerCheckFailed) else ""
     if log_file is not None:
         log_file.parent.mkdir(parents=True, exist_ok=True)
         trainer = sys.modules.get("torchrec_herald.trainer")
@@ -256,6 +268,7 @@ def _run(cfg: DictConfig, run_dir: Path) -> None:
     from hydra import compose
 
     from torchrec_herald.data.base import check_same_data_on_every_rank
+    from torchrec_herald.dist_utils import rank0_outcome
     from torchrec_herald.report import write_comparison
     from torchrec_herald.run_identity import companion_run
     from torchrec_herald.trainer import (check_not_the_run_folder, format_comparison_table, format_metrics_table,
@@ -264,28 +277,40 @@ def _run(cfg: DictConfig, run_dir: Path) -> None:
     hc = HydraConfig.get()
     hold_logs()  # (the checks log into the run's folder once it is set up below)
     rank0 = os.environ.get("RANK", "0") == "0"
+    baseline_run: List[Any] = []  # (compare_with's: its config, folder and checked data)
 
-    def checks() -> Any:  # the run's settings (compare_with's value too) fail here, before anything trains or moves
+    def checks() -> Any:  # the run's settings and its baseline's fail here, before anything trains or moves
         if rank0:
             claim_run_folder(run_dir)
         checked = preflight(cfg)
         check_not_the_run_folder(cfg, run_dir)
-        return checked
+        if cfg.compare_with:
+            # the same job with planner=<compare_with> and TorchRec's pipeline: same data, same global
+            # batches, same initial weights
+            overrides = baseline_overrides(list(hc.overrides.task), hc.runtime.choices.get("planner"),
+                                           cfg.compare_with)
+            base_cfg = compose(config_name="train", overrides=overrides)
+            base_cfg.compare_with = None
+            companion_run(base_cfg, f"baseline_{cfg.compare_with}")  # never the herald run's checkpoints
+            baseline_run.append((base_cfg, run_dir / f"baseline_{cfg.compare_with}", preflight(base_cfg)))
+        return checked, checked.fingerprint()  # (its files read here: an unreadable one is this rank's check)
 
-    data = checked_on_every_rank(checks)  # (one host's failure stops every host's ranks, naming it)
-    check_same_data_on_every_rank(data)  # (each host's copy of the data files: the same bytes)
-    if rank0:
-        set_earlier_figures_aside(run_dir)  # (only once the checks passed: a re-run with a typo moves nothing)
+    # (one host's failure stops every host's ranks, naming it)
+    data, files = checked_on_every_rank(checks, run_dir / "logs" / f"rank{os.environ.get('RANK', '0')}.log")
+    check_same_data_on_every_rank(files)  # (each host's copy of the data files: the same bytes)
+
+    def figures_aside() -> Optional[str]:  # (rank 0's; only once the checks passed: a re-run with a typo moves nothing)
+        try:
+            set_earlier_figures_aside(run_dir)
+        except OSError as e:
+            return f"cannot move the earlier run's figures in {run_dir} aside ({e.strerror or e}): nothing was trained"
+        return None
+
+    problem = rank0_outcome(figures_aside)
+    if problem is not None:
+        raise OSError(problem)
     setup_logging(run_dir)  # (the run's checks logged into its own folder, not a baseline's)
-    runs = [(cfg, run_dir, data)]
-    if cfg.compare_with:
-        # the same job with planner=<compare_with> and TorchRec's pipeline: same data, same global
-        # batches, same initial weights
-        overrides = baseline_overrides(list(hc.overrides.task), hc.runtime.choices.get("planner"), cfg.compare_with)
-        base_cfg = compose(config_name="train", overrides=overrides)
-        base_cfg.compare_with = None
-        companion_run(base_cfg, f"baseline_{cfg.compare_with}")  # never the herald run's checkpoints
-        runs.insert(0, (base_cfg, run_dir / f"baseline_{cfg.compare_with}", None))
+    runs = baseline_run + [(cfg, run_dir, data)]
     if len(runs) > 1 and cfg.compare_turn_steps:  # (in turns: a host drifting over the job slows both alike)
         *done, metrics = train_in_turns(runs, cfg.compare_turn_steps)
     else:  # (one after the other: one model in memory at a time)

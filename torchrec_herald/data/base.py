@@ -137,11 +137,12 @@ class DataSource(abc.ABC):
         return []
 
 
-def check_same_data_on_every_rank(data: "DataSource") -> None:
+def check_same_data_on_every_rank(files: List[Tuple[str, str, int, int]]) -> None:
     """Every rank reads the same data (collective; nothing at one rank). Each rank makes every global batch from the
     same files, so a copy that differs on one host (partly copied, another version) trained other samples there,
     held other batches out for eval, or ended early and left the others waiting in a collective. ValueError on every
-    rank naming the first file that differs, how, and the ranks and hosts that read another copy."""
+    rank naming the first file that differs, how, and the ranks and hosts that read another copy. ``files``: this
+    rank's :meth:`DataSource.fingerprint`, taken among its checks (a file it cannot read is its own error)."""
     import socket
 
     import torch.distributed as dist
@@ -149,7 +150,7 @@ def check_same_data_on_every_rank(data: "DataSource") -> None:
     if not dist.is_initialized() or dist.get_world_size() == 1:
         return
     views: List[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(views, (data.fingerprint(), socket.gethostname()))
+    dist.all_gather_object(views, (files, socket.gethostname()))
     ours, host0 = views[0]
     for n, (key, path, size, checksum) in enumerate(ours):
         other = [(r, host, theirs[n] if n < len(theirs) else None) for r, (theirs, host) in enumerate(views)
@@ -161,6 +162,8 @@ def check_same_data_on_every_rank(data: "DataSource") -> None:
         how = (f"{size} bytes on rank 0 (host {host0}), {', '.join(map(str, sorted(sizes)))} on rank(s) {ranks}"
                if sizes - {size} else f"the same {size} bytes on rank 0 (host {host0}) and rank(s) {ranks}, but other "
                                        f"bytes at its start or end")
+        if path.endswith(".gz") and not sizes - {size}:  # (gzip's header holds the time it was compressed)
+            how += " (gzip'd on each host apart? copy the .gz files themselves)"
         raise ValueError(f"{key} file {path} differs between ranks: {how}. Every rank makes each global batch from "
                          f"the same files: copy them whole to every host, or read them from a file system every host "
                          f"shares")
