@@ -8,6 +8,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import List
 
 import pytest
 from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
@@ -122,6 +123,33 @@ def test_the_launcher_stopped_by_a_signal_says_so_in_one_line(monkeypatch: pytes
                                        "run with checkpoints resumes from its latest by the same command)\n")
 
 
+def _launch_as_hosts(folders: List[Path], nproc: int, overrides: List[str], timeout_s: float = 180
+                     ) -> List[subprocess.CompletedProcess]:
+    """``python -m torchrec_herald.launch`` once per folder, each launcher as one host of one job (torchrun's static
+    rendezvous on this machine, ``nproc`` ranks each, started in its folder): each launcher's exit code and output.
+    Each launcher's session is killed at the end, its ranks too where one still waits."""
+    from torchrec_herald.dist_utils import free_port
+
+    port = free_port()
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "HERALD_RUN_ID")}
+    env["PYTHONPATH"] = os.pathsep.join([str(Path(__file__).resolve().parent.parent), env.get("PYTHONPATH", "")])
+    launchers = [subprocess.Popen(
+        [sys.executable, "-m", "torchrec_herald.launch", "--nnodes", str(len(folders)), "--node-rank", str(node),
+         "--nproc-per-node", str(nproc), "--master-addr", "127.0.0.1", "--master-port", str(port), "-m",
+         "torchrec_herald.train", *overrides],
+        cwd=f, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+        for node, f in enumerate(folders)]
+    try:
+        outs = [p.communicate(timeout=timeout_s)[0] for p in launchers]
+    finally:
+        for p in launchers:
+            try:
+                os.killpg(p.pid, 9)
+            except ProcessLookupError:
+                pass
+    return [subprocess.CompletedProcess(p.args, p.returncode, out) for p, out in zip(launchers, outs)]
+
+
 def test_a_check_failing_on_one_host_stops_the_other_hosts_ranks_naming_it(tmp_path: Path) -> None:
     """Two launchers, as on two hosts (torchrun's static rendezvous, one rank each), given a relative data file that
     only the first one's folder holds: the second host's rank fails its checks. It ended at once while rank 0, on
@@ -129,37 +157,37 @@ def test_a_check_failing_on_one_host_stops_the_other_hosts_ranks_naming_it(tmp_p
     Both launchers now end within seconds, and rank 0's says which rank and host failed and why."""
     import socket
 
-    from torchrec_herald.dist_utils import free_port
-
     good = "1\t" + "\t".join(["1"] * 13) + "\t" + "\t".join(["a"] * 26)
     hosts = [tmp_path / "host0", tmp_path / "host1"]
     for h in hosts:
         h.mkdir()
     (hosts[0] / "day_0.tsv").write_text("\n".join([good] * 16) + "\n")
-    port = free_port()
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "HERALD_RUN_ID")}
-    env["PYTHONPATH"] = os.pathsep.join([str(Path(__file__).resolve().parent.parent), env.get("PYTHONPATH", "")])
-    launchers = [subprocess.Popen(
-        [sys.executable, "-m", "torchrec_herald.launch", "--nnodes", "2", "--node-rank", str(node), "--nproc-per-node",
-         "1", "--master-addr", "127.0.0.1", "--master-port", str(port), "-m", "torchrec_herald.train",
-         "data=criteo_tsv", "data.paths=[day_0.tsv]", "batch_size=2", "eval=false"],
-        cwd=h, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
-        for node, h in enumerate(hosts)]
-    try:
-        outs = [p.communicate(timeout=180)[0] for p in launchers]
-    finally:
-        for p in launchers:  # (each launcher's session: its ranks too, where one was still waiting)
-            try:
-                os.killpg(p.pid, 9)
-            except ProcessLookupError:
-                pass
-    assert [p.returncode for p in launchers] == [1, 1], outs
+    done = _launch_as_hosts(hosts, 1, ["data=criteo_tsv", "data.paths=[day_0.tsv]", "batch_size=2", "eval=false"])
+    outs = [d.stdout for d in done]
+    assert [d.returncode for d in done] == [1, 1], outs
     peer = [line for line in outs[0].splitlines() if "failed its checks before training" in line]
     assert len(peer) == 1 and peer[0].startswith(
         f"torchrec_herald.train failed on rank 0: PeerCheckFailed: rank 1 on host {socket.gethostname()} failed its "
         f"checks before training: FileNotFoundError: data file(s) not found: day_0.tsv (its traceback: "), outs[0]
     assert peer[0].endswith(f"/logs/rank1.log on {socket.gethostname()})"), peer[0]  # (not rank 0's own log)
     assert "FileNotFoundError" in outs[1] and "day_0.tsv" in outs[1], outs[1]
+
+
+def test_a_job_on_two_hosts_trains_the_same_losses_as_on_one(tmp_path: Path) -> None:
+    """One rank on each of two launchers (two hosts to torchrun: LOCAL_WORLD_SIZE 1 of WORLD_SIZE 2, a topology of
+    two hosts to TorchRec's planner), herald's plan and pipeline with checkpoints in one folder both reach: the same
+    per-step losses, bit for bit, as both ranks under one launcher. No test ran ranks of one job under two launchers."""
+    common = ["data.num_train_batches=8", "data.num_eval_batches=1", "batch_size=32", "eval=false", "planner=herald",
+              "planner.link_mbit=null", "pipeline=herald", "pipeline.window=2", "checkpoint.every_n_steps=4"]
+    two = _launch_as_hosts([tmp_path, tmp_path], 1, common + [f"checkpoint.dir={tmp_path / 'ckpt_two'}",
+                                                             "hydra.run.dir=two"])
+    assert [d.returncode for d in two] == [0, 0], [d.stdout[-3000:] for d in two]
+    one = _launch_as_hosts([tmp_path], 2, common + [f"checkpoint.dir={tmp_path / 'ckpt_one'}", "hydra.run.dir=one"])
+    assert one[0].returncode == 0, one[0].stdout[-3000:]
+    losses = [json.loads((tmp_path / run / "losses.json").read_text()) for run in ("two", "one")]
+    assert len(losses[0]) == 8 and losses[0] == losses[1]
+    saved = [sorted(p.name for p in (tmp_path / ckpt).iterdir()) for ckpt in ("ckpt_two", "ckpt_one")]
+    assert saved[0] == saved[1] == ["losses.json", "metrics.json", "step_00000004", "step_00000008"]
 
 
 @pytest.mark.parametrize("line, nnodes, noted", [
