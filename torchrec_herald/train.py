@@ -7,7 +7,9 @@ into the Hydra run dir and prints the metrics table on rank 0.
 A run that fails ends with one line, ``<type>: <message>``, naming the key, file or line at fault (rank
 0's, or the failing rank's when it alone fails); the traceback goes to the rank's log file, whose path
 the line gives. Alone it is printed as ``ERROR: ...`` on stderr; under torchrun / torchx it is the root
-cause they show (torchelastic's error file).
+cause they show (torchelastic's error file). A check before training that fails on some ranks only (one host's
+files) stops every rank: the others end with ``PeerCheckFailed`` naming the failing rank, its host and its line
+(:func:`checked_on_every_rank`).
 """
 
 from __future__ import annotations
