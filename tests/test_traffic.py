@@ -211,9 +211,10 @@ class _ClockAhead:
 
     def __init__(self, real: Any) -> None:
         self._real = real
+        self.ahead = 100.0  # (a test may let it drift)
 
     def perf_counter(self) -> float:
-        return self._real.perf_counter() + 100.0
+        return self._real.perf_counter() + self.ahead
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._real, name)
@@ -254,6 +255,38 @@ def test_the_wait_for_late_peers_is_measured_on_one_clock_across_hosts_from_the_
     assert off[0] == 0.0 and abs(off[1] - 100.0) < 0.05, off
     late = got[0]["peer_wait_ms"]
     assert got[1]["peer_wait_ms"] == late and 250 <= late[0] < 450 and late[1] < 50, late
+
+
+def _peer_wait_with_drift(rank: int, world: int) -> Dict[str, Any]:
+    import time
+
+    import torchrec_herald.traffic as traffic
+
+    traffic._clock_identity = lambda: f"boot{rank}"  # (two hosts: rank 1's clock 100 s ahead, then 5 s more)
+    clock = _ClockAhead(time)
+    if rank == 1:
+        traffic.time = clock
+    meter = TrafficMeter()
+    meter.arrival_times = True
+    dist.barrier()
+    with meter:
+        for _ in range(2):  # two steps; in each, rank 1 reaches the first all-reduce 0.3 s late
+            if rank == 1:
+                time.sleep(0.3)
+            dist.all_reduce(torch.ones(4))
+            dist.all_reduce(torch.ones(4))
+    at_window = traffic.clock_offsets()  # (as the trainer reads them when its window closes)
+    clock.ahead += 5.0  # (the run goes on; rank 1's clock drifts)
+    return {"window": traffic.measured_peer_wait(meter, 2, offsets=at_window),
+            "end": traffic.measured_peer_wait(meter, 2)}
+
+
+def test_the_wait_for_late_peers_uses_the_clocks_offsets_of_its_own_steps_not_of_the_runs_end() -> None:
+    """Clocks of two hosts drift apart over a run: offsets read at the run's end put rank 1's recorded calls 5 s
+    early, and its wait for rank 0 5 s a step. Read when the steps were recorded, the wait is rank 0's 0.3 s."""
+    got = run_multiprocess(_peer_wait_with_drift, 2)[0]
+    assert 250 <= got["window"][0] < 450 and got["window"][1] < 50, got
+    assert got["end"][1] > 4000, got  # (the drift, taken for a wait)
 
 
 def _left_in_flight_past_the_wait(rank: int, world: int) -> Dict[str, Any]:

@@ -487,18 +487,21 @@ def _clock_identity() -> str:
         return socket.gethostname()
 
 
-def measured_peer_wait(meter: "TrafficMeter", steps: int, group: Optional[dist.ProcessGroup] = None
-                       ) -> Optional[List[float]]:
+def measured_peer_wait(meter: "TrafficMeter", steps: int, group: Optional[dist.ProcessGroup] = None,
+                       offsets: Optional[List[float]] = None) -> Optional[List[float]]:
     """Each rank's wait for its latest peer, ms per step, over the ``steps`` steps whose collectives ``meter``
     recorded with :attr:`TrafficMeter.arrival_times` (collective; every rank the same list): :func:`peer_lateness`
     of the ranks' calls on one clock (:func:`clock_offsets`). None where no step was recorded, at one rank (no peer),
-    or where the ranks' recorded calls do not match one for one (a rank's extra collective)."""
+    or where the ranks' recorded calls do not match one for one (a rank's extra collective). ``offsets``: the ranks'
+    clocks as :func:`clock_offsets` read them when the steps were recorded (default: read now; across hosts, clocks
+    drift apart over a run, by up to tens of ms an hour)."""
     if not dist.is_initialized() or dist.get_world_size(group) < 2:
         return None
     mine = (list(meter.arrivals), list(meter.needed))
     every: List[Any] = [None] * dist.get_world_size(group)
     dist.all_gather_object(every, mine, group=group)
-    offsets = clock_offsets(group)
+    if offsets is None:
+        offsets = clock_offsets(group)
     if steps <= 0 or not any(a for a, _ in every):
         return None
     arrivals = [[t - off for t in a] for (a, _), off in zip(every, offsets)]

@@ -54,7 +54,8 @@ from torchrec_herald.report import (embedding_bytes_per_step, format_comparison_
 from torchrec_herald.row_init import init_sharded_embeddings
 from torchrec_herald.sharding.dense_sync import dense_optimizer_for, dense_sync_wrapper
 from torchrec_herald.sharding.hot_replicated import ShardedHeraldEmbeddingBagCollection
-from torchrec_herald.traffic import MeteredDataParallelWrapper, TrafficMeter, measured_peer_wait, reduce_summaries
+from torchrec_herald.traffic import (MeteredDataParallelWrapper, TrafficMeter, clock_offsets, measured_peer_wait,
+                                     reduce_summaries)
 
 logger = logging.getLogger(__name__)
 
@@ -728,6 +729,10 @@ class _RunProgress:
     bar: Any = None
     meter: Optional[TrafficMeter] = None
     peer_wait_steps: int = 0  # this attempt's steps whose collectives' arrivals the meter recorded
+    #: each rank's clock against rank 0's when the window closed (:func:`~torchrec_herald.traffic.clock_offsets`),
+    #: None until then: across hosts two clocks drift apart over a run, so the window's calls are matched on the
+    #: offsets of their own time, not of the run's end
+    clock_offsets: Optional[List[float]] = None
 
 
 #: the attempt's steps whose collectives' arrival times the trainer records, to measure each rank's wait for its
@@ -829,6 +834,7 @@ class Trainer:
                 if run.it is None:
                     run.it = self._stream(run.batch_in_epoch)
                 while steps is None or trained < steps:
+                    self._read_clocks_once_the_window_closed(run)  # (outside any step's time)
                     t0 = time.perf_counter()
                     self._record_arrivals(run)
                     if ckpt.due(len(losses) + 1):  # a checkpoint after this step restarts a herald window
@@ -875,6 +881,15 @@ class Trainer:
         skip, count = PEER_WAIT_WINDOW
         run.meter.arrival_times = skip <= len(run.step_times) < skip + count and not comm_unseen_by_host()
 
+    def _read_clocks_once_the_window_closed(self, run: "_RunProgress") -> None:
+        """Once the :data:`PEER_WAIT_WINDOW` has closed, read each rank's clock against rank 0's (collective: every
+        rank at the same step, between two steps, counted in no meter), for :func:`measured_peer_wait` at the run's
+        end. A run that ends first reads them then."""
+        skip, count = PEER_WAIT_WINDOW
+        if len(run.step_times) == skip + count and run.clock_offsets is None and not comm_unseen_by_host():
+            with TrafficMeter.counting_in([]):
+                run.clock_offsets = clock_offsets()
+
     def _end(self, run: "_RunProgress") -> Dict[str, Any]:
         """After the last step: the final checkpoint, then the figures, the eval pass and the files (collective)."""
         ckpt, losses, resumed = self.checkpoints, run.losses, run.resumed
@@ -895,7 +910,7 @@ class Trainer:
             raise RuntimeError(f"no training step ran: {self.data.describe()} yielded no full global batch of "
                                f"{self.world} × {self.cfg.batch_size} samples (data.*, batch_size)")
         return self._finish(losses, run.step_times, run.meter, run.train_time, steps, attempt_steps, resumed,
-                            run.since, run.peer_wait_steps)
+                            run.since, run.peer_wait_steps, run.clock_offsets)
 
     def _evaluate(self) -> Dict[str, float]:
         """The eval pass (collective): every sample of the held-out split scored once (its last global batch padded)."""
@@ -957,7 +972,7 @@ class Trainer:
 
     def _finish(self, losses: List[float], step_times: List[float], meter: TrafficMeter, train_time: float,
                 steps: int, attempt_steps: int, resumed: Optional[Dict[str, Any]], since: Any,
-                peer_wait_steps: int = 0) -> Dict[str, Any]:
+                peer_wait_steps: int = 0, offsets: Optional[List[float]] = None) -> Dict[str, Any]:
         """Figures of this attempt (collectives, in the same order on every rank), the eval pass, the files."""
         cfg, rank, pipeline = self.cfg, self.rank, self.pipeline
         pipeline_report = pipeline.report(since, train_time / attempt_steps)
@@ -967,7 +982,7 @@ class Trainer:
         scheduler_s = pipeline.scheduler_seconds(since)
         traffic = reduce_summaries(meter.summary())
         traffic_tags = reduce_summaries(meter.tag_summary())
-        peer_wait = None if comm_unseen_by_host() else measured_peer_wait(meter, peer_wait_steps)
+        peer_wait = None if comm_unseen_by_host() else measured_peer_wait(meter, peer_wait_steps, offsets=offsets)
         loss_t = torch.tensor(losses, dtype=torch.float64)
         dist.all_reduce(loss_t)
         loss_t /= self.world
