@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any, Dict
+from typing import Any, Dict, Tuple
 
 import pytest
 import torch
@@ -220,23 +220,35 @@ class _ClockAhead:
         return getattr(self._real, name)
 
 
+def _two_steps_rank_1_late_on_its_own_clock(rank: int) -> Tuple[TrafficMeter, "_ClockAhead"]:
+    """Two hosts, two clocks (rank 1's 100 s ahead): a meter recording two steps, in each of which rank 1 reaches the
+    first all-reduce 0.3 s late; and rank 1's clock."""
+    import time
+
+    import torchrec_herald.traffic as traffic
+
+    traffic._clock_identity = lambda: f"boot{rank}"
+    clock = _ClockAhead(time)
+    if rank == 1:
+        traffic.time = clock
+    meter = TrafficMeter()
+    meter.arrival_times = True  # (as the trainer turns it on for its window)
+    dist.barrier()
+    with meter:
+        for _ in range(2):
+            if rank == 1:
+                time.sleep(0.3)
+            dist.all_reduce(torch.ones(4))
+            dist.all_reduce(torch.ones(4))
+    return meter, clock
+
+
 def _peer_wait_across_hosts(rank: int, world: int) -> Dict[str, Any]:
     import time
 
     import torchrec_herald.traffic as traffic
 
-    traffic._clock_identity = lambda: f"boot{rank}"  # (two hosts, two clocks: rank 1's 100 s ahead)
-    if rank == 1:
-        traffic.time = _ClockAhead(time)
-    meter = TrafficMeter()
-    meter.arrival_times = True  # (as the trainer turns it on for its window)
-    dist.barrier()
-    with meter:
-        for _ in range(2):  # two steps; in each, rank 1 reaches the first all-reduce 0.3 s late
-            if rank == 1:
-                time.sleep(0.3)
-            dist.all_reduce(torch.ones(4))
-            dist.all_reduce(torch.ones(4))
+    meter, _ = _two_steps_rank_1_late_on_its_own_clock(rank)
     meter.arrival_times = False
     with meter:
         if rank == 1:
@@ -258,25 +270,11 @@ def test_the_wait_for_late_peers_is_measured_on_one_clock_across_hosts_from_the_
 
 
 def _peer_wait_with_drift(rank: int, world: int) -> Dict[str, Any]:
-    import time
-
     import torchrec_herald.traffic as traffic
 
-    traffic._clock_identity = lambda: f"boot{rank}"  # (two hosts: rank 1's clock 100 s ahead, then 5 s more)
-    clock = _ClockAhead(time)
-    if rank == 1:
-        traffic.time = clock
-    meter = TrafficMeter()
-    meter.arrival_times = True
-    dist.barrier()
-    with meter:
-        for _ in range(2):  # two steps; in each, rank 1 reaches the first all-reduce 0.3 s late
-            if rank == 1:
-                time.sleep(0.3)
-            dist.all_reduce(torch.ones(4))
-            dist.all_reduce(torch.ones(4))
+    meter, clock = _two_steps_rank_1_late_on_its_own_clock(rank)
     at_window = traffic.clock_offsets()  # (as the trainer reads them when its window closes)
-    clock.ahead += 5.0  # (the run goes on; rank 1's clock drifts)
+    clock.ahead += 5.0  # (the run goes on; rank 1's clock drifts 5 s more)
     return {"window": traffic.measured_peer_wait(meter, 2, offsets=at_window),
             "end": traffic.measured_peer_wait(meter, 2)}
 
