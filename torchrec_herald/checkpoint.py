@@ -15,7 +15,6 @@ import logging
 import os
 import re
 import shutil
-import socket
 import time
 import uuid
 from pathlib import Path
@@ -26,7 +25,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 
-from torchrec_herald.dist_utils import rank0_outcome
+from torchrec_herald.dist_utils import rank0_outcome, with_hosts
 
 logger = logging.getLogger(__name__)
 
@@ -162,11 +161,7 @@ def who_sees(path: Path, wait_s: Optional[float] = None) -> List[Tuple[bool, str
     while not seen and time.monotonic() < deadline:
         time.sleep(0.1)
         seen = path.exists()
-    views: List[Any] = [(seen, socket.gethostname())]
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        views = [None] * dist.get_world_size()
-        dist.all_gather_object(views, (seen, socket.gethostname()))
-    return [(bool(ok), str(host)) for ok, host in views]
+    return [(bool(ok), host) for ok, host in with_hosts(seen)]
 
 
 def shared_folder_problem(directory: Path, views: List[Tuple[bool, str]], what: str) -> Optional[str]:

@@ -10,7 +10,7 @@ import queue as queue_mod
 import time
 import socket
 import traceback
-from typing import Any, Callable, List, Optional
+from typing import Any, Callable, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -58,6 +58,17 @@ def rank0_outcome(work: Callable[[], Optional[str]]) -> Optional[str]:
         dist.broadcast_object_list(shared, src=0)
         outcome = shared[0]
     return outcome
+
+
+def with_hosts(value: Any) -> List[Tuple[Any, str]]:
+    """Every rank's ``value`` beside the name of its host, in rank order (collective where a process group of several
+    ranks is up; this rank's alone otherwise): what the checks that ranks on several hosts must agree on gather."""
+    mine = (value, socket.gethostname())
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return [mine]
+    every: List[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(every, mine)
+    return [(v, str(host)) for v, host in every]
 
 
 def default_backend() -> str:

@@ -66,11 +66,7 @@ def checked_on_every_rank(checks: Callable[[], T], log_file: Optional[Path] = No
     timeout. Now the failing rank raises its own error, and every other rank raises :class:`PeerCheckFailed` naming
     the first failing rank, its host, its line and its log (``log_file``: this rank's). Returns what ``checks``
     returned. A lone process (no ``$WORLD_SIZE`` above 1) raises its error without making a process group."""
-    import socket
-
-    import torch.distributed as dist
-
-    from torchrec_herald.dist_utils import init_distributed
+    from torchrec_herald.dist_utils import init_distributed, with_hosts
 
     error: Optional[Exception] = None
     result: Any = None
@@ -86,14 +82,10 @@ def checked_on_every_rank(checks: Callable[[], T], log_file: Optional[Path] = No
         if error is not None:  # (this rank's own error is the one to report)
             raise error from None
         raise
-    mine = (None if error is None else one_line(error), socket.gethostname(), None if log_file is None else str(log_file))
-    outcomes: List[Any] = [mine]
-    if dist.get_world_size() > 1:
-        outcomes = [None] * dist.get_world_size()
-        dist.all_gather_object(outcomes, mine)
+    outcomes = with_hosts((None if error is None else one_line(error), None if log_file is None else str(log_file)))
     if error is not None:
         raise error
-    failed = [(r, line, host, log) for r, (line, host, log) in enumerate(outcomes) if line is not None]
+    failed = [(r, line, host, log) for r, ((line, log), host) in enumerate(outcomes) if line is not None]
     if failed:
         r, line, host, log = failed[0]
         others = [str(f[0]) for f in failed[1:]]
@@ -295,7 +287,8 @@ def _run(cfg: DictConfig, run_dir: Path) -> None:
             base_cfg.compare_with = None
             companion_run(base_cfg, f"baseline_{cfg.compare_with}")  # never the herald run's checkpoints
             baseline_run.append((base_cfg, run_dir / f"baseline_{cfg.compare_with}", preflight(base_cfg)))
-        return checked, checked.fingerprint()  # (its files read here: an unreadable one is this rank's check)
+        # (its files read here, an unreadable one this rank's check; a lone process has no other copy to compare)
+        return checked, checked.fingerprint() if int(os.environ.get("WORLD_SIZE", "1")) > 1 else []
 
     # (one host's failure stops every host's ranks, naming it)
     data, files = checked_on_every_rank(checks, run_dir / "logs" / f"rank{os.environ.get('RANK', '0')}.log")

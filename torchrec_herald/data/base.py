@@ -143,14 +143,13 @@ def check_same_data_on_every_rank(files: List[Tuple[str, str, int, int]]) -> Non
     held other batches out for eval, or ended early and left the others waiting in a collective. ValueError on every
     rank naming the first file that differs, how, and the ranks and hosts that read another copy. ``files``: this
     rank's :meth:`DataSource.fingerprint`, taken among its checks (a file it cannot read is its own error)."""
-    import socket
-
     import torch.distributed as dist
+
+    from torchrec_herald.dist_utils import with_hosts
 
     if not dist.is_initialized() or dist.get_world_size() == 1:
         return
-    views: List[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(views, (files, socket.gethostname()))
+    views = with_hosts(files)
     ours, host0 = views[0]
     for n, (key, path, size, checksum) in enumerate(ours):
         other = [(r, host, theirs[n] if n < len(theirs) else None) for r, (theirs, host) in enumerate(views)
